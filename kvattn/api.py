@@ -1,0 +1,68 @@
+"""The public operations. Arguments are validated once here; the math lives in the backends."""
+from __future__ import annotations
+
+import torch
+
+from . import backends
+from .layout import validate_decode
+from .report import OwnershipReport
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, page_tags: torch.Tensor,
+                 expected: torch.Tensor, *, scale: float | None = None, check: bool = True,
+                 on_violation: str = "report", backend: str = "auto",
+                 out: torch.Tensor | None = None, return_lse: bool = False,
+                 validate: bool | None = None):
+    """Ownership-checked paged attention for one new query token per sequence.
+
+    Shapes, dtypes and the paged layout are defined once in :mod:`kvattn.layout`; the tag format in
+    :mod:`kvattn.tags`. Slot ``s`` of logical page ``i`` of sequence ``b`` contributes only if the
+    page id ``p = block_table[b, i]`` is in range, ``page_tags[p]`` is WRITTEN for owner
+    ``expected[b, i]`` (or ``expected[b]``), ``s`` is below the page's ``valid_len``, and the token
+    lies inside ``seq_lens[b]`` (ownership.md section 3). Refused slots have logit -inf; a sequence
+    with nothing readable gets output 0 and lse -inf.
+
+    Args:
+        q: ``[B, num_heads, head_dim]`` query of the new token.
+        k_cache, v_cache: the page pools (may be strided views; never copied).
+        block_table: ``[B, max_pages]`` int32 logical-to-physical page map.
+        seq_lens: ``[B]`` int32 tokens per sequence, the new token's K/V included.
+        page_tags: ``[num_pages]`` int64 page tags.
+        expected: ``[B]`` or ``[B, max_pages]`` int64 owner ids the pages must carry.
+        scale: logit scale; default ``head_dim ** -0.5``.
+        check: False runs the unchecked variant (same kernel, check compiled out, no report).
+        on_violation: ``"report"`` returns the report; ``"raise"`` also synchronises and raises
+            :class:`kvattn.KVOwnershipError` if any page was refused (the output is written first).
+        backend: ``"auto"``, ``"cuda"``, ``"triton"`` or ``"reference"``; see
+            :mod:`kvattn.backends` (``KVATTN_BACKEND`` overrides ``"auto"``).
+        out: optional ``[B, num_heads, head_dim]`` output buffer (dtype of ``q``).
+        return_lse: also return the ``[B, num_heads]`` float32 natural-log LSE.
+        validate: run the value checks of :mod:`kvattn.layout` (default: only when the tensors are
+            on the CPU, where they cost no device synchronisation).
+
+    Returns:
+        ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``. ``report`` is an
+        :class:`kvattn.OwnershipReport` in device memory (no host sync), None when ``check=False``.
+
+    Raises:
+        ValueError, TypeError: malformed inputs, naming the argument, the expected and the actual.
+        KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
+    """
+    if on_violation not in ("report", "raise"):
+        raise ValueError(f"on_violation: expected 'report' or 'raise', got {on_violation!r}")
+    if not isinstance(check, bool):
+        raise TypeError(f"check: expected a bool, got {type(check).__name__}")
+    if not check and on_violation == "raise":
+        raise ValueError("on_violation: expected 'report' when check=False (nothing is checked), "
+                         "got 'raise'")
+    args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
+                           scale=scale, out=out, validate=validate)
+    impl = backends.select(args, backend)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    report: OwnershipReport | None = impl.decode(args, check=check, out=out, lse=lse)
+    if on_violation == "raise":
+        report.raise_if_any()
+    return (out, lse, report) if return_lse else (out, report)

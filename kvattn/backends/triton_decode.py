@@ -1,0 +1,314 @@
+"""Triton paged decode: split-KV (flash-decoding) with the ownership check as a compile-time flag.
+
+One kernel source; ``CHECK=False`` compiles the check out and yields the unchecked variant, which
+trusts the block table like any other paged kernel. Layout: :mod:`kvattn.layout`; tag format:
+:mod:`kvattn.tags` (its constants are passed in, never re-derived here).
+
+Grid ``(B, num_kv_heads, num_splits)``: one program reads one KV head's pages of one split once and
+serves the whole GQA group of query heads with it. Splits cover page-aligned token ranges, so every
+logical page is checked by exactly one split. The report is written by the ``kv_head == 0`` program
+of each split (atomics into zeroed counters); other heads apply the same mask without counting.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import tags as T
+from ..layout import DecodeArgs
+from ..report import OwnershipReport
+from ..tags import Violation
+
+NAME = "triton"
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+
+# The tag format and reasons, from kvattn.tags, as compile-time constants of every kernel.
+_STATE_MASK = tl.constexpr(T.STATE_MASK)
+_RESERVED = tl.constexpr(T.STATE_RESERVED)
+_WRITTEN = tl.constexpr(T.STATE_WRITTEN)
+_VALID_LEN_SHIFT = tl.constexpr(T.VALID_LEN_SHIFT)
+_VALID_LEN_MAX = tl.constexpr(T.VALID_LEN_MAX)
+_OWNER_SHIFT = tl.constexpr(T.OWNER_SHIFT)
+_V_OUT_OF_RANGE = tl.constexpr(int(Violation.OUT_OF_RANGE))
+_V_FREE = tl.constexpr(int(Violation.FREE))
+_V_RESERVED = tl.constexpr(int(Violation.RESERVED))
+_V_OWNER_MISMATCH = tl.constexpr(int(Violation.OWNER_MISMATCH))
+_V_UNWRITTEN = tl.constexpr(int(Violation.UNWRITTEN))
+_LN2_INV = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _slot_ok(tag, exp_owner, slot):
+    """The ownership part of the reader's rule for one slot: page WRITTEN for the expected owner and
+    the slot inside its written prefix."""
+    owned = ((tag & _STATE_MASK) == _WRITTEN) & ((tag >> _OWNER_SHIFT) == exp_owner)
+    return owned & (slot < ((tag >> _VALID_LEN_SHIFT) & _VALID_LEN_MAX))
+
+
+@triton.jit
+def _page_reason(tag, in_range, exp_owner, slots_read):
+    """The reader's rule per page as a Violation value, first failing condition winning (the order
+    of kvattn.Violation); 0 when every slot read passes."""
+    state = tag & _STATE_MASK
+    valid_len = (tag >> _VALID_LEN_SHIFT) & _VALID_LEN_MAX
+    reason = tl.where(valid_len < slots_read, _V_UNWRITTEN, 0)
+    reason = tl.where((tag >> _OWNER_SHIFT) != exp_owner, _V_OWNER_MISMATCH, reason)
+    reason = tl.where(state == _RESERVED, _V_RESERVED, reason)
+    reason = tl.where((state != _RESERVED) & (state != _WRITTEN), _V_FREE, reason)
+    return tl.where(in_range, reason, _V_OUT_OF_RANGE)
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, tags_ptr, expected_ptr,
+    out_ptr, lse_ptr, part_acc_ptr, part_ml_ptr,
+    violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
+    scale_log2, num_pages, max_pages, tokens_per_split,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_bt, stride_eb, stride_ep, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, NUM_SPLITS: tl.constexpr, CHECK: tl.constexpr, DOT_FP32: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    raw_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.minimum(tl.maximum(raw_len, 0), max_pages * PAGE)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g  # [BLOCK_G]
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    bt_row = block_table_ptr + b * stride_bt
+    exp_row = expected_ptr + b * stride_eb
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + offs_n  # [BLOCK_N]
+        logical = tok // PAGE
+        slot = tok % PAGE
+        live = tok < end
+        page = tl.load(bt_row + logical, mask=live, other=0)  # [BLOCK_N]
+        if CHECK:
+            # Tag and expected owner load beside the block table; a failed page is never loaded.
+            in_range = (page >= 0) & (page < num_pages)
+            tag = tl.load(tags_ptr + page, mask=live & in_range, other=0)
+            exp_owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
+            live = live & in_range & _slot_ok(tag, exp_owner, slot)
+        page = page.to(tl.int64)
+        kv_mask = live[:, None] & d_mask[None, :]
+        k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(live[None, :], s * scale_log2, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # While every slot so far is masked, m stays -inf; subtract 0 instead to avoid inf - inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_G, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if CHECK:
+        if kv_head == 0:
+            page_lo = start // PAGE
+            page_hi = tl.minimum((start + tokens_per_split) // PAGE, max_pages)
+            bad = tl.zeros([BLOCK_P], dtype=tl.int32)
+            n_read = tl.zeros([BLOCK_P], dtype=tl.int32)
+            bits = tl.zeros([BLOCK_P], dtype=tl.int32)
+            for p0 in range(page_lo, page_hi, BLOCK_P):
+                logical = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
+                in_table = logical < page_hi
+                slots_read = tl.minimum(tl.maximum(seq_len - logical * PAGE, 0), PAGE)
+                read = in_table & (slots_read > 0)
+                page = tl.load(bt_row + logical, mask=read, other=0)
+                in_range = (page >= 0) & (page < num_pages)
+                tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
+                exp_owner = tl.load(exp_row + logical * stride_ep, mask=read, other=0)
+                reason = tl.where(read, _page_reason(tag, in_range, exp_owner, slots_read), 0)
+                tl.store(page_reasons_ptr + b * max_pages + logical, reason.to(tl.int8), mask=in_table)
+                bad += (reason != 0).to(tl.int32)
+                n_read += read.to(tl.int32)
+                bits = bits | reason
+            n_bad = tl.sum(bad, axis=0)
+            reasons = tl.reduce(bits, 0, _bit_or)
+            if split == 0:
+                # A seq_len past the table: nothing beyond it is read, and it counts once.
+                beyond = (raw_len > max_pages * PAGE).to(tl.int32)
+                tl.store(beyond_ptr + b, beyond)
+                n_bad += beyond
+                reasons = reasons | tl.where(beyond != 0, _V_OUT_OF_RANGE, 0)
+            tl.atomic_add(violations_ptr + b, n_bad)
+            tl.atomic_or(reasons_ptr + b, reasons)
+            tl.atomic_add(checked_ptr + b, tl.sum(n_read, axis=0))
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        if RETURN_LSE:
+            lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / _LN2_INV, float("-inf"))
+            tl.store(lse_ptr + b * NUM_HEADS + heads, lse, mask=g_mask)
+    else:
+        row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, lse_ptr, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    """Combine the splits of one (sequence, head); splits with nothing readable have m = -inf, l = 0
+    and weigh 0, and a row where every split is empty gets output 0 and lse -inf."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    row = (b * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [BLOCK_S]
+    m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_ref)  # [BLOCK_S]
+    l_sum = tl.sum(l * w, axis=0)
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None],
+                  other=0.0)  # [BLOCK_S, BLOCK_D]
+    l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+    out = tl.sum(acc * w[:, None], axis=0) / l_safe  # [BLOCK_D]
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+    if RETURN_LSE:
+        lse = tl.where(l_sum > 0, (m_ref + tl.log2(l_safe)) / _LN2_INV, float("-inf"))
+        tl.store(lse_ptr + b * NUM_HEADS + head, lse)
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def why_not(args: DecodeArgs) -> str | None:
+    """None if this backend can run ``args``, else the reason it cannot."""
+    if args.q.device.type == "cpu" and not interpreted():
+        return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before importing triton)"
+    if args.q.device.type not in ("cpu", "cuda"):
+        return f"device {args.q.device.type} is not supported"
+    if args.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def tile_sizes(head_dim: int, page_size: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_N): tl.dot needs every dimension >= 16."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    return block_d, block_n
+
+
+def plan_splits(args: DecodeArgs, block_n: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(num_splits, tokens_per_split) from shapes only (never from seq_lens values, so a captured CUDA
+    graph stays valid when lengths change). Splits are page- and tile-aligned."""
+    capacity = args.max_pages * args.page_size
+    align = max(block_n, args.page_size)
+    if num_splits is None:
+        if args.q.device.type == "cuda":
+            programs = args.batch * args.num_kv_heads
+            wanted = -(-2 * _sm_count(args.q.device.index or 0) // programs)
+            num_splits = max(1, min(wanted, capacity // 512, 64))
+        else:
+            num_splits = max(1, min(capacity // 1024, 4))
+    tokens_per_split = -(-capacity // num_splits)
+    tokens_per_split = -(-tokens_per_split // align) * align
+    return -(-capacity // tokens_per_split), tokens_per_split
+
+
+def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
+           num_splits: int | None = None) -> OwnershipReport | None:
+    """Launch the decode kernel (and the merge when split). Writes ``out`` (and ``lse``)."""
+    q, k_cache, v_cache = args.q, args.k_cache, args.v_cache
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // args.num_kv_heads
+    block_d, block_n = tile_sizes(head_dim, args.page_size)
+    splits, tokens_per_split = plan_splits(args, block_n, num_splits)
+    dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
+    report = OwnershipReport.allocate(batch, args.max_pages, q.device) if check else None
+    if splits > 1:
+        part_acc = torch.empty(batch * num_heads * splits * block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    # Unused pointer arguments (report when unchecked, lse when not asked) get `out`: never touched.
+    r = report if check else None
+    return_lse = lse is not None
+    lse_arg = lse if return_lse else out
+
+    paged_decode_kernel[(batch, args.num_kv_heads, splits)](
+        q, k_cache, v_cache, args.block_table, args.seq_lens, args.page_tags, args.expected,
+        out, lse_arg, part_acc, part_ml,
+        r.violations if r else out, r.reasons if r else out, r.pages_checked if r else out,
+        r.beyond_table if r else out, r.page_reasons if r else out,
+        args.scale * LOG2E, args.num_pages, args.max_pages, tokens_per_split,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        args.block_table.stride(0), args.expected.stride(0), args.expected.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size, BLOCK_N=block_n, BLOCK_P=64,
+        NUM_SPLITS=splits, CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=return_lse,
+        num_warps=4,
+    )
+    if splits > 1:
+        merge_splits_kernel[(batch, num_heads)](
+            part_acc, part_ml, out, lse_arg, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)), RETURN_LSE=return_lse,
+            num_warps=4,
+        )
+    return report

@@ -1,0 +1,168 @@
+"""A small paged KV allocator that shows the intended use of the tags.
+
+Each allocation is a :class:`Lease` with a fresh owner id (ids are never reused, so a stale page can
+never carry a live owner). Allocation reserves pages (reads fail until something is written), writes
+go through :func:`kvattn.write_kv` under the lease's owner, freeing releases pages whose last
+reference is gone. A lease may share another lease's full, written prefix pages; its block-table
+entries for them expect the other lease's owner (per-entry ``expected``).
+
+Page bookkeeping (free list, reference counts, which pages a lease maps) is on the host, as in every
+engine; the tags on the device are what the kernels trust, so a bookkeeping bug turns into refused
+pages and a report, not a leak.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .api import paged_decode
+from .layout import KV_DTYPES
+from .tags import OWNER_MAX
+from .writers import WriteResult, release_pages, reserve_pages, write_kv
+
+
+@dataclass
+class Lease:
+    """One request's hold on pages. ``pages[i]`` is logical page ``i``; ``page_owners[i]`` the owner
+    its tag must carry (this lease's owner, or the owner of the lease whose prefix it shares)."""
+
+    owner: int
+    pages: list[int] = field(default_factory=list)
+    page_owners: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    freed: bool = False
+
+
+class PagedKVCache:
+    """K/V page pools, their tag array and a free list.
+
+    Args:
+        num_pages, page_size, num_kv_heads, head_dim: pool geometry (:mod:`kvattn.layout`).
+        dtype, device: of the pools.
+        layout: ``"NHD"`` or ``"HND"``: the byte order of the pool buffers. Either way
+            ``k_cache``/``v_cache`` are NHD-shaped views (HND ones are transposed views).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float16, device=None, layout: str = "NHD"):
+        if dtype not in KV_DTYPES:
+            raise TypeError(f"dtype: expected one of {KV_DTYPES}, got {dtype}")
+        if layout == "NHD":
+            shape = (num_pages, page_size, num_kv_heads, head_dim)
+            self.k_cache = torch.empty(shape, dtype=dtype, device=device)
+            self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+        elif layout == "HND":
+            shape = (num_pages, num_kv_heads, page_size, head_dim)
+            self.k_cache = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
+            self.v_cache = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
+        else:
+            raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
+        self.page_size = page_size
+        self.device = self.k_cache.device
+        self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: freed pages are reused first
+        self._refs = [0] * num_pages
+        self._next_owner = 1
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def _new_owner(self) -> int:
+        owner = self._next_owner
+        if owner > OWNER_MAX:
+            raise RuntimeError("owner ids exhausted; a new cache (and tag array) is needed")
+        self._next_owner += 1
+        return owner
+
+    def _take_pages(self, lease: Lease, count: int) -> None:
+        if count > len(self._free):
+            raise RuntimeError(f"KV pool exhausted: need {count} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(count)]
+        for p in pages:
+            self._refs[p] += 1
+        if pages:
+            reserve_pages(self.page_tags, pages, lease.owner)
+        lease.pages += pages
+        lease.page_owners += [lease.owner] * count
+
+    def allocate(self, num_tokens: int) -> Lease:
+        """A new lease with a fresh owner and enough RESERVED pages for ``num_tokens`` tokens."""
+        lease = Lease(owner=self._new_owner())
+        self._take_pages(lease, -(-num_tokens // self.page_size))
+        return lease
+
+    def grow(self, lease: Lease, num_tokens: int) -> None:
+        """Reserve pages so ``lease`` can hold ``num_tokens`` tokens in all."""
+        self._check_live(lease)
+        self._take_pages(lease, max(0, -(-num_tokens // self.page_size) - len(lease.pages)))
+
+    def share_prefix(self, parent: Lease, num_tokens: int, capacity: int | None = None) -> Lease:
+        """A new lease whose first pages are ``parent``'s full pages covering up to ``num_tokens``
+        tokens (a partial last page is not shared: the new lease must write those tokens itself).
+        Its ``num_tokens`` starts at the shared length; ``capacity`` (tokens) reserves more pages."""
+        self._check_live(parent)
+        shared = min(num_tokens, parent.num_tokens) // self.page_size
+        lease = Lease(owner=self._new_owner(), pages=parent.pages[:shared],
+                      page_owners=parent.page_owners[:shared], num_tokens=shared * self.page_size)
+        for p in lease.pages:
+            self._refs[p] += 1
+        if capacity is not None:
+            self.grow(lease, capacity)
+        return lease
+
+    def slot_mapping(self, lease: Lease, start: int, count: int) -> torch.Tensor:
+        """``[count]`` int64 slots (``page * page_size + slot``) of tokens ``start ..`` of ``lease``."""
+        tokens = torch.arange(start, start + count)
+        pages = torch.tensor(lease.pages, dtype=torch.int64)[tokens // self.page_size]
+        return (pages * self.page_size + tokens % self.page_size).to(self.device)
+
+    def append(self, lease: Lease, k: torch.Tensor, v: torch.Tensor) -> WriteResult:
+        """Write ``k``/``v`` ``[T, num_kv_heads, head_dim]`` after the lease's tokens, growing it as
+        needed, and stamp the pages. Tokens refused by the writer are counted in the result."""
+        self._check_live(lease)
+        count = k.shape[0]
+        self.grow(lease, lease.num_tokens + count)
+        result = write_kv(k, v, self.k_cache, self.v_cache,
+                          self.slot_mapping(lease, lease.num_tokens, count), self.page_tags,
+                          lease.owner)
+        lease.num_tokens += count
+        return result
+
+    def free(self, lease: Lease) -> None:
+        """Drop the lease; pages no other lease shares become FREE and go back to the pool."""
+        self._check_live(lease)
+        lease.freed = True
+        released = []
+        for p in lease.pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                released.append(p)
+        if released:
+            release_pages(self.page_tags, released)
+        self._free += reversed(released)
+
+    def batch(self, leases: list[Lease]):
+        """``(block_table, seq_lens, expected)`` for ``leases``, on the cache's device; ``expected``
+        is per entry (``[B, max_pages]``), unused entries hold page 0 and owner 0."""
+        max_pages = max(1, max(len(lease.pages) for lease in leases))
+        table = torch.zeros(len(leases), max_pages, dtype=torch.int32)
+        expected = torch.zeros(len(leases), max_pages, dtype=torch.int64)
+        for b, lease in enumerate(leases):
+            table[b, : len(lease.pages)] = torch.tensor(lease.pages, dtype=torch.int32)
+            expected[b, : len(lease.pages)] = torch.tensor(lease.page_owners, dtype=torch.int64)
+        seq_lens = torch.tensor([lease.num_tokens for lease in leases], dtype=torch.int32)
+        return table.to(self.device), seq_lens.to(self.device), expected.to(self.device)
+
+    def decode(self, q: torch.Tensor, leases: list[Lease], **kwargs):
+        """:func:`kvattn.paged_decode` of ``q`` ``[B, num_heads, head_dim]`` over ``leases``."""
+        table, seq_lens, expected = self.batch(leases)
+        return paged_decode(q, self.k_cache, self.v_cache, table, seq_lens, self.page_tags,
+                            expected, **kwargs)
+
+    @staticmethod
+    def _check_live(lease: Lease) -> None:
+        if lease.freed:
+            raise ValueError(f"lease: expected a live lease, got lease of owner {lease.owner} "
+                             "that was already freed")

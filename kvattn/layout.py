@@ -1,0 +1,200 @@
+"""The paged KV layout, written down once, and the validation every backend shares.
+
+Paged KV layout (every docstring in kvattn points here)
+-------------------------------------------------------
+``k_cache``, ``v_cache``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD), separate K and V
+    pools of one dtype (float16, bfloat16 or float32). ``page_size`` is a power of two from 1 to 256.
+    Only the last dimension must be contiguous: the pools may be strided views into a larger buffer,
+    as engines hand out per-layer views of one flat allocation. A head-major (HND) buffer
+    ``[num_pages, num_kv_heads, page_size, head_dim]`` is passed as ``buf.transpose(1, 2)``: the
+    logical shape is always NHD, the strides say where the bytes are. kvattn never copies a pool.
+``page_tags``: ``[num_pages]`` int64, contiguous; one tag per physical page (format in
+    :mod:`kvattn.tags`). A caller may keep one tag array per layer or one for all layers.
+``block_table``: ``[B, max_pages]`` int32; entry ``[b, i]`` is the physical page holding tokens
+    ``[i * page_size, (i + 1) * page_size)`` of sequence ``b``. Entries past a sequence's length are
+    never read; entries outside ``[0, num_pages)`` that would be read are refused (``OUT_OF_RANGE``)
+    and never dereferenced.
+``seq_lens``: ``[B]`` int32; tokens of each sequence held in pages (for decode: including the token
+    whose K/V was just appended).
+``expected``: ``[B]`` or ``[B, max_pages]`` int64 owner ids; the owner each logical page must carry
+    (``[B]`` broadcasts over the pages; ``[B, max_pages]`` lets a sequence read prefix pages written
+    under another lease). Entries for pages a sequence does not read are ignored.
+``q`` / ``out``: ``[B, num_heads, head_dim]``, last dimension contiguous; ``num_heads`` is a multiple
+    of ``num_kv_heads`` (GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+``lse``: ``[B, num_heads]`` float32, natural-log sum of exp of the scaled logits; ``-inf`` for a
+    sequence with no readable slot (whose output is 0).
+
+Value checks (``seq_lens`` in ``[0, max_pages * page_size]``, expected owners in ``[1, 2**47)``) need
+the values on the host. They run when the index tensors are on the CPU, or when ``validate=True``
+(one device synchronisation). On a GPU they are skipped by default, and the kernels fail closed on
+the same inputs: a ``seq_len`` past the table reads nothing past it and counts one ``OUT_OF_RANGE``
+violation, a negative ``seq_len`` reads nothing, and owner 0 never matches a tag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tags import OWNER_MAX
+
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_PAGE_SIZE = 256
+
+
+@dataclass
+class DecodeArgs:
+    """Validated decode inputs. ``expected`` is always 2-D here (a stride-0 view for ``[B]``)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    page_tags: torch.Tensor
+    expected: torch.Tensor
+    scale: float
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def max_pages(self) -> int:
+        return self.block_table.shape[1]
+
+
+def _fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        _fail(name, f"a {ndim}-D tensor", f"shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        _fail(name, f"a tensor on {device} (the device of q)", f"one on {t.device}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        _fail(name, f"shape {tuple(shape)}", f"{tuple(t.shape)}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        _fail(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
+
+
+def check_kv_pools(k_cache, v_cache, device=None) -> None:
+    """Shape, dtype and stride checks of the two pools (the layout above)."""
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES, device=device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_DTYPES, device=device)
+    check_shape("v_cache", v_cache, k_cache.shape)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}")
+    page_size = k_cache.shape[1]
+    if page_size < 1 or page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
+        _fail("k_cache", f"page_size (dim 1) a power of two in [1, {MAX_PAGE_SIZE}]", page_size)
+    if k_cache.shape[0] < 1:
+        _fail("k_cache", "at least one page (dim 0)", k_cache.shape[0])
+    check_last_dim_contiguous("k_cache", k_cache)
+    check_last_dim_contiguous("v_cache", v_cache)
+
+
+def check_page_tags(page_tags, num_pages: int, device=None) -> None:
+    check_tensor("page_tags", page_tags, ndim=1, dtypes=(torch.int64,), device=device)
+    check_shape("page_tags", page_tags, (num_pages,))
+    if page_tags.stride(0) != 1:
+        _fail("page_tags", "a contiguous tensor", f"stride {page_tags.stride()}")
+
+
+def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *,
+                    scale=None, out=None, validate=None) -> DecodeArgs:
+    """Check every decode input against the layout above; raise ValueError/TypeError naming the
+    argument, what was expected and what was got. Returns the inputs in canonical form."""
+    check_tensor("q", q, ndim=3, dtypes=KV_DTYPES)
+    device = q.device
+    check_kv_pools(k_cache, v_cache, device)
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache: expected dtype {q.dtype} (that of q), got {k_cache.dtype}")
+    batch, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, kv_head_dim = k_cache.shape
+    if batch < 1:
+        _fail("q", "a batch of at least one sequence", f"shape {tuple(q.shape)}")
+    if kv_head_dim != head_dim:
+        _fail("k_cache", f"head_dim {head_dim} (that of q) in dim 3", kv_head_dim)
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        _fail("k_cache", f"num_kv_heads (dim 2) dividing q's {num_heads} heads", num_kv_heads)
+    check_last_dim_contiguous("q", q)
+
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+    if block_table.shape[0] != batch or block_table.shape[1] < 1:
+        _fail("block_table", f"shape ({batch}, max_pages >= 1)", f"{tuple(block_table.shape)}")
+    max_pages = block_table.shape[1]
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    check_shape("seq_lens", seq_lens, (batch,))
+    check_page_tags(page_tags, num_pages, device)
+    check_tensor("expected", expected, dtypes=(torch.int64,), device=device)
+    if tuple(expected.shape) == (batch,):
+        expected = expected[:, None].expand(batch, max_pages)
+    elif tuple(expected.shape) != (batch, max_pages):
+        _fail("expected", f"shape ({batch},) or ({batch}, {max_pages})", f"{tuple(expected.shape)}")
+
+    if scale is None:
+        scale = head_dim ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        _fail("scale", "a positive float or None", repr(scale))
+    if out is not None:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=device)
+        check_shape("out", out, q.shape)
+        check_last_dim_contiguous("out", out)
+
+    if validate is None:
+        validate = device.type == "cpu"
+    if validate:
+        check_lengths_and_owners(seq_lens, expected, page_size, max_pages)
+    return DecodeArgs(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, float(scale))
+
+
+def check_lengths_and_owners(seq_lens, expected, page_size: int, max_pages: int) -> None:
+    """The value checks of the layout (host-side: synchronises on a device tensor)."""
+    lens = seq_lens.cpu().to(torch.int64)
+    capacity = max_pages * page_size
+    bad = torch.nonzero((lens < 0) | (lens > capacity)).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        _fail("seq_lens", f"lengths in [0, {capacity}] (max_pages {max_pages} x page_size "
+              f"{page_size}) for every sequence", f"seq_lens[{b}] = {int(lens[b])}")
+    pages_read = (lens + page_size - 1) // page_size
+    read = torch.arange(max_pages)[None, :] < pages_read[:, None]
+    owners = expected.cpu()
+    bad = torch.nonzero(read & ((owners < 1) | (owners > OWNER_MAX)))
+    if bad.numel():
+        b, i = (int(x) for x in bad[0])
+        _fail("expected", f"owner ids in [1, {OWNER_MAX}] for every page read",
+              f"expected[{b}, {i}] = {int(owners[b, i])}")

@@ -1,0 +1,106 @@
+"""The oracle: paged attention with the reader's rule of ownership.md section 3, in plain PyTorch.
+
+Every backend is tested against this module. It favours being obviously right over being fast: it
+gathers every page of the block table into a dense tensor and masks. It runs on any device and
+computes in float32, or float64 when asked. Layout: :mod:`kvattn.layout`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import validate_decode
+from .report import OwnershipReport
+from .tags import STATE_WRITTEN, Violation, page_reason, tag_owner, tag_state, tag_valid_len
+
+
+def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int):
+    """Apply the reader's rule to every logical page of a batch.
+
+    Returns ``(slot_ok, report)``: ``slot_ok`` ``[B, max_pages, page_size]`` bool is True where a
+    slot may contribute (length mask and ownership rule both pass); the report counts refused pages.
+    ``expected`` is ``[B, max_pages]`` (broadcast a ``[B]`` one first).
+    """
+    num_pages = page_tags.shape[0]
+    batch, max_pages = block_table.shape
+    pages = block_table.long()
+    in_range = (pages >= 0) & (pages < num_pages)
+    tags = torch.where(in_range, page_tags[pages.clamp(0, num_pages - 1)], 0)  # [B, M]
+
+    capacity = max_pages * page_size
+    lens = seq_lens.long().clamp(0, capacity)
+    first_slot = torch.arange(max_pages, device=pages.device) * page_size
+    slots_read = (lens[:, None] - first_slot[None, :]).clamp(0, page_size)  # [B, M]
+    read = slots_read > 0
+
+    reason = torch.where(read, page_reason(tags, in_range, expected, slots_read), 0)
+    beyond = (seq_lens.long() > capacity).to(torch.int32)
+    reasons = torch.zeros(batch, dtype=torch.int32, device=pages.device)
+    for flag in Violation:
+        if flag:
+            reasons |= torch.where((reason & flag).any(dim=1), int(flag), 0).to(torch.int32)
+    reasons |= beyond * int(Violation.OUT_OF_RANGE)
+    report = OwnershipReport(
+        violations=((reason != 0).sum(dim=1) + beyond).to(torch.int32),
+        reasons=reasons,
+        pages_checked=read.sum(dim=1).to(torch.int32),
+        page_reasons=reason.to(torch.int8),
+        beyond_table=beyond,
+    )
+
+    slot = torch.arange(page_size, device=pages.device)
+    owned = in_range & (tag_state(tags) == STATE_WRITTEN) & (tag_owner(tags) == expected)
+    slot_ok = (slot < slots_read[..., None]) & owned[..., None] & (slot < tag_valid_len(tags)[..., None])
+    return slot_ok, report
+
+
+def length_mask(block_table, seq_lens, page_size: int):
+    """``[B, max_pages, page_size]`` bool: the ordinary length mask, no ownership (``check=False``)."""
+    max_pages = block_table.shape[1]
+    lens = seq_lens.long().clamp(0, max_pages * page_size)
+    token = torch.arange(max_pages * page_size, device=block_table.device)
+    return (token[None, :] < lens[:, None]).view(-1, max_pages, page_size)
+
+
+def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32):
+    """Softmax attention of ``q`` ``[B, H, D]`` over ``k``/``v`` ``[B, N, Hkv, D]`` where ``allowed``
+    ``[B, N]``; GQA by head groups. Returns ``out`` ``[B, H, D]`` and ``lse`` ``[B, H]`` in
+    ``compute_dtype``; a row with nothing allowed gets output 0 and lse -inf."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    # Disallowed slots may hold NaN (poisoned or foreign pages): zero them before any arithmetic.
+    k = torch.where(allowed[..., None, None], k, 0).to(compute_dtype)
+    v = torch.where(allowed[..., None, None], v, 0).to(compute_dtype)
+    qg = q.to(compute_dtype).view(batch, num_kv_heads, group, head_dim)
+    logits = torch.einsum("bkgd,bnkd->bkgn", qg, k) * scale  # [B, Hkv, G, N]
+    logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G], -inf where nothing is allowed
+    probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    out = torch.einsum("bkgn,bnkd->bkgd", probs, v)
+    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+
+
+def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *, scale=None,
+                 check=True, return_lse=False, compute_dtype=torch.float32):
+    """Reference paged decode. Arguments and layout as :func:`kvattn.paged_decode`.
+
+    Returns ``(out, report)`` or ``(out, lse, report)``; ``out`` is in ``compute_dtype`` (float32 by
+    default, float64 on request), ``report`` is None when ``check=False``. Unchecked, the block table
+    is trusted except that entries outside the pool are read as nothing (the kernels' unchecked
+    variants read them blindly: that is undefined behaviour there, so tests never rely on it).
+    """
+    a = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
+                        scale=scale, validate=False)
+    if check:
+        allowed, report = page_verdicts(a.block_table, a.seq_lens, a.page_tags, a.expected,
+                                        a.page_size)
+    else:
+        pages = a.block_table.long()
+        in_range = (pages >= 0) & (pages < a.num_pages)
+        allowed = length_mask(a.block_table, a.seq_lens, a.page_size) & in_range[..., None]
+        report = None
+    pages = a.block_table.long().clamp(0, a.num_pages - 1)
+    k = a.k_cache[pages].flatten(1, 2)  # [B, M * P, Hkv, D]
+    v = a.v_cache[pages].flatten(1, 2)
+    out, lse = attend(a.q, k, v, allowed.flatten(1), a.scale, compute_dtype)
+    return (out, lse, report) if return_lse else (out, report)

@@ -1,0 +1,107 @@
+"""Shared test helpers: paged batches built from a random permutation of an oversized pool, NaN
+poison in every slot that must not be read, the backends under test, and precision-based tolerances."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kvattn
+from kvattn import backends
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def backends_under_test() -> list[str]:
+    """Every registered backend that can run on this machine (the reference included)."""
+    probe = Batch.random(batch=1, num_heads=2, num_kv_heads=1, head_dim=16, page_size=4,
+                         seq_lens=[3], dtype=torch.float32)
+    reasons = backends.explain(probe.args())
+    return [name for name, reason in reasons.items() if reason is None]
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """atol/rtol for a kernel output against the float32/float64 reference.
+
+    The output is a convex combination of V rows (|v| <= ~4 for randn data). A kernel stores the
+    output once in ``dtype`` and, for 16-bit inputs, rounds the softmax weights to ``dtype`` before
+    the P @ V product, so its error is a few units of ``dtype``'s epsilon times max|v|: fp16 eps =
+    2**-10, bf16 eps = 2**-7. fp32 kernels differ from the reference only by summation order.
+    A masked-in foreign slot (NaN, or the 100x sentinel of the scenario tests) moves the output by
+    far more than these bounds.
+    """
+    return {
+        torch.float32: dict(atol=2e-5, rtol=2e-5),
+        torch.float16: dict(atol=8e-3, rtol=8e-3),
+        torch.bfloat16: dict(atol=6e-2, rtol=6e-2),
+    }[dtype]
+
+
+@dataclass
+class Batch:
+    """A decode batch over a NaN-poisoned pool: every slot not written for its reader holds NaN."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    page_tags: torch.Tensor
+    expected: torch.Tensor
+
+    @classmethod
+    def random(cls, *, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               page_size: int, seq_lens, dtype=torch.float16, pool_factor: int = 3,
+               extra_pages: int = 0, layout: str = "NHD", seed: int = 0, device=DEVICE) -> "Batch":
+        """Sequence ``b`` owns ``ceil(seq_lens[b] / page_size)`` (+ ``extra_pages``) physical pages
+        drawn from a random permutation of a pool ``pool_factor`` times larger than needed. Its
+        pages are WRITTEN for owner ``b + 1`` with ``valid_len`` covering exactly its tokens; the
+        tail of its last page, every unused page and every unused table entry hold NaN / FREE."""
+        g = torch.Generator().manual_seed(seed)
+        seq_lens = [int(s) for s in seq_lens]
+        pages_per_seq = [-(-s // page_size) + extra_pages for s in seq_lens]
+        max_pages = max(1, max(pages_per_seq))
+        num_pages = max(4, pool_factor * sum(pages_per_seq))
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        if layout == "HND":
+            shape = (num_pages, num_kv_heads, page_size, head_dim)
+        k = torch.full(shape, float("nan"), dtype=dtype)
+        v = torch.full(shape, float("nan"), dtype=dtype)
+        if layout == "HND":
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        tags = torch.zeros(num_pages, dtype=torch.int64)
+        table = torch.zeros(batch, max_pages, dtype=torch.int32)
+        perm = torch.randperm(num_pages, generator=g).tolist()
+        for b, (length, n) in enumerate(zip(seq_lens, pages_per_seq)):
+            pages = [perm.pop() for _ in range(n)]
+            table[b, :n] = torch.tensor(pages, dtype=torch.int32)
+            for i, p in enumerate(pages):
+                filled = min(page_size, max(0, length - i * page_size))
+                k[p, :filled] = torch.randn(filled, num_kv_heads, head_dim, generator=g).to(dtype)
+                v[p, :filled] = torch.randn(filled, num_kv_heads, head_dim, generator=g).to(dtype)
+                tags[p] = kvattn.written_tag(b + 1, filled) if filled else kvattn.reserved_tag(b + 1)
+        q = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
+        expected = torch.arange(1, batch + 1, dtype=torch.int64)
+        to = dict(device=device)
+        return cls(q.to(**to), k.to(**to), v.to(**to), table.to(**to),
+                   torch.tensor(seq_lens, dtype=torch.int32, device=device), tags.to(**to),
+                   expected.to(**to))
+
+    def args(self) -> kvattn.DecodeArgs:
+        return kvattn.layout.validate_decode(self.q, self.k_cache, self.v_cache, self.block_table,
+                                             self.seq_lens, self.page_tags, self.expected)
+
+    def decode(self, backend: str, **kwargs):
+        return kvattn.paged_decode(self.q, self.k_cache, self.v_cache, self.block_table,
+                                   self.seq_lens, self.page_tags, self.expected, backend=backend,
+                                   **kwargs)
+
+    def reference(self, **kwargs):
+        return kvattn.reference.paged_decode(self.q, self.k_cache, self.v_cache, self.block_table,
+                                             self.seq_lens, self.page_tags, self.expected, **kwargs)
+
+
+def assert_reports_equal(report, ref) -> None:
+    for field in ("violations", "reasons", "pages_checked", "beyond_table", "page_reasons"):
+        got, want = getattr(report, field).cpu(), getattr(ref, field).cpu()
+        assert torch.equal(got, want), f"{field}: got {got}, expected {want}"
