@@ -19,12 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import tags as T
-from ..layout import DecodeArgs
-from ..report import OwnershipReport
-from ..tags import Violation
+from ... import tags as T
+from ...layout import DecodeArgs
+from ...report import OwnershipReport
+from ...tags import Violation
 
-NAME = "triton"
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 
@@ -227,17 +226,6 @@ def merge_splits_kernel(
 
 def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def why_not(args: DecodeArgs) -> str | None:
-    """None if this backend can run ``args``, else the reason it cannot."""
-    if args.q.device.type == "cpu" and not interpreted():
-        return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before importing triton)"
-    if args.q.device.type not in ("cpu", "cuda"):
-        return f"device {args.q.device.type} is not supported"
-    if args.head_dim > MAX_HEAD_DIM:
-        return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
-    return None
 
 
 @functools.lru_cache(maxsize=None)
