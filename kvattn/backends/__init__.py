@@ -23,6 +23,7 @@ _BACKENDS = {
     "cuda": "kvattn.backends.cuda",
     "triton": "kvattn.backends.triton",
     "reference": "kvattn.backends.reference",
+    "cuda_sim": "kvattn.backends.cuda_sim",
 }
 AUTO_ORDER = ("cuda", "triton", "reference")
 _logged: set = set()
