@@ -48,11 +48,11 @@ def _bit_or(a, b):
 
 
 @triton.jit
-def _slot_ok(tag, exp_owner, slot):
-    """The ownership part of the reader's rule for one slot: page WRITTEN for the expected owner and
-    the slot inside its written prefix."""
+def _readable_len(tag, exp_owner):
+    """The ownership part of the reader's rule: how many leading slots of the page may be read --
+    its valid_len if it is WRITTEN for the expected owner, else 0. Works on scalars and vectors."""
     owned = ((tag & _STATE_MASK) == _WRITTEN) & ((tag >> _OWNER_SHIFT) == exp_owner)
-    return owned & (slot < ((tag >> _VALID_LEN_SHIFT) & _VALID_LEN_MAX))
+    return tl.where(owned, (tag >> _VALID_LEN_SHIFT) & _VALID_LEN_MAX, 0)
 
 
 @triton.jit
@@ -111,22 +111,35 @@ def paged_decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + offs_n  # [BLOCK_N]
-        logical = tok // PAGE
         slot = tok % PAGE
         live = tok < end
-        page = tl.load(bt_row + logical, mask=live, other=0)  # [BLOCK_N]
-        if CHECK:
-            # Tag and expected owner load beside the block table; a failed page is never loaded.
-            in_range = (page >= 0) & (page < num_pages)
-            tag = tl.load(tags_ptr + page, mask=live & in_range, other=0)
-            exp_owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
-            live = live & in_range & _slot_ok(tag, exp_owner, slot)
-        page = page.to(tl.int64)
+        # The tag and expected owner load beside the block-table entry; a refused page (or slot)
+        # is masked out of the K/V loads, so its memory is never read.
+        if PAGE >= BLOCK_N:
+            # The tile lies inside one page: one block-table entry and one tag, as scalars.
+            logical = t0 // PAGE
+            page = tl.load(bt_row + logical)
+            if CHECK:
+                in_range = (page >= 0) & (page < num_pages)
+                tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
+                readable = _readable_len(tag, tl.load(exp_row + logical * stride_ep))
+                live = live & (slot < tl.where(in_range, readable, 0))
+            k_rows = k_head + page.to(tl.int64) * stride_kp + slot * stride_ks  # [BLOCK_N]
+            v_rows = v_head + page.to(tl.int64) * stride_vp + slot * stride_vs
+        else:
+            # Small pages: the tile spans BLOCK_N // PAGE pages, gathered per token.
+            logical = tok // PAGE
+            page = tl.load(bt_row + logical, mask=live, other=0)  # [BLOCK_N]
+            if CHECK:
+                in_range = (page >= 0) & (page < num_pages)
+                tag = tl.load(tags_ptr + page, mask=live & in_range, other=0)
+                exp_owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
+                live = live & (slot < tl.where(in_range, _readable_len(tag, exp_owner), 0))
+            k_rows = k_head + page.to(tl.int64) * stride_kp + slot * stride_ks  # [BLOCK_N]
+            v_rows = v_head + page.to(tl.int64) * stride_vp + slot * stride_vs
         kv_mask = live[:, None] & d_mask[None, :]
-        k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -234,10 +247,11 @@ def _sm_count(device_index: int) -> int:
 
 
 def tile_sizes(head_dim: int, page_size: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_N): tl.dot needs every dimension >= 16."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64 if block_d <= 128 else 32
-    return block_d, block_n
+    """(BLOCK_D, BLOCK_N). tl.dot needs every dimension >= 16. BLOCK_N = 16 keeps both variants free
+    of spills up to head_dim 256 on sm_90 (32- and 64-token tiles spilled in the checked variant at
+    4 warps; see tests/test_triton_resources.py); pages of 16+ tokens then give one scalar
+    block-table entry and tag per tile."""
+    return max(16, triton.next_power_of_2(head_dim)), 16
 
 
 def plan_splits(args: DecodeArgs, block_n: int, num_splits: int | None = None) -> tuple[int, int]:
