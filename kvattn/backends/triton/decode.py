@@ -112,22 +112,26 @@ def paged_decode_kernel(
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + offs_n  # [BLOCK_N]
         slot = tok % PAGE
-        live = tok < end
         # The tag and expected owner load beside the block-table entry; a refused page (or slot)
         # is masked out of the K/V loads, so its memory is never read.
         if PAGE >= BLOCK_N:
-            # The tile lies inside one page: one block-table entry and one tag, as scalars.
+            # The tile lies inside one page: one block-table entry and one tag, as scalars. The
+            # check only lowers the scalar slot limit, so the per-element mask costs what the
+            # length mask alone costs.
             logical = t0 // PAGE
             page = tl.load(bt_row + logical)
+            limit = end - logical * PAGE  # the length mask in slot coordinates of this page
             if CHECK:
                 in_range = (page >= 0) & (page < num_pages)
                 tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
                 readable = _readable_len(tag, tl.load(exp_row + logical * stride_ep))
-                live = live & (slot < tl.where(in_range, readable, 0))
+                limit = tl.minimum(limit, tl.where(in_range, readable, 0))
+            live = slot < limit
             k_rows = k_head + page.to(tl.int64) * stride_kp + slot * stride_ks  # [BLOCK_N]
             v_rows = v_head + page.to(tl.int64) * stride_vp + slot * stride_vs
         else:
             # Small pages: the tile spans BLOCK_N // PAGE pages, gathered per token.
+            live = tok < end
             logical = tok // PAGE
             page = tl.load(bt_row + logical, mask=live, other=0)  # [BLOCK_N]
             if CHECK:
