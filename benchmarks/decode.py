@@ -1,0 +1,375 @@
+"""Decode and writer benchmarks: ``python -m benchmarks.decode [--quick | --full | --preset NAME]``.
+
+Per point, every provider is first checked against :mod:`kvattn.reference` (poisoned output buffer,
+NaN in every slot it must not read), then timed: interleaved repeats of a median measurement, in
+eager mode (``triton.testing.do_bench``) and, on a GPU, from a CUDA graph that runs the call once on
+every rotation set. Results go to ``<out-dir>/<date>_<device>_<commit>/``: ``decode.csv``,
+``writer.csv``, ``run.json``, ``summary.md`` and PNG plots when matplotlib is importable.
+``benchmarks/results/README.md`` says how each figure is obtained.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import statistics
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import kvattn
+
+from . import providers as prov_mod
+from .outputs import write_outputs
+from .common import (DTYPES, MAX_ABS_ERR, Device, GraphTimer, Point, TimingConfig, bytes_moved,
+                     copy_bandwidth, git_commit, make_decode_inputs, reference_output,
+                     rotation_sets, spread_pct, synchronize, time_eager, versions)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CPU_LABEL = "NOT a GPU measurement (CPU; Triton kernels run under the interpreter)"
+CHECK_ROWS = 4  # sequences compared with the reference per checked set
+
+
+def _grid(batches, contexts, pages=(16,), heads=((32, 8),), dims=(128,), dtypes=("bf16",)):
+    return [Point(b, c, p, h, kv, d, t) for t, d, (h, kv), p, b, c in
+            itertools.product(dtypes, dims, heads, pages, batches, contexts)]
+
+
+def preset_points(name: str) -> list[Point]:
+    """The sweeps. ``gpu-suite`` is ordered by importance (the target region first), so a run
+    stopped by its time budget keeps the points that matter most."""
+    if name == "cpu-tiny":
+        return [Point(1, 64, 16, 8, 2, 64, "fp16"), Point(2, 100, 16, 8, 2, 32, "fp16"),
+                Point(1, 48, 16, 4, 4, 32, "bf16"), Point(1, 40, 1, 8, 2, 32, "fp16")]
+    if name == "gpu-suite":
+        return (_grid([16, 64], [8192, 32768])
+                + _grid([16], [4096, 131072]) + _grid([1], [4096, 32768]) + _grid([16], [1024])
+                + _grid([256], [4096]) + _grid([64], [32768], dtypes=("fp16",))
+                + _grid([16], [8192], pages=(1, 64)) + _grid([16], [8192], heads=((64, 8), (32, 32)))
+                + _grid([16], [8192], dims=(64, 256)) + _grid([16], [8192], dtypes=("fp16",)))
+    if name == "full":
+        main = _grid([1, 4, 16, 64, 256], [1024, 4096, 16384, 65536, 131072], pages=(1, 16, 64),
+                     heads=((32, 8), (64, 8), (32, 32)), dtypes=("fp16", "bf16"))
+        extra = _grid([1, 16, 64], [4096, 32768], dims=(64, 256), dtypes=("fp16", "bf16"))
+        return main + extra
+    raise ValueError(f"--preset: expected one of {PRESETS}, got {name!r}")
+
+
+PRESETS = ("cpu-tiny", "gpu-suite", "full")
+
+
+@dataclass(frozen=True)
+class WriterPoint:
+    """``tokens`` new tokens written by ``write_kv``: ``append`` = one token for each of ``tokens``
+    sequences (decode), ``chunk`` = one sequence's consecutive tokens (prefill)."""
+
+    tokens: int
+    pattern: str
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+def writer_points(preset: str) -> list[WriterPoint]:
+    if preset == "cpu-tiny":
+        return [WriterPoint(8, "append", 16, 2, 64, "fp16"), WriterPoint(64, "chunk", 16, 2, 64, "fp16")]
+    tokens = [16, 256, 4096] if preset == "gpu-suite" else [1, 16, 64, 256, 1024, 4096, 16384]
+    return [WriterPoint(t, pat, 16, 8, 128, "bf16") for pat in ("append", "chunk") for t in tokens]
+
+
+def estimate_point_seconds(p: Point, providers: int, cfg: TimingConfig, device: Device,
+                           copy_tbps: float = 4.0) -> float:
+    """Wall-time estimate of one GPU point, documented in benchmarks/results/README.md: filling the
+    pool (~0.3 TB/s for randn), one reference check, and per measurement do_bench's budgets plus its
+    first five calls, doubled for host overhead; one kernel compile (~2 s) per kvattn variant."""
+    sets = rotation_sets(p, device.l2_bytes)
+    call_s = bytes_moved(p, True)["total"] / (copy_tbps * 1e12)
+    fill_s = 2 * sets * p.kv_set_bytes() * 1.25 / 0.3e12
+    per_measurement = 2 * ((cfg.warmup_ms + cfg.rep_ms) / 1e3 + 5 * call_s)
+    measurements = providers * cfg.repeats * (2 if cfg.graphs else 1)
+    return 1.0 + fill_s + measurements * per_measurement + 2 * 2.0
+
+
+def _check(run, out_buf, inp, refs: dict, dtype: str) -> float:
+    """Run every checked set once on a poisoned buffer; raise if the output is off, not written, or
+    the report does not prove the check ran. Returns the largest error seen."""
+    worst = 0.0
+    p = inp.point
+    for i, ref in refs.items():
+        if out_buf is not None:
+            out_buf.fill_(float("nan"))
+        out, report = run(i)
+        if not torch.isfinite(out).all():
+            raise AssertionError(f"set {i}: output holds NaN/inf (unwritten rows or foreign slots read)")
+        err = float((out[:ref.shape[0]].float() - ref).abs().max())
+        worst = max(worst, err)
+        if err > MAX_ABS_ERR[dtype]:
+            raise AssertionError(f"set {i}: max |out - ref| = {err:.3g} > {MAX_ABS_ERR[dtype]:g}")
+        if report is not None:
+            if int(report.violations.sum()) != 0:
+                raise AssertionError(f"set {i}: clean inputs reported violations: {report.summary()}")
+            if not bool((report.pages_checked == p.pages_per_seq).all()):
+                raise AssertionError(f"set {i}: pages_checked != {p.pages_per_seq}: the check did not run")
+    return worst
+
+
+def _rotating(run, sets: int):
+    counter = itertools.count()
+    return lambda: run(next(counter) % sets)
+
+
+def run_point(p: Point, providers, device: Device, cfg: TimingConfig, copy_tbps: float,
+              log) -> list[dict]:
+    dev = device.torch_device
+    sets = rotation_sets(p, device.l2_bytes) if device.is_gpu else 2
+    inp = make_decode_inputs(p, dev, sets, seed=zlib.crc32(p.label().encode()))
+    rows_ref = min(p.batch, CHECK_ROWS)
+    refs = {i: reference_output(inp, i, rows_ref) for i in sorted({0, sets - 1})}
+    base = dict(asdict(p), sets=sets, pool_bytes=inp.pool_bytes())
+    rows, live = [], []
+    for prov in providers:
+        row = dict(base, provider=prov.name, family=prov.family, checked=prov.checked)
+        try:
+            reason = prov.why_not(inp)
+            if reason is not None:
+                rows.append(dict(row, status=f"skipped: {reason}"))
+                continue
+            run, out_buf = prov.build(inp)
+            err = _check(run, out_buf, inp, refs, p.dtype)
+        except Exception as e:  # a provider that fails is reported, never timed
+            rows.append(dict(row, status=f"failed: {type(e).__name__}: {e}"[:300]))
+            log(f"  {prov.name}: {rows[-1]['status']}")
+            continue
+        live.append((prov, run, dict(row, status="ok", max_abs_err=err)))
+    synchronize(dev)
+
+    modes = {"eager": {prov.name: _rotating(run, sets) for prov, run, _ in live}}
+    if device.is_gpu and cfg.graphs:
+        modes["graph"] = {}
+        for prov, run, row in live:
+            try:
+                modes["graph"][prov.name] = GraphTimer(lambda i, run=run: run(i), sets, dev).time
+            except Exception as e:  # capture is not supported by every provider
+                rows.append(dict(row, mode="graph", status=f"failed: graph capture: {e}"[:300]))
+    out_rows = []
+    for mode, fns in modes.items():
+        times = {name: [] for name in fns}
+        for r in range(cfg.repeats):
+            order = list(fns) if r % 2 == 0 else list(reversed(fns))
+            for name in order:
+                times[name].append(fns[name](cfg) if mode == "graph" else time_eager(fns[name], dev, cfg))
+        for prov, _, row in live:
+            if prov.name not in times:
+                continue
+            ts = times[prov.name]
+            med = statistics.median(ts)
+            nbytes = bytes_moved(p, prov.checked)
+            tbps = nbytes["total"] / (med * 1e-3) / 1e12
+            out_rows.append(dict(row, mode=mode if device.is_gpu else "cpu", median_ms=med,
+                                 spread_pct=spread_pct(ts), repeats=len(ts),
+                                 kv_bytes=nbytes["kv"], other_bytes=nbytes["total"] - nbytes["kv"],
+                                 total_bytes=nbytes["total"], tbps=tbps,
+                                 pct_copy_bw=100 * tbps / copy_tbps, times_ms=ts))
+        _add_ratios([r for r in out_rows if r["mode"] == (mode if device.is_gpu else "cpu")])
+    del inp, modes, live
+    if device.is_gpu:
+        torch.cuda.empty_cache()
+    return rows + out_rows
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """checked / unchecked per interleaved repeat, on the checked row of each family."""
+    by = {(r["family"], r["checked"]): r for r in rows}
+    for (family, checked), row in by.items():
+        twin = by.get((family, False))
+        if checked and twin is not None:
+            ratios = [c / u for c, u in zip(row["times_ms"], twin["times_ms"])]
+            row.update(ratio_vs_unchecked=statistics.median(ratios), ratio_min=min(ratios),
+                       ratio_max=max(ratios))
+
+
+def make_writer(w: WriterPoint, dev: torch.device) -> dict:
+    """Pool, tags and new tokens of a writer point; ``stamped`` is ``kvattn.write_kv`` (scatter,
+    then stamp the tags), ``unstamped`` the same scatter (index math and two ``index_put_``) alone."""
+    dtype = DTYPES[w.dtype]
+    gen = torch.Generator(device=dev).manual_seed(w.tokens)
+    num_pages = 4 * w.tokens
+    shape = (num_pages, w.page_size, w.num_kv_heads, w.head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=dev, dtype=dtype)
+    v_cache = torch.randn(shape, generator=gen, device=dev, dtype=dtype)
+    tags = torch.zeros(num_pages, dtype=torch.int64, device=dev)
+    perm = torch.randperm(num_pages, generator=gen, device=dev)
+    if w.pattern == "append":
+        pages = perm[:w.tokens]
+        slots = torch.randint(0, w.page_size, (w.tokens,), generator=gen, device=dev)
+        owners = torch.arange(1, w.tokens + 1, device=dev)
+        kvattn.reserve_pages(tags, pages, owners)
+        kvattn.commit_pages(tags, pages, owners, slots, w.page_size)  # the append extends the prefix
+    else:
+        n = -(-w.tokens // w.page_size)
+        pages = perm[:n].repeat_interleave(w.page_size)[:w.tokens]
+        slots = torch.arange(w.tokens, device=dev) % w.page_size
+        owners = torch.ones(w.tokens, dtype=torch.int64, device=dev)
+        kvattn.reserve_pages(tags, perm[:n], 1)
+    slot_mapping = pages * w.page_size + slots
+    k = torch.randn(w.tokens, w.num_kv_heads, w.head_dim, generator=gen, device=dev, dtype=dtype)
+    v = torch.randn(w.tokens, w.num_kv_heads, w.head_dim, generator=gen, device=dev, dtype=dtype)
+
+    def stamped():
+        return kvattn.write_kv(k, v, k_cache, v_cache, slot_mapping, tags, owners)
+
+    def unstamped():
+        page = torch.div(slot_mapping, w.page_size, rounding_mode="floor")
+        slot = slot_mapping - page * w.page_size
+        k_cache.index_put_((page, slot), k)
+        v_cache.index_put_((page, slot), v)
+
+    return dict(stamped=stamped, unstamped=unstamped, pages=pages, slots=slots, k=k, v=v,
+                k_cache=k_cache, v_cache=v_cache)
+
+
+def run_writer(w: WriterPoint, device: Device, cfg: TimingConfig, copy_tbps: float) -> list[dict]:
+    """Times the stamped write against the unstamped one, after checking both write every token."""
+    dev = device.torch_device
+    dtype = DTYPES[w.dtype]
+    m = make_writer(w, dev)
+    stamped, unstamped, pages, slots = m["stamped"], m["unstamped"], m["pages"], m["slots"]
+    k, v, k_cache, v_cache = m["k"], m["v"], m["k_cache"], m["v_cache"]
+    result = stamped()
+    base = dict(asdict(w))
+    if int(result.dropped) != 0 or not torch.equal(k_cache[pages, slots], k):
+        return [dict(base, provider="kvattn-write_kv", status="failed: tokens dropped or not written")]
+    k_cache[pages, slots] = float("nan")
+    unstamped()
+    if not torch.equal(v_cache[pages, slots], v) or not torch.equal(k_cache[pages, slots], k):
+        return [dict(base, provider="index_put", status="failed: tokens not written")]
+    elt = torch.finfo(dtype).bits // 8
+    kv = 2 * 2 * w.tokens * w.num_kv_heads * w.head_dim * elt  # new K/V read, pool slots written
+    fns = {"kvattn-write_kv": (stamped, kv + 8 * w.tokens + 2 * 8 * w.tokens),
+           "index_put": (unstamped, kv + 8 * w.tokens)}
+    modes = {"eager": {n: (lambda f=f: time_eager(f, dev, cfg)) for n, (f, _) in fns.items()}}
+    if device.is_gpu and cfg.graphs:
+        modes["graph"] = {}
+        for n, (f, _) in fns.items():
+            try:
+                modes["graph"][n] = GraphTimer(lambda i, f=f: f(), 1, dev).time
+            except Exception as e:  # capture is not supported by every op
+                modes["graph"][n] = e
+    rows = []
+    for mode, timers in modes.items():
+        label = mode if device.is_gpu else "cpu"
+        times = {n: [] for n, t in timers.items() if not isinstance(t, Exception)}
+        for r in range(cfg.repeats):
+            for n in (list(times) if r % 2 == 0 else list(reversed(times))):
+                times[n].append(timers[n]() if mode == "eager" else timers[n](cfg))
+        for n, t in timers.items():
+            if isinstance(t, Exception):
+                rows.append(dict(base, provider=n, mode=label, status=f"failed: graph capture: {t}"[:300]))
+        for n, ts in times.items():
+            med = statistics.median(ts)
+            tbps = fns[n][1] / (med * 1e-3) / 1e12
+            rows.append(dict(base, provider=n, mode=label, status="ok", median_ms=med,
+                             spread_pct=spread_pct(ts), total_bytes=fns[n][1], tbps=tbps,
+                             pct_copy_bw=100 * tbps / copy_tbps, times_ms=ts))
+        if "kvattn-write_kv" in times and "index_put" in times:
+            ratios = [a / b for a, b in zip(times["kvattn-write_kv"], times["index_put"])]
+            stamped_row = next(r for r in rows if r["provider"] == "kvattn-write_kv"
+                               and r["mode"] == label and r["status"] == "ok")
+            stamped_row.update(ratio_vs_unstamped=statistics.median(ratios), ratio_min=min(ratios),
+                            ratio_max=max(ratios))
+    return rows
+
+
+def run(args) -> Path:
+    device = Device.current()
+    preset = args.preset or ("full" if args.full else ("gpu-suite" if device.is_gpu else "cpu-tiny"))
+    points = preset_points(preset)
+    if args.max_points:
+        points = points[:args.max_points]
+    cfg = TimingConfig(repeats=args.repeats) if device.is_gpu else \
+        TimingConfig(cpu_runs=1, repeats=2, graphs=False)
+    providers = prov_mod.select(args.providers)
+    started = time.monotonic()
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    commit = git_commit()
+    run_dir = Path(args.out_dir) / f"{stamp}_{device.slug}_{commit}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_lines = []
+
+    def log(msg: str) -> None:
+        log_lines.append(msg)
+        print(msg, flush=True)
+
+    label = "GPU measurement" if device.is_gpu else CPU_LABEL
+    log(f"kvattn benchmarks: preset {preset}, {len(points)} points, device {device.name} ({label}), "
+        f"commit {commit}")
+    if device.is_gpu:
+        est = sum(estimate_point_seconds(p, len(providers) - 1, cfg, device) for p in points)
+        log(f"estimated wall time of the decode sweep: {est:.0f} s (budget {args.time_budget_s} s)")
+    copy = copy_bandwidth(device, cfg)
+    log(f"copy bandwidth: {copy['tbps']:.3f} TB/s ({copy['bytes'] / 1e9:.2f} GB in "
+        f"{copy['median_ms']:.3f} ms)")
+
+    decode_rows, skipped = [], []
+    for n, p in enumerate(points):
+        elapsed = time.monotonic() - started
+        need = estimate_point_seconds(p, len(providers) - 1, cfg, device) if device.is_gpu else 0
+        if args.time_budget_s and elapsed + need > args.time_budget_s:
+            skipped.append({"point": p.label(), "reason": f"time budget ({elapsed:.0f} s used)"})
+            continue
+        if device.is_gpu and 2 * rotation_sets(p, device.l2_bytes) * p.kv_set_bytes() * 1.25 > \
+                0.4 * device.memory_bytes:
+            skipped.append({"point": p.label(), "reason": "pool over 40% of device memory"})
+            continue
+        t0 = time.monotonic()
+        rows = run_point(p, providers, device, cfg, copy["tbps"], log)
+        decode_rows += rows
+        log(f"[{n + 1}/{len(points)}] {p.label()}: {time.monotonic() - t0:.1f} s; "
+            + ", ".join(f"{r['provider']}/{r['mode']} {r['median_ms'] * 1e3:.1f} us"
+                        for r in rows if r.get("status") == "ok"))
+    writer_rows = []
+    for w in writer_points(preset):
+        if args.time_budget_s and time.monotonic() - started > args.time_budget_s:
+            skipped.append({"point": f"writer {w}", "reason": "time budget"})
+            continue
+        writer_rows += run_writer(w, device, cfg, copy["tbps"])
+    copy_end = copy_bandwidth(device, cfg)
+
+    meta = dict(run=run_dir.name, preset=preset, date_utc=stamp, commit=commit,
+                device=asdict(device), gpu_measurement=device.is_gpu,
+                label=label, versions=versions(), timing=cfg.as_dict(),
+                copy_bandwidth_start=copy, copy_bandwidth_end=copy_end,
+                providers=[p.name for p in providers], skipped=skipped,
+                wall_s=time.monotonic() - started, command=" ".join(sys.argv))
+    write_outputs(run_dir, meta, decode_rows, writer_rows, log_lines, plots=not args.no_plots)
+    log(f"results: {run_dir} ({time.monotonic() - started:.0f} s)")
+    return run_dir
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="the small sweep: cpu-tiny on a CPU, gpu-suite on a GPU (the default)")
+    ap.add_argument("--full", action="store_true", help="the full sweep of the issue (GPU, hours)")
+    ap.add_argument("--preset", choices=PRESETS, help="a named sweep (overrides --quick/--full)")
+    ap.add_argument("--out-dir", default=str(RESULTS), help="parent of the run folder")
+    ap.add_argument("--providers", nargs="*", help="only these providers")
+    ap.add_argument("--max-points", type=int, default=0, help="only the first N points")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per measurement (GPU)")
+    ap.add_argument("--time-budget-s", type=float, default=0,
+                    help="start no point whose estimate would end past this many seconds")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

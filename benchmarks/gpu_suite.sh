@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The one GPU script: on a lent H200 (Python 3.12, torch 2.11 CUDA 13.0, triton 3.6, nvcc 13.0, no
+# network), in one call and under 8 minutes: build the CUDA extension for sm_90, run the whole test
+# suite on the device, run the benchmark sweep sized to what time is left, and write everything under
+# $OUT (when set) and benchmarks/results/. Needs no package beyond that machine's image.
+#
+#   KVATTN_COMMIT=$(git rev-parse --short=10 HEAD) bash benchmarks/gpu_suite.sh
+#
+# KVATTN_COMMIT names the commit when the tree travels without .git. SUITE_BUDGET_S (default 470)
+# bounds the whole script; each step has its own timeout so a hang cannot eat the next step's time.
+# For a dry run of the script itself on a CPU: SUITE_SKIP_BUILD=1 SUITE_SKIP_TESTS=1
+# SUITE_PRESET=cpu-tiny.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+BUDGET=${SUITE_BUDGET_S:-470}
+OUTDIR=${OUT:-benchmarks/results/gpu-suite-$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/suite.log"
+exec > >(tee -a "$LOG") 2>&1
+step() { echo "== [$SECONDS s] $*"; }
+
+step "device and versions"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'triton', triton.__version__, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
+nvcc --version | tail -2 || true
+
+build_rc=skipped
+if [ "${SUITE_SKIP_BUILD:-0}" = 1 ]; then
+  step "build skipped (SUITE_SKIP_BUILD=1)"
+elif grep -q "build_ext" setup.py; then
+  step "build extensions (sm_90 via setup.py, ptxas report in build/cuda/)"
+  timeout 180 "$PY" setup.py build_ext --inplace > "$OUTDIR/build.log" 2>&1
+  build_rc=$?
+  tail -40 "$OUTDIR/build.log"
+  [ -f build/cuda/resources.json ] && cp build/cuda/resources.json "$OUTDIR/resources.json"
+else
+  step "setup.py has no build_ext: no extension to build"
+fi
+"$PY" -c "import kvattn.backends as b; print('backends loadable:', \
+{n: (b.load(n)[1] or 'ok') for n in b.names()})" || true
+
+tests_rc=skipped
+if [ "${SUITE_SKIP_TESTS:-0}" != 1 ]; then
+  step "test suite on the device"
+  xdist=""
+  "$PY" -c "import xdist" 2>/dev/null && xdist="-n 8"
+  timeout 200 "$PY" -m pytest -q tests $xdist -p no:cacheprovider > "$OUTDIR/tests.log" 2>&1
+  tests_rc=$?
+  tail -25 "$OUTDIR/tests.log"
+fi
+
+left=$(( BUDGET - SECONDS - 25 ))
+[ $left -gt 240 ] && left=240
+bench_rc=skipped
+if [ $left -gt 30 ]; then
+  preset=${SUITE_PRESET:-gpu-suite}
+  step "benchmark sweep ($preset preset, budget ${left} s)"
+  scratch=$(mktemp -d)
+  timeout $(( left + 20 )) "$PY" -m benchmarks.decode --preset "$preset" --time-budget-s "$left" \
+    --out-dir "$scratch"
+  bench_rc=$?
+  for run_dir in "$scratch"/*; do
+    [ -f "$run_dir/summary.md" ] || continue
+    cp -r "$run_dir" benchmarks/results/
+    cp "$run_dir/summary.md" "$run_dir/decode.csv" "$run_dir/writer.csv" "$OUTDIR/"
+    tar -czf "$OUTDIR/results.tar.gz" -C "$scratch" "$(basename "$run_dir")"
+    echo "results: benchmarks/results/$(basename "$run_dir") (also $OUTDIR/results.tar.gz)"
+  done
+else
+  step "no time left for the benchmark sweep (${left} s)"
+fi
+
+step "done: build=$build_rc tests=$tests_rc bench=$bench_rc; files in $OUTDIR"
+ls -la "$OUTDIR"
+[ -f "$OUTDIR/summary.md" ] && sed -n '/^## Targets/,/^## Decode/p' "$OUTDIR/summary.md"
+ok() { [ "$1" = 0 ] || [ "$1" = skipped ]; }
+ok "$build_rc" && ok "$tests_rc" && [ "$bench_rc" = 0 ]

@@ -1,0 +1,75 @@
+"""The benchmark harness end to end on a tiny CPU point: it checks every provider before timing it,
+refuses a wrong one, and writes its files labelled as not a GPU measurement."""
+import csv
+import json
+
+import pytest
+import torch
+
+from benchmarks import decode, providers
+from benchmarks.common import Device, Point, TimingConfig
+
+TINY = Point(batch=1, context=40, page_size=16, num_heads=4, num_kv_heads=2, head_dim=32, dtype="fp16")
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the harness")
+
+
+def _cpu() -> Device:
+    return Device("CPU test", "cpu", False, 8 << 20, 0, 1)
+
+
+@CPU_ONLY
+def test_run_point_times_checked_providers_and_pairs_the_ratio():
+    chosen = providers.select(["kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"])
+    rows = decode.run_point(TINY, chosen, _cpu(), TimingConfig(cpu_runs=1, repeats=2, graphs=False),
+                            copy_tbps=1.0, log=print)
+    ok = {r["provider"]: r for r in rows if r["status"] == "ok"}
+    assert set(ok) == {p.name for p in chosen}
+    for r in ok.values():
+        assert r["max_abs_err"] <= 1e-2 and r["median_ms"] > 0 and len(r["times_ms"]) == 2
+    checked, unchecked = ok["kvattn-triton-checked"], ok["kvattn-triton-unchecked"]
+    assert checked["total_bytes"] - unchecked["total_bytes"] == 8 * 3 + 8 + 3 + 16  # tags, expected, report
+    assert checked["ratio_min"] <= checked["ratio_vs_unchecked"] <= checked["ratio_max"]
+
+
+@CPU_ONLY
+def test_run_point_refuses_a_provider_with_wrong_output():
+    def build(inp):
+        out = torch.empty_like(inp.q)
+
+        def run(i):
+            out.copy_(inp.q)  # finite, right shape, wrong values
+            return out, None
+        return run, out
+
+    wrong = providers.Provider("wrong", "wrong", False, lambda inp: None, build)
+    rows = decode.run_point(TINY, [wrong], _cpu(), TimingConfig(cpu_runs=1, repeats=1, graphs=False),
+                            copy_tbps=1.0, log=print)
+    assert len(rows) == 1
+    assert rows[0]["status"].startswith("failed: AssertionError") and "median_ms" not in rows[0]
+
+
+@CPU_ONLY
+def test_quick_run_writes_labelled_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(decode, "preset_points", lambda name: [TINY])
+    chosen = ["kvattn-reference", "torch-sdpa-gather"]
+    assert decode.main(["--quick", "--out-dir", str(tmp_path), "--providers", *chosen]) == 0
+    (run_dir,) = tmp_path.iterdir()
+    assert run_dir.parent == tmp_path and run_dir.name.split("_")[1] == "cpu"
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"decode.csv", "writer.csv", "run.json", "summary.md", "log.txt"} <= names
+    summary = (run_dir / "summary.md").read_text()
+    assert "NOT a GPU measurement" in summary and "| kvattn-reference | cpu |" in summary
+    with (run_dir / "decode.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r["measurement"].startswith("NOT a GPU measurement") for r in rows)
+    assert {r["provider"] for r in rows if r["status"] == "ok"} == set(chosen)
+    with (run_dir / "writer.csv").open() as f:
+        writer = [r for r in csv.DictReader(f) if r["status"] == "ok"]
+    assert {r["provider"] for r in writer} == {"kvattn-write_kv", "index_put"}
+    meta = json.loads((run_dir / "run.json").read_text())["meta"]
+    assert meta["gpu_measurement"] is False and meta["copy_bandwidth_start"]["tbps"] > 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert {"overhead.png", "bandwidth.png"} <= names
