@@ -105,3 +105,52 @@ def assert_reports_equal(report, ref) -> None:
     for field in ("violations", "reasons", "pages_checked", "beyond_table", "page_reasons"):
         got, want = getattr(report, field).cpu(), getattr(ref, field).cpu()
         assert torch.equal(got, want), f"{field}: got {got}, expected {want}"
+
+
+# LSE is a float32 log of a float32 sum of exponentials of float32 logits; the logits are dot products
+# of dtype-exact inputs accumulated in float32, so backends differ from the reference by float32
+# rounding of order 1e-6 relative. 1e-4 leaves room for approximate exp2/log2 on GPUs.
+LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+
+
+def kernel_backends() -> list[str]:
+    """The backends under test other than the reference (those compared against it)."""
+    return [name for name in backends_under_test() if name != "reference"]
+
+
+def launcher(backend: str):
+    """The backend module of ``backend`` (its ``decode(args, *, check, out, lse, ...)``)."""
+    module, reason = backends.load(backend)
+    assert module is not None, reason
+    return module
+
+
+def poisoned_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
+                  dtype=torch.float32, device=DEVICE):
+    """``(k_cache, v_cache, page_tags)``: NaN in every slot, every page FREE."""
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return k, v, torch.zeros(num_pages, dtype=torch.int64, device=device)
+
+
+def decode(backend: str, q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, **kwargs):
+    """:func:`kvattn.paged_decode` on ``backend``; index lists become int32/int64 tensors."""
+    device = q.device
+    if not isinstance(block_table, torch.Tensor):
+        block_table = torch.tensor(block_table, dtype=torch.int32, device=device)
+    if not isinstance(seq_lens, torch.Tensor):
+        seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    if not isinstance(expected, torch.Tensor):
+        expected = torch.tensor(expected, dtype=torch.int64, device=device)
+    return kvattn.paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
+                               backend=backend, **kwargs)
+
+
+def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """``out`` finite and within :func:`tolerance` of ``ref``, and ``ref`` large enough that a wrong
+    kernel (garbage, zeros, a NaN-poisoned slot masked in) could not pass by accident."""
+    assert torch.isfinite(out).all(), "output holds NaN/inf: a poisoned slot was read"
+    tol = tolerance(dtype)
+    assert ref.abs().max() > 2 * tol["atol"], "reference output too small to tell right from wrong"
+    torch.testing.assert_close(out.to(ref.dtype), ref, **tol)

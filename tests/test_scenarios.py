@@ -1,0 +1,400 @@
+"""The reader scenarios of ownership.md section 6 (1, 3-7), on every backend.
+
+Every slot a reader must not use holds NaN or a sentinel engineered to dominate attention; checked
+results must be finite and equal the reference over the slots the rule allows. Each "no violation"
+case has a "violation detected" twin.
+"""
+import dataclasses
+import importlib
+
+import pytest
+import torch
+
+import kvattn
+from kvattn import KVOwnershipError, Violation
+from util import (DEVICE, LSE_TOLERANCE, Batch, assert_close_to_reference, assert_reports_equal,
+                  backends_under_test, decode, tolerance)
+
+PAGE = 4
+SENTINEL_V = 100.0
+
+
+@pytest.fixture(params=backends_under_test())
+def backend(request):
+    return request.param
+
+
+def small_batch(seq_lens, *, dtype=torch.float16, seed=0, **kwargs):
+    return Batch.random(batch=len(seq_lens), num_heads=4, num_kv_heads=2, head_dim=32,
+                        page_size=PAGE, seq_lens=seq_lens, dtype=dtype, seed=seed, **kwargs)
+
+
+def check_against_reference(batch, backend, **kwargs):
+    """Decode on ``backend``; output, lse and report equal the reference. Returns the results."""
+    out, lse, report = batch.decode(backend, return_lse=True, **kwargs)
+    ref_out, ref_lse, ref_report = batch.reference(return_lse=True, compute_dtype=torch.float64)
+    assert torch.isfinite(out).all(), "a refused or masked slot was read"
+    torch.testing.assert_close(out.double(), ref_out, **tolerance(batch.q.dtype))
+    torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
+    assert_reports_equal(report, ref_report)
+    return out, lse, report
+
+
+# --- 1. Incident replay ------------------------------------------------------------------------
+
+def incident(num_pages_b, dtype=torch.float16):
+    """Tenant A fills the whole pool with K aligned to B's queries (x8) and V = 100, then releases
+    it; B reserves ``num_pages_b`` pages and one token is written. Returns the cache, B's lease, B's
+    query and B's one token."""
+    num_kv_heads, group, head_dim = 2, 2, 32
+    g = torch.Generator().manual_seed(42)
+    # The query heads of a group are equal, so one sentinel key dominates each of them.
+    q = torch.randn(1, num_kv_heads, head_dim, generator=g).repeat_interleave(group, dim=1)
+    q = q.to(dtype).to(DEVICE)
+    cache = kvattn.PagedKVCache(8, PAGE, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    cache.k_cache.fill_(float("nan"))
+    cache.v_cache.fill_(float("nan"))
+    tenant_a = cache.allocate(8 * PAGE)
+    sentinel_k = (8 * q[0, ::group]).expand(8 * PAGE, num_kv_heads, head_dim)
+    sentinel_v = torch.full_like(sentinel_k, SENTINEL_V)
+    assert cache.append(tenant_a, sentinel_k.contiguous(), sentinel_v).dropped_count() == 0
+    cache.free(tenant_a)
+
+    lease_b = cache.allocate(num_pages_b * PAGE)
+    k1 = torch.randn(1, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    v1 = torch.randn(1, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    assert cache.append(lease_b, k1, v1).dropped_count() == 0
+    assert lease_b.num_tokens == 1 and len(lease_b.pages) == num_pages_b
+    return cache, lease_b, q, k1, v1
+
+
+@pytest.mark.parametrize("num_pages_b", [1, 4])
+def test_incident_replay_checked_refuses_and_reports(backend, num_pages_b):
+    cache, lease_b, q, k1, v1 = incident(num_pages_b)
+    table, _, expected = cache.batch([lease_b])
+    # The decode node believes the whole prompt arrived: it attends over every reserved page.
+    seq_lens = torch.tensor([num_pages_b * PAGE], dtype=torch.int32, device=DEVICE)
+    out, lse, report = decode(backend, q, cache.k_cache, cache.v_cache, table, seq_lens,
+                              cache.page_tags, expected, return_lse=True)
+    assert report.violations.tolist() == [num_pages_b]
+    want_reasons = Violation.UNWRITTEN | (Violation.RESERVED if num_pages_b > 1 else 0)
+    assert report.reasons.tolist() == [int(want_reasons)]
+    assert report.page_reasons[0].tolist() == ([int(Violation.UNWRITTEN)]
+                                               + [int(Violation.RESERVED)] * (num_pages_b - 1))
+    assert report.pages_checked.tolist() == [num_pages_b]
+
+    # Attention over B's one token: the reference over a one-token sequence, which is v1 itself.
+    ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
+        q, cache.k_cache, cache.v_cache, table[:, :1], torch.tensor([1], dtype=torch.int32,
+                                                                    device=DEVICE),
+        cache.page_tags, expected[:, :1], return_lse=True, compute_dtype=torch.float64)
+    assert not ref_report.any()
+    assert_close_to_reference(out, ref_out, q.dtype)
+    torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
+    torch.testing.assert_close(out.float(), v1.float().repeat_interleave(2, dim=1),
+                               **tolerance(q.dtype))
+    assert out.abs().max() < 10, "sentinel influence"
+
+
+@pytest.mark.parametrize("num_pages_b", [1, 4])
+def test_incident_replay_unchecked_shows_the_sentinel(backend, num_pages_b):
+    """The twin: without the check the same call returns the sentinel, so the scenario is real."""
+    cache, lease_b, q, _, _ = incident(num_pages_b)
+    table, _, expected = cache.batch([lease_b])
+    seq_lens = torch.tensor([num_pages_b * PAGE], dtype=torch.int32, device=DEVICE)
+    out, report = decode(backend, q, cache.k_cache, cache.v_cache, table, seq_lens,
+                         cache.page_tags, expected, check=False)
+    assert report is None
+    assert (out.float() > 0.9 * SENTINEL_V).all()
+
+
+def test_incident_replay_truthful_length_is_clean(backend):
+    """The twin of the over-long read: decoding B with the length the writer accounted for (1)
+    reports nothing and gives the same answer."""
+    cache, lease_b, q, _, v1 = incident(4)
+    table, seq_lens, expected = cache.batch([lease_b])
+    out, report = decode(backend, q, cache.k_cache, cache.v_cache, table, seq_lens,
+                         cache.page_tags, expected)
+    assert not report.any() and report.pages_checked.tolist() == [1]
+    torch.testing.assert_close(out.float(), v1.float().repeat_interleave(2, dim=1),
+                               **tolerance(q.dtype))
+
+
+# --- 3. FREE / RESERVED pages, padding, bad indices, duplicates, swapped rows ------------------
+
+LENS3 = [5, 12, 9]
+
+
+def test_clean_batch_has_no_violation(backend):
+    batch = small_batch(LENS3)
+    _, _, report = check_against_reference(batch, backend)
+    assert not report.any() and report.pages_checked.tolist() == [2, 3, 3]
+
+
+@pytest.mark.parametrize("tag", ["free", "reserved"])
+def test_free_and_reserved_pages_are_refused(backend, tag):
+    batch = small_batch(LENS3)
+    page = int(batch.block_table[1, 1])
+    batch.page_tags[page] = kvattn.FREE_TAG if tag == "free" else kvattn.reserved_tag(2)
+    _, _, report = check_against_reference(batch, backend)
+    reason = Violation.FREE if tag == "free" else Violation.RESERVED
+    assert report.violations.tolist() == [0, 1, 0]
+    assert report.page_reasons[1].tolist() == [0, int(reason), 0]
+
+
+def test_padding_page_past_seq_len_is_ignored(backend):
+    """Engines pad table rows with page 0 (someone else's); unread entries are not violations."""
+    batch = small_batch([5, 12, 9], extra_pages=1)
+    batch.block_table[0, 2:] = 0
+    batch.block_table[2, 3] = 0
+    _, _, report = check_against_reference(batch, backend)
+    assert not report.any()
+
+
+def test_padding_page_that_is_read_is_refused(backend):
+    """The twin: a length that reaches the padding entry reads it, and the tag refuses it."""
+    batch = small_batch([5, 12, 9], extra_pages=1)
+    batch.block_table[0, 2] = int(batch.block_table[1, 0])  # seq 1's page as padding
+    batch.seq_lens[0] = 2 * PAGE + 1
+    _, _, report = check_against_reference(batch, backend)
+    # Page 1 of seq 0 holds 1 written slot of 4 now read; page 2 is seq 1's.
+    assert report.page_reasons[0].tolist()[:3] == [0, int(Violation.UNWRITTEN),
+                                                   int(Violation.OWNER_MISMATCH)]
+
+
+@pytest.mark.parametrize("bad", ["past_pool", "negative", "int32_min"])
+def test_out_of_range_and_negative_indices_are_refused(backend, bad):
+    batch = small_batch(LENS3)
+    num_pages = batch.k_cache.shape[0]
+    batch.block_table[2, 1] = {"past_pool": num_pages, "negative": -1, "int32_min": -2 ** 31}[bad]
+    _, _, report = check_against_reference(batch, backend)
+    assert report.violations.tolist() == [0, 0, 1]
+    assert report.page_reasons[2].tolist() == [0, int(Violation.OUT_OF_RANGE), 0]
+
+
+def test_duplicated_index_of_another_sequence_is_refused(backend):
+    batch = small_batch(LENS3)
+    batch.block_table[2, 0] = batch.block_table[1, 0]
+    _, _, report = check_against_reference(batch, backend)
+    assert report.violations.tolist() == [0, 0, 1]
+    assert report.reasons.tolist() == [0, 0, int(Violation.OWNER_MISMATCH)]
+
+
+def test_duplicated_index_of_own_full_page_passes(backend):
+    """The twin, and a stated limit: a sequence listing its own full page twice reads it twice. The
+    tag proves who wrote a page, not where in the sequence it belongs."""
+    batch = small_batch(LENS3)
+    batch.block_table[1, 1] = batch.block_table[1, 0]
+    _, _, report = check_against_reference(batch, backend)
+    assert not report.any()
+
+
+def test_swapped_rows_are_refused(backend):
+    batch = small_batch(LENS3)
+    batch.block_table[[1, 2]] = batch.block_table[[2, 1]].clone()
+    out, lse, report = check_against_reference(batch, backend)
+    assert report.violations.tolist() == [0, 3, 3]
+    assert report.reasons.tolist() == [0] + [int(Violation.OWNER_MISMATCH)] * 2
+    assert torch.equal(out[1:], torch.zeros_like(out[1:])) and torch.isneginf(lse[1:]).all()
+
+
+# --- 4. Partial pages with stale tails ---------------------------------------------------------
+
+def stale_tails(batch):
+    """Sentinel V (and large K) in every slot past each page's valid_len: a previous owner's data."""
+    for p in range(batch.k_cache.shape[0]):
+        tag = int(batch.page_tags[p])
+        if kvattn.tag_state(tag) == kvattn.tags.STATE_WRITTEN:
+            n = kvattn.tag_valid_len(tag)
+            batch.k_cache[p, n:] = 4.0
+            batch.v_cache[p, n:] = SENTINEL_V
+    return batch
+
+
+@pytest.mark.parametrize("length", [PAGE - 1, PAGE, PAGE + 1, 2 * PAGE - 1, 2 * PAGE, 2 * PAGE + 1])
+def test_partial_pages_at_page_boundaries_are_clean(backend, length):
+    batch = stale_tails(small_batch([length, 1, 3 * PAGE]))
+    out, _, report = check_against_reference(batch, backend)
+    assert not report.any()
+    assert out.abs().max() < 10
+
+
+@pytest.mark.parametrize("written,read", [(PAGE - 1, PAGE), (1, PAGE), (PAGE + 1, 2 * PAGE),
+                                          (2 * PAGE - 1, 2 * PAGE + 1)])
+def test_reading_past_valid_len_is_refused(backend, written, read):
+    """The twin: the table claims more tokens than were written; the stale tail stays out."""
+    batch = small_batch([written, 1, 3 * PAGE], extra_pages=1)
+    # Sequence 0's spare page: written for it with nothing in it yet (valid_len 0).
+    spare = int(batch.block_table[0, -(-written // PAGE)])
+    batch.page_tags[spare] = kvattn.written_tag(1, 0)
+    batch = stale_tails(batch)
+    batch.seq_lens[0] = read
+    out, _, report = check_against_reference(batch, backend)
+    assert report.violations.tolist()[0] >= 1
+    assert report.reasons.tolist()[0] == int(Violation.UNWRITTEN)
+    assert out.abs().max() < 10
+
+
+# --- 5. Prefix sharing ---------------------------------------------------------------------------
+
+def shared_prefix_cache(dtype=torch.float16):
+    g = torch.Generator().manual_seed(5)
+    cache = kvattn.PagedKVCache(12, PAGE, 2, 32, dtype=dtype, device=DEVICE)
+    cache.k_cache.fill_(float("nan"))
+    cache.v_cache.fill_(float("nan"))
+
+    def kv(n):
+        return [torch.randn(n, 2, 32, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+
+    parent = cache.allocate(2 * PAGE + 2)
+    cache.append(parent, *kv(2 * PAGE + 2))
+    child = cache.share_prefix(parent, 2 * PAGE + 2, capacity=3 * PAGE)
+    cache.append(child, *kv(3))
+    other = cache.allocate(PAGE)
+    cache.append(other, *kv(PAGE))
+    q = torch.randn(3, 4, 32, generator=g).to(dtype).to(DEVICE)
+    return cache, parent, child, other, q
+
+
+def cache_batch(cache, leases, q, expected=None):
+    table, seq_lens, per_entry = cache.batch(leases)
+    return Batch(q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags,
+                 per_entry if expected is None else expected)
+
+
+def test_prefix_sharing_with_per_entry_expected_passes(backend):
+    cache, parent, child, other, q = shared_prefix_cache()
+    assert child.pages[:2] == parent.pages[:2] and child.page_owners[:2] == [parent.owner] * 2
+    batch = cache_batch(cache, [parent, child, other], q)
+    _, _, report = check_against_reference(batch, backend)
+    assert not report.any() and report.pages_checked.tolist() == [3, 3, 1]
+    cache.free(parent)  # the child still references the shared pages: they stay written
+    batch = cache_batch(cache, [child, child, other], q)
+    _, _, report = check_against_reference(batch, backend)
+    assert not report.any()
+
+
+def test_prefix_sharing_with_wrong_expected_fails(backend):
+    """The twin: the shared pages expected under the child's own owner, or under an unrelated
+    lease, are refused; the child's own page still passes."""
+    cache, parent, child, other, q = shared_prefix_cache()
+    table, _, per_entry = cache.batch([parent, child, other])
+    wrong = per_entry.clone()
+    wrong[1, :2] = child.owner
+    wrong[0, :2] = other.owner
+    batch = cache_batch(cache, [parent, child, other], q, expected=wrong)
+    _, _, report = check_against_reference(batch, backend)
+    assert report.violations.tolist() == [2, 2, 0]
+    assert report.page_reasons[:2, :2].tolist() == [[int(Violation.OWNER_MISMATCH)] * 2] * 2
+    per_sequence = torch.tensor([parent.owner, child.owner, other.owner], dtype=torch.int64,
+                                device=DEVICE)
+    _, _, report = check_against_reference(dataclasses.replace(batch, expected=per_sequence),
+                                           backend)
+    assert report.violations.tolist() == [0, 2, 0]
+
+
+# --- 6. All valid: checked == unchecked, bitwise ------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_all_valid_checked_equals_unchecked_bitwise(backend, dtype):
+    cache, parent, child, other, q = shared_prefix_cache(dtype)
+    batch = cache_batch(cache, [parent, child, other], q)
+    checked, lse_c, report = batch.decode(backend, return_lse=True)
+    unchecked, lse_u, _ = batch.decode(backend, check=False, return_lse=True)
+    assert not report.any()
+    assert torch.equal(checked, unchecked) and torch.equal(lse_c, lse_u)
+
+
+def test_one_refused_page_makes_checked_differ_from_unchecked(backend):
+    """The twin: refuse one page and the checked output moves away from the unchecked one (which
+    reads the refused page's NaN-free stale data)."""
+    cache, parent, child, other, q = shared_prefix_cache(torch.float32)
+    batch = cache_batch(cache, [parent, child, other], q)
+    batch.expected[2, 0] = parent.owner
+    checked, report = batch.decode(backend)
+    unchecked, _ = batch.decode(backend, check=False)
+    assert report.violations.tolist() == [0, 0, 1]
+    assert torch.equal(checked[:2], unchecked[:2])
+    assert torch.equal(checked[2], torch.zeros_like(checked[2]))
+    assert not torch.equal(checked[2], unchecked[2])
+
+
+# --- 7. Fully masked sequences and splits --------------------------------------------------------
+
+def test_fully_masked_sequences_give_zero_and_minus_inf(backend):
+    batch = small_batch([9, 12, 1, 5])
+    for i in range(3):
+        batch.page_tags[int(batch.block_table[1, i])] = kvattn.reserved_tag(2)
+    batch.seq_lens[3] = 0
+    out, lse, report = check_against_reference(batch, backend)
+    for b in (1, 3):
+        assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all()
+    assert torch.isfinite(lse[[0, 2]]).all()
+    assert report.violations.tolist() == [0, 3, 0, 0]
+
+
+def test_masked_split_leaves_other_splits_exact(backend):
+    """A 2048-token sequence (two splits in the Triton CPU plan) whose first half is refused, next to
+    a clean one: the merge of an empty split and a full one equals the reference."""
+    batch = Batch.random(batch=2, num_heads=2, num_kv_heads=1, head_dim=16, page_size=64,
+                         seq_lens=[2048, 2048], dtype=torch.float32, pool_factor=1)
+    for i in range(16):
+        batch.page_tags[int(batch.block_table[0, i])] = kvattn.FREE_TAG
+    if backend == "triton":
+        module = importlib.import_module("kvattn.backends.triton.decode")
+        args = batch.args()
+        assert module.plan_splits(args, module.tile_sizes(16, 64)[1])[0] == 2
+    out, lse, report = check_against_reference(batch, backend)
+    assert report.violations.tolist() == [16, 0]
+    assert_close_to_reference(out, batch.reference(compute_dtype=torch.float64)[0], torch.float32)
+
+
+# --- on_violation="raise" and the report API ----------------------------------------------------
+
+def test_raise_names_sequences_pages_and_reasons(backend):
+    batch = small_batch(LENS3)
+    batch.page_tags[int(batch.block_table[2, 1])] = kvattn.reserved_tag(3)
+    batch.block_table[0, 0] = -1
+    out_buf = torch.full_like(batch.q, float("nan"))
+    with pytest.raises(KVOwnershipError) as info:
+        batch.decode(backend, on_violation="raise", out=out_buf)
+    message = str(info.value)
+    assert "sequence 0" in message and "page 0: OUT_OF_RANGE" in message
+    assert "sequence 2" in message and "page 1: RESERVED" in message
+    assert "sequence 1" not in message
+    assert info.value.refusals == {0: [(0, Violation.OUT_OF_RANGE)], 2: [(1, Violation.RESERVED)]}
+    # The output was written before raising, refused slots masked.
+    ref_out, _ = batch.reference(compute_dtype=torch.float64)
+    torch.testing.assert_close(out_buf.double(), ref_out, **tolerance(batch.q.dtype))
+
+
+def test_raise_is_silent_when_clean(backend):
+    batch = small_batch(LENS3)
+    out, report = batch.decode(backend, on_violation="raise")
+    assert torch.isfinite(out).all()
+    report.raise_if_any()
+    assert not report.any() and report.refusals() == {}
+    assert report.summary() == "no violation (8 pages checked)"
+    assert report.ok().tolist() == [True, True, True]
+
+
+def test_report_api_on_violations(backend):
+    batch = small_batch(LENS3)
+    batch.page_tags[int(batch.block_table[1, 0])] = kvattn.FREE_TAG
+    batch.page_tags[int(batch.block_table[1, 2])] = kvattn.written_tag(9, PAGE)
+    _, report = batch.decode(backend, validate=False)
+    assert report.any()
+    assert report.ok().tolist() == [True, False, True]
+    assert report.refusals() == {1: [(0, Violation.FREE), (2, Violation.OWNER_MISMATCH)]}
+    assert report.summary() == "sequence 1: 2 refused page(s): page 0: FREE, page 2: OWNER_MISMATCH"
+    with pytest.raises(KVOwnershipError) as info:
+        report.raise_if_any()
+    assert info.value.refusals == report.refusals()
+
+
+def test_report_names_seq_len_beyond_table_as_page_minus_one(backend):
+    batch = small_batch(LENS3)
+    batch.seq_lens[1] = batch.block_table.shape[1] * PAGE + 1
+    _, report = batch.decode(backend, validate=False)
+    assert report.refusals() == {1: [(-1, Violation.OUT_OF_RANGE)]}
+    assert "page -1: OUT_OF_RANGE" in report.summary()
