@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import check_kv_pools, check_page_tags, check_tensor
+from .layout import check_kv_pools, check_last_dim_contiguous, check_page_tags, check_tensor
 from .tags import (OWNER_MAX, OWNER_SHIFT, STATE_RESERVED, STATE_WRITTEN, VALID_LEN_SHIFT, WriteDrop,
                    held_by, tag_state, tag_valid_len)
 
@@ -150,7 +150,8 @@ def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: i
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, page_tags: torch.Tensor, owner) -> WriteResult:
+             slot_mapping: torch.Tensor, page_tags: torch.Tensor, owner, *,
+             backend: str = "auto") -> WriteResult:
     """Append new tokens' K/V to their page slots, then stamp the pages (``reshape_and_cache``).
 
     ``k``, ``v``: ``[T, num_kv_heads, head_dim]``, the cache dtype. ``slot_mapping``: ``[T]`` int32/
@@ -175,6 +176,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     dropped rather than stamped; a page's new tokens must appear as one run in slot order to extend
     it, which is how engines lay out ``slot_mapping`` (a sequence's tokens are consecutive). Two
     landed tokens aimed at the same slot race as in vLLM: one of the two values is kept.
+
+    ``backend``: ``"torch"`` composes the steps from PyTorch ops (any device); ``"triton"`` runs
+    :mod:`kvattn.backends.triton.write_kv` (two launches); ``"auto"`` takes Triton for CUDA
+    tensors and torch elsewhere (under the CPU interpreter Triton would run one slow program per
+    token). Both give the same result, except which value of two landed tokens aimed at one slot
+    is kept.
     """
     check_kv_pools(k_cache, v_cache)
     device = k_cache.device
@@ -188,10 +195,17 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             raise ValueError(f"{name}: expected shape ({num_tokens}, {num_kv_heads}, {head_dim}) "
                              f"(tokens of slot_mapping, heads and head_dim of the cache), "
                              f"got {tuple(t.shape)}")
+        check_last_dim_contiguous(name, t)
     owners = _as_owner(owner, num_tokens, device)
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
     if num_tokens == 0:
         empty = torch.zeros(0, dtype=torch.bool, device=device)
         return WriteResult(empty, empty.to(torch.int8), torch.zeros((), dtype=torch.int64, device=device))
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        from .backends.triton.write_kv import write_kv as triton_write_kv
+        landed, reasons = triton_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners)
+        return WriteResult(landed, reasons, (reasons != 0).sum())
 
     slots = slot_mapping.long()
     padding = slots < 0

@@ -1,0 +1,114 @@
+"""Triton stamping writer: :func:`kvattn.write_kv` as two launches instead of a chain of torch ops.
+
+The semantics are those of :func:`kvattn.writers.write_kv` (its docstring is authoritative): a
+token lands if its page is in range, its owner holds the page, and its run (consecutive entries
+filling consecutive slots of one page) starts at or below the page's ``valid_len``. Launch 1 decides
+every token against the tags as they were before the call, stores the K/V of landed tokens only, and
+records each landed token's stamp; launch 2 raises the tags with ``atomic_max``. Deciding before any
+stamp is what keeps the result independent of the order programs run in.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ...tags import WriteDrop
+from .decode import _OWNER_SHIFT, _RESERVED, _STATE_MASK, _VALID_LEN_MAX, _VALID_LEN_SHIFT, _WRITTEN
+
+_D_OUT_OF_RANGE = tl.constexpr(int(WriteDrop.OUT_OF_RANGE))
+_D_NOT_HELD = tl.constexpr(int(WriteDrop.NOT_HELD))
+_D_GAP = tl.constexpr(int(WriteDrop.GAP))
+
+
+@triton.jit
+def write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, tags_ptr, owner_ptr,
+    stamp_ptr, reasons_ptr,
+    num_pages, stride_owner, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cp, stride_cs, stride_ch, stride_dp, stride_ds, stride_dh,
+    PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    target = tl.load(slot_mapping_ptr + i).to(tl.int64)
+    owner = tl.load(owner_ptr + i * stride_owner)
+    page = target // PAGE
+    slot = target % PAGE
+    in_range = (target >= 0) & (page < num_pages)
+    tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
+    state = tag & _STATE_MASK
+    held = in_range & (owner > 0) & ((tag >> _OWNER_SHIFT) == owner) & (
+        (state == _RESERVED) | (state == _WRITTEN))
+    prefix = tl.where(state == _WRITTEN, (tag >> _VALID_LEN_SHIFT) & _VALID_LEN_MAX, 0)
+
+    # Walk back to where this token's run starts, but only as far as needed: once the run reaches
+    # the written prefix the token lands. A predecessor continues the run when it targets the slot
+    # just before on the same page under the same owner (then it is held exactly when this one is).
+    start = slot
+    j = i
+    walking = held & (start > prefix)
+    while walking:
+        prev_target = tl.load(slot_mapping_ptr + j - 1, mask=j > 0, other=-1).to(tl.int64)
+        prev_owner = tl.load(owner_ptr + (j - 1) * stride_owner, mask=j > 0, other=0)
+        continues = (j > 0) & (start > 0) & (prev_target == target - (slot - start) - 1) & (
+            prev_owner == owner)
+        start = tl.where(continues, start - 1, start)
+        j = tl.where(continues, j - 1, j)
+        walking = continues & (start > prefix)
+    landed = held & (start <= prefix)
+
+    reason = tl.where(landed, 0, _D_GAP)
+    reason = tl.where(held, reason, _D_NOT_HELD)
+    reason = tl.where(in_range, reason, _D_OUT_OF_RANGE)
+    reason = tl.where(target < 0, 0, reason)  # padding: neither written nor counted
+    tl.store(reasons_ptr + i, reason.to(tl.int8))
+    stamp = (owner << _OWNER_SHIFT) | ((slot + 1) << _VALID_LEN_SHIFT) | _WRITTEN
+    tl.store(stamp_ptr + i, tl.where(landed, stamp, 0))
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    # A refused token has no heads to move (a scalar bool cannot join a vector mask directly).
+    num_heads = tl.where(landed, NUM_KV_HEADS, 0)
+    hd_mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+    row = offs_h[:, None] * stride_kh + offs_d[None, :]  # [BLOCK_H, BLOCK_D]
+    k = tl.load(k_ptr + i * stride_kt + row, mask=hd_mask)
+    v = tl.load(v_ptr + i * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=hd_mask)
+    safe_page = tl.where(landed, page, 0)
+    tl.store(k_cache_ptr + safe_page * stride_cp + slot * stride_cs + offs_h[:, None] * stride_ch
+             + offs_d[None, :], k, mask=hd_mask)
+    tl.store(v_cache_ptr + safe_page * stride_dp + slot * stride_ds + offs_h[:, None] * stride_dh
+             + offs_d[None, :], v, mask=hd_mask)
+
+
+@triton.jit
+def stamp_kernel(slot_mapping_ptr, stamp_ptr, tags_ptr, num_tokens, PAGE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    stamp = tl.load(stamp_ptr + offs, mask=offs < num_tokens, other=0)
+    target = tl.load(slot_mapping_ptr + offs, mask=offs < num_tokens, other=0).to(tl.int64)
+    # While one owner holds a page its tag only grows, so the largest stamp is the new tag.
+    tl.atomic_max(tags_ptr + target // PAGE, stamp, mask=stamp != 0)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners):
+    """Launch both kernels; arguments already validated by :func:`kvattn.writers.write_kv`
+    (``owners`` an int64 tensor ``[T]``, possibly a stride-0 expansion). Returns
+    ``(landed, drop_reasons)``."""
+    import torch
+
+    num_tokens = slot_mapping.shape[0]
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    stamps = torch.empty(num_tokens, dtype=torch.int64, device=k.device)
+    reasons = torch.empty(num_tokens, dtype=torch.int8, device=k.device)
+    write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, page_tags, owners, stamps, reasons,
+        num_pages, owners.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        PAGE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    block = 256
+    stamp_kernel[(triton.cdiv(num_tokens, block),)](slot_mapping, stamps, page_tags, num_tokens,
+                                                    PAGE=page_size, BLOCK=block)
+    return stamps != 0, reasons
