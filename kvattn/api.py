@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .layout import validate_decode
+from .layout import validate_decode, validate_extend
 from .report import OwnershipReport
 
 
@@ -63,6 +63,81 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     report: OwnershipReport | None = impl.decode(args, check=check, out=out, lse=lse)
+    if on_violation == "raise":
+        report.raise_if_any()
+    return (out, lse, report) if return_lse else (out, report)
+
+
+def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 page_tags: torch.Tensor, expected: torch.Tensor, *, scale: float | None = None,
+                 causal: bool = True, check: bool = True, on_violation: str = "report",
+                 backend: str = "auto", out: torch.Tensor | None = None,
+                 return_lse: bool = False, validate: bool | None = None):
+    """Ownership-checked paged attention for a ragged batch of new query tokens (chunked prefill,
+    prefill over a cached prefix).
+
+    Sequence ``b`` owns query rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` (``q_len_b`` of them).
+    ``seq_lens[b]`` is the sequence's full length *including* those tokens, whose K/V must already
+    be appended to the pages (:func:`kvattn.write_kv`), so every key and value the call reads comes
+    from pages and passes the check. The new tokens are the last ``q_len_b`` tokens: query row
+    ``j`` sits at position ``seq_lens[b] - q_len_b + j`` and, with ``causal``, attends to keys at
+    positions up to its own (causal masking aligned to the end of the sequence); without it, to all
+    ``seq_lens[b]`` keys. GQA, the reader's rule, the masking of refused slots and the report are
+    those of :func:`kvattn.paged_decode` (ownership.md section 3): every logical page covering
+    ``[0, seq_lens[b])`` is checked and, if refused, counted once for the sequence however many
+    query rows read it; the report equals decode's for the same ``seq_lens``. A row with nothing
+    readable gets output 0 and lse -inf.
+
+    Malformed lengths (value checks, run on CPU tensors or with ``validate=True``): a sequence with
+    more query tokens than tokens (``q_len_b > seq_lens[b]``, its K/V cannot all be in pages) is a
+    ``ValueError``; unvalidated, that sequence fails closed: none of its rows reads anything (output
+    0, lse -inf) while its pages are still checked and reported. ``cu_seqlens_q`` that does not
+    start at 0, decreases or does not end at ``total_q`` is a ``ValueError``; unvalidated, it is
+    clamped to ``[0, total_q]`` and made non-decreasing, so no row outside ``q`` is touched, and rows
+    no sequence covers are left unwritten. ``seq_lens`` past the table count as in decode.
+
+    Args:
+        q: ``[total_q, num_heads, head_dim]`` queries of the new tokens, sequence by sequence.
+        k_cache, v_cache: the page pools (:mod:`kvattn.layout`; may be strided views; never copied).
+        cu_seqlens_q: ``[B + 1]`` int32 row offsets of the sequences in ``q``.
+        block_table: ``[B, max_pages]`` int32 logical-to-physical page map.
+        seq_lens: ``[B]`` int32 tokens per sequence, the new ones included.
+        page_tags: ``[num_pages]`` int64 page tags.
+        expected: ``[B]`` or ``[B, max_pages]`` int64 owner ids the pages must carry (per entry for a
+            prefix shared from another lease).
+        scale: logit scale; default ``head_dim ** -0.5``.
+        causal: mask keys after each query's position (default True).
+        check: False runs the unchecked variant (same kernel, check compiled out, no report).
+        on_violation: ``"report"`` or ``"raise"`` (synchronises; raises
+            :class:`kvattn.KVOwnershipError` after writing the output).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (:mod:`kvattn.backends`).
+        out: optional ``[total_q, num_heads, head_dim]`` output buffer (dtype of ``q``).
+        return_lse: also return the ``[total_q, num_heads]`` float32 natural-log LSE.
+        validate: run the value checks (default: only on CPU tensors, where they cost no sync).
+
+    Returns:
+        ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``; ``report`` is an
+        :class:`kvattn.OwnershipReport` in device memory, None when ``check=False``.
+
+    Raises:
+        ValueError, TypeError: malformed inputs, naming the argument, the expected and the actual.
+        KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
+    """
+    if on_violation not in ("report", "raise"):
+        raise ValueError(f"on_violation: expected 'report' or 'raise', got {on_violation!r}")
+    if not isinstance(check, bool):
+        raise TypeError(f"check: expected a bool, got {type(check).__name__}")
+    if not check and on_violation == "raise":
+        raise ValueError("on_violation: expected 'report' when check=False (nothing is checked), "
+                         "got 'raise'")
+    args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
+                           expected, scale=scale, causal=causal, out=out, validate=validate)
+    impl = backends.select(args, backend, op="extend")
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    report: OwnershipReport | None = impl.extend(args, check=check, out=out, lse=lse)
     if on_violation == "raise":
         report.raise_if_any()
     return (out, lse, report) if return_lse else (out, report)

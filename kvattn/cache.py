@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .api import paged_decode
+from .api import paged_decode, paged_extend
 from .layout import KV_DTYPES
 from .tags import OWNER_MAX
 from .writers import WriteResult, release_pages, reserve_pages, write_kv
@@ -160,6 +160,34 @@ class PagedKVCache:
         table, seq_lens, expected = self.batch(leases)
         return paged_decode(q, self.k_cache, self.v_cache, table, seq_lens, self.page_tags,
                             expected, **kwargs)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leases: list[Lease],
+                q_lens, **kwargs):
+        """One chunk of (chunked) prefill for a batch of leases: append each lease's new K/V after
+        its tokens, then :func:`kvattn.paged_extend` of its queries over all its pages (a shared
+        prefix included, checked against the owner that wrote it).
+
+        ``q`` ``[total_q, num_heads, head_dim]``, ``k``/``v`` ``[total_q, num_kv_heads, head_dim]``:
+        the new tokens of ``leases[0]``, then of ``leases[1]``, ...; ``q_lens``: how many belong to
+        each lease (host ints: the chunk schedule is host bookkeeping). A token the writer refuses
+        leaves its slot unwritten, so the attention refuses it and the report shows it.
+        Returns what :func:`kvattn.paged_extend` returns.
+        """
+        q_lens = [int(n) for n in q_lens]
+        if len(q_lens) != len(leases) or min(q_lens, default=0) < 0:
+            raise ValueError(f"q_lens: expected {len(leases)} non-negative counts (one per lease), "
+                             f"got {q_lens}")
+        if sum(q_lens) != k.shape[0]:
+            raise ValueError(f"k: expected {sum(q_lens)} tokens (the sum of q_lens), got "
+                             f"{k.shape[0]}")
+        start = 0
+        for lease, count in zip(leases, q_lens):
+            self.append(lease, k[start:start + count], v[start:start + count])
+            start += count
+        offsets = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+        table, seq_lens, expected = self.batch(leases)
+        return paged_extend(q, self.k_cache, self.v_cache, offsets.to(self.device), table, seq_lens,
+                            self.page_tags, expected, **kwargs)
 
     @staticmethod
     def _check_live(lease: Lease) -> None:

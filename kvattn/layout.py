@@ -198,3 +198,147 @@ def check_lengths_and_owners(seq_lens, expected, page_size: int, max_pages: int)
         b, i = (int(x) for x in bad[0])
         _fail("expected", f"owner ids in [1, {OWNER_MAX}] for every page read",
               f"expected[{b}, {i}] = {int(owners[b, i])}")
+
+
+@dataclass
+class ExtendArgs:
+    """Validated extend (chunked prefill) inputs; ``expected`` is 2-D as in :class:`DecodeArgs`.
+
+    Ragged batch: sequence ``b`` owns query rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of
+    ``q`` ``[total_q, num_heads, head_dim]``. ``seq_lens[b]`` counts every token of the sequence in
+    pages, the new ones included (their K/V were appended first), so the new tokens are the last
+    ``q_len_b`` tokens: query row ``j`` of ``b`` sits at position ``seq_lens[b] - q_len_b + j``.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    page_tags: torch.Tensor
+    expected: torch.Tensor
+    scale: float
+    causal: bool
+
+    @property
+    def batch(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def total_q(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def max_pages(self) -> int:
+        return self.block_table.shape[1]
+
+
+def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
+                    *, scale=None, causal=True, out=None, validate=None) -> ExtendArgs:
+    """Check every extend input against the layout above (``q``/``out`` are ``[total_q,
+    num_heads, head_dim]`` here, ``cu_seqlens_q`` ``[B + 1]`` int32); raise ValueError/TypeError
+    naming the argument, what was expected and what was got.
+
+    Value checks (with ``validate``, default on CPU tensors): those of decode, plus
+    ``cu_seqlens_q`` starting at 0, non-decreasing and ending at ``total_q``, and every sequence
+    holding at least its query tokens (``seq_lens[b] >= q_len_b``). Skipped, the kernels fail
+    closed: see :func:`kvattn.paged_extend`.
+    """
+    check_tensor("q", q, ndim=3, dtypes=KV_DTYPES)
+    device = q.device
+    check_kv_pools(k_cache, v_cache, device)
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache: expected dtype {q.dtype} (that of q), got {k_cache.dtype}")
+    total_q, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, kv_head_dim = k_cache.shape
+    if kv_head_dim != head_dim:
+        _fail("k_cache", f"head_dim {head_dim} (that of q) in dim 3", kv_head_dim)
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        _fail("k_cache", f"num_kv_heads (dim 2) dividing q's {num_heads} heads", num_kv_heads)
+    check_last_dim_contiguous("q", q)
+
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+    batch, max_pages = block_table.shape
+    if batch < 1 or max_pages < 1:
+        _fail("block_table", "shape (B >= 1, max_pages >= 1)", f"{tuple(block_table.shape)}")
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
+    check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    check_shape("seq_lens", seq_lens, (batch,))
+    check_page_tags(page_tags, num_pages, device)
+    check_tensor("expected", expected, dtypes=(torch.int64,), device=device)
+    if tuple(expected.shape) == (batch,):
+        expected = expected[:, None].expand(batch, max_pages)
+    elif tuple(expected.shape) != (batch, max_pages):
+        _fail("expected", f"shape ({batch},) or ({batch}, {max_pages})", f"{tuple(expected.shape)}")
+
+    if scale is None:
+        scale = head_dim ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        _fail("scale", "a positive float or None", repr(scale))
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if out is not None:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=device)
+        check_shape("out", out, q.shape)
+        check_last_dim_contiguous("out", out)
+
+    if validate is None:
+        validate = device.type == "cpu"
+    if validate:
+        check_query_offsets(cu_seqlens_q, seq_lens, total_q)
+        check_lengths_and_owners(seq_lens, expected, page_size, max_pages)
+    return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
+                      float(scale), causal)
+
+
+def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int) -> None:
+    """The value checks of ``cu_seqlens_q`` (host-side: synchronises on a device tensor)."""
+    cu = cu_seqlens_q.cpu().to(torch.int64)
+    if int(cu[0]) != 0:
+        _fail("cu_seqlens_q", "cu_seqlens_q[0] = 0", f"cu_seqlens_q[0] = {int(cu[0])}")
+    q_lens = cu[1:] - cu[:-1]
+    bad = torch.nonzero(q_lens < 0).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        _fail("cu_seqlens_q", "non-decreasing offsets",
+              f"cu_seqlens_q[{b + 1}] = {int(cu[b + 1])} < cu_seqlens_q[{b}] = {int(cu[b])}")
+    if int(cu[-1]) != total_q:
+        _fail("cu_seqlens_q", f"a last offset equal to total_q = {total_q} (q's dim 0)",
+              f"cu_seqlens_q[-1] = {int(cu[-1])}")
+    lens = seq_lens.cpu().to(torch.int64)
+    bad = torch.nonzero(q_lens > lens).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        _fail("seq_lens", "each length to include the sequence's new query tokens "
+              "(seq_lens[b] >= cu_seqlens_q[b + 1] - cu_seqlens_q[b])",
+              f"seq_lens[{b}] = {int(lens[b])} with {int(q_lens[b])} query tokens")
+
+
+def query_offsets(cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
+    """``[B + 1]`` int64 offsets the kernels use: ``cu_seqlens_q`` clamped to ``[0, total_q]`` and
+    made non-decreasing (device ops, no synchronisation). Equal to ``cu_seqlens_q`` when it passes
+    :func:`check_query_offsets`; otherwise every row a kernel touches still lies inside ``q`` and
+    belongs to one sequence only, and rows outside every sequence are not written."""
+    return torch.cummax(cu_seqlens_q.long().clamp(0, total_q), dim=0).values

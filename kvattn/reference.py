@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import validate_decode
+from .layout import query_offsets, validate_decode, validate_extend
 from .report import OwnershipReport
 from .tags import STATE_WRITTEN, Violation, page_reason, tag_owner, tag_state, tag_valid_len
 
@@ -103,4 +103,56 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected
     k = a.k_cache[pages].flatten(1, 2)  # [B, M * P, Hkv, D]
     v = a.v_cache[pages].flatten(1, 2)
     out, lse = attend(a.q, k, v, allowed.flatten(1), a.scale, compute_dtype)
+    return (out, lse, report) if return_lse else (out, report)
+
+
+def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
+                 scale=None, causal=True, check=True, return_lse=False,
+                 compute_dtype=torch.float32):
+    """Reference paged extend (chunked prefill). Arguments and semantics as
+    :func:`kvattn.paged_extend`; layout in :mod:`kvattn.layout`.
+
+    Sequence ``b`` has ``q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b]`` new query rows, the last
+    ``q_len`` of its ``seq_lens[b]`` tokens; row ``j`` sits at position ``seq_lens[b] - q_len + j``
+    and, when ``causal``, reads keys at positions up to its own. The reader's rule and the report
+    are exactly those of :func:`paged_decode` for the same ``seq_lens``: every page covering
+    ``[0, seq_len)`` is checked and counted once per sequence. A sequence with ``q_len > seq_len``
+    reads nothing (its rows get 0 and lse -inf). Rows outside every sequence (possible only when
+    ``cu_seqlens_q`` fails validation) come out 0 here; the kernels leave them unwritten.
+
+    Returns ``(out, report)`` or ``(out, lse, report)``, ``out`` ``[total_q, num_heads, head_dim]``
+    in ``compute_dtype``, ``lse`` ``[total_q, num_heads]``; ``report`` is None when unchecked.
+    """
+    a = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
+                        expected, scale=scale, causal=causal, validate=False)
+    if check:
+        allowed, report = page_verdicts(a.block_table, a.seq_lens, a.page_tags, a.expected,
+                                        a.page_size)
+    else:
+        pages = a.block_table.long()
+        in_range = (pages >= 0) & (pages < a.num_pages)
+        allowed = length_mask(a.block_table, a.seq_lens, a.page_size) & in_range[..., None]
+        report = None
+    allowed = allowed.flatten(1)  # [B, M * P]
+    pages = a.block_table.long().clamp(0, a.num_pages - 1)
+    k = a.k_cache[pages].flatten(1, 2)  # [B, M * P, Hkv, D]
+    v = a.v_cache[pages].flatten(1, 2)
+
+    out = torch.zeros(a.total_q, a.num_heads, a.head_dim, dtype=compute_dtype, device=q.device)
+    lse = torch.full((a.total_q, a.num_heads), float("-inf"), dtype=compute_dtype, device=q.device)
+    starts = query_offsets(a.cu_seqlens_q, a.total_q).tolist()
+    key_pos = torch.arange(allowed.shape[1], device=q.device)
+    for b in range(a.batch):
+        lo, hi = starts[b], starts[b + 1]
+        seq_len = int(a.seq_lens[b])
+        if hi == lo or hi - lo > seq_len:
+            continue
+        q_pos = seq_len - (hi - lo) + torch.arange(hi - lo, device=q.device)  # [q_len]
+        rows_allowed = allowed[b][None, :].expand(hi - lo, -1)  # [q_len, N]
+        if a.causal:
+            rows_allowed = rows_allowed & (key_pos[None, :] <= q_pos[:, None])
+        n = rows_allowed.shape[1]
+        out[lo:hi], lse[lo:hi] = attend(a.q[lo:hi], k[b].expand(hi - lo, n, -1, -1),
+                                        v[b].expand(hi - lo, n, -1, -1), rows_allowed, a.scale,
+                                        compute_dtype)
     return (out, lse, report) if return_lse else (out, report)

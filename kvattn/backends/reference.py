@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from ..layout import DecodeArgs
+from ..layout import DecodeArgs, ExtendArgs
 from ..report import OwnershipReport
 
 NAME = "reference"
@@ -20,6 +20,18 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
     result = reference.paged_decode(args.q, args.k_cache, args.v_cache, args.block_table,
                                     args.seq_lens, args.page_tags, args.expected, scale=args.scale,
                                     check=check, return_lse=True)
+    out.copy_(result[0])
+    if lse is not None:
+        lse.copy_(result[1])
+    return result[2]
+
+
+def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
+           lse: torch.Tensor | None) -> OwnershipReport | None:
+    result = reference.paged_extend(args.q, args.k_cache, args.v_cache, args.cu_seqlens_q,
+                                    args.block_table, args.seq_lens, args.page_tags, args.expected,
+                                    scale=args.scale, causal=args.causal, check=check,
+                                    return_lse=True)
     out.copy_(result[0])
     if lse is not None:
         lse.copy_(result[1])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .decode import MAX_HEAD_DIM, decode, interpreted
+from .extend import extend
 
 NAME = "triton"
 
@@ -17,4 +18,4 @@ def why_not(args) -> str | None:
     return None
 
 
-__all__ = ["NAME", "decode", "why_not"]
+__all__ = ["NAME", "decode", "extend", "why_not"]
