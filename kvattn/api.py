@@ -49,23 +49,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         ValueError, TypeError: malformed inputs, naming the argument, the expected and the actual.
         KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
     """
-    if on_violation not in ("report", "raise"):
-        raise ValueError(f"on_violation: expected 'report' or 'raise', got {on_violation!r}")
-    if not isinstance(check, bool):
-        raise TypeError(f"check: expected a bool, got {type(check).__name__}")
-    if not check and on_violation == "raise":
-        raise ValueError("on_violation: expected 'report' when check=False (nothing is checked), "
-                         "got 'raise'")
+    _check_mode(check, on_violation)
     args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
                            scale=scale, out=out, validate=validate)
-    impl = backends.select(args, backend)
-    if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-    report: OwnershipReport | None = impl.decode(args, check=check, out=out, lse=lse)
-    if on_violation == "raise":
-        report.raise_if_any()
-    return (out, lse, report) if return_lse else (out, report)
+    return _run("decode", args, backend, check, on_violation, out, return_lse)
 
 
 def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -124,6 +111,13 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         ValueError, TypeError: malformed inputs, naming the argument, the expected and the actual.
         KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
     """
+    _check_mode(check, on_violation)
+    args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
+                           expected, scale=scale, causal=causal, out=out, validate=validate)
+    return _run("extend", args, backend, check, on_violation, out, return_lse)
+
+
+def _check_mode(check, on_violation) -> None:
     if on_violation not in ("report", "raise"):
         raise ValueError(f"on_violation: expected 'report' or 'raise', got {on_violation!r}")
     if not isinstance(check, bool):
@@ -131,13 +125,16 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not check and on_violation == "raise":
         raise ValueError("on_violation: expected 'report' when check=False (nothing is checked), "
                          "got 'raise'")
-    args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
-                           expected, scale=scale, causal=causal, out=out, validate=validate)
-    impl = backends.select(args, backend, op="extend")
+
+
+def _run(op: str, args, backend: str, check: bool, on_violation: str, out, return_lse: bool):
+    """Pick the backend for ``op``, allocate what the caller did not give, launch, report."""
+    impl = backends.select(args, backend, op=op)
+    q = args.q
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-    report: OwnershipReport | None = impl.extend(args, check=check, out=out, lse=lse)
+    report: OwnershipReport | None = getattr(impl, op)(args, check=check, out=out, lse=lse)
     if on_violation == "raise":
         report.raise_if_any()
     return (out, lse, report) if return_lse else (out, report)

@@ -42,22 +42,8 @@ KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_PAGE_SIZE = 256
 
 
-@dataclass
-class DecodeArgs:
-    """Validated decode inputs. ``expected`` is always 2-D here (a stride-0 view for ``[B]``)."""
-
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    page_tags: torch.Tensor
-    expected: torch.Tensor
-    scale: float
-
-    @property
-    def batch(self) -> int:
-        return self.q.shape[0]
+class _PagedShapes:
+    """Sizes read off validated tensors, shared by the argument records of every op."""
 
     @property
     def num_heads(self) -> int:
@@ -82,6 +68,24 @@ class DecodeArgs:
     @property
     def max_pages(self) -> int:
         return self.block_table.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.block_table.shape[0]
+
+
+@dataclass
+class DecodeArgs(_PagedShapes):
+    """Validated decode inputs. ``expected`` is always 2-D here (a stride-0 view for ``[B]``)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    page_tags: torch.Tensor
+    expected: torch.Tensor
+    scale: float
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -133,52 +137,70 @@ def check_page_tags(page_tags, num_pages: int, device=None) -> None:
         _fail("page_tags", "a contiguous tensor", f"stride {page_tags.stride()}")
 
 
-def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *,
-                    scale=None, out=None, validate=None) -> DecodeArgs:
-    """Check every decode input against the layout above; raise ValueError/TypeError naming the
-    argument, what was expected and what was got. Returns the inputs in canonical form."""
+def _check_query_and_pools(q, k_cache, v_cache) -> None:
+    """``q`` (``[rows, num_heads, head_dim]``) against the pools: dtype, head_dim, GQA grouping."""
     check_tensor("q", q, ndim=3, dtypes=KV_DTYPES)
-    device = q.device
-    check_kv_pools(k_cache, v_cache, device)
+    check_kv_pools(k_cache, v_cache, q.device)
     if k_cache.dtype != q.dtype:
         raise TypeError(f"k_cache: expected dtype {q.dtype} (that of q), got {k_cache.dtype}")
-    batch, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, kv_head_dim = k_cache.shape
-    if batch < 1:
-        _fail("q", "a batch of at least one sequence", f"shape {tuple(q.shape)}")
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads, kv_head_dim = k_cache.shape[2:]
     if kv_head_dim != head_dim:
         _fail("k_cache", f"head_dim {head_dim} (that of q) in dim 3", kv_head_dim)
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         _fail("k_cache", f"num_kv_heads (dim 2) dividing q's {num_heads} heads", num_kv_heads)
     check_last_dim_contiguous("q", q)
 
+
+def _check_index_tensors(block_table, seq_lens, page_tags, expected, batch: int, num_pages: int,
+                         device) -> torch.Tensor:
+    """The block table, lengths, tags and expected owners; returns ``expected`` as ``[B, max_pages]``
+    (a stride-0 view when given per sequence)."""
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
     if block_table.shape[0] != batch or block_table.shape[1] < 1:
         _fail("block_table", f"shape ({batch}, max_pages >= 1)", f"{tuple(block_table.shape)}")
+    check_last_dim_contiguous("block_table", block_table)
     max_pages = block_table.shape[1]
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
     check_shape("seq_lens", seq_lens, (batch,))
+    check_last_dim_contiguous("seq_lens", seq_lens)
     check_page_tags(page_tags, num_pages, device)
     check_tensor("expected", expected, dtypes=(torch.int64,), device=device)
     if tuple(expected.shape) == (batch,):
-        expected = expected[:, None].expand(batch, max_pages)
-    elif tuple(expected.shape) != (batch, max_pages):
+        return expected[:, None].expand(batch, max_pages)
+    if tuple(expected.shape) != (batch, max_pages):
         _fail("expected", f"shape ({batch},) or ({batch}, {max_pages})", f"{tuple(expected.shape)}")
+    return expected
 
+
+def _check_scale_and_out(scale, out, q) -> float:
     if scale is None:
-        scale = head_dim ** -0.5
+        scale = q.shape[2] ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         _fail("scale", "a positive float or None", repr(scale))
     if out is not None:
-        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=device)
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
         check_shape("out", out, q.shape)
         check_last_dim_contiguous("out", out)
+    return float(scale)
 
+
+def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *,
+                    scale=None, out=None, validate=None) -> DecodeArgs:
+    """Check every decode input against the layout above; raise ValueError/TypeError naming the
+    argument, what was expected and what was got. Returns the inputs in canonical form."""
+    _check_query_and_pools(q, k_cache, v_cache)
+    batch = q.shape[0]
+    if batch < 1:
+        _fail("q", "a batch of at least one sequence", f"shape {tuple(q.shape)}")
+    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
+                                    k_cache.shape[0], q.device)
+    scale = _check_scale_and_out(scale, out, q)
     if validate is None:
-        validate = device.type == "cpu"
+        validate = q.device.type == "cpu"
     if validate:
-        check_lengths_and_owners(seq_lens, expected, page_size, max_pages)
-    return DecodeArgs(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, float(scale))
+        check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], block_table.shape[1])
+    return DecodeArgs(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale)
 
 
 def check_lengths_and_owners(seq_lens, expected, page_size: int, max_pages: int) -> None:
@@ -201,7 +223,7 @@ def check_lengths_and_owners(seq_lens, expected, page_size: int, max_pages: int)
 
 
 @dataclass
-class ExtendArgs:
+class ExtendArgs(_PagedShapes):
     """Validated extend (chunked prefill) inputs; ``expected`` is 2-D as in :class:`DecodeArgs`.
 
     Ragged batch: sequence ``b`` owns query rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of
@@ -222,36 +244,8 @@ class ExtendArgs:
     causal: bool
 
     @property
-    def batch(self) -> int:
-        return self.block_table.shape[0]
-
-    @property
     def total_q(self) -> int:
         return self.q.shape[0]
-
-    @property
-    def num_heads(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def head_dim(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def num_pages(self) -> int:
-        return self.k_cache.shape[0]
-
-    @property
-    def page_size(self) -> int:
-        return self.k_cache.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.k_cache.shape[2]
-
-    @property
-    def max_pages(self) -> int:
-        return self.block_table.shape[1]
 
 
 def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
@@ -265,52 +259,26 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     holding at least its query tokens (``seq_lens[b] >= q_len_b``). Skipped, the kernels fail
     closed: see :func:`kvattn.paged_extend`.
     """
-    check_tensor("q", q, ndim=3, dtypes=KV_DTYPES)
-    device = q.device
-    check_kv_pools(k_cache, v_cache, device)
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache: expected dtype {q.dtype} (that of q), got {k_cache.dtype}")
-    total_q, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, kv_head_dim = k_cache.shape
-    if kv_head_dim != head_dim:
-        _fail("k_cache", f"head_dim {head_dim} (that of q) in dim 3", kv_head_dim)
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        _fail("k_cache", f"num_kv_heads (dim 2) dividing q's {num_heads} heads", num_kv_heads)
-    check_last_dim_contiguous("q", q)
-
-    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+    _check_query_and_pools(q, k_cache, v_cache)
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
     batch, max_pages = block_table.shape
-    if batch < 1 or max_pages < 1:
+    if batch < 1:
         _fail("block_table", "shape (B >= 1, max_pages >= 1)", f"{tuple(block_table.shape)}")
-    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
     check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
-    check_shape("seq_lens", seq_lens, (batch,))
-    check_page_tags(page_tags, num_pages, device)
-    check_tensor("expected", expected, dtypes=(torch.int64,), device=device)
-    if tuple(expected.shape) == (batch,):
-        expected = expected[:, None].expand(batch, max_pages)
-    elif tuple(expected.shape) != (batch, max_pages):
-        _fail("expected", f"shape ({batch},) or ({batch}, {max_pages})", f"{tuple(expected.shape)}")
-
-    if scale is None:
-        scale = head_dim ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        _fail("scale", "a positive float or None", repr(scale))
+    check_last_dim_contiguous("cu_seqlens_q", cu_seqlens_q)
+    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
+                                    k_cache.shape[0], q.device)
+    scale = _check_scale_and_out(scale, out, q)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if out is not None:
-        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=device)
-        check_shape("out", out, q.shape)
-        check_last_dim_contiguous("out", out)
-
     if validate is None:
-        validate = device.type == "cpu"
+        validate = q.device.type == "cpu"
     if validate:
-        check_query_offsets(cu_seqlens_q, seq_lens, total_q)
-        check_lengths_and_owners(seq_lens, expected, page_size, max_pages)
+        check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0])
+        check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], max_pages)
     return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                      float(scale), causal)
+                      scale, causal)
 
 
 def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int) -> None:
