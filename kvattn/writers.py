@@ -84,11 +84,12 @@ def _masked_put(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: torch
     can never race an accepted write to the same element; if no row is accepted, every row writes
     back what its (clamped) index already holds. ``index`` entries must already be clamped in range.
     """
-    first = torch.argmax(ok.to(torch.int8))  # 0 when nothing is accepted
+    # index_select with a 1-element index tensor: indexing with a 0-d tensor would call .item().
+    first = torch.argmax(ok.to(torch.int8)).reshape(1)  # 0 when nothing is accepted
     any_ok = ok.any()
     row_ok = ok.view(-1, *([1] * (values.dim() - 1)))
-    idx = tuple(torch.where(ok, i, torch.where(any_ok, i[first], i)) for i in index)
-    fallback = torch.where(any_ok, values[first], dst[index].to(values.dtype))
+    idx = tuple(torch.where(ok, i, torch.where(any_ok, i.index_select(0, first), i)) for i in index)
+    fallback = torch.where(any_ok, values.index_select(0, first), dst[index].to(values.dtype))
     dst.index_put_(idx, torch.where(row_ok, values, fallback).to(dst.dtype))
 
 
@@ -178,7 +179,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     landed tokens aimed at the same slot race as in vLLM: one of the two values is kept.
 
     ``backend``: ``"torch"`` composes the steps from PyTorch ops (any device); ``"triton"`` runs
-    :mod:`kvattn.backends.triton.write_kv` (two launches); ``"auto"`` takes Triton for CUDA
+    :mod:`kvattn.backends.triton.stamp_writer` (two launches); ``"auto"`` takes Triton for CUDA
     tensors and torch elsewhere (under the CPU interpreter Triton would run one slow program per
     token). Both give the same result, except which value of two landed tokens aimed at one slot
     is kept.
@@ -203,7 +204,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         empty = torch.zeros(0, dtype=torch.bool, device=device)
         return WriteResult(empty, empty.to(torch.int8), torch.zeros((), dtype=torch.int64, device=device))
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
-        from .backends.triton.write_kv import write_kv as triton_write_kv
+        from .backends.triton.stamp_writer import write_kv as triton_write_kv
         landed, reasons = triton_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners)
         return WriteResult(landed, reasons, (reasons != 0).sum())
 

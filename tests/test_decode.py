@@ -133,7 +133,7 @@ def test_bf16_output_is_not_garbage(backend):
 
 def triton_decode_module():
     # kvattn.backends.triton re-exports the launcher under the submodule's name; fetch the module.
-    return importlib.import_module("kvattn.backends.triton.decode")
+    return importlib.import_module("kvattn.backends.triton.paged_decode")
 
 
 def split_backends():

@@ -116,7 +116,7 @@ def _extend_backends() -> list[str]:
 EXTEND_BACKENDS = _extend_backends()
 KERNELS = [name for name in EXTEND_BACKENDS if name != "reference"]
 # The package re-exports the launcher under the module's name, so import the module by path.
-TRITON_EXTEND = (importlib.import_module("kvattn.backends.triton.extend") if "triton" in KERNELS
+TRITON_EXTEND = (importlib.import_module("kvattn.backends.triton.paged_extend") if "triton" in KERNELS
                  else None)
 needs_triton = pytest.mark.skipif(TRITON_EXTEND is None, reason="Triton backend cannot run here")
 

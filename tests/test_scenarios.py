@@ -341,7 +341,7 @@ def test_masked_split_leaves_other_splits_exact(backend):
     for i in range(16):
         batch.page_tags[int(batch.block_table[0, i])] = kvattn.FREE_TAG
     if backend == "triton":
-        module = importlib.import_module("kvattn.backends.triton.decode")
+        module = importlib.import_module("kvattn.backends.triton.paged_decode")
         args = batch.args()
         assert module.plan_splits(args, module.tile_sizes(16, 64)[1])[0] == 2
     out, lse, report = check_against_reference(batch, backend)

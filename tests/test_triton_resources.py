@@ -1,4 +1,4 @@
-"""Static resources of the Triton decode kernel compiled for sm_90 (no GPU needed): the checked
+"""Static resources of the Triton decode and extend kernels compiled for sm_90 (no GPU needed): the checked
 and unchecked variants must not spill. The figures are printed, never compared as speed."""
 import json
 import os
@@ -23,7 +23,7 @@ def resources():
 
 
 def test_decode_kernel_does_not_spill(resources):
-    assert len(resources) >= 6  # every config, checked and unchecked
+    assert len(resources) >= 10  # every config, checked and unchecked
     for row in resources:
         print(row)
         assert row["local"] == 0 and row["stack"] == 0, f"spills: {row}"
@@ -32,7 +32,7 @@ def test_decode_kernel_does_not_spill(resources):
 def test_check_adds_no_shared_memory(resources):
     by_config = {}
     for row in resources:
-        key = (row["dtype"], row["head_dim"], row["page_size"])
+        key = (row["kernel"], row["dtype"], row["head_dim"], row["page_size"])
         by_config.setdefault(key, {})[row["check"]] = row
     for key, pair in by_config.items():
         assert pair[True]["shared"] == pair[False]["shared"], (key, pair)

@@ -1,8 +1,9 @@
-"""The Triton backend: one module per kernel, this facade for the registry."""
+"""The Triton backend: one module per kernel (``paged_decode``, ``paged_extend``,
+``stamp_writer``), the reader's rule they share (``tag_rule``), and this facade for the registry."""
 from __future__ import annotations
 
-from .decode import MAX_HEAD_DIM, decode, interpreted
-from .extend import extend
+from .paged_decode import MAX_HEAD_DIM, decode, interpreted
+from .paged_extend import extend
 
 NAME = "triton"
 

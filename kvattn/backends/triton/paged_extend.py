@@ -3,7 +3,7 @@ the block table, with the ownership check as a compile-time flag.
 
 One kernel source; ``CHECK=False`` compiles the check out. Layout: :mod:`kvattn.layout`; semantics:
 :func:`kvattn.paged_extend`. The reader's rule and the tag constants come from
-:mod:`kvattn.backends.triton.decode`, so both kernels apply the same test to a page.
+:mod:`.tag_rule`, so both kernels apply the same test to a page.
 
 Grid ``(query-tile slots, num_heads)``. Sequence ``b`` gets ``max(1, ceil(q_len_b / BLOCK_M))``
 consecutive slots; slot ``t`` of the grid finds its sequence by counting the per-sequence tile
@@ -26,8 +26,8 @@ import triton.language as tl
 
 from ...layout import ExtendArgs, query_offsets
 from ...report import OwnershipReport
-from .decode import (LOG2E, _LN2_INV, _V_OUT_OF_RANGE, _bit_or, _page_reason, _readable_len,
-                     interpreted)
+from .paged_decode import interpreted
+from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
 
 @triton.jit
@@ -103,7 +103,7 @@ def paged_extend_kernel(
             in_range = (page >= 0) & (page < num_pages)
             tag = tl.load(tags_ptr + page, mask=live & in_range, other=0)
             exp_owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
-            live = live & in_range & (slot < _readable_len(tag, exp_owner))
+            live = live & in_range & (slot < readable_len(tag, exp_owner))
         page = page.to(tl.int64)
         kv_mask = live[:, None] & d_mask[None, :]
         k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
@@ -136,7 +136,7 @@ def paged_extend_kernel(
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
     if RETURN_LSE:
-        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / _LN2_INV, float("-inf"))
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
         tl.store(lse_ptr + rows * NUM_HEADS + head, lse, mask=row_ok)
 
     if CHECK:
@@ -154,7 +154,7 @@ def paged_extend_kernel(
                     in_range = (page >= 0) & (page < num_pages)
                     tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
                     exp_owner = tl.load(exp_row + logical * stride_ep, mask=read, other=0)
-                    reason = tl.where(read, _page_reason(tag, in_range, exp_owner, slots_read), 0)
+                    reason = tl.where(read, page_reason(tag, in_range, exp_owner, slots_read), 0)
                     tl.store(page_reasons_ptr + b * max_pages + logical, reason.to(tl.int8),
                              mask=in_table)
                     bad += (reason != 0).to(tl.int32)
@@ -162,7 +162,7 @@ def paged_extend_kernel(
                     bits = bits | reason
                 # A seq_len past the table: nothing beyond it is read, and it counts once.
                 beyond = (raw_len > max_pages * PAGE).to(tl.int32)
-                reasons = tl.reduce(bits, 0, _bit_or) | tl.where(beyond != 0, _V_OUT_OF_RANGE, 0)
+                reasons = tl.reduce(bits, 0, bit_or) | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
                 tl.store(beyond_ptr + b, beyond)
                 tl.store(violations_ptr + b, tl.sum(bad, axis=0) + beyond)
                 tl.store(reasons_ptr + b, reasons)

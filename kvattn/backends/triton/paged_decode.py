@@ -2,7 +2,7 @@
 
 One kernel source; ``CHECK=False`` compiles the check out and yields the unchecked variant, which
 trusts the block table like any other paged kernel. Layout: :mod:`kvattn.layout`; tag format:
-:mod:`kvattn.tags` (its constants are passed in, never re-derived here).
+:mod:`kvattn.tags`; the rule itself: :mod:`.tag_rule`.
 
 Grid ``(B, num_kv_heads, num_splits)``: one program reads one KV head's pages of one split once and
 serves the whole GQA group of query heads with it. Splits cover page-aligned token ranges, so every
@@ -19,53 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import tags as T
 from ...layout import DecodeArgs
 from ...report import OwnershipReport
-from ...tags import Violation
+from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
 MAX_HEAD_DIM = 256
-LOG2E = 1.4426950408889634
-
-# The tag format and reasons, from kvattn.tags, as compile-time constants of every kernel.
-_STATE_MASK = tl.constexpr(T.STATE_MASK)
-_RESERVED = tl.constexpr(T.STATE_RESERVED)
-_WRITTEN = tl.constexpr(T.STATE_WRITTEN)
-_VALID_LEN_SHIFT = tl.constexpr(T.VALID_LEN_SHIFT)
-_VALID_LEN_MAX = tl.constexpr(T.VALID_LEN_MAX)
-_OWNER_SHIFT = tl.constexpr(T.OWNER_SHIFT)
-_V_OUT_OF_RANGE = tl.constexpr(int(Violation.OUT_OF_RANGE))
-_V_FREE = tl.constexpr(int(Violation.FREE))
-_V_RESERVED = tl.constexpr(int(Violation.RESERVED))
-_V_OWNER_MISMATCH = tl.constexpr(int(Violation.OWNER_MISMATCH))
-_V_UNWRITTEN = tl.constexpr(int(Violation.UNWRITTEN))
-_LN2_INV = tl.constexpr(LOG2E)
-
-
-@triton.jit
-def _bit_or(a, b):
-    return a | b
-
-
-@triton.jit
-def _readable_len(tag, exp_owner):
-    """The ownership part of the reader's rule: how many leading slots of the page may be read --
-    its valid_len if it is WRITTEN for the expected owner, else 0. Works on scalars and vectors."""
-    owned = ((tag & _STATE_MASK) == _WRITTEN) & ((tag >> _OWNER_SHIFT) == exp_owner)
-    return tl.where(owned, (tag >> _VALID_LEN_SHIFT) & _VALID_LEN_MAX, 0)
-
-
-@triton.jit
-def _page_reason(tag, in_range, exp_owner, slots_read):
-    """The reader's rule per page as a Violation value, first failing condition winning (the order
-    of kvattn.Violation); 0 when every slot read passes."""
-    state = tag & _STATE_MASK
-    valid_len = (tag >> _VALID_LEN_SHIFT) & _VALID_LEN_MAX
-    reason = tl.where(valid_len < slots_read, _V_UNWRITTEN, 0)
-    reason = tl.where((tag >> _OWNER_SHIFT) != exp_owner, _V_OWNER_MISMATCH, reason)
-    reason = tl.where(state == _RESERVED, _V_RESERVED, reason)
-    reason = tl.where((state != _RESERVED) & (state != _WRITTEN), _V_FREE, reason)
-    return tl.where(in_range, reason, _V_OUT_OF_RANGE)
 
 
 @triton.jit
@@ -124,7 +82,7 @@ def paged_decode_kernel(
             if CHECK:
                 in_range = (page >= 0) & (page < num_pages)
                 tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
-                readable = _readable_len(tag, tl.load(exp_row + logical * stride_ep))
+                readable = readable_len(tag, tl.load(exp_row + logical * stride_ep))
                 limit = tl.minimum(limit, tl.where(in_range, readable, 0))
             live = slot < limit
             k_rows = k_head + page.to(tl.int64) * stride_kp + slot * stride_ks  # [BLOCK_N]
@@ -138,7 +96,7 @@ def paged_decode_kernel(
                 in_range = (page >= 0) & (page < num_pages)
                 tag = tl.load(tags_ptr + page, mask=live & in_range, other=0)
                 exp_owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
-                live = live & (slot < tl.where(in_range, _readable_len(tag, exp_owner), 0))
+                live = live & (slot < tl.where(in_range, readable_len(tag, exp_owner), 0))
             k_rows = k_head + page.to(tl.int64) * stride_kp + slot * stride_ks  # [BLOCK_N]
             v_rows = v_head + page.to(tl.int64) * stride_vp + slot * stride_vs
         kv_mask = live[:, None] & d_mask[None, :]
@@ -178,19 +136,19 @@ def paged_decode_kernel(
                 in_range = (page >= 0) & (page < num_pages)
                 tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
                 exp_owner = tl.load(exp_row + logical * stride_ep, mask=read, other=0)
-                reason = tl.where(read, _page_reason(tag, in_range, exp_owner, slots_read), 0)
+                reason = tl.where(read, page_reason(tag, in_range, exp_owner, slots_read), 0)
                 tl.store(page_reasons_ptr + b * max_pages + logical, reason.to(tl.int8), mask=in_table)
                 bad += (reason != 0).to(tl.int32)
                 n_read += read.to(tl.int32)
                 bits = bits | reason
             n_bad = tl.sum(bad, axis=0)
-            reasons = tl.reduce(bits, 0, _bit_or)
+            reasons = tl.reduce(bits, 0, bit_or)
             if split == 0:
                 # A seq_len past the table: nothing beyond it is read, and it counts once.
                 beyond = (raw_len > max_pages * PAGE).to(tl.int32)
                 tl.store(beyond_ptr + b, beyond)
                 n_bad += beyond
-                reasons = reasons | tl.where(beyond != 0, _V_OUT_OF_RANGE, 0)
+                reasons = reasons | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
             tl.atomic_add(violations_ptr + b, n_bad)
             tl.atomic_or(reasons_ptr + b, reasons)
             tl.atomic_add(checked_ptr + b, tl.sum(n_read, axis=0))
@@ -201,7 +159,7 @@ def paged_decode_kernel(
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         if RETURN_LSE:
-            lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / _LN2_INV, float("-inf"))
+            lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
             tl.store(lse_ptr + b * NUM_HEADS + heads, lse, mask=g_mask)
     else:
         row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G]
@@ -237,7 +195,7 @@ def merge_splits_kernel(
     tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
     if RETURN_LSE:
-        lse = tl.where(l_sum > 0, (m_ref + tl.log2(l_safe)) / _LN2_INV, float("-inf"))
+        lse = tl.where(l_sum > 0, (m_ref + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
         tl.store(lse_ptr + b * NUM_HEADS + head, lse)
 
 
@@ -251,10 +209,11 @@ def _sm_count(device_index: int) -> int:
 
 
 def tile_sizes(head_dim: int, page_size: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_N). tl.dot needs every dimension >= 16. BLOCK_N = 16 keeps both variants free
-    of spills up to head_dim 256 on sm_90 (32- and 64-token tiles spilled in the checked variant at
-    4 warps; see tests/test_triton_resources.py); pages of 16+ tokens then give one scalar
-    block-table entry and tag per tile."""
+    """(BLOCK_D, BLOCK_N). tl.dot needs every dimension >= 16. 16-token tiles: on sm_90 compiles
+    (tools/triton_resources.py; registers, not timings) the checked variant holds 56 registers at
+    head_dim 128 and 80 at 256, against 89/159 with 32-token and 145/230 with 64-token tiles; the
+    loads of later tiles are kept in flight by the software pipeline. Pages of 16 tokens or more
+    then give one scalar block-table entry and tag per tile."""
     return max(16, triton.next_power_of_2(head_dim)), 16
 
 

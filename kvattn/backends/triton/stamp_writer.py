@@ -12,12 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...tags import WriteDrop
-from .decode import _OWNER_SHIFT, _RESERVED, _STATE_MASK, _VALID_LEN_MAX, _VALID_LEN_SHIFT, _WRITTEN
-
-_D_OUT_OF_RANGE = tl.constexpr(int(WriteDrop.OUT_OF_RANGE))
-_D_NOT_HELD = tl.constexpr(int(WriteDrop.NOT_HELD))
-_D_GAP = tl.constexpr(int(WriteDrop.GAP))
+from .tag_rule import DROP_GAP, DROP_NOT_HELD, DROP_OUT_OF_RANGE, held_by, written_prefix, written_tag
 
 
 @triton.jit
@@ -36,10 +31,8 @@ def write_kv_kernel(
     slot = target % PAGE
     in_range = (target >= 0) & (page < num_pages)
     tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
-    state = tag & _STATE_MASK
-    held = in_range & (owner > 0) & ((tag >> _OWNER_SHIFT) == owner) & (
-        (state == _RESERVED) | (state == _WRITTEN))
-    prefix = tl.where(state == _WRITTEN, (tag >> _VALID_LEN_SHIFT) & _VALID_LEN_MAX, 0)
+    held = in_range & held_by(tag, owner)
+    prefix = written_prefix(tag)
 
     # Walk back to where this token's run starts, but only as far as needed: once the run reaches
     # the written prefix the token lands. A predecessor continues the run when it targets the slot
@@ -57,13 +50,12 @@ def write_kv_kernel(
         walking = continues & (start > prefix)
     landed = held & (start <= prefix)
 
-    reason = tl.where(landed, 0, _D_GAP)
-    reason = tl.where(held, reason, _D_NOT_HELD)
-    reason = tl.where(in_range, reason, _D_OUT_OF_RANGE)
+    reason = tl.where(landed, 0, DROP_GAP)
+    reason = tl.where(held, reason, DROP_NOT_HELD)
+    reason = tl.where(in_range, reason, DROP_OUT_OF_RANGE)
     reason = tl.where(target < 0, 0, reason)  # padding: neither written nor counted
     tl.store(reasons_ptr + i, reason.to(tl.int8))
-    stamp = (owner << _OWNER_SHIFT) | ((slot + 1) << _VALID_LEN_SHIFT) | _WRITTEN
-    tl.store(stamp_ptr + i, tl.where(landed, stamp, 0))
+    tl.store(stamp_ptr + i, tl.where(landed, written_tag(owner, slot + 1), 0))
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
