@@ -1,0 +1,167 @@
+"""kvattn's operations as torch custom ops (``torch.ops.kvattn.*``), for torch.compile and export.
+
+Registered ops (``torch.library.custom_op``, each with a fake implementation for tracing):
+
+- ``kvattn::paged_decode`` and ``kvattn::paged_extend``: the attention plus the ownership report as
+  plain tensors, ``(out, lse, counts, page_reasons)``. ``counts`` ``[4, B]`` int32 stacks the report's
+  ``violations``, ``reasons``, ``pages_checked`` and ``beyond_table``; ``page_reasons`` is
+  ``[B, max_pages]`` int8. ``lse`` is empty (``[0]``) unless asked for. With ``check=False`` the
+  report tensors are zeros and the wrappers below return ``None`` for the report.
+- ``kvattn::write_kv``: mutates ``k_cache``, ``v_cache`` and ``page_tags``; returns ``(landed,
+  drop_reasons, dropped)`` as in :class:`kvattn.WriteResult`.
+
+The Python wrappers of this module have the signatures of :func:`kvattn.paged_decode`,
+:func:`kvattn.paged_extend` and :func:`kvattn.write_kv` (minus ``out=``) and return the same
+objects. Shapes, dtypes and devices are checked by the wrappers before dispatch (at trace time
+under torch.compile); the value checks (``validate``, default on CPU tensors) run inside the op, so
+they read no host values during tracing. Either way a malformed input raises the ValueError/TypeError
+of the direct call. ``on_violation="raise"``
+synchronises after the op (a graph break under torch.compile); ``"report"`` never does.
+
+The op boundary costs a dispatcher round trip per call; the direct functions of :mod:`kvattn`
+remain the fast path for eager callers (``tests/test_ops.py`` measures the difference).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import api, writers
+from .layout import check_tensor, validate_decode, validate_extend
+from .report import OwnershipReport
+from .tags import OWNER_MAX
+
+def _report_tensors(report: OwnershipReport | None, batch: int, max_pages: int, device):
+    if report is None:
+        return (torch.zeros(4, batch, dtype=torch.int32, device=device),
+                torch.zeros(batch, max_pages, dtype=torch.int8, device=device))
+    counts = torch.stack([report.violations, report.reasons, report.pages_checked,
+                          report.beyond_table]).to(torch.int32)
+    return counts, report.page_reasons
+
+
+def _report_from_tensors(counts: torch.Tensor, page_reasons: torch.Tensor) -> OwnershipReport:
+    return OwnershipReport(violations=counts[0], reasons=counts[1], pages_checked=counts[2],
+                           beyond_table=counts[3], page_reasons=page_reasons)
+
+
+@torch.library.custom_op("kvattn::paged_decode", mutates_args=())
+def _paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, page_tags: torch.Tensor,
+                     expected: torch.Tensor, scale: float | None, check: bool, backend: str,
+                     return_lse: bool, validate: bool | None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, report = api.paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags,
+                                        expected, scale=scale, check=check, backend=backend,
+                                        return_lse=True, validate=validate)
+    counts, page_reasons = _report_tensors(report, q.shape[0], block_table.shape[1], q.device)
+    return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
+
+
+@_paged_decode_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale, check, backend,
+      return_lse, validate):
+    batch, max_pages = block_table.shape
+    lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
+    return (torch.empty_like(q), lse, q.new_empty(4, batch, dtype=torch.int32),
+            q.new_empty(batch, max_pages, dtype=torch.int8))
+
+
+@torch.library.custom_op("kvattn::paged_extend", mutates_args=())
+def _paged_extend_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     page_tags: torch.Tensor, expected: torch.Tensor, scale: float | None,
+                     causal: bool, check: bool, backend: str, return_lse: bool,
+                     validate: bool | None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, report = api.paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens,
+                                        page_tags, expected, scale=scale, causal=causal, check=check,
+                                        backend=backend, return_lse=True, validate=validate)
+    counts, page_reasons = _report_tensors(report, block_table.shape[0], block_table.shape[1],
+                                           q.device)
+    return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
+
+
+@_paged_extend_op.register_fake
+def _(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, scale, causal,
+      check, backend, return_lse, validate):
+    batch, max_pages = block_table.shape
+    lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
+    return (torch.empty_like(q), lse, q.new_empty(4, batch, dtype=torch.int32),
+            q.new_empty(batch, max_pages, dtype=torch.int8))
+
+
+@torch.library.custom_op("kvattn::write_kv", mutates_args=("k_cache", "v_cache", "page_tags"))
+def _write_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, page_tags: torch.Tensor,
+                 owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    result = writers.write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner)
+    return result.landed, result.drop_reasons, result.dropped
+
+
+@_write_kv_op.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping, page_tags, owner):
+    n = slot_mapping.shape[0]
+    return (slot_mapping.new_empty(n, dtype=torch.bool), slot_mapping.new_empty(n, dtype=torch.int8),
+            slot_mapping.new_empty((), dtype=torch.int64))
+
+
+def _check_on_violation(check, on_violation):
+    if on_violation not in ("report", "raise"):
+        raise ValueError(f"on_violation: expected 'report' or 'raise', got {on_violation!r}")
+    if not isinstance(check, bool):
+        raise TypeError(f"check: expected a bool, got {type(check).__name__}")
+    if not check and on_violation == "raise":
+        raise ValueError("on_violation: expected 'report' when check=False (nothing is checked), "
+                         "got 'raise'")
+
+
+def _finish(out, lse, counts, page_reasons, check, on_violation, return_lse):
+    report = _report_from_tensors(counts, page_reasons) if check else None
+    if on_violation == "raise":
+        report.raise_if_any()
+    return (out, lse, report) if return_lse else (out, report)
+
+
+def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *, scale=None,
+                 check=True, on_violation="report", backend="auto", return_lse=False, validate=None):
+    """:func:`kvattn.paged_decode` through the ``kvattn::paged_decode`` custom op (no ``out=``)."""
+    _check_on_violation(check, on_violation)
+    args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
+                           scale=scale, validate=False)
+    out, lse, counts, page_reasons = torch.ops.kvattn.paged_decode(
+        q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, args.scale, check, backend,
+        return_lse, validate)
+    return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
+
+
+def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
+                 scale=None, causal=True, check=True, on_violation="report", backend="auto",
+                 return_lse=False, validate=None):
+    """:func:`kvattn.paged_extend` through the ``kvattn::paged_extend`` custom op (no ``out=``)."""
+    _check_on_violation(check, on_violation)
+    args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
+                           expected, scale=scale, causal=causal, validate=False)
+    out, lse, counts, page_reasons = torch.ops.kvattn.paged_extend(
+        q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, args.scale,
+        causal, check, backend, return_lse, validate)
+    return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner) -> writers.WriteResult:
+    """:func:`kvattn.write_kv` through the ``kvattn::write_kv`` custom op. ``owner`` may be an int
+    (checked here) or an int64 tensor, 0-d or ``[T]``."""
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64))
+    if isinstance(owner, torch.Tensor):
+        check_tensor("owner", owner, dtypes=(torch.int64,))
+    elif isinstance(owner, bool) or not isinstance(owner, int):
+        raise TypeError(f"owner: expected an int or an int64 tensor, got {type(owner).__name__}")
+    elif not 1 <= owner <= OWNER_MAX:
+        raise ValueError(f"owner: expected an id in [1, {OWNER_MAX}], got {owner}")
+    else:
+        owner = torch.tensor(owner, dtype=torch.int64, device=slot_mapping.device)
+    landed, drop_reasons, dropped = torch.ops.kvattn.write_kv(k, v, k_cache, v_cache, slot_mapping,
+                                                              page_tags, owner)
+    return writers.WriteResult(landed, drop_reasons, dropped)
+
+
+__all__ = ["paged_decode", "paged_extend", "write_kv"]
