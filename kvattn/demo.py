@@ -89,6 +89,36 @@ def replay_incident() -> None:
         raise SystemExit("demo: the replay did not behave as the contract says")
 
 
+def shared_prefix_prefill() -> None:
+    """Chunked prefill over a system prompt shared between two leases; then a bookkeeping bug maps a
+    foreign page into B's prefix and the extend kernel refuses it."""
+    torch.manual_seed(1)
+    dtype = torch.float16
+    cache = kvattn.PagedKVCache(num_pages=32, page_size=PAGE_SIZE, num_kv_heads=KV_HEADS,
+                                head_dim=HEAD_DIM, dtype=dtype, device=DEVICE)
+
+    def tokens(n):
+        return (torch.randn(n, HEADS, HEAD_DIM, device=DEVICE).to(dtype),
+                torch.randn(n, KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype),
+                torch.randn(n, KV_HEADS, HEAD_DIM, device=DEVICE).to(dtype))
+
+    system = cache.allocate(0)
+    for chunk in (20, 12):  # a 32-token system prompt prefilled in two chunks
+        _, report = cache.prefill(*tokens(chunk), [system], [chunk])
+    user_b = cache.share_prefix(system, 32)  # B reads the system prompt's pages under its owner
+    other = cache.allocate(0)
+    cache.prefill(*tokens(16), [other], [16])  # someone else's request
+    _, report = cache.prefill(*tokens(8), [user_b], [8])
+    print(f"\nChunked prefill with a shared prefix ({PAGE_SIZE}-token pages): B's 8 new tokens over "
+          f"{len(user_b.pages)} pages, 2 of them the system prompt's -> "
+          f"{report.summary()}")
+    user_b.pages[1] = other.pages[0]  # bookkeeping bug: a foreign page in B's prefix
+    user_b.page_owners[1] = user_b.owner  # ... recorded as if B had written it
+    _, report = cache.prefill(*tokens(1), [user_b], [1])
+    print("Same request after a foreign page slipped into its prefix -> "
+          + report.summary().replace("\n", "; "))
+
+
 def timing_table() -> None:
     batch, seq_len = (32, 4096) if DEVICE.type == "cuda" else (4, 256)
     cache = kvattn.PagedKVCache(num_pages=batch * seq_len // PAGE_SIZE + 1, page_size=PAGE_SIZE,
@@ -132,6 +162,7 @@ def timing_table() -> None:
 
 def main() -> None:
     replay_incident()
+    shared_prefix_prefill()
     timing_table()
 
 
