@@ -179,11 +179,26 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     landed tokens aimed at the same slot race as in vLLM: one of the two values is kept.
 
     ``backend``: ``"torch"`` composes the steps from PyTorch ops (any device); ``"triton"`` runs
-    :mod:`kvattn.backends.triton.stamp_writer` (two launches); ``"auto"`` takes Triton for CUDA
-    tensors and torch elsewhere (under the CPU interpreter Triton would run one slow program per
-    token). Both give the same result, except which value of two landed tokens aimed at one slot
-    is kept.
+    :mod:`kvattn.backends.triton.stamp_writer`; ``"cuda"`` the CUDA writer of csrc/ (``"cuda_sim"``:
+    the same source on the CPU harness). ``"auto"`` takes ``cuda`` for CUDA tensors when it is
+    built, else ``triton``, and ``torch`` for CPU tensors (the interpreter would run one slow
+    program per token). All give the same result, except which value of two landed tokens aimed
+    at one slot is kept.
     """
+    owners = validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner)
+    if backend not in _WRITERS:
+        raise ValueError(f"backend: expected one of {list(_WRITERS)}, got {backend!r}")
+    if backend == "auto":
+        backend = _auto_writer(k_cache.device)
+    if slot_mapping.shape[0] == 0:
+        empty = torch.zeros(0, dtype=torch.bool, device=k_cache.device)
+        return WriteResult(empty, empty.to(torch.int8),
+                           torch.zeros((), dtype=torch.int64, device=k_cache.device))
+    return _WRITERS[backend]()(k, v, k_cache, v_cache, slot_mapping, page_tags, owners)
+
+
+def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner) -> torch.Tensor:
+    """The argument checks of :func:`write_kv`; returns the owners as an int64 tensor ``[T]``."""
     check_kv_pools(k_cache, v_cache)
     device = k_cache.device
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
@@ -197,17 +212,41 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                              f"(tokens of slot_mapping, heads and head_dim of the cache), "
                              f"got {tuple(t.shape)}")
         check_last_dim_contiguous(name, t)
-    owners = _as_owner(owner, num_tokens, device)
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
-    if num_tokens == 0:
-        empty = torch.zeros(0, dtype=torch.bool, device=device)
-        return WriteResult(empty, empty.to(torch.int8), torch.zeros((), dtype=torch.int64, device=device))
-    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
-        from .backends.triton.stamp_writer import write_kv as triton_write_kv
+    return _as_owner(owner, num_tokens, device)
+
+
+def _auto_writer(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "torch"
+    from .backends import cuda
+    return "cuda" if cuda._C is not None else "triton"
+
+
+def _cuda_writer():
+    from .backends.cuda import write_kv as cuda_write_kv
+    return cuda_write_kv
+
+
+def _cuda_sim_writer():
+    from .backends.cuda_sim import write_kv as sim_write_kv
+    return sim_write_kv
+
+
+def _triton_writer():
+    from .backends.triton.stamp_writer import write_kv as triton_write_kv
+
+    def run(k, v, k_cache, v_cache, slot_mapping, page_tags, owners) -> WriteResult:
         landed, reasons = triton_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners)
         return WriteResult(landed, reasons, (reasons != 0).sum())
+    return run
 
+
+def _torch_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners) -> WriteResult:
+    """The writer's steps as PyTorch ops (validated arguments)."""
+    num_tokens = slot_mapping.shape[0]
+    device = k_cache.device
+    page_size = k_cache.shape[1]
+    num_pages = k_cache.shape[0]
     slots = slot_mapping.long()
     padding = slots < 0
     page = torch.div(slots, page_size, rounding_mode="floor")
@@ -236,3 +275,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     stamp = torch.where(landed, _written(owners, slot + 1), 0)
     page_tags.scatter_reduce_(0, safe_page, stamp, reduce="amax", include_self=True)
     return WriteResult(landed, reasons, (reasons != 0).sum())
+
+
+# backend name -> function returning the implementation (imported on first use)
+_WRITERS = {"auto": None, "torch": lambda: _torch_write_kv, "triton": _triton_writer,
+            "cuda": _cuda_writer, "cuda_sim": _cuda_sim_writer}

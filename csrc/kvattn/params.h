@@ -1,0 +1,85 @@
+// Kernel parameters and launcher interface: plain C++, no CUDA and no torch, so the binding
+// (csrc/module.cpp) builds with the host compiler alone. Layout of every tensor: kvattn/layout.py.
+#pragma once
+
+#include <cstdint>
+
+namespace kvattn {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct DecodeParams {
+  const void* q;            // [B, H, D]
+  const void* k;            // [num_pages, page_size, Hkv, D], any strides, last dim contiguous
+  const void* v;
+  const int32_t* block_table;  // [B, max_pages]
+  const int32_t* seq_lens;     // [B]
+  const int64_t* page_tags;    // [num_pages]
+  const int64_t* expected;     // [B, max_pages], stride 0 in dim 1 when given per sequence
+  void* out;                   // [B, H, D]
+  float* lse;                  // [B, H] contiguous, or null
+  float* part_acc;             // [B, H, num_splits, D] when num_splits > 1
+  float* part_ml;              // [B, H, num_splits, 2] (running max in log2 units, sum)
+  int32_t* violations;         // report, [B] each; null when unchecked
+  int32_t* reasons;
+  int32_t* pages_checked;
+  int32_t* beyond_table;
+  int8_t* page_reasons;        // [B, max_pages] contiguous
+
+  int64_t stride_qb, stride_qh;
+  int64_t stride_kp, stride_ks, stride_kh;
+  int64_t stride_vp, stride_vs, stride_vh;
+  int64_t stride_bt_b, stride_bt_p, stride_sl, stride_eb, stride_ep;
+  int64_t stride_ob, stride_oh;
+  int64_t num_pages;
+
+  float scale_log2;  // scale * log2(e): the kernels work in base 2
+  int batch, num_heads, num_kv_heads, head_dim;
+  int page_shift;        // page_size = 1 << page_shift
+  int max_pages;
+  int tokens_per_split;  // a multiple of page_size; splits are planned from shapes only
+  int num_splits;
+
+  // Filled by the launcher (plan_decode), not by the caller.
+  int group;            // query heads per KV head
+  int heads_per_chunk;  // query heads one block serves (a GQA group larger than this is chunked)
+  int num_chunks;
+  int tile_n;           // tokens per shared-memory tile
+  int kv_vec;           // 1: K/V pointers and strides allow 16-byte loads
+  int smem_bytes;       // dynamic shared memory of the decode kernel
+};
+
+struct LaunchResult {
+  int code;            // 0 on success (cudaError_t value otherwise)
+  const char* kernel;  // the kernel that failed, or the launcher that refused the arguments
+  const char* message;
+};
+
+struct WriteKVParams {
+  const void* k;               // [T, Hkv, D], any strides
+  const void* v;
+  void* k_cache;               // pools as in DecodeParams
+  void* v_cache;
+  const void* slot_mapping;    // [T] int32 or int64: page * page_size + slot; negative = padding
+  const int64_t* owners;       // [T] (stride 0 for one owner)
+  int64_t* page_tags;          // [num_pages]
+  uint8_t* landed;             // [T] bool
+  int8_t* drop_reasons;        // [T] kvattn.WriteDrop flags
+  unsigned long long* dropped; // 0-d, zeroed by the caller
+
+  int64_t stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd;
+  int64_t stride_kp, stride_ks, stride_kch, stride_vp, stride_vs, stride_vch;
+  int64_t stride_slot, stride_owner;
+  int64_t num_tokens, num_pages;
+  int slot_is_int64;
+  int page_shift, num_kv_heads, head_dim;
+};
+
+// Enqueues the decode (and the split merge) on `stream`; never synchronises, never exits.
+LaunchResult paged_decode(DecodeParams& params, DType dtype, bool check, void* stream);
+
+// Enqueues the stamping writer (kvattn.writers.write_kv semantics): verdicts for every token first,
+// then the K/V copies of the landed tokens, each followed by its page's stamp.
+LaunchResult write_kv(const WriteKVParams& params, DType dtype, void* stream);
+
+}  // namespace kvattn

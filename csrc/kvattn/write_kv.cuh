@@ -1,0 +1,105 @@
+// The stamping writer: kvattn.writers.write_kv (its docstring is the specification) as two kernels.
+//
+// write_kv_verdict_kernel, one thread per token: in range, held by the writer's owner, and the
+// token's run (consecutive held tokens filling consecutive slots of one page) starting at or below
+// the page's written prefix. Every verdict reads the tags as they were before the call, because
+// no stamp happens until the second kernel: a run can never be let in by a stamp of the same call.
+// write_kv_copy_kernel, one block per token: copies a landed token's K and V, then stamps its page
+// WRITTEN with valid_len = slot + 1 by an atomic max (tags of one owner only grow), after a fence,
+// so a reader that sees the stamp sees the bytes.
+#pragma once
+
+#include "compat.cuh"
+#include "kvattn_tags.h"
+#include "params.h"
+
+namespace kvattn {
+
+constexpr int kWriteThreads = 128;
+
+struct WriteToken {
+  int64_t page, slot;
+  bool padding, in_range, held;
+  int64_t prefix;  // the page's written prefix before the call
+};
+
+KVATTN_DEVICE WriteToken write_token(const WriteKVParams& p, int64_t t) {
+  WriteToken w;
+  const int64_t s = p.slot_is_int64 ? static_cast<const int64_t*>(p.slot_mapping)[t * p.stride_slot]
+                                    : static_cast<const int32_t*>(p.slot_mapping)[t * p.stride_slot];
+  w.padding = s < 0;
+  w.page = s >> p.page_shift;  // floor division for the non-negative ids that matter
+  w.slot = s & ((int64_t{1} << p.page_shift) - 1);
+  w.in_range = !w.padding && w.page < p.num_pages;
+  const int64_t tag = w.in_range ? p.page_tags[w.page] : 0;
+  const int64_t state = tag & tags::STATE_MASK;
+  const int64_t owner = p.owners[t * p.stride_owner];
+  w.held = w.in_range && (state == tags::STATE_RESERVED || state == tags::STATE_WRITTEN) &&
+           ((tag >> tags::OWNER_SHIFT) & tags::OWNER_MAX) == owner && owner > 0;
+  w.prefix = state == tags::STATE_WRITTEN ? (tag >> tags::VALID_LEN_SHIFT) & tags::VALID_LEN_MAX : 0;
+  return w;
+}
+
+__global__ void __launch_bounds__(kWriteThreads) write_kv_verdict_kernel(const WriteKVParams p) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWriteThreads + threadIdx.x;
+  if (t >= p.num_tokens) return;
+  const WriteToken me = write_token(p, t);
+  // Walk back to the first token of this token's run; a run stays in one page, so this takes at
+  // most page_size - 1 steps.
+  WriteToken first = me;
+  for (int64_t j = t; j > 0; --j) {
+    const WriteToken prev = write_token(p, j - 1);
+    if (!(first.held && prev.held && prev.page == first.page && first.slot == prev.slot + 1)) break;
+    first = prev;
+  }
+  const bool landed = me.held && first.slot <= me.prefix;
+  int reason = 0;
+  if (!me.padding) {
+    if (!me.in_range) reason = static_cast<int>(tags::WriteDrop_OUT_OF_RANGE);
+    else if (!me.held) reason = static_cast<int>(tags::WriteDrop_NOT_HELD);
+    else if (!landed) reason = static_cast<int>(tags::WriteDrop_GAP);
+  }
+  p.landed[t] = landed ? 1 : 0;
+  p.drop_reasons[t] = static_cast<int8_t>(reason);
+  if (reason) atomicAdd(p.dropped, 1ULL);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kWriteThreads) write_kv_copy_kernel(const WriteKVParams p) {
+  const int64_t t = blockIdx.x;
+  if (!p.landed[t]) return;  // uniform across the block: no thread reaches the barrier below
+  const WriteToken me = write_token(p, t);
+  const T* k = static_cast<const T*>(p.k) + t * p.stride_kt;
+  const T* v = static_cast<const T*>(p.v) + t * p.stride_vt;
+  T* k_dst = static_cast<T*>(p.k_cache) + me.page * p.stride_kp + me.slot * p.stride_ks;
+  T* v_dst = static_cast<T*>(p.v_cache) + me.page * p.stride_vp + me.slot * p.stride_vs;
+  for (int i = threadIdx.x; i < p.num_kv_heads * p.head_dim; i += kWriteThreads) {
+    const int h = i / p.head_dim;
+    const int d = i % p.head_dim;
+    k_dst[h * p.stride_kch + d] = k[h * p.stride_kh + d * p.stride_kd];
+    v_dst[h * p.stride_vch + d] = v[h * p.stride_vh + d * p.stride_vd];
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int64_t owner = p.owners[t * p.stride_owner];
+    const long long stamp = static_cast<long long>((owner << tags::OWNER_SHIFT) |
+                                                   ((me.slot + 1) << tags::VALID_LEN_SHIFT) | tags::STATE_WRITTEN);
+    atomicMax(reinterpret_cast<long long*>(&p.page_tags[me.page]), stamp);
+  }
+}
+
+template <class T>
+LaunchResult launch_write_kv(const WriteKVParams& p, cudaStream_t stream) {
+  if (p.num_tokens <= 0) return {0, nullptr, nullptr};
+  if (p.num_tokens > 0x7fffffff) return {static_cast<int>(cudaErrorInvalidValue), "write_kv (launcher)", "too many tokens"};
+  const unsigned blocks = static_cast<unsigned>((p.num_tokens + kWriteThreads - 1) / kWriteThreads);
+  cudaError_t e = launch_kernel(&write_kv_verdict_kernel, dim3(blocks), dim3(kWriteThreads), 0, stream, p);
+  if (e != cudaSuccess) return {static_cast<int>(e), "write_kv_verdict_kernel", cudaGetErrorString(e)};
+  e = launch_kernel(&write_kv_copy_kernel<T>, dim3(static_cast<unsigned>(p.num_tokens)), dim3(kWriteThreads), 0,
+                    stream, p);
+  if (e != cudaSuccess) return {static_cast<int>(e), "write_kv_copy_kernel", cudaGetErrorString(e)};
+  return {0, nullptr, nullptr};
+}
+
+}  // namespace kvattn

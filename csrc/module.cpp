@@ -1,0 +1,222 @@
+// The Python binding, the only C++ file that knows Python. It takes raw pointers (tensor.data_ptr()),
+// sizes, strides and a stream handle, so it builds against no particular torch. Compiled twice by
+// setup.py: KVATTN_MODULE_NAME=_C with the nvcc-built kernels, and KVATTN_MODULE_NAME=_sim (with
+// KVATTN_SIM) with the same kernels built against the CPU harness.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvattn/params.h"
+#include "kvattn_tags.h"
+
+#if defined(KVATTN_SIM)
+#include "sim/selftest.h"
+#include "sim/simt.h"
+#endif
+
+#ifndef KVATTN_SIM_BREAK
+#define KVATTN_SIM_BREAK 0
+#endif
+#ifndef KVATTN_FP32_ONLY
+#define KVATTN_FP32_ONLY 0
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+template <class T>
+T* pointer(const py::dict& args, const char* key) {
+  if (!args.contains(key)) throw py::key_error(std::string("decode: missing argument ") + key);
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(args[key].cast<unsigned long long>()));
+}
+
+int64_t integer(const py::dict& args, const char* key) {
+  if (!args.contains(key)) throw py::key_error(std::string("decode: missing argument ") + key);
+  return args[key].cast<int64_t>();
+}
+
+// Returns the launch plan the launcher chose (tile, head chunking, vector loads) for the tests.
+py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long stream) {
+  kvattn::DecodeParams p{};
+  p.q = pointer<const void>(a, "q");
+  p.k = pointer<const void>(a, "k");
+  p.v = pointer<const void>(a, "v");
+  p.block_table = pointer<const int32_t>(a, "block_table");
+  p.seq_lens = pointer<const int32_t>(a, "seq_lens");
+  p.page_tags = pointer<const int64_t>(a, "page_tags");
+  p.expected = pointer<const int64_t>(a, "expected");
+  p.out = pointer<void>(a, "out");
+  p.lse = pointer<float>(a, "lse");
+  p.part_acc = pointer<float>(a, "part_acc");
+  p.part_ml = pointer<float>(a, "part_ml");
+  p.violations = pointer<int32_t>(a, "violations");
+  p.reasons = pointer<int32_t>(a, "reasons");
+  p.pages_checked = pointer<int32_t>(a, "pages_checked");
+  p.beyond_table = pointer<int32_t>(a, "beyond_table");
+  p.page_reasons = pointer<int8_t>(a, "page_reasons");
+  p.stride_qb = integer(a, "stride_qb");
+  p.stride_qh = integer(a, "stride_qh");
+  p.stride_kp = integer(a, "stride_kp");
+  p.stride_ks = integer(a, "stride_ks");
+  p.stride_kh = integer(a, "stride_kh");
+  p.stride_vp = integer(a, "stride_vp");
+  p.stride_vs = integer(a, "stride_vs");
+  p.stride_vh = integer(a, "stride_vh");
+  p.stride_bt_b = integer(a, "stride_bt_b");
+  p.stride_bt_p = integer(a, "stride_bt_p");
+  p.stride_sl = integer(a, "stride_sl");
+  p.stride_eb = integer(a, "stride_eb");
+  p.stride_ep = integer(a, "stride_ep");
+  p.stride_ob = integer(a, "stride_ob");
+  p.stride_oh = integer(a, "stride_oh");
+  p.num_pages = integer(a, "num_pages");
+  p.scale_log2 = a["scale_log2"].cast<float>();
+  p.batch = static_cast<int>(integer(a, "batch"));
+  p.num_heads = static_cast<int>(integer(a, "num_heads"));
+  p.num_kv_heads = static_cast<int>(integer(a, "num_kv_heads"));
+  p.head_dim = static_cast<int>(integer(a, "head_dim"));
+  p.page_shift = static_cast<int>(integer(a, "page_shift"));
+  p.max_pages = static_cast<int>(integer(a, "max_pages"));
+  p.tokens_per_split = static_cast<int>(integer(a, "tokens_per_split"));
+  p.num_splits = static_cast<int>(integer(a, "num_splits"));
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("decode: dtype code must be 0, 1 or 2");
+
+  kvattn::LaunchResult r;
+  std::string message;
+  {
+    py::gil_scoped_release release;
+    r = kvattn::paged_decode(p, static_cast<kvattn::DType>(dtype), check, reinterpret_cast<void*>(stream));
+    if (r.code != 0) message = r.message ? r.message : "unknown error";  // copied before anything relaunches
+  }
+  if (r.code != 0) {
+    throw std::runtime_error(std::string("kvattn: ") + r.kernel + " failed: " + message + " (error " +
+                             std::to_string(r.code) + ")");
+  }
+  py::dict plan;
+  plan["tile_n"] = p.tile_n;
+  plan["heads_per_chunk"] = p.heads_per_chunk;
+  plan["num_chunks"] = p.num_chunks;
+  plan["kv_vec"] = p.kv_vec;
+  plan["smem_bytes"] = p.smem_bytes;
+  plan["num_splits"] = p.num_splits;
+  plan["tokens_per_split"] = p.tokens_per_split;
+  return plan;
+}
+
+void write_kv(const py::dict& a, int dtype, unsigned long long stream) {
+  kvattn::WriteKVParams p{};
+  p.k = pointer<const void>(a, "k");
+  p.v = pointer<const void>(a, "v");
+  p.k_cache = pointer<void>(a, "k_cache");
+  p.v_cache = pointer<void>(a, "v_cache");
+  p.slot_mapping = pointer<const void>(a, "slot_mapping");
+  p.owners = pointer<const int64_t>(a, "owners");
+  p.page_tags = pointer<int64_t>(a, "page_tags");
+  p.landed = pointer<uint8_t>(a, "landed");
+  p.drop_reasons = pointer<int8_t>(a, "drop_reasons");
+  p.dropped = pointer<unsigned long long>(a, "dropped");
+  p.stride_kt = integer(a, "stride_kt");
+  p.stride_kh = integer(a, "stride_kh");
+  p.stride_kd = integer(a, "stride_kd");
+  p.stride_vt = integer(a, "stride_vt");
+  p.stride_vh = integer(a, "stride_vh");
+  p.stride_vd = integer(a, "stride_vd");
+  p.stride_kp = integer(a, "stride_kp");
+  p.stride_ks = integer(a, "stride_ks");
+  p.stride_kch = integer(a, "stride_kch");
+  p.stride_vp = integer(a, "stride_vp");
+  p.stride_vs = integer(a, "stride_vs");
+  p.stride_vch = integer(a, "stride_vch");
+  p.stride_slot = integer(a, "stride_slot");
+  p.stride_owner = integer(a, "stride_owner");
+  p.num_tokens = integer(a, "num_tokens");
+  p.num_pages = integer(a, "num_pages");
+  p.slot_is_int64 = static_cast<int>(integer(a, "slot_is_int64"));
+  p.page_shift = static_cast<int>(integer(a, "page_shift"));
+  p.num_kv_heads = static_cast<int>(integer(a, "num_kv_heads"));
+  p.head_dim = static_cast<int>(integer(a, "head_dim"));
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("write_kv: dtype code must be 0, 1 or 2");
+  kvattn::LaunchResult r;
+  std::string message;
+  {
+    py::gil_scoped_release release;
+    r = kvattn::write_kv(p, static_cast<kvattn::DType>(dtype), reinterpret_cast<void*>(stream));
+    if (r.code != 0) message = r.message ? r.message : "unknown error";
+  }
+  if (r.code != 0) {
+    throw std::runtime_error(std::string("kvattn: ") + r.kernel + " failed: " + message + " (error " +
+                             std::to_string(r.code) + ")");
+  }
+}
+
+std::map<std::string, int64_t> tag_layout() {
+  using namespace kvattn::tags;
+  return {
+      {"STATE_MASK", STATE_MASK},
+      {"STATE_FREE", STATE_FREE},
+      {"STATE_RESERVED", STATE_RESERVED},
+      {"STATE_WRITTEN", STATE_WRITTEN},
+      {"VALID_LEN_SHIFT", VALID_LEN_SHIFT},
+      {"VALID_LEN_BITS", VALID_LEN_BITS},
+      {"VALID_LEN_MAX", VALID_LEN_MAX},
+      {"OWNER_SHIFT", OWNER_SHIFT},
+      {"OWNER_BITS", OWNER_BITS},
+      {"OWNER_MAX", OWNER_MAX},
+      {"Violation_OUT_OF_RANGE", Violation_OUT_OF_RANGE},
+      {"Violation_FREE", Violation_FREE},
+      {"Violation_RESERVED", Violation_RESERVED},
+      {"Violation_OWNER_MISMATCH", Violation_OWNER_MISMATCH},
+      {"Violation_UNWRITTEN", Violation_UNWRITTEN},
+      {"WriteDrop_OUT_OF_RANGE", WriteDrop_OUT_OF_RANGE},
+      {"WriteDrop_NOT_HELD", WriteDrop_NOT_HELD},
+      {"WriteDrop_GAP", WriteDrop_GAP},
+      {"WriteDrop_BAD_LENGTH", WriteDrop_BAD_LENGTH},
+  };
+}
+
+}  // namespace
+
+PYBIND11_MODULE(KVATTN_MODULE_NAME, m) {
+  m.doc() = "kvattn CUDA kernels (raw-pointer binding; see kvattn/backends/cuda/launch.py)";
+  m.def("decode", &decode, py::arg("args"), py::arg("dtype"), py::arg("check"), py::arg("stream"),
+        "Enqueue the paged decode (and split merge); returns the launch plan. Raises RuntimeError\n"
+        "naming the kernel on error.");
+  m.def("write_kv", &write_kv, py::arg("args"), py::arg("dtype"), py::arg("stream"),
+        "Enqueue the stamping writer. Raises RuntimeError naming the kernel on error.");
+  m.def("tag_layout", &tag_layout, "The tag constants this module was compiled with.");
+  m.attr("SIMULATED") = py::bool_(
+#if defined(KVATTN_SIM)
+      true
+#else
+      false
+#endif
+  );
+  m.attr("BREAK") = py::int_(KVATTN_SIM_BREAK);
+  m.attr("FP32_ONLY") = py::bool_(KVATTN_FP32_ONLY != 0);
+#if defined(KVATTN_SIM)
+  m.def("harness_selftest", &kvsim::selftest::run, py::arg("mode"), py::arg("threads"),
+        "Run a harness self-test kernel; returns (values, error message or '').");
+  m.def("set_seed", &kvsim::set_seed, py::arg("seed"), "Seed of the harness's thread and block order.");
+  m.def("float_to_half_bits", [](const std::vector<float>& xs) {
+    std::vector<uint16_t> out;
+    for (float x : xs) out.push_back(kvsim::float_to_half_bits(x));
+    return out;
+  });
+  m.def("float_to_bf16_bits", [](const std::vector<float>& xs) {
+    std::vector<uint16_t> out;
+    for (float x : xs) out.push_back(kvsim::float_to_bf16_bits(x));
+    return out;
+  });
+  m.def("half_bits_to_float", [](const std::vector<uint16_t>& xs) {
+    std::vector<float> out;
+    for (uint16_t x : xs) out.push_back(kvsim::half_bits_to_float(x));
+    return out;
+  });
+#endif
+}
