@@ -11,13 +11,15 @@ from .layout import DecodeArgs, ExtendArgs
 from .report import KVOwnershipError, OwnershipReport
 from .tags import (FREE_TAG, Violation, WriteDrop, describe_tag, reserved_tag, tag_owner, tag_state,
                    tag_valid_len, written_tag)
-from .writers import WriteResult, commit_pages, release_pages, reserve_pages, write_kv
+from .writers import (WriteResult, commit_pages, reassign_pages, release_pages, reserve_pages,
+                      write_kv)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FREE_TAG", "DecodeArgs", "ExtendArgs", "KVOwnershipError", "Lease", "OwnershipReport",
     "PagedKVCache", "Violation", "WriteDrop", "WriteResult", "commit_pages", "describe_tag",
-    "paged_decode", "paged_extend", "reference", "release_pages", "reserve_pages", "reserved_tag",
-    "tag_owner", "tag_state", "tag_valid_len", "write_kv", "written_tag",
+    "paged_decode", "paged_extend", "reassign_pages", "reference", "release_pages",
+    "reserve_pages", "reserved_tag", "tag_owner", "tag_state", "tag_valid_len", "write_kv",
+    "written_tag",
 ]

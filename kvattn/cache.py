@@ -19,7 +19,7 @@ import torch
 from .api import paged_decode, paged_extend
 from .layout import KV_DTYPES
 from .tags import OWNER_MAX
-from .writers import WriteResult, release_pages, reserve_pages, write_kv
+from .writers import WriteResult, reassign_pages, release_pages, reserve_pages, write_kv
 
 
 @dataclass
@@ -63,6 +63,7 @@ class PagedKVCache:
         self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: freed pages are reused first
         self._refs = [0] * num_pages
+        self._live: dict[int, Lease] = {}
         self._next_owner = 1
 
     @property
@@ -91,6 +92,7 @@ class PagedKVCache:
         """A new lease with a fresh owner and enough RESERVED pages for ``num_tokens`` tokens."""
         lease = Lease(owner=self._new_owner())
         self._take_pages(lease, -(-num_tokens // self.page_size))
+        self._live[lease.owner] = lease
         return lease
 
     def grow(self, lease: Lease, num_tokens: int) -> None:
@@ -104,12 +106,15 @@ class PagedKVCache:
         Its ``num_tokens`` starts at the shared length; ``capacity`` (tokens) reserves more pages."""
         self._check_live(parent)
         shared = min(num_tokens, parent.num_tokens) // self.page_size
+        extra = 0 if capacity is None else max(0, -(-capacity // self.page_size) - shared)
+        if extra > len(self._free):  # before any reference is taken, so a refusal leaks nothing
+            raise RuntimeError(f"KV pool exhausted: need {extra} pages, {len(self._free)} free")
         lease = Lease(owner=self._new_owner(), pages=parent.pages[:shared],
                       page_owners=parent.page_owners[:shared], num_tokens=shared * self.page_size)
         for p in lease.pages:
             self._refs[p] += 1
-        if capacity is not None:
-            self.grow(lease, capacity)
+        self._take_pages(lease, extra)
+        self._live[lease.owner] = lease
         return lease
 
     def slot_mapping(self, lease: Lease, start: int, count: int) -> torch.Tensor:
@@ -120,7 +125,9 @@ class PagedKVCache:
 
     def append(self, lease: Lease, k: torch.Tensor, v: torch.Tensor) -> WriteResult:
         """Write ``k``/``v`` ``[T, num_kv_heads, head_dim]`` after the lease's tokens, growing it as
-        needed, and stamp the pages. Tokens refused by the writer are counted in the result."""
+        needed, and stamp the pages. Tokens refused by the writer are counted in the result; the
+        lease's ``num_tokens`` advances all the same (it is the host's view of the sequence), so
+        readers find the refused slots unwritten and report them."""
         self._check_live(lease)
         count = k.shape[0]
         self.grow(lease, lease.num_tokens + count)
@@ -130,22 +137,40 @@ class PagedKVCache:
         lease.num_tokens += count
         return result
 
-    def free(self, lease: Lease) -> None:
-        """Drop the lease; pages no other lease shares become FREE and go back to the pool."""
+    def free(self, lease: Lease) -> int | None:
+        """Drop the lease; pages no other lease shares become FREE and go back to the pool.
+
+        Pages the lease wrote that other leases still share are handed to a fresh owner id (the
+        heir, returned; None when there is none) and the sharers' expected owners follow: a late
+        write of the ended lease can then no longer land in pages others read.
+        """
         self._check_live(lease)
         lease.freed = True
-        released = []
-        for p in lease.pages:
+        del self._live[lease.owner]
+        released, kept = [], []
+        for p, page_owner in zip(lease.pages, lease.page_owners):
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 released.append(p)
+            elif page_owner == lease.owner:
+                kept.append(p)
         if released:
             release_pages(self.page_tags, released)
         self._free += reversed(released)
+        if not kept:
+            return None
+        heir = self._new_owner()
+        reassign_pages(self.page_tags, kept, lease.owner, heir)
+        for other in self._live.values():
+            other.page_owners = [heir if (o == lease.owner and p in kept) else o
+                                 for p, o in zip(other.pages, other.page_owners)]
+        return heir
 
     def batch(self, leases: list[Lease]):
         """``(block_table, seq_lens, expected)`` for ``leases``, on the cache's device; ``expected``
         is per entry (``[B, max_pages]``), unused entries hold page 0 and owner 0."""
+        if not leases:
+            raise ValueError("leases: expected at least one lease, got an empty list")
         max_pages = max(1, max(len(lease.pages) for lease in leases))
         table = torch.zeros(len(leases), max_pages, dtype=torch.int32)
         expected = torch.zeros(len(leases), max_pages, dtype=torch.int64)

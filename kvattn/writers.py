@@ -8,10 +8,12 @@ The tag certifies the bytes, not the reservation (ownership.md section 4):
 - :func:`commit_pages` marks KV that arrived by another path (RDMA, a copy) as written, by the number
   of tokens the receiver accounted for.
 - :func:`release_pages` makes pages ``FREE``; the bytes stay, the tag makes zeroing unnecessary.
+- :func:`reassign_pages` hands written pages to a new owner id when the lease that wrote them ends
+  while others still read them, so its late writes are refused.
 
 While one owner holds a page its tag only grows (``RESERVED < WRITTEN(len) < WRITTEN(len + 1)`` as
 int64 for the same owner), so the stamps are ``scatter_reduce(amax)``: concurrent stamps of one call
-never lower ``valid_len``. Only reserve and release set a tag outright.
+never lower ``valid_len``. Only reserve, reassign and release set a tag outright.
 
 Everything here runs as device ops on the tensors' device with no host synchronisation; results are
 device tensors.
@@ -99,6 +101,31 @@ def reserve_pages(page_tags: torch.Tensor, pages, owner: int) -> None:
     pages = _pages_in_range(page_tags, pages)
     owners = _as_owner(owner, pages.numel(), page_tags.device)
     page_tags.index_put_((pages,), (owners << OWNER_SHIFT) | STATE_RESERVED)
+
+
+def reassign_pages(page_tags: torch.Tensor, pages, owner: int, new_owner: int) -> WriteResult:
+    """Hand ``pages`` held by ``owner`` over to ``new_owner``, keeping their state and ``valid_len``.
+
+    For a lease that ends while other leases still read pages it wrote (a shared prefix): under a
+    new owner id the readers keep reading the same bytes, and a late write of the ended lease no
+    longer finds its owner on the page (``NOT_HELD``). Pages ``owner`` does not hold are left as they
+    are and counted.
+    """
+    check_page_tags(page_tags, page_tags.shape[0])
+    device = page_tags.device
+    num_pages = page_tags.shape[0]
+    pages = _as_index("pages", pages, device)
+    n = pages.numel()
+    owners = _as_owner(owner, n, device)
+    heirs = _as_owner(new_owner, n, device)
+    in_range = (pages >= 0) & (pages < num_pages)
+    safe = pages.clamp(0, num_pages - 1)
+    tag = page_tags[safe]
+    held = in_range & held_by(tag, owners)
+    _masked_put(page_tags, (safe,), (heirs << OWNER_SHIFT) | (tag & ((1 << OWNER_SHIFT) - 1)), held)
+    reasons = torch.where(held, 0, int(WriteDrop.NOT_HELD))
+    reasons = torch.where(in_range, reasons, int(WriteDrop.OUT_OF_RANGE)).to(torch.int8)
+    return WriteResult(held, reasons, (~held).sum())
 
 
 def release_pages(page_tags: torch.Tensor, pages) -> None:
