@@ -49,7 +49,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         ValueError, TypeError: malformed inputs, naming the argument, the expected and the actual.
         KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
     """
-    _check_mode(check, on_violation)
+    check_mode(check, on_violation)
     args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
                            scale=scale, out=out, validate=validate)
     return _run("decode", args, backend, check, on_violation, out, return_lse)
@@ -111,13 +111,13 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         ValueError, TypeError: malformed inputs, naming the argument, the expected and the actual.
         KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
     """
-    _check_mode(check, on_violation)
+    check_mode(check, on_violation)
     args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
                            expected, scale=scale, causal=causal, out=out, validate=validate)
     return _run("extend", args, backend, check, on_violation, out, return_lse)
 
 
-def _check_mode(check, on_violation) -> None:
+def check_mode(check, on_violation) -> None:
     if on_violation not in ("report", "raise"):
         raise ValueError(f"on_violation: expected 'report' or 'raise', got {on_violation!r}")
     if not isinstance(check, bool):

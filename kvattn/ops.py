@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import api, writers
+from .api import check_mode
 from .layout import check_tensor, validate_decode, validate_extend
 from .report import OwnershipReport
 from .tags import OWNER_MAX
@@ -105,16 +106,6 @@ def _(k, v, k_cache, v_cache, slot_mapping, page_tags, owner):
             slot_mapping.new_empty((), dtype=torch.int64))
 
 
-def _check_on_violation(check, on_violation):
-    if on_violation not in ("report", "raise"):
-        raise ValueError(f"on_violation: expected 'report' or 'raise', got {on_violation!r}")
-    if not isinstance(check, bool):
-        raise TypeError(f"check: expected a bool, got {type(check).__name__}")
-    if not check and on_violation == "raise":
-        raise ValueError("on_violation: expected 'report' when check=False (nothing is checked), "
-                         "got 'raise'")
-
-
 def _finish(out, lse, counts, page_reasons, check, on_violation, return_lse):
     report = _report_from_tensors(counts, page_reasons) if check else None
     if on_violation == "raise":
@@ -125,7 +116,7 @@ def _finish(out, lse, counts, page_reasons, check, on_violation, return_lse):
 def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *, scale=None,
                  check=True, on_violation="report", backend="auto", return_lse=False, validate=None):
     """:func:`kvattn.paged_decode` through the ``kvattn::paged_decode`` custom op (no ``out=``)."""
-    _check_on_violation(check, on_violation)
+    check_mode(check, on_violation)
     args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
                            scale=scale, validate=False)
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_decode(
@@ -138,7 +129,7 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
                  scale=None, causal=True, check=True, on_violation="report", backend="auto",
                  return_lse=False, validate=None):
     """:func:`kvattn.paged_extend` through the ``kvattn::paged_extend`` custom op (no ``out=``)."""
-    _check_on_violation(check, on_violation)
+    check_mode(check, on_violation)
     args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
                            expected, scale=scale, causal=causal, validate=False)
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_extend(

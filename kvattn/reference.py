@@ -61,6 +61,17 @@ def length_mask(block_table, seq_lens, page_size: int):
     return (token[None, :] < lens[:, None]).view(-1, max_pages, page_size)
 
 
+def readable_slots(a, check: bool):
+    """``(allowed [B, max_pages, page_size], report)`` for validated arguments ``a``: the reader's
+    rule when ``check``, else the length mask alone (entries outside the pool read as nothing) and
+    no report."""
+    if check:
+        return page_verdicts(a.block_table, a.seq_lens, a.page_tags, a.expected, a.page_size)
+    pages = a.block_table.long()
+    in_range = (pages >= 0) & (pages < a.num_pages)
+    return length_mask(a.block_table, a.seq_lens, a.page_size) & in_range[..., None], None
+
+
 def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32):
     """Softmax attention of ``q`` ``[B, H, D]`` over ``k``/``v`` ``[B, N, Hkv, D]`` where ``allowed``
     ``[B, N]``; GQA by head groups. Returns ``out`` ``[B, H, D]`` and ``lse`` ``[B, H]`` in
@@ -91,14 +102,7 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected
     """
     a = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
                         scale=scale, validate=False)
-    if check:
-        allowed, report = page_verdicts(a.block_table, a.seq_lens, a.page_tags, a.expected,
-                                        a.page_size)
-    else:
-        pages = a.block_table.long()
-        in_range = (pages >= 0) & (pages < a.num_pages)
-        allowed = length_mask(a.block_table, a.seq_lens, a.page_size) & in_range[..., None]
-        report = None
+    allowed, report = readable_slots(a, check)
     pages = a.block_table.long().clamp(0, a.num_pages - 1)
     k = a.k_cache[pages].flatten(1, 2)  # [B, M * P, Hkv, D]
     v = a.v_cache[pages].flatten(1, 2)
@@ -125,14 +129,7 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
     """
     a = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
                         expected, scale=scale, causal=causal, validate=False)
-    if check:
-        allowed, report = page_verdicts(a.block_table, a.seq_lens, a.page_tags, a.expected,
-                                        a.page_size)
-    else:
-        pages = a.block_table.long()
-        in_range = (pages >= 0) & (pages < a.num_pages)
-        allowed = length_mask(a.block_table, a.seq_lens, a.page_size) & in_range[..., None]
-        report = None
+    allowed, report = readable_slots(a, check)
     allowed = allowed.flatten(1)  # [B, M * P]
     pages = a.block_table.long().clamp(0, a.num_pages - 1)
     k = a.k_cache[pages].flatten(1, 2)  # [B, M * P, Hkv, D]

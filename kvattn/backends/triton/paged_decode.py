@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ...layout import DecodeArgs
 from ...report import OwnershipReport
+from .softmax import online_softmax_step, qk_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
 MAX_HEAD_DIM = 256
@@ -56,9 +57,6 @@ def paged_decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
     bt_row = block_table_ptr + b * stride_bt
     exp_row = expected_ptr + b * stride_eb
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
@@ -102,23 +100,9 @@ def paged_decode_kernel(
         kv_mask = live[:, None] & d_mask[None, :]
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = qk_scores(q, k, DOT_FP32)
         s = tl.where(live[None, :], s * scale_log2, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # While every slot so far is masked, m stays -inf; subtract 0 instead to avoid inf - inf.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_G, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     if CHECK:
         if kv_head == 0:

@@ -27,6 +27,7 @@ import triton.language as tl
 from ...layout import ExtendArgs, query_offsets
 from ...report import OwnershipReport
 from .paged_decode import interpreted
+from .softmax import online_softmax_step, qk_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
 
@@ -80,8 +81,6 @@ def paged_extend_kernel(
     rows = (row0 + q_idx).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    if DOT_FP32:
-        q = q.to(tl.float32)
 
     bt_row = block_table_ptr + b * stride_bt
     exp_row = expected_ptr + b * stride_eb
@@ -110,26 +109,12 @@ def paged_extend_kernel(
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if DOT_FP32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N]
+        s = qk_scores(q, k, DOT_FP32)  # [BLOCK_M, BLOCK_N]
         visible = live[None, :] & row_ok[:, None]
         if CAUSAL:
             visible = visible & (tok[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # While every slot of a row so far is masked, m stays -inf; subtract 0 to avoid inf - inf.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
