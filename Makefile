@@ -19,7 +19,7 @@ demo: build
 	$(PYTHON) -m kvattn.demo
 
 bench: build
-	$(PYTHON) -m benchmarks.decode --quick
+	$(PYTHON) -m benchmarks.decode --quick && $(PYTHON) -m benchmarks.extend --quick
 
 clean:
 	rm -rf build *.egg-info .pytest_cache kvattn/backends/cuda/*.so kvattn/backends/cuda_sim/*.so

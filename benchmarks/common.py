@@ -8,6 +8,7 @@ provider that reads them fails the correctness check that precedes every timing.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -65,20 +66,24 @@ class Point:
                 f"{self.num_kv_heads}_d{self.head_dim}_{self.dtype}")
 
 
-def bytes_moved(p: Point, checked: bool) -> dict[str, int]:
+def bytes_moved(p: Point, checked: bool, q_tokens: int | None = None) -> dict[str, int]:
     """The fewest bytes a decode call must move through device memory, by part.
 
-    K/V: only the slots the sequences read (``context`` tokens each, not whole pages). Q is read and
-    O written once. The block table: the entries read. Checked calls also read one tag per page
-    read and the ``[B]`` expected owners, and write the report (counters and per-page reasons).
-    Split-KV partial results are an implementation choice and are not counted.
+    K/V: only the slots the sequences read (``context`` tokens each, not whole pages), once each.
+    Q is read and O written once. The block table: the entries read. Checked calls also read one
+    tag per page read and the ``[B]`` expected owners, and write the report (counters and per-page
+    reasons). Split-KV partial results are an implementation choice and are not counted.
+    ``q_tokens``: an extend call's query rows (default one per sequence, decode); it also reads
+    the ``[B + 1]`` row offsets.
     """
     tokens = p.batch * p.context
     pages = p.batch * p.pages_per_seq
+    rows = p.batch if q_tokens is None else q_tokens
+    offsets = 0 if q_tokens is None else (p.batch + 1) * 4
     parts = {
         "kv": 2 * tokens * p.num_kv_heads * p.head_dim * p.elt,
-        "qo": 2 * p.batch * p.num_heads * p.head_dim * p.elt,
-        "table": pages * 4 + p.batch * 4,  # block table + seq_lens
+        "qo": 2 * rows * p.num_heads * p.head_dim * p.elt,
+        "table": pages * 4 + p.batch * 4 + offsets,  # block table + seq_lens (+ cu_seqlens_q)
         "tags": (pages * 8 + p.batch * 8 + pages * 1 + 4 * p.batch * 4) if checked else 0,
     }
     parts["total"] = sum(parts.values())
@@ -172,6 +177,77 @@ class DecodeInputs:
                 self.expected[i])
 
 
+@dataclass(frozen=True)
+class ExtendPoint:
+    """One extend (chunked prefill) problem: ``batch`` sequences, each with ``prefix`` tokens
+    already cached and ``chunk`` new query tokens whose K/V are already appended to the pages, so
+    each sequence reads ``prefix + chunk`` tokens (uniform lengths)."""
+
+    batch: int
+    chunk: int
+    prefix: int
+    page_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def context(self) -> int:
+        return self.prefix + self.chunk
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.pool_point().pages_per_seq
+
+    @property
+    def q_tokens(self) -> int:
+        return self.batch * self.chunk
+
+    def pool_point(self) -> Point:
+        """The decode point whose pool an extend call reads: same sequences, same pages."""
+        return Point(self.batch, self.context, self.page_size, self.num_heads, self.num_kv_heads,
+                     self.head_dim, self.dtype)
+
+    def flops(self) -> int:
+        """Causal-aware: query row ``j`` of a chunk (position ``prefix + j``) meets
+        ``prefix + j + 1`` keys, 2 FLOPs per element for QK^T and 2 for PV; masked-out work a kernel
+        may still do is not counted."""
+        pairs = self.chunk * self.prefix + self.chunk * (self.chunk + 1) // 2
+        return 4 * self.batch * self.num_heads * self.head_dim * pairs
+
+    def label(self) -> str:
+        return (f"B{self.batch}_q{self.chunk}_pre{self.prefix}_p{self.page_size}_h{self.num_heads}x"
+                f"{self.num_kv_heads}_d{self.head_dim}_{self.dtype}")
+
+
+@dataclass
+class ExtendInputs:
+    """The pool of the decode inputs of ``point.pool_point()`` (same rotation sets, owners, NaN
+    poison) and ``chunk`` query rows per sequence: the last ``chunk`` tokens of each sequence."""
+
+    point: ExtendPoint
+    pool: DecodeInputs
+    q: torch.Tensor  # [B * chunk, H, D]
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+
+    @property
+    def sets(self) -> int:
+        return self.pool.sets
+
+    @property
+    def scale(self) -> float:
+        return self.pool.scale
+
+    def pool_bytes(self) -> int:
+        return self.pool.pool_bytes()
+
+    def args(self, i: int) -> tuple:
+        d = self.pool
+        return (self.q, d.k_cache, d.v_cache, self.cu_seqlens_q, d.tables[i], d.seq_lens,
+                d.page_tags, d.expected[i])
+
+
 def rotation_sets(p: Point, l2_bytes: int, max_sets: int = 32) -> int:
     """How many independent batches the pool holds so that together they span
     ``POOL_L2_MULTIPLE`` times the L2 (one when a batch alone is that large)."""
@@ -216,6 +292,15 @@ def make_decode_inputs(p: Point, device: torch.device, sets: int, seed: int = 0)
                         p.head_dim ** -0.5)
 
 
+def make_extend_inputs(p: ExtendPoint, device: torch.device, sets: int, seed: int = 0) -> ExtendInputs:
+    pool = make_decode_inputs(p.pool_point(), device, sets, seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    q = torch.randn(p.q_tokens, p.num_heads, p.head_dim, generator=gen, device=device,
+                    dtype=DTYPES[p.dtype])
+    cu = torch.arange(p.batch + 1, dtype=torch.int32, device=device) * p.chunk
+    return ExtendInputs(p, pool, q, cu)
+
+
 def reference_output(inp: DecodeInputs, i: int, rows: int) -> torch.Tensor:
     """float32 reference for the first ``rows`` sequences of set ``i`` (sequences are independent,
     so a slice keeps the check cheap at long context)."""
@@ -226,6 +311,61 @@ def reference_output(inp: DecodeInputs, i: int, rows: int) -> torch.Tensor:
         raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
                            f"({report.summary()})")
     return out
+
+
+def extend_check_rows(p: ExtendPoint, seqs: int) -> list[tuple[int, int]]:
+    """(sequence, query row) pairs compared with the reference: every row of tiny chunks, else
+    the first, second, middle, second-last and last row and those around a 64-row tile edge, of
+    the first ``seqs`` sequences and the last one."""
+    if p.chunk <= 32:
+        rows = range(p.chunk)
+    else:
+        rows = sorted({0, 1, 63, 64, p.chunk // 2, p.chunk - 2, p.chunk - 1} & set(range(p.chunk)))
+    return [(b, j) for b in sorted(set(range(min(p.batch, seqs))) | {p.batch - 1}) for j in rows]
+
+
+def extend_reference(inp: ExtendInputs, i: int, picks: list[tuple[int, int]]) -> torch.Tensor:
+    """float32 ``kvattn.reference.paged_extend`` for the query rows ``picks`` of set ``i``: each
+    row alone is an extend of one query token at its position, so a long chunk is checked on a
+    sample without the reference materialising ``chunk x context`` keys."""
+    p = inp.point
+    q, k, v, _, table, _, tags, expected = inp.args(i)
+    dev = q.device
+    seqs = torch.tensor([b for b, _ in picks], device=dev)
+    rows = torch.tensor([b * p.chunk + j for b, j in picks], device=dev)
+    lens = torch.tensor([p.prefix + j + 1 for _, j in picks], dtype=torch.int32, device=dev)
+    cu = torch.arange(len(picks) + 1, dtype=torch.int32, device=dev)
+    out, report = kvattn.reference.paged_extend(q[rows], k, v, cu, table[seqs].contiguous(), lens,
+                                                tags, expected[seqs], scale=inp.scale)
+    if int(report.violations.sum()) != 0:
+        raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
+                           f"({report.summary()})")
+    return out
+
+
+def check_provider(run, out_buf, refs: dict, dtype: str, pages_per_seq: int,
+                   rows: torch.Tensor | None = None) -> float:
+    """Run every set in ``refs`` once on a poisoned buffer; raise if the output is off, not
+    written, or the report does not prove the check ran. ``rows`` indexes the output rows
+    ``refs`` hold (default: the first ones). Returns the largest error seen."""
+    worst = 0.0
+    for i, ref in refs.items():
+        if out_buf is not None:
+            out_buf.fill_(float("nan"))
+        out, report = run(i)
+        if not torch.isfinite(out).all():
+            raise AssertionError(f"set {i}: output holds NaN/inf (unwritten rows or foreign slots read)")
+        got = out[:ref.shape[0]] if rows is None else out[rows]
+        err = float((got.float() - ref).abs().max())
+        worst = max(worst, err)
+        if err > MAX_ABS_ERR[dtype]:
+            raise AssertionError(f"set {i}: max |out - ref| = {err:.3g} > {MAX_ABS_ERR[dtype]:g}")
+        if report is not None:
+            if int(report.violations.sum()) != 0:
+                raise AssertionError(f"set {i}: clean inputs reported violations: {report.summary()}")
+            if not bool((report.pages_checked == pages_per_seq).all()):
+                raise AssertionError(f"set {i}: pages_checked != {pages_per_seq}: the check did not run")
+    return worst
 
 
 @dataclass
@@ -298,6 +438,86 @@ def copy_bandwidth(device: Device, cfg: TimingConfig) -> dict:
     dst = torch.empty_like(src)
     ms = time_eager(lambda: dst.copy_(src), device.torch_device, cfg)
     return {"bytes": 2 * numel * 2, "median_ms": ms, "tbps": 2 * numel * 2 / (ms * 1e-3) / 1e12}
+
+
+def prepare_providers(providers, inp, check, base: dict, log) -> tuple[list[dict], list[tuple]]:
+    """Ask each provider whether it runs ``inp``, build it and pass it through ``check(run,
+    out_buf)``. Returns the rows of providers not run (skipped or failed, never timed) and the
+    ``(provider, run, row)`` of the others."""
+    rows, live = [], []
+    for prov in providers:
+        row = dict(base, provider=prov.name, family=prov.family, checked=prov.checked)
+        try:
+            reason = prov.why_not(inp)
+            if reason is not None:
+                rows.append(dict(row, status=f"skipped: {reason}"))
+                continue
+            run, out_buf = prov.build(inp)
+            err = check(run, out_buf)
+        except Exception as e:  # a provider that fails is reported, never timed
+            rows.append(dict(row, status=f"failed: {type(e).__name__}: {e}"[:300]))
+            log(f"  {prov.name}: {rows[-1]['status']}")
+            continue
+        live.append((prov, run, dict(row, status="ok", max_abs_err=err)))
+    return rows, live
+
+
+def rotating(run, sets: int):
+    counter = itertools.count()
+    return lambda: run(next(counter) % sets)
+
+
+def measure(live, sets: int, device: Device, cfg: TimingConfig, columns) -> list[dict]:
+    """Interleaved repeats of every live provider, in eager mode and, on a GPU, from a CUDA graph
+    over all rotation sets. ``columns(provider, median_ms)`` adds the figures derived from the time.
+    Returns graph-capture failures, then one row per (mode, provider) with the checked/unchecked
+    ratios filled in."""
+    dev = device.torch_device
+    modes = {"eager": {prov.name: rotating(run, sets) for prov, run, _ in live}}
+    failed = []
+    if device.is_gpu and cfg.graphs:
+        modes["graph"] = {}
+        for prov, run, row in live:
+            try:
+                modes["graph"][prov.name] = GraphTimer(lambda i, run=run: run(i), sets, dev).time
+            except Exception as e:  # capture is not supported by every provider
+                failed.append(dict(row, mode="graph", status=f"failed: graph capture: {e}"[:300]))
+    out_rows = []
+    for mode, fns in modes.items():
+        label = mode if device.is_gpu else "cpu"
+        times = {name: [] for name in fns}
+        for r in range(cfg.repeats):
+            order = list(fns) if r % 2 == 0 else list(reversed(fns))
+            for name in order:
+                times[name].append(fns[name](cfg) if mode == "graph" else time_eager(fns[name], dev, cfg))
+        mode_rows = []
+        for prov, _, row in live:
+            if prov.name not in times:
+                continue
+            ts = times[prov.name]
+            med = statistics.median(ts)
+            mode_rows.append(dict(row, mode=label, median_ms=med, spread_pct=spread_pct(ts),
+                                  repeats=len(ts), **columns(prov, med), times_ms=ts))
+        add_ratios(mode_rows)
+        out_rows += mode_rows
+    return failed + out_rows
+
+
+def bandwidth_columns(nbytes: dict[str, int], median_ms: float, copy_tbps: float) -> dict:
+    tbps = nbytes["total"] / (median_ms * 1e-3) / 1e12
+    return dict(kv_bytes=nbytes["kv"], other_bytes=nbytes["total"] - nbytes["kv"],
+                total_bytes=nbytes["total"], tbps=tbps, pct_copy_bw=100 * tbps / copy_tbps)
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """checked / unchecked per interleaved repeat, on the checked row of each family."""
+    by = {(r["family"], r["checked"]): r for r in rows}
+    for (family, checked), row in by.items():
+        twin = by.get((family, False))
+        if checked and twin is not None:
+            ratios = [c / u for c, u in zip(row["times_ms"], twin["times_ms"])]
+            row.update(ratio_vs_unchecked=statistics.median(ratios), ratio_min=min(ratios),
+                       ratio_max=max(ratios))
 
 
 def spread_pct(values: list[float]) -> float:

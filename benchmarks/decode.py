@@ -26,9 +26,10 @@ import kvattn
 
 from . import providers as prov_mod
 from .outputs import write_outputs
-from .common import (DTYPES, MAX_ABS_ERR, Device, GraphTimer, Point, TimingConfig, bytes_moved,
-                     copy_bandwidth, git_commit, make_decode_inputs, reference_output,
-                     rotation_sets, spread_pct, synchronize, time_eager, versions)
+from .common import (DTYPES, Device, GraphTimer, Point, TimingConfig, bandwidth_columns,
+                     bytes_moved, check_provider, copy_bandwidth, git_commit, make_decode_inputs,
+                     measure, prepare_providers, reference_output, rotation_sets, spread_pct,
+                     synchronize, time_eager, versions)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CPU_LABEL = "NOT a GPU measurement (CPU; Triton kernels run under the interpreter)"
@@ -84,44 +85,20 @@ def writer_points(preset: str) -> list[WriterPoint]:
 
 
 def estimate_point_seconds(p: Point, providers: int, cfg: TimingConfig, device: Device,
-                           copy_tbps: float = 4.0) -> float:
+                           copy_tbps: float = 4.0, call_s: float | None = None) -> float:
     """Wall-time estimate of one GPU point, documented in benchmarks/results/README.md: filling the
-    pool (~0.3 TB/s for randn), one reference check, and per measurement do_bench's budgets plus its
-    first five calls, doubled for host overhead; one kernel compile (~2 s) per kvattn variant."""
+    pool (~0.3 TB/s for randn), one reference check, and per measurement do_bench's budgets (at
+    least one call each) plus its first five calls, doubled for host overhead; one kernel compile
+    (~2 s) per kvattn variant. ``call_s``: one call's time (default: the checked decode's bytes at
+    ``copy_tbps``)."""
     sets = rotation_sets(p, device.l2_bytes)
-    call_s = bytes_moved(p, True)["total"] / (copy_tbps * 1e12)
+    if call_s is None:
+        call_s = bytes_moved(p, True)["total"] / (copy_tbps * 1e12)
     fill_s = 2 * sets * p.kv_set_bytes() * 1.25 / 0.3e12
-    per_measurement = 2 * ((cfg.warmup_ms + cfg.rep_ms) / 1e3 + 5 * call_s)
+    per_measurement = 2 * (max(cfg.warmup_ms / 1e3, call_s) + max(cfg.rep_ms / 1e3, call_s)
+                           + 5 * call_s)
     measurements = providers * cfg.repeats * (2 if cfg.graphs else 1)
     return 1.0 + fill_s + measurements * per_measurement + 2 * 2.0
-
-
-def _check(run, out_buf, inp, refs: dict, dtype: str) -> float:
-    """Run every checked set once on a poisoned buffer; raise if the output is off, not written, or
-    the report does not prove the check ran. Returns the largest error seen."""
-    worst = 0.0
-    p = inp.point
-    for i, ref in refs.items():
-        if out_buf is not None:
-            out_buf.fill_(float("nan"))
-        out, report = run(i)
-        if not torch.isfinite(out).all():
-            raise AssertionError(f"set {i}: output holds NaN/inf (unwritten rows or foreign slots read)")
-        err = float((out[:ref.shape[0]].float() - ref).abs().max())
-        worst = max(worst, err)
-        if err > MAX_ABS_ERR[dtype]:
-            raise AssertionError(f"set {i}: max |out - ref| = {err:.3g} > {MAX_ABS_ERR[dtype]:g}")
-        if report is not None:
-            if int(report.violations.sum()) != 0:
-                raise AssertionError(f"set {i}: clean inputs reported violations: {report.summary()}")
-            if not bool((report.pages_checked == p.pages_per_seq).all()):
-                raise AssertionError(f"set {i}: pages_checked != {p.pages_per_seq}: the check did not run")
-    return worst
-
-
-def _rotating(run, sets: int):
-    counter = itertools.count()
-    return lambda: run(next(counter) % sets)
 
 
 def run_point(p: Point, providers, device: Device, cfg: TimingConfig, copy_tbps: float,
@@ -132,66 +109,16 @@ def run_point(p: Point, providers, device: Device, cfg: TimingConfig, copy_tbps:
     rows_ref = min(p.batch, CHECK_ROWS)
     refs = {i: reference_output(inp, i, rows_ref) for i in sorted({0, sets - 1})}
     base = dict(asdict(p), sets=sets, pool_bytes=inp.pool_bytes())
-    rows, live = [], []
-    for prov in providers:
-        row = dict(base, provider=prov.name, family=prov.family, checked=prov.checked)
-        try:
-            reason = prov.why_not(inp)
-            if reason is not None:
-                rows.append(dict(row, status=f"skipped: {reason}"))
-                continue
-            run, out_buf = prov.build(inp)
-            err = _check(run, out_buf, inp, refs, p.dtype)
-        except Exception as e:  # a provider that fails is reported, never timed
-            rows.append(dict(row, status=f"failed: {type(e).__name__}: {e}"[:300]))
-            log(f"  {prov.name}: {rows[-1]['status']}")
-            continue
-        live.append((prov, run, dict(row, status="ok", max_abs_err=err)))
+    rows, live = prepare_providers(
+        providers, inp, lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_per_seq),
+        base, log)
     synchronize(dev)
-
-    modes = {"eager": {prov.name: _rotating(run, sets) for prov, run, _ in live}}
-    if device.is_gpu and cfg.graphs:
-        modes["graph"] = {}
-        for prov, run, row in live:
-            try:
-                modes["graph"][prov.name] = GraphTimer(lambda i, run=run: run(i), sets, dev).time
-            except Exception as e:  # capture is not supported by every provider
-                rows.append(dict(row, mode="graph", status=f"failed: graph capture: {e}"[:300]))
-    out_rows = []
-    for mode, fns in modes.items():
-        times = {name: [] for name in fns}
-        for r in range(cfg.repeats):
-            order = list(fns) if r % 2 == 0 else list(reversed(fns))
-            for name in order:
-                times[name].append(fns[name](cfg) if mode == "graph" else time_eager(fns[name], dev, cfg))
-        for prov, _, row in live:
-            if prov.name not in times:
-                continue
-            ts = times[prov.name]
-            med = statistics.median(ts)
-            nbytes = bytes_moved(p, prov.checked)
-            tbps = nbytes["total"] / (med * 1e-3) / 1e12
-            out_rows.append(dict(row, mode=mode if device.is_gpu else "cpu", median_ms=med,
-                                 spread_pct=spread_pct(ts), repeats=len(ts),
-                                 kv_bytes=nbytes["kv"], other_bytes=nbytes["total"] - nbytes["kv"],
-                                 total_bytes=nbytes["total"], tbps=tbps,
-                                 pct_copy_bw=100 * tbps / copy_tbps, times_ms=ts))
-        _add_ratios([r for r in out_rows if r["mode"] == (mode if device.is_gpu else "cpu")])
-    del inp, modes, live
+    rows += measure(live, sets, device, cfg, lambda prov, med: bandwidth_columns(
+        bytes_moved(p, prov.checked), med, copy_tbps))
+    del inp, live
     if device.is_gpu:
         torch.cuda.empty_cache()
-    return rows + out_rows
-
-
-def _add_ratios(rows: list[dict]) -> None:
-    """checked / unchecked per interleaved repeat, on the checked row of each family."""
-    by = {(r["family"], r["checked"]): r for r in rows}
-    for (family, checked), row in by.items():
-        twin = by.get((family, False))
-        if checked and twin is not None:
-            ratios = [c / u for c, u in zip(row["times_ms"], twin["times_ms"])]
-            row.update(ratio_vs_unchecked=statistics.median(ratios), ratio_min=min(ratios),
-                       ratio_max=max(ratios))
+    return rows
 
 
 def make_writer(w: WriterPoint, dev: torch.device) -> dict:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one GPU script: on a lent H200 (Python 3.12, torch 2.11 CUDA 13.0, triton 3.6, nvcc 13.0, no
 # network), in one call and under 8 minutes: build the CUDA extension for sm_90, run the whole test
-# suite on the device, run the benchmark sweep sized to what time is left, and write everything under
-# $OUT (when set) and benchmarks/results/. Needs no package beyond that machine's image.
+# suite on the device, run the decode and extend benchmark sweeps sized to what time is left, and
+# write everything under $OUT (when set) and benchmarks/results/. Needs no package beyond that
+# machine's image.
 #
 #   KVATTN_COMMIT=$(git rev-parse --short=10 HEAD) bash benchmarks/gpu_suite.sh
 #
@@ -54,27 +55,50 @@ fi
 
 left=$(( BUDGET - SECONDS - 25 ))
 [ $left -gt 240 ] && left=240
+# The decode sweep gets two thirds of what is left (its whole gpu-suite preset is estimated at about
+# 140 s), the extend sweep the rest, at most 80 s (its preset is estimated at about 60 s; see
+# benchmarks/results/README.md). Each sweep has its own timeout.
+extend_left=$(( left / 3 ))
+[ $extend_left -gt 80 ] && extend_left=80
+decode_left=$(( left - extend_left ))
 bench_rc=skipped
-if [ $left -gt 30 ]; then
+extend_rc=skipped
+scratch=$(mktemp -d)
+collect() {  # $1: run folder, $2: prefix of the copies in $OUTDIR
+  cp -r "$1" benchmarks/results/
+  cp "$1"/*.csv "$OUTDIR/"
+  cp "$1/summary.md" "$OUTDIR/${2}summary.md"
+  tar -czf "$OUTDIR/${2}results.tar.gz" -C "$(dirname "$1")" "$(basename "$1")"
+  echo "results: benchmarks/results/$(basename "$1") (also $OUTDIR/${2}results.tar.gz)"
+}
+if [ $decode_left -gt 30 ]; then
   preset=${SUITE_PRESET:-gpu-suite}
-  step "benchmark sweep ($preset preset, budget ${left} s)"
-  scratch=$(mktemp -d)
-  timeout $(( left + 20 )) "$PY" -m benchmarks.decode --preset "$preset" --time-budget-s "$left" \
-    --out-dir "$scratch"
+  step "decode benchmark sweep ($preset preset, budget ${decode_left} s)"
+  timeout $(( decode_left + 20 )) "$PY" -m benchmarks.decode --preset "$preset" \
+    --time-budget-s "$decode_left" --out-dir "$scratch/decode"
   bench_rc=$?
-  for run_dir in "$scratch"/*; do
-    [ -f "$run_dir/summary.md" ] || continue
-    cp -r "$run_dir" benchmarks/results/
-    cp "$run_dir/summary.md" "$run_dir/decode.csv" "$run_dir/writer.csv" "$OUTDIR/"
-    tar -czf "$OUTDIR/results.tar.gz" -C "$scratch" "$(basename "$run_dir")"
-    echo "results: benchmarks/results/$(basename "$run_dir") (also $OUTDIR/results.tar.gz)"
+  for run_dir in "$scratch"/decode/*; do
+    [ -f "$run_dir/summary.md" ] && collect "$run_dir" ""
   done
 else
-  step "no time left for the benchmark sweep (${left} s)"
+  step "no time left for the decode sweep (${decode_left} s)"
+fi
+if [ $extend_left -gt 20 ]; then
+  preset=${SUITE_PRESET:-gpu-suite}
+  step "extend benchmark sweep ($preset preset, budget ${extend_left} s)"
+  timeout $(( extend_left + 20 )) "$PY" -m benchmarks.extend --preset "$preset" \
+    --time-budget-s "$extend_left" --out-dir "$scratch/extend"
+  extend_rc=$?
+  for run_dir in "$scratch"/extend/*; do
+    [ -f "$run_dir/summary.md" ] && collect "$run_dir" "extend-"
+  done
+else
+  step "no time left for the extend sweep (${extend_left} s)"
 fi
 
-step "done: build=$build_rc tests=$tests_rc bench=$bench_rc; files in $OUTDIR"
+step "done: build=$build_rc tests=$tests_rc bench=$bench_rc extend=$extend_rc; files in $OUTDIR"
 ls -la "$OUTDIR"
 [ -f "$OUTDIR/summary.md" ] && sed -n '/^## Targets/,/^## Decode/p' "$OUTDIR/summary.md"
+[ -f "$OUTDIR/extend-summary.md" ] && sed -n '/^## Targets/,/^## Extend/p' "$OUTDIR/extend-summary.md"
 ok() { [ "$1" = 0 ] || [ "$1" = skipped ]; }
-ok "$build_rc" && ok "$tests_rc" && [ "$bench_rc" = 0 ]
+ok "$build_rc" && ok "$tests_rc" && [ "$bench_rc" = 0 ] && ok "$extend_rc"

@@ -1,6 +1,6 @@
-"""The decode implementations the benchmarks time, each behind the same small interface.
+"""The decode and extend implementations the benchmarks time, each behind the same small interface.
 
-A provider says whether it can run a point (``why_not``) and builds a ``run(i)`` that decodes
+A provider says whether it can run a point (``why_not``) and builds a ``run(i)`` that runs the op on
 rotation set ``i`` and returns ``(out, report)`` (``report`` is None for providers without the
 check). ``build`` also returns the output buffer ``run`` writes into, when there is one, so the
 harness can poison it before the correctness check. Everything a provider needs that a serving
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import kvattn
 from kvattn import backends
 
-from .common import DTYPES, DecodeInputs
+from .common import DTYPES, DecodeInputs, ExtendInputs
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,8 @@ class Provider:
     name: str
     family: str  # checked and unchecked variants of one kernel share a family
     checked: bool
-    why_not: Callable[[DecodeInputs], str | None]
-    build: Callable[[DecodeInputs], tuple]
+    why_not: Callable[[DecodeInputs | ExtendInputs], str | None]
+    build: Callable[[DecodeInputs | ExtendInputs], tuple]
 
 
 def _kvattn(backend: str, check: bool) -> Provider:
@@ -120,7 +120,101 @@ def _reference_build(inp: DecodeInputs):
     return run, out
 
 
-def all_providers() -> list[Provider]:
+def _kvattn_extend(backend: str, check: bool) -> Provider:
+    def why_not(inp: ExtendInputs) -> str | None:
+        args = kvattn.layout.validate_extend(*inp.args(0), scale=inp.scale, validate=False)
+        return backends.explain(args, op="extend")[backend]
+
+    def build(inp: ExtendInputs):
+        out = torch.empty_like(inp.q)
+
+        def run(i: int):
+            return kvattn.paged_extend(*inp.args(i), scale=inp.scale, check=check, backend=backend,
+                                       out=out)
+        return run, out
+
+    variant = "checked" if check else "unchecked"
+    return Provider(f"kvattn-{backend}-{variant}", f"kvattn-{backend}", check, why_not, build)
+
+
+def _sdpa_extend_why_not(inp: ExtendInputs) -> str | None:
+    if inp.q.device.type == "cuda":
+        # The gathered K/V of one set, the copies SDPA may make of it, and Q/O.
+        need = 3 * inp.point.pool_point().kv_set_bytes() + 3 * inp.q.numel() * inp.q.element_size()
+        free, _ = torch.cuda.mem_get_info(inp.q.device)
+        if need > free:
+            return f"gathering the KV needs about {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+    return None
+
+
+def _sdpa_extend_build(inp: ExtendInputs):
+    """What a user without a paged prefill kernel does: gather each sequence's pages into a
+    contiguous K/V, then one batched SDPA call with causal masking aligned to the end of the keys
+    (``causal_lower_right``: the chunk's row ``j`` sees the prefix and rows up to ``j``), GQA by
+    ``enable_gqa`` (no K/V head repeat). Lengths are uniform, so no padding mask is needed."""
+    from torch.nn.attention.bias import causal_lower_right
+    p = inp.point
+    tables = [t.long() for t in inp.pool.tables]
+    mask = causal_lower_right(p.chunk, p.context)
+    q = inp.q.view(p.batch, p.chunk, p.num_heads, p.head_dim).transpose(1, 2)  # [B, H, chunk, D]
+
+    def run(i: int):
+        k = inp.pool.k_cache[tables[i]].flatten(1, 2)[:, :p.context].transpose(1, 2)  # [B, Hkv, N, D]
+        v = inp.pool.v_cache[tables[i]].flatten(1, 2)[:, :p.context].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=inp.scale,
+                                             enable_gqa=True)  # [B, H, chunk, D]
+        return out.transpose(1, 2).reshape(p.q_tokens, p.num_heads, p.head_dim), None
+    return run, None
+
+
+def _flashinfer_extend_build(inp: ExtendInputs):
+    """FlashInfer's documented paged prefill: ``BatchPrefillWithPagedKVCacheWrapper`` planned once
+    per rotation set (host work an engine does once per batch), causal (FlashInfer aligns it to the
+    end of the keys when queries are fewer), NHD pools shared with kvattn."""
+    import flashinfer
+    p = inp.point
+    pool = inp.pool
+    dev = inp.q.device
+    dtype = DTYPES[p.dtype]
+    kv_indptr = torch.arange(p.batch + 1, dtype=torch.int32, device=dev) * p.pages_per_seq
+    last_len = torch.full((p.batch,), p.context - (p.pages_per_seq - 1) * p.page_size,
+                          dtype=torch.int32, device=dev)
+    wrappers = []
+    for table in pool.tables:
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        w.plan(inp.cu_seqlens_q, kv_indptr, table.reshape(-1), last_len, p.num_heads,
+               p.num_kv_heads, p.head_dim, p.page_size, causal=True, pos_encoding_mode="NONE",
+               sm_scale=inp.scale, q_data_type=dtype, kv_data_type=dtype)
+        wrappers.append(w)
+
+    def run(i: int):
+        return wrappers[i].run(inp.q, (pool.k_cache, pool.v_cache)), None
+    return run, None
+
+
+def _reference_extend_build(inp: ExtendInputs):
+    out = torch.empty_like(inp.q)
+
+    def run(i: int):
+        return kvattn.paged_extend(*inp.args(i), scale=inp.scale, backend="reference", out=out)
+    return run, out
+
+
+def all_providers(op: str = "decode") -> list[Provider]:
+    """Every provider of ``op`` (``"decode"`` or ``"extend"``), kvattn's first."""
+    if op == "extend":
+        return [
+            _kvattn_extend("triton", True), _kvattn_extend("triton", False),
+            _kvattn_extend("cuda", True), _kvattn_extend("cuda", False),
+            Provider("torch-sdpa-gather", "torch-sdpa-gather", False, _sdpa_extend_why_not,
+                     _sdpa_extend_build),
+            Provider("flashinfer", "flashinfer", False, _flashinfer_why_not, _flashinfer_extend_build),
+            Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not,
+                     _reference_extend_build),
+        ]
+    if op != "decode":
+        raise ValueError(f"op: expected 'decode' or 'extend', got {op!r}")
     return [
         _kvattn("triton", True), _kvattn("triton", False),
         _kvattn("cuda", True), _kvattn("cuda", False),
@@ -130,9 +224,9 @@ def all_providers() -> list[Provider]:
     ]
 
 
-def select(names: list[str] | None) -> list[Provider]:
-    """Providers by name (all when ``names`` is empty); unknown names raise ValueError."""
-    providers = all_providers()
+def select(names: list[str] | None, op: str = "decode") -> list[Provider]:
+    """Providers of ``op`` by name (all when ``names`` is empty); unknown names raise ValueError."""
+    providers = all_providers(op)
     if not names:
         return providers
     known = {p.name for p in providers}

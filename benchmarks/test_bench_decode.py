@@ -39,7 +39,7 @@ def test_decode(benchmark, inputs, provider):
     if reason is not None:
         pytest.skip(reason)
     run, out = provider.build(inp)
-    err = decode._check(run, out, inp, refs, inp.point.dtype)
+    err = common.check_provider(run, out, refs, inp.point.dtype, inp.point.pages_per_seq)
     benchmark.extra_info.update(max_abs_err=err, total_bytes=common.bytes_moved(
         inp.point, provider.checked)["total"], gpu_measurement=DEVICE.is_gpu)
     counter = itertools.count()

@@ -1,15 +1,19 @@
-"""The benchmark harness end to end on a tiny CPU point: it checks every provider before timing it,
-refuses a wrong one, and writes its files labelled as not a GPU measurement."""
+"""The benchmark harnesses (decode and extend) end to end on tiny CPU points: they check every
+provider before timing it, refuse a wrong one, and write their files labelled as not a GPU
+measurement."""
 import csv
 import json
 
 import pytest
 import torch
 
-from benchmarks import decode, providers
-from benchmarks.common import Device, Point, TimingConfig
+from benchmarks import decode, extend, providers
+from benchmarks.common import Device, ExtendPoint, Point, TimingConfig
 
 TINY = Point(batch=1, context=40, page_size=16, num_heads=4, num_kv_heads=2, head_dim=32, dtype="fp16")
+# Two pages per sequence, the last one partly read; the prefix ends inside the first page.
+TINY_EXTEND = ExtendPoint(batch=2, chunk=8, prefix=12, page_size=16, num_heads=4, num_kv_heads=2,
+                          head_dim=32, dtype="fp16")
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the harness")
 
 
@@ -73,3 +77,64 @@ def test_quick_run_writes_labelled_files(tmp_path, monkeypatch):
     except ImportError:
         return
     assert {"overhead.png", "bandwidth.png"} <= names
+
+
+@CPU_ONLY
+def test_extend_run_point_times_checked_providers_and_pairs_the_ratio():
+    chosen = providers.select(["kvattn-triton-checked", "kvattn-triton-unchecked", "kvattn-cuda-checked",
+                               "torch-sdpa-gather"], op="extend")
+    rows = extend.run_point(TINY_EXTEND, chosen, _cpu(), TimingConfig(cpu_runs=1, repeats=2, graphs=False),
+                            copy_tbps=1.0, log=print)
+    ok = {r["provider"]: r for r in rows if r["status"] == "ok"}
+    assert set(ok) == {"kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"}
+    (cuda,) = [r for r in rows if r["provider"] == "kvattn-cuda-checked"]
+    assert cuda["status"].startswith("skipped:") and "median_ms" not in cuda
+    pairs = 8 * 12 + 8 * 9 // 2  # each of the 8 rows meets the prefix and the rows up to itself
+    for r in ok.values():
+        assert r["max_abs_err"] <= 1e-2 and len(r["times_ms"]) == 2 and r["rows_checked"] == 16
+        assert r["flops"] == 4 * 2 * 4 * 32 * pairs and r["tflops"] > 0
+    checked, unchecked = ok["kvattn-triton-checked"], ok["kvattn-triton-unchecked"]
+    assert checked["total_bytes"] - unchecked["total_bytes"] == 8 * 4 + 8 * 2 + 4 + 16 * 2
+    assert unchecked["other_bytes"] == 2 * 16 * 4 * 32 * 2 + 4 * 4 + 2 * 4 + 3 * 4  # q/o, table, lens, cu
+    assert checked["ratio_min"] <= checked["ratio_vs_unchecked"] <= checked["ratio_max"]
+
+
+@CPU_ONLY
+def test_extend_run_point_refuses_a_provider_with_wrong_output():
+    def build(inp):
+        out = torch.empty_like(inp.q)
+
+        def run(i):
+            out.copy_(inp.q)  # finite, right shape, wrong values
+            return out, None
+        return run, out
+
+    wrong = providers.Provider("wrong", "wrong", False, lambda inp: None, build)
+    rows = extend.run_point(TINY_EXTEND, [wrong], _cpu(), TimingConfig(cpu_runs=1, repeats=1, graphs=False),
+                            copy_tbps=1.0, log=print)
+    assert len(rows) == 1
+    assert rows[0]["status"].startswith("failed: AssertionError") and "median_ms" not in rows[0]
+
+
+@CPU_ONLY
+def test_extend_quick_run_writes_labelled_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(extend, "preset_points", lambda name: [TINY_EXTEND])
+    chosen = ["kvattn-reference", "torch-sdpa-gather"]
+    assert extend.main(["--quick", "--out-dir", str(tmp_path), "--providers", *chosen]) == 0
+    (run_dir,) = tmp_path.iterdir()
+    assert run_dir.name.split("_")[1] == "cpu" and run_dir.name.endswith("_extend")
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"extend.csv", "run.json", "summary.md", "log.txt"} <= names
+    summary = (run_dir / "summary.md").read_text()
+    assert "NOT a GPU measurement" in summary and "| kvattn-reference | cpu |" in summary
+    with (run_dir / "extend.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r["measurement"].startswith("NOT a GPU measurement") for r in rows)
+    assert {r["provider"] for r in rows if r["status"] == "ok"} == set(chosen)
+    meta = json.loads((run_dir / "run.json").read_text())["meta"]
+    assert meta["gpu_measurement"] is False and meta["op"] == "extend"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert {"extend_overhead.png", "extend_tflops.png"} <= names
