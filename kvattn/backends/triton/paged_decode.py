@@ -22,7 +22,7 @@ import triton.language as tl
 from ...layout import DecodeArgs
 from ...report import OwnershipReport
 from .softmax import online_softmax_step, qk_scores
-from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
+from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, check_pages, readable_len
 
 MAX_HEAD_DIM = 256
 
@@ -108,25 +108,9 @@ def paged_decode_kernel(
         if kv_head == 0:
             page_lo = start // PAGE
             page_hi = tl.minimum((start + tokens_per_split) // PAGE, max_pages)
-            bad = tl.zeros([BLOCK_P], dtype=tl.int32)
-            n_read = tl.zeros([BLOCK_P], dtype=tl.int32)
-            bits = tl.zeros([BLOCK_P], dtype=tl.int32)
-            for p0 in range(page_lo, page_hi, BLOCK_P):
-                logical = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
-                in_table = logical < page_hi
-                slots_read = tl.minimum(tl.maximum(seq_len - logical * PAGE, 0), PAGE)
-                read = in_table & (slots_read > 0)
-                page = tl.load(bt_row + logical, mask=read, other=0)
-                in_range = (page >= 0) & (page < num_pages)
-                tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
-                exp_owner = tl.load(exp_row + logical * stride_ep, mask=read, other=0)
-                reason = tl.where(read, page_reason(tag, in_range, exp_owner, slots_read), 0)
-                tl.store(page_reasons_ptr + b * max_pages + logical, reason.to(tl.int8), mask=in_table)
-                bad += (reason != 0).to(tl.int32)
-                n_read += read.to(tl.int32)
-                bits = bits | reason
-            n_bad = tl.sum(bad, axis=0)
-            reasons = tl.reduce(bits, 0, bit_or)
+            n_bad, reasons, n_read = check_pages(bt_row, exp_row, stride_ep, tags_ptr,
+                                                 page_reasons_ptr + b * max_pages, num_pages,
+                                                 seq_len, page_lo, page_hi, PAGE, BLOCK_P)
             if split == 0:
                 # A seq_len past the table: nothing beyond it is read, and it counts once.
                 beyond = (raw_len > max_pages * PAGE).to(tl.int32)
@@ -135,7 +119,7 @@ def paged_decode_kernel(
                 reasons = reasons | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
             tl.atomic_add(violations_ptr + b, n_bad)
             tl.atomic_or(reasons_ptr + b, reasons)
-            tl.atomic_add(checked_ptr + b, tl.sum(n_read, axis=0))
+            tl.atomic_add(checked_ptr + b, n_read)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i > 0, l_i, 1.0)

@@ -28,7 +28,7 @@ from ...layout import ExtendArgs, query_offsets
 from ...report import OwnershipReport
 from .paged_decode import interpreted
 from .softmax import online_softmax_step, qk_scores
-from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
+from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, check_pages, readable_len
 
 
 @triton.jit
@@ -127,31 +127,16 @@ def paged_extend_kernel(
     if CHECK:
         if head == 0:
             if tile == 0:
-                bad = tl.zeros([BLOCK_P], dtype=tl.int32)
-                n_read = tl.zeros([BLOCK_P], dtype=tl.int32)
-                bits = tl.zeros([BLOCK_P], dtype=tl.int32)
-                for p0 in range(0, max_pages, BLOCK_P):
-                    logical = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
-                    in_table = logical < max_pages
-                    slots_read = tl.minimum(tl.maximum(seq_len - logical * PAGE, 0), PAGE)
-                    read = in_table & (slots_read > 0)
-                    page = tl.load(bt_row + logical, mask=read, other=0)
-                    in_range = (page >= 0) & (page < num_pages)
-                    tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
-                    exp_owner = tl.load(exp_row + logical * stride_ep, mask=read, other=0)
-                    reason = tl.where(read, page_reason(tag, in_range, exp_owner, slots_read), 0)
-                    tl.store(page_reasons_ptr + b * max_pages + logical, reason.to(tl.int8),
-                             mask=in_table)
-                    bad += (reason != 0).to(tl.int32)
-                    n_read += read.to(tl.int32)
-                    bits = bits | reason
+                n_bad, reasons, n_read = check_pages(bt_row, exp_row, stride_ep, tags_ptr,
+                                                     page_reasons_ptr + b * max_pages, num_pages,
+                                                     seq_len, 0, max_pages, PAGE, BLOCK_P)
                 # A seq_len past the table: nothing beyond it is read, and it counts once.
                 beyond = (raw_len > max_pages * PAGE).to(tl.int32)
-                reasons = tl.reduce(bits, 0, bit_or) | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
+                reasons = reasons | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
                 tl.store(beyond_ptr + b, beyond)
-                tl.store(violations_ptr + b, tl.sum(bad, axis=0) + beyond)
+                tl.store(violations_ptr + b, n_bad + beyond)
                 tl.store(reasons_ptr + b, reasons)
-                tl.store(checked_ptr + b, tl.sum(n_read, axis=0))
+                tl.store(checked_ptr + b, n_read)
 
 
 def tile_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:

@@ -58,6 +58,33 @@ def page_reason(tag, in_range, exp_owner, slots_read):
 
 
 @triton.jit
+def check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len, page_lo,
+                page_hi, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The report for logical pages ``[page_lo, page_hi)`` of one sequence of ``seq_len`` tokens:
+    writes each page's reason to ``reasons_row`` (0 when accepted or not read) and returns
+    ``(refused pages, OR of their reasons, pages read)``. Pages are read in blocks of BLOCK_P, each
+    with its block-table entry, tag and expected owner; page memory is never touched."""
+    bad = tl.zeros([BLOCK_P], dtype=tl.int32)
+    n_read = tl.zeros([BLOCK_P], dtype=tl.int32)
+    bits = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for p0 in range(page_lo, page_hi, BLOCK_P):
+        logical = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
+        in_table = logical < page_hi
+        slots_read = tl.minimum(tl.maximum(seq_len - logical * PAGE, 0), PAGE)
+        read = in_table & (slots_read > 0)
+        page = tl.load(bt_row + logical, mask=read, other=0)
+        in_range = (page >= 0) & (page < num_pages)
+        tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
+        exp_owner = tl.load(exp_row + logical * stride_ep, mask=read, other=0)
+        reason = tl.where(read, page_reason(tag, in_range, exp_owner, slots_read), 0)
+        tl.store(reasons_row + logical, reason.to(tl.int8), mask=in_table)
+        bad += (reason != 0).to(tl.int32)
+        n_read += read.to(tl.int32)
+        bits = bits | reason
+    return tl.sum(bad, axis=0), tl.reduce(bits, 0, bit_or), tl.sum(n_read, axis=0)
+
+
+@triton.jit
 def written_prefix(tag):
     """valid_len of a WRITTEN page, 0 for any other state (what a writer may extend)."""
     return tl.where((tag & STATE_MASK) == WRITTEN, (tag >> VALID_LEN_SHIFT) & VALID_LEN_MAX, 0)
