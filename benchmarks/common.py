@@ -462,6 +462,15 @@ def prepare_providers(providers, inp, check, base: dict, log) -> tuple[list[dict
     return rows, live
 
 
+def check_and_measure(providers, inp, check, base: dict, device: Device, cfg: TimingConfig, columns,
+                      log) -> list[dict]:
+    """:func:`prepare_providers`, then :func:`measure` of those that passed, over ``inp``'s
+    rotation sets: the rows of one point."""
+    rows, live = prepare_providers(providers, inp, check, base, log)
+    synchronize(device.torch_device)
+    return rows + measure(live, inp.sets, device, cfg, columns)
+
+
 def rotating(run, sets: int):
     counter = itertools.count()
     return lambda: run(next(counter) % sets)

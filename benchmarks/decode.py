@@ -9,13 +9,9 @@ every rotation set. Results go to ``<out-dir>/<date>_<device>_<commit>/``: ``dec
 """
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import itertools
-import json
 import statistics
 import sys
-import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,15 +20,12 @@ import torch
 
 import kvattn
 
-from . import providers as prov_mod
-from .outputs import write_outputs
 from .common import (DTYPES, Device, GraphTimer, Point, TimingConfig, bandwidth_columns,
-                     bytes_moved, check_provider, copy_bandwidth, git_commit, make_decode_inputs,
-                     measure, prepare_providers, reference_output, rotation_sets, spread_pct,
-                     synchronize, time_eager, versions)
+                     bytes_moved, check_and_measure, check_provider, make_decode_inputs,
+                     reference_output, rotation_sets, spread_pct, time_eager)
+from .outputs import write_outputs
+from .sweep import PRESETS, Sweep, parse_args
 
-RESULTS = Path(__file__).resolve().parent / "results"
-CPU_LABEL = "NOT a GPU measurement (CPU; Triton kernels run under the interpreter)"
 CHECK_ROWS = 4  # sequences compared with the reference per checked set
 
 
@@ -59,9 +52,6 @@ def preset_points(name: str) -> list[Point]:
         extra = _grid([1, 16, 64], [4096, 32768], dims=(64, 256), dtypes=("fp16", "bf16"))
         return main + extra
     raise ValueError(f"--preset: expected one of {PRESETS}, got {name!r}")
-
-
-PRESETS = ("cpu-tiny", "gpu-suite", "full")
 
 
 @dataclass(frozen=True)
@@ -109,16 +99,11 @@ def run_point(p: Point, providers, device: Device, cfg: TimingConfig, copy_tbps:
     rows_ref = min(p.batch, CHECK_ROWS)
     refs = {i: reference_output(inp, i, rows_ref) for i in sorted({0, sets - 1})}
     base = dict(asdict(p), sets=sets, pool_bytes=inp.pool_bytes())
-    rows, live = prepare_providers(
-        providers, inp, lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_per_seq),
-        base, log)
-    synchronize(dev)
-    rows += measure(live, sets, device, cfg, lambda prov, med: bandwidth_columns(
-        bytes_moved(p, prov.checked), med, copy_tbps))
-    del inp, live
-    if device.is_gpu:
-        torch.cuda.empty_cache()
-    return rows
+    return check_and_measure(
+        providers, inp,
+        lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_per_seq), base,
+        device, cfg,
+        lambda prov, med: bandwidth_columns(bytes_moved(p, prov.checked), med, copy_tbps), log)
 
 
 def make_writer(w: WriterPoint, dev: torch.device) -> dict:
@@ -214,87 +199,29 @@ def run_writer(w: WriterPoint, device: Device, cfg: TimingConfig, copy_tbps: flo
 
 
 def run(args) -> Path:
-    device = Device.current()
-    preset = args.preset or ("full" if args.full else ("gpu-suite" if device.is_gpu else "cpu-tiny"))
-    points = preset_points(preset)
-    if args.max_points:
-        points = points[:args.max_points]
-    cfg = TimingConfig(repeats=args.repeats) if device.is_gpu else \
-        TimingConfig(cpu_runs=1, repeats=2, graphs=False)
-    providers = prov_mod.select(args.providers)
-    started = time.monotonic()
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    commit = git_commit()
-    run_dir = Path(args.out_dir) / f"{stamp}_{device.slug}_{commit}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_lines = []
+    sweep = Sweep.start(args, preset_points, "decode")
+    sweep.run_dir.mkdir(parents=True, exist_ok=True)
+    device, cfg = sweep.device, sweep.cfg
 
-    def log(msg: str) -> None:
-        log_lines.append(msg)
-        print(msg, flush=True)
+    def estimate(p: Point) -> float:
+        return estimate_point_seconds(p, len(sweep.providers) - 1, cfg, device)
 
-    label = "GPU measurement" if device.is_gpu else CPU_LABEL
-    log(f"kvattn benchmarks: preset {preset}, {len(points)} points, device {device.name} ({label}), "
-        f"commit {commit}")
-    if device.is_gpu:
-        est = sum(estimate_point_seconds(p, len(providers) - 1, cfg, device) for p in points)
-        log(f"estimated wall time of the decode sweep: {est:.0f} s (budget {args.time_budget_s} s)")
-    copy = copy_bandwidth(device, cfg)
-    log(f"copy bandwidth: {copy['tbps']:.3f} TB/s ({copy['bytes'] / 1e9:.2f} GB in "
-        f"{copy['median_ms']:.3f} ms)")
-
-    decode_rows, skipped = [], []
-    for n, p in enumerate(points):
-        elapsed = time.monotonic() - started
-        need = estimate_point_seconds(p, len(providers) - 1, cfg, device) if device.is_gpu else 0
-        if args.time_budget_s and elapsed + need > args.time_budget_s:
-            skipped.append({"point": p.label(), "reason": f"time budget ({elapsed:.0f} s used)"})
-            continue
-        if device.is_gpu and 2 * rotation_sets(p, device.l2_bytes) * p.kv_set_bytes() * 1.25 > \
-                0.4 * device.memory_bytes:
-            skipped.append({"point": p.label(), "reason": "pool over 40% of device memory"})
-            continue
-        t0 = time.monotonic()
-        rows = run_point(p, providers, device, cfg, copy["tbps"], log)
-        decode_rows += rows
-        log(f"[{n + 1}/{len(points)}] {p.label()}: {time.monotonic() - t0:.1f} s; "
-            + ", ".join(f"{r['provider']}/{r['mode']} {r['median_ms'] * 1e3:.1f} us"
-                        for r in rows if r.get("status") == "ok"))
+    copy = sweep.begin("kvattn benchmarks", "decode", estimate)
+    decode_rows, skipped = sweep.run_points(
+        lambda p: run_point(p, sweep.providers, device, cfg, copy["tbps"], sweep.log), estimate)
     writer_rows = []
-    for w in writer_points(preset):
-        if args.time_budget_s and time.monotonic() - started > args.time_budget_s:
+    for w in writer_points(sweep.preset):
+        if sweep.budget_s and sweep.elapsed() > sweep.budget_s:
             skipped.append({"point": f"writer {w}", "reason": "time budget"})
             continue
         writer_rows += run_writer(w, device, cfg, copy["tbps"])
-    copy_end = copy_bandwidth(device, cfg)
-
-    meta = dict(run=run_dir.name, preset=preset, date_utc=stamp, commit=commit,
-                device=asdict(device), gpu_measurement=device.is_gpu,
-                label=label, versions=versions(), timing=cfg.as_dict(),
-                copy_bandwidth_start=copy, copy_bandwidth_end=copy_end,
-                providers=[p.name for p in providers], skipped=skipped,
-                wall_s=time.monotonic() - started, command=" ".join(sys.argv))
-    write_outputs(run_dir, meta, decode_rows, writer_rows, log_lines, plots=not args.no_plots)
-    log(f"results: {run_dir} ({time.monotonic() - started:.0f} s)")
-    return run_dir
+    write_outputs(sweep.run_dir, sweep.meta(copy, skipped), decode_rows, writer_rows, sweep.log_lines,
+                  plots=not args.no_plots)
+    return sweep.finish()
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="the small sweep: cpu-tiny on a CPU, gpu-suite on a GPU (the default)")
-    ap.add_argument("--full", action="store_true", help="the full sweep of the issue (GPU, hours)")
-    ap.add_argument("--preset", choices=PRESETS, help="a named sweep (overrides --quick/--full)")
-    ap.add_argument("--out-dir", default=str(RESULTS), help="parent of the run folder")
-    ap.add_argument("--providers", nargs="*", help="only these providers")
-    ap.add_argument("--max-points", type=int, default=0, help="only the first N points")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per measurement (GPU)")
-    ap.add_argument("--time-budget-s", type=float, default=0,
-                    help="start no point whose estimate would end past this many seconds")
-    ap.add_argument("--no-plots", action="store_true")
-    args = ap.parse_args(argv)
-    run(args)
+    run(parse_args("python -m benchmarks.decode", __doc__, argv))
     return 0
 
 

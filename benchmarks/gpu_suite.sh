@@ -61,8 +61,6 @@ left=$(( BUDGET - SECONDS - 25 ))
 extend_left=$(( left / 3 ))
 [ $extend_left -gt 80 ] && extend_left=80
 decode_left=$(( left - extend_left ))
-bench_rc=skipped
-extend_rc=skipped
 scratch=$(mktemp -d)
 collect() {  # $1: run folder, $2: prefix of the copies in $OUTDIR
   cp -r "$1" benchmarks/results/
@@ -71,30 +69,25 @@ collect() {  # $1: run folder, $2: prefix of the copies in $OUTDIR
   tar -czf "$OUTDIR/${2}results.tar.gz" -C "$(dirname "$1")" "$(basename "$1")"
   echo "results: benchmarks/results/$(basename "$1") (also $OUTDIR/${2}results.tar.gz)"
 }
-if [ $decode_left -gt 30 ]; then
-  preset=${SUITE_PRESET:-gpu-suite}
-  step "decode benchmark sweep ($preset preset, budget ${decode_left} s)"
-  timeout $(( decode_left + 20 )) "$PY" -m benchmarks.decode --preset "$preset" \
-    --time-budget-s "$decode_left" --out-dir "$scratch/decode"
-  bench_rc=$?
-  for run_dir in "$scratch"/decode/*; do
-    [ -f "$run_dir/summary.md" ] && collect "$run_dir" ""
-  done
-else
-  step "no time left for the decode sweep (${decode_left} s)"
-fi
-if [ $extend_left -gt 20 ]; then
-  preset=${SUITE_PRESET:-gpu-suite}
-  step "extend benchmark sweep ($preset preset, budget ${extend_left} s)"
-  timeout $(( extend_left + 20 )) "$PY" -m benchmarks.extend --preset "$preset" \
-    --time-budget-s "$extend_left" --out-dir "$scratch/extend"
-  extend_rc=$?
-  for run_dir in "$scratch"/extend/*; do
-    [ -f "$run_dir/summary.md" ] && collect "$run_dir" "extend-"
-  done
-else
-  step "no time left for the extend sweep (${extend_left} s)"
-fi
+sweep() {  # $1: decode or extend, $2: its budget (s), $3: the least worth starting, $4: as collect's $2
+  sweep_rc=skipped
+  if [ "$2" -gt "$3" ]; then
+    local preset=${SUITE_PRESET:-gpu-suite}
+    step "$1 benchmark sweep ($preset preset, budget $2 s)"
+    timeout $(( $2 + 20 )) "$PY" -m "benchmarks.$1" --preset "$preset" \
+      --time-budget-s "$2" --out-dir "$scratch/$1"
+    sweep_rc=$?
+    for run_dir in "$scratch/$1"/*; do
+      [ -f "$run_dir/summary.md" ] && collect "$run_dir" "$4"
+    done
+  else
+    step "no time left for the $1 sweep ($2 s)"
+  fi
+}
+sweep decode "$decode_left" 30 ""
+bench_rc=$sweep_rc
+sweep extend "$extend_left" 20 extend-
+extend_rc=$sweep_rc
 
 step "done: build=$build_rc tests=$tests_rc bench=$bench_rc extend=$extend_rc; files in $OUTDIR"
 ls -la "$OUTDIR"

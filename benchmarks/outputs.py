@@ -6,6 +6,8 @@ import csv
 import json
 from pathlib import Path
 
+from .plot import plot_extend_run, plot_run
+
 # Targets (benchmark figures on an H200, never test assertions).
 CHECK_TOL_LONG = 0.01  # checked within 1% of unchecked at context >= LONG_CONTEXT
 CHECK_TOL_ANY = 0.03  # and within 3% everywhere
@@ -46,45 +48,54 @@ def _fmt(x, spec: str, missing: str = "") -> str:
     return missing if x is None else format(x, spec)
 
 
-def evaluate_targets(meta: dict, decode: list[dict], writer: list[dict]) -> list[str]:
-    """Markdown lines: each target, whether this run meets it, and by how much it misses."""
-    if not meta["gpu_measurement"]:
-        return ["Targets are H200 figures; this run is on a CPU and is NOT a GPU measurement, so "
-                "no target is evaluated."]
-    lines = []
-    ok = [r for r in decode if r.get("status") == "ok"]
-    ratios = [r for r in ok if r.get("ratio_vs_unchecked") is not None]
+CPU_NO_TARGETS = ["Targets are H200 figures; this run is on a CPU and is NOT a GPU measurement, so "
+                  "no target is evaluated."]
+
+
+def _tally(misses: list, total: int, what: str) -> str:
+    return ("met at all " if not misses else f"missed at {len(misses)} of ") + f"{total} {what}."
+
+
+def _overhead_lines(rows: list[dict], point, claim: str, short_note: bool) -> list[str]:
+    """The check-overhead target on the checked rows that carry a ratio: ``claim`` states it,
+    ``point(row)`` names a missing point; ``short_note`` explains misses on very short calls."""
+    ratios = [r for r in rows if r.get("status") == "ok" and r.get("ratio_vs_unchecked") is not None]
     misses = []
     for r in ratios:
         tol = CHECK_TOL_LONG if r["context"] >= LONG_CONTEXT else CHECK_TOL_ANY
         over = r["ratio_vs_unchecked"] - 1
         if over > tol:
             noise = " (inside the run-to-run range)" if r["ratio_min"] - 1 <= tol else ""
-            short = "; calls of a few microseconds, where fixed per-launch costs of the check " \
-                    "(report allocation and zeroing) weigh most" if r["median_ms"] < SHORT_CALL_MS else ""
-            misses.append(f"  - {r['provider']} {r['mode']} {_point(r)}: +{100 * over:.2f}% "
+            short = ""
+            if short_note and r["median_ms"] < SHORT_CALL_MS:
+                short = "; calls of a few microseconds, where fixed per-launch costs of the check " \
+                        "(report allocation and zeroing) weigh most"
+            misses.append(f"  - {r['provider']} {r['mode']} {point(r)}: +{100 * over:.2f}% "
                           f"(target {100 * tol:.0f}%, range {100 * (r['ratio_min'] - 1):+.2f}.."
                           f"{100 * (r['ratio_max'] - 1):+.2f}%){noise}{short}")
-    lines.append(f"- Checked within {100 * CHECK_TOL_LONG:.0f}% of unchecked at context >= "
-                 f"{LONG_CONTEXT}, within {100 * CHECK_TOL_ANY:.0f}% everywhere: "
-                 + ("met at all " if not misses else f"missed at {len(misses)} of ")
-                 + f"{len(ratios)} measured (point, backend, mode) pairs.")
-    lines += misses
-    bw = [r for r in ok if r["provider"].endswith("-unchecked") and r["batch"] >= BW_MIN_BATCH
-          and r["context"] >= BW_MIN_CONTEXT]
+    return [f"- {claim}: " + _tally(misses, len(ratios), "measured (point, backend, mode) pairs")] + misses
+
+
+def evaluate_targets(meta: dict, decode: list[dict], writer: list[dict]) -> list[str]:
+    """Markdown lines: each target, whether this run meets it, and by how much it misses."""
+    if not meta["gpu_measurement"]:
+        return list(CPU_NO_TARGETS)
+    lines = _overhead_lines(decode, _point, f"Checked within {100 * CHECK_TOL_LONG:.0f}% of unchecked "
+                            f"at context >= {LONG_CONTEXT}, within {100 * CHECK_TOL_ANY:.0f}% everywhere",
+                            short_note=True)
+    bw = [r for r in decode if r.get("status") == "ok" and r["provider"].endswith("-unchecked")
+          and r["batch"] >= BW_MIN_BATCH and r["context"] >= BW_MIN_CONTEXT]
     bw_miss = [r for r in bw if r["pct_copy_bw"] < BW_TARGET_PCT]
     lines.append(f"- Unchecked decode at >= {BW_TARGET_PCT:.0f}% of the copy bandwidth for batch >= "
                  f"{BW_MIN_BATCH} and context >= {BW_MIN_CONTEXT}: "
-                 + ("met at all " if not bw_miss else f"missed at {len(bw_miss)} of ")
-                 + f"{len(bw)} measured points.")
+                 + _tally(bw_miss, len(bw), "measured points"))
     lines += [f"  - {r['provider']} {r['mode']} {_point(r)}: {r['pct_copy_bw']:.1f}% "
               f"({r['tbps']:.2f} TB/s), {BW_TARGET_PCT - r['pct_copy_bw']:.1f} points short"
               for r in bw_miss]
     wr = [r for r in writer if r.get("ratio_vs_unstamped") is not None]
     w_miss = [r for r in wr if r["ratio_vs_unstamped"] - 1 > WRITER_TOL]
     lines.append(f"- Stamped write within {100 * WRITER_TOL:.0f}% of the unstamped write: "
-                 + ("met at all " if not w_miss else f"missed at {len(w_miss)} of ")
-                 + f"{len(wr)} measured points.")
+                 + _tally(w_miss, len(wr), "measured points"))
     lines += [f"  - {r['mode']} {r['pattern']} {r['tokens']} tokens: "
               f"+{100 * (r['ratio_vs_unstamped'] - 1):.1f}% (range "
               f"{100 * (r['ratio_min'] - 1):+.1f}..{100 * (r['ratio_max'] - 1):+.1f}%); write_kv "
@@ -124,53 +135,71 @@ def _not_measured_lines(meta: dict, rows: list[dict]) -> list[str]:
             + [f"- point {s['point']}: {s['reason']}" for s in meta["skipped"]])
 
 
-def summary_markdown(meta: dict, decode: list[dict], writer: list[dict]) -> str:
+def _ratio(r: dict, key: str, digits: int) -> str:
+    if r.get(key) is None:
+        return ""
+    return f"{r[key]:.{digits}f} ({r['ratio_min']:.{digits}f}..{r['ratio_max']:.{digits}f})"
+
+
+def _summary(meta: dict, targets: list[str], tables, rows: list[dict]) -> str:
+    """``tables``: (title, rows, column headers, cells of a row given the time unit's scale); only
+    the rows measured go in, the others are listed under "Not measured"."""
     gpu = meta["gpu_measurement"]
-    unit = "us" if gpu else "ms"
-    scale = 1e3 if gpu else 1.0
-    lines = _header_lines(meta)
-    lines += evaluate_targets(meta, decode, writer)
+    unit, scale = ("us", 1e3) if gpu else ("ms", 1.0)
     caption = "" if gpu else " (NOT a GPU measurement)"
-    lines += ["", f"## Decode{caption}", "",
-              f"| point | provider | mode | median {unit} | spread % | TB/s | % copy | "
-              f"checked/unchecked (range) | max err |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in decode:
-        if r.get("status") != "ok":
-            continue
-        ratio = "" if r.get("ratio_vs_unchecked") is None else \
-            f"{r['ratio_vs_unchecked']:.4f} ({r['ratio_min']:.4f}..{r['ratio_max']:.4f})"
-        lines.append(f"| {_point(r)} | {r['provider']} | {r['mode']} | "
-                     f"{r['median_ms'] * scale:.2f} | {r['spread_pct']:.1f} | {r['tbps']:.3g} | "
-                     f"{r['pct_copy_bw']:.1f} | {ratio} | {r['max_abs_err']:.2g} |")
-    lines += ["", f"## Writer{caption}", "",
-              f"| pattern | tokens | provider | mode | median {unit} | spread % | TB/s | "
-              f"stamped/unstamped (range) |", "|---|---|---|---|---|---|---|---|"]
-    for r in writer:
-        if r.get("status") != "ok":
-            continue
-        ratio = "" if r.get("ratio_vs_unstamped") is None else \
-            f"{r['ratio_vs_unstamped']:.3f} ({r['ratio_min']:.3f}..{r['ratio_max']:.3f})"
-        lines.append(f"| {r['pattern']} | {r['tokens']} | {r['provider']} | {r['mode']} | "
-                     f"{r['median_ms'] * scale:.2f} | {r['spread_pct']:.1f} | {r['tbps']:.3g} | "
-                     f"{ratio} |")
-    lines += _not_measured_lines(meta, decode + writer)
+    lines = _header_lines(meta) + targets
+    for title, table_rows, columns, cells in tables:
+        columns = [c.format(unit=unit) for c in columns]
+        lines += ["", f"## {title}{caption}", "", "| " + " | ".join(columns) + " |",
+                  "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cells(r, scale)) + " |" for r in table_rows if r.get("status") == "ok"]
+    lines += _not_measured_lines(meta, rows)
     return "\n".join(lines) + "\n"
+
+
+def _timing_cells(r: dict, scale: float) -> list[str]:
+    return [r["provider"], r["mode"], f"{r['median_ms'] * scale:.2f}", f"{r['spread_pct']:.1f}"]
+
+
+def summary_markdown(meta: dict, decode: list[dict], writer: list[dict]) -> str:
+    return _summary(meta, evaluate_targets(meta, decode, writer), [
+        ("Decode", decode,
+         ["point", "provider", "mode", "median {unit}", "spread %", "TB/s", "% copy",
+          "checked/unchecked (range)", "max err"],
+         lambda r, scale: [_point(r), *_timing_cells(r, scale), f"{r['tbps']:.3g}",
+                           f"{r['pct_copy_bw']:.1f}", _ratio(r, "ratio_vs_unchecked", 4),
+                           f"{r['max_abs_err']:.2g}"]),
+        ("Writer", writer,
+         ["pattern", "tokens", "provider", "mode", "median {unit}", "spread %", "TB/s",
+          "stamped/unstamped (range)"],
+         lambda r, scale: [r["pattern"], str(r["tokens"]), *_timing_cells(r, scale), f"{r['tbps']:.3g}",
+                           _ratio(r, "ratio_vs_unstamped", 3)]),
+    ], decode + writer)
+
+
+def _write_run(run_dir: Path, meta: dict, tables: dict, summary: str, log_lines: list[str],
+               plot) -> list[Path]:
+    """``tables``: name -> (rows, CSV columns), each written to ``<name>.csv`` and under its name in
+    ``run.json``; ``plot()`` draws the figures (None: no plots)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, (rows, columns) in tables.items():
+        _write_csv(run_dir / f"{name}.csv", rows, columns, meta)
+    (run_dir / "run.json").write_text(json.dumps(
+        dict(meta=meta, **{name: rows for name, (rows, _) in tables.items()}), indent=1, default=str))
+    (run_dir / "summary.md").write_text(summary)
+    (run_dir / "log.txt").write_text("\n".join(log_lines) + "\n")
+    written = [run_dir / f"{name}.csv" for name in tables]
+    written += [run_dir / n for n in ("run.json", "summary.md", "log.txt")]
+    if plot is not None:
+        written += plot()
+    return written
 
 
 def write_outputs(run_dir: Path, meta: dict, decode: list[dict], writer: list[dict],
                   log_lines: list[str], plots: bool = True) -> list[Path]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_csv(run_dir / "decode.csv", decode, DECODE_COLUMNS, meta)
-    _write_csv(run_dir / "writer.csv", writer, WRITER_COLUMNS, meta)
-    (run_dir / "run.json").write_text(json.dumps(dict(meta=meta, decode=decode, writer=writer),
-                                                 indent=1, default=str))
-    (run_dir / "summary.md").write_text(summary_markdown(meta, decode, writer))
-    (run_dir / "log.txt").write_text("\n".join(log_lines) + "\n")
-    written = [run_dir / n for n in ("decode.csv", "writer.csv", "run.json", "summary.md", "log.txt")]
-    if plots:
-        from .plot import plot_run
-        written += plot_run(run_dir, meta, decode)
-    return written
+    return _write_run(run_dir, meta, {"decode": (decode, DECODE_COLUMNS), "writer": (writer, WRITER_COLUMNS)},
+                      summary_markdown(meta, decode, writer), log_lines,
+                      (lambda: plot_run(run_dir, meta, decode)) if plots else None)
 
 
 def _extend_point(r: dict) -> str:
@@ -182,54 +211,26 @@ def evaluate_extend_targets(meta: dict, rows: list[dict]) -> list[str]:
     """The decode check-overhead target applied to extend, by context (prefix + chunk): the issue
     asks for the extend sweep, the tolerance is decode's."""
     if not meta["gpu_measurement"]:
-        return ["Targets are H200 figures; this run is on a CPU and is NOT a GPU measurement, so "
-                "no target is evaluated."]
-    ratios = [r for r in rows if r.get("status") == "ok" and r.get("ratio_vs_unchecked") is not None]
-    misses = []
-    for r in ratios:
-        tol = CHECK_TOL_LONG if r["context"] >= LONG_CONTEXT else CHECK_TOL_ANY
-        over = r["ratio_vs_unchecked"] - 1
-        if over > tol:
-            noise = " (inside the run-to-run range)" if r["ratio_min"] - 1 <= tol else ""
-            misses.append(f"  - {r['provider']} {r['mode']} {_extend_point(r)}: +{100 * over:.2f}% "
-                          f"(target {100 * tol:.0f}%, range {100 * (r['ratio_min'] - 1):+.2f}.."
-                          f"{100 * (r['ratio_max'] - 1):+.2f}%){noise}")
-    return [f"- Checked extend within {100 * CHECK_TOL_LONG:.0f}% of unchecked at prefix + chunk >= "
-            f"{LONG_CONTEXT}, within {100 * CHECK_TOL_ANY:.0f}% everywhere (decode's tolerance): "
-            + ("met at all " if not misses else f"missed at {len(misses)} of ")
-            + f"{len(ratios)} measured (point, backend, mode) pairs."] + misses
+        return list(CPU_NO_TARGETS)
+    return _overhead_lines(rows, _extend_point,
+                           f"Checked extend within {100 * CHECK_TOL_LONG:.0f}% of unchecked at prefix + "
+                           f"chunk >= {LONG_CONTEXT}, within {100 * CHECK_TOL_ANY:.0f}% everywhere "
+                           f"(decode's tolerance)", short_note=False)
 
 
 def extend_summary_markdown(meta: dict, rows: list[dict]) -> str:
-    gpu = meta["gpu_measurement"]
-    unit = "us" if gpu else "ms"
-    scale = 1e3 if gpu else 1.0
-    lines = _header_lines(meta) + evaluate_extend_targets(meta, rows)
-    caption = "" if gpu else " (NOT a GPU measurement)"
-    lines += ["", f"## Extend{caption}", "",
-              f"| point | provider | mode | median {unit} | spread % | TFLOP/s | TB/s | "
-              f"checked/unchecked (range) | max err |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r.get("status") != "ok":
-            continue
-        ratio = "" if r.get("ratio_vs_unchecked") is None else \
-            f"{r['ratio_vs_unchecked']:.4f} ({r['ratio_min']:.4f}..{r['ratio_max']:.4f})"
-        lines.append(f"| {_extend_point(r)} | {r['provider']} | {r['mode']} | "
-                     f"{r['median_ms'] * scale:.2f} | {r['spread_pct']:.1f} | {r['tflops']:.3g} | "
-                     f"{r['tbps']:.3g} | {ratio} | {r['max_abs_err']:.2g} |")
-    lines += _not_measured_lines(meta, rows)
-    return "\n".join(lines) + "\n"
+    return _summary(meta, evaluate_extend_targets(meta, rows), [
+        ("Extend", rows,
+         ["point", "provider", "mode", "median {unit}", "spread %", "TFLOP/s", "TB/s",
+          "checked/unchecked (range)", "max err"],
+         lambda r, scale: [_extend_point(r), *_timing_cells(r, scale), f"{r['tflops']:.3g}",
+                           f"{r['tbps']:.3g}", _ratio(r, "ratio_vs_unchecked", 4),
+                           f"{r['max_abs_err']:.2g}"]),
+    ], rows)
 
 
 def write_extend_outputs(run_dir: Path, meta: dict, rows: list[dict], log_lines: list[str],
                          plots: bool = True) -> list[Path]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_csv(run_dir / "extend.csv", rows, EXTEND_COLUMNS, meta)
-    (run_dir / "run.json").write_text(json.dumps(dict(meta=meta, extend=rows), indent=1, default=str))
-    (run_dir / "summary.md").write_text(extend_summary_markdown(meta, rows))
-    (run_dir / "log.txt").write_text("\n".join(log_lines) + "\n")
-    written = [run_dir / n for n in ("extend.csv", "run.json", "summary.md", "log.txt")]
-    if plots:
-        from .plot import plot_extend_run
-        written += plot_extend_run(run_dir, meta, rows)
-    return written
+    return _write_run(run_dir, meta, {"extend": (rows, EXTEND_COLUMNS)},
+                      extend_summary_markdown(meta, rows), log_lines,
+                      (lambda: plot_extend_run(run_dir, meta, rows)) if plots else None)

@@ -29,31 +29,41 @@ class Provider:
     build: Callable[[DecodeInputs | ExtendInputs], tuple]
 
 
-def _kvattn(backend: str, check: bool) -> Provider:
-    def why_not(inp: DecodeInputs) -> str | None:
-        args = kvattn.layout.validate_decode(*inp.args(0), scale=inp.scale, validate=False)
-        return backends.explain(args)[backend]
+# kvattn's entry points by op: (validation, which reads the arguments' shapes, and the call).
+_OPS = {"decode": (kvattn.layout.validate_decode, kvattn.paged_decode),
+        "extend": (kvattn.layout.validate_extend, kvattn.paged_extend)}
 
-    def build(inp: DecodeInputs):
+
+def _kvattn(backend: str, check: bool, op: str) -> Provider:
+    validate, call = _OPS[op]
+
+    def why_not(inp: DecodeInputs | ExtendInputs) -> str | None:
+        args = validate(*inp.args(0), scale=inp.scale, validate=False)
+        return backends.explain(args, op=op)[backend]
+
+    def build(inp: DecodeInputs | ExtendInputs):
         out = torch.empty_like(inp.q)
 
         def run(i: int):
-            return kvattn.paged_decode(*inp.args(i), scale=inp.scale, check=check, backend=backend,
-                                       out=out)
+            return call(*inp.args(i), scale=inp.scale, check=check, backend=backend, out=out)
         return run, out
 
     variant = "checked" if check else "unchecked"
     return Provider(f"kvattn-{backend}-{variant}", f"kvattn-{backend}", check, why_not, build)
 
 
-def _sdpa_why_not(inp: DecodeInputs) -> str | None:
+def _gather_why_not(inp: DecodeInputs | ExtendInputs, need: int) -> str | None:
+    """Why a gather needing ``need`` bytes of device memory cannot run now (None when it can)."""
     if inp.q.device.type == "cuda":
-        # The gather materialises K and V of one set; SDPA may make one more contiguous copy.
-        need = 3 * inp.point.kv_set_bytes()
         free, _ = torch.cuda.mem_get_info(inp.q.device)
         if need > free:
             return f"gathering the KV needs about {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
     return None
+
+
+def _sdpa_why_not(inp: DecodeInputs) -> str | None:
+    # The gather materialises K and V of one set; SDPA may make one more contiguous copy.
+    return _gather_why_not(inp, 3 * inp.point.kv_set_bytes())
 
 
 def _sdpa_build(inp: DecodeInputs):
@@ -112,39 +122,22 @@ def _reference_why_not(inp: DecodeInputs) -> str | None:
     return None
 
 
-def _reference_build(inp: DecodeInputs):
-    out = torch.empty_like(inp.q)
+def _reference_build(op: str):
+    call = _OPS[op][1]
 
-    def run(i: int):
-        return kvattn.paged_decode(*inp.args(i), scale=inp.scale, backend="reference", out=out)
-    return run, out
-
-
-def _kvattn_extend(backend: str, check: bool) -> Provider:
-    def why_not(inp: ExtendInputs) -> str | None:
-        args = kvattn.layout.validate_extend(*inp.args(0), scale=inp.scale, validate=False)
-        return backends.explain(args, op="extend")[backend]
-
-    def build(inp: ExtendInputs):
+    def build(inp: DecodeInputs | ExtendInputs):
         out = torch.empty_like(inp.q)
 
         def run(i: int):
-            return kvattn.paged_extend(*inp.args(i), scale=inp.scale, check=check, backend=backend,
-                                       out=out)
+            return call(*inp.args(i), scale=inp.scale, backend="reference", out=out)
         return run, out
-
-    variant = "checked" if check else "unchecked"
-    return Provider(f"kvattn-{backend}-{variant}", f"kvattn-{backend}", check, why_not, build)
+    return build
 
 
 def _sdpa_extend_why_not(inp: ExtendInputs) -> str | None:
-    if inp.q.device.type == "cuda":
-        # The gathered K/V of one set, the copies SDPA may make of it, and Q/O.
-        need = 3 * inp.point.pool_point().kv_set_bytes() + 3 * inp.q.numel() * inp.q.element_size()
-        free, _ = torch.cuda.mem_get_info(inp.q.device)
-        if need > free:
-            return f"gathering the KV needs about {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
-    return None
+    # The gathered K/V of one set, the copies SDPA may make of it, and Q/O.
+    return _gather_why_not(
+        inp, 3 * inp.point.pool_point().kv_set_bytes() + 3 * inp.q.numel() * inp.q.element_size())
 
 
 def _sdpa_extend_build(inp: ExtendInputs):
@@ -193,34 +186,20 @@ def _flashinfer_extend_build(inp: ExtendInputs):
     return run, None
 
 
-def _reference_extend_build(inp: ExtendInputs):
-    out = torch.empty_like(inp.q)
-
-    def run(i: int):
-        return kvattn.paged_extend(*inp.args(i), scale=inp.scale, backend="reference", out=out)
-    return run, out
-
-
 def all_providers(op: str = "decode") -> list[Provider]:
     """Every provider of ``op`` (``"decode"`` or ``"extend"``), kvattn's first."""
-    if op == "extend":
-        return [
-            _kvattn_extend("triton", True), _kvattn_extend("triton", False),
-            _kvattn_extend("cuda", True), _kvattn_extend("cuda", False),
-            Provider("torch-sdpa-gather", "torch-sdpa-gather", False, _sdpa_extend_why_not,
-                     _sdpa_extend_build),
-            Provider("flashinfer", "flashinfer", False, _flashinfer_why_not, _flashinfer_extend_build),
-            Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not,
-                     _reference_extend_build),
-        ]
-    if op != "decode":
+    if op not in _OPS:
         raise ValueError(f"op: expected 'decode' or 'extend', got {op!r}")
+    decode = op == "decode"
     return [
-        _kvattn("triton", True), _kvattn("triton", False),
-        _kvattn("cuda", True), _kvattn("cuda", False),
-        Provider("torch-sdpa-gather", "torch-sdpa-gather", False, _sdpa_why_not, _sdpa_build),
-        Provider("flashinfer", "flashinfer", False, _flashinfer_why_not, _flashinfer_build),
-        Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not, _reference_build),
+        _kvattn("triton", True, op), _kvattn("triton", False, op),
+        _kvattn("cuda", True, op), _kvattn("cuda", False, op),
+        Provider("torch-sdpa-gather", "torch-sdpa-gather", False,
+                 _sdpa_why_not if decode else _sdpa_extend_why_not,
+                 _sdpa_build if decode else _sdpa_extend_build),
+        Provider("flashinfer", "flashinfer", False, _flashinfer_why_not,
+                 _flashinfer_build if decode else _flashinfer_extend_build),
+        Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not, _reference_build(op)),
     ]
 
 

@@ -2,6 +2,7 @@
 provider before timing it, refuse a wrong one, and write their files labelled as not a GPU
 measurement."""
 import csv
+import importlib.util
 import json
 
 import pytest
@@ -36,7 +37,8 @@ def test_run_point_times_checked_providers_and_pairs_the_ratio():
 
 
 @CPU_ONLY
-def test_run_point_refuses_a_provider_with_wrong_output():
+@pytest.mark.parametrize("bench, point", [(decode, TINY), (extend, TINY_EXTEND)], ids=["decode", "extend"])
+def test_run_point_refuses_a_provider_with_wrong_output(bench, point):
     def build(inp):
         out = torch.empty_like(inp.q)
 
@@ -46,37 +48,43 @@ def test_run_point_refuses_a_provider_with_wrong_output():
         return run, out
 
     wrong = providers.Provider("wrong", "wrong", False, lambda inp: None, build)
-    rows = decode.run_point(TINY, [wrong], _cpu(), TimingConfig(cpu_runs=1, repeats=1, graphs=False),
-                            copy_tbps=1.0, log=print)
+    rows = bench.run_point(point, [wrong], _cpu(), TimingConfig(cpu_runs=1, repeats=1, graphs=False),
+                           copy_tbps=1.0, log=print)
     assert len(rows) == 1
     assert rows[0]["status"].startswith("failed: AssertionError") and "median_ms" not in rows[0]
 
 
-@CPU_ONLY
-def test_quick_run_writes_labelled_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(decode, "preset_points", lambda name: [TINY])
+def _quick_run(tmp_path, monkeypatch, bench, point, table: str, plots: set[str]):
+    """Runs ``bench``'s command line on ``point`` alone with the reference and SDPA, checks what
+    every run writes (labelled as not a GPU measurement) and returns the run folder and its meta."""
+    monkeypatch.setattr(bench, "preset_points", lambda name: [point])
     chosen = ["kvattn-reference", "torch-sdpa-gather"]
-    assert decode.main(["--quick", "--out-dir", str(tmp_path), "--providers", *chosen]) == 0
+    assert bench.main(["--quick", "--out-dir", str(tmp_path), "--providers", *chosen]) == 0
     (run_dir,) = tmp_path.iterdir()
-    assert run_dir.parent == tmp_path and run_dir.name.split("_")[1] == "cpu"
+    assert run_dir.name.split("_")[1] == "cpu"
     names = {p.name for p in run_dir.iterdir()}
-    assert {"decode.csv", "writer.csv", "run.json", "summary.md", "log.txt"} <= names
+    assert {f"{table}.csv", "run.json", "summary.md", "log.txt"} <= names
     summary = (run_dir / "summary.md").read_text()
     assert "NOT a GPU measurement" in summary and "| kvattn-reference | cpu |" in summary
-    with (run_dir / "decode.csv").open() as f:
+    with (run_dir / f"{table}.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert rows and all(r["measurement"].startswith("NOT a GPU measurement") for r in rows)
     assert {r["provider"] for r in rows if r["status"] == "ok"} == set(chosen)
+    meta = json.loads((run_dir / "run.json").read_text())["meta"]
+    assert meta["gpu_measurement"] is False
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plots <= names
+    return run_dir, meta
+
+
+@CPU_ONLY
+def test_quick_run_writes_labelled_files(tmp_path, monkeypatch):
+    run_dir, meta = _quick_run(tmp_path, monkeypatch, decode, TINY, "decode",
+                               {"overhead.png", "bandwidth.png"})
     with (run_dir / "writer.csv").open() as f:
         writer = [r for r in csv.DictReader(f) if r["status"] == "ok"]
     assert {r["provider"] for r in writer} == {"kvattn-write_kv", "index_put"}
-    meta = json.loads((run_dir / "run.json").read_text())["meta"]
-    assert meta["gpu_measurement"] is False and meta["copy_bandwidth_start"]["tbps"] > 0
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return
-    assert {"overhead.png", "bandwidth.png"} <= names
+    assert meta["copy_bandwidth_start"]["tbps"] > 0
 
 
 @CPU_ONLY
@@ -100,41 +108,7 @@ def test_extend_run_point_times_checked_providers_and_pairs_the_ratio():
 
 
 @CPU_ONLY
-def test_extend_run_point_refuses_a_provider_with_wrong_output():
-    def build(inp):
-        out = torch.empty_like(inp.q)
-
-        def run(i):
-            out.copy_(inp.q)  # finite, right shape, wrong values
-            return out, None
-        return run, out
-
-    wrong = providers.Provider("wrong", "wrong", False, lambda inp: None, build)
-    rows = extend.run_point(TINY_EXTEND, [wrong], _cpu(), TimingConfig(cpu_runs=1, repeats=1, graphs=False),
-                            copy_tbps=1.0, log=print)
-    assert len(rows) == 1
-    assert rows[0]["status"].startswith("failed: AssertionError") and "median_ms" not in rows[0]
-
-
-@CPU_ONLY
 def test_extend_quick_run_writes_labelled_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(extend, "preset_points", lambda name: [TINY_EXTEND])
-    chosen = ["kvattn-reference", "torch-sdpa-gather"]
-    assert extend.main(["--quick", "--out-dir", str(tmp_path), "--providers", *chosen]) == 0
-    (run_dir,) = tmp_path.iterdir()
-    assert run_dir.name.split("_")[1] == "cpu" and run_dir.name.endswith("_extend")
-    names = {p.name for p in run_dir.iterdir()}
-    assert {"extend.csv", "run.json", "summary.md", "log.txt"} <= names
-    summary = (run_dir / "summary.md").read_text()
-    assert "NOT a GPU measurement" in summary and "| kvattn-reference | cpu |" in summary
-    with (run_dir / "extend.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    assert rows and all(r["measurement"].startswith("NOT a GPU measurement") for r in rows)
-    assert {r["provider"] for r in rows if r["status"] == "ok"} == set(chosen)
-    meta = json.loads((run_dir / "run.json").read_text())["meta"]
-    assert meta["gpu_measurement"] is False and meta["op"] == "extend"
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return
-    assert {"extend_overhead.png", "extend_tflops.png"} <= names
+    run_dir, meta = _quick_run(tmp_path, monkeypatch, extend, TINY_EXTEND, "extend",
+                               {"extend_overhead.png", "extend_tflops.png"})
+    assert run_dir.name.endswith("_extend") and meta["op"] == "extend"

@@ -1,0 +1,138 @@
+"""What the decode and extend command lines share: their options, the run folder and log, the loop
+over a preset's points under the time budget and the memory limit, and the run's metadata."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import providers as prov_mod
+from .common import Device, TimingConfig, copy_bandwidth, git_commit, rotation_sets, versions
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CPU_LABEL = "NOT a GPU measurement (CPU; Triton kernels run under the interpreter)"
+PRESETS = ("cpu-tiny", "gpu-suite", "full")
+
+
+def parse_args(prog: str, doc: str, argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="the small sweep: cpu-tiny on a CPU, gpu-suite on a GPU (the default)")
+    ap.add_argument("--full", action="store_true", help="the full sweep of the issue (GPU, hours)")
+    ap.add_argument("--preset", choices=PRESETS, help="a named sweep (overrides --quick/--full)")
+    ap.add_argument("--out-dir", default=str(RESULTS), help="parent of the run folder")
+    ap.add_argument("--providers", nargs="*", help="only these providers")
+    ap.add_argument("--max-points", type=int, default=0, help="only the first N points")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats per measurement (GPU)")
+    ap.add_argument("--time-budget-s", type=float, default=0,
+                    help="start no point whose estimate would end past this many seconds")
+    ap.add_argument("--no-plots", action="store_true")
+    return ap.parse_args(argv)
+
+
+@dataclass
+class Sweep:
+    """One run of a benchmark command: its settings, run folder and log (kept for ``log.txt``)."""
+
+    device: Device
+    preset: str
+    points: list
+    cfg: TimingConfig
+    providers: list
+    budget_s: float
+    run_dir: Path
+    stamp: str
+    commit: str
+    started: float  # time.monotonic() at the start
+    log_lines: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, args, preset_points, op: str, folder_suffix: str = "") -> "Sweep":
+        """``preset_points(name)``: the points of a preset; ``op``: the providers' op."""
+        device = Device.current()
+        preset = args.preset or ("full" if args.full else ("gpu-suite" if device.is_gpu else "cpu-tiny"))
+        points = preset_points(preset)
+        if args.max_points:
+            points = points[:args.max_points]
+        cfg = TimingConfig(repeats=args.repeats) if device.is_gpu else \
+            TimingConfig(cpu_runs=1, repeats=2, graphs=False)
+        providers = prov_mod.select(args.providers, op=op)
+        started = time.monotonic()
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        commit = git_commit()
+        run_dir = Path(args.out_dir) / f"{stamp}_{device.slug}_{commit}{folder_suffix}"
+        return cls(device, preset, points, cfg, providers, args.time_budget_s, run_dir, stamp, commit,
+                   started)
+
+    @property
+    def label(self) -> str:
+        return "GPU measurement" if self.device.is_gpu else CPU_LABEL
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def log(self, msg: str) -> None:
+        self.log_lines.append(msg)
+        print(msg, flush=True)
+
+    def begin(self, title: str, op: str, estimate) -> dict:
+        """Logs what runs (with the sweep's estimated wall time on a GPU) and measures the copy
+        bandwidth at the start, which it returns."""
+        self.log(f"{title}: preset {self.preset}, {len(self.points)} points, device "
+                 f"{self.device.name} ({self.label}), commit {self.commit}")
+        if self.device.is_gpu:
+            self.log(f"estimated wall time of the {op} sweep: {sum(map(estimate, self.points)):.0f} s "
+                     f"(budget {self.budget_s} s)")
+        copy = copy_bandwidth(self.device, self.cfg)
+        self.log(f"copy bandwidth: {copy['tbps']:.3f} TB/s ({copy['bytes'] / 1e9:.2f} GB in "
+                 f"{copy['median_ms']:.3f} ms)")
+        return copy
+
+    def run_points(self, run_point, estimate, pool_point=lambda p: p) -> tuple[list[dict], list[dict]]:
+        """``run_point(p)`` for every point that fits the time budget (by ``estimate(p)`` seconds on
+        a GPU) and whose pool (of the decode point ``pool_point(p)``) fits in 40% of the device
+        memory. Returns the rows and the points skipped, with why."""
+        rows, skipped = [], []
+        for n, p in enumerate(self.points):
+            elapsed = self.elapsed()
+            need = estimate(p) if self.device.is_gpu else 0
+            if self.budget_s and elapsed + need > self.budget_s:
+                skipped.append({"point": p.label(), "reason": f"time budget ({elapsed:.0f} s used)"})
+                continue
+            pool = pool_point(p)
+            if self.device.is_gpu and 2 * rotation_sets(pool, self.device.l2_bytes) * \
+                    pool.kv_set_bytes() * 1.25 > 0.4 * self.device.memory_bytes:
+                skipped.append({"point": p.label(), "reason": "pool over 40% of device memory"})
+                continue
+            t0 = time.monotonic()
+            point_rows = run_point(p)
+            if self.device.is_gpu:
+                # The point's pool is garbage now; hand it back so the next point's free-memory
+                # checks (SDPA's gather) see the device as it is.
+                torch.cuda.empty_cache()
+            rows += point_rows
+            self.log(f"[{n + 1}/{len(self.points)}] {p.label()}: {time.monotonic() - t0:.1f} s; "
+                     + ", ".join(f"{r['provider']}/{r['mode']} {r['median_ms'] * 1e3:.1f} us"
+                                 for r in point_rows if r.get("status") == "ok"))
+        return rows, skipped
+
+    def meta(self, copy: dict, skipped: list[dict], **first) -> dict:
+        """The run's metadata, measuring the copy bandwidth again at the end; ``first``: keys that
+        follow ``run``."""
+        copy_end = copy_bandwidth(self.device, self.cfg)
+        return dict(run=self.run_dir.name, **first, preset=self.preset, date_utc=self.stamp,
+                    commit=self.commit, device=asdict(self.device),
+                    gpu_measurement=self.device.is_gpu, label=self.label, versions=versions(),
+                    timing=self.cfg.as_dict(), copy_bandwidth_start=copy, copy_bandwidth_end=copy_end,
+                    providers=[p.name for p in self.providers], skipped=skipped,
+                    wall_s=self.elapsed(), command=" ".join(sys.argv))
+
+    def finish(self) -> Path:
+        self.log(f"results: {self.run_dir} ({self.elapsed():.0f} s)")
+        return self.run_dir
