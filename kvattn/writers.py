@@ -203,14 +203,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     Consequences: tokens out of slot order break a run, and a run that then starts past the prefix is
     dropped rather than stamped; a page's new tokens must appear as one run in slot order to extend
     it, which is how engines lay out ``slot_mapping`` (a sequence's tokens are consecutive). Two
-    landed tokens aimed at the same slot race as in vLLM: one of the two values is kept.
+    landed tokens aimed at the same slot race as in vLLM: each element of the slot holds one of the
+    two tokens' values, not necessarily the same token's for every element (the owner is the same
+    either way; a refused token never lands).
 
     ``backend``: ``"torch"`` composes the steps from PyTorch ops (any device); ``"triton"`` runs
     :mod:`kvattn.backends.triton.stamp_writer`; ``"cuda"`` the CUDA writer of csrc/ (``"cuda_sim"``:
     the same source on the CPU harness). ``"auto"`` takes ``cuda`` for CUDA tensors when it is
     built, else ``triton``, and ``torch`` for CPU tensors (the interpreter would run one slow
-    program per token). All give the same result, except which value of two landed tokens aimed
-    at one slot is kept.
+    program per token). All give the same result, except in that race.
     """
     owners = validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner)
     if backend not in _WRITERS:
