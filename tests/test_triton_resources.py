@@ -7,13 +7,16 @@ import sys
 
 import pytest
 
-TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "triton_resources.py")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+TOOL = os.path.join(ROOT, "tools", "triton_resources.py")
 
 
 @pytest.fixture(scope="module")
 def resources():
     # A fresh process without the interpreter: under TRITON_INTERPRET=1 there is nothing to compile.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # The tool imports kvattn from this checkout, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     run = subprocess.run([sys.executable, TOOL, "--json"], capture_output=True, text=True, env=env)
     if run.returncode == 1 and "not found" in run.stdout:
