@@ -11,6 +11,7 @@ NaN, so a slot that contributed without the model's leave shows in the output.
 """
 import functools
 import operator
+from unittest import mock
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from util import DEVICE, backends_under_test, tolerance
 
 NUM_PAGES, HEADS, KV_HEADS, DIM = 8, 2, 1, 16
 MAX_TOKENS = 1024
-DECODE_BACKENDS = [b for b in backends_under_test() if b in ("reference", "triton", "cuda")]
+DECODE_BACKENDS = [b for b in backends_under_test() if b in ("reference", "triton", "cuda", "cuda_sim")]
 
 
 def _signatures():
@@ -474,3 +475,23 @@ def test_random_traces_match_the_model(data, page_size, layout):
         _step(t, data)
         t.check_state()
         _decode_step(t, data, seed=step)
+
+
+# The kernel writers (every write of a trace: appends, late writes, stray writes) against the model.
+KERNEL_WRITERS = ["triton"] + (["cuda_sim"] if "cuda_sim" in backends_under_test() else [])
+
+
+@pytest.mark.parametrize("writer", KERNEL_WRITERS)
+@settings(max_examples=8)
+@given(data=st.data(), page_size=st.sampled_from([2, 4]))
+def test_random_traces_with_kernel_writers(writer, data, page_size):
+    real = kvattn.writers.write_kv
+    with mock.patch.object(kvattn.writers, "write_kv", functools.partial(real, backend=writer)), \
+            mock.patch.object(kvattn.cache, "write_kv", functools.partial(real, backend=writer)), \
+            mock.patch.object(kvattn, "write_kv", functools.partial(real, backend=writer)):
+        t = Trace(page_size, "NHD")
+        _prefill(t, data)
+        for step in range(data.draw(st.integers(2, 5), label="steps")):
+            _step(t, data)
+            t.check_state()
+            _decode_step(t, data, seed=step)
