@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import api
-from ..report import KVOwnershipError, OwnershipReport
+from ..report import KVOwnershipError
 from ..tags import WriteDrop
 from ..writers import release_pages, reserve_pages, write_kv
 

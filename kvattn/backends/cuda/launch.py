@@ -7,18 +7,16 @@ pointers, sizes and strides. :func:`write_kv` receives arguments validated by :f
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ...layout import DecodeArgs
 from ...report import OwnershipReport
 from ...writers import WriteResult
+from ..splits import plan_splits as plan_kv_splits
 
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MAX_HEAD_DIM = 256
-MAX_SPLITS = 64
 
 
 def unsupported(args: DecodeArgs) -> str | None:
@@ -32,26 +30,9 @@ def unsupported(args: DecodeArgs) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def plan_splits(args: DecodeArgs, num_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, tokens_per_split) from shapes only, never from seq_lens values (a captured CUDA
-    graph stays valid when lengths change). Splits are page-aligned, so every logical page is
-    checked by exactly one split."""
-    capacity = args.max_pages * args.page_size
-    if num_splits is None:
-        if args.q.device.type == "cuda":
-            blocks = args.batch * args.num_kv_heads
-            wanted = -(-2 * _sm_count(args.q.device.index or 0) // blocks)
-            num_splits = max(1, min(wanted, capacity // 512, MAX_SPLITS))
-        else:
-            num_splits = max(1, min(capacity // 1024, 4))
-    tokens_per_split = -(-capacity // max(1, num_splits))
-    tokens_per_split = -(-tokens_per_split // args.page_size) * args.page_size
-    return -(-capacity // tokens_per_split), tokens_per_split
+    """(num_splits, tokens_per_split): :func:`kvattn.backends.splits.plan_splits`, page-aligned."""
+    return plan_kv_splits(args, args.page_size, num_splits)
 
 
 def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,

@@ -11,8 +11,6 @@ of each split (atomics into zeroed counters); other heads apply the same mask wi
 """
 from __future__ import annotations
 
-import functools
-import math
 import os
 
 import torch
@@ -21,6 +19,7 @@ import triton.language as tl
 
 from ...layout import DecodeArgs
 from ...report import OwnershipReport
+from ..splits import plan_splits as plan_kv_splits
 from .softmax import online_softmax_step, qk_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, check_pages, readable_len
 
@@ -171,11 +170,6 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def tile_sizes(head_dim: int, page_size: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_N). tl.dot needs every dimension >= 16. 16-token tiles: on sm_90 compiles
     (tools/triton_resources.py; registers, not timings) the checked variant holds 56 registers at
@@ -186,20 +180,9 @@ def tile_sizes(head_dim: int, page_size: int) -> tuple[int, int]:
 
 
 def plan_splits(args: DecodeArgs, block_n: int, num_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, tokens_per_split) from shapes only (never from seq_lens values, so a captured CUDA
-    graph stays valid when lengths change). Splits are page- and tile-aligned."""
-    capacity = args.max_pages * args.page_size
-    align = max(block_n, args.page_size)
-    if num_splits is None:
-        if args.q.device.type == "cuda":
-            programs = args.batch * args.num_kv_heads
-            wanted = -(-2 * _sm_count(args.q.device.index or 0) // programs)
-            num_splits = max(1, min(wanted, capacity // 512, 64))
-        else:
-            num_splits = max(1, min(capacity // 1024, 4))
-    tokens_per_split = -(-capacity // num_splits)
-    tokens_per_split = -(-tokens_per_split // align) * align
-    return -(-capacity // tokens_per_split), tokens_per_split
+    """(num_splits, tokens_per_split): :func:`kvattn.backends.splits.plan_splits`, aligned to both
+    the page and the tile."""
+    return plan_kv_splits(args, max(block_n, args.page_size), num_splits)
 
 
 def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
