@@ -103,6 +103,19 @@ def reserve_pages(page_tags: torch.Tensor, pages, owner: int) -> None:
     page_tags.index_put_((pages,), (owners << OWNER_SHIFT) | STATE_RESERVED)
 
 
+def _pages_held(page_tags, pages, owner):
+    """``(safe page ids, their tags, in range, held by owner)`` for a page-level writer; out-of-range
+    ids are clamped for the reads and never counted as held."""
+    check_page_tags(page_tags, page_tags.shape[0])
+    num_pages = page_tags.shape[0]
+    pages = _as_index("pages", pages, page_tags.device)
+    owners = _as_owner(owner, pages.numel(), page_tags.device)
+    in_range = (pages >= 0) & (pages < num_pages)
+    safe = pages.clamp(0, num_pages - 1)
+    tag = page_tags[safe]
+    return safe, tag, in_range, in_range & held_by(tag, owners)
+
+
 def reassign_pages(page_tags: torch.Tensor, pages, owner: int, new_owner: int) -> WriteResult:
     """Hand ``pages`` held by ``owner`` over to ``new_owner``, keeping their state and ``valid_len``.
 
@@ -111,17 +124,8 @@ def reassign_pages(page_tags: torch.Tensor, pages, owner: int, new_owner: int) -
     longer finds its owner on the page (``NOT_HELD``). Pages ``owner`` does not hold are left as they
     are and counted.
     """
-    check_page_tags(page_tags, page_tags.shape[0])
-    device = page_tags.device
-    num_pages = page_tags.shape[0]
-    pages = _as_index("pages", pages, device)
-    n = pages.numel()
-    owners = _as_owner(owner, n, device)
-    heirs = _as_owner(new_owner, n, device)
-    in_range = (pages >= 0) & (pages < num_pages)
-    safe = pages.clamp(0, num_pages - 1)
-    tag = page_tags[safe]
-    held = in_range & held_by(tag, owners)
+    safe, tag, in_range, held = _pages_held(page_tags, pages, owner)
+    heirs = _as_owner(new_owner, safe.numel(), page_tags.device)
     _masked_put(page_tags, (safe,), (heirs << OWNER_SHIFT) | (tag & ((1 << OWNER_SHIFT) - 1)), held)
     reasons = torch.where(held, 0, int(WriteDrop.NOT_HELD))
     reasons = torch.where(in_range, reasons, int(WriteDrop.OUT_OF_RANGE)).to(torch.int8)
@@ -155,18 +159,12 @@ def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: i
     counted in the result (``NOT_HELD``, ``BAD_LENGTH``, ``OUT_OF_RANGE``). A commit never lowers
     a page's ``valid_len``: slots already marked written for this owner were written for it.
     """
-    check_page_tags(page_tags, page_tags.shape[0])
-    device = page_tags.device
-    num_pages = page_tags.shape[0]
-    pages = _as_index("pages", pages, device)
-    n = pages.numel()
-    owners = _as_owner(owner, n, device)
-    lens = _as_index("valid_lens", valid_lens, device)
-    if lens.numel() != n:
-        raise ValueError(f"valid_lens: expected {n} lengths (one per page), got {lens.numel()}")
-    in_range = (pages >= 0) & (pages < num_pages)
-    safe = pages.clamp(0, num_pages - 1)
-    held = in_range & held_by(page_tags[safe], owners)
+    safe, _, in_range, held = _pages_held(page_tags, pages, owner)
+    owners = _as_owner(owner, safe.numel(), page_tags.device)
+    lens = _as_index("valid_lens", valid_lens, page_tags.device)
+    if lens.numel() != safe.numel():
+        raise ValueError(f"valid_lens: expected {safe.numel()} lengths (one per page), "
+                         f"got {lens.numel()}")
     good_len = (lens >= 0) & (lens <= page_size)
     landed = held & good_len
     reasons = torch.where(good_len, 0, int(WriteDrop.BAD_LENGTH))
