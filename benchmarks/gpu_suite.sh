@@ -62,12 +62,12 @@ extend_left=$(( left / 3 ))
 [ $extend_left -gt 80 ] && extend_left=80
 decode_left=$(( left - extend_left ))
 scratch=$(mktemp -d)
-collect() {  # $1: run folder, $2: prefix of the copies in $OUTDIR
+# The device tool brings back at most 8 files from $OUT: suite.log, build.log, tests.log,
+# resources.json, the two summaries and one results.tar.gz holding every run folder (CSV, JSON, plots).
+collect() {  # $1: run folder, $2: prefix of the summary's copy in $OUTDIR
   cp -r "$1" benchmarks/results/
-  cp "$1"/*.csv "$OUTDIR/"
   cp "$1/summary.md" "$OUTDIR/${2}summary.md"
-  tar -czf "$OUTDIR/${2}results.tar.gz" -C "$(dirname "$1")" "$(basename "$1")"
-  echo "results: benchmarks/results/$(basename "$1") (also $OUTDIR/${2}results.tar.gz)"
+  echo "results: benchmarks/results/$(basename "$1")"
 }
 sweep() {  # $1: decode or extend, $2: its budget (s), $3: the least worth starting, $4: as collect's $2
   sweep_rc=skipped
@@ -89,6 +89,8 @@ bench_rc=$sweep_rc
 sweep extend "$extend_left" 20 extend-
 extend_rc=$sweep_rc
 
+runs=$(ls "$scratch"/*/ -d 2>/dev/null | wc -l)
+[ "$runs" -gt 0 ] && tar -czf "$OUTDIR/results.tar.gz" -C "$scratch" .
 step "done: build=$build_rc tests=$tests_rc bench=$bench_rc extend=$extend_rc; files in $OUTDIR"
 ls -la "$OUTDIR"
 [ -f "$OUTDIR/summary.md" ] && sed -n '/^## Targets/,/^## Decode/p' "$OUTDIR/summary.md"
