@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <cstdint>
 #include <map>
 #include <stdexcept>
@@ -32,12 +33,12 @@ namespace {
 
 template <class T>
 T* pointer(const py::dict& args, const char* key) {
-  if (!args.contains(key)) throw py::key_error(std::string("decode: missing argument ") + key);
+  if (!args.contains(key)) throw py::key_error(std::string("kvattn binding: missing argument ") + key);
   return reinterpret_cast<T*>(static_cast<uintptr_t>(args[key].cast<unsigned long long>()));
 }
 
 int64_t integer(const py::dict& args, const char* key) {
-  if (!args.contains(key)) throw py::key_error(std::string("decode: missing argument ") + key);
+  if (!args.contains(key)) throw py::key_error(std::string("kvattn binding: missing argument ") + key);
   return args[key].cast<int64_t>();
 }
 
@@ -106,6 +107,78 @@ py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long str
   plan["smem_bytes"] = p.smem_bytes;
   plan["num_splits"] = p.num_splits;
   plan["tokens_per_split"] = p.tokens_per_split;
+  return plan;
+}
+
+// Returns the launch plan (tile, head chunking, vector loads, shared memory) for the tests.
+py::dict extend(const py::dict& a, int dtype, bool check, unsigned long long stream) {
+  kvattn::ExtendParams p{};
+  p.q = pointer<const void>(a, "q");
+  p.k = pointer<const void>(a, "k");
+  p.v = pointer<const void>(a, "v");
+  p.q_start = pointer<const int32_t>(a, "q_start");
+  p.tile_start = pointer<const int32_t>(a, "tile_start");
+  p.block_table = pointer<const int32_t>(a, "block_table");
+  p.seq_lens = pointer<const int32_t>(a, "seq_lens");
+  p.page_tags = pointer<const int64_t>(a, "page_tags");
+  p.expected = pointer<const int64_t>(a, "expected");
+  p.out = pointer<void>(a, "out");
+  p.lse = pointer<float>(a, "lse");
+  p.violations = pointer<int32_t>(a, "violations");
+  p.reasons = pointer<int32_t>(a, "reasons");
+  p.pages_checked = pointer<int32_t>(a, "pages_checked");
+  p.beyond_table = pointer<int32_t>(a, "beyond_table");
+  p.page_reasons = pointer<int8_t>(a, "page_reasons");
+  p.stride_qt = integer(a, "stride_qt");
+  p.stride_qh = integer(a, "stride_qh");
+  p.stride_kp = integer(a, "stride_kp");
+  p.stride_ks = integer(a, "stride_ks");
+  p.stride_kh = integer(a, "stride_kh");
+  p.stride_vp = integer(a, "stride_vp");
+  p.stride_vs = integer(a, "stride_vs");
+  p.stride_vh = integer(a, "stride_vh");
+  p.stride_bt_b = integer(a, "stride_bt_b");
+  p.stride_bt_p = integer(a, "stride_bt_p");
+  p.stride_sl = integer(a, "stride_sl");
+  p.stride_eb = integer(a, "stride_eb");
+  p.stride_ep = integer(a, "stride_ep");
+  p.stride_ot = integer(a, "stride_ot");
+  p.stride_oh = integer(a, "stride_oh");
+  p.num_pages = integer(a, "num_pages");
+  p.scale_log2 = a["scale_log2"].cast<float>();
+  p.batch = static_cast<int>(integer(a, "batch"));
+  p.num_heads = static_cast<int>(integer(a, "num_heads"));
+  p.num_kv_heads = static_cast<int>(integer(a, "num_kv_heads"));
+  p.head_dim = static_cast<int>(integer(a, "head_dim"));
+  p.page_shift = static_cast<int>(integer(a, "page_shift"));
+  p.max_pages = static_cast<int>(integer(a, "max_pages"));
+  p.causal = static_cast<int>(integer(a, "causal"));
+  const int64_t slots = integer(a, "num_slots");
+  if (slots < 1 || slots > INT32_MAX) throw std::invalid_argument("extend: num_slots must be in [1, 2**31)");
+  p.num_slots = static_cast<int>(slots);
+  p.block_m = static_cast<int>(integer(a, "block_m"));
+  p.heads_per_chunk = static_cast<int>(integer(a, "heads_per_chunk"));
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("extend: dtype code must be 0, 1 or 2");
+
+  kvattn::LaunchResult r;
+  std::string message;
+  {
+    py::gil_scoped_release release;
+    r = kvattn::paged_extend(p, static_cast<kvattn::DType>(dtype), check, reinterpret_cast<void*>(stream));
+    if (r.code != 0) message = r.message ? r.message : "unknown error";
+  }
+  if (r.code != 0) {
+    throw std::runtime_error(std::string("kvattn: ") + r.kernel + " failed: " + message + " (error " +
+                             std::to_string(r.code) + ")");
+  }
+  py::dict plan;
+  plan["tile_n"] = p.tile_n;
+  plan["block_m"] = p.block_m;
+  plan["heads_per_chunk"] = p.heads_per_chunk;
+  plan["num_chunks"] = p.num_chunks;
+  plan["kv_vec"] = p.kv_vec;
+  plan["smem_bytes"] = p.smem_bytes;
+  plan["num_slots"] = p.num_slots;
   return plan;
 }
 
@@ -187,6 +260,10 @@ PYBIND11_MODULE(KVATTN_MODULE_NAME, m) {
   m.def("decode", &decode, py::arg("args"), py::arg("dtype"), py::arg("check"), py::arg("stream"),
         "Enqueue the paged decode (and split merge); returns the launch plan. Raises RuntimeError\n"
         "naming the kernel on error.");
+  m.def("extend", &extend, py::arg("args"), py::arg("dtype"), py::arg("check"), py::arg("stream"),
+        "Enqueue the paged extend; returns the launch plan. Raises RuntimeError naming the kernel\n"
+        "on error.");
+  m.attr("EXTEND_MAX_ROW_ELEMS") = py::int_(kvattn::kExtendMaxRowElems);
   m.def("write_kv", &write_kv, py::arg("args"), py::arg("dtype"), py::arg("stream"),
         "Enqueue the stamping writer. Raises RuntimeError naming the kernel on error.");
   m.def("tag_layout", &tag_layout, "The tag constants this module was compiled with.");

@@ -1,8 +1,8 @@
 """Registers, shared memory and local memory of every kernel instantiation, from ``nvcc -Xptxas -v``.
 
 setup.py writes the compiler's output to ``build/cuda/ptxas.log`` and calls :func:`check` after each
-CUDA build: it records ``build/cuda/resources.json`` and fails when a decode kernel spills or keeps
-a stack frame (local memory, i.e. a register array the compiler could not keep in registers).
+CUDA build: it records ``build/cuda/resources.json`` and fails when a decode or extend kernel spills
+or keeps a stack frame (local memory, i.e. a register array the compiler could not keep in registers).
 tests/test_cuda.py runs the same check on the kept log. Standard library only.
 
 Usage: ``python csrc/ptxas_report.py build/cuda/ptxas.log``.
@@ -58,25 +58,30 @@ def parse(text: str) -> list[dict]:
     return records
 
 
+CHECKED_KERNELS = ("paged_decode_kernel", "paged_extend_kernel")
+
+
 def local_memory_problems(records: list[dict]) -> list[str]:
-    """Decode-kernel instantiations that use local memory (spills or a stack frame)."""
+    """Decode- and extend-kernel instantiations that use local memory (spills or a stack frame)."""
     return [f"{r['kernel']} [{r['arch']}]: {r['stack_frame']} B stack, {r['spill_stores']} B spill "
             f"stores, {r['spill_loads']} B spill loads"
-            for r in records if "paged_decode_kernel" in r["kernel"]
+            for r in records if any(k in r["kernel"] for k in CHECKED_KERNELS)
             and (r["stack_frame"] or r["spill_stores"] or r["spill_loads"])]
 
 
 def check(log: pathlib.Path, out_json: pathlib.Path | None = None) -> list[dict]:
     """Parse ``log``, write the records to ``out_json``; raise RuntimeError on local memory in a
-    decode kernel, or when the log names no kernel (a build that printed nothing proves nothing)."""
+    decode or extend kernel, or when the log lacks one of them (a build that printed nothing proves
+    nothing)."""
     records = parse(log.read_text())
-    if not any("paged_decode_kernel" in r["kernel"] for r in records):
-        raise RuntimeError(f"{log}: no paged_decode_kernel entry in the -Xptxas -v output")
+    for name in CHECKED_KERNELS:
+        if not any(name in r["kernel"] for r in records):
+            raise RuntimeError(f"{log}: no {name} entry in the -Xptxas -v output")
     if out_json is not None:
         out_json.write_text(json.dumps(records, indent=1) + "\n")
     problems = local_memory_problems(records)
     if problems:
-        raise RuntimeError("decode kernel uses local memory:\n" + "\n".join(problems))
+        raise RuntimeError("kernel uses local memory:\n" + "\n".join(problems))
     return records
 
 

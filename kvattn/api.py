@@ -98,7 +98,8 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         check: False runs the unchecked variant (same kernel, check compiled out, no report).
         on_violation: ``"report"`` or ``"raise"`` (synchronises; raises
             :class:`kvattn.KVOwnershipError` after writing the output).
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (:mod:`kvattn.backends`).
+        backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"reference"`` (or ``"cuda_sim"`` on CPU
+            tensors); see :mod:`kvattn.backends`.
         out: optional ``[total_q, num_heads, head_dim]`` output buffer (dtype of ``q``).
         return_lse: also return the ``[total_q, num_heads]`` float32 natural-log LSE.
         validate: run the value checks (default: only on CPU tensors, where they cost no sync).

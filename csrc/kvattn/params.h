@@ -49,6 +49,52 @@ struct DecodeParams {
   int smem_bytes;       // dynamic shared memory of the decode kernel
 };
 
+// An extend block's accumulator: block_m * heads_per_chunk * head_dim floats spread over its 128
+// threads, at most 16 each (kDecodeThreads * kMaxOutPerThread in decode.cuh), so it stays in registers.
+constexpr int kExtendMaxRowElems = 2048;
+
+struct ExtendParams {
+  const void* q;               // [total_q, H, D]
+  const void* k;               // pools as in DecodeParams
+  const void* v;
+  const int32_t* q_start;      // [B + 1] query row offsets, clamped and non-decreasing
+  const int32_t* tile_start;   // [B] first grid slot of each sequence's query tiles (tile_start[0] = 0)
+  const int32_t* block_table;  // [B, max_pages]
+  const int32_t* seq_lens;     // [B], the new tokens included
+  const int64_t* page_tags;    // [num_pages]
+  const int64_t* expected;     // [B, max_pages], stride 0 in dim 1 when given per sequence
+  void* out;                   // [total_q, H, D]
+  float* lse;                  // [total_q, H] contiguous, or null
+  int32_t* violations;         // report, [B] each; null when unchecked
+  int32_t* reasons;
+  int32_t* pages_checked;
+  int32_t* beyond_table;
+  int8_t* page_reasons;        // [B, max_pages] contiguous
+
+  int64_t stride_qt, stride_qh;
+  int64_t stride_kp, stride_ks, stride_kh;
+  int64_t stride_vp, stride_vs, stride_vh;
+  int64_t stride_bt_b, stride_bt_p, stride_sl, stride_eb, stride_ep;
+  int64_t stride_ot, stride_oh;
+  int64_t num_pages;
+
+  float scale_log2;  // scale * log2(e)
+  int batch, num_heads, num_kv_heads, head_dim;
+  int page_shift;       // page_size = 1 << page_shift
+  int max_pages;
+  int causal;
+  int num_slots;        // grid x: ceil(total_q / block_m) + B, from shapes only
+  int block_m;          // query rows per tile (the launcher's tile map uses the same value)
+  int heads_per_chunk;  // query heads of a GQA group one block serves
+
+  // Filled by the launcher (plan_extend), not by the caller.
+  int group;
+  int num_chunks;
+  int tile_n;
+  int kv_vec;
+  int smem_bytes;
+};
+
 struct LaunchResult {
   int code;            // 0 on success (cudaError_t value otherwise)
   const char* kernel;  // the kernel that failed, or the launcher that refused the arguments
@@ -77,6 +123,9 @@ struct WriteKVParams {
 
 // Enqueues the decode (and the split merge) on `stream`; never synchronises, never exits.
 LaunchResult paged_decode(DecodeParams& params, DType dtype, bool check, void* stream);
+
+// Enqueues the extend (kvattn.paged_extend semantics); never synchronises, never exits.
+LaunchResult paged_extend(ExtendParams& params, DType dtype, bool check, void* stream);
 
 // Enqueues the stamping writer (kvattn.writers.write_kv semantics): verdicts for every token first,
 // then the K/V copies of the landed tokens, each followed by its page's stamp.

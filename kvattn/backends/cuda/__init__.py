@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...layout import DecodeArgs
+from ...layout import DecodeArgs, ExtendArgs
 from ...report import OwnershipReport
 from ...writers import WriteResult
 from . import launch
@@ -22,7 +22,7 @@ except ImportError as e:
     _NOT_BUILT = f"not built ({e}); build with `python setup.py build_ext --inplace` where nvcc is installed"
 
 
-def why_not(args: DecodeArgs) -> str | None:
+def why_not(args: DecodeArgs | ExtendArgs) -> str | None:
     """None if this backend can run ``args``, else the reason it cannot."""
     if _C is None:
         return _NOT_BUILT
@@ -42,6 +42,15 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
                                  plan=plan)
 
 
+def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
+           block_m: int | None = None, plan: dict | None = None) -> OwnershipReport | None:
+    """Enqueue the extend on the current stream; a CUDA error raises RuntimeError naming the kernel."""
+    with torch.cuda.device(args.q.device):
+        stream = torch.cuda.current_stream().cuda_stream
+        return launch.extend(_C, args, check=check, out=out, lse=lse, stream=stream, block_m=block_m,
+                             plan=plan)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, page_tags: torch.Tensor, owners: torch.Tensor) -> WriteResult:
     """The CUDA writer kernels, enqueued on the current stream. Called by
@@ -55,4 +64,4 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return launch.write_kv(_C, k, v, k_cache, v_cache, slot_mapping, page_tags, owners, stream=stream)
 
 
-__all__ = ["NAME", "decode", "why_not", "write_kv"]
+__all__ = ["NAME", "decode", "extend", "why_not", "write_kv"]

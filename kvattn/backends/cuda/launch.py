@@ -1,15 +1,15 @@
-"""Launch the CUDA decode kernels through their raw-pointer binding (csrc/module.cpp).
+"""Launch the CUDA decode and extend kernels through their raw-pointer binding (csrc/module.cpp).
 
 Shared by the ``cuda`` backend (module ``_C``, device tensors) and the ``cuda_sim`` backend (module
-``_sim``: the same kernel sources compiled for the CPU harness, CPU tensors). Decode arguments
-arrive validated by :func:`kvattn.layout.validate_decode`; this module plans the launch and passes
+``_sim``: the same kernel sources compiled for the CPU harness, CPU tensors). Decode and extend arguments
+arrive validated by :func:`kvattn.layout.validate_decode` / :func:`~kvattn.layout.validate_extend`; this module plans the launch and passes
 pointers, sizes and strides. :func:`write_kv` receives arguments validated by :func:`kvattn.writers.write_kv`.
 """
 from __future__ import annotations
 
 import torch
 
-from ...layout import DecodeArgs
+from ...layout import DecodeArgs, ExtendArgs, query_offsets
 from ...report import OwnershipReport
 from ...writers import WriteResult
 from ..splits import plan_splits as plan_kv_splits
@@ -78,6 +78,69 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
     if lse is not None and not lse.is_contiguous():
         raise ValueError(f"lse: expected a contiguous tensor, got strides {lse.stride()}")
     chosen = ext.decode(params, DTYPE_CODES[q.dtype], check, stream)
+    if plan is not None:
+        plan.update(chosen)
+    return report
+
+
+def extend_tiles(ext, args: ExtendArgs, block_m: int | None = None) -> tuple[int, int]:
+    """``(block_m, heads_per_chunk)``: query rows per tile and query heads per block. A block keeps
+    ``block_m * heads_per_chunk * head_dim`` accumulators in registers, at most the binding's
+    ``EXTEND_MAX_ROW_ELEMS``; the heads of a GQA group come first (each K/V tile is then read once
+    for the whole group), the rest of the budget goes to query rows. ``block_m`` overrides the rows
+    (tests: several query tiles per sequence)."""
+    rows = ext.EXTEND_MAX_ROW_ELEMS // args.head_dim
+    group = args.num_heads // args.num_kv_heads
+    if block_m is None:
+        heads = min(group, rows)
+        return rows // heads, heads
+    if not 1 <= block_m <= rows:
+        raise ValueError(f"block_m: expected 1 .. {rows} for head_dim {args.head_dim}, got {block_m}")
+    return block_m, min(group, rows // block_m)
+
+
+def extend(ext, args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
+           stream: int = 0, block_m: int | None = None, plan: dict | None = None
+           ) -> OwnershipReport | None:
+    """Enqueue the extend on ``stream`` with the binding ``ext``; writes ``out`` (and ``lse``) for
+    every row of every sequence. The tile map (the triton launcher's) is built with device ops, and
+    the grid, ``ceil(total_q / block_m) + B`` slots, from shapes only: no host sync. A CUDA or
+    harness error raises RuntimeError naming the kernel; ``plan`` receives the launcher's choices."""
+    q, k, v = args.q, args.k_cache, args.v_cache
+    block_m, heads_per_chunk = extend_tiles(ext, args, block_m)
+    q_start = query_offsets(args.cu_seqlens_q, args.total_q).to(torch.int32)
+    tiles = torch.clamp((q_start[1:] - q_start[:-1] + block_m - 1) // block_m, min=1)
+    tile_start = (torch.cumsum(tiles, dim=0) - tiles).to(torch.int32)
+    slots = -(-args.total_q // block_m) + args.batch
+    report = OwnershipReport.allocate(args.batch, args.max_pages, q.device) if check else None
+    if lse is not None and not lse.is_contiguous():
+        raise ValueError(f"lse: expected a contiguous tensor, got strides {lse.stride()}")
+
+    def ptr(t):
+        return 0 if t is None else t.data_ptr()
+
+    params = dict(
+        q=ptr(q), k=ptr(k), v=ptr(v), q_start=ptr(q_start), tile_start=ptr(tile_start),
+        block_table=ptr(args.block_table), seq_lens=ptr(args.seq_lens), page_tags=ptr(args.page_tags),
+        expected=ptr(args.expected), out=ptr(out), lse=ptr(lse),
+        violations=ptr(report.violations) if report else 0,
+        reasons=ptr(report.reasons) if report else 0,
+        pages_checked=ptr(report.pages_checked) if report else 0,
+        beyond_table=ptr(report.beyond_table) if report else 0,
+        page_reasons=ptr(report.page_reasons) if report else 0,
+        stride_qt=q.stride(0), stride_qh=q.stride(1),
+        stride_kp=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
+        stride_vp=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
+        stride_bt_b=args.block_table.stride(0), stride_bt_p=args.block_table.stride(1),
+        stride_sl=args.seq_lens.stride(0),
+        stride_eb=args.expected.stride(0), stride_ep=args.expected.stride(1),
+        stride_ot=out.stride(0), stride_oh=out.stride(1),
+        num_pages=args.num_pages, scale_log2=args.scale * LOG2E,
+        batch=args.batch, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim, page_shift=args.page_size.bit_length() - 1, max_pages=args.max_pages,
+        causal=int(args.causal), num_slots=slots, block_m=block_m, heads_per_chunk=heads_per_chunk,
+    )
+    chosen = ext.extend(params, DTYPE_CODES[q.dtype], check, stream)
     if plan is not None:
         plan.update(chosen)
     return report

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...layout import DecodeArgs
+from ...layout import DecodeArgs, ExtendArgs
 from ...report import OwnershipReport
 from ...writers import WriteResult
 from ..cuda import launch
@@ -23,7 +23,7 @@ except ImportError as e:
     _NOT_BUILT = f"not built ({e}); build with `python setup.py build_ext --inplace`"
 
 
-def why_not(args: DecodeArgs) -> str | None:
+def why_not(args: DecodeArgs | ExtendArgs) -> str | None:
     """None if this backend can run ``args``, else the reason it cannot."""
     if _sim is None:
         return _NOT_BUILT
@@ -41,6 +41,12 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
                          plan=plan)
 
 
+def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
+           block_m: int | None = None, plan: dict | None = None) -> OwnershipReport | None:
+    """Run the extend on the harness."""
+    return launch.extend(_sim, args, check=check, out=out, lse=lse, block_m=block_m, plan=plan)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, page_tags: torch.Tensor, owners: torch.Tensor, *,
              module=None) -> WriteResult:
@@ -54,4 +60,4 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return launch.write_kv(module or _sim, k, v, k_cache, v_cache, slot_mapping, page_tags, owners)
 
 
-__all__ = ["NAME", "decode", "why_not", "write_kv"]
+__all__ = ["NAME", "decode", "extend", "why_not", "write_kv"]
