@@ -31,6 +31,7 @@ from .layout import check_tensor, validate_decode, validate_extend
 from .report import OwnershipReport
 from .tags import OWNER_MAX
 
+
 def _report_tensors(report: OwnershipReport | None, batch: int, max_pages: int, device):
     if report is None:
         return (torch.zeros(4, batch, dtype=torch.int32, device=device),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvattn
-from kvattn import Violation, backends
+from kvattn import backends
 
 from test_extend import Extend, corrupt, dense_extend
 from util import assert_reports_equal, tolerance

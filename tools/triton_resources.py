@@ -1,4 +1,5 @@
-"""Static resource figures of the Triton decode and extend kernels for sm_90, compiled on any machine (no GPU).
+"""Static resource figures of the Triton decode and extend kernels for sm_90, compiled on any
+machine (no GPU).
 
 ``python tools/triton_resources.py [--json]`` prints registers, stack (spills), shared memory and SASS
 instruction counts of the checked and unchecked variants for a few configurations. These are not
@@ -127,7 +128,8 @@ def main() -> int:
         print(json.dumps(rows))
         return 0
     print(f"triton {triton.__version__}, sm_90, num_warps 4")
-    print(f"{'kernel, config':<52} {'variant':<10} {'regs':>5} {'stack':>6} {'local':>6} {'smem':>6} {'sass':>6}")
+    print(f"{'kernel, config':<52} {'variant':<10} {'regs':>5} {'stack':>6} {'local':>6} "
+          f"{'smem':>6} {'sass':>6}")
     for kernel, config in CONFIGS:
         label = kernel + ": " + ", ".join(f"{k}={v}" for k, v in config.items())
         for check in (False, True):

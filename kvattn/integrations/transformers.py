@@ -326,9 +326,10 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
 
     ``backend``: as in :func:`kvattn.paged_decode`. ``check=False`` runs the unchecked attention
     kernels (for measurements): reads are no longer checked, but the writer still refuses writes into
-    pages the request does not hold and fails the request whose writes it dropped. Yields a :class:`Stats`. Only caches the engine
-    creates inside the block are hooked; do not keep a manager alive across the block
-    (``persistent_manager=True``): after exit its cache is no longer stamped.
+    pages the request does not hold and fails the request whose writes it dropped. Yields a
+    :class:`Stats`. Only caches the engine creates inside the block are hooked; do not keep a
+    manager alive across the block (``persistent_manager=True``): after exit its cache is no longer
+    stamped.
     """
     check_version()
     if getattr(kvattn_attention, "_active", False):

@@ -1,9 +1,10 @@
 """Launch the CUDA decode and extend kernels through their raw-pointer binding (csrc/module.cpp).
 
 Shared by the ``cuda`` backend (module ``_C``, device tensors) and the ``cuda_sim`` backend (module
-``_sim``: the same kernel sources compiled for the CPU harness, CPU tensors). Decode and extend arguments
-arrive validated by :func:`kvattn.layout.validate_decode` / :func:`~kvattn.layout.validate_extend`; this module plans the launch and passes
-pointers, sizes and strides. :func:`write_kv` receives arguments validated by :func:`kvattn.writers.write_kv`.
+``_sim``: the same kernel sources compiled for the CPU harness, CPU tensors). Decode and extend
+arguments arrive validated by :func:`kvattn.layout.validate_decode` /
+:func:`~kvattn.layout.validate_extend`; this module plans the launch and passes pointers, sizes and
+strides. :func:`write_kv` receives arguments validated by :func:`kvattn.writers.write_kv`.
 """
 from __future__ import annotations
 

@@ -150,11 +150,11 @@ def merge_splits_kernel(
     s_mask = offs_s < NUM_SPLITS
     row = (b * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [BLOCK_S]
     m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
     m_max = tl.max(m, axis=0)
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_ref)  # [BLOCK_S]
-    l_sum = tl.sum(l * w, axis=0)
+    l_sum = tl.sum(l_s * w, axis=0)
     acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None],
                   other=0.0)  # [BLOCK_S, BLOCK_D]
     l_safe = tl.where(l_sum > 0, l_sum, 1.0)
