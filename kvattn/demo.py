@@ -24,9 +24,14 @@ PROMPT_TOKENS = 256  # what the decode side reserved for
 
 
 def _backend_for(q, cache, leases) -> str:
+    """The backend ``auto`` picks for this decode, after printing why the registry refused others."""
     table, lens, expected = cache.batch(leases)
     args = kvattn.layout.validate_decode(q, cache.k_cache, cache.v_cache, table, lens,
                                          cache.page_tags, expected)
+    for name, reason in backends.explain(args).items():
+        state = "available" if reason is None else "refused: " + reason
+        named_only = "" if name in backends.AUTO_ORDER else " (runs only when named)"
+        print(f"  backend {name:<10} {state}{named_only}")
     return backends.select(args).NAME
 
 
@@ -54,6 +59,7 @@ def replay_incident() -> None:
     print(f"Pool: {cache.num_free_pages + reused} pages of {PAGE_SIZE} tokens on {DEVICE}; "
           f"request B holds {reused} pages that tenant A freed, 1 token of its own KV.")
 
+    print("\nBackends for this call (auto takes the first available of cuda, triton, reference):")
     backend = _backend_for(q_b, cache, [lease_b])
     # What B's answer must be: attention over its one token is that token's V, per KV head group.
     truth = v_b.float().repeat_interleave(HEADS // KV_HEADS, dim=1)
@@ -131,7 +137,9 @@ def timing_table() -> None:
         cache.append(lease, kv, kv)
         leases.append(lease)
     q = torch.randn(batch, HEADS, HEAD_DIM, device=DEVICE).to(torch.float16)
-    backend = _backend_for(q, cache, leases)
+    table, lens, expected = cache.batch(leases)
+    backend = backends.select(kvattn.layout.validate_decode(
+        q, cache.k_cache, cache.v_cache, table, lens, cache.page_tags, expected)).NAME
     reps = 20 if DEVICE.type == "cuda" else 3
 
     def median_ms(check: bool) -> float:
