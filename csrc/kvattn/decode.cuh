@@ -45,28 +45,30 @@ KVATTN_HOST_DEVICE size_t kv_row_bytes(int head_dim) {
 
 KVATTN_HOST_DEVICE size_t align16(size_t x) { return (x + 15) & ~static_cast<size_t>(15); }
 
-struct DecodeSmem {
+// Shared memory of a block of the decode and extend kernels, which serve `rows` query rows (decode:
+// the heads of a GQA chunk; extend: query tokens x heads) over tiles of `tile_n` tokens.
+struct TileSmem {
   size_t q, k, v, s, tok_page, tok_slot, stats, counters, total;
 };
 
 template <class T>
-KVATTN_HOST_DEVICE DecodeSmem decode_smem(int heads, int head_dim, int tile_n) {
-  DecodeSmem L;
+KVATTN_HOST_DEVICE TileSmem tile_smem(int rows, int head_dim, int tile_n) {
+  TileSmem L;
   size_t off = 0;
-  L.q = off;  // float [heads, D]
-  off = align16(off + sizeof(float) * heads * head_dim);
+  L.q = off;  // float [rows, D]
+  off = align16(off + sizeof(float) * rows * head_dim);
   L.k = off;  // T [tile_n, D + pad]
   off = align16(off + kv_row_bytes<T>(head_dim) * tile_n);
   L.v = off;
   off = align16(off + kv_row_bytes<T>(head_dim) * tile_n);
-  L.s = off;  // float [heads, tile_n]: logits, then probabilities
-  off = align16(off + sizeof(float) * heads * tile_n);
+  L.s = off;  // float [rows, tile_n]: logits, then probabilities
+  off = align16(off + sizeof(float) * rows * tile_n);
   L.tok_page = off;  // int64 [tile_n]
   off = align16(off + sizeof(int64_t) * tile_n);
   L.tok_slot = off;  // int32 [tile_n], -1 for a token that is not read
   off = align16(off + sizeof(int32_t) * tile_n);
-  L.stats = off;  // float [3, heads]: running max, running sum, rescale factor of the tile
-  off = align16(off + sizeof(float) * 3 * heads);
+  L.stats = off;  // float [3, rows]: running max, running sum, rescale factor of the tile
+  off = align16(off + sizeof(float) * 3 * rows);
   L.counters = off;  // int32 [4]: the report's per-block sums
   off = align16(off + sizeof(int32_t) * 4);
   L.total = off;
@@ -148,12 +150,110 @@ KVATTN_DEVICE void load_tile(unsigned char* tile, const T* pool, int64_t stride_
   }
 }
 
+// Where tokens [t0, t0 + tile_n) of one sequence live: tok_page/tok_slot per token, slot -1 for a
+// token at or past `limit` and, when CHECK, for one whose page fails the reader's rule (the tag and
+// expected owner are read beside the block-table entry; a refused token is never loaded).
+template <bool CHECK>
+KVATTN_DEVICE void resolve_tile(int64_t t0, int64_t limit, int tile_n, int page_shift, const int32_t* bt_row,
+                                int64_t stride_bt_p, const int64_t* exp_row, int64_t stride_ep,
+                                const int64_t* page_tags, int64_t num_pages, int64_t* tok_page,
+                                int32_t* tok_slot) {
+  for (int n = threadIdx.x; n < tile_n; n += kDecodeThreads) {
+    const int64_t t = t0 + n;
+    int64_t page = 0;
+    int32_t slot = -1;
+    if (t < limit) {
+      const int64_t logical = t >> page_shift;
+      const int32_t s = static_cast<int32_t>(t & ((int64_t{1} << page_shift) - 1));
+      page = bt_row[logical * stride_bt_p];
+      bool ok = true;
+      if (CHECK) ok = page >= 0 && page < num_pages && slot_ok(page_tags[page], exp_row[logical * stride_ep], s);
+      if (ok) slot = s;
+    }
+    tok_page[n] = page;
+    tok_slot[n] = slot;
+  }
+}
+
+// One tile of online softmax, one warp per row: base-2 logits s_s [rows, tile_n] (-inf where
+// masked) become probabilities in place; the running max m_s and sum l_s advance and alpha_s holds
+// the factor that rescales the row's accumulator.
+KVATTN_DEVICE void softmax_tile(float* s_s, float* m_s, float* l_s, float* alpha_s, int rows, int tile_n) {
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
+    float* s_row = s_s + r * tile_n;
+    float tile_max = -INFINITY;
+    for (int n = lane; n < tile_n; n += 32) tile_max = fmaxf(tile_max, s_row[n]);
+    tile_max = warp_max(tile_max);
+    const float m_old = m_s[r];
+    const float m_new = fmaxf(m_old, tile_max);
+    // While every slot so far is masked m stays -inf; subtract 0 instead to avoid inf - inf.
+    const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
+    float sum = 0.0f;
+    for (int n = lane; n < tile_n; n += 32) {
+      const float prob = exp2f(s_row[n] - m_ref);
+      s_row[n] = prob;
+      sum += prob;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      const float alpha = exp2f(m_old - m_ref);
+      alpha_s[r] = alpha;
+      l_s[r] = l_s[r] * alpha + sum;
+      m_s[r] = m_new;
+    }
+  }
+}
+
+// acc (row, d) = (i / D, i % D) for i = threadIdx.x + j * kDecodeThreads: rescaled by alpha_s, plus
+// the tile's probabilities times its V rows.
+template <class T>
+KVATTN_DEVICE void accumulate_pv(float (&acc)[kMaxOutPerThread], const float* s_s, const float* alpha_s,
+                                 const unsigned char* v_s, size_t row_bytes, int rows, int D, int tile_n) {
+#pragma unroll
+  for (int j = 0; j < kMaxOutPerThread; ++j) {
+    const int i = threadIdx.x + j * kDecodeThreads;
+    if (i < rows * D) {
+      const int r = i / D;
+      const int d = i % D;
+      const float* p_row = s_s + r * tile_n;
+      float a = acc[j] * alpha_s[r];
+      for (int n = 0; n < tile_n; ++n) a += p_row[n] * to_float(reinterpret_cast<const T*>(v_s + n * row_bytes)[d]);
+      acc[j] = a;
+    }
+  }
+}
+
+// The report for logical pages [page_lo, page_hi) of one sequence of seq_len tokens: each page's
+// reason into reasons_row (0 when accepted or not read), and the block's sums (refused pages, OR of
+// reasons, pages read) added into counters[0..2], which the caller zeroed. Page memory is untouched.
+KVATTN_DEVICE void check_pages(const int32_t* bt_row, int64_t stride_bt_p, const int64_t* exp_row, int64_t stride_ep,
+                               const int64_t* page_tags, int64_t num_pages, int page_shift, int64_t seq_len,
+                               int64_t page_lo, int64_t page_hi, int8_t* reasons_row, int32_t* counters) {
+  const int64_t page_size = int64_t{1} << page_shift;
+  int bad = 0, bits = 0, read = 0;
+  for (int64_t i = page_lo + threadIdx.x; i < page_hi; i += kDecodeThreads) {
+    const int64_t slots_read = min64(max64(seq_len - (i << page_shift), 0), page_size);
+    int reason = 0;
+    if (slots_read > 0) {
+      const int64_t page = bt_row[i * stride_bt_p];
+      const bool in_range = page >= 0 && page < num_pages;
+      reason = page_reason(in_range ? page_tags[page] : 0, in_range, exp_row[i * stride_ep], slots_read);
+      ++read;
+    }
+    reasons_row[i] = static_cast<int8_t>(reason);
+    bad += reason != 0;
+    bits |= reason;
+  }
+  if (bad) atomicAdd(&counters[0], bad);
+  if (bits) atomicOr(&counters[1], bits);
+  if (read) atomicAdd(&counters[2], read);
+}
+
 template <class T, bool CHECK>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeParams p) {
   KVATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int warp = tid / 32;
   const int64_t b = blockIdx.x;
   const int kv_head = static_cast<int>(blockIdx.y) / p.num_chunks;
   const int chunk = static_cast<int>(blockIdx.y) % p.num_chunks;
@@ -162,10 +262,9 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   const int tile_n = p.tile_n;
   const int head0 = kv_head * p.group + chunk * p.heads_per_chunk;
   const int heads = static_cast<int>(min64(p.heads_per_chunk, p.group - chunk * p.heads_per_chunk));
-  const int64_t page_size = int64_t{1} << p.page_shift;
   const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
 
-  const DecodeSmem L = decode_smem<T>(p.heads_per_chunk, D, tile_n);
+  const TileSmem L = tile_smem<T>(p.heads_per_chunk, D, tile_n);
   float* q_s = reinterpret_cast<float*>(smem + L.q);       // [heads, D]
   unsigned char* k_s = smem + L.k;                          // [tile_n, D + pad] of T
   unsigned char* v_s = smem + L.v;
@@ -200,25 +299,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   const T* k_pool = static_cast<const T*>(p.k);
   const T* v_pool = static_cast<const T*>(p.v);
   for (int64_t t0 = start; t0 < end; t0 += tile_n) {
-    for (int n = tid; n < tile_n; n += kDecodeThreads) {
-      const int64_t t = t0 + n;
-      int64_t page = 0;
-      int32_t slot = -1;
-      if (t < end) {
-        const int64_t logical = t >> p.page_shift;
-        const int32_t s = static_cast<int32_t>(t & (page_size - 1));
-        page = bt_row[logical * p.stride_bt_p];
-        bool ok = true;
-        if (CHECK) {
-          // The tag and the expected owner are read beside the block table; a failed page's K/V
-          // is never loaded.
-          ok = page >= 0 && page < p.num_pages && slot_ok(p.page_tags[page], exp_row[logical * p.stride_ep], s);
-        }
-        if (ok) slot = s;
-      }
-      tok_page[n] = page;
-      tok_slot[n] = slot;
-    }
+    resolve_tile<CHECK>(t0, end, tile_n, p.page_shift, bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags,
+                        p.num_pages, tok_page, tok_slot);
     __syncthreads();
 
     load_tile<T>(k_s, k_pool, p.stride_kp, p.stride_ks, kv_head * p.stride_kh, tok_page, tok_slot, tile_n, D,
@@ -244,43 +326,10 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
     }
     __syncthreads();
 
-    for (int g = warp; g < heads; g += kWarps) {
-      float* s_row = s_s + g * tile_n;
-      float tile_max = -INFINITY;
-      for (int n = lane; n < tile_n; n += 32) tile_max = fmaxf(tile_max, s_row[n]);
-      tile_max = warp_max(tile_max);
-      const float m_old = m_s[g];
-      const float m_new = fmaxf(m_old, tile_max);
-      // While every slot so far is masked m stays -inf; subtract 0 instead to avoid inf - inf.
-      const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
-      float sum = 0.0f;
-      for (int n = lane; n < tile_n; n += 32) {
-        const float prob = exp2f(s_row[n] - m_ref);
-        s_row[n] = prob;
-        sum += prob;
-      }
-      sum = warp_sum(sum);
-      if (lane == 0) {
-        const float alpha = exp2f(m_old - m_ref);
-        alpha_s[g] = alpha;
-        l_s[g] = l_s[g] * alpha + sum;
-        m_s[g] = m_new;
-      }
-    }
+    softmax_tile(s_s, m_s, l_s, alpha_s, heads, tile_n);
     __syncthreads();
 
-#pragma unroll
-    for (int j = 0; j < kMaxOutPerThread; ++j) {
-      const int i = tid + j * kDecodeThreads;
-      if (i < heads * D) {
-        const int g = i / D;
-        const int d = i % D;
-        const float* p_row = s_s + g * tile_n;
-        float a = acc[j] * alpha_s[g];
-        for (int n = 0; n < tile_n; ++n) a += p_row[n] * to_float(reinterpret_cast<const T*>(v_s + n * row_bytes)[d]);
-        acc[j] = a;
-      }
-    }
+    accumulate_pv<T>(acc, s_s, alpha_s, v_s, row_bytes, heads, D, tile_n);
     __syncthreads();  // the next tile overwrites the shared tiles
   }
 
@@ -327,23 +376,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
 #if KVATTN_SIM_BREAK == 2
     page_hi -= 1;
 #endif
-    int bad = 0, bits = 0, read = 0;
-    for (int64_t i = page_lo + tid; i < page_hi; i += kDecodeThreads) {
-      const int64_t slots_read = min64(max64(seq_len - (i << p.page_shift), 0), page_size);
-      int reason = 0;
-      if (slots_read > 0) {
-        const int64_t page = bt_row[i * p.stride_bt_p];
-        const bool in_range = page >= 0 && page < p.num_pages;
-        reason = page_reason(in_range ? p.page_tags[page] : 0, in_range, exp_row[i * p.stride_ep], slots_read);
-        ++read;
-      }
-      p.page_reasons[b * p.max_pages + i] = static_cast<int8_t>(reason);
-      bad += reason != 0;
-      bits |= reason;
-    }
-    if (bad) atomicAdd(&counters[0], bad);
-    if (bits) atomicOr(&counters[1], bits);
-    if (read) atomicAdd(&counters[2], read);
+    check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, p.page_shift, seq_len,
+                page_lo, page_hi, p.page_reasons + b * p.max_pages, counters);
     __syncthreads();
     if (tid == 0) {
       int n_bad = counters[0];
@@ -417,7 +451,7 @@ const char* plan_decode(DecodeParams& p) {
   bool vec = aligned(p.k) && aligned(p.v) && p.head_dim % kVec == 0;
   for (int64_t s : strides) vec = vec && s % kVec == 0;
   p.kv_vec = vec;
-  p.smem_bytes = static_cast<int>(decode_smem<T>(p.heads_per_chunk, p.head_dim, p.tile_n).total);
+  p.smem_bytes = static_cast<int>(tile_smem<T>(p.heads_per_chunk, p.head_dim, p.tile_n).total);
   return nullptr;
 }
 

@@ -21,34 +21,6 @@
 
 namespace kvattn {
 
-struct ExtendSmem {
-  size_t q, k, v, s, tok_page, tok_slot, stats, counters, total;
-};
-
-template <class T>
-KVATTN_HOST_DEVICE ExtendSmem extend_smem(int rows, int head_dim, int tile_n) {
-  ExtendSmem L;
-  size_t off = 0;
-  L.q = off;  // float [rows, D]
-  off = align16(off + sizeof(float) * rows * head_dim);
-  L.k = off;  // T [tile_n, D + pad]
-  off = align16(off + kv_row_bytes<T>(head_dim) * tile_n);
-  L.v = off;
-  off = align16(off + kv_row_bytes<T>(head_dim) * tile_n);
-  L.s = off;  // float [rows, tile_n]: logits, then probabilities
-  off = align16(off + sizeof(float) * rows * tile_n);
-  L.tok_page = off;  // int64 [tile_n]
-  off = align16(off + sizeof(int64_t) * tile_n);
-  L.tok_slot = off;  // int32 [tile_n], -1 for a token that is not read
-  off = align16(off + sizeof(int32_t) * tile_n);
-  L.stats = off;  // float [3, rows]: running max, running sum, rescale factor of the tile
-  off = align16(off + sizeof(float) * 3 * rows);
-  L.counters = off;  // int32 [4]: the report's sums
-  off = align16(off + sizeof(int32_t) * 4);
-  L.total = off;
-  return L;
-}
-
 // A minimum of one block per SM lets ptxas go past the 64 registers it otherwise aims for on sm_90,
 // where the checked variant spilled; shared memory limits the blocks per SM before registers do.
 template <class T, bool CHECK>
@@ -56,8 +28,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_extend_kernel(const E
   static_assert(kDecodeThreads * kMaxOutPerThread == kExtendMaxRowElems, "accumulator size");
   KVATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int warp = tid / 32;
   const int64_t slot_id = blockIdx.x;
   const int kv_head = static_cast<int>(blockIdx.y) / p.num_chunks;
   const int chunk = static_cast<int>(blockIdx.y) % p.num_chunks;
@@ -66,7 +36,6 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_extend_kernel(const E
   const int head0 = kv_head * p.group + chunk * p.heads_per_chunk;
   const int heads = static_cast<int>(min64(p.heads_per_chunk, p.group - chunk * p.heads_per_chunk));
   const int rows = p.block_m * heads;
-  const int64_t page_size = int64_t{1} << p.page_shift;
   const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
 
   // The sequence of this slot: the last one whose first tile is at or before it (tile_start[0] = 0).
@@ -90,7 +59,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_extend_kernel(const E
   if (p.causal) kv_hi = min64(kv_hi, first_pos + min64(m0 + p.block_m, q_len));
   if (m0 >= q_len || q_len > raw_len) kv_hi = 0;
 
-  const ExtendSmem L = extend_smem<T>(p.block_m * p.heads_per_chunk, D, tile_n);
+  const TileSmem L = tile_smem<T>(p.block_m * p.heads_per_chunk, D, tile_n);
   float* q_s = reinterpret_cast<float*>(smem + L.q);  // [rows, D]
   unsigned char* k_s = smem + L.k;                     // [tile_n, D + pad] of T
   unsigned char* v_s = smem + L.v;
@@ -124,23 +93,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_extend_kernel(const E
   const T* k_pool = static_cast<const T*>(p.k);
   const T* v_pool = static_cast<const T*>(p.v);
   for (int64_t t0 = 0; t0 < kv_hi; t0 += tile_n) {
-    for (int n = tid; n < tile_n; n += kDecodeThreads) {
-      const int64_t t = t0 + n;
-      int64_t page = 0;
-      int32_t slot = -1;
-      if (t < kv_hi) {
-        const int64_t logical = t >> p.page_shift;
-        const int32_t s = static_cast<int32_t>(t & (page_size - 1));
-        page = bt_row[logical * p.stride_bt_p];
-        bool ok = true;
-        if (CHECK) {
-          ok = page >= 0 && page < p.num_pages && slot_ok(p.page_tags[page], exp_row[logical * p.stride_ep], s);
-        }
-        if (ok) slot = s;
-      }
-      tok_page[n] = page;
-      tok_slot[n] = slot;
-    }
+    resolve_tile<CHECK>(t0, kv_hi, tile_n, p.page_shift, bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags,
+                        p.num_pages, tok_page, tok_slot);
     __syncthreads();
 
     load_tile<T>(k_s, k_pool, p.stride_kp, p.stride_ks, kv_head * p.stride_kh, tok_page, tok_slot, tile_n, D,
@@ -167,43 +121,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_extend_kernel(const E
     }
     __syncthreads();
 
-    for (int r = warp; r < rows; r += kWarps) {
-      float* s_row = s_s + r * tile_n;
-      float tile_max = -INFINITY;
-      for (int n = lane; n < tile_n; n += 32) tile_max = fmaxf(tile_max, s_row[n]);
-      tile_max = warp_max(tile_max);
-      const float m_old = m_s[r];
-      const float m_new = fmaxf(m_old, tile_max);
-      // While every slot so far is masked m stays -inf; subtract 0 instead to avoid inf - inf.
-      const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
-      float sum = 0.0f;
-      for (int n = lane; n < tile_n; n += 32) {
-        const float prob = exp2f(s_row[n] - m_ref);
-        s_row[n] = prob;
-        sum += prob;
-      }
-      sum = warp_sum(sum);
-      if (lane == 0) {
-        const float alpha = exp2f(m_old - m_ref);
-        alpha_s[r] = alpha;
-        l_s[r] = l_s[r] * alpha + sum;
-        m_s[r] = m_new;
-      }
-    }
+    softmax_tile(s_s, m_s, l_s, alpha_s, rows, tile_n);
     __syncthreads();
 
-#pragma unroll
-    for (int j = 0; j < kMaxOutPerThread; ++j) {
-      const int i = tid + j * kDecodeThreads;
-      if (i < rows * D) {
-        const int r = i / D;
-        const int d = i % D;
-        const float* p_row = s_s + r * tile_n;
-        float a = acc[j] * alpha_s[r];
-        for (int n = 0; n < tile_n; ++n) a += p_row[n] * to_float(reinterpret_cast<const T*>(v_s + n * row_bytes)[d]);
-        acc[j] = a;
-      }
-    }
+    accumulate_pv<T>(acc, s_s, alpha_s, v_s, row_bytes, rows, D, tile_n);
     __syncthreads();  // the next tile overwrites the shared tiles
   }
 
@@ -237,23 +158,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_extend_kernel(const E
     int32_t* counters = reinterpret_cast<int32_t*>(smem + L.counters);  // violations, reasons, checked
     if (tid < 3) counters[tid] = 0;
     __syncthreads();
-    int bad = 0, bits = 0, read = 0;
-    for (int64_t i = tid; i < p.max_pages; i += kDecodeThreads) {
-      const int64_t slots_read = min64(max64(seq_len - (i << p.page_shift), 0), page_size);
-      int reason = 0;
-      if (slots_read > 0) {
-        const int64_t page = bt_row[i * p.stride_bt_p];
-        const bool in_range = page >= 0 && page < p.num_pages;
-        reason = page_reason(in_range ? p.page_tags[page] : 0, in_range, exp_row[i * p.stride_ep], slots_read);
-        ++read;
-      }
-      p.page_reasons[b * p.max_pages + i] = static_cast<int8_t>(reason);
-      bad += reason != 0;
-      bits |= reason;
-    }
-    if (bad) atomicAdd(&counters[0], bad);
-    if (bits) atomicOr(&counters[1], bits);
-    if (read) atomicAdd(&counters[2], read);
+    check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, p.page_shift, seq_len,
+                0, p.max_pages, p.page_reasons + b * p.max_pages, counters);
     __syncthreads();
     if (tid == 0) {
       // A seq_len past the table: nothing beyond it is read, and it counts once.
@@ -287,7 +193,7 @@ const char* plan_extend(ExtendParams& p) {
   bool vec = aligned(p.k) && aligned(p.v) && p.head_dim % kVec == 0;
   for (int64_t s : strides) vec = vec && s % kVec == 0;
   p.kv_vec = vec;
-  p.smem_bytes = static_cast<int>(extend_smem<T>(p.block_m * p.heads_per_chunk, p.head_dim, p.tile_n).total);
+  p.smem_bytes = static_cast<int>(tile_smem<T>(p.block_m * p.heads_per_chunk, p.head_dim, p.tile_n).total);
   return nullptr;
 }
 
