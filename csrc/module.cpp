@@ -42,9 +42,9 @@ int64_t integer(const py::dict& args, const char* key) {
   return args[key].cast<int64_t>();
 }
 
-// Returns the launch plan the launcher chose (tile, head chunking, vector loads) for the tests.
-py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long stream) {
-  kvattn::DecodeParams p{};
+// The fields the decode and extend parameter structs share (same names, same meaning).
+template <class Params>
+void fill_attention(Params& p, const py::dict& a) {
   p.q = pointer<const void>(a, "q");
   p.k = pointer<const void>(a, "k");
   p.v = pointer<const void>(a, "v");
@@ -54,14 +54,11 @@ py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long str
   p.expected = pointer<const int64_t>(a, "expected");
   p.out = pointer<void>(a, "out");
   p.lse = pointer<float>(a, "lse");
-  p.part_acc = pointer<float>(a, "part_acc");
-  p.part_ml = pointer<float>(a, "part_ml");
   p.violations = pointer<int32_t>(a, "violations");
   p.reasons = pointer<int32_t>(a, "reasons");
   p.pages_checked = pointer<int32_t>(a, "pages_checked");
   p.beyond_table = pointer<int32_t>(a, "beyond_table");
   p.page_reasons = pointer<int8_t>(a, "page_reasons");
-  p.stride_qb = integer(a, "stride_qb");
   p.stride_qh = integer(a, "stride_qh");
   p.stride_kp = integer(a, "stride_kp");
   p.stride_ks = integer(a, "stride_ks");
@@ -74,7 +71,6 @@ py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long str
   p.stride_sl = integer(a, "stride_sl");
   p.stride_eb = integer(a, "stride_eb");
   p.stride_ep = integer(a, "stride_ep");
-  p.stride_ob = integer(a, "stride_ob");
   p.stride_oh = integer(a, "stride_oh");
   p.num_pages = integer(a, "num_pages");
   p.scale_log2 = a["scale_log2"].cast<float>();
@@ -84,21 +80,41 @@ py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long str
   p.head_dim = static_cast<int>(integer(a, "head_dim"));
   p.page_shift = static_cast<int>(integer(a, "page_shift"));
   p.max_pages = static_cast<int>(integer(a, "max_pages"));
-  p.tokens_per_split = static_cast<int>(integer(a, "tokens_per_split"));
-  p.num_splits = static_cast<int>(integer(a, "num_splits"));
-  if (dtype < 0 || dtype > 2) throw std::invalid_argument("decode: dtype code must be 0, 1 or 2");
+}
 
+kvattn::DType dtype_of(int code, const char* op) {
+  if (code < 0 || code > 2) throw std::invalid_argument(std::string(op) + ": dtype code must be 0, 1 or 2");
+  return static_cast<kvattn::DType>(code);
+}
+
+// Runs a launcher without the GIL and turns a failure into a Python RuntimeError naming the kernel.
+template <class Launch>
+void launch_or_raise(Launch&& launch) {
   kvattn::LaunchResult r;
   std::string message;
   {
     py::gil_scoped_release release;
-    r = kvattn::paged_decode(p, static_cast<kvattn::DType>(dtype), check, reinterpret_cast<void*>(stream));
+    r = launch();
     if (r.code != 0) message = r.message ? r.message : "unknown error";  // copied before anything relaunches
   }
   if (r.code != 0) {
     throw std::runtime_error(std::string("kvattn: ") + r.kernel + " failed: " + message + " (error " +
                              std::to_string(r.code) + ")");
   }
+}
+
+// Returns the launch plan the launcher chose (tile, head chunking, vector loads) for the tests.
+py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long stream) {
+  kvattn::DecodeParams p{};
+  fill_attention(p, a);
+  p.part_acc = pointer<float>(a, "part_acc");
+  p.part_ml = pointer<float>(a, "part_ml");
+  p.stride_qb = integer(a, "stride_qb");
+  p.stride_ob = integer(a, "stride_ob");
+  p.tokens_per_split = static_cast<int>(integer(a, "tokens_per_split"));
+  p.num_splits = static_cast<int>(integer(a, "num_splits"));
+  const kvattn::DType type = dtype_of(dtype, "decode");
+  launch_or_raise([&] { return kvattn::paged_decode(p, type, check, reinterpret_cast<void*>(stream)); });
   py::dict plan;
   plan["tile_n"] = p.tile_n;
   plan["heads_per_chunk"] = p.heads_per_chunk;
@@ -113,64 +129,19 @@ py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long str
 // Returns the launch plan (tile, head chunking, vector loads, shared memory) for the tests.
 py::dict extend(const py::dict& a, int dtype, bool check, unsigned long long stream) {
   kvattn::ExtendParams p{};
-  p.q = pointer<const void>(a, "q");
-  p.k = pointer<const void>(a, "k");
-  p.v = pointer<const void>(a, "v");
+  fill_attention(p, a);
   p.q_start = pointer<const int32_t>(a, "q_start");
   p.tile_start = pointer<const int32_t>(a, "tile_start");
-  p.block_table = pointer<const int32_t>(a, "block_table");
-  p.seq_lens = pointer<const int32_t>(a, "seq_lens");
-  p.page_tags = pointer<const int64_t>(a, "page_tags");
-  p.expected = pointer<const int64_t>(a, "expected");
-  p.out = pointer<void>(a, "out");
-  p.lse = pointer<float>(a, "lse");
-  p.violations = pointer<int32_t>(a, "violations");
-  p.reasons = pointer<int32_t>(a, "reasons");
-  p.pages_checked = pointer<int32_t>(a, "pages_checked");
-  p.beyond_table = pointer<int32_t>(a, "beyond_table");
-  p.page_reasons = pointer<int8_t>(a, "page_reasons");
   p.stride_qt = integer(a, "stride_qt");
-  p.stride_qh = integer(a, "stride_qh");
-  p.stride_kp = integer(a, "stride_kp");
-  p.stride_ks = integer(a, "stride_ks");
-  p.stride_kh = integer(a, "stride_kh");
-  p.stride_vp = integer(a, "stride_vp");
-  p.stride_vs = integer(a, "stride_vs");
-  p.stride_vh = integer(a, "stride_vh");
-  p.stride_bt_b = integer(a, "stride_bt_b");
-  p.stride_bt_p = integer(a, "stride_bt_p");
-  p.stride_sl = integer(a, "stride_sl");
-  p.stride_eb = integer(a, "stride_eb");
-  p.stride_ep = integer(a, "stride_ep");
   p.stride_ot = integer(a, "stride_ot");
-  p.stride_oh = integer(a, "stride_oh");
-  p.num_pages = integer(a, "num_pages");
-  p.scale_log2 = a["scale_log2"].cast<float>();
-  p.batch = static_cast<int>(integer(a, "batch"));
-  p.num_heads = static_cast<int>(integer(a, "num_heads"));
-  p.num_kv_heads = static_cast<int>(integer(a, "num_kv_heads"));
-  p.head_dim = static_cast<int>(integer(a, "head_dim"));
-  p.page_shift = static_cast<int>(integer(a, "page_shift"));
-  p.max_pages = static_cast<int>(integer(a, "max_pages"));
   p.causal = static_cast<int>(integer(a, "causal"));
   const int64_t slots = integer(a, "num_slots");
   if (slots < 1 || slots > INT32_MAX) throw std::invalid_argument("extend: num_slots must be in [1, 2**31)");
   p.num_slots = static_cast<int>(slots);
   p.block_m = static_cast<int>(integer(a, "block_m"));
   p.heads_per_chunk = static_cast<int>(integer(a, "heads_per_chunk"));
-  if (dtype < 0 || dtype > 2) throw std::invalid_argument("extend: dtype code must be 0, 1 or 2");
-
-  kvattn::LaunchResult r;
-  std::string message;
-  {
-    py::gil_scoped_release release;
-    r = kvattn::paged_extend(p, static_cast<kvattn::DType>(dtype), check, reinterpret_cast<void*>(stream));
-    if (r.code != 0) message = r.message ? r.message : "unknown error";
-  }
-  if (r.code != 0) {
-    throw std::runtime_error(std::string("kvattn: ") + r.kernel + " failed: " + message + " (error " +
-                             std::to_string(r.code) + ")");
-  }
+  const kvattn::DType type = dtype_of(dtype, "extend");
+  launch_or_raise([&] { return kvattn::paged_extend(p, type, check, reinterpret_cast<void*>(stream)); });
   py::dict plan;
   plan["tile_n"] = p.tile_n;
   plan["block_m"] = p.block_m;
@@ -214,18 +185,8 @@ void write_kv(const py::dict& a, int dtype, unsigned long long stream) {
   p.page_shift = static_cast<int>(integer(a, "page_shift"));
   p.num_kv_heads = static_cast<int>(integer(a, "num_kv_heads"));
   p.head_dim = static_cast<int>(integer(a, "head_dim"));
-  if (dtype < 0 || dtype > 2) throw std::invalid_argument("write_kv: dtype code must be 0, 1 or 2");
-  kvattn::LaunchResult r;
-  std::string message;
-  {
-    py::gil_scoped_release release;
-    r = kvattn::write_kv(p, static_cast<kvattn::DType>(dtype), reinterpret_cast<void*>(stream));
-    if (r.code != 0) message = r.message ? r.message : "unknown error";
-  }
-  if (r.code != 0) {
-    throw std::runtime_error(std::string("kvattn: ") + r.kernel + " failed: " + message + " (error " +
-                             std::to_string(r.code) + ")");
-  }
+  const kvattn::DType type = dtype_of(dtype, "write_kv");
+  launch_or_raise([&] { return kvattn::write_kv(p, type, reinterpret_cast<void*>(stream)); });
 }
 
 std::map<std::string, int64_t> tag_layout() {

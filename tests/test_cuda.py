@@ -614,3 +614,16 @@ def test_harness_exposes_a_missing_barrier_as_poison():
     values, error = sim.harness_selftest(3, 128)
     assert error == ""
     assert -1 in values and values != [(t + 1) % 128 for t in range(128)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA calls fail")
+def test_real_module_turns_a_cuda_error_into_an_exception_naming_the_kernel():
+    """The nvcc-built module on a machine without a usable GPU: the launch fails inside CUDA, and the
+    binding raises (never exits) with the kernel's name and CUDA's message."""
+    real = importlib.import_module("kvattn.backends.cuda")
+    if real._C is None:
+        pytest.skip(real._NOT_BUILT)
+    batch = make("cuda_sim", dtype=F32, head_dim=64, seq_lens=(3,))
+    args = batch.args()
+    with pytest.raises(RuntimeError, match=r"kvattn: paged_decode_kernel<check=true> failed: .+ \(error \d+\)"):
+        launch.decode(real._C, args, check=True, out=torch.empty_like(args.q), lse=None)

@@ -13,64 +13,51 @@
 namespace kvattn {
 
 template <class T>
-LaunchResult dispatch_check(DecodeParams& p, bool check, cudaStream_t stream) {
-  return check ? launch_decode<T, true>(p, stream) : launch_decode<T, false>(p, stream);
+struct TypeTag {
+  using type = T;
+};
+
+// Calls launch(TypeTag<T>{}) for the element type of `dtype`; a dtype this module was not built
+// with is refused in the name of `launcher`.
+template <class Launch>
+LaunchResult by_dtype(DType dtype, const char* launcher, Launch&& launch) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return launch(TypeTag<float>{});
+#if !KVATTN_FP32_ONLY
+    case DType::kFloat16:
+      return launch(TypeTag<__half>{});
+    case DType::kBFloat16:
+      return launch(TypeTag<__nv_bfloat16>{});
+#endif
+    default:
+      break;
+  }
+  return {static_cast<int>(cudaErrorInvalidValue), launcher, "dtype not built into this module"};
 }
 
 LaunchResult paged_decode(DecodeParams& p, DType dtype, bool check, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DType::kFloat32:
-      return dispatch_check<float>(p, check, s);
-#if !KVATTN_FP32_ONLY
-    case DType::kFloat16:
-      return dispatch_check<__half>(p, check, s);
-    case DType::kBFloat16:
-      return dispatch_check<__nv_bfloat16>(p, check, s);
-#endif
-    default:
-      break;
-  }
-  return {static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", "dtype not built into this module"};
-}
-
-template <class T>
-LaunchResult dispatch_check(ExtendParams& p, bool check, cudaStream_t stream) {
-  return check ? launch_extend<T, true>(p, stream) : launch_extend<T, false>(p, stream);
+  return by_dtype(dtype, "paged_decode (launcher)", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return check ? launch_decode<T, true>(p, s) : launch_decode<T, false>(p, s);
+  });
 }
 
 LaunchResult paged_extend(ExtendParams& p, DType dtype, bool check, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DType::kFloat32:
-      return dispatch_check<float>(p, check, s);
-#if !KVATTN_FP32_ONLY
-    case DType::kFloat16:
-      return dispatch_check<__half>(p, check, s);
-    case DType::kBFloat16:
-      return dispatch_check<__nv_bfloat16>(p, check, s);
-#endif
-    default:
-      break;
-  }
-  return {static_cast<int>(cudaErrorInvalidValue), "paged_extend (launcher)", "dtype not built into this module"};
+  return by_dtype(dtype, "paged_extend (launcher)", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return check ? launch_extend<T, true>(p, s) : launch_extend<T, false>(p, s);
+  });
 }
 
 LaunchResult write_kv(const WriteKVParams& p, DType dtype, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DType::kFloat32:
-      return launch_write_kv<float>(p, s);
-#if !KVATTN_FP32_ONLY
-    case DType::kFloat16:
-      return launch_write_kv<__half>(p, s);
-    case DType::kBFloat16:
-      return launch_write_kv<__nv_bfloat16>(p, s);
-#endif
-    default:
-      break;
-  }
-  return {static_cast<int>(cudaErrorInvalidValue), "write_kv (launcher)", "dtype not built into this module"};
+  return by_dtype(dtype, "write_kv (launcher)", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return launch_write_kv<T>(p, s);
+  });
 }
 
 }  // namespace kvattn
