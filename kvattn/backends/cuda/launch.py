@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ...layout import DecodeArgs, ExtendArgs, query_offsets
+from ...layout import DecodeArgs, ExtendArgs
 from ...report import OwnershipReport
 from ...writers import WriteResult
-from ..splits import plan_splits as plan_kv_splits
+from ..grids import extend_tile_map, plan_splits as plan_kv_splits
 
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -32,8 +32,34 @@ def unsupported(args: DecodeArgs) -> str | None:
 
 
 def plan_splits(args: DecodeArgs, num_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, tokens_per_split): :func:`kvattn.backends.splits.plan_splits`, page-aligned."""
+    """(num_splits, tokens_per_split): :func:`kvattn.backends.grids.plan_splits`, page-aligned."""
     return plan_kv_splits(args, args.page_size, num_splits)
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
+    """The binding's fields shared by decode and extend (csrc/module.cpp ``fill_attention``)."""
+    q, k, v = args.q, args.k_cache, args.v_cache
+    r = report
+    return dict(
+        q=_ptr(q), k=_ptr(k), v=_ptr(v), block_table=_ptr(args.block_table),
+        seq_lens=_ptr(args.seq_lens), page_tags=_ptr(args.page_tags), expected=_ptr(args.expected),
+        out=_ptr(out), lse=_ptr(lse),
+        violations=_ptr(r and r.violations), reasons=_ptr(r and r.reasons),
+        pages_checked=_ptr(r and r.pages_checked), beyond_table=_ptr(r and r.beyond_table),
+        page_reasons=_ptr(r and r.page_reasons),
+        stride_qh=q.stride(1), stride_kp=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
+        stride_vp=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
+        stride_bt_b=args.block_table.stride(0), stride_bt_p=args.block_table.stride(1),
+        stride_sl=args.seq_lens.stride(0), stride_eb=args.expected.stride(0),
+        stride_ep=args.expected.stride(1), stride_oh=out.stride(1),
+        num_pages=args.num_pages, scale_log2=args.scale * LOG2E, batch=args.batch,
+        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+        page_shift=args.page_size.bit_length() - 1, max_pages=args.max_pages,
+    )
 
 
 def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
@@ -42,7 +68,7 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
     """Enqueue the decode on ``stream`` with the binding ``ext``; writes ``out`` (and ``lse``).
     A CUDA or harness error raises RuntimeError naming the kernel. ``plan``, when given, receives
     the launcher's choices (tile_n, heads_per_chunk, num_chunks, kv_vec, num_splits, ...)."""
-    q, k, v = args.q, args.k_cache, args.v_cache
+    q = args.q
     device = q.device
     splits, tokens_per_split = plan_splits(args, num_splits)
     report = OwnershipReport.allocate(args.batch, args.max_pages, device) if check else None
@@ -52,28 +78,9 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
                                device=device)
         part_ml = torch.empty(args.batch * args.num_heads * splits * 2, dtype=torch.float32, device=device)
 
-    def ptr(t):
-        return 0 if t is None else t.data_ptr()
-
     params = dict(
-        q=ptr(q), k=ptr(k), v=ptr(v), block_table=ptr(args.block_table), seq_lens=ptr(args.seq_lens),
-        page_tags=ptr(args.page_tags), expected=ptr(args.expected), out=ptr(out), lse=ptr(lse),
-        part_acc=ptr(part_acc), part_ml=ptr(part_ml),
-        violations=ptr(report.violations) if report else 0,
-        reasons=ptr(report.reasons) if report else 0,
-        pages_checked=ptr(report.pages_checked) if report else 0,
-        beyond_table=ptr(report.beyond_table) if report else 0,
-        page_reasons=ptr(report.page_reasons) if report else 0,
-        stride_qb=q.stride(0), stride_qh=q.stride(1),
-        stride_kp=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-        stride_vp=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
-        stride_bt_b=args.block_table.stride(0), stride_bt_p=args.block_table.stride(1),
-        stride_sl=args.seq_lens.stride(0),
-        stride_eb=args.expected.stride(0), stride_ep=args.expected.stride(1),
-        stride_ob=out.stride(0), stride_oh=out.stride(1),
-        num_pages=args.num_pages, scale_log2=args.scale * LOG2E,
-        batch=args.batch, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim, page_shift=args.page_size.bit_length() - 1, max_pages=args.max_pages,
+        _attention_params(args, out, lse, report),
+        part_acc=_ptr(part_acc), part_ml=_ptr(part_ml), stride_qb=q.stride(0), stride_ob=out.stride(0),
         tokens_per_split=tokens_per_split, num_splits=splits,
     )
     if lse is not None and not lse.is_contiguous():
@@ -107,38 +114,16 @@ def extend(ext, args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.
     every row of every sequence. The tile map (the triton launcher's) is built with device ops, and
     the grid, ``ceil(total_q / block_m) + B`` slots, from shapes only: no host sync. A CUDA or
     harness error raises RuntimeError naming the kernel; ``plan`` receives the launcher's choices."""
-    q, k, v = args.q, args.k_cache, args.v_cache
+    q = args.q
     block_m, heads_per_chunk = extend_tiles(ext, args, block_m)
-    q_start = query_offsets(args.cu_seqlens_q, args.total_q).to(torch.int32)
-    tiles = torch.clamp((q_start[1:] - q_start[:-1] + block_m - 1) // block_m, min=1)
-    tile_start = (torch.cumsum(tiles, dim=0) - tiles).to(torch.int32)
-    slots = -(-args.total_q // block_m) + args.batch
+    q_start, tile_start, slots = extend_tile_map(args, block_m)
     report = OwnershipReport.allocate(args.batch, args.max_pages, q.device) if check else None
     if lse is not None and not lse.is_contiguous():
         raise ValueError(f"lse: expected a contiguous tensor, got strides {lse.stride()}")
 
-    def ptr(t):
-        return 0 if t is None else t.data_ptr()
-
     params = dict(
-        q=ptr(q), k=ptr(k), v=ptr(v), q_start=ptr(q_start), tile_start=ptr(tile_start),
-        block_table=ptr(args.block_table), seq_lens=ptr(args.seq_lens), page_tags=ptr(args.page_tags),
-        expected=ptr(args.expected), out=ptr(out), lse=ptr(lse),
-        violations=ptr(report.violations) if report else 0,
-        reasons=ptr(report.reasons) if report else 0,
-        pages_checked=ptr(report.pages_checked) if report else 0,
-        beyond_table=ptr(report.beyond_table) if report else 0,
-        page_reasons=ptr(report.page_reasons) if report else 0,
-        stride_qt=q.stride(0), stride_qh=q.stride(1),
-        stride_kp=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-        stride_vp=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
-        stride_bt_b=args.block_table.stride(0), stride_bt_p=args.block_table.stride(1),
-        stride_sl=args.seq_lens.stride(0),
-        stride_eb=args.expected.stride(0), stride_ep=args.expected.stride(1),
-        stride_ot=out.stride(0), stride_oh=out.stride(1),
-        num_pages=args.num_pages, scale_log2=args.scale * LOG2E,
-        batch=args.batch, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim, page_shift=args.page_size.bit_length() - 1, max_pages=args.max_pages,
+        _attention_params(args, out, lse, report),
+        q_start=_ptr(q_start), tile_start=_ptr(tile_start), stride_qt=q.stride(0), stride_ot=out.stride(0),
         causal=int(args.causal), num_slots=slots, block_m=block_m, heads_per_chunk=heads_per_chunk,
     )
     chosen = ext.extend(params, DTYPE_CODES[q.dtype], check, stream)

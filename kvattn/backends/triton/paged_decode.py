@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ...layout import DecodeArgs
 from ...report import OwnershipReport
-from ..splits import plan_splits as plan_kv_splits
+from ..grids import plan_splits as plan_kv_splits
 from .softmax import online_softmax_step, qk_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, check_pages, readable_len
 
@@ -180,7 +180,7 @@ def tile_sizes(head_dim: int, page_size: int) -> tuple[int, int]:
 
 
 def plan_splits(args: DecodeArgs, block_n: int, num_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, tokens_per_split): :func:`kvattn.backends.splits.plan_splits`, aligned to both
+    """(num_splits, tokens_per_split): :func:`kvattn.backends.grids.plan_splits`, aligned to both
     the page and the tile."""
     return plan_kv_splits(args, max(block_n, args.page_size), num_splits)
 

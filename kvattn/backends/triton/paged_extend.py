@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layout import ExtendArgs, query_offsets
+from ...layout import ExtendArgs
 from ...report import OwnershipReport
+from ..grids import extend_tile_map
 from .paged_decode import interpreted
 from .softmax import online_softmax_step, qk_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, check_pages, readable_len
@@ -150,19 +151,6 @@ def tile_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return block_d, 64, 64 if block_d <= 128 else 32, 8 if block_d >= 128 else 4
 
 
-def tile_map(args: ExtendArgs, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(q_start [B + 1] int32, tile_start [B] int32, grid slots)``: the query rows of each
-    sequence and the first grid slot of its tiles, with device ops only. Every sequence gets at
-    least one tile (tile 0 writes its report); ``ceil(total_q / block_m) + B`` slots always cover
-    ``sum_b max(1, ceil(q_len_b / block_m))`` because the offsets are clamped to ``[0, total_q]``
-    and non-decreasing."""
-    q_start = query_offsets(args.cu_seqlens_q, args.total_q).to(torch.int32)
-    q_lens = q_start[1:] - q_start[:-1]
-    tiles = torch.clamp((q_lens + block_m - 1) // block_m, min=1)
-    tile_start = (torch.cumsum(tiles, dim=0) - tiles).to(torch.int32)
-    return q_start, tile_start, triton.cdiv(args.total_q, block_m) + args.batch
-
-
 def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
            block_m: int | None = None, block_n: int | None = None) -> OwnershipReport | None:
     """Launch the extend kernel. Writes ``out`` (and ``lse``) for every row of every sequence.
@@ -172,7 +160,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     block_m = block_m or default_m
     block_n = block_n or default_n
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
-    q_start, tile_start, slots = tile_map(args, block_m)
+    q_start, tile_start, slots = extend_tile_map(args, block_m)
     report = OwnershipReport.allocate(args.batch, args.max_pages, q.device) if check else None
     # Unused pointer arguments (report when unchecked, lse when not asked) get `out`: never touched.
     return_lse = lse is not None
