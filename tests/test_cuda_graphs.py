@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvattn
-from util import Batch
+from util import Batch, backends_under_test
 
 HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal",
               "aten.item", "aten.repeat_interleave.Tensor")
@@ -57,17 +57,23 @@ def _kernel_backend() -> str:
     return "cuda" if torch.cuda.is_available() and kvattn.backends.load("cuda")[0] else "triton"
 
 
+# The CUDA launchers' host side runs here through the CPU harness (same launcher code as on a GPU).
+SPIED_BACKENDS = [n for n in ("triton", "cuda_sim") if n in backends_under_test()]
+
+
+@pytest.mark.parametrize("backend", SPIED_BACKENDS)
 @pytest.mark.parametrize("op", ["decode", "extend"])
-def test_report_mode_reads_nothing_on_the_host(op):
+def test_report_mode_reads_nothing_on_the_host(op, backend):
     b = _batch()
     b.block_table[0, 0] = b.block_table[1, 0]  # a violation must not need a host read either
     q, cu = _extend_query(b)
     with HostReadSpy() as spy:
         if op == "decode":
-            _decode(b, backend="triton")
+            _, report = _decode(b, backend=backend)
         else:
-            _extend(b, q, cu, backend="triton")
+            _, report = _extend(b, q, cu, backend=backend)
     assert spy.reads == []
+    assert int(report.violations[0]) == 1  # the check ran and saw the swapped entry
 
 
 def test_spy_sees_host_reads():
