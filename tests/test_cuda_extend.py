@@ -16,7 +16,7 @@ import torch
 import kvattn
 from kvattn import backends
 
-from test_extend import Extend, corrupt, dense_extend
+from test_extend import Extend, assert_prefix_scenario, corrupt
 from util import assert_reports_equal, tolerance
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -126,22 +126,9 @@ def test_prefix_page_scenarios(backend, scenario, block_m):
     once; the other sequence is untouched. "none" is the clean twin."""
     e = Extend.random([6, 3], [9, 5], num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, seed=7)
     reason, allowed = corrupt(e, scenario)
-    keys, values = zip(*(e.tokens(b) for b in range(2)))
-    want, want_lse = dense_extend(e.q, e.cu, [torch.nan_to_num(k) for k in keys],
-                                  [torch.nan_to_num(v) for v in values],
-                                  [allowed, [True] * len(keys[1])], 16 ** -0.5)
     e = on(backend, e)
     out, lse, report = launch(backend, e, block_m=block_m)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.cpu().double(), want, **tolerance(F16))
-    torch.testing.assert_close(lse.cpu().double(), want_lse, **LSE_TOL)
-    expected_pages = torch.zeros(2, e.pages.block_table.shape[1], dtype=torch.int8)
-    expected_pages[0, 1] = int(reason)
-    assert torch.equal(report.page_reasons.cpu(), expected_pages)
-    assert report.violations.tolist() == [int(reason != 0), 0]
-    assert report.reasons.tolist() == [int(reason), 0]
-    assert report.pages_checked.tolist() == [4, 2]
-    assert_reports_equal(report, e.reference()[2])
+    assert_prefix_scenario(e, out, lse, report, reason, allowed)
 
 
 @pytest.mark.parametrize("scenario", ["foreign", "free", "reserved"])

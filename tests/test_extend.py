@@ -234,6 +234,25 @@ def corrupt(e: Extend, scenario: str):
             "free": Violation.FREE}[scenario], allowed
 
 
+def assert_prefix_scenario(e, out, lse, report, reason, allowed) -> None:
+    """What a run over a batch prepared by :func:`corrupt` must give: attention over exactly the
+    allowed slots (dense float64 oracle) and page 1 of sequence 0 reported with ``reason``."""
+    keys, values = zip(*(e.tokens(b) for b in range(2)))
+    keys = [torch.nan_to_num(k) for k in keys]  # dense oracle never selects refused tokens anyway
+    values = [torch.nan_to_num(v) for v in values]
+    want, want_lse = dense_extend(e.q, e.cu, keys, values, [allowed, [True] * len(keys[1])],
+                                  e.q.shape[-1] ** -0.5)
+    assert_close(out, want, torch.float16)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, **LSE_TOL)
+    expected_pages = torch.zeros(2, e.pages.block_table.shape[1], dtype=torch.int8)
+    expected_pages[0, 1] = int(reason)
+    assert torch.equal(report.page_reasons.cpu(), expected_pages)
+    assert report.violations.tolist() == [int(reason != 0), 0]
+    assert report.reasons.tolist() == [int(reason), 0]
+    assert report.pages_checked.tolist() == [4, 2]
+    assert_reports_equal(report, e.reference()[2])
+
+
 SCENARIOS = ["none", "foreign", "reserved", "free", "unwritten", "out_of_range", "negative"]
 
 
@@ -245,20 +264,7 @@ def test_prefix_page_scenarios(backend, scenario):
     e = Extend.random([6, 3], [9, 5], num_heads=2, num_kv_heads=1, page_size=4, seed=7)
     reason, allowed = corrupt(e, scenario)
     out, lse, report = e.run(backend, return_lse=True)
-    keys, values = zip(*(e.tokens(b) for b in range(2)))
-    keys = [torch.nan_to_num(k) for k in keys]  # dense oracle never selects refused tokens anyway
-    values = [torch.nan_to_num(v) for v in values]
-    want, want_lse = dense_extend(e.q, e.cu, keys, values, [allowed, [True] * len(keys[1])],
-                                  16 ** -0.5)
-    assert_close(out, want, torch.float16)
-    torch.testing.assert_close(lse.cpu().double(), want_lse, **LSE_TOL)
-    expected_pages = torch.zeros(2, e.pages.block_table.shape[1], dtype=torch.int8)
-    expected_pages[0, 1] = int(reason)
-    assert torch.equal(report.page_reasons.cpu(), expected_pages)
-    assert report.violations.tolist() == [int(reason != 0), 0]
-    assert report.reasons.tolist() == [int(reason), 0]
-    assert report.pages_checked.tolist() == [4, 2]
-    assert_reports_equal(report, e.reference()[2])
+    assert_prefix_scenario(e, out, lse, report, reason, allowed)
     if reason:
         with pytest.raises(kvattn.KVOwnershipError) as err:
             e.run(backend, on_violation="raise")
