@@ -10,7 +10,8 @@ import torch
 
 from .layout import query_offsets, validate_decode, validate_extend
 from .report import OwnershipReport
-from .tags import STATE_WRITTEN, Violation, page_reason, tag_owner, tag_state, tag_valid_len
+from .tags import (STATE_WRITTEN, Violation, page_reason, tag_owner, tag_state, tag_valid_len,
+                   valid_owner)
 
 
 def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int):
@@ -49,6 +50,7 @@ def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int):
 
     slot = torch.arange(page_size, device=pages.device)
     owned = in_range & (tag_state(tags) == STATE_WRITTEN) & (tag_owner(tags) == expected)
+    owned &= valid_owner(expected)
     slot_ok = (slot < slots_read[..., None]) & owned[..., None] & (slot < tag_valid_len(tags)[..., None])
     return slot_ok, report
 

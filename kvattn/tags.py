@@ -8,16 +8,17 @@ Bit layout of a tag (bit 63 is always 0, so every valid tag is a non-negative in
     63    62 ............................ 16  15 ............... 2  1 .. 0
     [ 0 ][ owner (47 bits, 1 .. 2**47-1)   ][ valid_len (14 bits) ][ state ]
 
-- ``state``: ``FREE`` (0), ``RESERVED`` (1) or ``WRITTEN`` (2). The value 3 is never produced and is
-  read as "not WRITTEN, not RESERVED", i.e. like ``FREE``. The all-zero word is ``FREE``, so a
-  zero-initialised tag array fails closed.
+- ``state``: ``FREE`` (0), ``RESERVED`` (1) or ``WRITTEN`` (2). The all-zero word is ``FREE``, so a
+  zero-initialised tag array fails closed. No writer produces state 3 or a word with bit 63 set;
+  every reader and writer treats such a *malformed* word like ``FREE`` (refused, never held).
 - ``valid_len``: the number of leading token slots of the page that hold data written by ``owner``.
   Only meaningful when ``state == WRITTEN``; 14 bits cover every supported page size (<= 256).
 - ``owner``: the lease id the page was reserved or written for. Owner 0 is invalid: no helper
   produces a RESERVED or WRITTEN tag with owner 0, so an expected owner of 0 never matches.
 
-A reader accepts a page for owner ``e`` when ``tag & ~VALID_LEN_MASK == (e << OWNER_SHIFT) | WRITTEN``:
-one compare tests both the state and the owner; ``valid_len`` then masks the slots.
+A reader accepts a page for owner ``e`` when ``1 <= e <= OWNER_MAX`` and ``tag & ~VALID_LEN_MASK ==
+(e << OWNER_SHIFT) | WRITTEN``: one compare tests the state, the owner and bit 63; ``valid_len``
+then masks the slots.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class Violation(enum.IntFlag):
 
     NONE = 0
     OUT_OF_RANGE = 1  # block-table entry outside [0, num_pages), or seq_len beyond the table
-    FREE = 2  # tag state FREE (or the unused state 3)
+    FREE = 2  # tag state FREE, or a malformed word (state 3, bit 63 set) no writer produces
     RESERVED = 4  # allocated for a lease but never written
     OWNER_MISMATCH = 8  # WRITTEN, but for another owner than the one expected
     UNWRITTEN = 16  # right owner, but a slot the sequence reads lies at or past valid_len
@@ -92,8 +93,12 @@ def written_tag(owner: int, valid_len: int) -> int:
 
 
 def tag_state(tag):
-    """State field of a tag (int or int64 tensor)."""
-    return tag & STATE_MASK
+    """State field of a tag (int or int64 tensor); ``STATE_FREE`` for a malformed word (bit 63 set,
+    or the unused state 3), which every reader and writer treats as FREE."""
+    if isinstance(tag, torch.Tensor):
+        state = tag & STATE_MASK
+        return torch.where((tag < 0) | (state == 3), STATE_FREE, state)
+    return STATE_FREE if tag < 0 or tag & STATE_MASK == 3 else tag & STATE_MASK
 
 
 def tag_valid_len(tag):
@@ -111,11 +116,17 @@ def accept_key(owner):
     return (owner << OWNER_SHIFT) | STATE_WRITTEN
 
 
+def valid_owner(owner):
+    """True where ``owner`` is an id a lease can hold, ``[1, OWNER_MAX]`` (int or int64 tensor)."""
+    return (owner >= 1) & (owner <= OWNER_MAX)
+
+
 def held_by(tag, owner):
-    """True where ``tag`` is RESERVED or WRITTEN for ``owner``: the writer's precondition."""
+    """True where ``tag`` is RESERVED or WRITTEN for ``owner``: the writer's precondition. An owner
+    outside ``[1, OWNER_MAX]`` holds nothing."""
     state = tag_state(tag)
     held_state = (state == STATE_RESERVED) | (state == STATE_WRITTEN)
-    return held_state & (tag_owner(tag) == owner) & (owner > 0)
+    return held_state & (tag_owner(tag) == owner) & valid_owner(owner)
 
 
 def describe_tag(tag: int) -> str:
@@ -140,9 +151,9 @@ def page_reason(tag: torch.Tensor, in_range: torch.Tensor, expected: torch.Tenso
     """
     state = tag_state(tag)
     reason = torch.where(tag_valid_len(tag) < slots_read, int(Violation.UNWRITTEN), 0)
-    reason = torch.where(tag_owner(tag) != expected, int(Violation.OWNER_MISMATCH), reason)
+    foreign = (tag_owner(tag) != expected) | ~valid_owner(expected)
+    reason = torch.where(foreign, int(Violation.OWNER_MISMATCH), reason)
     reason = torch.where(state == STATE_RESERVED, int(Violation.RESERVED), reason)
-    free = (state != STATE_RESERVED) & (state != STATE_WRITTEN)
-    reason = torch.where(free, int(Violation.FREE), reason)
+    reason = torch.where(state == STATE_FREE, int(Violation.FREE), reason)
     reason = torch.where(in_range, reason, int(Violation.OUT_OF_RANGE))
     return reason.to(torch.int32)

@@ -13,6 +13,7 @@ import torch
 
 import kvattn
 from kvattn import Violation
+from kvattn.backends import grids
 from util import (LSE_TOLERANCE, Batch, assert_close_to_reference, assert_reports_equal,
                   backends_under_test, kernel_backends)
 
@@ -148,24 +149,23 @@ def split_batch(seed=0):
     return make_batch(case, SPLIT_LENS, seed=seed)
 
 
-def split_plan(batch, num_splits):
-    """Tokens per split of the Triton plan, after checking it really makes ``num_splits``."""
+def split_plan(batch, num_splits, seq: int = -1):
+    """The Triton launch's split bounds ``[(start, end)]`` of sequence ``seq``, after checking the
+    plan really makes ``num_splits``."""
     module = triton_decode_module()
     args = batch.args()
-    block_n = module.tile_sizes(args.head_dim, args.page_size)[1]
-    splits, tokens_per_split = module.plan_splits(args, block_n, num_splits)
+    splits, min_chunk, align = module.plan_splits(args, num_splits=num_splits)
     assert splits == num_splits, f"asked for {num_splits} splits, the plan made {splits}"
-    return tokens_per_split
+    return grids.split_bounds(int(batch.seq_lens[seq]), splits, align, min_chunk)
 
 
 def run_splits(batch, num_splits, *, check, return_lse=True):
     module = triton_decode_module()
     args = batch.args()
-    tokens_per_split = split_plan(batch, num_splits)
     out = torch.full_like(batch.q, float("nan"))
     lse = torch.full(batch.q.shape[:2], float("nan"), device=batch.q.device) if return_lse else None
     report = module.decode(args, check=check, out=out, lse=lse, num_splits=num_splits)
-    return out, lse, report, tokens_per_split
+    return out, lse, report
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
@@ -174,7 +174,9 @@ def run_splits(batch, num_splits, *, check, return_lse=True):
 def test_split_counts_match_reference(backend, num_splits, check):
     """Short sequences leave later splits entirely beyond seq_len; they must weigh nothing."""
     batch = split_batch()
-    out, lse, report, _ = run_splits(batch, num_splits, check=check)
+    last_start, last_end = split_plan(batch, num_splits, seq=0)[-1]
+    assert num_splits == 1 or last_start >= last_end  # the 1-token sequence leaves splits empty
+    out, lse, report = run_splits(batch, num_splits, check=check)
     ref_out, ref_lse, ref_report = batch.reference(check=check, return_lse=True,
                                                    compute_dtype=torch.float64)
     assert_close_to_reference(out, ref_out, torch.float16)
@@ -191,14 +193,15 @@ def test_split_with_every_page_refused_does_not_disturb_the_merge(backend, num_s
     """Sequence 4 (448 tokens) loses every page of its second split; sequence 3 loses every page:
     the first equals the reference over the remaining splits, the second is 0 with lse -inf."""
     batch = split_batch(seed=1)
-    tokens_per_split = split_plan(batch, num_splits)
     page = batch.k_cache.shape[1]
-    lo, hi = tokens_per_split // page, min(2 * tokens_per_split // page, batch.block_table.shape[1])
+    start, end = split_plan(batch, num_splits, seq=4)[1]
+    lo, hi = start // page, -(-end // page)
+    assert 0 < lo < hi
     for i in range(lo, hi):
         batch.page_tags[int(batch.block_table[4, i])] = kvattn.reserved_tag(5)
     for i in range(-(-SPLIT_LENS[3] // page)):
         batch.page_tags[int(batch.block_table[3, i])] = kvattn.FREE_TAG
-    out, lse, report, _ = run_splits(batch, num_splits, check=True)
+    out, lse, report = run_splits(batch, num_splits, check=True)
     ref_out, ref_lse, ref_report = batch.reference(return_lse=True, compute_dtype=torch.float64)
     assert_close_to_reference(out, ref_out, torch.float16)
     torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)

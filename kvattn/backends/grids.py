@@ -3,8 +3,13 @@ for extend.
 
 Grids depend on shapes only (batch, heads, table width, page size, total query rows) and the
 device's SM count, never on ``seq_lens`` or ``cu_seqlens_q`` values: no host sync, and a captured
-CUDA graph stays valid when lengths change. Decode splits are aligned to ``align`` tokens (a multiple
-of the page size), so every logical page belongs to exactly one split and is checked once.
+CUDA graph stays valid when lengths change.
+
+Decode launches ``num_splits`` programs per (sequence, KV head). Each program derives its own token
+range from the sequence's actual length (:func:`split_chunk`, which every decode kernel computes
+the same way on the device): a short sequence in a wide block table still spreads over all
+splits, and splits past its end do nothing. Chunks are multiples of ``align`` (a multiple of the
+page size), so every logical page belongs to exactly one split and is checked once.
 """
 from __future__ import annotations
 
@@ -15,29 +20,59 @@ import torch
 from ..layout import query_offsets
 
 MAX_SPLITS = 64
-MIN_TOKENS_PER_SPLIT = 512
+# A split shorter than this costs more in partial results and merge than its parallelism returns.
+GPU_MIN_CHUNK = 256
 
 
 @functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
+def _cuda_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def plan_splits(args, align: int, num_splits: int | None = None) -> tuple[int, int]:
-    """``(num_splits, tokens_per_split)``. Default on a GPU: enough (batch x KV head x split) programs
-    for two waves over the SMs, splits of at least MIN_TOKENS_PER_SPLIT table tokens, at most
-    MAX_SPLITS; on the CPU (interpreter, harness) a few splits at most, so tests exercise merges."""
+def device_sms(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device; None on the CPU (interpreter, harness)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def split_chunk(seq_len: int, num_splits: int, align: int, min_chunk: int) -> int:
+    """Tokens per split for a sequence of ``seq_len`` tokens (clamped to the table): an equal share
+    rounded up to ``align``, at least ``min_chunk`` (a multiple of ``align``). The kernels compute
+    this same value from ``seq_lens`` on the device."""
+    return max(round_up(-(-max(seq_len, 0) // num_splits), align), min_chunk, align)
+
+
+def split_bounds(seq_len: int, num_splits: int, align: int, min_chunk: int) -> list[tuple[int, int]]:
+    """``[(start, end)]`` per split; empty ranges (start >= end) do no work."""
+    chunk = split_chunk(seq_len, num_splits, align, min_chunk)
+    return [(s * chunk, min((s + 1) * chunk, max(seq_len, 0))) for s in range(num_splits)]
+
+
+def plan_num_splits(args, align: int, programs_per_sm: int, num_splits: int | None = None
+                    ) -> tuple[int, int]:
+    """``(num_splits, min_chunk)`` for a decode launch with ``(batch, num_kv_heads, num_splits)``
+    programs. On a GPU: enough programs to fill every SM with ``programs_per_sm`` resident programs
+    (the kernel's occupancy), no more splits than chunks of ``GPU_MIN_CHUNK`` tokens in the table,
+    at most ``MAX_SPLITS``. On the CPU (interpreter, harness): a few splits at most, with the
+    smallest chunk, so tests exercise the merge. ``num_splits`` overrides the count (tests,
+    tuning sweeps)."""
     capacity = args.max_pages * args.page_size
+    sms = device_sms(args.q.device)
+    min_chunk = align if sms is None else round_up(GPU_MIN_CHUNK, align)
     if num_splits is None:
-        if args.q.device.type == "cuda":
-            programs = args.batch * args.num_kv_heads
-            wanted = -(-2 * sm_count(args.q.device.index or 0) // programs)
-            num_splits = max(1, min(wanted, capacity // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
-        else:
+        if sms is None:
             num_splits = max(1, min(capacity // 1024, 4))
-    tokens_per_split = -(-capacity // max(1, num_splits))
-    tokens_per_split = -(-tokens_per_split // align) * align
-    return -(-capacity // tokens_per_split), tokens_per_split
+        else:
+            wanted = -(-programs_per_sm * sms // (args.batch * args.num_kv_heads))
+            num_splits = max(1, min(wanted, -(-capacity // min_chunk), MAX_SPLITS))
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= 65535:
+        raise ValueError(f"num_splits: expected an int in [1, 65535], got {num_splits!r}")
+    return num_splits, min_chunk
 
 
 def extend_tile_map(args, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -13,7 +13,7 @@ import torch
 from ...layout import DecodeArgs, ExtendArgs
 from ...report import OwnershipReport
 from ...writers import WriteResult
-from ..grids import extend_tile_map, plan_splits as plan_kv_splits
+from ..grids import extend_tile_map
 
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -32,8 +32,13 @@ def unsupported(args: DecodeArgs) -> str | None:
 
 
 def plan_splits(args: DecodeArgs, num_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, tokens_per_split): :func:`kvattn.backends.grids.plan_splits`, page-aligned."""
-    return plan_kv_splits(args, args.page_size, num_splits)
+    """(num_splits, tokens_per_split) over the table's capacity, page-aligned."""
+    capacity = args.max_pages * args.page_size
+    if num_splits is None:
+        num_splits = max(1, min(capacity // 1024, 4))
+    tokens_per_split = -(-capacity // num_splits)
+    tokens_per_split = -(-tokens_per_split // args.page_size) * args.page_size
+    return -(-capacity // tokens_per_split), tokens_per_split
 
 
 def _ptr(t) -> int:

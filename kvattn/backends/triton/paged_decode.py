@@ -1,13 +1,22 @@
 """Triton paged decode: split-KV (flash-decoding) with the ownership check as a compile-time flag.
 
-One kernel source; ``CHECK=False`` compiles the check out and yields the unchecked variant, which
-trusts the block table like any other paged kernel. Layout: :mod:`kvattn.layout`; tag format:
-:mod:`kvattn.tags`; the rule itself: :mod:`.tag_rule`.
+One kernel source; ``CHECK=False`` compiles the check out and yields the unchecked variant. Both
+variants keep the page-id range guard (an entry outside the pool is never dereferenced), so the
+K/V loads depend on the block table in the same way and the compiler pipelines them alike: the
+only difference is the tag test. Layout: :mod:`kvattn.layout`; tag format: :mod:`kvattn.tags`; the
+rule itself: :mod:`.tag_rule`; launch configurations: :mod:`.configs`.
 
 Grid ``(B, num_kv_heads, num_splits)``: one program reads one KV head's pages of one split once and
-serves the whole GQA group of query heads with it. Splits cover page-aligned token ranges, so every
-logical page is checked by exactly one split. The report is written by the ``kv_head == 0`` program
-of each split (atomics into zeroed counters); other heads apply the same mask without counting.
+serves the whole GQA group of query heads with it. ``num_splits`` is a run-time value; each program
+takes an equal, page-aligned share of its sequence's actual length
+(:func:`kvattn.backends.grids.split_chunk`), so every logical page is read and checked by exactly
+one program per KV head.
+
+The report comes out of the main loop: the ``kv_head == 0`` programs compute each page's reason
+from the tag they load for the mask anyway, store it, and count in registers. With one split the
+program writes the final counters; with several, each writes its partial counts and the merge
+kernel, which runs anyway, sums them. Nothing is zeroed by a separate launch and no atomics are
+used; entries of ``page_reasons`` past the sequence are zeroed by the same programs.
 """
 from __future__ import annotations
 
@@ -19,34 +28,45 @@ import triton.language as tl
 
 from ...layout import DecodeArgs
 from ...report import OwnershipReport
-from ..grids import plan_splits as plan_kv_splits
+from ..grids import plan_num_splits
+from .configs import DecodeConfig, decode_config
 from .softmax import online_softmax_step, qk_scores
-from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, check_pages, readable_len
+from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, check_pages, readable_len
 
 MAX_HEAD_DIM = 256
+REPORT_FIELDS = tl.constexpr(3)  # refused pages, OR of reasons, pages read (per split)
+
+
+@triton.jit
+def split_range(seq_len, split, num_splits, min_chunk, ALIGN: tl.constexpr):
+    """``[start, end)`` of one split: kvattn.backends.grids.split_chunk on the device."""
+    share = tl.cdiv(seq_len, num_splits)
+    chunk = tl.maximum(tl.cdiv(share, ALIGN) * ALIGN, min_chunk)
+    start = split * chunk
+    return start, tl.minimum(start + chunk, seq_len), chunk
 
 
 @triton.jit
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, tags_ptr, expected_ptr,
-    out_ptr, lse_ptr, part_acc_ptr, part_ml_ptr,
+    out_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, part_report_ptr,
     violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
-    scale_log2, num_pages, max_pages, tokens_per_split,
+    scale_log2, num_pages, max_pages, num_splits, min_chunk,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_eb, stride_ep, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_P: tl.constexpr, NUM_SPLITS: tl.constexpr, CHECK: tl.constexpr, DOT_FP32: tl.constexpr,
-    RETURN_LSE: tl.constexpr,
+    ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, CHECK: tl.constexpr, DOT_FP32: tl.constexpr,
+    RETURN_LSE: tl.constexpr, OWNER_PER_PAGE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     raw_len = tl.load(seq_lens_ptr + b)
-    seq_len = tl.minimum(tl.maximum(raw_len, 0), max_pages * PAGE)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    capacity = max_pages * PAGE
+    seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
+    start, end, _ = split_range(seq_len, split, num_splits, min_chunk, ALIGN)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -58,44 +78,45 @@ def paged_decode_kernel(
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     bt_row = block_table_ptr + b * stride_bt
     exp_row = expected_ptr + b * stride_eb
+    seq_owner = tl.load(exp_row)  # expected given per sequence: one load for every page
+    reasons_row = page_reasons_ptr + b * max_pages
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
-
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for t0 in range(start, end, BLOCK_N):
-        tok = t0 + offs_n  # [BLOCK_N]
-        slot = tok % PAGE
-        # The tag and expected owner load beside the block-table entry; a refused page (or slot)
-        # is masked out of the K/V loads, so its memory is never read.
         if PAGE >= BLOCK_N:
-            # The tile lies inside one page: one block-table entry and one tag, as scalars. The
-            # check only lowers the scalar slot limit, so the per-element mask costs what the
-            # length mask alone costs.
+            # The tile lies inside one page: one block-table entry and one tag, as scalars.
             logical = t0 // PAGE
             page = tl.load(bt_row + logical)
-            limit = end - logical * PAGE  # the length mask in slot coordinates of this page
+            in_range = (page >= 0) & (page < num_pages)
+            limit = tl.where(in_range, end - logical * PAGE, 0)  # length mask, in slots of the page
             if CHECK:
-                in_range = (page >= 0) & (page < num_pages)
                 tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
-                readable = readable_len(tag, tl.load(exp_row + logical * stride_ep))
-                limit = tl.minimum(limit, tl.where(in_range, readable, 0))
+                owner = seq_owner
+                if OWNER_PER_PAGE:
+                    owner = tl.load(exp_row + logical * stride_ep)
+                limit = tl.minimum(limit, readable_len(tag, owner))
+            slot = t0 % PAGE + offs_n  # [BLOCK_N]
             live = slot < limit
-            k_rows = k_head + page.to(tl.int64) * stride_kp + slot * stride_ks  # [BLOCK_N]
-            v_rows = v_head + page.to(tl.int64) * stride_vp + slot * stride_vs
         else:
-            # Small pages: the tile spans BLOCK_N // PAGE pages, gathered per token.
-            live = tok < end
+            # Small pages: the tile spans BLOCK_N // PAGE pages, resolved per token.
+            tok = t0 + offs_n  # [BLOCK_N]
             logical = tok // PAGE
+            slot = tok % PAGE
+            live = tok < end
             page = tl.load(bt_row + logical, mask=live, other=0)  # [BLOCK_N]
+            live = live & (page >= 0) & (page < num_pages)
             if CHECK:
-                in_range = (page >= 0) & (page < num_pages)
-                tag = tl.load(tags_ptr + page, mask=live & in_range, other=0)
-                exp_owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
-                live = live & (slot < tl.where(in_range, readable_len(tag, exp_owner), 0))
-            k_rows = k_head + page.to(tl.int64) * stride_kp + slot * stride_ks  # [BLOCK_N]
-            v_rows = v_head + page.to(tl.int64) * stride_vp + slot * stride_vs
+                tag = tl.load(tags_ptr + page, mask=live, other=0)
+                owner = seq_owner
+                if OWNER_PER_PAGE:
+                    owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
+                live = live & (slot < readable_len(tag, owner))
+        page = page.to(tl.int64)
+        k_rows = k_head + page * stride_kp + slot * stride_ks  # [BLOCK_N]
+        v_rows = v_head + page * stride_vp + slot * stride_vs
         kv_mask = live[:, None] & d_mask[None, :]
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -105,22 +126,32 @@ def paged_decode_kernel(
 
     if CHECK:
         if kv_head == 0:
-            page_lo = start // PAGE
-            page_hi = tl.minimum((start + tokens_per_split) // PAGE, max_pages)
-            n_bad, reasons, n_read = check_pages(bt_row, exp_row, stride_ep, tags_ptr,
-                                                 page_reasons_ptr + b * max_pages, num_pages,
-                                                 seq_len, page_lo, page_hi, PAGE, BLOCK_P)
-            if split == 0:
+            # The report of this split's pages: their table entries and tags again (from L2),
+            # once per program instead of once per tile.
+            bad, reasons, read = check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row,
+                                             num_pages, seq_len, start // PAGE, tl.cdiv(end, PAGE),
+                                             PAGE, BLOCK_P)
+            if num_splits == 1:
                 # A seq_len past the table: nothing beyond it is read, and it counts once.
-                beyond = (raw_len > max_pages * PAGE).to(tl.int32)
+                beyond = (raw_len > capacity).to(tl.int32)
                 tl.store(beyond_ptr + b, beyond)
-                n_bad += beyond
-                reasons = reasons | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
-            tl.atomic_add(violations_ptr + b, n_bad)
-            tl.atomic_or(reasons_ptr + b, reasons)
-            tl.atomic_add(checked_ptr + b, n_read)
+                tl.store(violations_ptr + b, bad + beyond)
+                tl.store(reasons_ptr + b, reasons | tl.where(beyond != 0, V_OUT_OF_RANGE, 0))
+                tl.store(checked_ptr + b, read)
+            elif start < end:
+                part = part_report_ptr + (b * num_splits + split) * REPORT_FIELDS
+                tl.store(part, bad)
+                tl.store(part + 1, reasons)
+                tl.store(part + 2, read)
+            # This split's stripe of the table entries past the sequence: zeroed (nothing is read
+            # there), so that every entry of page_reasons is written by the call.
+            unread = tl.cdiv(seq_len, PAGE)
+            stripe = tl.cdiv(max_pages - unread, num_splits)
+            lo = unread + split * stripe
+            check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len, lo,
+                        tl.minimum(lo + stripe, max_pages), PAGE, BLOCK_P)
 
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -128,8 +159,9 @@ def paged_decode_kernel(
         if RETURN_LSE:
             lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
             tl.store(lse_ptr + b * NUM_HEADS + heads, lse, mask=g_mask)
-    else:
-        row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G]
+    elif start < end:
+        # Splits past the sequence's end write nothing; the merge reads only the others.
+        row = (b * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
@@ -137,94 +169,139 @@ def paged_decode_kernel(
 
 @triton.jit
 def merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, lse_ptr, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, RETURN_LSE: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, part_report_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
+    max_pages, num_splits, min_chunk, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    ALIGN: tl.constexpr, BLOCK_S: tl.constexpr, CHECK: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
-    """Combine the splits of one (sequence, head); splits with nothing readable have m = -inf, l = 0
-    and weigh 0, and a row where every split is empty gets output 0 and lse -inf."""
+    """Combine the splits of one (sequence, head) that lie inside the sequence; a split with nothing
+    readable has m = -inf, l = 0 and weighs 0, and a row where every split is empty gets output 0
+    and lse -inf. The head-0 program of each sequence also sums the splits' report counts."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    raw_len = tl.load(seq_lens_ptr + b)
+    capacity = max_pages * PAGE
+    seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
+    _, _, chunk = split_range(seq_len, 0, num_splits, min_chunk, ALIGN)
+    active = tl.cdiv(seq_len, chunk)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    row = (b * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [BLOCK_S]
-    m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_ref)  # [BLOCK_S]
-    l_sum = tl.sum(l_s * w, axis=0)
-    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None],
-                  other=0.0)  # [BLOCK_S, BLOCK_D]
-    l_safe = tl.where(l_sum > 0, l_sum, 1.0)
-    out = tl.sum(acc * w[:, None], axis=0) / l_safe  # [BLOCK_D]
+    base = (b * NUM_HEADS + head) * num_splits
+
+    m_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, active, BLOCK_S):
+        s = s0 + offs_s
+        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (base + s) * 2, mask=s < active,
+                                          other=float("-inf")))
+    m_top = tl.max(m_max, axis=0)
+    m_ref = tl.where(m_top == float("-inf"), 0.0, m_top)
+    l_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, active, BLOCK_S):
+        s = s0 + offs_s
+        s_mask = s < active
+        m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_mask, other=float("-inf"))
+        w = tl.exp2(m - m_ref)  # [BLOCK_S]
+        l_sum += tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_mask, other=0.0) * w
+        part = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
+                       mask=s_mask[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+        acc += part * w[:, None]
+    l_total = tl.sum(l_sum, axis=0)
+    l_safe = tl.where(l_total > 0, l_total, 1.0)
+    out = tl.sum(acc, axis=0) / l_safe  # [BLOCK_D]
     tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
     if RETURN_LSE:
-        lse = tl.where(l_sum > 0, (m_ref + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
+        lse = tl.where(l_total > 0, (m_ref + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
         tl.store(lse_ptr + b * NUM_HEADS + head, lse)
+
+    if CHECK:
+        if head == 0:
+            bad = tl.zeros([BLOCK_S], dtype=tl.int32)
+            read = tl.zeros([BLOCK_S], dtype=tl.int32)
+            bits = tl.zeros([BLOCK_S], dtype=tl.int32)
+            for s0 in range(0, active, BLOCK_S):
+                s = s0 + offs_s
+                part = part_report_ptr + (b * num_splits + s) * REPORT_FIELDS
+                bad += tl.load(part, mask=s < active, other=0)
+                bits = bits | tl.load(part + 1, mask=s < active, other=0)
+                read += tl.load(part + 2, mask=s < active, other=0)
+            beyond = (raw_len > capacity).to(tl.int32)
+            tl.store(beyond_ptr + b, beyond)
+            reasons = tl.reduce(bits, 0, bit_or) | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
+            tl.store(violations_ptr + b, tl.sum(bad, axis=0) + beyond)
+            tl.store(reasons_ptr + b, reasons)
+            tl.store(checked_ptr + b, tl.sum(read, axis=0))
 
 
 def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def tile_sizes(head_dim: int, page_size: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_N). tl.dot needs every dimension >= 16. 16-token tiles: on sm_90 compiles
-    (tools/triton_resources.py; registers, not timings) the checked variant holds 56 registers at
-    head_dim 128 and 80 at 256, against 89/159 with 32-token and 145/230 with 64-token tiles; the
-    loads of later tiles are kept in flight by the software pipeline. Pages of 16 tokens or more
-    then give one scalar block-table entry and tag per tile."""
-    return max(16, triton.next_power_of_2(head_dim)), 16
+def launch_config(args: DecodeArgs, config: DecodeConfig | None = None) -> DecodeConfig:
+    """The configuration a launch uses: ``config`` or the table's entry (:mod:`.configs`)."""
+    return config or decode_config(args.q.device, args.q.dtype, args.head_dim, args.page_size)
 
 
-def plan_splits(args: DecodeArgs, block_n: int, num_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, tokens_per_split): :func:`kvattn.backends.grids.plan_splits`, aligned to both
-    the page and the tile."""
-    return plan_kv_splits(args, max(block_n, args.page_size), num_splits)
+def split_alignment(args: DecodeArgs, config: DecodeConfig) -> int:
+    """Split chunks are whole pages and whole tiles."""
+    return max(config.block_n, args.page_size)
+
+
+def plan_splits(args: DecodeArgs, config: DecodeConfig | None = None,
+                num_splits: int | None = None) -> tuple[int, int, int]:
+    """``(num_splits, min_chunk, align)`` of a launch (:func:`kvattn.backends.grids.plan_num_splits`)."""
+    config = launch_config(args, config)
+    align = split_alignment(args, config)
+    splits, min_chunk = plan_num_splits(args, align, config.programs_per_sm, num_splits)
+    return splits, min_chunk, align
 
 
 def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           num_splits: int | None = None) -> OwnershipReport | None:
-    """Launch the decode kernel (and the merge when split). Writes ``out`` (and ``lse``)."""
+           num_splits: int | None = None, config: DecodeConfig | None = None
+           ) -> OwnershipReport | None:
+    """Launch the decode kernel (and the merge when split). Writes ``out`` (and ``lse``).
+    ``num_splits`` and ``config`` override the planner and the configuration table (tests, tuning
+    sweeps); the grid still depends on shapes only."""
     q, k_cache, v_cache = args.q, args.k_cache, args.v_cache
     batch, num_heads, head_dim = q.shape
     group = num_heads // args.num_kv_heads
-    block_d, block_n = tile_sizes(head_dim, args.page_size)
-    splits, tokens_per_split = plan_splits(args, block_n, num_splits)
+    config = launch_config(args, config)
+    splits, min_chunk, align = plan_splits(args, config, num_splits)
+    block_d = max(16, triton.next_power_of_2(head_dim))
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
     report = OwnershipReport.allocate(batch, args.max_pages, q.device) if check else None
     if splits > 1:
         part_acc = torch.empty(batch * num_heads * splits * block_d, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=q.device)
+        part_report = torch.empty(batch * splits * REPORT_FIELDS, dtype=torch.int32, device=q.device)
     else:
-        part_acc = part_ml = out  # unused
+        part_acc = part_ml = part_report = out  # unused
     # Unused pointer arguments (report when unchecked, lse when not asked) get `out`: never touched.
-    r = report if check else None
-    return_lse = lse is not None
-    lse_arg = lse if return_lse else out
+    r = report
+    lse_arg = lse if lse is not None else out
+    report_args = ((r.violations, r.reasons, r.pages_checked, r.beyond_table) if r else (out,) * 4)
 
     paged_decode_kernel[(batch, args.num_kv_heads, splits)](
         q, k_cache, v_cache, args.block_table, args.seq_lens, args.page_tags, args.expected,
-        out, lse_arg, part_acc, part_ml,
-        r.violations if r else out, r.reasons if r else out, r.pages_checked if r else out,
-        r.beyond_table if r else out, r.page_reasons if r else out,
-        args.scale * LOG2E, args.num_pages, args.max_pages, tokens_per_split,
+        out, lse_arg, part_acc, part_ml, part_report,
+        *report_args, r.page_reasons if r else out,
+        args.scale * LOG2E, args.num_pages, args.max_pages, splits, min_chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         args.block_table.stride(0), args.expected.stride(0), args.expected.stride(1),
         out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size, BLOCK_N=block_n, BLOCK_P=64,
-        NUM_SPLITS=splits, CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=return_lse,
-        num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size, BLOCK_N=config.block_n,
+        ALIGN=align, BLOCK_P=128, CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
+        OWNER_PER_PAGE=args.expected.stride(1) != 0, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         merge_splits_kernel[(batch, num_heads)](
-            part_acc, part_ml, out, lse_arg, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), RETURN_LSE=return_lse,
-            num_warps=4,
+            part_acc, part_ml, part_report, args.seq_lens, out, lse_arg, *report_args,
+            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size,
+            ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None, num_warps=4,
         )
     return report

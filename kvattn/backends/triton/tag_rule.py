@@ -21,6 +21,10 @@ WRITTEN = tl.constexpr(T.STATE_WRITTEN)
 VALID_LEN_SHIFT = tl.constexpr(T.VALID_LEN_SHIFT)
 VALID_LEN_MAX = tl.constexpr(T.VALID_LEN_MAX)
 OWNER_SHIFT = tl.constexpr(T.OWNER_SHIFT)
+OWNER_MAX = tl.constexpr(T.OWNER_MAX)
+# Every bit but valid_len: a WRITTEN tag of owner e, with bit 63 clear, is (e << OWNER_SHIFT) | WRITTEN
+# under this mask. A negative constant, so it sign-extends to the 64-bit mask.
+KEY_MASK = tl.constexpr(~T.VALID_LEN_MASK)
 V_OUT_OF_RANGE = tl.constexpr(int(Violation.OUT_OF_RANGE))
 V_FREE = tl.constexpr(int(Violation.FREE))
 V_RESERVED = tl.constexpr(int(Violation.RESERVED))
@@ -37,23 +41,33 @@ def bit_or(a, b):
 
 
 @triton.jit
+def valid_owner(owner):
+    return (owner >= 1) & (owner <= OWNER_MAX)
+
+
+@triton.jit
 def readable_len(tag, exp_owner):
     """The ownership part of the reader's rule: how many leading slots of the page may be read --
-    its valid_len if it is WRITTEN for the expected owner, else 0. Works on scalars and vectors."""
-    owned = ((tag & STATE_MASK) == WRITTEN) & ((tag >> OWNER_SHIFT) == exp_owner)
-    return tl.where(owned, (tag >> VALID_LEN_SHIFT) & VALID_LEN_MAX, 0)
+    its valid_len if it is WRITTEN for the expected owner, else 0 (also for an expected owner
+    outside [1, OWNER_MAX] and a tag with bit 63 set, which no writer produces). One compare
+    tests state and owner. Works on scalars and vectors."""
+    owned = ((tag & KEY_MASK) == ((exp_owner << OWNER_SHIFT) | WRITTEN)) & valid_owner(exp_owner)
+    # valid_len fits in 32 bits: the slot masks it feeds then need no 64-bit compares.
+    return tl.where(owned, ((tag >> VALID_LEN_SHIFT) & VALID_LEN_MAX).to(tl.int32), 0)
 
 
 @triton.jit
 def page_reason(tag, in_range, exp_owner, slots_read):
     """The reader's rule per page as a Violation value, first failing condition winning (the order
-    of kvattn.Violation); 0 when every slot read passes."""
-    state = tag & STATE_MASK
-    valid_len = (tag >> VALID_LEN_SHIFT) & VALID_LEN_MAX
+    of kvattn.Violation, as kvattn.tags.page_reason); 0 when every slot read passes."""
+    state = (tag & STATE_MASK).to(tl.int32)
+    valid_len = ((tag >> VALID_LEN_SHIFT) & VALID_LEN_MAX).to(tl.int32)
     reason = tl.where(valid_len < slots_read, V_UNWRITTEN, 0)
-    reason = tl.where((tag >> OWNER_SHIFT) != exp_owner, V_OWNER_MISMATCH, reason)
+    foreign = ((tag >> OWNER_SHIFT) != exp_owner) | ~valid_owner(exp_owner)
+    reason = tl.where(foreign, V_OWNER_MISMATCH, reason)
     reason = tl.where(state == RESERVED, V_RESERVED, reason)
-    reason = tl.where((state != RESERVED) & (state != WRITTEN), V_FREE, reason)
+    malformed = (tag < 0) | ((state != RESERVED) & (state != WRITTEN))
+    reason = tl.where(malformed, V_FREE, reason)
     return tl.where(in_range, reason, V_OUT_OF_RANGE)
 
 

@@ -1,0 +1,106 @@
+"""Launch configurations of the Triton kernels: one table per kernel, keyed by
+``(arch, dtype, head_dim, page_size)``, with overrides for tuning sweeps.
+
+A key matches an entry when every field of the entry is None (any) or equal; the most specific
+entry wins (most non-None fields, then the later entry). The values are defaults until a recorded
+GPU sweep (``benchmarks/gpu_suite.sh``) replaces them; see ``benchmarks/results/``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """``block_n`` tokens per tile (a power of two >= 16); tiles of pages at least that long read one
+    block-table entry and one tag per tile. ``programs_per_sm``: resident programs the split planner
+    aims for (from registers and shared memory of the compiled kernel, see
+    ``tools/static_sm90.py``)."""
+
+    block_n: int = 16
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 7
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Tiles of ``block_m`` rows (query tokens x the heads of a GQA group) and ``block_n`` keys."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def small_pages(page_size: int) -> bool:
+    return page_size < 16
+
+
+def large_pages(page_size: int) -> bool:
+    return page_size >= 32
+
+
+# (arch, dtype, head_dim rounded up to a power of two, page_size) -> config. A field matches when it
+# is None, equal, or a predicate that accepts the value. Defaults chosen from sm_90 compiles
+# (tools/static_sm90.py: K/V buffers, registers, shared memory, loop instructions), not timings.
+DECODE_TABLE: list[tuple[tuple, DecodeConfig]] = [
+    # Pages of 16: one scalar page per tile, three K/V buffers in flight; 72 registers (checked)
+    # and 29 KB of shared memory let 7 programs share an SM.
+    ((None, None, None, None), DecodeConfig(block_n=16, num_warps=4, num_stages=4, programs_per_sm=7)),
+    # Longer pages: 32-token tiles halve the per-token loop overhead; 38 KB of shared memory.
+    ((None, None, None, large_pages), DecodeConfig(block_n=32, num_stages=3, programs_per_sm=5)),
+    # Short pages are resolved per token; the extra indirection needs two more stages for two
+    # K/V buffers.
+    ((None, None, None, small_pages), DecodeConfig(block_n=16, num_stages=5, programs_per_sm=4)),
+    ((None, None, 256, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=5)),
+    ((None, torch.float32, None, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=4)),
+]
+
+EXTEND_TABLE: list[tuple[tuple, ExtendConfig]] = [
+    ((None, None, None, None), ExtendConfig()),
+    ((None, None, 256, None), ExtendConfig(block_m=64, block_n=32)),
+    # Exact fp32 products ("ieee") hold four times the registers of a 16-bit tensor-core tile.
+    ((None, torch.float32, None, None), ExtendConfig(block_m=32, block_n=32, num_warps=4)),
+]
+
+
+def _matches(pattern, value) -> bool:
+    return pattern is None or (pattern(value) if callable(pattern) else pattern == value)
+
+
+def _lookup(table, key):
+    best, best_score = None, -1
+    for pattern, config in table:
+        if all(_matches(p, k) for p, k in zip(pattern, key)):
+            score = sum(p is not None for p in pattern)
+            if score >= best_score:
+                best, best_score = config, score
+    return best
+
+
+def _arch(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int,
+                  **overrides) -> DecodeConfig:
+    """The table's decode config for these inputs, with ``overrides`` (fields of DecodeConfig)."""
+    config = _lookup(DECODE_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size))
+    return replace(config, **overrides) if overrides else config
+
+
+def extend_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int,
+                  **overrides) -> ExtendConfig:
+    """The table's extend config for these inputs, with ``overrides`` (fields of ExtendConfig)."""
+    config = _lookup(EXTEND_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size))
+    return replace(config, **overrides) if overrides else config
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())

@@ -1,0 +1,347 @@
+"""Static sm_90 figures of every kernel, compiled on a machine without a GPU: what an H200 would run.
+
+- **Triton**: the real launchers run on CPU tensors with real shapes and strides under a stand-in
+  driver that reports an sm_90 device and compiles without launching. Triton's own binder then
+  specialises every argument (pointer alignment, integers equal to 1 or divisible by 16) exactly as
+  at a launch on the GPU, and the planners see an H200 (132 SMs, arch 90). Run it with the Triton
+  the GPU image has (3.6; ``make static`` builds a venv with it) -- figures record the version.
+- **CUDA**: the cubins of the nvcc build (``build/cuda/kernels.o``), read with ``cuobjdump``.
+
+Per kernel and variant: registers, local memory (must be 0: spills), the real dynamic shared memory
+(Triton: from the compiled kernel's metadata; CUDA: from the launcher's plan), the K/V shared-memory
+buffer count and pipelining depth (Triton: from TTGIR), SASS instructions in all and in the main
+loop (the backward-branch range holding the most global loads), and in that loop the async copies
+(LDGSTS, ``.128`` = 16 bytes), 128-bit global loads, tensor-core instructions (HMMA/HGMMA),
+barriers (BAR) and fences (MEMBAR). **These are static figures, not speed.**
+
+    python tools/static_sm90.py [--json FILE] [--markdown FILE] [--cuda-object build/cuda/kernels.o]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.pop("TRITON_INTERPRET", None)  # the interpreter replaces kernels by Python functions
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+H200_SMS = 132
+ARCH = 90
+
+
+# ---- SASS ------------------------------------------------------------------------------------
+
+_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_BRA_TARGET = re.compile(r"(0x[0-9a-f]+)")
+
+
+def _tool(name: str) -> str:
+    """Triton's wheel ships cuobjdump and ptxas; the CUDA toolkit's are the fallback."""
+    bundled = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if bundled.exists():
+        return str(bundled)
+    return str(pathlib.Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / name)
+
+
+def parse_sass(text: str) -> dict[str, list[tuple[int, str, str]]]:
+    """``{function: [(address, opcode, operands), ...]}`` from ``cuobjdump --dump-sass``."""
+    functions: dict[str, list] = {}
+    current = None
+    for line in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            current = functions.setdefault(m.group(1), [])
+            continue
+        m = _INSN.match(line)
+        if m and current is not None:
+            current.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    return functions
+
+
+_COUNTED = {
+    "ldgsts": lambda op, args: op.startswith("LDGSTS"),
+    "ldgsts_128": lambda op, args: op.startswith("LDGSTS") and ".128" in op,
+    "ldg_128": lambda op, args: op.startswith("LDG.") and ".128" in op,
+    "ldg": lambda op, args: op.startswith("LDG.") or op == "LDG",
+    "mma": lambda op, args: op.startswith(("HMMA", "HGMMA")),
+    "hgmma": lambda op, args: op.startswith("HGMMA"),
+    "bar": lambda op, args: op.startswith("BAR"),
+    "membar": lambda op, args: op.startswith("MEMBAR"),
+    "atom": lambda op, args: op.startswith(("ATOM", "RED")),
+}
+
+
+def _counts(insns) -> dict[str, int]:
+    return {name: sum(1 for _, op, args in insns if test(op, args)) for name, test in _COUNTED.items()}
+
+
+def loops(insns) -> list[tuple[int, int]]:
+    """Address ranges ``[target, branch]`` of backward branches (loop bodies, innermost included)."""
+    found = []
+    for addr, op, args in insns:
+        if op.startswith("BRA"):
+            m = _BRA_TARGET.search(args)
+            if m and int(m.group(1), 16) < addr:
+                found.append((int(m.group(1), 16), addr))
+    return found
+
+
+def sass_figures(insns) -> dict:
+    """Instruction counts of a function and of its main loop (the loop with the most global loads
+    and async copies; ties go to the longer loop)."""
+    figures = {"sass": len(insns), **{f"all_{k}": v for k, v in _counts(insns).items()}}
+    best = None
+    for lo, hi in loops(insns):
+        body = [i for i in insns if lo <= i[0] <= hi]
+        c = _counts(body)
+        key = (c["ldg"] + c["ldgsts"], len(body))
+        if best is None or key > best[0]:
+            best = (key, body, c)
+    if best is None:
+        figures.update(loop_sass=0, **{f"loop_{k}": 0 for k in _COUNTED})
+    else:
+        figures.update(loop_sass=len(best[1]), **{f"loop_{k}": v for k, v in best[2].items()})
+    return figures
+
+
+def _cuobjdump(path: str, *flags: str) -> str:
+    return subprocess.run([_tool("cuobjdump"), *flags, path], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def resource_usage(text: str) -> dict[str, dict[str, int]]:
+    """``{function: {REG, STACK, SHARED, LOCAL}}`` from ``cuobjdump --dump-resource-usage``."""
+    usage, current = {}, None
+    for line in text.splitlines():
+        m = re.search(r"Function (\S+):", line)
+        if m:
+            current = m.group(1)
+            continue
+        if current and "REG:" in line:
+            usage[current] = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+    return usage
+
+
+# ---- Triton, compiled as the GPU would JIT it -------------------------------------------------
+
+class _StandInDriver:
+    """Triton's CUDA driver without a GPU: an sm_90 target, device 0, stream 0, CPU tensors."""
+
+    def __init__(self):
+        from triton.backends.nvidia.driver import CudaDriver
+        self._real = CudaDriver.__new__(CudaDriver)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @staticmethod
+    def is_active():
+        return True
+
+    def get_current_target(self):
+        return GPUTarget("cuda", ARCH, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_current_device(self):
+        return 0
+
+    def set_current_device(self, device):
+        pass
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_device_capability(self, device=0):
+        return divmod(ARCH, 10)
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Launches compile and record their kernels instead of running: yields the list of
+    ``(kernel name, compiled kernel)`` in launch order. The stand-in driver stays active after (no
+    real one can be created on a machine without a GPU)."""
+    from triton.runtime import jit
+
+    from kvattn.backends import grids
+    from kvattn.backends.triton import configs
+
+    compiled = []
+    real_run = jit.JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    saved = (grids.device_sms, configs._arch)
+    triton.runtime.driver.set_active(_StandInDriver())
+    jit.JITFunction.run = run
+    grids.device_sms = lambda device: H200_SMS
+    configs._arch = lambda device: ARCH
+    try:
+        yield compiled
+    finally:
+        jit.JITFunction.run = real_run
+        grids.device_sms, configs._arch = saved
+
+
+def ttgir_pipelining(ttgir: str) -> dict:
+    """K/V shared-memory buffers (leading dimension of the 3-D mutable allocations) and the loop's
+    deepest ``async_wait`` count (copies still in flight while computing)."""
+    buffers = [int(m) for m in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
+    waits = [int(m) for m in re.findall(r"async_wait[^\n]*\{num = (\d+)", ttgir)]
+    return {"kv_buffers": max(buffers, default=0), "async_wait_max": max(waits, default=0)}
+
+
+def triton_kernel_figures(kernel) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = next(iter(resource_usage(_cuobjdump(f.name, "--dump-resource-usage")).values()))
+        functions = parse_sass(_cuobjdump(f.name, "--dump-sass"))
+    insns = next(iter(functions.values()))
+    return dict(registers=usage["REG"], local=usage["LOCAL"] + usage["STACK"],
+                shared=int(kernel.metadata.shared), num_warps=kernel.metadata.num_warps,
+                num_stages=kernel.metadata.num_stages, **ttgir_pipelining(kernel.asm["ttgir"]),
+                **sass_figures(insns))
+
+
+# Shapes of the configurations: (name, op, dtype, head_dim, page_size, num_heads, num_kv_heads)
+TRITON_CONFIGS = [
+    ("decode bf16 d128 p16 gqa4", "decode", torch.bfloat16, 128, 16, 32, 8),
+    ("decode fp16 d128 p16 gqa4", "decode", torch.float16, 128, 16, 32, 8),
+    ("decode bf16 d128 p1 gqa4", "decode", torch.bfloat16, 128, 1, 32, 8),
+    ("decode bf16 d128 p64 mha", "decode", torch.bfloat16, 128, 64, 32, 32),
+    ("decode bf16 d256 p16 gqa8", "decode", torch.bfloat16, 256, 16, 64, 8),
+    ("decode bf16 d64 p16 gqa4", "decode", torch.bfloat16, 64, 16, 32, 8),
+    ("extend bf16 d128 p16 gqa4", "extend", torch.bfloat16, 128, 16, 32, 8),
+    ("extend fp16 d128 p1 mha", "extend", torch.float16, 128, 1, 32, 32),
+    ("extend bf16 d256 p16 gqa8", "extend", torch.bfloat16, 256, 16, 64, 8),
+]
+
+
+def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads):
+    """Validated arguments of a small launch with engine-like strides (a pool of 1001 pages and a
+    table of 257 entries per sequence: neither divisible by 16, as in general)."""
+    import kvattn
+
+    batch, num_pages, max_pages = 4, 1001, 257
+    k = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype)
+    v = torch.zeros_like(k)
+    tags = torch.zeros(num_pages, dtype=torch.int64)
+    table = torch.zeros(batch, max_pages, dtype=torch.int32)
+    lens = torch.full((batch,), 100, dtype=torch.int32)
+    expected = torch.ones(batch, dtype=torch.int64)
+    if op == "decode":
+        q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
+        return kvattn.layout.validate_decode(q, k, v, table, lens, tags, expected, validate=False)
+    q = torch.zeros(batch * 77, num_heads, head_dim, dtype=dtype)
+    cu = torch.arange(0, batch + 1, dtype=torch.int32) * 77
+    return kvattn.layout.validate_extend(q, k, v, cu, table, lens, tags, expected, validate=False)
+
+
+def triton_records(configs=TRITON_CONFIGS) -> list[dict]:
+    from kvattn.backends import triton as triton_backend
+
+    records = []
+    for name, op, dtype, head_dim, page_size, num_heads, num_kv_heads in configs:
+        args = _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads)
+        for check in (False, True):
+            out = torch.empty_like(args.q)
+            lse = torch.empty(args.q.shape[:2], dtype=torch.float32)
+            with compile_only() as compiled:
+                getattr(triton_backend, op)(args, check=check, out=out, lse=lse)
+            for kernel_name, kernel in compiled:
+                records.append(dict(backend="triton", config=name, op=op, kernel=kernel_name,
+                                    check=check, **triton_kernel_figures(kernel)))
+    return records
+
+
+# ---- CUDA, from the nvcc build ----------------------------------------------------------------
+
+def _demangle(names: list[str]) -> dict[str, str]:
+    result = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
+                            check=False)
+    lines = result.stdout.splitlines()
+    return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
+
+
+def cuda_records(obj: pathlib.Path) -> list[dict]:
+    """Figures of every sm_90 kernel in the nvcc object ``obj``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([_tool("cuobjdump"), "--extract-elf", "all", str(obj.resolve())], cwd=tmp,
+                       capture_output=True, check=True)
+        cubins = [p for p in pathlib.Path(tmp).iterdir() if "sm_90" in p.name]
+        records = []
+        for cubin in cubins:
+            usage = resource_usage(_cuobjdump(str(cubin), "--dump-resource-usage"))
+            functions = parse_sass(_cuobjdump(str(cubin), "--dump-sass"))
+            names = _demangle(list(functions))
+            for mangled, insns in functions.items():
+                u = usage.get(mangled, {})
+                name = names[mangled]
+                records.append(dict(backend="cuda", kernel=name, check="check=true" in name
+                                    or ", true>" in name, registers=u.get("REG"),
+                                    local=u.get("LOCAL", 0) + u.get("STACK", 0),
+                                    shared_static=u.get("SHARED", 0), **sass_figures(insns)))
+    return records
+
+
+# ---- Output -----------------------------------------------------------------------------------
+
+COLUMNS = [("registers", "regs"), ("local", "local B"), ("shared", "smem B"), ("kv_buffers", "K/V bufs"),
+           ("async_wait_max", "in flight"), ("sass", "SASS"), ("loop_sass", "loop SASS"),
+           ("loop_ldgsts_128", "loop LDGSTS.128"), ("loop_ldg_128", "loop LDG.128"), ("loop_mma", "loop MMA"),
+           ("loop_bar", "loop BAR"), ("loop_membar", "loop MEMBAR")]
+
+
+def markdown(records: list[dict], header: str) -> str:
+    lines = [header, "", "| backend | kernel | config | variant | "
+             + " | ".join(label for _, label in COLUMNS) + " |",
+             "|" + "---|" * (4 + len(COLUMNS))]
+    for r in records:
+        cells = [str(r.get(key, "")) if r.get(key) is not None else "" for key, _ in COLUMNS]
+        lines.append(f"| {r['backend']} | {r['kernel']} | {r.get('config', '')} | "
+                     f"{'checked' if r['check'] else 'unchecked'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--markdown", help="write the table here")
+    ap.add_argument("--cuda-object", default=str(ROOT / "build" / "cuda" / "kernels.o"))
+    ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--only", help="Triton configurations whose name contains this")
+    args = ap.parse_args(argv)
+    configs = [c for c in TRITON_CONFIGS if args.only is None or args.only in c[0]]
+    records = [] if args.no_triton else triton_records(configs)
+    obj = pathlib.Path(args.cuda_object)
+    if obj.exists():
+        records += cuda_records(obj)
+    header = (f"Static sm_90 figures (NOT speed): Triton {triton.__version__}, "
+              f"torch {torch.__version__}, CUDA object {obj.name if obj.exists() else 'absent'}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(dict(header=header, records=records), indent=1))
+    table = markdown(records, header)
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
