@@ -10,7 +10,7 @@
 Per kernel and variant: registers, local memory (must be 0: spills), the real dynamic shared memory
 (Triton: from the compiled kernel's metadata; CUDA: from the launcher's plan), the K/V shared-memory
 buffer count and pipelining depth (Triton: from TTGIR), SASS instructions in all and in the main
-loop (the backward-branch range holding the most global loads), and in that loop the async copies
+loop (the first backward-branch range holding the most global loads), and in that loop the async copies
 (LDGSTS, ``.128`` = 16 bytes), 128-bit global loads, tensor-core instructions (HMMA/HGMMA),
 barriers (BAR) and fences (MEMBAR). **These are static figures, not speed.**
 
@@ -98,14 +98,15 @@ def loops(insns) -> list[tuple[int, int]]:
 
 
 def sass_figures(insns) -> dict:
-    """Instruction counts of a function and of its main loop (the loop with the most global loads
-    and async copies; ties go to the longer loop)."""
+    """Instruction counts of a function and of its main loop: the loop with the most global loads
+    and async copies, the first in the code on a tie (extend's loop over key tiles before the
+    diagonal comes before the causal one)."""
     figures = {"sass": len(insns), **{f"all_{k}": v for k, v in _counts(insns).items()}}
     best = None
-    for lo, hi in loops(insns):
+    for lo, hi in sorted(loops(insns)):
         body = [i for i in insns if lo <= i[0] <= hi]
         c = _counts(body)
-        key = (c["ldg"] + c["ldgsts"], len(body))
+        key = c["ldg"] + c["ldgsts"]
         if best is None or key > best[0]:
             best = (key, body, c)
     if best is None:

@@ -1,22 +1,26 @@
-"""Triton paged extend (chunked prefill): tiles of new query tokens against KV tiles gathered through
+"""Triton paged extend (chunked prefill): tiles of new query rows against KV tiles gathered through
 the block table, with the ownership check as a compile-time flag.
 
 One kernel source; ``CHECK=False`` compiles the check out. Layout: :mod:`kvattn.layout`; semantics:
-:func:`kvattn.paged_extend`. The reader's rule and the tag constants come from
-:mod:`.tag_rule`, so both kernels apply the same test to a page.
+:func:`kvattn.paged_extend`; launch configurations: :mod:`.configs`.
 
-Grid ``(query-tile slots, num_heads)``. Sequence ``b`` gets ``max(1, ceil(q_len_b / BLOCK_M))``
-consecutive slots; slot ``t`` of the grid finds its sequence by counting the per-sequence tile
-starts at or below ``t`` (a device-side prefix sum, so neither the grid nor the launch needs
-``cu_seqlens_q`` on the host: the grid size ``ceil(total_q / BLOCK_M) + B`` depends on shapes only
-and spare slots do nothing). One program serves one query head, reading its KV head's pages; under
-GQA the other heads of the group re-read the same pages from L2.
+The checked launch first runs :func:`resolve_pages_kernel`, one program per sequence, which applies
+the reader's rule (:mod:`.tag_rule`) once to every logical page: it writes the report and an
+*effective table* whose entry packs the physical page and the number of its slots that may be read
+(``page << 32 | readable``; 0 readable for a refused page). The attention kernel then loads one
+entry per token, as the unchecked variant loads one block-table entry per token (keeping its
+page-id range guard), so both variants gather and pipeline K/V the same way and the tag test never
+runs in the inner loop.
 
-Causal tiles entirely above the diagonal are not visited: a query tile's KV loop stops after the
-last query's position. The report is written by the program of query tile 0 and head 0 of each
-sequence alone (every sequence has a tile 0, even one with no query token), which runs the page
-loop of the decode kernel once over the whole table, so each logical page counts once per sequence
-however many query tiles read it.
+Grid ``(query-tile slots, num_kv_heads * head chunks)``. A tile holds ``BLOCK_M`` rows: ``TOKENS``
+query tokens times the ``HEADS`` query heads of one chunk of a KV head's GQA group (row ``r`` is
+token ``r // HEADS``, head ``r % HEADS``), so each K/V tile is gathered once for the whole group and
+the tensor-core tiles are full even for one-token chunks. Sequence ``b`` gets
+``max(1, ceil(q_len_b / TOKENS))`` consecutive slots; slot ``t`` finds its sequence by counting
+the per-sequence tile starts at or below ``t`` (a device-side prefix sum, so neither the grid nor
+the launch needs ``cu_seqlens_q`` on the host: ``ceil(total_q / TOKENS) + B`` slots depend on
+shapes only, and spare slots do nothing). Causal tiles entirely above the diagonal are not
+visited: a query tile's KV loop stops after its last query's position.
 """
 from __future__ import annotations
 
@@ -27,26 +31,98 @@ import triton.language as tl
 from ...layout import ExtendArgs
 from ...report import OwnershipReport
 from ..grids import extend_tile_map
+from .configs import ExtendConfig, extend_config
 from .paged_decode import interpreted
 from .softmax import online_softmax_step, qk_scores
-from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, check_pages, readable_len
+from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
+
+SLOT_BITS = tl.constexpr(32)
+
+
+@triton.jit
+def resolve_pages_kernel(
+    block_table_ptr, seq_lens_ptr, tags_ptr, expected_ptr, effective_ptr,
+    violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
+    num_pages, max_pages, stride_bt, stride_eb, stride_ep,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """One sequence: every table entry's reason (0 when accepted or not read), the report's
+    counters, and the effective entry ``page << 32 | readable slots`` of every page it reads."""
+    b = tl.program_id(0).to(tl.int64)
+    raw_len = tl.load(seq_lens_ptr + b)
+    capacity = max_pages * PAGE
+    seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
+    bt_row = block_table_ptr + b * stride_bt
+    exp_row = expected_ptr + b * stride_eb
+    bad = tl.zeros([BLOCK_P], dtype=tl.int32)
+    n_read = tl.zeros([BLOCK_P], dtype=tl.int32)
+    bits = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for p0 in range(0, max_pages, BLOCK_P):
+        logical = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
+        in_table = logical < max_pages
+        slots_read = tl.minimum(tl.maximum(seq_len - logical * PAGE, 0), PAGE)
+        read = in_table & (slots_read > 0)
+        page = tl.load(bt_row + logical, mask=read, other=0)
+        in_range = (page >= 0) & (page < num_pages)
+        tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
+        owner = tl.load(exp_row + logical * stride_ep, mask=read, other=0)
+        reason = tl.where(read, page_reason(tag, in_range, owner, slots_read), 0)
+        readable = tl.where(read & in_range, readable_len(tag, owner), 0)
+        effective = (tl.where(in_range, page, 0).to(tl.int64) << SLOT_BITS) | readable.to(tl.int64)
+        tl.store(effective_ptr + b * max_pages + logical, effective, mask=in_table)
+        tl.store(page_reasons_ptr + b * max_pages + logical, reason.to(tl.int8), mask=in_table)
+        bad += (reason != 0).to(tl.int32)
+        n_read += read.to(tl.int32)
+        bits = bits | reason
+    # A seq_len past the table: nothing beyond it is read, and it counts once.
+    beyond = (raw_len > capacity).to(tl.int32)
+    tl.store(beyond_ptr + b, beyond)
+    tl.store(violations_ptr + b, tl.sum(bad, axis=0) + beyond)
+    tl.store(reasons_ptr + b, tl.reduce(bits, 0, bit_or) | tl.where(beyond != 0, V_OUT_OF_RANGE, 0))
+    tl.store(checked_ptr + b, tl.sum(n_read, axis=0))
+
+
+@triton.jit
+def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages, stride_kp, stride_ks,
+                 stride_vp, stride_vs, offs_n, offs_d, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                 CHECK: tl.constexpr):
+    """K and V ``[BLOCK_N, BLOCK_D]`` of keys ``t0 + offs_n`` and the mask of those that may be
+    read: below ``kv_hi``, in the pool and (checked) among the page's readable slots. One table
+    entry per key in both variants: the effective entry (checked) or the block-table entry."""
+    tok = t0 + offs_n  # [BLOCK_N]
+    logical = tok // PAGE
+    slot = tok % PAGE
+    live = tok < kv_hi
+    if CHECK:
+        entry = tl.load(eff_row + logical, mask=live, other=0)  # [BLOCK_N]
+        page = entry >> SLOT_BITS
+        live = live & (slot < (entry & 0xFFFFFFFF).to(tl.int32))
+    else:
+        page = tl.load(bt_row + logical, mask=live, other=0).to(tl.int64)  # [BLOCK_N]
+        live = live & (page >= 0) & (page < num_pages)
+    kv_mask = live[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
+                mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :],
+                mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    return k, v, live
 
 
 @triton.jit
 def paged_extend_kernel(
-    q_ptr, k_ptr, v_ptr, q_start_ptr, tile_start_ptr, block_table_ptr, seq_lens_ptr, tags_ptr,
-    expected_ptr, out_ptr, lse_ptr,
-    violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
-    scale_log2, batch, num_pages, max_pages,
+    q_ptr, k_ptr, v_ptr, q_start_ptr, tile_start_ptr, block_table_ptr, effective_ptr, seq_lens_ptr,
+    out_ptr, lse_ptr,
+    scale_log2, batch, num_pages, max_pages, num_chunks,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_bt, stride_eb, stride_ep, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_P: tl.constexpr, CAUSAL: tl.constexpr, CHECK: tl.constexpr, DOT_FP32: tl.constexpr,
-    RETURN_LSE: tl.constexpr,
+    stride_bt, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CAUSAL: tl.constexpr, CHECK: tl.constexpr,
+    DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     slot_id = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1) // num_chunks
+    chunk = tl.program_id(1) % num_chunks
 
     # The sequence of this tile slot: how many sequences' tiles all start at or below it, minus one.
     # Spare slots past the last tile land on the last sequence with a tile index past its rows.
@@ -64,121 +140,115 @@ def paged_extend_kernel(
     raw_len = tl.load(seq_lens_ptr + b)
     seq_len = tl.minimum(tl.maximum(raw_len, 0), max_pages * PAGE)
     first_pos = raw_len - q_len  # position of the sequence's first query token
-    m0 = tile * BLOCK_M
+    m0 = tile * TOKENS
     # One past the last key this tile reads; 0 for spare slots and for a sequence holding fewer
     # tokens than it has queries (malformed: it fails closed and reads nothing).
     kv_hi = seq_len
     if CAUSAL:
-        kv_hi = tl.minimum(kv_hi, first_pos + tl.minimum(m0 + BLOCK_M, q_len))
+        kv_hi = tl.minimum(kv_hi, first_pos + tl.minimum(m0 + TOKENS, q_len))
     kv_hi = tl.where((m0 < q_len) & (q_len <= raw_len), kv_hi, 0)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q_idx = m0 + offs_m  # [BLOCK_M]
-    row_ok = q_idx < q_len
+    # Rows past the sequence's queries or the group read q = 0 and are never stored.
+    q_idx = m0 + offs_m // HEADS  # [BLOCK_M] query token of each row
+    head = kv_head * GROUP + chunk * HEADS + offs_m % HEADS  # [BLOCK_M] query head of each row
+    row_ok = (offs_m < TOKENS * HEADS) & (q_idx < q_len) & (chunk * HEADS + offs_m % HEADS < GROUP)
     q_pos = first_pos + q_idx
     rows = (row0 + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
     bt_row = block_table_ptr + b * stride_bt
-    exp_row = expected_ptr + b * stride_eb
-    kv_head = (head // GROUP).to(tl.int64)
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
+    eff_row = effective_ptr + b * max_pages
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for t0 in range(0, kv_hi, BLOCK_N):
-        tok = t0 + offs_n  # [BLOCK_N]
-        logical = tok // PAGE
-        slot = tok % PAGE
-        live = tok < kv_hi
-        page = tl.load(bt_row + logical, mask=live, other=0)  # [BLOCK_N]
-        if CHECK:
-            # Tag and expected owner load beside the block table; a failed page is never loaded.
-            in_range = (page >= 0) & (page < num_pages)
-            tag = tl.load(tags_ptr + page, mask=live & in_range, other=0)
-            exp_owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
-            live = live & in_range & (slot < readable_len(tag, exp_owner))
-        page = page.to(tl.int64)
-        kv_mask = live[:, None] & d_mask[None, :]
-        k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    # Key tiles wholly at or before the tile's first query position need no causal mask: only the
+    # per-key mask (length, range guard, ownership). The rest get the causal mask per element.
+    diagonal = kv_hi
+    if CAUSAL:
+        diagonal = tl.minimum(kv_hi, (first_pos + m0 + 1) // BLOCK_N * BLOCK_N)
+    for t0 in range(0, diagonal, BLOCK_N):
+        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
+                                  stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
+                                  HEAD_DIM, PAGE, CHECK)
         s = qk_scores(q, k, DOT_FP32)  # [BLOCK_M, BLOCK_N]
-        visible = live[None, :] & row_ok[:, None]
-        if CAUSAL:
-            visible = visible & (tok[None, :] <= q_pos[:, None])
+        s = tl.where(live[None, :], s * scale_log2, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
+    for t0 in range(diagonal, kv_hi, BLOCK_N):
+        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
+                                  stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
+                                  HEAD_DIM, PAGE, CHECK)
+        s = qk_scores(q, k, DOT_FP32)  # [BLOCK_M, BLOCK_N]
+        visible = live[None, :] & ((t0 + offs_n)[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * scale_log2, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
     if RETURN_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
         tl.store(lse_ptr + rows * NUM_HEADS + head, lse, mask=row_ok)
 
-    if CHECK:
-        if head == 0:
-            if tile == 0:
-                n_bad, reasons, n_read = check_pages(bt_row, exp_row, stride_ep, tags_ptr,
-                                                     page_reasons_ptr + b * max_pages, num_pages,
-                                                     seq_len, 0, max_pages, PAGE, BLOCK_P)
-                # A seq_len past the table: nothing beyond it is read, and it counts once.
-                beyond = (raw_len > max_pages * PAGE).to(tl.int32)
-                reasons = reasons | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
-                tl.store(beyond_ptr + b, beyond)
-                tl.store(violations_ptr + b, n_bad + beyond)
-                tl.store(reasons_ptr + b, reasons)
-                tl.store(checked_ptr + b, n_read)
+
+def launch_config(args: ExtendArgs, config: ExtendConfig | None = None) -> ExtendConfig:
+    """The configuration a launch uses: ``config`` or the table's entry (:mod:`.configs`)."""
+    return config or extend_config(args.q.device, args.q.dtype, args.head_dim, args.page_size)
 
 
-def tile_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_D, BLOCK_M, BLOCK_N, num_warps). tl.dot needs every dimension >= 16. Chosen from
-    sm_90 compiles (registers and spills from cuobjdump, not timings): 16-bit tiles of 64 x 64 with
-    8 warps for heads of 128 and more stay unspilled with the check; a 256-wide head halves the KV
-    tile. The float32 path (exact "ieee" dots) holds far more per thread and gets 32 x 32 tiles."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if dtype == torch.float32:
-        return block_d, 32, 32, 4
-    return block_d, 64, 64 if block_d <= 128 else 32, 8 if block_d >= 128 else 4
+def row_layout(args: ExtendArgs, block_m: int) -> tuple[int, int, int]:
+    """``(heads, tokens, head chunks)`` of a tile of ``block_m`` rows: the GQA group's heads first
+    (in chunks of at most ``block_m``), the remaining rows for query tokens."""
+    group = args.num_heads // args.num_kv_heads
+    heads = min(group, block_m)
+    return heads, block_m // heads, -(-group // heads)
 
 
 def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           block_m: int | None = None, block_n: int | None = None) -> OwnershipReport | None:
-    """Launch the extend kernel. Writes ``out`` (and ``lse``) for every row of every sequence.
-    ``block_m``/``block_n`` override the tile sizes (powers of two >= 16), for tests."""
+           block_m: int | None = None, block_n: int | None = None,
+           config: ExtendConfig | None = None) -> OwnershipReport | None:
+    """Launch the extend (after the page pre-pass when checked). Writes ``out`` (and ``lse``) for
+    every row of every sequence. ``config`` overrides the table; ``block_m``/``block_n`` override
+    its tile sizes (powers of two >= 16), for tests."""
     q, k_cache, v_cache = args.q, args.k_cache, args.v_cache
-    block_d, default_m, default_n, num_warps = tile_sizes(args.head_dim, q.dtype)
-    block_m = block_m or default_m
-    block_n = block_n or default_n
+    config = launch_config(args, config)
+    block_m = block_m or config.block_m
+    block_n = block_n or config.block_n
+    block_d = max(16, triton.next_power_of_2(args.head_dim))
+    heads, tokens, chunks = row_layout(args, block_m)
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
-    q_start, tile_start, slots = extend_tile_map(args, block_m)
-    report = OwnershipReport.allocate(args.batch, args.max_pages, q.device) if check else None
-    # Unused pointer arguments (report when unchecked, lse when not asked) get `out`: never touched.
-    return_lse = lse is not None
-
-    paged_extend_kernel[(slots, args.num_heads)](
-        q, k_cache, v_cache, q_start, tile_start, args.block_table, args.seq_lens, args.page_tags,
-        args.expected, out, lse if return_lse else out,
-        report.violations if check else out, report.reasons if check else out,
-        report.pages_checked if check else out, report.beyond_table if check else out,
-        report.page_reasons if check else out,
-        args.scale * LOG2E, args.batch, args.num_pages, args.max_pages,
+    q_start, tile_start, slots = extend_tile_map(args, tokens)
+    report = None
+    effective = args.block_table  # unused when unchecked
+    if check:
+        report = OwnershipReport.allocate(args.batch, args.max_pages, q.device)
+        effective = torch.empty(args.batch, args.max_pages, dtype=torch.int64, device=q.device)
+        resolve_pages_kernel[(args.batch,)](
+            args.block_table, args.seq_lens, args.page_tags, args.expected, effective,
+            report.violations, report.reasons, report.pages_checked, report.beyond_table,
+            report.page_reasons, args.num_pages, args.max_pages, args.block_table.stride(0),
+            args.expected.stride(0), args.expected.stride(1),
+            PAGE=args.page_size, BLOCK_P=128, num_warps=4,
+        )
+    paged_extend_kernel[(slots, args.num_kv_heads * chunks)](
+        q, k_cache, v_cache, q_start, tile_start, args.block_table, effective, args.seq_lens,
+        out, lse if lse is not None else out,  # lse unused when not asked
+        args.scale * LOG2E, args.batch, args.num_pages, args.max_pages, chunks,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        args.block_table.stride(0), args.expected.stride(0), args.expected.stride(1),
-        out.stride(0), out.stride(1),
-        NUM_HEADS=args.num_heads, GROUP=args.num_heads // args.num_kv_heads, HEAD_DIM=args.head_dim,
-        BLOCK_D=block_d, PAGE=args.page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64,
-        BLOCK_P=64, CAUSAL=args.causal, CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=return_lse,
-        num_warps=num_warps,
+        args.block_table.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=args.num_heads, GROUP=args.num_heads // args.num_kv_heads, HEADS=heads,
+        TOKENS=tokens, HEAD_DIM=args.head_dim, BLOCK_D=block_d, PAGE=args.page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, CAUSAL=args.causal, CHECK=check,
+        DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return report
