@@ -2,7 +2,8 @@
 
 - ``kvattn.backends.cuda_sim._sim``: the CUDA kernel sources compiled by the host compiler against
   the SIMT harness in csrc/sim/ (needs only g++ and pybind11), plus two test-only variants with a
-  deliberate defect (``_sim_break_barrier``, ``_sim_break_pages``) that the tests require to fail.
+  deliberate defect (``_sim_break_barrier``, ``_sim_break_pages``, ``_sim_break_fragment``) that the
+  tests require to fail.
 - ``kvattn.backends.cuda._C``: the kernels compiled by nvcc for sm_80 and sm_90 (ninja when present),
   with the ``-Xptxas -v`` output kept in build/cuda/ptxas.log and checked for local memory
   (csrc/ptxas_report.py, summary in build/cuda/resources.json). Skipped when nvcc is missing or
@@ -135,7 +136,8 @@ def _extensions():
         return []
     exts = [_sim_extension("_sim", "module_sim.cpp", pybind_include),
             _sim_extension("_sim_break_barrier", "module_sim_break_barrier.cpp", pybind_include),
-            _sim_extension("_sim_break_pages", "module_sim_break_pages.cpp", pybind_include)]
+            _sim_extension("_sim_break_pages", "module_sim_break_pages.cpp", pybind_include),
+            _sim_extension("_sim_break_fragment", "module_sim_break_fragment.cpp", pybind_include)]
     if _nvcc() is not None:
         exts.append(Extension(CUDA_EXT, sources=[], depends=HEADERS))
     else:

@@ -23,8 +23,8 @@
 #ifndef KVATTN_SIM_BREAK
 #define KVATTN_SIM_BREAK 0
 #endif
-#ifndef KVATTN_FP32_ONLY
-#define KVATTN_FP32_ONLY 0
+#ifndef KVATTN_HALF_ONLY
+#define KVATTN_HALF_ONLY 0
 #endif
 
 namespace py = pybind11;
@@ -103,51 +103,48 @@ void launch_or_raise(Launch&& launch) {
   }
 }
 
-// Returns the launch plan the launcher chose (tile, head chunking, vector loads) for the tests.
+// Returns the launch plan the launcher chose (head chunking, shared memory, splits).
 py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long stream) {
   kvattn::DecodeParams p{};
   fill_attention(p, a);
   p.part_acc = pointer<float>(a, "part_acc");
   p.part_ml = pointer<float>(a, "part_ml");
+  p.part_report = pointer<int32_t>(a, "part_report");
   p.stride_qb = integer(a, "stride_qb");
   p.stride_ob = integer(a, "stride_ob");
-  p.tokens_per_split = static_cast<int>(integer(a, "tokens_per_split"));
   p.num_splits = static_cast<int>(integer(a, "num_splits"));
+  p.align = static_cast<int>(integer(a, "align"));
+  p.min_chunk = static_cast<int>(integer(a, "min_chunk"));
   const kvattn::DType type = dtype_of(dtype, "decode");
   launch_or_raise([&] { return kvattn::paged_decode(p, type, check, reinterpret_cast<void*>(stream)); });
   py::dict plan;
-  plan["tile_n"] = p.tile_n;
-  plan["heads_per_chunk"] = p.heads_per_chunk;
   plan["num_chunks"] = p.num_chunks;
-  plan["kv_vec"] = p.kv_vec;
   plan["smem_bytes"] = p.smem_bytes;
   plan["num_splits"] = p.num_splits;
-  plan["tokens_per_split"] = p.tokens_per_split;
   return plan;
 }
 
-// Returns the launch plan (tile, head chunking, vector loads, shared memory) for the tests.
+// Returns the launch plan (tile rows, head chunking, shared memory).
 py::dict extend(const py::dict& a, int dtype, bool check, unsigned long long stream) {
   kvattn::ExtendParams p{};
   fill_attention(p, a);
   p.q_start = pointer<const int32_t>(a, "q_start");
   p.tile_start = pointer<const int32_t>(a, "tile_start");
+  p.effective = pointer<int64_t>(a, "effective");
   p.stride_qt = integer(a, "stride_qt");
   p.stride_ot = integer(a, "stride_ot");
   p.causal = static_cast<int>(integer(a, "causal"));
   const int64_t slots = integer(a, "num_slots");
   if (slots < 1 || slots > INT32_MAX) throw std::invalid_argument("extend: num_slots must be in [1, 2**31)");
   p.num_slots = static_cast<int>(slots);
-  p.block_m = static_cast<int>(integer(a, "block_m"));
-  p.heads_per_chunk = static_cast<int>(integer(a, "heads_per_chunk"));
+  p.heads_per_tile = static_cast<int>(integer(a, "heads_per_tile"));
+  p.tokens_per_tile = static_cast<int>(integer(a, "tokens_per_tile"));
   const kvattn::DType type = dtype_of(dtype, "extend");
   launch_or_raise([&] { return kvattn::paged_extend(p, type, check, reinterpret_cast<void*>(stream)); });
   py::dict plan;
-  plan["tile_n"] = p.tile_n;
-  plan["block_m"] = p.block_m;
-  plan["heads_per_chunk"] = p.heads_per_chunk;
+  plan["tokens_per_tile"] = p.tokens_per_tile;
+  plan["heads_per_tile"] = p.heads_per_tile;
   plan["num_chunks"] = p.num_chunks;
-  plan["kv_vec"] = p.kv_vec;
   plan["smem_bytes"] = p.smem_bytes;
   plan["num_slots"] = p.num_slots;
   return plan;
@@ -224,7 +221,7 @@ PYBIND11_MODULE(KVATTN_MODULE_NAME, m) {
   m.def("extend", &extend, py::arg("args"), py::arg("dtype"), py::arg("check"), py::arg("stream"),
         "Enqueue the paged extend; returns the launch plan. Raises RuntimeError naming the kernel\n"
         "on error.");
-  m.attr("EXTEND_MAX_ROW_ELEMS") = py::int_(kvattn::kExtendMaxRowElems);
+  m.attr("EXTEND_ROWS") = py::int_(kvattn::kExtendRows);
   m.def("write_kv", &write_kv, py::arg("args"), py::arg("dtype"), py::arg("stream"),
         "Enqueue the stamping writer. Raises RuntimeError naming the kernel on error.");
   m.def("tag_layout", &tag_layout, "The tag constants this module was compiled with.");
@@ -236,10 +233,13 @@ PYBIND11_MODULE(KVATTN_MODULE_NAME, m) {
 #endif
   );
   m.attr("BREAK") = py::int_(KVATTN_SIM_BREAK);
-  m.attr("FP32_ONLY") = py::bool_(KVATTN_FP32_ONLY != 0);
+  m.attr("HALF_ONLY") = py::bool_(KVATTN_HALF_ONLY != 0);
 #if defined(KVATTN_SIM)
   m.def("harness_selftest", &kvsim::selftest::run, py::arg("mode"), py::arg("threads"),
         "Run a harness self-test kernel; returns (values, error message or '').");
+  m.def("mma_selftest", &kvsim::selftest::mma, py::arg("a"), py::arg("b"), py::arg("bf16"),
+        "A (16x16) @ B (16x8) through ldmatrix and mma.m16n8k16 on the harness, A and B given as\n"
+        "16-bit patterns row by row; returns (per-lane fragments, D row by row, error or '').");
   m.def("set_seed", &kvsim::set_seed, py::arg("seed"), "Seed of the harness's thread and block order.");
   m.def("float_to_half_bits", [](const std::vector<float>& xs) {
     std::vector<uint16_t> out;

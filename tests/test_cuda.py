@@ -18,6 +18,7 @@ import torch
 
 import kvattn
 from kvattn import Violation, backends, tags
+from kvattn.backends import grids
 from kvattn.backends.cuda import launch
 
 from util import Batch, assert_reports_equal, backends_under_test, tolerance
@@ -90,14 +91,15 @@ def assert_matches_reference(batch: Batch, out, lse, report, *, check=True, args
 MATRIX = [
     (F16, 16, 64, 8, 2, (1, 37, 80), None, "NHD"),
     (BF16, 1, 80, 4, 4, (5, 9, 1), 2, "NHD"),
-    (F32, 256, 128, 4, 1, (300, 3), 2, "NHD"),  # sequence 1's second split is beyond its length
+    (F16, 256, 128, 4, 1, (300, 3), 2, "NHD"),  # sequence 1's second split is beyond its length
     (F16, 256, 256, 2, 1, (256, 17), 1, "HND"),
-    (F32, 16, 96, 6, 2, (0, 50, 33), 4, "HND"),  # an empty sequence: output 0, lse -inf
-    (BF16, 16, 256, 16, 1, (40, 9), 3, "NHD"),  # group 16 x D 256: two head chunks
-    (F16, 1, 128, 8, 2, (7, 1), 3, "offset"),
-    (F32, 4, 80, 64, 2, (13, 6), 2, "offset"),  # group 32 x D 80: two head chunks
+    (BF16, 16, 96, 6, 2, (0, 50, 33), 4, "HND"),  # an empty sequence: output 0, lse -inf
+    (BF16, 16, 256, 16, 1, (40, 9), 3, "NHD"),  # group 16 x D 256: one tile of 16 rows
+    (F16, 1, 128, 8, 2, (7, 1), 3, "offset"),  # refused: rows off 16-byte alignment
+    (BF16, 4, 80, 64, 2, (13, 6), 2, "NHD"),  # group 32: two head chunks of 16
     (F16, 16, 16, 2, 1, (3, 16), 1, "NHD"),
     (BF16, 2, 64, 4, 2, (9,), 5, "HND"),
+    (F16, 8, 72, 20, 1, (70, 33), 2, "NHD"),  # group 20: chunks of 16 and 4; 72 = 4.5 k-steps
 ]
 
 
@@ -112,6 +114,12 @@ def test_decode_matrix_matches_reference(backend, case):
     dtype, page, dim, heads, kv_heads, lens, splits, layout = case
     batch = make(backend, dtype=dtype, page_size=page, head_dim=dim, num_heads=heads,
                  num_kv_heads=kv_heads, seq_lens=lens, layout=layout, seed=len(lens) + dim)
+    if layout == "offset":
+        # Rows off 16-byte alignment: the registry refuses them with the reason, the launcher too.
+        assert "16-byte aligned" in module_of(backend).why_not(batch.args())
+        with pytest.raises(RuntimeError, match="16-byte aligned"):
+            run(backend, batch, num_splits=splits)
+        return
     plan = {}
     out_c, lse_c, report = run(backend, batch, num_splits=splits, plan=plan)
     ref_out = assert_matches_reference(batch, out_c, lse_c, report)
@@ -122,18 +130,17 @@ def test_decode_matrix_matches_reference(backend, case):
     # One source: with every page valid, the check must not change a single bit.
     assert torch.equal(out_c, out_u) and torch.equal(lse_c, lse_u)
 
-    assert plan["kv_vec"] == (0 if layout == "offset" else 1)
-    assert plan["num_chunks"] == -(-(heads // kv_heads) // max(1, 2048 // dim))
+    assert plan["num_chunks"] == -(-(heads // kv_heads) // 16)
     if splits is not None:
         assert plan["num_splits"] == splits
 
 
 def test_matrix_covers_the_contract():
-    """The matrix holds every dtype, page sizes 1/16/256, the listed head dims, GQA, splits,
+    """The matrix holds both 16-bit dtypes, page sizes 1/16/256, the listed head dims, GQA, splits,
     strided (HND) and unaligned pools."""
-    assert {c[0] for c in MATRIX} == {F16, BF16, F32}
+    assert {c[0] for c in MATRIX} == {F16, BF16}
     assert {1, 16, 256} <= {c[1] for c in MATRIX}
-    assert {64, 80, 96, 128, 256} <= {c[2] for c in MATRIX}
+    assert {16, 64, 72, 80, 96, 128, 256} <= {c[2] for c in MATRIX}
     assert max(c[3] // c[4] for c in MATRIX) > 1 and max(c[6] or 1 for c in MATRIX) > 1
     assert {"NHD", "HND", "offset"} == {c[7] for c in MATRIX}
 
@@ -192,7 +199,7 @@ BAD_ENTRIES = ["free", "reserved", "out_of_range", "negative", "duplicate_of_oth
 @pytest.mark.parametrize("kind", BAD_ENTRIES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_table_entries_are_refused_and_reported(backend, kind):
-    batch = make(backend, dtype=F32, page_size=4, head_dim=64, seq_lens=(9, 14, 6), seed=11)
+    batch = make(backend, dtype=F16, page_size=4, head_dim=64, seq_lens=(9, 14, 6), seed=11)
     out, lse, report = run(backend, batch)
     assert_matches_reference(batch, out, lse, report)
     assert int(report.violations.sum()) == 0, "the clean twin must pass"
@@ -272,8 +279,8 @@ def test_fully_masked_rows_and_splits(backend, num_splits):
     batch = make(backend, dtype=F16, page_size=16, head_dim=64, seq_lens=(448, 200), seed=2)
     plan = {}
     run(backend, batch, num_splits=num_splits, plan=plan)
-    per_split = plan["tokens_per_split"] // 16
-    for i in range(per_split, min(2 * per_split, 28)):
+    start, end = grids.split_bounds(448, num_splits, plan["align"], plan["min_chunk"])[1]
+    for i in range(start // 16, -(-end // 16)):
         batch.page_tags[int(batch.block_table[0, i])] = kvattn.reserved_tag(1)
     for i in range(-(-200 // 16)):
         batch.page_tags[int(batch.block_table[1, i])] = kvattn.FREE_TAG
@@ -285,7 +292,7 @@ def test_fully_masked_rows_and_splits(backend, num_splits):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_seq_len_beyond_table_counts_once_and_reads_nothing_past_it(backend):
-    batch = make(backend, dtype=F32, page_size=4, head_dim=64, seq_lens=(8, 5), seed=9)
+    batch = make(backend, dtype=F16, page_size=4, head_dim=64, seq_lens=(8, 5), seed=9)
     batch.seq_lens[0] = 8 + 7  # the table holds 2 pages of 4
     args = kvattn.layout.validate_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_table,
                                          batch.seq_lens, batch.page_tags, batch.expected,
@@ -316,13 +323,13 @@ def test_late_writer_is_dropped_and_reader_unchanged(backend):
 def test_nan_in_an_accepted_slot_is_not_hidden(backend, num_splits):
     """The 0 / -inf convention is for empty rows only: a NaN the caller wrote into a page that passes
     the check reaches the output as in the reference, and stays in its own sequence."""
-    batch = make(backend, dtype=F32, page_size=4, head_dim=64, seq_lens=(30, 7), seed=6)
+    batch = make(backend, dtype=F16, page_size=4, head_dim=64, seq_lens=(30, 7), seed=6)
     batch.k_cache[int(batch.block_table[0, 5]), 1, 0, 3] = float("nan")
     out, lse, report = run(backend, batch, num_splits=num_splits)
     ref_out, ref_lse, ref_report = batch.reference(return_lse=True)
     assert torch.isnan(ref_out[0, :2]).all() and torch.isnan(out[0, :2]).all()
     assert torch.isnan(lse[0, :2]).all()
-    torch.testing.assert_close(out[1], ref_out[1], **tolerance(F32))
+    torch.testing.assert_close(out[1].float(), ref_out[1], **tolerance(F16))
     assert_reports_equal(report, ref_report)
 
 
@@ -371,7 +378,7 @@ def test_harness_rounds_like_the_hardware():
 
 def built_modules() -> list:
     names = ["kvattn.backends.cuda_sim._sim", "kvattn.backends.cuda_sim._sim_break_barrier",
-             "kvattn.backends.cuda_sim._sim_break_pages"]
+             "kvattn.backends.cuda_sim._sim_break_pages", "kvattn.backends.cuda_sim._sim_break_fragment"]
     mods = [importlib.import_module(n) for n in names]
     try:
         mods.append(importlib.import_module("kvattn.backends.cuda._C"))
@@ -395,23 +402,23 @@ def broken_disagrees(module_name: str, seed: int) -> tuple[bool, bool]:
     """(output differs, report differs) between a harness build and the reference on one batch."""
     module = importlib.import_module(module_name)
     module.set_seed(seed)
-    batch = make("cuda_sim", dtype=F32, page_size=4, head_dim=64, num_heads=4, num_kv_heads=1,
+    batch = make("cuda_sim", dtype=F16, page_size=4, head_dim=64, num_heads=4, num_kv_heads=1,
                  seq_lens=(70, 23, 41), seed=seed)
     args = batch.args()
     out = torch.full_like(batch.q, float("nan"))
     report = module_of("cuda_sim").decode(args, check=True, out=out, lse=None, num_splits=2, module=module)
     ref_out, ref_report = batch.reference(compute_dtype=torch.float64)
-    out_wrong = not torch.allclose(out.double(), ref_out, **tolerance(F32))
+    out_wrong = not torch.allclose(out.double(), ref_out, **tolerance(F16))
     report_wrong = any(not torch.equal(getattr(report, f), getattr(ref_report, f))
                        for f in ("violations", "reasons", "pages_checked", "page_reasons"))
     return out_wrong, report_wrong
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_harness_catches_a_missing_barrier(seed):
-    """Without the barrier after the K/V tile load, threads read tile rows other threads have not
-    stored yet (poison or the previous tile): the output must be wrong. The correct build, on
-    the same batch, is right."""
+def test_harness_catches_a_missing_wait_for_the_async_copies(seed):
+    """Without the cp.async wait before a stage is used, the harness lands no copy in time: the
+    warp computes on the poison or on the previous sub-tile and the output must be wrong. The
+    correct build, on the same batch, is right."""
     assert broken_disagrees("kvattn.backends.cuda_sim._sim", seed) == (False, False)
     out_wrong, _ = broken_disagrees("kvattn.backends.cuda_sim._sim_break_barrier", seed)
     assert out_wrong
@@ -423,8 +430,56 @@ def test_harness_catches_an_off_by_one_in_the_page_loop():
     assert report_wrong
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_harness_catches_a_wrong_mma_fragment_index(seed):
+    """Two registers of the P @ V A-fragment swapped (rows g + 8 and keys 8..15): the harness's mma
+    hands each lane the hardware's elements, so decode and extend outputs must be wrong while the
+    reports (computed without the tensor cores) stay right."""
+    out_wrong, report_wrong = broken_disagrees("kvattn.backends.cuda_sim._sim_break_fragment", seed)
+    assert out_wrong and not report_wrong
+    from test_extend import Extend
+    broken = importlib.import_module("kvattn.backends.cuda_sim._sim_break_fragment")
+    e = Extend.random([5, 17], [3, 20], num_heads=4, num_kv_heads=1, head_dim=64, page_size=4, seed=seed)
+    args = kvattn.layout.validate_extend(*e.inputs())
+    ref = e.reference(compute_dtype=torch.float64)[0]
+    for module, wrong in ((importlib.import_module("kvattn.backends.cuda_sim._sim"), False), (broken, True)):
+        out = torch.full_like(e.q, float("nan"))
+        launch.extend(module, args, check=True, out=out, lse=None)
+        assert (not torch.allclose(out.double(), ref, **tolerance(F16))) == wrong, module.__name__
+
+
+def test_harness_mma_and_ldmatrix_follow_the_ptx_fragment_layout():
+    """ldmatrix and mma.m16n8k16 on the harness: each lane's A and B registers hold exactly the
+    elements of the PTX ISA's fragment figures (g = lane // 4, t = lane % 4), and D = A @ B."""
+    sim = importlib.import_module("kvattn.backends.cuda_sim._sim")
+    g_ = torch.Generator().manual_seed(0)
+    for dtype, bf16 in ((F16, False), (BF16, True)):
+        a = torch.randn(16, 16, generator=g_).to(dtype)
+        b = torch.randn(16, 8, generator=g_).to(dtype)
+        bits = lambda x: (x.view(torch.int16).to(torch.int32) & 0xFFFF).flatten().tolist()  # noqa: E731
+        frags, d, error = sim.mma_selftest(bits(a), bits(b), bf16)
+        assert error == ""
+        half = lambda reg, hi: torch.tensor([(reg >> 16) if hi else (reg & 0xFFFF)],  # noqa: E731
+                                            dtype=torch.int32).to(torch.int16).view(dtype)[0]
+        for lane in range(32):
+            gi, t = lane // 4, lane % 4
+            regs = frags[lane * 6:(lane + 1) * 6]
+            want_a = [(gi, 2 * t), (gi + 8, 2 * t), (gi, 2 * t + 8), (gi + 8, 2 * t + 8)]
+            for reg, (row, col) in zip(regs[:4], want_a):
+                assert half(reg, False) == a[row, col] and half(reg, True) == a[row, col + 1]
+            for reg, k in zip(regs[4:], (2 * t, 2 * t + 8)):
+                assert half(reg, False) == b[k, gi] and half(reg, True) == b[k + 1, gi]
+        want = a.double() @ b.double()
+        got = torch.zeros(16, 8, dtype=torch.float64)
+        for lane in range(32):
+            gi, t = lane // 4, lane % 4
+            for c in range(4):
+                got[gi + 8 * (c // 2), 2 * t + c % 2] = d[lane * 4 + c]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_launcher_errors_raise_naming_the_kernel():
-    batch = make("cuda_sim", dtype=F32, head_dim=64, seq_lens=(4,))
+    batch = make("cuda_sim", dtype=F16, head_dim=64, seq_lens=(4,))
     args = batch.args()
     args.q = args.q[..., :12]  # head_dim 12: refused by the launcher, not a crash
     args.k_cache = args.k_cache[..., :12]
@@ -436,17 +491,19 @@ def test_launcher_errors_raise_naming_the_kernel():
 
 
 def test_why_not_gives_reasons():
-    probe = make("cuda_sim", dtype=F32, head_dim=16, page_size=4, seq_lens=(3,)).args()
+    probe = make("cuda_sim", dtype=F16, head_dim=16, page_size=4, seq_lens=(3,)).args()
     assert module_of("cuda_sim").why_not(probe) is None
     reason = module_of("cuda").why_not(probe)
     if torch.cuda.is_available():
         assert reason is not None and "cuda:" not in reason
     else:
         assert reason is not None and ("not built" in reason or "no GPU" in reason)
-    odd = make("cuda_sim", dtype=F32, head_dim=20, page_size=4, seq_lens=(3,)).args()
+    odd = make("cuda_sim", dtype=F16, head_dim=20, page_size=4, seq_lens=(3,)).args()
     assert "head_dim 20" in module_of("cuda_sim").why_not(odd)
-    big = make("cuda_sim", dtype=F32, head_dim=264, page_size=4, seq_lens=(3,)).args()
+    big = make("cuda_sim", dtype=F16, head_dim=264, page_size=4, seq_lens=(3,)).args()
     assert "head_dim 264" in module_of("cuda_sim").why_not(big)
+    fp32 = make("cuda_sim", dtype=F32, head_dim=16, page_size=4, seq_lens=(3,)).args()
+    assert "float32" in module_of("cuda_sim").why_not(fp32) and "triton" in module_of("cuda_sim").why_not(fp32)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the scenario suites probe CUDA tensors")
@@ -468,8 +525,8 @@ def test_ptxas_resources_have_no_local_memory():
     records = report.check(log)
     decode = [r for r in records if "paged_decode_kernel" in r["kernel"]]
     assert {(r["kernel"], r["arch"]) for r in decode} == {
-        (f"void kvattn::paged_decode_kernel<{t}, {c}>(kvattn::DecodeParams)", arch)
-        for t in ("float", "__half", "__nv_bfloat16") for c in ("true", "false")
+        (f"void kvattn::paged_decode_kernel<{t}, {d}, {c}>(kvattn::DecodeParams)", arch)
+        for t in ("__half", "__nv_bfloat16") for d in (64, 128, 256) for c in ("true", "false")
         for arch in ("sm_80", "sm_90")}
     assert all(0 < r["registers"] <= 255 for r in records)
 
@@ -623,7 +680,7 @@ def test_real_module_turns_a_cuda_error_into_an_exception_naming_the_kernel():
     real = importlib.import_module("kvattn.backends.cuda")
     if real._C is None:
         pytest.skip(real._NOT_BUILT)
-    batch = make("cuda_sim", dtype=F32, head_dim=64, seq_lens=(3,))
+    batch = make("cuda_sim", dtype=F16, head_dim=64, seq_lens=(3,))
     args = batch.args()
     with pytest.raises(RuntimeError, match=r"kvattn: paged_decode_kernel<check=true> failed: .+ \(error \d+\)"):
         launch.decode(real._C, args, check=True, out=torch.empty_like(args.q), lse=None)

@@ -34,7 +34,7 @@ def on(backend: str, e: Extend) -> Extend:
     return Extend(e.q.to(device), e.cu.to(device), p)
 
 
-def launch(backend: str, e: Extend, *, check=True, causal=True, block_m=None, plan=None,
+def launch(backend: str, e: Extend, *, check=True, causal=True, tokens=None, plan=None,
            validate=None):
     """The backend's extend launcher with NaN-filled ``out`` and ``lse``."""
     args = kvattn.layout.validate_extend(*e.inputs(), causal=causal, validate=validate)
@@ -42,7 +42,7 @@ def launch(backend: str, e: Extend, *, check=True, causal=True, block_m=None, pl
     assert module is not None, reason
     out = torch.full_like(e.q, float("nan"))
     lse = torch.full(e.q.shape[:2], float("nan"), device=e.q.device)
-    report = module.extend(args, check=check, out=out, lse=lse, block_m=block_m, plan=plan)
+    report = module.extend(args, check=check, out=out, lse=lse, tokens_per_tile=tokens, plan=plan)
     return out, lse, report
 
 
@@ -59,58 +59,80 @@ def chunks_and_prefixes(page_size: int):
 CASES = [
     (F16, 1, 64, 2, 2, True, "NHD"),
     (BF16, 4, 128, 4, 1, True, "NHD"),
-    (F32, 16, 64, 4, 1, False, "NHD"),
+    (BF16, 16, 64, 4, 1, False, "NHD"),
     (F16, 16, 128, 8, 2, True, "HND"),
-    (F32, 4, 80, 2, 2, True, "NHD"),
+    (F16, 4, 80, 2, 2, True, "NHD"),  # head_dim padded to 128 in the register tiles
     (BF16, 1, 64, 4, 1, False, "NHD"),
     (F16, 4, 64, 2, 2, False, "HND"),
-    (F16, 4, 256, 16, 1, True, "NHD"),  # 8 accumulator rows: the group of 16 runs in 2 chunks
+    (F16, 4, 256, 16, 1, True, "NHD"),  # 32-key tiles, Q read from shared memory
+    (BF16, 4, 16, 80, 1, True, "NHD"),  # a group of 80 heads: two chunks of 64 and 16 rows
+    (F16, 4, 72, 4, 2, True, "NHD"),  # 72 = 4.5 k-steps
+    (F16, 4, 64, 4, 2, True, "offset"),  # refused: rows off 16-byte alignment
 ]
 
 
-@pytest.mark.parametrize("block_m", [None, 3])
+@pytest.mark.parametrize("tokens", [None, 3])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_extend_matches_reference(backend, case, block_m):
-    """Default tiles, and 3-row query tiles (a chunk spans several tiles; causal tiles past the
-    tile's last query are skipped; only tile 0 writes the report)."""
+def test_extend_matches_reference(backend, case, tokens):
+    """Default tiles, and 3-token query tiles (a chunk spans several tiles; causal tiles past the
+    tile's last query are skipped)."""
     dtype, page_size, head_dim, num_heads, num_kv_heads, causal, layout = case
     q_lens, prefixes = chunks_and_prefixes(page_size)
     e = on(backend, Extend.random(q_lens, prefixes, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                  head_dim=head_dim, page_size=page_size, dtype=dtype, layout=layout,
+                                  head_dim=head_dim, page_size=page_size, dtype=dtype,
+                                  layout="NHD" if layout == "offset" else layout,
                                   seed=page_size + head_dim))
+    if layout == "offset":
+        e = Extend(e.q, e.cu, offset_pools(e.pages))
+        args = kvattn.layout.validate_extend(*e.inputs(), causal=causal)
+        assert "16-byte aligned" in backends.explain(args, op="extend")[backend]
+        return
+    group = num_heads // num_kv_heads
+    if tokens is not None and tokens * min(group, 64) > 64:
+        pytest.skip("the group fills a tile with one token")
     plan = {}
-    out, lse, report = launch(backend, e, causal=causal, block_m=block_m, plan=plan)
-    if num_heads == 16 and block_m is None:
-        assert plan["num_chunks"] == 2
+    out, lse, report = launch(backend, e, causal=causal, tokens=tokens, plan=plan)
     ref, ref_lse, ref_report = e.reference(causal=causal, compute_dtype=torch.float64)
     assert torch.isfinite(out).all(), "NaN in the output: a poisoned slot was read or a row not written"
     torch.testing.assert_close(out.cpu().double(), ref.cpu(), **tolerance(dtype))
     torch.testing.assert_close(lse.cpu().double(), ref_lse.cpu(), **LSE_TOL)
     assert_reports_equal(report, ref_report)
     assert int(report.violations.sum()) == 0 and int(report.pages_checked.sum()) > 0
-    if block_m == 3:
-        assert plan["block_m"] == 3 and max(q_lens) > 3  # the longest chunk spans tiles
-    assert plan["num_slots"] == -(-sum(q_lens) // plan["block_m"]) + len(q_lens)
-    assert plan["block_m"] * plan["heads_per_chunk"] * head_dim <= 2048
+    assert plan["heads_per_tile"] == min(group, 64) and plan["num_chunks"] == -(-group // 64)
+    if tokens == 3:
+        assert plan["tokens_per_tile"] == 3 and max(q_lens) > 3  # the longest chunk spans tiles
+    assert plan["num_slots"] == -(-sum(q_lens) // plan["tokens_per_tile"]) + len(q_lens)
+    assert plan["tokens_per_tile"] * plan["heads_per_tile"] <= 64
+
+
+def offset_pools(pages):
+    """The pools moved one element off 16-byte alignment (forces element copies)."""
+    for name in ("k_cache", "v_cache"):
+        pool = getattr(pages, name)
+        flat = torch.full((pool.numel() + 1,), float("nan"), dtype=pool.dtype, device=pool.device)
+        moved = flat[1:].view(pool.shape)
+        moved.copy_(pool)
+        setattr(pages, name, moved)
+    return pages
 
 
 def test_matrix_covers_the_contract():
     dtypes, pages, dims, groups, causal = (set(x) for x in zip(*[
         (c[0], c[1], c[2], c[3] // c[4], c[5]) for c in CASES]))
-    assert dtypes == {F16, BF16, F32} and pages == {1, 4, 16} and dims >= {64, 80, 128}
-    assert groups >= {1, 4} and causal == {True, False}
+    assert dtypes == {F16, BF16} and pages == {1, 4, 16} and dims >= {16, 64, 72, 80, 128, 256}
+    assert groups >= {1, 4, 80} and causal == {True, False}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [F16, F32])
+@pytest.mark.parametrize("dtype", [F16, BF16])
 def test_all_valid_checked_equals_unchecked(backend, dtype):
     """With every page valid the check changes no bit (same kernel source, check compiled out)."""
     q_lens, prefixes = chunks_and_prefixes(4)
     e = on(backend, Extend.random(q_lens, prefixes, num_heads=4, num_kv_heads=1, head_dim=64,
                                   page_size=4, dtype=dtype, seed=5))
-    checked, lse, report = launch(backend, e, block_m=2)
-    unchecked, unchecked_lse, none = launch(backend, e, check=False, block_m=2)
+    checked, lse, report = launch(backend, e, tokens=2)
+    unchecked, unchecked_lse, none = launch(backend, e, check=False, tokens=2)
     assert none is None and int(report.violations.sum()) == 0
     assert torch.equal(checked, unchecked) and torch.equal(lse, unchecked_lse)
 
@@ -118,16 +140,16 @@ def test_all_valid_checked_equals_unchecked(backend, dtype):
 SCENARIOS = ["none", "foreign", "reserved", "free", "unwritten", "out_of_range", "negative"]
 
 
-@pytest.mark.parametrize("block_m", [None, 2])
+@pytest.mark.parametrize("tokens", [None, 2])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_prefix_page_scenarios(backend, scenario, block_m):
+def test_prefix_page_scenarios(backend, scenario, tokens):
     """A refused prefix page (NaN inside) is masked for every query row of every tile and counted
     once; the other sequence is untouched. "none" is the clean twin."""
     e = Extend.random([6, 3], [9, 5], num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, seed=7)
     reason, allowed = corrupt(e, scenario)
     e = on(backend, e)
-    out, lse, report = launch(backend, e, block_m=block_m)
+    out, lse, report = launch(backend, e, tokens=tokens)
     assert_prefix_scenario(e, out, lse, report, reason, allowed)
 
 
@@ -137,7 +159,7 @@ def test_prefix_scenario_is_real_unchecked(backend, scenario):
     """Twin of the scenario test: unchecked, the same kernel reads the refused page's NaN."""
     e = Extend.random([6, 3], [9, 5], num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, seed=7)
     corrupt(e, scenario)
-    out, _, _ = launch(backend, on(backend, e), check=False, block_m=2)
+    out, _, _ = launch(backend, on(backend, e), check=False, tokens=2)
     assert torch.isnan(out[:6]).any() and torch.isfinite(out[6:]).all()
 
 
@@ -152,7 +174,7 @@ def test_malformed_lengths_fail_closed(backend):
     p.seq_lens[1] = 6 + 4 * p.block_table.shape[1]
     p.expected[2] = 99
     e = on(backend, e)
-    out, lse, report = launch(backend, e, block_m=2, validate=False)
+    out, lse, report = launch(backend, e, tokens=2, validate=False)
     ref, ref_lse, ref_report = e.reference()
     assert torch.equal(out[:5].cpu(), torch.zeros(5, 2, 16, dtype=out.dtype))
     assert torch.equal(out[7:].cpu(), torch.zeros(2, 2, 16, dtype=out.dtype))
@@ -183,20 +205,28 @@ def test_clamped_offsets_leave_uncovered_rows_unwritten(backend):
 def test_public_api_and_registry(backend):
     """paged_extend(backend=...) runs this kernel; why_not accepts extend arguments."""
     e = on(backend, Extend.random([4, 1], [3, 6], num_heads=4, num_kv_heads=1, head_dim=32,
-                                  page_size=4, dtype=F32, seed=2))
+                                  page_size=4, dtype=BF16, seed=2))
     args = kvattn.layout.validate_extend(*e.inputs())
     assert backends.explain(args, op="extend")[backend] is None
     assert backends.select(args, backend, op="extend").NAME == backend
     out, lse, report = e.run(backend, return_lse=True)
     ref, ref_lse, ref_report = e.reference()
-    torch.testing.assert_close(out.cpu(), ref.cpu(), **tolerance(F32))
+    torch.testing.assert_close(out.cpu().float(), ref.cpu(), **tolerance(BF16))
     assert_reports_equal(report, ref_report)
 
 
 def test_launcher_refuses_tiles_too_large():
-    e = Extend.random([2], [3], num_heads=2, num_kv_heads=1, head_dim=128, page_size=4, dtype=F32)
-    with pytest.raises(ValueError, match="block_m"):
-        launch("cuda_sim", e, block_m=17)
+    e = Extend.random([2], [3], num_heads=8, num_kv_heads=1, head_dim=128, page_size=4)
+    with pytest.raises(ValueError, match="tokens_per_tile"):
+        launch("cuda_sim", e, tokens=9)  # 9 tokens x 8 heads > 64 rows
+
+
+def test_float32_runs_on_triton_not_cuda():
+    """The CUDA kernels are fp16/bf16 tensor-core kernels; the registry says so for fp32."""
+    e = Extend.random([2], [3], num_heads=2, num_kv_heads=1, head_dim=64, page_size=4, dtype=F32)
+    args = kvattn.layout.validate_extend(*e.inputs())
+    reason = backends.explain(args, op="extend")["cuda_sim"]
+    assert reason is not None and "float32" in reason and "triton" in reason
 
 
 def nvcc_present() -> bool:
@@ -214,8 +244,8 @@ def test_ptxas_extend_kernels_have_no_local_memory():
     assert log.exists(), "build/cuda/ptxas.log missing: build with `python setup.py build_ext --inplace`"
     records = [r for r in report.check(log) if "paged_extend_kernel" in r["kernel"]]
     assert {(r["kernel"], r["arch"]) for r in records} == {
-        (f"void kvattn::paged_extend_kernel<{t}, {c}>(kvattn::ExtendParams)", arch)
-        for t in ("float", "__half", "__nv_bfloat16") for c in ("true", "false")
+        (f"void kvattn::paged_extend_kernel<{t}, {d}, {c}>(kvattn::ExtendParams)", arch)
+        for t in ("__half", "__nv_bfloat16") for d in (64, 128, 256) for c in ("true", "false")
         for arch in ("sm_80", "sm_90")}
     assert all(0 < r["registers"] <= 255 and not r["spill_stores"] and not r["stack_frame"]
                for r in records)

@@ -34,7 +34,7 @@ class HostReadSpy(TorchDispatchMode):
 def _batch(device=None):
     kwargs = {} if device is None else dict(device=device)
     return Batch.random(batch=3, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
-                        seq_lens=[5, 9, 1], dtype=torch.float32, extra_pages=1, **kwargs)
+                        seq_lens=[5, 9, 1], dtype=torch.float16, extra_pages=1, **kwargs)
 
 
 def _decode(b: Batch, **kwargs):
@@ -49,7 +49,7 @@ def _extend(b: Batch, q, cu, **kwargs):
 
 def _extend_query(b: Batch):
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(6, 4, 16, generator=g).to(b.q.device)
+    q = torch.randn(6, 4, 16, generator=g).to(b.q.dtype).to(b.q.device)
     return q, torch.tensor([0, 2, 5, 6], dtype=torch.int32, device=b.q.device)
 
 
@@ -90,7 +90,7 @@ def test_write_kv_reads_nothing_on_the_host():
     page = b.block_table[0, 1]
     slots = torch.stack([page * 4 + 1, page * 4 + 2]).long()
     owner = torch.ones(2, dtype=torch.int64)
-    k = torch.randn(2, 2, 16)
+    k = torch.randn(2, 2, 16).to(b.k_cache.dtype)
     with HostReadSpy() as spy:
         kvattn.write_kv(k, k, b.k_cache, b.v_cache, slots, b.page_tags, owner)
     assert spy.reads == []
@@ -128,12 +128,12 @@ def test_capture_then_replay_with_changed_inputs(op):
     b = _batch(device)
     # Same shapes, other contents: different pages, lengths and owners' layout.
     other = Batch.random(batch=3, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
-                         seq_lens=[8, 10, 3], dtype=torch.float32, extra_pages=1, seed=7,
+                         seq_lens=[8, 10, 3], dtype=torch.float16, extra_pages=1, seed=7,
                          device=device)
     assert other.block_table.shape == b.block_table.shape
     assert other.k_cache.shape == b.k_cache.shape
     q, cu = _extend_query(b)
-    backend = _kernel_backend() if op == "decode" else "triton"
+    backend = _kernel_backend()
 
     def call():
         return _decode(b, backend=backend) if op == "decode" else _extend(b, q, cu, backend=backend)

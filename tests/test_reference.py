@@ -12,7 +12,8 @@ import torch
 import kvattn
 from kvattn import Violation
 from kvattn.tags import STATE_MASK
-from util import DEVICE, LSE_TOLERANCE, backends_under_test, decode, poisoned_pool, tolerance
+from util import (DEVICE, LSE_TOLERANCE, backends_under_test, decode, lse_tolerance, poisoned_pool,
+                  tolerance)
 
 PAGE = 4
 HEAD_DIM = 8
@@ -64,8 +65,8 @@ def check_result(result, want_tokens, q, k, v, *, violations, reasons, page_reas
     out, lse, report = result
     want_out, want_lse = dense_attention(q, k, v, want_tokens)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double().cpu(), want_out, **tolerance(torch.float32))
-    torch.testing.assert_close(lse.double().cpu(), want_lse, **LSE_TOLERANCE)
+    torch.testing.assert_close(out.double().cpu(), want_out, **tolerance(out.dtype))
+    torch.testing.assert_close(lse.double().cpu(), want_lse, **lse_tolerance(out.dtype))
     assert report.violations.tolist() == violations
     assert report.reasons.tolist() == [int(r) for r in reasons]
     assert report.page_reasons.tolist() == [[int(r) for r in row] for row in page_reasons]

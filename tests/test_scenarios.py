@@ -13,7 +13,7 @@ import torch
 import kvattn
 from kvattn import KVOwnershipError, Violation
 from util import (DEVICE, LSE_TOLERANCE, Batch, assert_close_to_reference, assert_reports_equal,
-                  backends_under_test, decode, tolerance)
+                  backends_under_test, decode, precise_dtype, runs_float32, tolerance)
 
 PAGE = 4
 SENTINEL_V = 100.0
@@ -297,6 +297,8 @@ def test_prefix_sharing_with_wrong_expected_fails(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_all_valid_checked_equals_unchecked_bitwise(backend, dtype):
+    if dtype == torch.float32 and not runs_float32(backend):
+        pytest.skip(f"{backend} runs fp16/bf16 only (tensor cores)")
     cache, parent, child, other, q = shared_prefix_cache(dtype)
     batch = cache_batch(cache, [parent, child, other], q)
     checked, lse_c, report = batch.decode(backend, return_lse=True)
@@ -308,7 +310,7 @@ def test_all_valid_checked_equals_unchecked_bitwise(backend, dtype):
 def test_one_refused_page_makes_checked_differ_from_unchecked(backend):
     """The twin: refuse one page and the checked output moves away from the unchecked one (which
     reads the refused page's NaN-free stale data)."""
-    cache, parent, child, other, q = shared_prefix_cache(torch.float32)
+    cache, parent, child, other, q = shared_prefix_cache(precise_dtype(backend))
     batch = cache_batch(cache, [parent, child, other], q)
     batch.expected[2, 0] = parent.owner
     checked, report = batch.decode(backend)
@@ -336,8 +338,9 @@ def test_fully_masked_sequences_give_zero_and_minus_inf(backend):
 def test_masked_split_leaves_other_splits_exact(backend):
     """A 2048-token sequence (two splits in the Triton CPU plan) whose first half is refused, next to
     a clean one: the merge of an empty split and a full one equals the reference."""
+    dtype = precise_dtype(backend)
     batch = Batch.random(batch=2, num_heads=2, num_kv_heads=1, head_dim=16, page_size=64,
-                         seq_lens=[2048, 2048], dtype=torch.float32, pool_factor=1)
+                         seq_lens=[2048, 2048], dtype=dtype, pool_factor=1)
     for i in range(16):
         batch.page_tags[int(batch.block_table[0, i])] = kvattn.FREE_TAG
     if backend == "triton":
@@ -346,7 +349,7 @@ def test_masked_split_leaves_other_splits_exact(backend):
         assert module.plan_splits(args)[0] == 2
     out, lse, report = check_against_reference(batch, backend)
     assert report.violations.tolist() == [16, 0]
-    assert_close_to_reference(out, batch.reference(compute_dtype=torch.float64)[0], torch.float32)
+    assert_close_to_reference(out, batch.reference(compute_dtype=torch.float64)[0], dtype)
 
 
 # --- on_violation="raise" and the report API ----------------------------------------------------

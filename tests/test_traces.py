@@ -21,7 +21,7 @@ import kvattn
 from kvattn import Violation
 from page_model import FREE, RESERVED, WRITTEN, PageModel
 
-from util import DEVICE, backends_under_test, tolerance
+from util import DEVICE, backends_under_test, precise_dtype, tolerance
 
 NUM_PAGES, HEADS, KV_HEADS, DIM = 8, 2, 1, 16
 MAX_TOKENS = 1024
@@ -285,14 +285,16 @@ class Trace:
                 torch.tensor(expected, dtype=torch.int64, device=DEVICE))
         page_reasons = [r for r, _ in verdicts]
         for backend in DECODE_BACKENDS:
-            out, report = kvattn.paged_decode(*args, backend=backend)
+            dtype = precise_dtype(backend)  # the CUDA kernels read float16 copies of the pools
+            q_, k_, v_ = (t.to(dtype) for t in args[:3])
+            out, report = kvattn.paged_decode(q_, k_, v_, *args[3:], backend=backend)
             assert report.page_reasons.tolist() == page_reasons, backend
             assert report.violations.tolist() == [sum(r != 0 for r in rs) for rs in page_reasons]
             assert report.reasons.tolist() == [functools.reduce(operator.or_, rs, 0)
                                                for rs in page_reasons], backend
             assert report.pages_checked.tolist() == [min(max_pages, -(-n // size)) for n in seq_lens]
             assert torch.isfinite(out).all(), backend
-            torch.testing.assert_close(out.double().cpu(), want, **tolerance(torch.float32),
+            torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype),
                                        msg=lambda m: f"{backend}: {m}")
         return page_reasons
 

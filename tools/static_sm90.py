@@ -87,13 +87,31 @@ def _counts(insns) -> dict[str, int]:
 
 
 def loops(insns) -> list[tuple[int, int]]:
-    """Address ranges ``[target, branch]`` of backward branches (loop bodies, innermost included)."""
+    """Address ranges ``[target, branch]`` of backward branches (loop bodies, innermost included).
+
+    Branches back out of the out-of-line paths that ``BRA.DIV`` jumps to (the compiler's fallback
+    for warp-collective instructions reached by a possibly divergent warp) are not loops: each such
+    path runs from a ``BRA.DIV`` target to its first unconditional branch."""
+    def target(args):
+        m = _BRA_TARGET.search(args)
+        return int(m.group(1), 16) if m else None
+
+    addresses = [a for a, _, _ in insns]
+    fallback = set()
+    for addr, op, args in insns:
+        if op.startswith("BRA.DIV") and target(args) is not None:
+            i = addresses.index(target(args)) if target(args) in addresses else len(insns)
+            while i < len(insns):
+                fallback.add(insns[i][0])
+                if insns[i][1] == "BRA" and not insns[i][2].strip().startswith("@"):
+                    break
+                i += 1
     found = []
     for addr, op, args in insns:
-        if op.startswith("BRA"):
-            m = _BRA_TARGET.search(args)
-            if m and int(m.group(1), 16) < addr:
-                found.append((int(m.group(1), 16), addr))
+        if op.startswith("BRA") and not op.startswith("BRA.DIV") and addr not in fallback:
+            t = target(args)
+            if t is not None and t < addr:
+                found.append((t, addr))
     return found
 
 

@@ -1,458 +1,464 @@
-// Paged decode with the ownership check (ownership.md section 3) as a template parameter, split-KV,
-// and the merge of the splits. One source for nvcc and for the CPU harness (csrc/sim/simt.h).
+// Paged decode with the ownership check (docs/ownership.md, section 3) as a template parameter,
+// split-KV, and the merge of the splits. One source for nvcc and for the CPU harness
+// (csrc/sim/simt.h); the rule itself is tag_rule.cuh, the tensor-core step attention.cuh.
 //
-// Grid (B, num_kv_heads * num_chunks, num_splits), kDecodeThreads threads. A block serves the query
-// heads of one KV head's GQA group (in chunks of at most heads_per_chunk heads, so that each
-// thread's share of the [heads, D] accumulator fits in registers) over the page-aligned token range
-// of one split, so it reads each KV page of the range once for the whole group. Per tile of tile_n
-// tokens:
-//   1. resolve each token's page from the block table and, when CHECK, its tag and expected owner;
-//      a refused token is never loaded;
-//   2. load the tile's K and V rows into shared memory (16-byte loads when the layout allows;
-//      refused tokens get zeros);
-//   3. logits of every (head, token) pair;
-//   4. online softmax, one warp per head, in base 2;
-//   5. accumulate P @ V into registers.
-// The report is written by the chunk-0 block of KV head 0 of each split, over that split's pages.
+// Grid (B, num_kv_heads * num_chunks, num_splits), 4 warps. A block serves the query heads of one
+// chunk of a KV head's GQA group (up to 16 heads: the rows of one mma tile) over one split, an
+// equal page-aligned share of the sequence's actual length (kvattn.backends.grids.split_chunk), so
+// each KV page is read once for the whole group. Each warp streams its own sub-tiles of 16 tokens
+// (sub-tile j goes to warp j % 4) through a private pipeline of kStages shared-memory stages:
+//   - resolve: the sub-tile's block-table entry (or, for pages under 16 tokens, one entry per
+//     token) and, when CHECK, its tag and expected owner, loaded one sub-tile ahead of its copy so
+//     the latency hides behind the compute of the current one; a token the rule refuses, past the
+//     split's end or in a page outside the pool (both variants) gets no bytes;
+//   - copy: K and V rows by 16-byte cp.async, zero-filled for tokens that are not read (no branch:
+//     a refused slot is never loaded and contributes 0 * 0, never NaN);
+//   - compute: S = Q K^T and O += P V on tensor cores, online softmax in registers.
+// K/V rows must be 16-byte aligned (the launcher refuses others; the Triton backend runs them).
+// The warps' partial states are merged through shared memory at the end. The report is written by
+// the chunk-0 block of KV head 0 of each split after its loop, from the table entries and tags of
+// its pages (L2-resident by then): final counters with one split, per-split partial counts summed
+// by the merge kernel otherwise. No separate zeroing launch, no global atomics.
 #pragma once
 
-#include "compat.cuh"
-#include "kvattn_tags.h"
+#include "attention.cuh"
 #include "params.h"
+#include "tag_rule.cuh"
 
 #include <algorithm>
 
-#ifndef KVATTN_SIM_BREAK
-#define KVATTN_SIM_BREAK 0  // test-only defects, see tests/test_cuda.py; never set in a real build
-#endif
-
 namespace kvattn {
 
-constexpr int kDecodeThreads = 128;
-constexpr int kWarps = kDecodeThreads / 32;
-constexpr int kMaxOutPerThread = 16;  // heads_per_chunk * head_dim <= kDecodeThreads * this
-constexpr int kMaxHeadDim = 256;
-constexpr int kTileBytes = 16384;  // K (and V) bytes of one tile in shared memory, before padding
+constexpr int kThreads = 128;  // 4 warps, for every attention kernel here
+constexpr int kWarps = kThreads / 32;
+constexpr int kSubTile = 16;   // tokens a decode warp handles per pipeline stage
 constexpr int kMergeThreads = 128;
-constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kReportFields = 3;  // refused pages, OR of reasons, pages read
 
-// One 4-byte bank of padding per K/V row: threads reading one column of consecutive rows then hit
-// different banks (the row length in words, head_dim * sizeof(T) / 4 + 1, is odd).
-template <class T>
-KVATTN_HOST_DEVICE size_t kv_row_bytes(int head_dim) {
-  return static_cast<size_t>(head_dim) * sizeof(T) + 4;
+// Head dims are padded to one of these for the register tiles; the padding is zero and skipped.
+KVATTN_HOST_DEVICE constexpr int padded_head_dim(int head_dim) {
+  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
 }
 
-KVATTN_HOST_DEVICE size_t align16(size_t x) { return (x + 15) & ~static_cast<size_t>(15); }
-
-// Shared memory of a block of the decode and extend kernels, which serve `rows` query rows (decode:
-// the heads of a GQA chunk; extend: query tokens x heads) over tiles of `tile_n` tokens.
-struct TileSmem {
-  size_t q, k, v, s, tok_page, tok_slot, stats, counters, total;
+template <int D>
+struct DecodeLayout {
+  static constexpr int kStages = D <= 128 ? 3 : 2;
+  static constexpr int kRow = tile_row_bytes<D>();
+  static constexpr int kChunks = D * 2 / 16;                      // 16-byte chunks per row
+  static constexpr int kStageBytes = 2 * kSubTile * kRow;         // K and V of one sub-tile
+  static constexpr int kQBytes = kWarpRows * kRow;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr int kMaskBytes = (kWarps * kStages * 4 + 15) / 16 * 16;
+  static constexpr int kOffsetBytes = kWarps * kSubTile * 2 * 8;  // per warp: [16 tokens][K, V] int64
+  static constexpr int kCounterBytes = 16;
+  static constexpr int kTotal = kQBytes + kWarps * kWarpBytes + kMaskBytes + kOffsetBytes + kCounterBytes;
+  // The merge of the warps reuses each warp's stage memory: [kWarpRows][D] outputs, m and l.
+  static_assert(kWarpRows * D * 4 + 2 * kWarpRows * 4 <= kWarpBytes, "warp merge area");
 };
 
-template <class T>
-KVATTN_HOST_DEVICE TileSmem tile_smem(int rows, int head_dim, int tile_n) {
-  TileSmem L;
-  size_t off = 0;
-  L.q = off;  // float [rows, D]
-  off = align16(off + sizeof(float) * rows * head_dim);
-  L.k = off;  // T [tile_n, D + pad]
-  off = align16(off + kv_row_bytes<T>(head_dim) * tile_n);
-  L.v = off;
-  off = align16(off + kv_row_bytes<T>(head_dim) * tile_n);
-  L.s = off;  // float [rows, tile_n]: logits, then probabilities
-  off = align16(off + sizeof(float) * rows * tile_n);
-  L.tok_page = off;  // int64 [tile_n]
-  off = align16(off + sizeof(int64_t) * tile_n);
-  L.tok_slot = off;  // int32 [tile_n], -1 for a token that is not read
-  off = align16(off + sizeof(int32_t) * tile_n);
-  L.stats = off;  // float [3, rows]: running max, running sum, rescale factor of the tile
-  off = align16(off + sizeof(float) * 3 * rows);
-  L.counters = off;  // int32 [4]: the report's per-block sums
-  off = align16(off + sizeof(int32_t) * 4);
-  L.total = off;
-  return L;
+struct SplitRange {
+  int64_t start, end, chunk;
+};
+
+// kvattn.backends.grids.split_chunk on the device.
+KVATTN_HOST_DEVICE SplitRange split_range(int64_t seq_len, int split, int num_splits, int align, int min_chunk) {
+  const int64_t share = (seq_len + num_splits - 1) / num_splits;
+  int64_t chunk = (share + align - 1) / align * align;
+  chunk = chunk > min_chunk ? chunk : min_chunk;
+  chunk = chunk > align ? chunk : align;
+  const int64_t start = static_cast<int64_t>(split) * chunk;
+  const int64_t end = start + chunk < seq_len ? start + chunk : seq_len;
+  return {start, end, chunk};
 }
 
-KVATTN_DEVICE int64_t tag_owner(int64_t tag) {
-  return (tag >> tags::OWNER_SHIFT) & tags::OWNER_MAX;
-}
+// Resolving a sub-tile's 16 tokens takes two dependent loads (block-table entry, then tag) and is
+// pipelined across the warp's iterations so that no load result is used in the iteration that
+// issues it: lane r < 16 resolves token t0 + r (for pages of 16 tokens or more all 16 lanes load
+// the same entry and tag, one transaction each).
+struct TokenEntry {  // after the block-table load
+  int32_t page;      // physical page, 0 when out of range
+  int32_t slot;
+  int64_t logical;
+  bool live;         // token inside the split
+  bool in_range;
+};
 
-KVATTN_DEVICE int64_t tag_valid_len(int64_t tag) {
-  return (tag >> tags::VALID_LEN_SHIFT) & tags::VALID_LEN_MAX;
-}
+struct TokenVerdict {  // after the tag load
+  TokenEntry e;
+  int readable;  // slots of the page that may be read (the split's end and, checked, the tag)
+};
 
-// The ownership part of the reader's rule for one slot.
-KVATTN_DEVICE bool slot_ok(int64_t tag, int64_t expected_owner, int64_t slot) {
-  return (tag & tags::STATE_MASK) == tags::STATE_WRITTEN && tag_owner(tag) == expected_owner &&
-         slot < tag_valid_len(tag);
-}
-
-// The reader's rule per page as a Violation value; the first failing condition in the order of
-// kvattn.Violation wins, as in kvattn.tags.page_reason. `tag` is 0 when the page is out of range.
-KVATTN_DEVICE int page_reason(int64_t tag, bool in_range, int64_t expected_owner, int64_t slots_read) {
-  if (!in_range) return static_cast<int>(tags::Violation_OUT_OF_RANGE);
-  const int64_t state = tag & tags::STATE_MASK;
-  if (state != tags::STATE_RESERVED && state != tags::STATE_WRITTEN) return static_cast<int>(tags::Violation_FREE);
-  if (state == tags::STATE_RESERVED) return static_cast<int>(tags::Violation_RESERVED);
-  if (tag_owner(tag) != expected_owner) return static_cast<int>(tags::Violation_OWNER_MISMATCH);
-  if (tag_valid_len(tag) < slots_read) return static_cast<int>(tags::Violation_UNWRITTEN);
-  return 0;
-}
-
-KVATTN_DEVICE float warp_max(float x) {
-  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
-}
-
-KVATTN_DEVICE float warp_sum(float x) {
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
-KVATTN_DEVICE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-KVATTN_DEVICE int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-
-// Copies token rows of one KV pool into a shared-memory tile; rows of tokens not read get zeros,
-// so that a refused slot contributes 0 * 0 and never NaN.
-template <class T>
-KVATTN_DEVICE void load_tile(unsigned char* tile, const T* pool, int64_t stride_p, int64_t stride_s,
-                             int64_t head_offset, const int64_t* tok_page, const int32_t* tok_slot,
-                             int tile_n, int head_dim, bool vec) {
-  const size_t row_bytes = kv_row_bytes<T>(head_dim);
-  if (vec) {
-    constexpr int kVec = 16 / sizeof(T);
-    const int vecs_per_row = head_dim / kVec;
-    for (int i = threadIdx.x; i < tile_n * vecs_per_row; i += kDecodeThreads) {
-      const int n = i / vecs_per_row;
-      const int c = i % vecs_per_row;
-      uint4 w = {0u, 0u, 0u, 0u};
-      if (tok_slot[n] >= 0) {
-        const T* src = pool + tok_page[n] * stride_p + tok_slot[n] * stride_s + head_offset + c * kVec;
-        w = *reinterpret_cast<const uint4*>(src);
-      }
-      // Padded rows are only 4-byte aligned in shared memory: store the vector as four words.
-      uint32_t* dst = reinterpret_cast<uint32_t*>(tile + n * row_bytes + c * 16);
-      dst[0] = w.x;
-      dst[1] = w.y;
-      dst[2] = w.z;
-      dst[3] = w.w;
-    }
-  } else {
-    for (int i = threadIdx.x; i < tile_n * head_dim; i += kDecodeThreads) {
-      const int n = i / head_dim;
-      const int d = i % head_dim;
-      T x = from_float<T>(0.0f);
-      if (tok_slot[n] >= 0) x = pool[tok_page[n] * stride_p + tok_slot[n] * stride_s + head_offset + d];
-      reinterpret_cast<T*>(tile + n * row_bytes)[d] = x;
-    }
+KVATTN_DEVICE TokenEntry fetch_entry(const DecodeParams& p, const int32_t* bt_row, int64_t t0, int64_t end) {
+  const int lane = lane_index();
+  TokenEntry e{0, 0, 0, false, false};
+  const int64_t t = t0 + lane;
+  if (lane < kSubTile && t < end) {
+    e.logical = t >> p.page_shift;
+    const int32_t page = bt_row[e.logical * p.stride_bt_p];
+    e.live = true;
+    e.in_range = page >= 0 && page < p.num_pages;
+    e.page = e.in_range ? page : 0;
+    e.slot = static_cast<int32_t>(t & ((int64_t{1} << p.page_shift) - 1));
   }
+  return e;
 }
 
-// Where tokens [t0, t0 + tile_n) of one sequence live: tok_page/tok_slot per token, slot -1 for a
-// token at or past `limit` and, when CHECK, for one whose page fails the reader's rule (the tag and
-// expected owner are read beside the block-table entry; a refused token is never loaded).
 template <bool CHECK>
-KVATTN_DEVICE void resolve_tile(int64_t t0, int64_t limit, int tile_n, int page_shift, const int32_t* bt_row,
-                                int64_t stride_bt_p, const int64_t* exp_row, int64_t stride_ep,
-                                const int64_t* page_tags, int64_t num_pages, int64_t* tok_page,
-                                int32_t* tok_slot) {
-  for (int n = threadIdx.x; n < tile_n; n += kDecodeThreads) {
-    const int64_t t = t0 + n;
-    int64_t page = 0;
-    int32_t slot = -1;
-    if (t < limit) {
-      const int64_t logical = t >> page_shift;
-      const int32_t s = static_cast<int32_t>(t & ((int64_t{1} << page_shift) - 1));
-      page = bt_row[logical * stride_bt_p];
-      bool ok = true;
-      if (CHECK) ok = page >= 0 && page < num_pages && slot_ok(page_tags[page], exp_row[logical * stride_ep], s);
-      if (ok) slot = s;
+KVATTN_DEVICE TokenVerdict fetch_verdict(const DecodeParams& p, const int64_t* exp_row, int64_t seq_owner,
+                                         const TokenEntry& e, int64_t end) {
+  TokenVerdict v{e, 0};
+  if (e.live && e.in_range) {
+    // The length mask in slots of the page; the range guard holds in both variants.
+    int64_t limit = end - (e.logical << p.page_shift);
+    if (CHECK) {
+      const int64_t owner = p.stride_ep == 0 ? seq_owner : exp_row[e.logical * p.stride_ep];
+      limit = min64(limit, readable_slots(p.page_tags[e.page], owner));
     }
-    tok_page[n] = page;
-    tok_slot[n] = slot;
+    v.readable = static_cast<int>(min64(limit, int64_t{1} << 30));
   }
+  return v;
 }
 
-// One tile of online softmax, one warp per row: base-2 logits s_s [rows, tile_n] (-inf where
-// masked) become probabilities in place; the running max m_s and sum l_s advance and alpha_s holds
-// the factor that rescales the row's accumulator.
-KVATTN_DEVICE void softmax_tile(float* s_s, float* m_s, float* l_s, float* alpha_s, int rows, int tile_n) {
-  const int lane = threadIdx.x % 32;
-  for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
-    float* s_row = s_s + r * tile_n;
-    float tile_max = -INFINITY;
-    for (int n = lane; n < tile_n; n += 32) tile_max = fmaxf(tile_max, s_row[n]);
-    tile_max = warp_max(tile_max);
-    const float m_old = m_s[r];
-    const float m_new = fmaxf(m_old, tile_max);
-    // While every slot so far is masked m stays -inf; subtract 0 instead to avoid inf - inf.
-    const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
-    float sum = 0.0f;
-    for (int n = lane; n < tile_n; n += 32) {
-      const float prob = exp2f(s_row[n] - m_ref);
-      s_row[n] = prob;
-      sum += prob;
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) {
-      const float alpha = exp2f(m_old - m_ref);
-      alpha_s[r] = alpha;
-      l_s[r] = l_s[r] * alpha + sum;
-      m_s[r] = m_new;
-    }
+// Writes each token's K and V row offsets into `offsets` ([16][2] elements from the pool bases) and
+// returns the mask of the tokens that may be read (bit r: token t0 + r).
+KVATTN_DEVICE uint32_t place_sub_tile(const DecodeParams& p, const TokenVerdict& v, int64_t k_head_off,
+                                      int64_t v_head_off, int64_t* offsets) {
+  const int lane = lane_index();
+  const bool ok = v.e.slot < v.readable;
+  if (lane < kSubTile) {
+    offsets[2 * lane] = v.e.page * p.stride_kp + v.e.slot * p.stride_ks + k_head_off;
+    offsets[2 * lane + 1] = v.e.page * p.stride_vp + v.e.slot * p.stride_vs + v_head_off;
   }
+  return __ballot_sync(0xffffffffu, lane < kSubTile && ok) & 0xffffu;
 }
 
-// acc (row, d) = (i / D, i % D) for i = threadIdx.x + j * kDecodeThreads: rescaled by alpha_s, plus
-// the tile's probabilities times its V rows.
-template <class T>
-KVATTN_DEVICE void accumulate_pv(float (&acc)[kMaxOutPerThread], const float* s_s, const float* alpha_s,
-                                 const unsigned char* v_s, size_t row_bytes, int rows, int D, int tile_n) {
+// Issues the cp.async copies of one sub-tile's K and V rows into a stage, zero-filled for tokens
+// outside `mask` and for the padding past head_dim. Copy k of a lane moves 16 bytes of row
+// k * R + lane / kChunks (R = 32 / kChunks rows per warp-wide copy), chunk lane % kChunks.
+template <class T, int D>
+KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int64_t* offsets, unsigned char* stage) {
+  using L = DecodeLayout<D>;
+  constexpr int R = 32 / L::kChunks;
+  const int lane = lane_index();
+  const int row0 = lane / L::kChunks;
+  const int c = lane % L::kChunks;
+  const bool data = c < p.head_dim / 8;
+  const T* k_pool = static_cast<const T*>(p.k);
+  const T* v_pool = static_cast<const T*>(p.v);
+  unsigned char* k_dst = stage + row0 * L::kRow + c * 16;
+  unsigned char* v_dst = k_dst + kSubTile * L::kRow;
 #pragma unroll
-  for (int j = 0; j < kMaxOutPerThread; ++j) {
-    const int i = threadIdx.x + j * kDecodeThreads;
-    if (i < rows * D) {
-      const int r = i / D;
-      const int d = i % D;
-      const float* p_row = s_s + r * tile_n;
-      float a = acc[j] * alpha_s[r];
-      for (int n = 0; n < tile_n; ++n) a += p_row[n] * to_float(reinterpret_cast<const T*>(v_s + n * row_bytes)[d]);
-      acc[j] = a;
-    }
+  for (int k = 0; k < kSubTile / R; ++k) {
+    const int row = k * R + row0;
+    // Every offset points into the pool (page 0 for a refused or absent token); the source of a
+    // 0-byte copy is never read.
+    const int bytes = data && ((mask >> row) & 1u) ? 16 : 0;
+    cp_async_16(k_dst + k * R * L::kRow, k_pool + offsets[2 * row] + c * 8, bytes);
+    cp_async_16(v_dst + k * R * L::kRow, v_pool + offsets[2 * row + 1] + c * 8, bytes);
   }
 }
 
-// The report for logical pages [page_lo, page_hi) of one sequence of seq_len tokens: each page's
-// reason into reasons_row (0 when accepted or not read), and the block's sums (refused pages, OR of
-// reasons, pages read) added into counters[0..2], which the caller zeroed. Page memory is untouched.
-KVATTN_DEVICE void check_pages(const int32_t* bt_row, int64_t stride_bt_p, const int64_t* exp_row, int64_t stride_ep,
-                               const int64_t* page_tags, int64_t num_pages, int page_shift, int64_t seq_len,
-                               int64_t page_lo, int64_t page_hi, int8_t* reasons_row, int32_t* counters) {
-  const int64_t page_size = int64_t{1} << page_shift;
-  int bad = 0, bits = 0, read = 0;
-  for (int64_t i = page_lo + threadIdx.x; i < page_hi; i += kDecodeThreads) {
-    const int64_t slots_read = min64(max64(seq_len - (i << page_shift), 0), page_size);
-    int reason = 0;
-    if (slots_read > 0) {
-      const int64_t page = bt_row[i * stride_bt_p];
-      const bool in_range = page >= 0 && page < num_pages;
-      reason = page_reason(in_range ? page_tags[page] : 0, in_range, exp_row[i * stride_ep], slots_read);
-      ++read;
-    }
-    reasons_row[i] = static_cast<int8_t>(reason);
-    bad += reason != 0;
-    bits |= reason;
-  }
-  if (bad) atomicAdd(&counters[0], bad);
-  if (bits) atomicOr(&counters[1], bits);
-  if (read) atomicAdd(&counters[2], read);
+// First token of a warp's i-th sub-tile: sub-tile j = warp + 4 i of the split.
+KVATTN_DEVICE int64_t sub_tile_start(int64_t start, int warp, int i) {
+  return start + static_cast<int64_t>(warp + i * kWarps) * kSubTile;
 }
 
-template <class T, bool CHECK>
-__global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeParams p) {
+// What one warp's copy issue needs (fixed for the whole key loop).
+struct DecodeWarp {
+  const DecodeParams& p;
+  const int32_t* bt_row;
+  const int64_t* exp_row;
+  int64_t seq_owner, start, end;
+  int warp, mine;  // sub-tiles of this warp
+  int64_t k_head_off, v_head_off;
+  int64_t* offsets;  // [16][2] shared memory of this warp
+  uint32_t* masks;   // [kStages]
+  unsigned char* stages;
+};
+
+// Copies the warp's sub-tile n into its stage (when it exists), then advances the resolve
+// pipeline: `verdict` becomes sub-tile n + 1's (its tag loads issued now) and `entry` n + 2's.
+// Every call commits one group of copies, possibly empty, so waits count stages.
+template <class T, int D, bool CHECK>
+KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry, TokenVerdict& verdict,
+                                  int& stage) {
+  using L = DecodeLayout<D>;
+  if (n < w.mine) {
+    const uint32_t mask = place_sub_tile(w.p, verdict, w.k_head_off, w.v_head_off, w.offsets);
+    if (lane_index() == 0) w.masks[stage] = mask;
+    __syncwarp();
+    copy_sub_tile<T, D>(w.p, mask, w.offsets, w.stages + stage * L::kStageBytes);
+    __syncwarp();  // the offsets are rewritten by the next issue
+    stage = stage + 1 == L::kStages ? 0 : stage + 1;
+    verdict = fetch_verdict<CHECK>(w.p, w.exp_row, w.seq_owner, entry, w.end);
+    entry = fetch_entry(w.p, w.bt_row, sub_tile_start(w.start, w.warp, n + 2), w.end);
+  }
+  cp_async_commit();
+}
+
+// Rows [0, 16) of `rows` shared-memory rows of D elements: the query heads head0 .. head0 + heads
+// of sequence b (zeros past them and past head_dim).
+template <class T, int D>
+KVATTN_DEVICE void load_query_rows(unsigned char* rows, const T* q, int64_t stride_h, int heads, int head_dim) {
+  for (int i = threadIdx.x; i < kWarpRows * D; i += kThreads) {
+    const int r = i / D, d = i % D;
+    reinterpret_cast<T*>(rows + r * tile_row_bytes<D>())[d] =
+        r < heads && d < head_dim ? q[r * stride_h + d] : from_float<T>(0.0f);
+  }
+}
+
+template <class T, int D, bool CHECK>
+__global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeParams p) {
+  using L = DecodeLayout<D>;
   KVATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
   const int64_t b = blockIdx.x;
   const int kv_head = static_cast<int>(blockIdx.y) / p.num_chunks;
   const int chunk = static_cast<int>(blockIdx.y) % p.num_chunks;
   const int split = blockIdx.z;
-  const int D = p.head_dim;
-  const int tile_n = p.tile_n;
-  const int head0 = kv_head * p.group + chunk * p.heads_per_chunk;
-  const int heads = static_cast<int>(min64(p.heads_per_chunk, p.group - chunk * p.heads_per_chunk));
+  const int head0 = kv_head * p.group + chunk * kWarpRows;
+  const int heads = static_cast<int>(min64(kWarpRows, p.group - chunk * kWarpRows));
   const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
-
-  const TileSmem L = tile_smem<T>(p.heads_per_chunk, D, tile_n);
-  float* q_s = reinterpret_cast<float*>(smem + L.q);       // [heads, D]
-  unsigned char* k_s = smem + L.k;                          // [tile_n, D + pad] of T
-  unsigned char* v_s = smem + L.v;
-  float* s_s = reinterpret_cast<float*>(smem + L.s);        // [heads, tile_n]
-  int64_t* tok_page = reinterpret_cast<int64_t*>(smem + L.tok_page);
-  int32_t* tok_slot = reinterpret_cast<int32_t*>(smem + L.tok_slot);
-  float* m_s = reinterpret_cast<float*>(smem + L.stats);    // [heads], log2 units
-  float* l_s = m_s + heads;
-  float* alpha_s = l_s + heads;
-  const size_t row_bytes = kv_row_bytes<T>(D);
-
   const int32_t raw_len = p.seq_lens[b * p.stride_sl];
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
-  const int64_t start = static_cast<int64_t>(split) * p.tokens_per_split;
-  const int64_t end = min64(start + p.tokens_per_split, seq_len);
+  const SplitRange range = split_range(seq_len, split, p.num_splits, p.align, p.min_chunk);
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* exp_row = p.expected + b * p.stride_eb;
+  const int ksteps = (p.head_dim + 15) / 16;
 
-  const T* q = static_cast<const T*>(p.q) + b * p.stride_qb;
-  for (int i = tid; i < heads * D; i += kDecodeThreads) {
-    q_s[i] = to_float(q[(head0 + i / D) * p.stride_qh + i % D]);
-  }
-  for (int g = tid; g < heads; g += kDecodeThreads) {
-    m_s[g] = -INFINITY;
-    l_s[g] = 0.0f;
-  }
-  float acc[kMaxOutPerThread];  // output (g, d) = (i / D, i % D) for i = tid + j * kDecodeThreads
-#pragma unroll
-  for (int j = 0; j < kMaxOutPerThread; ++j) acc[j] = 0.0f;
+  unsigned char* q_rows = smem;
+  unsigned char* stages = smem + L::kQBytes + warp * L::kWarpBytes;
+  uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes) + warp * L::kStages;
+  int64_t* offsets = reinterpret_cast<int64_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes + L::kMaskBytes) +
+                     warp * 2 * kSubTile;
+  int32_t* counters = reinterpret_cast<int32_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes + L::kMaskBytes +
+                                                 L::kOffsetBytes);
+
+  load_query_rows<T, D>(q_rows, static_cast<const T*>(p.q) + b * p.stride_qb + head0 * p.stride_qh, p.stride_qh,
+                        heads, p.head_dim);
+  if (tid < kReportFields) counters[tid] = 0;
   __syncthreads();
+  QueryFragments<D> q;
+  q.load(q_rows, ksteps);
+  WarpAttention<T, D> att;
+  att.init();
 
-  const T* k_pool = static_cast<const T*>(p.k);
-  const T* v_pool = static_cast<const T*>(p.v);
-  for (int64_t t0 = start; t0 < end; t0 += tile_n) {
-    resolve_tile<CHECK>(t0, end, tile_n, p.page_shift, bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags,
-                        p.num_pages, tok_page, tok_slot);
-    __syncthreads();
+  // This warp's sub-tiles: j = warp, warp + 4, ... of the split's ceil((end - start) / 16).
+  const int n_sub = static_cast<int>(range.end > range.start ? (range.end - range.start + kSubTile - 1) / kSubTile : 0);
+  const int mine = n_sub > warp ? (n_sub - warp + kWarps - 1) / kWarps : 0;
+  const int64_t seq_owner = exp_row[0];
+  const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh;
 
-    load_tile<T>(k_s, k_pool, p.stride_kp, p.stride_ks, kv_head * p.stride_kh, tok_page, tok_slot, tile_n, D,
-                 p.kv_vec != 0);
-    load_tile<T>(v_s, v_pool, p.stride_vp, p.stride_vs, kv_head * p.stride_vh, tok_page, tok_slot, tile_n, D,
-                 p.kv_vec != 0);
+  // The resolve pipeline (fetch_entry -> fetch_verdict -> place_sub_tile), one step per iteration;
+  // sub-tiles at or past the end resolve to an empty mask without loading anything.
+  TokenEntry entry = fetch_entry(p, bt_row, sub_tile_start(range.start, warp, 0), range.end);
+  TokenVerdict verdict = fetch_verdict<CHECK>(p, exp_row, seq_owner, entry, range.end);
+  entry = fetch_entry(p, bt_row, sub_tile_start(range.start, warp, 1), range.end);
+  int issue_stage = 0;  // stage of the next sub-tile to copy (n % kStages, kept incrementally)
+  const DecodeWarp w{p, bt_row, exp_row, seq_owner, range.start, range.end, warp, mine, k_head_off, v_head_off,
+                     offsets, masks, stages};
+#pragma unroll
+  for (int s = 0; s < L::kStages - 1; ++s) issue_sub_tile<T, D, CHECK>(w, s, entry, verdict, issue_stage);
+  for (int i = 0, st = 0; i < mine; ++i, st = st + 1 == L::kStages ? 0 : st + 1) {
+    issue_sub_tile<T, D, CHECK>(w, i + L::kStages - 1, entry, verdict, issue_stage);
 #if KVATTN_SIM_BREAK != 1
-    __syncthreads();
+    cp_async_wait<L::kStages - 1>();
 #endif
-
-    for (int i = tid; i < heads * tile_n; i += kDecodeThreads) {
-      const int g = i / tile_n;
-      const int n = i % tile_n;
-      float s = -INFINITY;
-      if (tok_slot[n] >= 0) {
-        const T* k_row = reinterpret_cast<const T*>(k_s + n * row_bytes);
-        const float* q_row = q_s + g * D;
-        float dot = 0.0f;
-        for (int d = 0; d < D; ++d) dot += q_row[d] * to_float(k_row[d]);
-        s = dot * p.scale_log2;
+    __syncwarp();
+    const unsigned char* k_rows = stages + st * L::kStageBytes;
+    const uint32_t mask = masks[st];
+    float s[kSubTile / 8][4];
+    qk_scores<T, D, kSubTile>(s, q, k_rows, ksteps);
+#pragma unroll
+    for (int n = 0; n < kSubTile / 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int token = n * 8 + 2 * (lane % 4) + c % 2;
+        s[n][c] = (mask >> token) & 1u ? s[n][c] * p.scale_log2 : -INFINITY;
       }
-      s_s[i] = s;
-    }
-    __syncthreads();
-
-    softmax_tile(s_s, m_s, l_s, alpha_s, heads, tile_n);
-    __syncthreads();
-
-    accumulate_pv<T>(acc, s_s, alpha_s, v_s, row_bytes, heads, D, tile_n);
-    __syncthreads();  // the next tile overwrites the shared tiles
+    att.template softmax_step<kSubTile>(s);
+    att.template accumulate<kSubTile>(s, k_rows + kSubTile * L::kRow, ksteps);
+    __syncwarp();  // the stage is overwritten by the copy issued next
   }
+  cp_async_wait<0>();
+  att.finish();
 
-  // Only an empty row (l == 0) gets the 0 / -inf convention; a NaN read from a page that passed the
-  // check propagates, as in the reference, instead of being turned into a plausible 0.
-  if (p.num_splits == 1) {
-    T* out = static_cast<T*>(p.out) + b * p.stride_ob;
+  // Merge the four warps' states through their own stage memory: [16][D] outputs, then m and l.
+  __syncwarp();
+  float* w_out = reinterpret_cast<float*>(stages);
+  float* w_ml = w_out + kWarpRows * D;
+  const int g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int j = 0; j < kMaxOutPerThread; ++j) {
-      const int i = tid + j * kDecodeThreads;
-      if (i < heads * D) {
-        const float l = l_s[i / D];
-        out[(head0 + i / D) * p.stride_oh + i % D] = from_float<T>(l == 0.0f ? 0.0f : acc[j] / l);
-      }
-    }
-    if (p.lse != nullptr) {
-      for (int g = tid; g < heads; g += kDecodeThreads) {
-        const float l = l_s[g];
-        p.lse[b * p.num_heads + head0 + g] = l == 0.0f ? -INFINITY : (m_s[g] + log2f(l)) * kLn2;
-      }
-    }
-  } else {
+  for (int j = 0; j < D / 8; ++j)
 #pragma unroll
-    for (int j = 0; j < kMaxOutPerThread; ++j) {
-      const int i = tid + j * kDecodeThreads;
-      if (i < heads * D) {
-        const int64_t row = (b * p.num_heads + head0 + i / D) * p.num_splits + split;
-        p.part_acc[row * D + i % D] = acc[j];
-      }
+    for (int c = 0; c < 4; ++c) w_out[(g + 8 * (c / 2)) * D + 8 * j + 2 * t + c % 2] = att.o[j][c];
+  if (t == 0) {
+    w_ml[g] = att.m[0];
+    w_ml[g + 8] = att.m[1];
+    w_ml[kWarpRows + g] = att.l[0];
+    w_ml[kWarpRows + g + 8] = att.l[1];
+  }
+  __syncthreads();
+  const bool active = range.start < range.end;
+  for (int i = tid; i < heads * p.head_dim; i += kThreads) {
+    const int r = i / p.head_dim, d = i % p.head_dim;
+    float m_top = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) {
+      const float* ml = reinterpret_cast<const float*>(smem + L::kQBytes + w * L::kWarpBytes) + kWarpRows * D;
+      m_top = fmaxf(m_top, ml[r]);
     }
-    for (int g = tid; g < heads; g += kDecodeThreads) {
-      const int64_t row = (b * p.num_heads + head0 + g) * p.num_splits + split;
-      p.part_ml[row * 2] = m_s[g];
-      p.part_ml[row * 2 + 1] = l_s[g];
+    const float m_ref = m_top == -INFINITY ? 0.0f : m_top;
+    float o = 0.0f, l = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float* wo = reinterpret_cast<const float*>(smem + L::kQBytes + w * L::kWarpBytes);
+      const float* ml = wo + kWarpRows * D;
+      const float weight = exp2f(ml[r] - m_ref);
+      o += wo[r * D + d] * weight;
+      l += ml[kWarpRows + r] * weight;
+    }
+    // Only an empty row (l == 0) gets the 0 / -inf convention; a NaN read from a page that passed
+    // the check propagates, as in the reference.
+    if (p.num_splits == 1) {
+      static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + d] = from_float<T>(l == 0.0f ? 0.0f : o / l);
+      if (d == 0 && p.lse != nullptr) p.lse[b * p.num_heads + head0 + r] = l == 0.0f ? -INFINITY : (m_ref + log2f(l)) * kLn2;
+    } else if (active) {
+      const int64_t row = (b * p.num_heads + head0 + r) * p.num_splits + split;
+      p.part_acc[row * p.head_dim + d] = o;
+      if (d == 0) {
+        p.part_ml[row * 2] = m_top;
+        p.part_ml[row * 2 + 1] = l;
+      }
     }
   }
 
   if (CHECK && kv_head == 0 && chunk == 0) {
-    int32_t* counters = reinterpret_cast<int32_t*>(smem + L.counters);  // violations, reasons, checked
-    if (tid < 3) counters[tid] = 0;
-    __syncthreads();
-    const int64_t page_lo = start >> p.page_shift;
-    int64_t page_hi = min64((start + p.tokens_per_split) >> p.page_shift, p.max_pages);
+    int8_t* reasons_row = p.page_reasons + b * p.max_pages;
+    const int64_t page_lo = range.start >> p.page_shift;
+    int64_t page_hi = (range.end + (int64_t{1} << p.page_shift) - 1) >> p.page_shift;
 #if KVATTN_SIM_BREAK == 2
     page_hi -= 1;
 #endif
-    check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, p.page_shift, seq_len,
-                page_lo, page_hi, p.page_reasons + b * p.max_pages, counters);
+    if (active) {
+      check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, p.page_shift, seq_len,
+                  page_lo, page_hi, reasons_row, counters, kThreads);
+    }
+    // This split's stripe of the table entries past the sequence: nothing is read there; zeroed
+    // so that every entry of page_reasons is written by the call.
+    const int64_t unread = (seq_len + (int64_t{1} << p.page_shift) - 1) >> p.page_shift;
+    const int64_t stripe = (p.max_pages - unread + p.num_splits - 1) / p.num_splits;
+    const int64_t lo = unread + split * stripe;
+    for (int64_t i = lo + tid; i < min64(lo + stripe, p.max_pages); i += kThreads) reasons_row[i] = 0;
     __syncthreads();
     if (tid == 0) {
-      int n_bad = counters[0];
-      int reasons = counters[1];
-      if (split == 0) {
+      if (p.num_splits == 1) {
         // A seq_len past the table: nothing beyond it is read, and it counts once.
         const int beyond = raw_len > capacity;
         p.beyond_table[b] = beyond;
-        n_bad += beyond;
-        if (beyond) reasons |= static_cast<int>(tags::Violation_OUT_OF_RANGE);
+        p.violations[b] = counters[0] + beyond;
+        p.reasons[b] = counters[1] | (beyond ? static_cast<int>(tags::Violation_OUT_OF_RANGE) : 0);
+        p.pages_checked[b] = counters[2];
+      } else if (active) {
+        int32_t* part = p.part_report + (b * p.num_splits + split) * kReportFields;
+        part[0] = counters[0];
+        part[1] = counters[1];
+        part[2] = counters[2];
       }
-      if (n_bad) atomicAdd(&p.violations[b], n_bad);
-      if (reasons) atomicOr(&p.reasons[b], reasons);
-      if (counters[2]) atomicAdd(&p.pages_checked[b], counters[2]);
     }
   }
 }
 
-// Combines the splits of one (sequence, head). A split with nothing readable has m = -inf, l = 0
-// and weighs 0; a row where every split is empty gets output 0 and lse -inf.
+// Combines the splits of one (sequence, head) that lie inside the sequence. A split with nothing
+// readable has m = -inf, l = 0 and weighs 0; a row where every split is empty gets output 0 and
+// lse -inf. The head-0 block of each sequence also sums the splits' report counts.
 template <class T>
 __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const DecodeParams p) {
   const int64_t b = blockIdx.x;
   const int head = blockIdx.y;
   const int S = p.num_splits;
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
+  const int32_t raw_len = p.seq_lens[b * p.stride_sl];
+  const int64_t seq_len = min64(max64(raw_len, 0), capacity);
+  const SplitRange first = split_range(seq_len, 0, S, p.align, p.min_chunk);
+  const int active = static_cast<int>((seq_len + first.chunk - 1) / first.chunk);
   const int64_t row0 = (b * p.num_heads + head) * S;
   float m_max = -INFINITY;
-  for (int s = 0; s < S; ++s) m_max = fmaxf(m_max, p.part_ml[(row0 + s) * 2]);
+  for (int s = 0; s < active; ++s) m_max = fmaxf(m_max, p.part_ml[(row0 + s) * 2]);
   const float m_ref = m_max == -INFINITY ? 0.0f : m_max;
   float l_sum = 0.0f;
-  for (int s = 0; s < S; ++s) l_sum += p.part_ml[(row0 + s) * 2 + 1] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
+  for (int s = 0; s < active; ++s) l_sum += p.part_ml[(row0 + s) * 2 + 1] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
   T* out = static_cast<T*>(p.out) + b * p.stride_ob + head * p.stride_oh;
   for (int d = threadIdx.x; d < p.head_dim; d += kMergeThreads) {
     float o = 0.0f;
-    for (int s = 0; s < S; ++s) o += p.part_acc[(row0 + s) * p.head_dim + d] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
+    for (int s = 0; s < active; ++s) o += p.part_acc[(row0 + s) * p.head_dim + d] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
     out[d] = from_float<T>(l_sum == 0.0f ? 0.0f : o / l_sum);
   }
   if (threadIdx.x == 0 && p.lse != nullptr) {
     p.lse[b * p.num_heads + head] = l_sum == 0.0f ? -INFINITY : (m_ref + log2f(l_sum)) * kLn2;
   }
+  if (p.violations != nullptr && head == 0 && threadIdx.x == 0) {
+    int bad = 0, bits = 0, read = 0;
+    for (int s = 0; s < active; ++s) {
+      const int32_t* part = p.part_report + (b * S + s) * kReportFields;
+      bad += part[0];
+      bits |= part[1];
+      read += part[2];
+    }
+    const int beyond = raw_len > capacity;
+    p.beyond_table[b] = beyond;
+    p.violations[b] = bad + beyond;
+    p.reasons[b] = bits | (beyond ? static_cast<int>(tags::Violation_OUT_OF_RANGE) : 0);
+    p.pages_checked[b] = read;
+  }
 }
 
+// The 16-bit element types of the tensor-core kernels (float32 pools run on the Triton backend).
 template <class T>
-int decode_tile_tokens(int head_dim) {
-  int tile = 64;
-  while (tile > 8 && static_cast<size_t>(tile) * head_dim * sizeof(T) > static_cast<size_t>(kTileBytes)) tile /= 2;
-  return tile;
+constexpr bool kTensorCoreType = false;
+template <>
+constexpr bool kTensorCoreType<__half> = true;
+template <>
+constexpr bool kTensorCoreType<__nv_bfloat16> = true;
+
+// True when K/V rows can be copied in 16-byte pieces: aligned pools, strides and head_dim in
+// multiples of 8 elements.
+inline bool kv_rows_aligned(const void* k, const void* v, const int64_t (&strides)[6], int head_dim) {
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  bool vec = aligned(k) && aligned(v) && head_dim % 8 == 0;
+  for (int64_t s : strides) vec = vec && s % 8 == 0;
+  return vec;
 }
 
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernels cannot run.
 template <class T>
 const char* plan_decode(DecodeParams& p) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (p.head_dim < 8 || p.head_dim > kMaxHeadDim || p.head_dim % 8) return "head_dim must be a multiple of 8 in [8, 256]";
-  if (p.num_kv_heads < 1 || p.num_heads % p.num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
+  if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8) return "head_dim must be a multiple of 8 in [8, 256]";
+  if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
+    return "num_heads must be a positive multiple of num_kv_heads";
   if (p.page_shift < 0 || p.page_shift > 8) return "page_size must be a power of two in [1, 256]";
   if (p.max_pages < 1 || p.batch < 1) return "empty block table or batch";
-  const int64_t page_size = int64_t{1} << p.page_shift;
-  if (p.tokens_per_split < 1 || p.tokens_per_split % page_size) return "tokens_per_split must be a positive multiple of page_size";
-  if (p.num_splits < 1 || p.num_splits > 65535 ||
-      static_cast<int64_t>(p.num_splits) * p.tokens_per_split < (static_cast<int64_t>(p.max_pages) << p.page_shift))
-    return "num_splits * tokens_per_split must cover max_pages * page_size";
+  const int page_size = 1 << p.page_shift;
+  if (p.align < kSubTile || p.align % kSubTile || p.align % page_size || p.min_chunk < p.align || p.min_chunk % p.align)
+    return "align must be a multiple of 16 and of page_size, min_chunk a multiple of align";
+  if (p.num_splits < 1 || p.num_splits > 65535) return "num_splits must be in [1, 65535]";
   if (p.num_splits > 1 && (p.part_acc == nullptr || p.part_ml == nullptr)) return "split buffers missing";
   p.group = p.num_heads / p.num_kv_heads;
-  p.heads_per_chunk = std::min(p.group, kDecodeThreads * kMaxOutPerThread / p.head_dim);
-  p.num_chunks = (p.group + p.heads_per_chunk - 1) / p.heads_per_chunk;
+  p.num_chunks = (p.group + kWarpRows - 1) / kWarpRows;
   if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks > 65535) return "too many KV heads";
-  p.tile_n = decode_tile_tokens<T>(p.head_dim);
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const int64_t strides[] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
-  bool vec = aligned(p.k) && aligned(p.v) && p.head_dim % kVec == 0;
-  for (int64_t s : strides) vec = vec && s % kVec == 0;
-  p.kv_vec = vec;
-  p.smem_bytes = static_cast<int>(tile_smem<T>(p.heads_per_chunk, p.head_dim, p.tile_n).total);
+  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
+  if (!kv_rows_aligned(p.k, p.v, strides, p.head_dim))
+    return "K/V rows must be 16-byte aligned (pool pointers 16-byte aligned, strides multiples of 8 elements)";
+  const int d = padded_head_dim(p.head_dim);
+  p.smem_bytes = d == 64 ? DecodeLayout<64>::kTotal : d == 128 ? DecodeLayout<128>::kTotal : DecodeLayout<256>::kTotal;
   return nullptr;
+}
+
+template <class T, int D, bool CHECK>
+cudaError_t launch_decode_kernel(const DecodeParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_kv_heads * p.num_chunks),
+                  static_cast<unsigned>(p.num_splits));
+  return launch_kernel(&paged_decode_kernel<T, D, CHECK>, grid, dim3(kThreads), static_cast<size_t>(p.smem_bytes),
+                       stream, p);
 }
 
 template <class T, bool CHECK>
@@ -460,21 +466,23 @@ LaunchResult launch_decode(DecodeParams& p, cudaStream_t stream) {
   const char* refused = plan_decode<T>(p);
   if (refused != nullptr) return {static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", refused};
   if (CHECK && (p.violations == nullptr || p.reasons == nullptr || p.pages_checked == nullptr ||
-                p.beyond_table == nullptr || p.page_reasons == nullptr))
+                p.beyond_table == nullptr || p.page_reasons == nullptr ||
+                (p.num_splits > 1 && p.part_report == nullptr)))
     return {static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", "report buffers missing"};
-  const size_t smem = static_cast<size_t>(p.smem_bytes);
-  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_kv_heads * p.num_chunks),
-                  static_cast<unsigned>(p.num_splits));
-  cudaError_t e = launch_kernel(&paged_decode_kernel<T, CHECK>, grid, dim3(kDecodeThreads), smem, stream,
-                                static_cast<const DecodeParams&>(p));
+  const int d = padded_head_dim(p.head_dim);
+  cudaError_t e = d == 64    ? launch_decode_kernel<T, 64, CHECK>(p, stream)
+                  : d == 128 ? launch_decode_kernel<T, 128, CHECK>(p, stream)
+                             : launch_decode_kernel<T, 256, CHECK>(p, stream);
   if (e != cudaSuccess) {
     return {static_cast<int>(e), CHECK ? "paged_decode_kernel<check=true>" : "paged_decode_kernel<check=false>",
             cudaGetErrorString(e)};
   }
   if (p.num_splits > 1) {
     const dim3 merge_grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
+    DecodeParams merge = p;
+    if (!CHECK) merge.violations = nullptr;
     e = launch_kernel(&merge_splits_kernel<T>, merge_grid, dim3(kMergeThreads), 0, stream,
-                      static_cast<const DecodeParams&>(p));
+                      static_cast<const DecodeParams&>(merge));
     if (e != cudaSuccess) return {static_cast<int>(e), "merge_splits_kernel", cudaGetErrorString(e)};
   }
   return {0, nullptr, nullptr};

@@ -6,8 +6,8 @@
 #include "extend.cuh"
 #include "write_kv.cuh"
 
-#ifndef KVATTN_FP32_ONLY
-#define KVATTN_FP32_ONLY 0  // test builds of the harness compile one dtype to save build time
+#ifndef KVATTN_HALF_ONLY
+#define KVATTN_HALF_ONLY 0  // test builds of the harness compile one dtype to save build time
 #endif
 
 namespace kvattn {
@@ -18,17 +18,19 @@ struct TypeTag {
 };
 
 // Calls launch(TypeTag<T>{}) for the element type of `dtype`; a dtype this module was not built
-// with is refused in the name of `launcher`.
+// with is refused in the name of `launcher`. The attention kernels run on 16-bit tensor cores:
+// with `tensor_core_only`, float32 is refused (the Triton backend runs it).
 template <class Launch>
-LaunchResult by_dtype(DType dtype, const char* launcher, Launch&& launch) {
+LaunchResult by_dtype(DType dtype, const char* launcher, bool tensor_core_only, Launch&& launch) {
   switch (dtype) {
-    case DType::kFloat32:
-      return launch(TypeTag<float>{});
-#if !KVATTN_FP32_ONLY
     case DType::kFloat16:
       return launch(TypeTag<__half>{});
+#if !KVATTN_HALF_ONLY
     case DType::kBFloat16:
       return launch(TypeTag<__nv_bfloat16>{});
+    case DType::kFloat32:
+      if (tensor_core_only) return {static_cast<int>(cudaErrorInvalidValue), launcher, "float32 is not supported (fp16/bf16 tensor cores)"};
+      return launch(TypeTag<float>{});
 #endif
     default:
       break;
@@ -38,23 +40,25 @@ LaunchResult by_dtype(DType dtype, const char* launcher, Launch&& launch) {
 
 LaunchResult paged_decode(DecodeParams& p, DType dtype, bool check, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return by_dtype(dtype, "paged_decode (launcher)", [&](auto tag) {
+  return by_dtype(dtype, "paged_decode (launcher)", true, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return check ? launch_decode<T, true>(p, s) : launch_decode<T, false>(p, s);
+    if constexpr (kTensorCoreType<T>) return check ? launch_decode<T, true>(p, s) : launch_decode<T, false>(p, s);
+    return LaunchResult{static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", "unsupported dtype"};
   });
 }
 
 LaunchResult paged_extend(ExtendParams& p, DType dtype, bool check, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return by_dtype(dtype, "paged_extend (launcher)", [&](auto tag) {
+  return by_dtype(dtype, "paged_extend (launcher)", true, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return check ? launch_extend<T, true>(p, s) : launch_extend<T, false>(p, s);
+    if constexpr (kTensorCoreType<T>) return check ? launch_extend<T, true>(p, s) : launch_extend<T, false>(p, s);
+    return LaunchResult{static_cast<int>(cudaErrorInvalidValue), "paged_extend (launcher)", "unsupported dtype"};
   });
 }
 
 LaunchResult write_kv(const WriteKVParams& p, DType dtype, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return by_dtype(dtype, "write_kv (launcher)", [&](auto tag) {
+  return by_dtype(dtype, "write_kv (launcher)", false, [&](auto tag) {
     using T = typename decltype(tag)::type;
     return launch_write_kv<T>(p, s);
   });

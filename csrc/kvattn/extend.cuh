@@ -1,42 +1,115 @@
-// Paged extend (chunked prefill) with the ownership check (ownership.md section 3) as a template
-// parameter. One source for nvcc and for the CPU harness (csrc/sim/simt.h). Semantics:
-// kvattn.paged_extend; layout: kvattn/layout.py.
+// Paged extend (chunked prefill) with the ownership check (docs/ownership.md, section 3) as a
+// template parameter. One source for nvcc and for the CPU harness (csrc/sim/simt.h). Semantics:
+// kvattn.paged_extend; layout: kvattn/layout.py; the rule: tag_rule.cuh; the tensor-core step:
+// attention.cuh.
 //
-// Grid (query-tile slots, num_kv_heads * num_chunks), kDecodeThreads threads. The launcher
-// (kvattn/backends/cuda/launch.py) gives sequence b max(1, ceil(q_len_b / block_m)) consecutive slots
-// from tile_start[b] on, computed with device ops; a block finds its sequence by binary search in
-// tile_start. The grid, ceil(total_q / block_m) + B slots, depends on shapes only (no host sync), and
-// the spare slots past the last tile write nothing. A block serves block_m query rows times the
-// heads of one chunk of a KV head's GQA group: rows = block_m * heads, row r is query m = r / heads
-// of the tile and head g = r % heads of the chunk, so each K/V tile is read once for all of them.
-// Per tile of tile_n tokens, the steps of the decode kernel (decode.cuh): resolve and check each
-// token's page (a refused token is never loaded), stage K and V in shared memory, logits with the
-// causal mask, online softmax one warp per row in base 2, P @ V into registers.
-// Causal tiles entirely after the tile's last query position are never visited. The report is
-// written by the block of query tile 0, KV head 0, chunk 0 of each sequence (every sequence has a
-// tile 0, even one without query rows), which checks every table entry once.
+// The checked launch first runs resolve_pages_kernel, one block per sequence: the reader's rule on
+// every logical page once, the report, and an effective table whose entry packs the physical page
+// and its readable slots (page << 32 | readable). The attention kernel then reads one entry per key
+// in both variants (the effective entry, or the block-table entry behind the range guard), so the
+// check adds no work to the inner loop and the two variants pipeline the same way.
+//
+// Grid (query-tile slots, num_kv_heads * num_chunks), 4 warps of 16 rows. A block's 64 rows are
+// tokens_per_tile query tokens times the heads_per_tile heads of one chunk of a KV head's GQA group
+// (row r: token r / heads_per_tile, head r % heads_per_tile), so each K/V tile is gathered once for
+// the whole group and the tensor-core tiles are full even for a one-token chunk. The launcher
+// (kvattn/backends/cuda/launch.py) gives sequence b max(1, ceil(q_len_b / tokens_per_tile))
+// consecutive slots from tile_start[b] on, with device ops; a block finds its sequence by binary
+// search in tile_start; the ceil(total_q / tokens_per_tile) + B slots depend on shapes only and the
+// spare ones write nothing. Key tiles are double-buffered by cp.async (zero-fill for keys that may
+// not be read); each key's page entry is loaded one tile ahead of its copy. Causal tiles wholly
+// after the block's last query position are never visited, and only tiles that cross the diagonal
+// apply the causal mask per element.
 #pragma once
 
 #include "decode.cuh"
 
 namespace kvattn {
 
-// A minimum of one block per SM lets ptxas go past the 64 registers it otherwise aims for on sm_90,
-// where the checked variant spilled; shared memory limits the blocks per SM before registers do.
-template <class T, bool CHECK>
-__global__ void __launch_bounds__(kDecodeThreads, 1) paged_extend_kernel(const ExtendParams p) {
-  static_assert(kDecodeThreads * kMaxOutPerThread == kExtendMaxRowElems, "accumulator size");
+template <int D>
+struct ExtendLayout {
+  static constexpr int kStages = 2;
+  static constexpr int kKeys = D <= 128 ? 64 : 32;  // keys per tile
+  static constexpr int kRow = tile_row_bytes<D>();
+  static constexpr int kChunks = D * 2 / 16;
+  static constexpr int kKeySlots = 3;  // key entries: tile j read, tile j + 1 copied, tile j + 2 stored
+  static constexpr int kQBytes = kExtendRows * kRow;
+  static constexpr int kTileBytes = 2 * kKeys * kRow;  // K and V of one tile
+  static constexpr int kKeyBytes = kKeySlots * kKeys * 8;  // per key: page (-1: not read) and slot
+  static constexpr int kMaskBytes = kKeySlots * 8;
+  static constexpr int kTotal = kQBytes + kStages * kTileBytes + kKeyBytes + kMaskBytes;
+};
+
+// One sequence per block: each table entry's reason (0 when accepted or not read), the report's
+// counters and the effective entry page << 32 | readable slots (0 for a page that is not read).
+__global__ void __launch_bounds__(kThreads) resolve_pages_kernel(const ExtendParams p) {
+  KVATTN_DYNAMIC_SMEM(smem);
+  int32_t* counters = reinterpret_cast<int32_t*>(smem);
+  const int tid = threadIdx.x;
+  const int64_t b = blockIdx.x;
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
+  const int32_t raw_len = p.seq_lens[b * p.stride_sl];
+  const int64_t seq_len = min64(max64(raw_len, 0), capacity);
+  const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
+  const int64_t* exp_row = p.expected + b * p.stride_eb;
+  if (tid < kReportFields) counters[tid] = 0;
+  __syncthreads();
+  check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, p.page_shift, seq_len, 0,
+              p.max_pages, p.page_reasons + b * p.max_pages, counters, kThreads);
+  const int64_t page_size = int64_t{1} << p.page_shift;
+  for (int64_t i = tid; i < p.max_pages; i += kThreads) {
+    const bool read = seq_len > (i << p.page_shift);
+    const int64_t page = read ? bt_row[i * p.stride_bt_p] : 0;
+    const bool in_range = page >= 0 && page < p.num_pages;
+    const int readable = read && in_range ? readable_slots(p.page_tags[page], exp_row[i * p.stride_ep]) : 0;
+    p.effective[b * p.max_pages + i] =
+        (in_range ? page : 0) << 32 | static_cast<int64_t>(min64(readable, page_size));
+  }
+  __syncthreads();
+  if (tid == 0) {
+    // A seq_len past the table: nothing beyond it is read, and it counts once.
+    const int beyond = raw_len > capacity;
+    p.beyond_table[b] = beyond;
+    p.violations[b] = counters[0] + beyond;
+    p.reasons[b] = counters[1] | (beyond ? static_cast<int>(tags::Violation_OUT_OF_RANGE) : 0);
+    p.pages_checked[b] = counters[2];
+  }
+}
+
+// Where key t0 + tid lives (threads tid < kKeys): page (-1 when the key may not be read) and slot.
+template <bool CHECK>
+KVATTN_DEVICE int2 load_key_entry(const ExtendParams& p, const int32_t* bt_row, const int64_t* eff_row, int64_t t0,
+                                  int64_t kv_hi, int keys) {
+  const int tid = threadIdx.x;
+  int2 entry = make_int2(-1, 0);
+  const int64_t t = t0 + tid;
+  if (tid < keys && t < kv_hi) {
+    const int64_t logical = t >> p.page_shift;
+    const int slot = static_cast<int>(t & ((int64_t{1} << p.page_shift) - 1));
+    if (CHECK) {
+      const int64_t e = eff_row[logical];
+      if (slot < static_cast<int>(e & 0xffffffff)) entry = make_int2(static_cast<int>(e >> 32), slot);
+    } else {
+      const int32_t page = bt_row[logical * p.stride_bt_p];
+      if (page >= 0 && page < p.num_pages) entry = make_int2(page, slot);
+    }
+  }
+  return entry;
+}
+
+template <class T, int D, bool CHECK>
+__global__ void __launch_bounds__(kThreads) paged_extend_kernel(const ExtendParams p) {
+  using L = ExtendLayout<D>;
+  constexpr int NK = L::kKeys;
   KVATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
   const int64_t slot_id = blockIdx.x;
   const int kv_head = static_cast<int>(blockIdx.y) / p.num_chunks;
   const int chunk = static_cast<int>(blockIdx.y) % p.num_chunks;
-  const int D = p.head_dim;
-  const int tile_n = p.tile_n;
-  const int head0 = kv_head * p.group + chunk * p.heads_per_chunk;
-  const int heads = static_cast<int>(min64(p.heads_per_chunk, p.group - chunk * p.heads_per_chunk));
-  const int rows = p.block_m * heads;
+  const int H = p.heads_per_tile, TOK = p.tokens_per_tile;
   const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
+  const int ksteps = (p.head_dim + 15) / 16;
 
   // The sequence of this slot: the last one whose first tile is at or before it (tile_start[0] = 0).
   int64_t lo = 0, hi = p.batch - 1;
@@ -46,128 +119,138 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_extend_kernel(const E
   }
   const int64_t b = lo;
   const int64_t tile = slot_id - p.tile_start[b];
-
   const int64_t row0 = p.q_start[b];
   const int64_t q_len = p.q_start[b + 1] - row0;
   const int32_t raw_len = p.seq_lens[b * p.stride_sl];
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
   const int64_t first_pos = raw_len - q_len;  // position of the sequence's first query token
-  const int64_t m0 = tile * p.block_m;
-  // One past the last key the tile reads; 0 for a spare slot and for a sequence holding fewer tokens
-  // than it has queries (malformed: it fails closed and reads nothing).
+  const int64_t m0 = tile * TOK;
+  // One past the last key the block reads; 0 for a spare slot and for a sequence holding fewer
+  // tokens than it has queries (malformed: it fails closed and reads nothing).
   int64_t kv_hi = seq_len;
-  if (p.causal) kv_hi = min64(kv_hi, first_pos + min64(m0 + p.block_m, q_len));
+  if (p.causal) kv_hi = min64(kv_hi, first_pos + min64(m0 + TOK, q_len));
   if (m0 >= q_len || q_len > raw_len) kv_hi = 0;
+  const int64_t n_tiles = (kv_hi + NK - 1) / NK;
+  // Key tiles from here on may hold keys after the block's first query position: causal mask.
+  const int64_t diagonal = p.causal ? max64(first_pos + m0 + 1, 0) / NK * NK : kv_hi;
 
-  const TileSmem L = tile_smem<T>(p.block_m * p.heads_per_chunk, D, tile_n);
-  float* q_s = reinterpret_cast<float*>(smem + L.q);  // [rows, D]
-  unsigned char* k_s = smem + L.k;                     // [tile_n, D + pad] of T
-  unsigned char* v_s = smem + L.v;
-  float* s_s = reinterpret_cast<float*>(smem + L.s);   // [rows, tile_n]
-  int64_t* tok_page = reinterpret_cast<int64_t*>(smem + L.tok_page);
-  int32_t* tok_slot = reinterpret_cast<int32_t*>(smem + L.tok_slot);
-  float* m_s = reinterpret_cast<float*>(smem + L.stats);  // [rows], log2 units
-  float* l_s = m_s + rows;
-  float* alpha_s = l_s + rows;
-  const size_t row_bytes = kv_row_bytes<T>(D);
+  unsigned char* q_rows = smem;
+  unsigned char* tiles = smem + L::kQBytes;
+  int2* keys = reinterpret_cast<int2*>(tiles + L::kStages * L::kTileBytes);
+  uint32_t* masks = reinterpret_cast<uint32_t*>(keys + L::kKeySlots * NK);
 
+  // Row r of the block: token m0 + r / H, head kv_head * group + chunk * H + r % H; rows past the
+  // sequence's queries, past the group or past TOK * H read q = 0 and are never stored.
+  auto row_token = [&](int r) { return m0 + r / H; };
+  auto row_head = [&](int r) { return chunk * H + r % H; };  // within the GQA group
+  auto row_ok = [&](int r) { return r < TOK * H && row_token(r) < q_len && row_head(r) < p.group; };
+  const T* q_ptr = static_cast<const T*>(p.q);
+  for (int i = tid; i < kExtendRows * D; i += kThreads) {
+    const int r = i / D, d = i % D;
+    T x = from_float<T>(0.0f);
+    if (row_ok(r) && d < p.head_dim)
+      x = q_ptr[(row0 + row_token(r)) * p.stride_qt + (kv_head * p.group + row_head(r)) * p.stride_qh + d];
+    reinterpret_cast<T*>(q_rows + r * L::kRow)[d] = x;
+  }
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
-  const int64_t* exp_row = p.expected + b * p.stride_eb;
+  const int64_t* eff_row = CHECK ? p.effective + b * p.max_pages : nullptr;
+  int2 entry = load_key_entry<CHECK>(p, bt_row, eff_row, 0, kv_hi, NK);
 
-  const T* q = static_cast<const T*>(p.q);
-  for (int i = tid; i < rows * D; i += kDecodeThreads) {
-    const int r = i / D;
-    const int64_t m = m0 + r / heads;
-    const int head = head0 + r % heads;
-    q_s[i] = m < q_len ? to_float(q[(row0 + m) * p.stride_qt + head * p.stride_qh + i % D]) : 0.0f;
-  }
-  for (int r = tid; r < rows; r += kDecodeThreads) {
-    m_s[r] = -INFINITY;
-    l_s[r] = 0.0f;
-  }
-  float acc[kMaxOutPerThread];  // output (r, d) = (i / D, i % D) for i = tid + j * kDecodeThreads
-#pragma unroll
-  for (int j = 0; j < kMaxOutPerThread; ++j) acc[j] = 0.0f;
-  __syncthreads();
-
+  // Stores the key entries of tile j (loaded one tile earlier) and their mask: keys 32w .. 32w + 31
+  // by warp w.
+  auto store_keys = [&](int64_t j) {
+    const int ks = static_cast<int>(j % L::kKeySlots);
+    if (tid < NK) keys[ks * NK + tid] = entry;
+    const unsigned bits = __ballot_sync(0xffffffffu, tid < NK && entry.x >= 0);
+    if (lane == 0 && warp < NK / 32) masks[ks * 2 + warp] = bits;
+  };
   const T* k_pool = static_cast<const T*>(p.k);
   const T* v_pool = static_cast<const T*>(p.v);
-  for (int64_t t0 = 0; t0 < kv_hi; t0 += tile_n) {
-    resolve_tile<CHECK>(t0, kv_hi, tile_n, p.page_shift, bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags,
-                        p.num_pages, tok_page, tok_slot);
-    __syncthreads();
-
-    load_tile<T>(k_s, k_pool, p.stride_kp, p.stride_ks, kv_head * p.stride_kh, tok_page, tok_slot, tile_n, D,
-                 p.kv_vec != 0);
-    load_tile<T>(v_s, v_pool, p.stride_vp, p.stride_vs, kv_head * p.stride_vh, tok_page, tok_slot, tile_n, D,
-                 p.kv_vec != 0);
-    __syncthreads();
-
-    for (int i = tid; i < rows * tile_n; i += kDecodeThreads) {
-      const int r = i / tile_n;
-      const int n = i % tile_n;
-      const int64_t m = m0 + r / heads;
-      bool visible = tok_slot[n] >= 0 && m < q_len;
-      if (p.causal) visible = visible && t0 + n <= first_pos + m;
-      float s = -INFINITY;
-      if (visible) {
-        const T* k_row = reinterpret_cast<const T*>(k_s + n * row_bytes);
-        const float* q_row = q_s + r * D;
-        float dot = 0.0f;
-        for (int d = 0; d < D; ++d) dot += q_row[d] * to_float(k_row[d]);
-        s = dot * p.scale_log2;
-      }
-      s_s[i] = s;
+  const int chunks = p.head_dim / 8;
+  const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh;
+  auto copy_tile = [&](int64_t j) {
+    const int2* tile_keys = keys + (j % L::kKeySlots) * NK;
+    unsigned char* k_dst0 = tiles + (j % L::kStages) * L::kTileBytes;
+#pragma unroll
+    for (int k = 0; k < NK * L::kChunks / kThreads; ++k) {
+      const int idx = k * kThreads + tid;
+      const int row = idx / L::kChunks;
+      const int c = idx % L::kChunks;
+      const int2 key = tile_keys[row];
+      // A key that is not read points at page 0 (inside the pool); a 0-byte copy reads nothing.
+      const int bytes = key.x >= 0 && c < chunks ? 16 : 0;
+      const int64_t page = key.x >= 0 ? key.x : 0;
+      const int64_t k_off = page * p.stride_kp + key.y * p.stride_ks + k_head_off + c * 8;
+      const int64_t v_off = page * p.stride_vp + key.y * p.stride_vs + v_head_off + c * 8;
+      unsigned char* k_dst = k_dst0 + row * L::kRow + c * 16;
+      cp_async_16(k_dst, k_pool + k_off, bytes);
+      cp_async_16(k_dst + NK * L::kRow, v_pool + v_off, bytes);
     }
-    __syncthreads();
+  };
 
-    softmax_tile(s_s, m_s, l_s, alpha_s, rows, tile_n);
-    __syncthreads();
+  store_keys(0);
+  entry = load_key_entry<CHECK>(p, bt_row, eff_row, NK, kv_hi, NK);
+  __syncthreads();
+  if (n_tiles > 0) copy_tile(0);
+  cp_async_commit();
+  QueryFragments<D> q;
+  q.load(q_rows + warp * kWarpRows * L::kRow, ksteps);
+  WarpAttention<T, D> att;
+  att.init();
+  const int g = lane / 4, t = lane % 4;
+  int64_t q_pos[2];  // positions of this lane's rows g and g + 8
+  for (int r = 0; r < 2; ++r) q_pos[r] = first_pos + row_token(warp * kWarpRows + g + 8 * r);
 
-    accumulate_pv<T>(acc, s_s, alpha_s, v_s, row_bytes, rows, D, tile_n);
-    __syncthreads();  // the next tile overwrites the shared tiles
+  for (int64_t j = 0; j < n_tiles; ++j) {
+    store_keys(j + 1);  // entries of tile j + 1, loaded during tile j - 1
+    entry = load_key_entry<CHECK>(p, bt_row, eff_row, (j + 2) * NK, kv_hi, NK);
+    __syncthreads();  // tile j + 1's entries visible; every warp is done with tile j - 1's buffer
+    if (j + 1 < n_tiles) copy_tile(j + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // tile j landed for every thread
+
+    const unsigned char* k_rows = tiles + (j % L::kStages) * L::kTileBytes;
+    const int ks = static_cast<int>(j % L::kKeySlots);
+    const uint64_t mask = static_cast<uint64_t>(masks[ks * 2]) | (NK > 32 ? static_cast<uint64_t>(masks[ks * 2 + 1]) << 32 : 0);
+    const int64_t t0 = j * NK;
+    float s[NK / 8][4];
+    qk_scores<T, D, NK>(s, q, k_rows, ksteps);
+    const bool causal_tile = p.causal && t0 + NK > diagonal;
+#pragma unroll
+    for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int key = n * 8 + 2 * t + c % 2;
+        bool visible = (mask >> key) & 1u;
+        if (causal_tile) visible = visible && t0 + key <= q_pos[c / 2];
+        s[n][c] = visible ? s[n][c] * p.scale_log2 : -INFINITY;
+      }
+    att.template softmax_step<NK>(s);
+    att.template accumulate<NK>(s, k_rows + NK * L::kRow, ksteps);
   }
+  cp_async_wait<0>();
+  att.finish();
 
   // Only an empty row (l == 0) gets the 0 / -inf convention; a NaN read from a page that passed the
-  // check propagates, as in the reference. Rows past the sequence's queries are not written.
+  // check propagates, as in the reference.
   T* out = static_cast<T*>(p.out);
 #pragma unroll
-  for (int j = 0; j < kMaxOutPerThread; ++j) {
-    const int i = tid + j * kDecodeThreads;
-    if (i < rows * D) {
-      const int r = i / D;
-      const int64_t m = m0 + r / heads;
-      if (m < q_len) {
-        const float l = l_s[r];
-        out[(row0 + m) * p.stride_ot + (head0 + r % heads) * p.stride_oh + i % D] =
-            from_float<T>(l == 0.0f ? 0.0f : acc[j] / l);
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * kWarpRows + g + 8 * r;
+    if (!row_ok(row)) continue;
+    const float l = att.l[r];
+    T* out_row = out + (row0 + row_token(row)) * p.stride_ot + (kv_head * p.group + row_head(row)) * p.stride_oh;
+#pragma unroll
+    for (int jd = 0; jd < D / 8; ++jd)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int d = 8 * jd + 2 * t + c;
+        if (d < p.head_dim) out_row[d] = from_float<T>(l == 0.0f ? 0.0f : att.o[jd][2 * r + c] / l);
       }
-    }
-  }
-  if (p.lse != nullptr) {
-    for (int r = tid; r < rows; r += kDecodeThreads) {
-      const int64_t m = m0 + r / heads;
-      if (m < q_len) {
-        const float l = l_s[r];
-        p.lse[(row0 + m) * p.num_heads + head0 + r % heads] = l == 0.0f ? -INFINITY : (m_s[r] + log2f(l)) * kLn2;
-      }
-    }
-  }
-
-  if (CHECK && kv_head == 0 && chunk == 0 && tile == 0) {
-    int32_t* counters = reinterpret_cast<int32_t*>(smem + L.counters);  // violations, reasons, checked
-    if (tid < 3) counters[tid] = 0;
-    __syncthreads();
-    check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, p.page_shift, seq_len,
-                0, p.max_pages, p.page_reasons + b * p.max_pages, counters);
-    __syncthreads();
-    if (tid == 0) {
-      // A seq_len past the table: nothing beyond it is read, and it counts once.
-      const int beyond = raw_len > capacity;
-      p.beyond_table[b] = beyond;
-      p.violations[b] = counters[0] + beyond;
-      p.reasons[b] = counters[1] | (beyond ? static_cast<int>(tags::Violation_OUT_OF_RANGE) : 0);
-      p.pages_checked[b] = counters[2];
+    if (t == 0 && p.lse != nullptr) {
+      p.lse[(row0 + row_token(row)) * p.num_heads + kv_head * p.group + row_head(row)] =
+          l == 0.0f ? -INFINITY : (att.m[r] + log2f(l)) * kLn2;
     }
   }
 }
@@ -175,38 +258,49 @@ __global__ void __launch_bounds__(kDecodeThreads, 1) paged_extend_kernel(const E
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernel cannot run.
 template <class T>
 const char* plan_extend(ExtendParams& p) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (p.head_dim < 8 || p.head_dim > kMaxHeadDim || p.head_dim % 8) return "head_dim must be a multiple of 8 in [8, 256]";
-  if (p.num_kv_heads < 1 || p.num_heads % p.num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
+  if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8) return "head_dim must be a multiple of 8 in [8, 256]";
+  if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
+    return "num_heads must be a positive multiple of num_kv_heads";
   if (p.page_shift < 0 || p.page_shift > 8) return "page_size must be a power of two in [1, 256]";
   if (p.max_pages < 1 || p.batch < 1) return "empty block table or batch";
   p.group = p.num_heads / p.num_kv_heads;
-  if (p.block_m < 1 || p.heads_per_chunk < 1 || p.heads_per_chunk > p.group ||
-      static_cast<int64_t>(p.block_m) * p.heads_per_chunk * p.head_dim > kExtendMaxRowElems)
-    return "block_m * heads_per_chunk * head_dim must be at most kExtendMaxRowElems";
+  if (p.heads_per_tile < 1 || p.heads_per_tile > std::min(p.group, kExtendRows) || p.tokens_per_tile < 1 ||
+      p.tokens_per_tile * p.heads_per_tile > kExtendRows)
+    return "tokens_per_tile * heads_per_tile must be at most 64, heads_per_tile at most the GQA group";
   if (p.num_slots < p.batch) return "num_slots must give every sequence a tile";
-  p.num_chunks = (p.group + p.heads_per_chunk - 1) / p.heads_per_chunk;
+  p.num_chunks = (p.group + p.heads_per_tile - 1) / p.heads_per_tile;
   if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks > 65535) return "too many KV heads";
-  p.tile_n = decode_tile_tokens<T>(p.head_dim);
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const int64_t strides[] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
-  bool vec = aligned(p.k) && aligned(p.v) && p.head_dim % kVec == 0;
-  for (int64_t s : strides) vec = vec && s % kVec == 0;
-  p.kv_vec = vec;
-  p.smem_bytes = static_cast<int>(tile_smem<T>(p.block_m * p.heads_per_chunk, p.head_dim, p.tile_n).total);
+  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
+  if (!kv_rows_aligned(p.k, p.v, strides, p.head_dim))
+    return "K/V rows must be 16-byte aligned (pool pointers 16-byte aligned, strides multiples of 8 elements)";
+  const int d = padded_head_dim(p.head_dim);
+  p.smem_bytes = d == 64 ? ExtendLayout<64>::kTotal : d == 128 ? ExtendLayout<128>::kTotal : ExtendLayout<256>::kTotal;
   return nullptr;
+}
+
+template <class T, int D, bool CHECK>
+cudaError_t launch_extend_kernel(const ExtendParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.num_slots), static_cast<unsigned>(p.num_kv_heads * p.num_chunks));
+  return launch_kernel(&paged_extend_kernel<T, D, CHECK>, grid, dim3(kThreads), static_cast<size_t>(p.smem_bytes),
+                       stream, p);
 }
 
 template <class T, bool CHECK>
 LaunchResult launch_extend(ExtendParams& p, cudaStream_t stream) {
   const char* refused = plan_extend<T>(p);
   if (refused != nullptr) return {static_cast<int>(cudaErrorInvalidValue), "paged_extend (launcher)", refused};
-  if (CHECK && (p.violations == nullptr || p.reasons == nullptr || p.pages_checked == nullptr ||
-                p.beyond_table == nullptr || p.page_reasons == nullptr))
-    return {static_cast<int>(cudaErrorInvalidValue), "paged_extend (launcher)", "report buffers missing"};
-  const dim3 grid(static_cast<unsigned>(p.num_slots), static_cast<unsigned>(p.num_kv_heads * p.num_chunks));
-  const cudaError_t e = launch_kernel(&paged_extend_kernel<T, CHECK>, grid, dim3(kDecodeThreads),
-                                      static_cast<size_t>(p.smem_bytes), stream, static_cast<const ExtendParams&>(p));
+  if (CHECK) {
+    if (p.violations == nullptr || p.reasons == nullptr || p.pages_checked == nullptr || p.beyond_table == nullptr ||
+        p.page_reasons == nullptr || p.effective == nullptr)
+      return {static_cast<int>(cudaErrorInvalidValue), "paged_extend (launcher)", "report buffers missing"};
+    const cudaError_t e = launch_kernel(&resolve_pages_kernel, dim3(static_cast<unsigned>(p.batch)), dim3(kThreads),
+                                        16, stream, static_cast<const ExtendParams&>(p));
+    if (e != cudaSuccess) return {static_cast<int>(e), "resolve_pages_kernel", cudaGetErrorString(e)};
+  }
+  const int d = padded_head_dim(p.head_dim);
+  const cudaError_t e = d == 64    ? launch_extend_kernel<T, 64, CHECK>(p, stream)
+                        : d == 128 ? launch_extend_kernel<T, 128, CHECK>(p, stream)
+                                   : launch_extend_kernel<T, 256, CHECK>(p, stream);
   if (e != cudaSuccess) {
     return {static_cast<int>(e), CHECK ? "paged_extend_kernel<check=true>" : "paged_extend_kernel<check=false>",
             cudaGetErrorString(e)};

@@ -20,6 +20,7 @@ struct DecodeParams {
   float* lse;                  // [B, H] contiguous, or null
   float* part_acc;             // [B, H, num_splits, D] when num_splits > 1
   float* part_ml;              // [B, H, num_splits, 2] (running max in log2 units, sum)
+  int32_t* part_report;        // [B, num_splits, 3] when checked and num_splits > 1
   int32_t* violations;         // report, [B] each; null when unchecked
   int32_t* reasons;
   int32_t* pages_checked;
@@ -35,23 +36,18 @@ struct DecodeParams {
 
   float scale_log2;  // scale * log2(e): the kernels work in base 2
   int batch, num_heads, num_kv_heads, head_dim;
-  int page_shift;        // page_size = 1 << page_shift
+  int page_shift;  // page_size = 1 << page_shift
   int max_pages;
-  int tokens_per_split;  // a multiple of page_size; splits are planned from shapes only
-  int num_splits;
+  // Split-KV: num_splits programs per (sequence, KV head); each takes an equal share of its
+  // sequence's actual length rounded up to `align` (a multiple of the page size and of 16), at
+  // least `min_chunk` (kvattn.backends.grids.split_chunk).
+  int num_splits, align, min_chunk;
 
   // Filled by the launcher (plan_decode), not by the caller.
-  int group;            // query heads per KV head
-  int heads_per_chunk;  // query heads one block serves (a GQA group larger than this is chunked)
-  int num_chunks;
-  int tile_n;           // tokens per shared-memory tile
-  int kv_vec;           // 1: K/V pointers and strides allow 16-byte loads
-  int smem_bytes;       // dynamic shared memory of the decode kernel
+  int group;       // query heads per KV head
+  int num_chunks;  // blocks per KV head: the group in chunks of kWarpRows heads
+  int smem_bytes;  // dynamic shared memory of the decode kernel
 };
-
-// An extend block's accumulator: block_m * heads_per_chunk * head_dim floats spread over its 128
-// threads, at most 16 each (kDecodeThreads * kMaxOutPerThread in decode.cuh), so it stays in registers.
-constexpr int kExtendMaxRowElems = 2048;
 
 struct ExtendParams {
   const void* q;               // [total_q, H, D]
@@ -63,6 +59,8 @@ struct ExtendParams {
   const int32_t* seq_lens;     // [B], the new tokens included
   const int64_t* page_tags;    // [num_pages]
   const int64_t* expected;     // [B, max_pages], stride 0 in dim 1 when given per sequence
+  int64_t* effective;          // [B, max_pages] (page << 32 | readable slots), written by the
+                               // checked launch's pre-pass; null when unchecked
   void* out;                   // [total_q, H, D]
   float* lse;                  // [total_q, H] contiguous, or null
   int32_t* violations;         // report, [B] each; null when unchecked
@@ -83,17 +81,18 @@ struct ExtendParams {
   int page_shift;       // page_size = 1 << page_shift
   int max_pages;
   int causal;
-  int num_slots;        // grid x: ceil(total_q / block_m) + B, from shapes only
-  int block_m;          // query rows per tile (the launcher's tile map uses the same value)
-  int heads_per_chunk;  // query heads of a GQA group one block serves
+  int num_slots;        // grid x: ceil(total_q / tokens_per_tile) + B, from shapes only
+  int heads_per_tile;   // query heads of one GQA chunk in a tile (row r: token r / heads, head r % heads)
+  int tokens_per_tile;  // query tokens per tile (the launcher's tile map uses the same value)
 
   // Filled by the launcher (plan_extend), not by the caller.
   int group;
   int num_chunks;
-  int tile_n;
-  int kv_vec;
   int smem_bytes;
 };
+
+// Query rows of an extend block: kExtendWarps warps of kWarpRows rows (attention.cuh).
+constexpr int kExtendRows = 64;
 
 struct LaunchResult {
   int code;            // 0 on success (cudaError_t value otherwise)

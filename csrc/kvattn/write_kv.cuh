@@ -12,6 +12,7 @@
 #include "compat.cuh"
 #include "kvattn_tags.h"
 #include "params.h"
+#include "tag_rule.cuh"
 
 namespace kvattn {
 
@@ -32,11 +33,8 @@ KVATTN_DEVICE WriteToken write_token(const WriteKVParams& p, int64_t t) {
   w.slot = s & ((int64_t{1} << p.page_shift) - 1);
   w.in_range = !w.padding && w.page < p.num_pages;
   const int64_t tag = w.in_range ? p.page_tags[w.page] : 0;
-  const int64_t state = tag & tags::STATE_MASK;
-  const int64_t owner = p.owners[t * p.stride_owner];
-  w.held = w.in_range && (state == tags::STATE_RESERVED || state == tags::STATE_WRITTEN) &&
-           ((tag >> tags::OWNER_SHIFT) & tags::OWNER_MAX) == owner && owner > 0;
-  w.prefix = state == tags::STATE_WRITTEN ? (tag >> tags::VALID_LEN_SHIFT) & tags::VALID_LEN_MAX : 0;
+  w.held = w.in_range && held_by(tag, p.owners[t * p.stride_owner]);
+  w.prefix = w.held && (tag & tags::STATE_MASK) == tags::STATE_WRITTEN ? tag_valid_len(tag) : 0;
   return w;
 }
 

@@ -2,5 +2,5 @@
 // split is skipped). tests/test_cuda.py requires its reports to disagree with the reference.
 #define KVATTN_MODULE_NAME _sim_break_pages
 #define KVATTN_SIM_BREAK 2
-#define KVATTN_FP32_ONLY 1
+#define KVATTN_HALF_ONLY 1
 #include "module_sim.cpp"

@@ -9,10 +9,21 @@
 // result; a barrier not reached by every thread of the block, or a shuffle not reached by every lane
 // of the warp, is reported as a launch error. Blocks also run in a shuffled order.
 //
+// Warp-level matrix operations run with the exact fragment layout of the PTX ISA: ldmatrix hands
+// each lane the elements the hardware would (row lane / 4, columns 2 * (lane % 4) + {0, 1} of each
+// 8x8 matrix, or the transpose), and mma.m16n8k16 reads A, B and C from the lanes that hold each
+// element and gives each lane its own D elements, so a kernel that indexes a fragment wrongly
+// computes a wrong product. Async copies (cp.async) are deferred: a thread's copies land only when
+// it waits for their group (cp.async.wait_group), the latest moment the hardware allows, so a read
+// of a stage before its wait sees the poison or a stale tile. A thread that exits with copies still
+// pending fails the launch.
+//
 // Supported: blockIdx/threadIdx/blockDim/gridDim, dynamic shared memory, __syncthreads,
-// full-warp __shfl_sync/__shfl_xor_sync/__shfl_down_sync, int atomics, __half and __nv_bfloat16
-// with round-to-nearest-even conversions, and the few runtime calls the launchers make. Block sizes
-// must be multiples of 32. This is a test tool for logic, not a performance model.
+// __syncwarp, full-warp __shfl_sync/__shfl_xor_sync/__shfl_down_sync/__ballot_sync, int atomics,
+// __half and __nv_bfloat16 with round-to-nearest-even conversions, cp.async (16 bytes, zero-fill),
+// ldmatrix (x1/x2/x4, .trans), mma.sync m16n8k16 (f16/bf16 inputs, f32 accumulators), and the few
+// runtime calls the launchers make. Block sizes must be multiples of 32. This is a test tool for
+// logic, not a performance model.
 #pragma once
 
 #include <sys/mman.h>
@@ -44,6 +55,11 @@ struct dim3 {
 struct uint4 {
   unsigned x, y, z, w;
 };
+
+struct int2 {
+  int x, y;
+};
+inline int2 make_int2(int x, int y) { return {x, y}; }
 
 enum cudaError_t {
   cudaSuccess = 0,
@@ -136,14 +152,24 @@ namespace kvsim {
 
 enum class FiberState { kRunnable, kBlockBarrier, kWarpSync, kDone, kFailed };
 
+struct PendingCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  int src_bytes;  // 0..16; the rest of the 16 bytes is zero-filled
+};
+
 struct Fiber {
   ucontext_t ctx;
   dim3 tid;
   int linear = 0;
   FiberState state = FiberState::kRunnable;
   unsigned shuffle_mask = 0;
-  uint64_t warp_syncs = 0;  // shuffles this thread took part in (selects the exchange buffer)
+  uint64_t warp_syncs = 0;  // warp exchanges this thread took part in (selects the buffer)
+  std::vector<PendingCopy> copies;  // cp.async issued and not yet landed
+  std::vector<size_t> group_ends;   // copies.size() at each commit
 };
+
+constexpr size_t kExchangeBytes = 64;  // what one lane posts to a warp-collective operation
 
 struct Block {
   dim3 block_idx, block_dim, grid_dim;
@@ -151,7 +177,9 @@ struct Block {
   std::vector<Fiber> fibers;
   ucontext_t scheduler;
   const std::function<void()>* body = nullptr;
-  std::vector<uint64_t> exchange[2];  // one slot per thread; shuffles alternate the two buffers
+  // kExchangeBytes per thread; warp exchanges alternate the two buffers, so a lane that runs ahead
+  // into the next exchange cannot overwrite what a slower lane is still reading.
+  std::vector<unsigned char> exchange[2];
   std::string error;
 };
 
@@ -196,29 +224,155 @@ inline void syncthreads() {
   yield_to_scheduler();
 }
 
-template <class T>
-T shuffle(unsigned mask, T value, int src_lane) {
-  static_assert(sizeof(T) <= 8, "shuffled values are at most 8 bytes");
+// Posts `bytes` of `value` for the calling lane, waits until every lane of the warp has posted,
+// and returns the warp's 32 slots (lane i's post at i * kExchangeBytes). Valid until the lane's
+// next exchange.
+inline const unsigned char* warp_exchange(const void* value, size_t bytes, unsigned mask = 0xffffffffu) {
   State& s = state();
   Fiber* f = s.fiber;
-  if (mask != 0xffffffffu) fail("warp shuffle with a partial mask: the harness supports full warps only");
+  if (mask != 0xffffffffu) fail("warp operation with a partial mask: the harness supports full warps only");
+  if (bytes > kExchangeBytes) fail("warp exchange of more than kExchangeBytes per lane");
   const int warp_base = f->linear & ~31;
-  std::vector<uint64_t>& buf = s.block->exchange[f->warp_syncs & 1];
-  uint64_t slot = 0;
-  std::memcpy(&slot, &value, sizeof(T));
-  buf[f->linear] = slot;
+  unsigned char* buf = s.block->exchange[f->warp_syncs & 1].data();
+  if (bytes) std::memcpy(buf + f->linear * kExchangeBytes, value, bytes);
   f->shuffle_mask = mask;
   f->state = FiberState::kWarpSync;
   yield_to_scheduler();
   ++f->warp_syncs;
+  return buf + warp_base * kExchangeBytes;
+}
+
+inline int lane_id() { return state().fiber->linear & 31; }
+
+template <class T>
+T shuffle(unsigned mask, T value, int src_lane) {
+  static_assert(sizeof(T) <= 8, "shuffled values are at most 8 bytes");
+  const unsigned char* slots = warp_exchange(&value, sizeof(T), mask);
   T out;
-  std::memcpy(&out, &buf[warp_base + src_lane], sizeof(T));
+  std::memcpy(&out, slots + src_lane * kExchangeBytes, sizeof(T));
   return out;
+}
+
+inline unsigned ballot(unsigned mask, bool predicate) {
+  const int p = predicate;
+  const unsigned char* slots = warp_exchange(&p, sizeof(p), mask);
+  unsigned bits = 0;
+  for (int lane = 0; lane < 32; ++lane) {
+    int q;
+    std::memcpy(&q, slots + lane * kExchangeBytes, sizeof(q));
+    bits |= static_cast<unsigned>(q != 0) << lane;
+  }
+  return bits;
+}
+
+// ---- cp.async: deferred until the thread waits for the copy's group ----
+
+inline void cp_async_16(void* dst, const void* src, int src_bytes) {
+  if (reinterpret_cast<uintptr_t>(dst) % 16 || (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % 16))
+    fail("cp.async of 16 bytes with an address not 16-byte aligned");
+  if (src_bytes < 0 || src_bytes > 16) fail("cp.async source size outside [0, 16]");
+  state().fiber->copies.push_back({static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src),
+                                   src_bytes});
+}
+
+inline void cp_async_commit() {
+  Fiber* f = state().fiber;
+  f->group_ends.push_back(f->copies.size());
+}
+
+// Lands every committed group but the `newest` most recent ones.
+inline void cp_async_wait(int newest) {
+  Fiber* f = state().fiber;
+  const int groups = static_cast<int>(f->group_ends.size());
+  if (groups <= newest) return;
+  const size_t done = f->group_ends[groups - newest - 1];
+  for (size_t i = 0; i < done; ++i) {
+    const PendingCopy& c = f->copies[i];
+    if (c.src_bytes > 0) std::memcpy(c.dst, c.src, static_cast<size_t>(c.src_bytes));
+    std::memset(c.dst + c.src_bytes, 0, static_cast<size_t>(16 - c.src_bytes));
+  }
+  f->copies.erase(f->copies.begin(), f->copies.begin() + static_cast<std::ptrdiff_t>(done));
+  f->group_ends.erase(f->group_ends.begin(), f->group_ends.begin() + (groups - newest));
+  for (size_t& end : f->group_ends) end -= done;
+}
+
+// ---- ldmatrix and mma.sync with the PTX fragment layouts ----
+
+// ldmatrix .x1/.x2/.x4 (.trans): lanes 8i..8i+7 give the row addresses of matrix i (16 bytes each);
+// register i of lane l holds row l / 4, columns 2 * (l % 4) + {0, 1} of matrix i, or with .trans
+// rows 2 * (l % 4) + {0, 1}, column l / 4 (low half first).
+template <int N>
+inline void ldmatrix(uint32_t* regs, const void* row_address, bool trans) {
+  const unsigned char* slots = warp_exchange(&row_address, sizeof(row_address));
+  const int lane = lane_id();
+  for (int i = 0; i < N; ++i) {
+    auto row = [&](int r) {
+      const void* a;
+      std::memcpy(&a, slots + (8 * i + r) * kExchangeBytes, sizeof(a));
+      if (reinterpret_cast<uintptr_t>(a) % 16) fail("ldmatrix row address not 16-byte aligned");
+      return static_cast<const uint16_t*>(a);
+    };
+    uint16_t lo, hi;
+    if (trans) {
+      lo = row(2 * (lane % 4))[lane / 4];
+      hi = row(2 * (lane % 4) + 1)[lane / 4];
+    } else {
+      lo = row(lane / 4)[2 * (lane % 4)];
+      hi = row(lane / 4)[2 * (lane % 4) + 1];
+    }
+    regs[i] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
+  }
+}
+
+struct MmaPost {
+  uint32_t a[4], b[2];
+  float c[4];
+};
+
+// D = A (16x16, row) * B (16x8, col) + C (16x8), f32 accumulate. With g = lane / 4, t = lane % 4:
+// a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
+// b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]; c/d0,1 = C[g][2t..2t+1], c/d2,3 = C[g+8][2t..].
+template <float (*ToFloat)(uint16_t)>
+inline void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const float* c) {
+  MmaPost mine;
+  std::memcpy(mine.a, a, sizeof(mine.a));
+  std::memcpy(mine.b, b, sizeof(mine.b));
+  std::memcpy(mine.c, c, sizeof(mine.c));
+  const unsigned char* slots = warp_exchange(&mine, sizeof(mine));
+  auto post = [&](int lane) {
+    MmaPost p;
+    std::memcpy(&p, slots + lane * kExchangeBytes, sizeof(p));
+    return p;
+  };
+  auto half = [](uint32_t reg, int k) { return static_cast<uint16_t>(k % 2 ? reg >> 16 : reg & 0xffffu); };
+  auto A = [&](int row, int k) {
+    const MmaPost p = post((row % 8) * 4 + (k % 8) / 2);
+    return ToFloat(half(p.a[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k));
+  };
+  auto B = [&](int k, int n) {
+    const MmaPost p = post(n * 4 + (k % 8) / 2);
+    return ToFloat(half(p.b[k >= 8 ? 1 : 0], k));
+  };
+  const int lane = lane_id();
+  const int g = lane / 4, t = lane % 4;
+  const MmaPost self = post(lane);
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0);
+    const int col = 2 * t + i % 2;
+    float acc = self.c[i];
+    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+    d[i] = acc;
+  }
 }
 
 inline void fiber_entry() {
   State& s = state();
   (*s.block->body)();
+  if (!s.fiber->copies.empty()) {
+    if (s.block->error.empty()) s.block->error = "a thread exited with cp.async copies it never waited for";
+    s.fiber->state = FiberState::kFailed;
+    return;
+  }
   s.fiber->state = FiberState::kDone;
 }  // returns to the scheduler through uc_link
 
@@ -338,8 +492,8 @@ inline cudaError_t run_grid(dim3 grid, dim3 block_dim, size_t smem_bytes, const 
     block.smem = smem;
     block.body = &body;
     block.fibers.resize(threads);
-    block.exchange[0].assign(threads, 0);
-    block.exchange[1].assign(threads, 0);
+    block.exchange[0].assign(threads * kExchangeBytes, 0);
+    block.exchange[1].assign(threads * kExchangeBytes, 0);
     for (size_t i = 0; i < threads; ++i) {
       Fiber& f = block.fibers[i];
       f.linear = static_cast<int>(i);
@@ -373,7 +527,9 @@ cudaError_t launch(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem_by
 #define gridDim (::kvsim::state().block->grid_dim)
 
 inline void __syncthreads() { kvsim::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { kvsim::warp_exchange(nullptr, 0, mask); }
 inline void __threadfence() {}
+inline unsigned __ballot_sync(unsigned mask, int predicate) { return kvsim::ballot(mask, predicate != 0); }
 
 template <class T>
 T __shfl_sync(unsigned mask, T value, int src_lane, int width = warpSize) {

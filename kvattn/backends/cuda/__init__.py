@@ -43,12 +43,13 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
 
 
 def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           block_m: int | None = None, plan: dict | None = None) -> OwnershipReport | None:
+           tokens_per_tile: int | None = None, plan: dict | None = None
+           ) -> OwnershipReport | None:
     """Enqueue the extend on the current stream; a CUDA error raises RuntimeError naming the kernel."""
     with torch.cuda.device(args.q.device):
         stream = torch.cuda.current_stream().cuda_stream
-        return launch.extend(_C, args, check=check, out=out, lse=lse, stream=stream, block_m=block_m,
-                             plan=plan)
+        return launch.extend(_C, args, check=check, out=out, lse=lse, stream=stream,
+                             tokens_per_tile=tokens_per_tile, plan=plan)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

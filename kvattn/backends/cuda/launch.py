@@ -13,32 +13,40 @@ import torch
 from ...layout import DecodeArgs, ExtendArgs
 from ...report import OwnershipReport
 from ...writers import WriteResult
-from ..grids import extend_tile_map
+from ..grids import extend_tile_map, plan_num_splits
 
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+# Decode blocks resident per SM: about 109 KB of shared memory each at head_dim 128 (3 stages of
+# 16-token K/V sub-tiles per warp), two per H100/H200 SM.
+DECODE_BLOCKS_PER_SM = 2
+SUB_TILE = 16  # tokens a decode warp copies per pipeline stage
 
 
-def unsupported(args: DecodeArgs) -> str | None:
+def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
     """Why the kernels cannot run these (already validated) inputs, or None."""
-    if args.q.dtype not in DTYPE_CODES:
-        return f"dtype {args.q.dtype} is not supported (float16, bfloat16, float32)"
+    if args.q.dtype not in TENSOR_CORE_DTYPES:
+        return (f"dtype {str(args.q.dtype).replace('torch.', '')} is not supported (the CUDA kernels run "
+                "fp16/bf16 on tensor cores; the triton backend runs float32)")
     if args.head_dim % 8 or args.head_dim > MAX_HEAD_DIM:
         return f"head_dim {args.head_dim} is not a multiple of 8 up to {MAX_HEAD_DIM}"
-    if args.batch >= 2 ** 31 or args.num_kv_heads > 65535 // max(1, args.num_heads // args.num_kv_heads):
+    pools = (args.k_cache, args.v_cache)
+    if any(t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]) for t in pools):
+        return ("K/V rows are not 16-byte aligned (the kernels copy them by 16-byte cp.async; the "
+                "triton backend runs any alignment)")
+    if args.batch >= 2 ** 31 or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 65535:
         return f"grid too large (batch {args.batch}, {args.num_heads} heads)"
     return None
 
 
-def plan_splits(args: DecodeArgs, num_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, tokens_per_split) over the table's capacity, page-aligned."""
-    capacity = args.max_pages * args.page_size
-    if num_splits is None:
-        num_splits = max(1, min(capacity // 1024, 4))
-    tokens_per_split = -(-capacity // num_splits)
-    tokens_per_split = -(-tokens_per_split // args.page_size) * args.page_size
-    return -(-capacity // tokens_per_split), tokens_per_split
+def plan_splits(args: DecodeArgs, num_splits: int | None = None) -> tuple[int, int, int]:
+    """``(num_splits, min_chunk, align)``: :func:`kvattn.backends.grids.plan_num_splits` with chunks
+    of whole pages and whole 16-token sub-tiles."""
+    align = max(SUB_TILE, args.page_size)
+    splits, min_chunk = plan_num_splits(args, align, DECODE_BLOCKS_PER_SM, num_splits)
+    return splits, min_chunk, align
 
 
 def _ptr(t) -> int:
@@ -72,64 +80,69 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
            ) -> OwnershipReport | None:
     """Enqueue the decode on ``stream`` with the binding ``ext``; writes ``out`` (and ``lse``).
     A CUDA or harness error raises RuntimeError naming the kernel. ``plan``, when given, receives
-    the launcher's choices (tile_n, heads_per_chunk, num_chunks, kv_vec, num_splits, ...)."""
+    the launcher's choices (num_chunks, smem_bytes, num_splits, align, min_chunk)."""
     q = args.q
     device = q.device
-    splits, tokens_per_split = plan_splits(args, num_splits)
+    splits, min_chunk, align = plan_splits(args, num_splits)
     report = OwnershipReport.allocate(args.batch, args.max_pages, device) if check else None
-    part_acc = part_ml = None
+    part_acc = part_ml = part_report = None
     if splits > 1:
         part_acc = torch.empty(args.batch * args.num_heads * splits * args.head_dim, dtype=torch.float32,
                                device=device)
         part_ml = torch.empty(args.batch * args.num_heads * splits * 2, dtype=torch.float32, device=device)
-
-    params = dict(
-        _attention_params(args, out, lse, report),
-        part_acc=_ptr(part_acc), part_ml=_ptr(part_ml), stride_qb=q.stride(0), stride_ob=out.stride(0),
-        tokens_per_split=tokens_per_split, num_splits=splits,
-    )
+        if check:
+            part_report = torch.empty(args.batch * splits * 3, dtype=torch.int32, device=device)
     if lse is not None and not lse.is_contiguous():
         raise ValueError(f"lse: expected a contiguous tensor, got strides {lse.stride()}")
+    params = dict(
+        _attention_params(args, out, lse, report),
+        part_acc=_ptr(part_acc), part_ml=_ptr(part_ml), part_report=_ptr(part_report),
+        stride_qb=q.stride(0), stride_ob=out.stride(0), num_splits=splits, align=align,
+        min_chunk=min_chunk,
+    )
     chosen = ext.decode(params, DTYPE_CODES[q.dtype], check, stream)
     if plan is not None:
-        plan.update(chosen)
+        plan.update(chosen, align=align, min_chunk=min_chunk)
     return report
 
 
-def extend_tiles(ext, args: ExtendArgs, block_m: int | None = None) -> tuple[int, int]:
-    """``(block_m, heads_per_chunk)``: query rows per tile and query heads per block. A block keeps
-    ``block_m * heads_per_chunk * head_dim`` accumulators in registers, at most the binding's
-    ``EXTEND_MAX_ROW_ELEMS``; the heads of a GQA group come first (each K/V tile is then read once
-    for the whole group), the rest of the budget goes to query rows. ``block_m`` overrides the rows
-    (tests: several query tiles per sequence)."""
-    rows = ext.EXTEND_MAX_ROW_ELEMS // args.head_dim
-    group = args.num_heads // args.num_kv_heads
-    if block_m is None:
-        heads = min(group, rows)
+def extend_tiles(ext, args: ExtendArgs, tokens_per_tile: int | None = None) -> tuple[int, int]:
+    """``(tokens_per_tile, heads_per_tile)``: a block's ``EXTEND_ROWS`` rows are the heads of a GQA
+    group (at most that many per block, the group chunked beyond) times query tokens.
+    ``tokens_per_tile`` overrides the tokens (tests: several query tiles per sequence)."""
+    rows = ext.EXTEND_ROWS
+    heads = min(args.num_heads // args.num_kv_heads, rows)
+    if tokens_per_tile is None:
         return rows // heads, heads
-    if not 1 <= block_m <= rows:
-        raise ValueError(f"block_m: expected 1 .. {rows} for head_dim {args.head_dim}, got {block_m}")
-    return block_m, min(group, rows // block_m)
+    if not 1 <= tokens_per_tile <= rows // heads:
+        raise ValueError(f"tokens_per_tile: expected 1 .. {rows // heads} for {heads} heads per tile, "
+                         f"got {tokens_per_tile}")
+    return tokens_per_tile, heads
 
 
 def extend(ext, args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           stream: int = 0, block_m: int | None = None, plan: dict | None = None
+           stream: int = 0, tokens_per_tile: int | None = None, plan: dict | None = None
            ) -> OwnershipReport | None:
-    """Enqueue the extend on ``stream`` with the binding ``ext``; writes ``out`` (and ``lse``) for
-    every row of every sequence. The tile map (the triton launcher's) is built with device ops, and
-    the grid, ``ceil(total_q / block_m) + B`` slots, from shapes only: no host sync. A CUDA or
-    harness error raises RuntimeError naming the kernel; ``plan`` receives the launcher's choices."""
+    """Enqueue the extend on ``stream`` with the binding ``ext`` (after the page pre-pass when
+    checked); writes ``out`` (and ``lse``) for every row of every sequence. The tile map (the
+    triton launcher's) is built with device ops, and the grid, ``ceil(total_q / tokens_per_tile) + B``
+    slots, from shapes only: no host sync. A CUDA or harness error raises RuntimeError naming the
+    kernel; ``plan`` receives the launcher's choices."""
     q = args.q
-    block_m, heads_per_chunk = extend_tiles(ext, args, block_m)
-    q_start, tile_start, slots = extend_tile_map(args, block_m)
-    report = OwnershipReport.allocate(args.batch, args.max_pages, q.device) if check else None
+    tokens, heads = extend_tiles(ext, args, tokens_per_tile)
+    q_start, tile_start, slots = extend_tile_map(args, tokens)
+    report = effective = None
+    if check:
+        report = OwnershipReport.allocate(args.batch, args.max_pages, q.device)
+        effective = torch.empty(args.batch, args.max_pages, dtype=torch.int64, device=q.device)
     if lse is not None and not lse.is_contiguous():
         raise ValueError(f"lse: expected a contiguous tensor, got strides {lse.stride()}")
 
     params = dict(
         _attention_params(args, out, lse, report),
-        q_start=_ptr(q_start), tile_start=_ptr(tile_start), stride_qt=q.stride(0), stride_ot=out.stride(0),
-        causal=int(args.causal), num_slots=slots, block_m=block_m, heads_per_chunk=heads_per_chunk,
+        q_start=_ptr(q_start), tile_start=_ptr(tile_start), effective=_ptr(effective),
+        stride_qt=q.stride(0), stride_ot=out.stride(0), causal=int(args.causal), num_slots=slots,
+        heads_per_tile=heads, tokens_per_tile=tokens,
     )
     chosen = ext.extend(params, DTYPE_CODES[q.dtype], check, stream)
     if plan is not None:

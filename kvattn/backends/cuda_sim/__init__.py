@@ -42,9 +42,11 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
 
 
 def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           block_m: int | None = None, plan: dict | None = None) -> OwnershipReport | None:
+           tokens_per_tile: int | None = None, plan: dict | None = None
+           ) -> OwnershipReport | None:
     """Run the extend on the harness."""
-    return launch.extend(_sim, args, check=check, out=out, lse=lse, block_m=block_m, plan=plan)
+    return launch.extend(_sim, args, check=check, out=out, lse=lse, tokens_per_tile=tokens_per_tile,
+                         plan=plan)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,184 @@
+// The warp-level attention step shared by the decode and extend kernels: one warp's 16 query rows
+// against a tile of NK keys staged in shared memory, on tensor cores (warp_ops.cuh), with the
+// online softmax in base 2. A warp keeps its rows' output accumulators, running maxima and running
+// sums in registers; callers mask the logits between qk_scores and softmax_step.
+//
+// Element ownership in a warp (g = lane / 4, t = lane % 4): score s[n][c] is row g + 8 * (c / 2),
+// key 8n + 2t + c % 2; accumulator o[j][c] is row g + 8 * (c / 2), dimension 8j + 2t + c % 2.
+#pragma once
+
+#include "warp_ops.cuh"
+
+#ifndef KVATTN_SIM_BREAK
+#define KVATTN_SIM_BREAK 0  // test-only defects, see tests/test_cuda.py; never set in a real build
+#endif
+
+namespace kvattn {
+
+constexpr int kWarpRows = 16;  // query rows per warp: the M of one mma tile
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Bytes of one row of a Q, K or V tile in shared memory: D 16-bit elements and 16 bytes of
+// padding, so the eight 16-byte rows one ldmatrix reads start in distinct bank groups.
+template <int D>
+KVATTN_HOST_DEVICE constexpr int tile_row_bytes() {
+  return D * 2 + 16;
+}
+
+KVATTN_DEVICE int lane_index() { return static_cast<int>(threadIdx.x) % 32; }
+
+// The A fragments of 16 query rows for k-step kk, from shared memory rows of `row_bytes`.
+KVATTN_DEVICE void load_a_fragment(uint32_t (&a)[4], const unsigned char* rows, int row_bytes, int kk) {
+  const int lane = lane_index();
+  const int i = lane / 8;  // ldmatrix matrix i: rows (i % 2) * 8 .., columns (i / 2) * 8 .. of the 16x16 tile
+  ldmatrix_x4(a, rows + ((i % 2) * 8 + lane % 8) * row_bytes + (kk * 16 + (i / 2) * 8) * 2);
+}
+
+// Query fragments held in registers for the whole key loop (D <= 128) or read from shared memory
+// at every k-step (D = 256, where registers go to the accumulators).
+template <int D, bool IN_REGISTERS = (D <= 128)>
+struct QueryFragments;
+
+template <int D>
+struct QueryFragments<D, true> {
+  uint32_t frag[D / 16][4];
+  KVATTN_DEVICE void load(const unsigned char* rows, int ksteps) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      if (kk < ksteps) load_a_fragment(frag[kk], rows, tile_row_bytes<D>(), kk);
+  }
+  KVATTN_DEVICE void get(int kk, uint32_t (&a)[4]) const {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[r] = frag[kk][r];
+  }
+};
+
+template <int D>
+struct QueryFragments<D, false> {
+  const unsigned char* rows;
+  KVATTN_DEVICE void load(const unsigned char* q_rows, int) { rows = q_rows; }
+  KVATTN_DEVICE void get(int kk, uint32_t (&a)[4]) const { load_a_fragment(a, rows, tile_row_bytes<D>(), kk); }
+};
+
+// s = Q K^T for NK keys whose rows start at `k_rows` (shared memory, rows of tile_row_bytes<D>());
+// `ksteps` = ceil(head_dim / 16) k-steps are computed, the rest of D is padding.
+template <class T, int D, int NK, class Q>
+KVATTN_DEVICE void qk_scores(float (&s)[NK / 8][4], const Q& q, const unsigned char* k_rows, int ksteps) {
+  const int lane = lane_index();
+  const int i = lane / 8;  // matrix i: keys (i / 2) * 8 .., dimensions (i % 2) * 8 .. (B = K^T, column-major)
+#pragma unroll
+  for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[n][c] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    if (kk < ksteps) {
+      uint32_t a[4];
+      q.get(kk, a);
+#pragma unroll
+      for (int n16 = 0; n16 < NK / 16; ++n16) {
+        uint32_t b[4];
+        ldmatrix_x4(b, k_rows + (n16 * 16 + (i / 2) * 8 + lane % 8) * tile_row_bytes<D>() + (kk * 16 + (i % 2) * 8) * 2);
+        mma_16816<T>(s[2 * n16], a, b[0], b[1]);
+        mma_16816<T>(s[2 * n16 + 1], a, b[2], b[3]);
+      }
+    }
+  }
+}
+
+KVATTN_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+KVATTN_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// One warp's 16 rows of flash attention state.
+template <class T, int D>
+struct WarpAttention {
+  float o[D / 8][4];  // unnormalised output
+  float m[2];         // running max of rows g and g + 8 (base-2 logits), -inf while all masked
+  float l[2];         // this lane's part of the running sums (summed over the quad by finish())
+
+  KVATTN_DEVICE void init() {
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[j][c] = 0.0f;
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+  }
+
+  // Folds one tile of base-2 logits (-inf where masked) into the state; `s` becomes the tile's
+  // probabilities relative to the new running max.
+  template <int NK>
+  KVATTN_DEVICE void softmax_step(float (&s)[NK / 8][4]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < NK / 8; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      const float m_new = fmaxf(m[r], quad_max(tile_max));
+      // While every key so far is masked, m stays -inf: subtract 0 instead of inf - inf.
+      const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
+      const float alpha = exp2f(m[r] - m_ref);
+      float sum = 0.0f;
+#pragma unroll
+      for (int n = 0; n < NK / 8; ++n) {
+#pragma unroll
+        for (int c = 2 * r; c < 2 * r + 2; ++c) {
+          s[n][c] = exp2f(s[n][c] - m_ref);
+          sum += s[n][c];
+        }
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[j][2 * r] *= alpha;
+        o[j][2 * r + 1] *= alpha;
+      }
+    }
+  }
+
+  // o += P V for the NK keys whose V rows start at `v_rows`; `dsteps` = ceil(head_dim / 16).
+  template <int NK>
+  KVATTN_DEVICE void accumulate(const float (&p)[NK / 8][4], const unsigned char* v_rows, int dsteps) {
+    const int lane = lane_index();
+    const int i = lane / 8;  // matrix i: keys (i % 2) * 8 .., dimensions (i / 2) * 8 .. (B = V, transposed)
+#pragma unroll
+    for (int n16 = 0; n16 < NK / 16; ++n16) {
+      // The C fragments of keys 16 n16 .. +7 and +8 .. +15 are the A fragment of these 16 keys.
+      const float(&lo)[4] = p[2 * n16];
+      const float(&hi)[4] = p[2 * n16 + 1];
+#if KVATTN_SIM_BREAK == 3
+      const uint32_t a[4] = {pack2<T>(lo[0], lo[1]), pack2<T>(hi[0], hi[1]), pack2<T>(lo[2], lo[3]),
+                             pack2<T>(hi[2], hi[3])};  // rows g + 8 and keys 8 .. 15 swapped
+#else
+      const uint32_t a[4] = {pack2<T>(lo[0], lo[1]), pack2<T>(lo[2], lo[3]), pack2<T>(hi[0], hi[1]),
+                             pack2<T>(hi[2], hi[3])};
+#endif
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        if (dn < dsteps) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_rows + (n16 * 16 + (i % 2) * 8 + lane % 8) * tile_row_bytes<D>() +
+                                   (dn * 16 + (i / 2) * 8) * 2);
+          mma_16816<T>(o[2 * dn], a, b[0], b[1]);
+          mma_16816<T>(o[2 * dn + 1], a, b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  // Sums the running sums over the quad; after this every lane holds its rows' full sums.
+  KVATTN_DEVICE void finish() {
+    l[0] = quad_sum(l[0]);
+    l[1] = quad_sum(l[1]);
+  }
+};
+
+}  // namespace kvattn
