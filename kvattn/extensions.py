@@ -49,7 +49,7 @@ class Status:
 
     module: str
     state: str  # BUILT, NOT_BUILT or FAILED
-    reason: str | None = None  # why it is not usable, or what went wrong; None when built cleanly
+    reason: str | None = None  # why it is not usable or what went wrong; for a built one, a caveat
     path: str | None = None  # the file it was (or would have been) loaded from
     record: dict = field(default_factory=dict)  # its entry in the build record
 
@@ -105,6 +105,10 @@ def load(module: str) -> tuple[ModuleType | None, Status]:
         return loaded, Status(module, FAILED, f"the last build failed ({entry.get('reason')}); an "
                                               f"older build is loaded from {spec.origin}",
                               spec.origin, entry)
+    if recorded == "skipped":
+        return loaded, Status(module, BUILT, f"{spec.origin}, left by an earlier build (the last "
+                                             f"one skipped it: {entry.get('reason')})", spec.origin,
+                              entry)
     return loaded, Status(module, BUILT, path=spec.origin, record=entry)
 
 
