@@ -64,7 +64,7 @@ def _import_path(relative: str):
     return module
 
 
-EXTENSIONS = _import_path("kvattn/extensions.py")
+STATUS = _import_path("kvattn/extensions.py")  # the record and its format, shared with kvattn
 VERSION = _import_path("kvattn/version.py").__version__
 
 
@@ -126,7 +126,13 @@ class _Outcome:
         self.entries[name] = {"status": "built", "seconds": round(seconds, 1), **details}
 
     def fail(self, name, error):
-        self.entries[name] = {"status": "failed", "reason": f"{type(error).__name__}: {error}"[:600]}
+        if isinstance(error, subprocess.CalledProcessError):
+            tool = pathlib.Path(str(error.cmd[0])).name
+            reason = (f"{tool} exited with status {error.returncode}: see the compiler output in "
+                      f"the build log and build/cuda/ptxas.log")
+        else:
+            reason = f"{type(error).__name__}: {error}"[:600]
+        self.entries[name] = {"status": "failed", "reason": reason}
 
     def summary(self) -> str:
         built = []
@@ -151,13 +157,13 @@ class _Outcome:
             return
         self.finished = True
         stopped = next((n for n, e in self.entries.items() if e["status"] == "failed"), None)
-        for name in EXTENSIONS.EXTENSIONS:
+        for name in STATUS.EXTENSIONS:
             if name not in self.entries:
                 self.skip(name, f"not attempted: the build stopped at {_short(stopped)}" if stopped
                           else "not part of this build")
         line = self.summary()
         print(line, file=sys.stderr, flush=True)
-        EXTENSIONS.write_record(record, VERSION, line, self.entries)
+        STATUS.write_record(record, VERSION, line, self.entries)
 
 
 OUTCOME = _Outcome()
@@ -175,7 +181,7 @@ def _extensions():
     else:
         reason = None
     if reason:
-        for name in EXTENSIONS.EXTENSIONS:
+        for name in STATUS.EXTENSIONS:
             OUTCOME.skip(name, reason)
         return []
     exts = [Extension(f"kvattn.backends.cuda_sim.{name}", sources=[f"csrc/sim/{source}"],
@@ -206,7 +212,7 @@ class BuildExt(build_ext):
         try:
             super().run()
         finally:
-            OUTCOME.finish(base / "kvattn" / EXTENSIONS.RECORD)
+            OUTCOME.finish(base / "kvattn" / STATUS.RECORD)
 
     def build_extensions(self):
         problem = self._cxx_problem()
@@ -290,7 +296,7 @@ class BuildPy(build_py):
     def run(self):
         super().run()
         if not self.distribution.ext_modules:
-            OUTCOME.finish(pathlib.Path(self.build_lib) / "kvattn" / EXTENSIONS.RECORD)
+            OUTCOME.finish(pathlib.Path(self.build_lib) / "kvattn" / STATUS.RECORD)
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildExt, "build_py": BuildPy})

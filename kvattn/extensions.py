@@ -32,13 +32,15 @@ from types import ModuleType
 RECORD = "_build.json"
 BUILT, NOT_BUILT, FAILED = "built", "not built", "build failed"
 
-# module -> what it is; setup.py builds these (csrc/ holds their sources).
-EXTENSIONS = {
-    "kvattn.backends.cuda._C": "the CUDA kernels (nvcc, sm_80/sm_90 or KVATTN_CUDA_ARCHS)",
-    "kvattn.backends.cuda_sim._sim": "the CUDA kernels on the CPU harness (C++ compiler)",
-    "kvattn.backends.cuda_sim._sim_break_barrier": "harness build missing a barrier (tests only)",
-    "kvattn.backends.cuda_sim._sim_break_pages": "harness build with an off-by-one page loop (tests only)",
-}
+# What setup.py builds (csrc/ holds the sources): the CUDA kernels (nvcc), the same sources on the
+# CPU harness (a C++ compiler), and two harness builds with a deliberate defect the tests require
+# to fail.
+EXTENSIONS = (
+    "kvattn.backends.cuda._C",
+    "kvattn.backends.cuda_sim._sim",
+    "kvattn.backends.cuda_sim._sim_break_barrier",
+    "kvattn.backends.cuda_sim._sim_break_pages",
+)
 # where a module can be built, when that is not every machine with a C++ compiler
 _WHERE = {"kvattn.backends.cuda._C": " where nvcc is installed"}
 

@@ -44,8 +44,11 @@ def test_info_gives_the_state_of_every_extension_and_agrees_with_the_registry():
     for name, ext in data["extensions"].items():
         assert ext["state"] in (extensions.BUILT, extensions.NOT_BUILT, extensions.FAILED), name
     sim = data["extensions"]["kvattn.backends.cuda_sim._sim"]
-    accepts = data["backends"]["cpu"]["decode"]["reasons"]["cuda_sim"] is None
-    assert accepts == (sim["path"] is not None and sim["state"] != extensions.NOT_BUILT)
+    reason = data["backends"]["cpu"]["decode"]["reasons"]["cuda_sim"]
+    if sim["state"] == extensions.BUILT:
+        assert reason is None
+    elif sim["state"] == extensions.NOT_BUILT:
+        assert reason == f"not built: {sim['reason']}"
     if data["cuda_resources"]:
         assert "paged_decode_kernel<" in env.report(data)
 

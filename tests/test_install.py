@@ -38,9 +38,12 @@ def _nvcc_present() -> bool:
 
 def _source_files() -> list[str]:
     """What a clone holds: tracked files, plus new files git does not ignore."""
-    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
-                             "--exclude-standard"], capture_output=True, check=False)
-    if listed.returncode == 0:
+    try:
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], capture_output=True, check=False)
+    except OSError:  # no git on this machine
+        listed = None
+    if listed is not None and listed.returncode == 0:
         return [f for f in listed.stdout.decode().split("\0") if f and (ROOT / f).is_file()]
     # A tree that travelled without .git: everything but what builds and runs leave behind.
     skip = {"build", "dist", ".git", "__pycache__", ".pytest_cache", ".hypothesis", ".benchmarks"}
