@@ -1,46 +1,72 @@
-"""Build of kvattn: the Python package, the CPU-harness modules and (when nvcc is found) the CUDA module.
+"""The compiled extensions of kvattn (the package metadata is in pyproject.toml).
 
-- ``kvattn.backends.cuda_sim._sim``: the CUDA kernel sources compiled by the host compiler against
-  the SIMT harness in csrc/sim/ (needs only g++ and pybind11), plus two test-only variants with a
-  deliberate defect (``_sim_break_barrier``, ``_sim_break_pages``, ``_sim_break_fragment``) that the
-  tests require to fail.
-- ``kvattn.backends.cuda._C``: the kernels compiled by nvcc for sm_80 and sm_90 (ninja when present),
-  with the ``-Xptxas -v`` output kept in build/cuda/ptxas.log and checked for local memory
-  (csrc/ptxas_report.py, summary in build/cuda/resources.json). Skipped when nvcc is missing or
-  ``KVATTN_SKIP_CUDA_BUILD=1``; a failing CUDA compile fails the build.
-- Without pybind11, or with ``KVATTN_SKIP_EXTENSIONS=1`` (tools/ensure_deps.sh uses it for the
-  editable install, then ``make build`` runs ``python setup.py build_ext --inplace``), no extension
-  is built and the install is pure Python.
+- ``kvattn.backends.cuda_sim._sim``: the CUDA kernel sources compiled by the host C++ compiler
+  against the SIMT harness in csrc/sim/ (pybind11, a build requirement), plus two test-only
+  variants with a deliberate defect (``_sim_break_barrier``, ``_sim_break_pages``,
+  ``_sim_break_fragment``) that the tests require to fail. Skipped when no C++ compiler works.
+- ``kvattn.backends.cuda._C``: the kernels compiled by nvcc for sm_80 and sm_90, or for the
+  architectures in ``KVATTN_CUDA_ARCHS`` (``90``, ``80,90``, ``9.0``, ``sm_90a``), with ninja when
+  present. The ``-Xptxas -v`` output is kept in build/cuda/ptxas.log and checked for local memory
+  (csrc/ptxas_report.py, summary in build/cuda/resources.json). Skipped when nvcc is not found
+  (PATH, then ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``) or ``KVATTN_SKIP_CUDA_BUILD=1``.
+- ``KVATTN_SKIP_EXTENSIONS=1`` (tools/ensure_deps.sh uses it for the editable install, then
+  ``make build`` runs ``python setup.py build_ext --inplace``), or no pybind11 (a build without
+  isolation), builds no extension: the install is pure Python.
 
-The tag layout header is generated from kvattn/tags.py (csrc/gen_tags_header.py) before any build.
+A compile that fails fails the build. The build prints one line saying what it built and what it
+skipped and why (pip shows it with ``-v``), and records the same, with the ptxas figures of the
+CUDA module, in ``kvattn/_build.json`` beside the modules, so an installed wheel carries it
+(format: kvattn/extensions.py; ``python -m kvattn.env`` shows it). The build needs no torch: the
+bindings take raw pointers and never include a torch header.
+
+Sources: the harness modules compile ``csrc/sim/<module>.cpp``; the CUDA module compiles
+``csrc/cuda/kernels.cu`` with nvcc and ``csrc/cuda/module_cuda.cpp`` with the host compiler and
+links them. Everything else reaches them through ``#include``: a new kernel header in csrc/kvattn/
+needs an include, not an edit here. Every file of csrc/ counts as a dependency of every module (so
+setuptools rebuilds the harness when any changes); the CUDA build tracks headers with nvcc's
+depfile under ninja and recompiles everything without it. The tag layout header is generated from
+kvattn/tags.py (csrc/gen_tags_header.py) before any build.
 """
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+from setuptools.errors import CompileError, ExecError
 
 ROOT = pathlib.Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
 GENERATED = ROOT / "build" / "generated"
 CUDA_BUILD = ROOT / "build" / "cuda"
-CUDA_ARCHS = ("80", "90")
+DEFAULT_CUDA_ARCHS = ("80", "90")
 CUDA_EXT = "kvattn.backends.cuda._C"
+SIM_MODULES = {"_sim": "module_sim.cpp", "_sim_break_barrier": "module_sim_break_barrier.cpp",
+               "_sim_break_pages": "module_sim_break_pages.cpp",
+               "_sim_break_fragment": "module_sim_break_fragment.cpp"}
 
 
 def _import_path(relative: str):
-    """Load a stdlib-only helper from csrc/ without importing kvattn (which needs torch)."""
+    """Load a stdlib-only helper of this tree without importing kvattn (which needs torch)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location(pathlib.Path(relative).stem, ROOT / relative)
+    name = f"_kvattn_build_{pathlib.Path(relative).stem}"
+    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+STATUS = _import_path("kvattn/extensions.py")  # the record and its format, shared with kvattn
+VERSION = _import_path("kvattn/version.py").__version__
 
 
 def _pybind11_include():
@@ -51,49 +77,186 @@ def _pybind11_include():
     return pybind11.get_include()
 
 
-def _nvcc():
+def _nvcc() -> tuple:
+    """``(path, None)``, or ``(None, why the CUDA module is skipped)``."""
     if os.environ.get("KVATTN_SKIP_CUDA_BUILD", "0") == "1":
-        return None
+        return None, "KVATTN_SKIP_CUDA_BUILD=1"
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     for candidate in (shutil.which("nvcc"), os.path.join(home, "bin", "nvcc")):
         if candidate and os.path.exists(candidate):
-            return candidate
-    return None
+            return candidate, None
+    return None, f"nvcc not found on PATH nor in {home}/bin"
 
 
-HEADERS = sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*") if p.suffix in (".h", ".cuh", ".cpp"))
+def _cuda_archs() -> tuple:
+    """``KVATTN_CUDA_ARCHS`` as compute capabilities without the dot (``"90"``, ``"90a"``)."""
+    raw = os.environ.get("KVATTN_CUDA_ARCHS", "").strip()
+    if not raw:
+        return DEFAULT_CUDA_ARCHS
+    archs = []
+    for item in re.split(r"[,;\s]+", raw):
+        m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d)?([af]?)", item)
+        if not m:
+            raise ValueError(f"KVATTN_CUDA_ARCHS: expected compute capabilities such as '90' or "
+                             f"'80,90' (also '9.0', 'sm_90a'), got {raw!r}")
+        archs.append(m.group(1) + (m.group(2) or "") + m.group(3))
+    return tuple(dict.fromkeys(archs))
+
+
+def _nvcc_release(nvcc: str):
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else None
+
+
+def _short(name: str) -> str:
+    return name.replace("kvattn.backends.", "")
+
+
+class _Outcome:
+    """What this build did to each extension; printed as one line and written as the record."""
+
+    def __init__(self):
+        self.entries = {}
+        self.finished = False
+
+    def skip(self, name, reason):
+        self.entries[name] = {"status": "skipped", "reason": reason}
+
+    def built(self, name, seconds, **details):
+        self.entries[name] = {"status": "built", "seconds": round(seconds, 1), **details}
+
+    def fail(self, name, error):
+        if isinstance(error, subprocess.CalledProcessError):
+            tool = pathlib.Path(str(error.cmd[0])).name
+            reason = (f"{tool} exited with status {error.returncode}: see the compiler output in "
+                      f"the build log and build/cuda/ptxas.log")
+        else:
+            reason = f"{type(error).__name__}: {error}"[:600]
+        self.entries[name] = {"status": "failed", "reason": reason}
+
+    def summary(self) -> str:
+        built = []
+        for name, e in self.entries.items():
+            if e["status"] == "built":
+                archs = f" (sm_{', sm_'.join(e['archs'])})" if "archs" in e else ""
+                built.append(_short(name) + archs)
+        parts = [f"built {', '.join(built) or 'no extension'}"]
+        for status in ("failed", "skipped"):
+            by_reason = {}
+            for name, e in self.entries.items():
+                if e["status"] == status:
+                    by_reason.setdefault(e["reason"], []).append(_short(name))
+            parts += [f"{status} {', '.join(names)}: {reason}" for reason, names in by_reason.items()]
+        if not any(e["status"] == "skipped" for e in self.entries.values()):
+            parts.append("skipped nothing")
+        return "kvattn: " + "; ".join(parts)
+
+    def finish(self, record: pathlib.Path) -> None:
+        """Print the line and write the record, once per build."""
+        if self.finished:
+            return
+        self.finished = True
+        stopped = next((n for n, e in self.entries.items() if e["status"] == "failed"), None)
+        for name in STATUS.EXTENSIONS:
+            if name not in self.entries:
+                self.skip(name, f"not attempted: the build stopped at {_short(stopped)}" if stopped
+                          else "not part of this build")
+        line = self.summary()
+        print(line, file=sys.stderr, flush=True)
+        STATUS.write_record(record, VERSION, line, self.entries)
+
+
+OUTCOME = _Outcome()
+HEADERS = sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*")
+                 if p.suffix in (".h", ".cuh", ".cpp", ".cu"))
 SIM_FLAGS = ["-std=c++17", "-O2", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-fvisibility=hidden"]
 
 
-def _sim_extension(name: str, source: str, pybind_include: str) -> Extension:
-    return Extension(f"kvattn.backends.cuda_sim.{name}", sources=[f"csrc/sim/{source}"],
-                     include_dirs=[str(CSRC), str(GENERATED), pybind_include],
-                     depends=HEADERS + ["kvattn/tags.py"], extra_compile_args=SIM_FLAGS, language="c++")
+def _extensions():
+    """The extensions to attempt; the ones left out are recorded with the reason."""
+    if os.environ.get("KVATTN_SKIP_EXTENSIONS", "0") == "1":
+        reason = "KVATTN_SKIP_EXTENSIONS=1"
+    elif _pybind11_include() is None:
+        reason = "pybind11 not installed (a build without isolation needs it)"
+    else:
+        reason = None
+    if reason:
+        for name in STATUS.EXTENSIONS:
+            OUTCOME.skip(name, reason)
+        return []
+    exts = [Extension(f"kvattn.backends.cuda_sim.{name}", sources=[f"csrc/sim/{source}"],
+                      include_dirs=[str(CSRC), str(GENERATED), _pybind11_include()],
+                      depends=HEADERS + ["kvattn/tags.py"], extra_compile_args=SIM_FLAGS,
+                      language="c++")
+            for name, source in SIM_MODULES.items()]
+    nvcc, why = _nvcc()
+    cxx = os.environ.get("CXX", "g++")
+    if nvcc is not None and shutil.which(shlex.split(cxx)[0]) is None:
+        nvcc, why = None, f"no host C++ compiler {cxx} for the binding"
+    if nvcc is None:
+        OUTCOME.skip(CUDA_EXT, why)
+    else:
+        _cuda_archs()  # a malformed KVATTN_CUDA_ARCHS fails here, before any compile
+        exts.append(Extension(CUDA_EXT, sources=[], depends=HEADERS))
+    return exts
 
 
 class BuildExt(build_ext):
     """Generates the tag header, builds the harness modules with the host compiler and the CUDA
-    module with nvcc."""
+    module with nvcc, and records the outcome beside the modules."""
 
     def run(self):
+        into_tree = self.inplace or getattr(self, "editable_mode", False)
+        base = ROOT if into_tree else pathlib.Path(self.build_lib)
         _import_path("csrc/gen_tags_header.py").write_header(GENERATED / "kvattn_tags.h")
-        super().run()
+        try:
+            super().run()
+        finally:
+            OUTCOME.finish(base / "kvattn" / STATUS.RECORD)
+
+    def build_extensions(self):
+        problem = self._cxx_problem()
+        if problem is not None:
+            for ext in self.extensions:
+                OUTCOME.skip(ext.name, problem)
+            self.extensions = []
+            return
+        super().build_extensions()
+
+    def _cxx_problem(self):
+        """None when the host compiler builds a C++17 file, else why not."""
+        with tempfile.TemporaryDirectory() as tmp:
+            probe = pathlib.Path(tmp) / "probe.cpp"
+            probe.write_text("#include <vector>\nint main() { return std::vector<int>(1)[0]; }\n")
+            try:
+                self.compiler.compile([str(probe)], output_dir=tmp, extra_postargs=["-std=c++17"])
+            except (CompileError, ExecError) as e:
+                return f"no working C++ compiler (a C++17 test file failed: {str(e)[:160]})"
+        return None
 
     def build_extension(self, ext):
         start = time.perf_counter()
-        if ext.name == CUDA_EXT:
-            self._build_cuda(ext)
-        else:
-            super().build_extension(ext)
+        try:
+            if ext.name == CUDA_EXT:
+                details = self._build_cuda(ext)
+            else:
+                super().build_extension(ext)
+                details = {}
+        except Exception as e:
+            OUTCOME.fail(ext.name, e)
+            raise
+        OUTCOME.built(ext.name, time.perf_counter() - start, **details)
         print(f"kvattn: built {ext.name} in {time.perf_counter() - start:.1f} s", flush=True)
 
-    def _build_cuda(self, ext):
-        nvcc = _nvcc()
+    def _build_cuda(self, ext) -> dict:
+        nvcc, _ = _nvcc()
+        archs = _cuda_archs()
         target = pathlib.Path(self.get_ext_fullpath(ext.name)).resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         CUDA_BUILD.mkdir(parents=True, exist_ok=True)
         includes = [f"-I{CSRC}", f"-I{GENERATED}"]
-        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         nvcc_flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-lineinfo", *gencode, *includes]
         cxx = os.environ.get("CXX", "g++")
         cxx_flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-unknown-pragmas", *includes,
@@ -125,33 +288,16 @@ class BuildExt(build_ext):
         report = _import_path("csrc/ptxas_report.py")
         records = report.check(log, CUDA_BUILD / "resources.json")
         print(report.table(records), flush=True)
+        return {"archs": list(archs), "nvcc": _nvcc_release(nvcc), "resources": records}
 
 
-def _extensions():
-    if os.environ.get("KVATTN_SKIP_EXTENSIONS", "0") == "1":
-        return []
-    pybind_include = _pybind11_include()
-    if pybind_include is None:
-        print("kvattn: pybind11 not found; building the pure-Python package only", file=sys.stderr)
-        return []
-    exts = [_sim_extension("_sim", "module_sim.cpp", pybind_include),
-            _sim_extension("_sim_break_barrier", "module_sim_break_barrier.cpp", pybind_include),
-            _sim_extension("_sim_break_pages", "module_sim_break_pages.cpp", pybind_include),
-            _sim_extension("_sim_break_fragment", "module_sim_break_fragment.cpp", pybind_include)]
-    if _nvcc() is not None:
-        exts.append(Extension(CUDA_EXT, sources=[], depends=HEADERS))
-    else:
-        print("kvattn: nvcc not found or KVATTN_SKIP_CUDA_BUILD=1; skipping the CUDA module", file=sys.stderr)
-    return exts
+class BuildPy(build_py):
+    """A build without extensions still says so, in the line and the record."""
+
+    def run(self):
+        super().run()
+        if not self.distribution.ext_modules:
+            OUTCOME.finish(pathlib.Path(self.build_lib) / "kvattn" / STATUS.RECORD)
 
 
-setup(
-    name="kvattn",
-    version="0.1.0",
-    description="Ownership-checked paged attention kernels (Triton, CUDA) for LLM serving",
-    packages=find_packages(include=["kvattn", "kvattn.*"]),
-    python_requires=">=3.10",
-    install_requires=["torch>=2.4", "triton>=3.4"],
-    ext_modules=_extensions(),
-    cmdclass={"build_ext": BuildExt},
-)
+setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildExt, "build_py": BuildPy})

@@ -20,8 +20,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     :mod:`kvattn.tags`. Slot ``s`` of logical page ``i`` of sequence ``b`` contributes only if the
     page id ``p = block_table[b, i]`` is in range, ``page_tags[p]`` is WRITTEN for owner
     ``expected[b, i]`` (or ``expected[b]``), ``s`` is below the page's ``valid_len``, and the token
-    lies inside ``seq_lens[b]`` (ownership.md section 3). Refused slots have logit -inf; a sequence
-    with nothing readable gets output 0 and lse -inf.
+    lies inside ``seq_lens[b]`` (docs/ownership.md section 3). Refused slots have logit -inf; a
+    sequence with nothing readable gets output 0 and lse -inf.
 
     Args:
         q: ``[B, num_heads, head_dim]`` query of the new token.
@@ -71,7 +71,7 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``j`` sits at position ``seq_lens[b] - q_len_b + j`` and, with ``causal``, attends to keys at
     positions up to its own (causal masking aligned to the end of the sequence); without it, to all
     ``seq_lens[b]`` keys. GQA, the reader's rule, the masking of refused slots and the report are
-    those of :func:`kvattn.paged_decode` (ownership.md section 3): every logical page covering
+    those of :func:`kvattn.paged_decode` (docs/ownership.md section 3): every logical page covering
     ``[0, seq_lens[b])`` is checked and, if refused, counted once for the sequence however many
     query rows read it; the report equals decode's for the same ``seq_lens``. A row with nothing
     readable gets output 0 and lse -inf.

@@ -1,4 +1,4 @@
-"""`make demo`: replay the disaggregated-serving leak (ownership.md section 6.1) and its prevention.
+"""`make demo`: replay the disaggregated-serving leak (docs/ownership.md section 6.1) and its prevention.
 
 Tenant A fills pages with KV engineered to dominate attention and frees them. Request B reserves
 pages for a long prompt, but the prefill side delivers one token of KV and reports success. B decodes
@@ -17,7 +17,7 @@ if DEVICE.type == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import kvattn  # noqa: E402
-from kvattn import backends  # noqa: E402
+from kvattn import backends, env  # noqa: E402
 
 PAGE_SIZE, KV_HEADS, HEADS, HEAD_DIM = 16, 2, 8, 64
 PROMPT_TOKENS = 256  # what the decode side reserved for
@@ -28,9 +28,10 @@ def _backend_for(q, cache, leases) -> str:
     table, lens, expected = cache.batch(leases)
     args = kvattn.layout.validate_decode(q, cache.k_cache, cache.v_cache, table, lens,
                                          cache.page_tags, expected)
+    order = backends.auto_order("decode", q.device)
     for name, reason in backends.explain(args).items():
         state = "available" if reason is None else "refused: " + reason
-        named_only = "" if name in backends.AUTO_ORDER else " (runs only when named)"
+        named_only = "" if name in order or reason is not None else " (runs only when named)"
         print(f"  backend {name:<10} {state}{named_only}")
     return backends.select(args).NAME
 
@@ -59,7 +60,8 @@ def replay_incident() -> None:
     print(f"Pool: {cache.num_free_pages + reused} pages of {PAGE_SIZE} tokens on {DEVICE}; "
           f"request B holds {reused} pages that tenant A freed, 1 token of its own KV.")
 
-    print("\nBackends for this call (auto takes the first available of cuda, triton, reference):")
+    order = ", ".join(backends.auto_order("decode", DEVICE))
+    print(f"\nBackends for this call (auto takes the first available of {order}):")
     backend = _backend_for(q_b, cache, [lease_b])
     # What B's answer must be: attention over its one token is that token's V, per KV head group.
     truth = v_b.float().repeat_interleave(HEADS // KV_HEADS, dim=1)
@@ -169,6 +171,7 @@ def timing_table() -> None:
 
 
 def main() -> None:
+    print(env.report() + "\n")
     replay_incident()
     shared_prefix_prefill()
     timing_table()

@@ -1,4 +1,5 @@
-"""The oracle: paged attention with the reader's rule of ownership.md section 3, in plain PyTorch.
+"""The oracle: paged attention with the reader's rule of docs/ownership.md section 3, in plain
+PyTorch.
 
 Every backend is tested against this module. It favours being obviously right over being fast: it
 gathers every page of the block table into a dense tensor and masks. It runs on any device and

@@ -1,4 +1,6 @@
-"""What an attention call says about the pages it refused: :class:`OwnershipReport`."""
+"""What a call says about what it refused, in device memory: :class:`OwnershipReport` for the
+readers (pages refused by an attention call), :class:`WriteResult` for the writers (tokens or pages
+a writer dropped). Contract: docs/ownership.md sections 3 and 4."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -98,6 +100,30 @@ class OwnershipReport:
             raise KVOwnershipError(
                 "KV ownership check refused pages; their slots were masked out of attention:\n"
                 + self.summary(), refusals)
+
+
+@dataclass
+class WriteResult:
+    """Outcome of :func:`kvattn.write_kv` or :func:`kvattn.commit_pages`, per item, in device memory.
+
+    ``landed`` ``[n]`` bool: the item was written (and its page stamped). ``drop_reasons`` ``[n]``
+    int8: a :class:`~kvattn.tags.WriteDrop` flag per refused item, 0 for landed items and padding.
+    ``dropped`` 0-d int64: how many items were refused (padding is not counted).
+    """
+
+    landed: torch.Tensor
+    drop_reasons: torch.Tensor
+    dropped: torch.Tensor
+
+    @classmethod
+    def empty(cls, device) -> WriteResult:
+        """The result of a call with no item."""
+        landed = torch.zeros(0, dtype=torch.bool, device=device)
+        return cls(landed, landed.to(torch.int8), torch.zeros((), dtype=torch.int64, device=device))
+
+    def dropped_count(self) -> int:
+        """Number of refused items (synchronises)."""
+        return int(self.dropped.item())
 
 
 def _reason_name(reason: Violation) -> str:

@@ -146,7 +146,7 @@ def page_reason(tag: torch.Tensor, in_range: torch.Tensor, expected: torch.Tenso
 
     All arguments broadcast together. ``tag`` must already be 0 where ``in_range`` is False (the
     caller never reads it there); ``slots_read`` is how many leading slots the sequence reads from
-    the page. This is the reader's rule of ownership.md section 3, in the precedence order of
+    the page. This is the reader's rule of docs/ownership.md section 3, in the precedence order of
     :class:`Violation`; the kernels implement the same order.
     """
     state = tag_state(tag)

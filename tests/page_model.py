@@ -1,11 +1,11 @@
-"""A plain-Python model of paged KV state, for the random-trace tests (ownership.md section 6.8).
+"""A plain-Python model of paged KV state, for the random-trace tests (docs/ownership.md 6.8).
 
 Per physical page it keeps the tag fields (state, owner, valid_len) and, per slot, which
 ``(owner, token)`` last wrote its bytes (None: never written since the pool was poisoned). It also
 keeps the allocator's bookkeeping (reference counts, leases). Writers and the reader's rule are
-re-derived here from the docstrings of kvattn.writers and ownership.md section 3 with loops over
-Python ints, sharing nothing with kvattn but the flag values, so the tests compare two independent
-readings of the contract.
+re-derived here from the docstrings of kvattn.writers and docs/ownership.md section 3 with loops
+over Python ints, sharing nothing with kvattn but the flag values, so the tests compare two
+independent readings of the contract.
 """
 from __future__ import annotations
 

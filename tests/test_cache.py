@@ -238,8 +238,9 @@ def test_shared_pages_survive_the_parent_and_are_released_after_both(layout, bac
 
 @pytest.mark.parametrize("backend", DECODE_BACKENDS)
 def test_prefix_page_passes_only_for_the_owner_it_was_written_under(backend):
-    """ownership.md 6.5: the shared page was written under lease X (the parent); the child's entry
-    expecting X passes; expecting the child's own owner, a dead owner or a never-issued one fails."""
+    """docs/ownership.md 6.5: the shared page was written under lease X (the parent); the child's
+    entry expecting X passes; expecting the child's own owner, a dead owner or a never-issued one
+    fails."""
     cache = make_cache()
     tokens = Tokens()
     dead = cache.allocate(0)

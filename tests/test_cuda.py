@@ -145,7 +145,7 @@ def test_matrix_covers_the_contract():
     assert {"NHD", "HND", "offset"} == {c[7] for c in MATRIX}
 
 
-# ---- ownership scenarios (ownership.md section 6), each with its clean twin ----
+# ---- ownership scenarios (docs/ownership.md section 6), each with its clean twin ----
 
 def sentinel_pool(backend, dtype, num_pages, page, kv_heads, dim, q):
     """Tenant A's pages: K aligned with q (dominates any softmax), V = 100; then released."""

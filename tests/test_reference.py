@@ -1,5 +1,5 @@
 """The oracle against dense float64 attention written out here, and the reader's rule of
-ownership.md section 3 one condition at a time, on every backend (the reference included).
+docs/ownership.md section 3 one condition at a time, on every backend (the reference included).
 
 Expected outputs are computed by hand from the list of slots the rule allows; everything else in the
 pool is NaN, so a slot read against the rule shows as NaN.

@@ -1,4 +1,4 @@
-"""The reader scenarios of ownership.md section 6 (1, 3-7), on every backend.
+"""The reader scenarios of docs/ownership.md section 6 (1, 3-7), on every backend.
 
 Every slot a reader must not use holds NaN or a sentinel engineered to dominate attention; checked
 results must be finite and equal the reference over the slots the rule allows. Each "no violation"

@@ -1,4 +1,4 @@
-"""Random traces against a model of page states (ownership.md 6.8).
+"""Random traces against a model of page states (docs/ownership.md 6.8).
 
 Each operation (allocate, append, transfer receive + commit, abort with a write or commit left in
 flight, replay of that late operation after its pages were reused, free, share prefix, stray writes

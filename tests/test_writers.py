@@ -430,7 +430,7 @@ def test_out_of_range_token_does_not_clobber_a_landed_one_on_the_clamped_page():
     pool.assert_bufs(pool.expect(before, [(last, 0, k[0], v[0])]))
 
 
-# --- late writer (ownership.md 6.2) --------------------------------------------------------------
+# --- late writer (docs/ownership.md 6.2) ---------------------------------------------------------
 
 def _late_writer_setup(layout):
     """A holds pages 1 and 3, writes 2 tokens, keeps a write of 2 more (page 1, slots 2-3) in flight

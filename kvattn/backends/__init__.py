@@ -1,11 +1,17 @@
 """Backend registry: picks the backend that runs a call, and says why it refused the others.
 
-A backend is a module with ``NAME``, ``why_not(args) -> str | None`` (None: it can run these inputs)
-and one launcher per op, named after the op, taking the validated arguments
-(``decode(args, *, check, out, lse)``). A backend without a launcher for an op refuses that op.
-Preference for ``backend="auto"``: the order of ``AUTO_ORDER`` -- the first that accepts the inputs.
-Backends outside it (test harnesses) run only when named. ``KVATTN_BACKEND`` forces a choice when
-the call says ``"auto"``. A forced backend that cannot run the inputs raises ``ValueError`` with its
+A backend is a module with ``NAME``, one launcher per op it implements, named after the op
+(``decode(args, *, check, out, lse)``, ``extend(args, *, check, out, lse)``, ``write_kv(args)``),
+and ``why_not(args) -> str | None`` (None: it can run these inputs), or ``why_not_<op>(args)`` for
+an op whose inputs it judges apart. ``args`` is the op's validated record:
+:class:`kvattn.layout.DecodeArgs`, :class:`~kvattn.layout.ExtendArgs` or
+:class:`kvattn.write_args.WriteArgs`. A backend without a launcher for an op refuses that op.
+
+``backend="auto"`` takes the first backend of :func:`auto_order` (``AUTO_ORDER[op]``, or
+``AUTO_ORDER_CPU[op]`` for CPU tensors) that accepts the inputs, and logs once why it refused the
+ones before it. Backends outside the order (test harnesses) run only when named. ``KVATTN_BACKEND``
+names the backend for calls that say ``"auto"``, for every op that backend implements (an op it
+lacks stays on auto). A named backend that cannot run the inputs raises ``ValueError`` with its
 reason; it never falls back silently.
 """
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import os
 from types import ModuleType
 
+import torch
 
 logger = logging.getLogger("kvattn")
 
@@ -23,9 +30,18 @@ _BACKENDS = {
     "cuda": "kvattn.backends.cuda",
     "triton": "kvattn.backends.triton",
     "reference": "kvattn.backends.reference",
+    "torch": "kvattn.backends.pytorch",
     "cuda_sim": "kvattn.backends.cuda_sim",
 }
-AUTO_ORDER = ("cuda", "triton", "reference")
+OPS = ("decode", "extend", "write_kv")
+AUTO_ORDER = {
+    "decode": ("cuda", "triton", "reference"),
+    "extend": ("cuda", "triton", "reference"),
+    "write_kv": ("cuda", "triton", "torch"),
+}
+# The Triton interpreter would run the writer as one program per token; the PyTorch ops compute
+# the same result in a few tensor ops.
+AUTO_ORDER_CPU = {**AUTO_ORDER, "write_kv": ("torch",)}
 _logged: set = set()
 
 
@@ -41,27 +57,58 @@ def load(name: str) -> tuple[ModuleType | None, str | None]:
         return None, f"not importable ({e})"
 
 
+def auto_order(op: str, device: torch.device) -> tuple[str, ...]:
+    """The backends ``auto`` tries for ``op`` on tensors of ``device``, in order."""
+    _check_op(op)
+    return (AUTO_ORDER_CPU if device.type == "cpu" else AUTO_ORDER)[op]
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {list(OPS)}, got {op!r}")
+
+
 def _why_not(name: str, args, op: str) -> tuple[ModuleType | None, str | None]:
     module, reason = load(name)
     if module is None:
         return None, reason
     if not hasattr(module, op):
         return None, f"no {op} kernel"
-    return module, module.why_not(args)
+    return module, getattr(module, f"why_not_{op}", module.why_not)(args)
 
 
 def explain(args, op: str = "decode") -> dict[str, str | None]:
     """For each backend, None if it can run ``op`` on ``args``, else the reason it cannot."""
+    _check_op(op)
     return {name: _why_not(name, args, op)[1] for name in _BACKENDS}
+
+
+def auto_choice(args, op: str = "decode") -> tuple[str | None, dict[str, str]]:
+    """``(name, refused)``: the backend ``auto`` takes for ``op`` on ``args`` (None when none
+    accepts them) and why it refused the ones before it. ``KVATTN_BACKEND`` is not applied."""
+    refused = {}
+    for name in auto_order(op, args.k_cache.device):
+        reason = _why_not(name, args, op)[1]
+        if reason is None:
+            return name, refused
+        refused[name] = reason
+    return None, refused
 
 
 def select(args, requested: str = "auto", op: str = "decode") -> ModuleType:
     """The backend module that runs ``args``; see the module docstring for the rule."""
     if not isinstance(requested, str):
         raise TypeError(f"backend: expected a str, got {type(requested).__name__}")
+    _check_op(op)
     source = "backend argument"
-    if requested == "auto" and os.environ.get("KVATTN_BACKEND", "auto") != "auto":
-        requested, source = os.environ["KVATTN_BACKEND"], "KVATTN_BACKEND"
+    forced = os.environ.get("KVATTN_BACKEND", "auto")
+    if requested == "auto" and forced != "auto":
+        if forced not in _BACKENDS:
+            raise ValueError(f"KVATTN_BACKEND: expected 'auto' or one of {list(_BACKENDS)}, "
+                             f"got {forced!r}")
+        module = load(forced)[0]
+        if module is None or hasattr(module, op):
+            requested, source = forced, "KVATTN_BACKEND"
     if requested != "auto":
         if requested not in _BACKENDS:
             raise ValueError(f"{source}: expected 'auto' or one of {list(_BACKENDS)}, got {requested!r}")
@@ -69,16 +116,14 @@ def select(args, requested: str = "auto", op: str = "decode") -> ModuleType:
         if reason is not None:
             raise ValueError(f"{source}: backend {requested!r} cannot run these inputs: {reason}")
         return module
-    refused = {}
-    for name in AUTO_ORDER:
-        module, reason = _why_not(name, args, op)
-        if reason is None:
-            key = (op, name, args.q.device.type, tuple(sorted(refused.items())))
-            if key not in _logged:
-                _logged.add(key)
-                why = "; ".join(f"{n}: {r}" for n, r in refused.items()) or "first choice"
-                logger.info("kvattn: %s uses backend %r on %s (%s)", op, name, args.q.device, why)
-            return module
-        refused[name] = reason
-    raise ValueError(f"no backend can run {op} on these inputs: "
-                     + "; ".join(f"{n}: {r}" for n, r in refused.items()))
+    name, refused = auto_choice(args, op)
+    if name is None:
+        raise ValueError(f"no backend can run {op} on these inputs: "
+                         + "; ".join(f"{n}: {r}" for n, r in refused.items()))
+    device = args.k_cache.device
+    key = (op, name, device.type, tuple(sorted(refused.items())))
+    if key not in _logged:
+        _logged.add(key)
+        why = "; ".join(f"{n}: {r}" for n, r in refused.items()) or "first choice"
+        logger.info("kvattn: %s uses backend %r on %s (%s)", op, name, device, why)
+    return load(name)[0]

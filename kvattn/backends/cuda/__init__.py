@@ -7,30 +7,36 @@ from __future__ import annotations
 
 import torch
 
+from ... import extensions
 from ...layout import DecodeArgs, ExtendArgs
-from ...report import OwnershipReport
-from ...writers import WriteResult
+from ...report import OwnershipReport, WriteResult
+from ...write_args import WriteArgs
 from . import launch
 
 NAME = "cuda"
 
-try:
-    from . import _C
-    _NOT_BUILT = None
-except ImportError as e:
-    _C = None
-    _NOT_BUILT = f"not built ({e}); build with `python setup.py build_ext --inplace` where nvcc is installed"
+_C, STATUS = extensions.load("kvattn.backends.cuda._C")
+_NOT_BUILT = None if _C is not None else STATUS.line()
 
 
-def why_not(args: DecodeArgs | ExtendArgs) -> str | None:
-    """None if this backend can run ``args``, else the reason it cannot."""
+def _why_not_here(device: torch.device) -> str | None:
     if _C is None:
         return _NOT_BUILT
     if not torch.cuda.is_available():
         return "no GPU (torch.cuda.is_available() is False)"
-    if args.q.device.type != "cuda":
-        return f"tensors are on {args.q.device}, the CUDA kernels need them on a GPU"
-    return launch.unsupported(args)
+    if device.type != "cuda":
+        return f"tensors are on {device}, the CUDA kernels need them on a GPU"
+    return None
+
+
+def why_not(args: DecodeArgs | ExtendArgs) -> str | None:
+    """None if this backend can run ``args`` (decode or extend), else the reason it cannot."""
+    return _why_not_here(args.q.device) or launch.unsupported(args)
+
+
+def why_not_write_kv(args: WriteArgs) -> str | None:
+    """None if the CUDA writer can run ``args``, else the reason it cannot."""
+    return _why_not_here(args.k_cache.device)
 
 
 def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
@@ -52,17 +58,12 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
                              tokens_per_tile=tokens_per_tile, plan=plan)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, page_tags: torch.Tensor, owners: torch.Tensor) -> WriteResult:
-    """The CUDA writer kernels, enqueued on the current stream. Called by
-    :func:`kvattn.write_kv` (``backend="cuda"``) with validated arguments."""
-    if _C is None:
-        raise RuntimeError(f"kvattn cuda backend: {_NOT_BUILT}")
-    if k_cache.device.type != "cuda":
-        raise ValueError(f"k_cache: expected a tensor on a CUDA device, got one on {k_cache.device}")
-    with torch.cuda.device(k_cache.device):
+def write_kv(args: WriteArgs) -> WriteResult:
+    """The CUDA writer kernels, enqueued on the current stream (arguments accepted by
+    :func:`why_not_write_kv`)."""
+    with torch.cuda.device(args.k_cache.device):
         stream = torch.cuda.current_stream().cuda_stream
-        return launch.write_kv(_C, k, v, k_cache, v_cache, slot_mapping, page_tags, owners, stream=stream)
+        return launch.write_kv(_C, *args.tensors(), stream=stream)
 
 
-__all__ = ["NAME", "decode", "extend", "why_not", "write_kv"]
+__all__ = ["NAME", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]

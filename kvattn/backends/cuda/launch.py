@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...layout import DecodeArgs, ExtendArgs
-from ...report import OwnershipReport
-from ...writers import WriteResult
+from ...report import OwnershipReport, WriteResult
 from ..grids import extend_tile_map, plan_num_splits
 
 LOG2E = 1.4426950408889634

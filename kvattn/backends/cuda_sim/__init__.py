@@ -8,28 +8,34 @@ from __future__ import annotations
 
 import torch
 
+from ... import extensions
 from ...layout import DecodeArgs, ExtendArgs
-from ...report import OwnershipReport
-from ...writers import WriteResult
+from ...report import OwnershipReport, WriteResult
+from ...write_args import WriteArgs
 from ..cuda import launch
 
 NAME = "cuda_sim"
 
-try:
-    from . import _sim
-    _NOT_BUILT = None
-except ImportError as e:
-    _sim = None
-    _NOT_BUILT = f"not built ({e}); build with `python setup.py build_ext --inplace`"
+_sim, STATUS = extensions.load("kvattn.backends.cuda_sim._sim")
+_NOT_BUILT = None if _sim is not None else STATUS.line()
+
+
+def _why_not_here(device: torch.device) -> str | None:
+    if _sim is None:
+        return _NOT_BUILT
+    if device.type != "cpu":
+        return f"tensors are on {device}; the CPU harness runs CPU tensors only"
+    return None
 
 
 def why_not(args: DecodeArgs | ExtendArgs) -> str | None:
-    """None if this backend can run ``args``, else the reason it cannot."""
-    if _sim is None:
-        return _NOT_BUILT
-    if args.q.device.type != "cpu":
-        return f"tensors are on {args.q.device}; the CPU harness runs CPU tensors only"
-    return launch.unsupported(args)
+    """None if this backend can run ``args`` (decode or extend), else the reason it cannot."""
+    return _why_not_here(args.q.device) or launch.unsupported(args)
+
+
+def why_not_write_kv(args: WriteArgs) -> str | None:
+    """None if the harness writer can run ``args``, else the reason it cannot."""
+    return _why_not_here(args.k_cache.device)
 
 
 def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
@@ -49,17 +55,10 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
                          plan=plan)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, page_tags: torch.Tensor, owners: torch.Tensor, *,
-             module=None) -> WriteResult:
-    """The CUDA writer kernels on the harness, on CPU tensors. Called by :func:`kvattn.write_kv`
-    (``backend="cuda_sim"``) with validated arguments."""
-    if _sim is None and module is None:
-        raise RuntimeError(f"kvattn cuda_sim backend: {_NOT_BUILT}")
-    if k_cache.device.type != "cpu":
-        raise ValueError(f"k_cache: expected a CPU tensor (the harness runs on the CPU), got one on "
-                         f"{k_cache.device}")
-    return launch.write_kv(module or _sim, k, v, k_cache, v_cache, slot_mapping, page_tags, owners)
+def write_kv(args: WriteArgs) -> WriteResult:
+    """The CUDA writer kernels on the harness, on CPU tensors (arguments accepted by
+    :func:`why_not_write_kv`)."""
+    return launch.write_kv(_sim, *args.tensors())
 
 
-__all__ = ["NAME", "decode", "extend", "why_not", "write_kv"]
+__all__ = ["NAME", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]

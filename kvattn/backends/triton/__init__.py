@@ -2,21 +2,42 @@
 ``stamp_writer``), the reader's rule they share (``tag_rule``), and this facade for the registry."""
 from __future__ import annotations
 
+import torch
+
+from ...report import WriteResult
+from ...write_args import WriteArgs
+from . import stamp_writer
 from .paged_decode import MAX_HEAD_DIM, decode, interpreted
 from .paged_extend import extend
 
 NAME = "triton"
 
 
-def why_not(args) -> str | None:
-    """None if this backend can run ``args``, else the reason it cannot."""
-    if args.q.device.type == "cpu" and not interpreted():
+def _why_not_here(device: torch.device) -> str | None:
+    if device.type == "cpu" and not interpreted():
         return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before importing triton)"
-    if args.q.device.type not in ("cpu", "cuda"):
-        return f"device {args.q.device.type} is not supported"
-    if args.head_dim > MAX_HEAD_DIM:
-        return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
+    if device.type not in ("cpu", "cuda"):
+        return f"device {device.type} is not supported"
     return None
 
 
-__all__ = ["NAME", "decode", "extend", "why_not"]
+def why_not(args) -> str | None:
+    """None if this backend can run ``args`` (decode or extend), else the reason it cannot."""
+    reason = _why_not_here(args.q.device)
+    if reason is None and args.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
+    return reason
+
+
+def why_not_write_kv(args: WriteArgs) -> str | None:
+    """None if the stamping writer can run ``args``, else the reason it cannot."""
+    return _why_not_here(args.k_cache.device)
+
+
+def write_kv(args: WriteArgs) -> WriteResult:
+    """:mod:`.stamp_writer`'s two launches (arguments accepted by :func:`why_not_write_kv`)."""
+    landed, reasons = stamp_writer.write_kv(*args.tensors())
+    return WriteResult(landed, reasons, (reasons != 0).sum())
+
+
+__all__ = ["NAME", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]

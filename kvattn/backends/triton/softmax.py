@@ -9,7 +9,7 @@ import triton.language as tl
 def qk_scores(q, k, DOT_FP32: tl.constexpr):
     """``q @ k^T`` [ROWS, BLOCK_N] with fp32 accumulation. DOT_FP32 upcasts both operands and asks
     for exact fp32 products: fp32 inputs (no TF32), and bf16 under the Triton 3.9 interpreter,
-    whose bf16 tl.dot is wrong (shared/notes/cpu-machine.md)."""
+    whose bf16 tl.dot returns wrong results."""
     if DOT_FP32:
         return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     return tl.dot(q, tl.trans(k))

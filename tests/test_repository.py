@@ -1,0 +1,183 @@
+"""The repository stands on its own: no file refers to a path outside it, and the import graph of
+the kvattn package has no cycle."""
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kvattn"
+
+
+def _repository_files() -> list[str]:
+    try:
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], capture_output=True, check=False)
+    except OSError:
+        pytest.skip("no git on this machine: the repository's files are not known")
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: the repository's files are not known")
+    return [f for f in listed.stdout.decode().split("\0") if f and (ROOT / f).is_file()]
+
+
+# A relative path that climbs: one or more "../" and what follows.
+_CLIMBING = re.compile(r"(?<![\w.])((?:\.\./)+[\w./-]*)")
+# A relative path to a file: directories, then a name with an extension.
+_FILE_PATH = re.compile(r"(?<![\w./-])((?:[\w.-]+/)+[\w.-]+\.[A-Za-z]\w*)")
+
+
+def outside_references(relative: str, text: str, root: pathlib.Path = ROOT) -> list[str]:
+    """The places in ``text`` (the file ``relative`` of the repository at ``root``) that name a
+    path outside the repository:
+
+    - a relative path that, read from the file's folder, climbs out of the repository;
+    - an absolute path into the folder that holds the repository, or into the home folder;
+    - a relative path to a file that is not in the repository but exists beside it (a folder next
+      to the checkout, such as a project's notes, is not shipped with it).
+    """
+    found = []
+    here = (root / relative).parent
+    for m in _CLIMBING.finditer(text):
+        target = pathlib.Path(os.path.normpath(here / m.group(1)))
+        if target != root and root not in target.parents:
+            found.append(f"{relative}: {m.group(1)} climbs out of the repository")
+    prefixes = {str(root.parent).rstrip("/") + "/", str(pathlib.Path.home()).rstrip("/") + "/"}
+    for prefix in prefixes - {"/"}:
+        for m in re.finditer(re.escape(prefix) + r"[\w./-]*", text):
+            found.append(f"{relative}: {m.group(0)} is an absolute path outside the repository")
+    for m in _FILE_PATH.finditer(text):
+        path = m.group(1)
+        if path.startswith("./") or (root / path).exists() or (here / path).exists():
+            continue
+        if (root.parent / path).exists():
+            found.append(f"{relative}: {path} names a file beside the repository, not in it")
+    return found
+
+
+def test_the_scanner_finds_each_kind_of_outside_reference(tmp_path):
+    """Without this the scan below could pass by finding nothing at all."""
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "mod.h").write_text("")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "machine.md").write_text("")
+    up = "../"  # spelled apart: this file is scanned too
+    text = (f"see {up}{up}notes/machine.md and {up}pkg/mod.h; {tmp_path}/notes/machine.md; "
+            "notes/machine.md; pkg/mod.h; mod.h")
+    found = outside_references("pkg/readme.md", text, repo)
+    assert len(found) == 3, found
+    assert "climbs out" in found[0] and "absolute path" in found[1] and "beside the repository" in found[2]
+
+
+def test_no_file_refers_to_a_path_outside_the_repository():
+    problems = []
+    for relative in _repository_files():
+        try:
+            text = (ROOT / relative).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # binary
+        problems += outside_references(relative, text)
+    assert not problems, "\n".join(problems)
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """``{module: modules of the package it imports}`` from ``{module: (source, is_package)}``.
+
+    Every ``import`` and ``from ... import`` counts, at module level or inside a function, relative
+    ones resolved. ``from P import N`` depends on ``P.N`` when that is a module, else on ``P``
+    (``N`` is a name ``P`` defines); importing a module also imports the packages above it, except
+    those the importer lies in (they are being imported already). Imports by string
+    (``importlib.import_module``, the backend registry's lazy loading) are not seen.
+    """
+    graph: dict[str, set[str]] = {}
+    for name, (source, is_package) in sources.items():
+        package = name if is_package else name.rpartition(".")[0]
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        targets: set[str] = set()
+
+        def depend(module: str, with_parents: bool = True) -> None:
+            parts = module.split(".")
+            for i in range(1, len(parts) + 1):
+                prefix = ".".join(parts[:i])
+                if prefix in sources and (i == len(parts) or (with_parents and prefix not in own)):
+                    targets.add(prefix)
+
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    depend(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    origin = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    origin = node.module
+                for alias in node.names:
+                    if f"{origin}.{alias.name}" in sources:
+                        depend(f"{origin}.{alias.name}")
+                        if origin not in own:
+                            depend(origin)
+                    else:
+                        depend(origin)
+        graph[name] = targets - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_sees_relative_and_function_level_imports():
+    """The circle this repository had: writers imported a backend (inside a function) that
+    imported the result type back from writers."""
+    sources = {
+        "pkg": ("", True),
+        "pkg.writers": ("def pick():\n    from .backends import cuda\n", False),
+        "pkg.backends": ("", True),
+        "pkg.backends.cuda": ("from ..writers import WriteResult\n", False),
+    }
+    assert find_cycle(import_graph(sources)) == ["pkg.backends.cuda", "pkg.writers", "pkg.backends.cuda"]
+    sources["pkg.backends.cuda"] = ("from ..report import WriteResult\n", False)
+    assert find_cycle(import_graph(sources)) is None
+    # A module taking a name its own package defines, while the package imports it, is a circle.
+    sources["pkg"] = ("from .writers import pick\nVERSION = 1\n", True)
+    sources["pkg.writers"] = ("from . import VERSION\n", False)
+    assert find_cycle(import_graph(sources)) == ["pkg", "pkg.writers", "pkg"]
+
+
+def test_the_kvattn_import_graph_has_no_cycle():
+    sources = {_module_name(p, ROOT): (p.read_text(), p.name == "__init__.py")
+               for p in PACKAGE.rglob("*.py")}
+    graph = import_graph(sources)
+    assert "kvattn.backends.cuda" in graph["kvattn.backends.cuda_sim"]  # the graph is not empty
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
