@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kvattn/params.h"
+#include "kvattn/tiles.h"
 #include "kvattn_tags.h"
 
 #if defined(KVATTN_SIM)
@@ -186,6 +187,29 @@ void write_kv(const py::dict& a, int dtype, unsigned long long stream) {
   launch_or_raise([&] { return kvattn::write_kv(p, type, reinterpret_cast<void*>(stream)); });
 }
 
+// Pipeline stages (K/V shared-memory buffers per warp for decode, per block for extend) and the
+// dynamic shared memory of each attention kernel, by padded head dim: the figures a static view of
+// the kernels needs beside the SASS (tools/static_sm90.py).
+py::dict tile_layouts() {
+  py::dict decode, extend;
+  const auto entry = [](int stages, int bytes) {
+    py::dict e;
+    e["stages"] = stages;
+    e["shared_bytes"] = bytes;
+    return e;
+  };
+  decode[py::int_(64)] = entry(kvattn::DecodeLayout<64>::kStages, kvattn::DecodeLayout<64>::kTotal);
+  decode[py::int_(128)] = entry(kvattn::DecodeLayout<128>::kStages, kvattn::DecodeLayout<128>::kTotal);
+  decode[py::int_(256)] = entry(kvattn::DecodeLayout<256>::kStages, kvattn::DecodeLayout<256>::kTotal);
+  extend[py::int_(64)] = entry(kvattn::ExtendLayout<64>::kStages, kvattn::ExtendLayout<64>::kTotal);
+  extend[py::int_(128)] = entry(kvattn::ExtendLayout<128>::kStages, kvattn::ExtendLayout<128>::kTotal);
+  extend[py::int_(256)] = entry(kvattn::ExtendLayout<256>::kStages, kvattn::ExtendLayout<256>::kTotal);
+  py::dict d;
+  d["decode"] = decode;
+  d["extend"] = extend;
+  return d;
+}
+
 std::map<std::string, int64_t> tag_layout() {
   using namespace kvattn::tags;
   return {
@@ -225,6 +249,7 @@ PYBIND11_MODULE(KVATTN_MODULE_NAME, m) {
   m.def("write_kv", &write_kv, py::arg("args"), py::arg("dtype"), py::arg("stream"),
         "Enqueue the stamping writer. Raises RuntimeError naming the kernel on error.");
   m.def("tag_layout", &tag_layout, "The tag constants this module was compiled with.");
+  m.def("tile_layouts", &tile_layouts, "Pipeline stages and dynamic shared memory of the attention kernels.");
   m.attr("SIMULATED") = py::bool_(
 #if defined(KVATTN_SIM)
       true

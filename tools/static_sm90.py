@@ -298,8 +298,23 @@ def _demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
 
 
+_CUDA_KERNEL = re.compile(r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (\d+))?(?:, (true|false))?>")
+_CUDA_DTYPES = {"__half": "fp16", "__nv_bfloat16": "bf16", "float": "fp32"}
+
+
+def _cuda_layouts() -> dict:
+    """Pipeline stages and dynamic shared memory per kernel and padded head dim, from the binding
+    (the same constants the launchers use); empty when the harness module is not built."""
+    try:
+        from kvattn.backends.cuda_sim import _sim
+    except ImportError:
+        return {}
+    return _sim.tile_layouts()
+
+
 def cuda_records(obj: pathlib.Path) -> list[dict]:
     """Figures of every sm_90 kernel in the nvcc object ``obj``."""
+    layouts = _cuda_layouts()
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([_tool("cuobjdump"), "--extract-elf", "all", str(obj.resolve())], cwd=tmp,
                        capture_output=True, check=True)
@@ -311,11 +326,19 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
             names = _demangle(list(functions))
             for mangled, insns in functions.items():
                 u = usage.get(mangled, {})
-                name = names[mangled]
-                records.append(dict(backend="cuda", kernel=name, check="check=true" in name
-                                    or ", true>" in name, registers=u.get("REG"),
+                m = _CUDA_KERNEL.search(names[mangled])
+                kernel = m.group(1) if m else names[mangled].split("(")[0].split("::")[-1]
+                op = "decode" if "decode" in kernel else "extend" if "extend" in kernel else "write_kv"
+                dim = int(m.group(3)) if m and m.group(3) else None
+                layout = layouts.get(op, {}).get(dim, {}) if kernel.startswith("paged_") else {}
+                config = " ".join(x for x in (op, _CUDA_DTYPES.get(m.group(2), "") if m else "",
+                                              f"d{dim}" if dim else "") if x)
+                records.append(dict(backend="cuda", config=config, op=op, kernel=kernel,
+                                    check=bool(m and m.group(4) == "true"), registers=u.get("REG"),
                                     local=u.get("LOCAL", 0) + u.get("STACK", 0),
-                                    shared_static=u.get("SHARED", 0), **sass_figures(insns)))
+                                    shared=layout.get("shared_bytes", u.get("SHARED", 0)),
+                                    kv_buffers=layout.get("stages"), **sass_figures(insns)))
+    records.sort(key=lambda r: (r["op"], r["kernel"], r["config"], r["check"]))
     return records
 
 

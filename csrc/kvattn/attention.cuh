@@ -7,6 +7,7 @@
 // key 8n + 2t + c % 2; accumulator o[j][c] is row g + 8 * (c / 2), dimension 8j + 2t + c % 2.
 #pragma once
 
+#include "tiles.h"
 #include "warp_ops.cuh"
 
 #ifndef KVATTN_SIM_BREAK
@@ -15,15 +16,7 @@
 
 namespace kvattn {
 
-constexpr int kWarpRows = 16;  // query rows per warp: the M of one mma tile
 constexpr float kLn2 = 0.6931471805599453f;
-
-// Bytes of one row of a Q, K or V tile in shared memory: D 16-bit elements and 16 bytes of
-// padding, so the eight 16-byte rows one ldmatrix reads start in distinct bank groups.
-template <int D>
-KVATTN_HOST_DEVICE constexpr int tile_row_bytes() {
-  return D * 2 + 16;
-}
 
 KVATTN_DEVICE int lane_index() { return static_cast<int>(threadIdx.x) % 32; }
 

@@ -29,32 +29,8 @@
 
 namespace kvattn {
 
-constexpr int kThreads = 128;  // 4 warps, for every attention kernel here
-constexpr int kWarps = kThreads / 32;
-constexpr int kSubTile = 16;   // tokens a decode warp handles per pipeline stage
 constexpr int kMergeThreads = 128;
 constexpr int kReportFields = 3;  // refused pages, OR of reasons, pages read
-
-// Head dims are padded to one of these for the register tiles; the padding is zero and skipped.
-KVATTN_HOST_DEVICE constexpr int padded_head_dim(int head_dim) {
-  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
-}
-
-template <int D>
-struct DecodeLayout {
-  static constexpr int kStages = D <= 128 ? 3 : 2;
-  static constexpr int kRow = tile_row_bytes<D>();
-  static constexpr int kChunks = D * 2 / 16;                      // 16-byte chunks per row
-  static constexpr int kStageBytes = 2 * kSubTile * kRow;         // K and V of one sub-tile
-  static constexpr int kQBytes = kWarpRows * kRow;
-  static constexpr int kWarpBytes = kStages * kStageBytes;
-  static constexpr int kMaskBytes = (kWarps * kStages * 4 + 15) / 16 * 16;
-  static constexpr int kOffsetBytes = kWarps * kSubTile * 2 * 8;  // per warp: [16 tokens][K, V] int64
-  static constexpr int kCounterBytes = 16;
-  static constexpr int kTotal = kQBytes + kWarps * kWarpBytes + kMaskBytes + kOffsetBytes + kCounterBytes;
-  // The merge of the warps reuses each warp's stage memory: [kWarpRows][D] outputs, m and l.
-  static_assert(kWarpRows * D * 4 + 2 * kWarpRows * 4 <= kWarpBytes, "warp merge area");
-};
 
 struct SplitRange {
   int64_t start, end, chunk;

@@ -26,20 +26,6 @@
 
 namespace kvattn {
 
-template <int D>
-struct ExtendLayout {
-  static constexpr int kStages = 2;
-  static constexpr int kKeys = D <= 128 ? 64 : 32;  // keys per tile
-  static constexpr int kRow = tile_row_bytes<D>();
-  static constexpr int kChunks = D * 2 / 16;
-  static constexpr int kKeySlots = 3;  // key entries: tile j read, tile j + 1 copied, tile j + 2 stored
-  static constexpr int kQBytes = kExtendRows * kRow;
-  static constexpr int kTileBytes = 2 * kKeys * kRow;  // K and V of one tile
-  static constexpr int kKeyBytes = kKeySlots * kKeys * 8;  // per key: page (-1: not read) and slot
-  static constexpr int kMaskBytes = kKeySlots * 8;
-  static constexpr int kTotal = kQBytes + kStages * kTileBytes + kKeyBytes + kMaskBytes;
-};
-
 // One sequence per block: each table entry's reason (0 when accepted or not read), the report's
 // counters and the effective entry page << 32 | readable slots (0 for a page that is not read).
 __global__ void __launch_bounds__(kThreads) resolve_pages_kernel(const ExtendParams p) {

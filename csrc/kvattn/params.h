@@ -91,9 +91,6 @@ struct ExtendParams {
   int smem_bytes;
 };
 
-// Query rows of an extend block: kExtendWarps warps of kWarpRows rows (attention.cuh).
-constexpr int kExtendRows = 64;
-
 struct LaunchResult {
   int code;            // 0 on success (cudaError_t value otherwise)
   const char* kernel;  // the kernel that failed, or the launcher that refused the arguments
