@@ -440,6 +440,15 @@ def copy_bandwidth(device: Device, cfg: TimingConfig) -> dict:
     return {"bytes": 2 * numel * 2, "median_ms": ms, "tbps": 2 * numel * 2 / (ms * 1e-3) / 1e12}
 
 
+def matmul_rate(device: Device, cfg: TimingConfig, n: int = 8192) -> dict:
+    """bf16 ``n x n x n`` matrix product on random data (GPU only): the ceiling the extend kernels
+    are compared with."""
+    a = torch.randn(n, n, device=device.torch_device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device.torch_device, dtype=torch.bfloat16)
+    ms = time_eager(lambda: a @ b, device.torch_device, cfg)
+    return {"n": n, "median_ms": ms, "tflops": 2 * n ** 3 / (ms * 1e-3) / 1e12}
+
+
 def prepare_providers(providers, inp, check, base: dict, log) -> tuple[list[dict], list[tuple]]:
     """Ask each provider whether it runs ``inp``, build it and pass it through ``check(run,
     out_buf)``. Returns the rows of providers not run (skipped or failed, never timed) and the
@@ -463,12 +472,43 @@ def prepare_providers(providers, inp, check, base: dict, log) -> tuple[list[dict
 
 
 def check_and_measure(providers, inp, check, base: dict, device: Device, cfg: TimingConfig, columns,
-                      log) -> list[dict]:
+                      log, deadline: float | None = None) -> list[dict]:
     """:func:`prepare_providers`, then :func:`measure` of those that passed, over ``inp``'s
     rotation sets: the rows of one point."""
     rows, live = prepare_providers(providers, inp, check, base, log)
     synchronize(device.torch_device)
-    return rows + measure(live, inp.sets, device, cfg, columns)
+    return rows + measure(live, inp.sets, device, cfg, columns, deadline, log)
+
+
+def measurement_seconds(call_s: float, sets: int, device: Device, cfg: TimingConfig) -> float:
+    """What timing one provider costs: per repeat and mode do_bench's budgets (at least a few calls
+    each), a graph capture over every set, doubled for host overhead."""
+    modes = 2 if device.is_gpu and cfg.graphs else 1
+    per = max(cfg.warmup_ms / 1e3, call_s) + max(cfg.rep_ms / 1e3, 5 * call_s)
+    return 2 * (cfg.repeats * modes * per + (2 * sets * call_s if modes == 2 else 0))
+
+
+def size_by_first_call(live, sets: int, device: Device, cfg: TimingConfig, deadline: float | None,
+                       log) -> tuple[list, list[dict]]:
+    """Times one call of each provider; a provider whose measurement would end past ``deadline``
+    (monotonic seconds) is not timed and says why. Returns ``(kept, skipped rows)``."""
+    if deadline is None:
+        return live, []
+    dev = device.torch_device
+    kept, skipped = [], []
+    for prov, run, row in live:
+        t0 = time.monotonic()
+        run(0)
+        synchronize(dev)
+        call_s = time.monotonic() - t0
+        need = measurement_seconds(call_s, sets, device, cfg)
+        if time.monotonic() + need > deadline:
+            skipped.append(dict(row, status=f"skipped: time budget (one call {call_s * 1e3:.2f} ms, "
+                                f"about {need:.0f} s to time)"))
+            log(f"  {prov.name}: {skipped[-1]['status']}")
+        else:
+            kept.append((prov, run, row))
+    return kept, skipped
 
 
 def rotating(run, sets: int):
@@ -476,14 +516,16 @@ def rotating(run, sets: int):
     return lambda: run(next(counter) % sets)
 
 
-def measure(live, sets: int, device: Device, cfg: TimingConfig, columns) -> list[dict]:
+def measure(live, sets: int, device: Device, cfg: TimingConfig, columns, deadline: float | None = None,
+            log=print) -> list[dict]:
     """Interleaved repeats of every live provider, in eager mode and, on a GPU, from a CUDA graph
     over all rotation sets. ``columns(provider, median_ms)`` adds the figures derived from the time.
-    Returns graph-capture failures, then one row per (mode, provider) with the checked/unchecked
-    ratios filled in."""
+    Providers whose first call says they cannot be timed before ``deadline`` are skipped
+    (:func:`size_by_first_call`). Returns skips and graph-capture failures, then one row per
+    (mode, provider) with the checked/unchecked ratios filled in."""
     dev = device.torch_device
+    live, failed = size_by_first_call(live, sets, device, cfg, deadline, log)
     modes = {"eager": {prov.name: rotating(run, sets) for prov, run, _ in live}}
-    failed = []
     if device.is_gpu and cfg.graphs:
         modes["graph"] = {}
         for prov, run, row in live:

@@ -24,7 +24,7 @@ from .common import (DTYPES, Device, GraphTimer, Point, TimingConfig, bandwidth_
                      bytes_moved, check_and_measure, check_provider, make_decode_inputs,
                      reference_output, rotation_sets, spread_pct, time_eager)
 from .outputs import write_outputs
-from .sweep import PRESETS, Sweep, parse_args
+from .sweep import PRESETS, Sweep, exit_code, parse_args
 
 CHECK_ROWS = 4  # sequences compared with the reference per checked set
 
@@ -92,7 +92,7 @@ def estimate_point_seconds(p: Point, providers: int, cfg: TimingConfig, device: 
 
 
 def run_point(p: Point, providers, device: Device, cfg: TimingConfig, copy_tbps: float,
-              log) -> list[dict]:
+              log, deadline: float | None = None) -> list[dict]:
     dev = device.torch_device
     sets = rotation_sets(p, device.l2_bytes) if device.is_gpu else 2
     inp = make_decode_inputs(p, dev, sets, seed=zlib.crc32(p.label().encode()))
@@ -103,7 +103,8 @@ def run_point(p: Point, providers, device: Device, cfg: TimingConfig, copy_tbps:
         providers, inp,
         lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_per_seq), base,
         device, cfg,
-        lambda prov, med: bandwidth_columns(bytes_moved(p, prov.checked), med, copy_tbps), log)
+        lambda prov, med: bandwidth_columns(bytes_moved(p, prov.checked), med, copy_tbps), log,
+        deadline)
 
 
 def make_writer(w: WriterPoint, dev: torch.device) -> dict:
@@ -198,7 +199,8 @@ def run_writer(w: WriterPoint, device: Device, cfg: TimingConfig, copy_tbps: flo
     return rows
 
 
-def run(args) -> Path:
+def run(args) -> tuple[Path, int]:
+    """The sweep; returns its run folder and the exit code (1 when a kvattn provider failed)."""
     sweep = Sweep.start(args, preset_points, "decode")
     sweep.run_dir.mkdir(parents=True, exist_ok=True)
     device, cfg = sweep.device, sweep.cfg
@@ -208,21 +210,22 @@ def run(args) -> Path:
 
     copy = sweep.begin("kvattn benchmarks", "decode", estimate)
     decode_rows, skipped = sweep.run_points(
-        lambda p: run_point(p, sweep.providers, device, cfg, copy["tbps"], sweep.log), estimate)
+        lambda p: run_point(p, sweep.providers, device, cfg, copy["tbps"], sweep.log, sweep.deadline),
+        estimate)
     writer_rows = []
     for w in writer_points(sweep.preset):
         if sweep.budget_s and sweep.elapsed() > sweep.budget_s:
             skipped.append({"point": f"writer {w}", "reason": "time budget"})
             continue
         writer_rows += run_writer(w, device, cfg, copy["tbps"])
+    code = exit_code(sweep, decode_rows)
     write_outputs(sweep.run_dir, sweep.meta(copy, skipped), decode_rows, writer_rows, sweep.log_lines,
                   plots=not args.no_plots)
-    return sweep.finish()
+    return sweep.finish(), code
 
 
 def main(argv=None) -> int:
-    run(parse_args("python -m benchmarks.decode", __doc__, argv))
-    return 0
+    return run(parse_args("python -m benchmarks.decode", __doc__, argv))[1]
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ import torch
 
 from .common import (Device, ExtendPoint, TimingConfig, bandwidth_columns, bytes_moved,
                      check_and_measure, check_provider, extend_check_rows, extend_reference,
-                     make_extend_inputs, rotation_sets)
+                     make_extend_inputs, matmul_rate, rotation_sets)
 from .decode import estimate_point_seconds
 from .outputs import write_extend_outputs
-from .sweep import PRESETS, Sweep, parse_args
+from .sweep import PRESETS, Sweep, exit_code, parse_args
 
 CHECK_SEQS = 2  # sequences (besides the last) whose sampled rows are compared with the reference
 # Compute rate assumed by the wall-time estimate of a GPU point (a conservative figure for a
@@ -69,7 +69,7 @@ def extend_columns(p: ExtendPoint, checked: bool, median_ms: float, copy_tbps: f
 
 
 def run_point(p: ExtendPoint, providers, device: Device, cfg: TimingConfig, copy_tbps: float,
-              log) -> list[dict]:
+              log, deadline: float | None = None) -> list[dict]:
     dev = device.torch_device
     pool = p.pool_point()
     sets = rotation_sets(pool, device.l2_bytes) if device.is_gpu else 2
@@ -82,10 +82,12 @@ def run_point(p: ExtendPoint, providers, device: Device, cfg: TimingConfig, copy
     return check_and_measure(
         providers, inp,
         lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_per_seq, rows_idx),
-        base, device, cfg, lambda prov, med: extend_columns(p, prov.checked, med, copy_tbps), log)
+        base, device, cfg, lambda prov, med: extend_columns(p, prov.checked, med, copy_tbps), log,
+        deadline)
 
 
-def run(args) -> Path:
+def run(args) -> tuple[Path, int]:
+    """The sweep; returns its run folder and the exit code (1 when a kvattn provider failed)."""
     sweep = Sweep.start(args, preset_points, "extend", folder_suffix="_extend")
     device, cfg = sweep.device, sweep.cfg
 
@@ -94,17 +96,21 @@ def run(args) -> Path:
                                       call_s=call_seconds(p))
 
     copy = sweep.begin("kvattn extend benchmark", "extend", estimate)
+    matmul = matmul_rate(device, cfg) if device.is_gpu else None
+    if matmul is not None:
+        sweep.log(f"bf16 matrix rate: {matmul['tflops']:.0f} TFLOP/s ({matmul['n']}^3 product in "
+                  f"{matmul['median_ms']:.3f} ms)")
     rows, skipped = sweep.run_points(
-        lambda p: run_point(p, sweep.providers, device, cfg, copy["tbps"], sweep.log), estimate,
-        ExtendPoint.pool_point)
-    write_extend_outputs(sweep.run_dir, sweep.meta(copy, skipped, op="extend"), rows, sweep.log_lines,
-                         plots=not args.no_plots)
-    return sweep.finish()
+        lambda p: run_point(p, sweep.providers, device, cfg, copy["tbps"], sweep.log, sweep.deadline),
+        estimate, ExtendPoint.pool_point)
+    code = exit_code(sweep, rows)
+    write_extend_outputs(sweep.run_dir, sweep.meta(copy, skipped, op="extend", matmul_rate=matmul), rows,
+                         sweep.log_lines, plots=not args.no_plots)
+    return sweep.finish(), code
 
 
 def main(argv=None) -> int:
-    run(parse_args("python -m benchmarks.extend", __doc__, argv))
-    return 0
+    return run(parse_args("python -m benchmarks.extend", __doc__, argv))[1]
 
 
 if __name__ == "__main__":

@@ -116,6 +116,87 @@ def _flashinfer_build(inp: DecodeInputs):
     return run, None
 
 
+def _flex_why_not(inp: DecodeInputs | ExtendInputs) -> str | None:
+    try:
+        from torch.nn.attention.experimental._paged_attention import PagedAttention  # noqa: F401
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError as e:
+        return f"not importable ({e})"
+    if inp.q.device.type != "cuda":
+        return "needs a CUDA device (eager FlexAttention off the GPU reads every key, NaN poison included)"
+    return None
+
+
+_FLEX = {}
+
+
+def _flex_attention():
+    """``flex_attention`` compiled once (the eager version is a reference that reads every key)."""
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def _flex_block_masks(pool: DecodeInputs, q_len: int, mask_mod):
+    """PyTorch's paged attention on FlexAttention, over kvattn's own pools: the physical block
+    mask of each rotation set, converted from a logical one by ``PagedAttention`` with the set's
+    block table as its page table (a page is a key block, so only listed pages are visited)."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask
+    p = pool.point
+    dev = pool.q.device
+    num_pages = pool.k_cache.shape[0]
+    rows = torch.arange(p.batch, device=dev)[:, None].expand(p.batch, p.pages_per_seq)
+    logical = torch.arange(p.pages_per_seq, device=dev)[None, :].expand(p.batch, p.pages_per_seq)
+    masks = []
+    for table in pool.tables:
+        paged = PagedAttention(num_pages, p.page_size, p.batch, device=str(dev))
+        paged.page_table[:, :p.pages_per_seq] = table.long()
+        paged.physical_to_logical[rows, table.long()] = logical
+        block_mask = create_block_mask(mask_mod, p.batch, None, q_len, p.pages_per_seq * p.page_size,
+                                       device=str(dev), BLOCK_SIZE=(128, p.page_size))
+        masks.append(paged.convert_logical_block_mask(block_mask, kv_len=pool.seq_lens.long()))
+    return masks
+
+
+def _flex_pools(pool: DecodeInputs):
+    """The NHD pools as FlexAttention's ``[1, Hkv, pages * page_size, D]`` (strided views, no copy)."""
+    p = pool.point
+    n = pool.k_cache.shape[0] * p.page_size
+    k = pool.k_cache.view(1, n, p.num_kv_heads, p.head_dim).transpose(1, 2)
+    v = pool.v_cache.view(1, n, p.num_kv_heads, p.head_dim).transpose(1, 2)
+    return k, v
+
+
+def _flex_build(inp: DecodeInputs):
+    p = inp.point
+    lens = inp.seq_lens.long()
+    masks = _flex_block_masks(inp, 1, lambda b, h, q_idx, kv_idx: kv_idx < lens[b])
+    k, v = _flex_pools(inp)
+    q = inp.q.view(p.batch, p.num_heads, 1, p.head_dim)
+    flex = _flex_attention()
+
+    def run(i: int):
+        out = flex(q, k, v, block_mask=masks[i], scale=inp.scale, enable_gqa=True)
+        return out.view(p.batch, p.num_heads, p.head_dim), None
+    return run, None
+
+
+def _flex_extend_build(inp: ExtendInputs):
+    """Causal, aligned to the end of each sequence: chunk row ``j`` sees keys up to ``prefix + j``."""
+    p = inp.point
+    masks = _flex_block_masks(inp.pool, p.chunk, lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + p.prefix)
+    k, v = _flex_pools(inp.pool)
+    q = inp.q.view(p.batch, p.chunk, p.num_heads, p.head_dim).transpose(1, 2)  # [B, H, chunk, D]
+    flex = _flex_attention()
+
+    def run(i: int):
+        out = flex(q, k, v, block_mask=masks[i], scale=inp.scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(p.q_tokens, p.num_heads, p.head_dim), None
+    return run, None
+
+
 def _reference_why_not(inp: DecodeInputs) -> str | None:
     if inp.q.device.type != "cpu":
         return "timed only on CPU tiny points (it gathers every page in float32)"
@@ -197,6 +278,8 @@ def all_providers(op: str = "decode") -> list[Provider]:
         Provider("torch-sdpa-gather", "torch-sdpa-gather", False,
                  _sdpa_why_not if decode else _sdpa_extend_why_not,
                  _sdpa_build if decode else _sdpa_extend_build),
+        Provider("flex-paged", "flex-paged", False, _flex_why_not,
+                 _flex_build if decode else _flex_extend_build),
         Provider("flashinfer", "flashinfer", False, _flashinfer_why_not,
                  _flashinfer_build if decode else _flashinfer_extend_build),
         Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not, _reference_build(op)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -112,6 +113,7 @@ class Sweep:
                 continue
             t0 = time.monotonic()
             point_rows = run_point(p)
+            self.checkpoint(point_rows)
             if self.device.is_gpu:
                 # The point's pool is garbage now; hand it back so the next point's free-memory
                 # checks (SDPA's gather) see the device as it is.
@@ -121,6 +123,19 @@ class Sweep:
                      + ", ".join(f"{r['provider']}/{r['mode']} {r['median_ms'] * 1e3:.1f} us"
                                  for r in point_rows if r.get("status") == "ok"))
         return rows, skipped
+
+    @property
+    def deadline(self) -> float | None:
+        """Monotonic time the sweep's budget ends (None without a budget)."""
+        return self.started + self.budget_s if self.budget_s else None
+
+    def checkpoint(self, rows: list[dict]) -> None:
+        """Appends one point's rows to ``rows.jsonl`` as soon as they are measured, so a run cut
+        short (a timeout) keeps every finished point."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "rows.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=str) + "\n")
 
     def meta(self, copy: dict, skipped: list[dict], **first) -> dict:
         """The run's metadata, measuring the copy bandwidth again at the end; ``first``: keys that
@@ -136,3 +151,17 @@ class Sweep:
     def finish(self) -> Path:
         self.log(f"results: {self.run_dir} ({self.elapsed():.0f} s)")
         return self.run_dir
+
+
+def kvattn_failures(rows: list[dict]) -> list[str]:
+    """``provider point: status`` of every kvattn provider that failed (a wrong result, an error):
+    the run exits non-zero when there is one."""
+    return [f"{r['provider']} {r.get('mode', '')}: {r['status']}" for r in rows
+            if r.get("provider", "").startswith("kvattn-") and str(r.get("status", "")).startswith("failed")]
+
+
+def exit_code(sweep: "Sweep", rows: list[dict]) -> int:
+    failures = kvattn_failures(rows)
+    for line in failures:
+        sweep.log(f"KVATTN PROVIDER FAILED: {line}")
+    return 1 if failures else 0

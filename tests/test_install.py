@@ -27,7 +27,7 @@ CUDA = "kvattn.backends.cuda._C"
 SIM = "kvattn.backends.cuda_sim._sim"
 BUILD_REQUIREMENTS = ("setuptools>=64", "pybind11>=2.12", "ninja")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.host_only]
 
 
 def _nvcc_present() -> bool:

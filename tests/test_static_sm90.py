@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.host_only
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "static_sm90.py"
 VENV_PY = ROOT / "build" / "venv-triton36" / "bin" / "python"
