@@ -37,7 +37,6 @@ from .common import (MAX_ABS_ERR, Device, ExtendPoint, GraphTimer, Point, Timing
 from .sweep import CPU_LABEL, RESULTS
 
 import kvattn  # noqa: E402
-from kvattn.backends import grids  # noqa: E402
 from kvattn.backends.triton import configs as triton_configs  # noqa: E402
 
 COLUMNS = ["op", "point", "backend", "variant", "config", "default", "status", "median_us", "max_abs_err"]
@@ -122,12 +121,11 @@ def tune_decode(p: Point, device: Device, out: Writer, deadline: float) -> None:
                 is_default = config == default
             else:
                 from kvattn.backends import cuda
-                align = max(16, p.page_size)
-                splits, _ = grids.plan_num_splits(args[0], align, config)
+                splits, _, _ = cuda.launch.plan_splits(args[0], blocks_per_sm=config)
 
                 def call(i, splits=splits, check=check):
                     return cuda.decode(args[i], check=check, out=out_buf, lse=None, num_splits=splits)
-                is_default = config == cuda.launch.DECODE_BLOCKS_PER_SM
+                is_default = config == cuda.launch.decode_blocks_per_sm(p.head_dim)
             out.add(_measure("decode", p.label(), backend, check, label, is_default, call, out_buf, ref,
                              slice(0, ref.shape[0]), p.dtype, sets, device))
 

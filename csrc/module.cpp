@@ -79,7 +79,9 @@ void fill_attention(Params& p, const py::dict& a) {
   p.num_heads = static_cast<int>(integer(a, "num_heads"));
   p.num_kv_heads = static_cast<int>(integer(a, "num_kv_heads"));
   p.head_dim = static_cast<int>(integer(a, "head_dim"));
-  p.page_shift = static_cast<int>(integer(a, "page_shift"));
+  const int64_t page_size = integer(a, "page_size");
+  if (page_size < 1 || page_size > 65535) throw std::invalid_argument("page_size must be in [1, 65535]");
+  p.page = kvattn::make_page_div(static_cast<int>(page_size));
   p.max_pages = static_cast<int>(integer(a, "max_pages"));
 }
 
@@ -120,6 +122,8 @@ py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long str
   launch_or_raise([&] { return kvattn::paged_decode(p, type, check, reinterpret_cast<void*>(stream)); });
   py::dict plan;
   plan["num_chunks"] = p.num_chunks;
+  plan["d_split"] = p.d_split;
+  plan["vec"] = p.vec;
   plan["smem_bytes"] = p.smem_bytes;
   plan["num_splits"] = p.num_splits;
   return plan;
@@ -146,6 +150,8 @@ py::dict extend(const py::dict& a, int dtype, bool check, unsigned long long str
   plan["tokens_per_tile"] = p.tokens_per_tile;
   plan["heads_per_tile"] = p.heads_per_tile;
   plan["num_chunks"] = p.num_chunks;
+  plan["d_split"] = p.d_split;
+  plan["vec"] = p.vec;
   plan["smem_bytes"] = p.smem_bytes;
   plan["num_slots"] = p.num_slots;
   return plan;
@@ -180,7 +186,7 @@ void write_kv(const py::dict& a, int dtype, unsigned long long stream) {
   p.num_tokens = integer(a, "num_tokens");
   p.num_pages = integer(a, "num_pages");
   p.slot_is_int64 = static_cast<int>(integer(a, "slot_is_int64"));
-  p.page_shift = static_cast<int>(integer(a, "page_shift"));
+  p.page_size = static_cast<int>(integer(a, "page_size"));
   p.num_kv_heads = static_cast<int>(integer(a, "num_kv_heads"));
   p.head_dim = static_cast<int>(integer(a, "head_dim"));
   const kvattn::DType type = dtype_of(dtype, "write_kv");
@@ -201,9 +207,11 @@ py::dict tile_layouts() {
   decode[py::int_(64)] = entry(kvattn::DecodeLayout<64>::kStages, kvattn::DecodeLayout<64>::kTotal);
   decode[py::int_(128)] = entry(kvattn::DecodeLayout<128>::kStages, kvattn::DecodeLayout<128>::kTotal);
   decode[py::int_(256)] = entry(kvattn::DecodeLayout<256>::kStages, kvattn::DecodeLayout<256>::kTotal);
+  decode[py::int_(512)] = entry(kvattn::DecodeLayout<512>::kStages, kvattn::DecodeLayout<512>::kTotal);
   extend[py::int_(64)] = entry(kvattn::ExtendLayout<64>::kStages, kvattn::ExtendLayout<64>::kTotal);
   extend[py::int_(128)] = entry(kvattn::ExtendLayout<128>::kStages, kvattn::ExtendLayout<128>::kTotal);
   extend[py::int_(256)] = entry(kvattn::ExtendLayout<256>::kStages, kvattn::ExtendLayout<256>::kTotal);
+  extend[py::int_(512)] = entry(kvattn::ExtendLayout<512>::kStages, kvattn::ExtendLayout<512>::kTotal);
   py::dict d;
   d["decode"] = decode;
   d["extend"] = extend;
@@ -250,6 +258,12 @@ PYBIND11_MODULE(KVATTN_MODULE_NAME, m) {
         "Enqueue the stamping writer. Raises RuntimeError naming the kernel on error.");
   m.def("tag_layout", &tag_layout, "The tag constants this module was compiled with.");
   m.def("tile_layouts", &tile_layouts, "Pipeline stages and dynamic shared memory of the attention kernels.");
+  m.def("page_div", [](int size, const std::vector<int64_t>& ns) {
+    const kvattn::PageDiv d = kvattn::make_page_div(size);
+    std::vector<int64_t> q;
+    for (int64_t n : ns) q.push_back(kvattn::page_of(d, n));
+    return q;
+  }, "floor(n / size) by the kernels' multiply-shift division (for the tests).");
   m.attr("SIMULATED") = py::bool_(
 #if defined(KVATTN_SIM)
       true

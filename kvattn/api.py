@@ -70,15 +70,16 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     from pages and passes the check. The new tokens are the last ``q_len_b`` tokens: query row
     ``j`` sits at position ``seq_lens[b] - q_len_b + j`` and, with ``causal``, attends to keys at
     positions up to its own (causal masking aligned to the end of the sequence); without it, to all
-    ``seq_lens[b]`` keys. GQA, the reader's rule, the masking of refused slots and the report are
+    ``seq_lens[b]`` keys, and a sequence may then have more query rows than keys (cross-attention
+    style, as FlashInfer allows). GQA, the reader's rule, the masking of refused slots and the report are
     those of :func:`kvattn.paged_decode` (docs/ownership.md section 3): every logical page covering
     ``[0, seq_lens[b])`` is checked and, if refused, counted once for the sequence however many
     query rows read it; the report equals decode's for the same ``seq_lens``. A row with nothing
     readable gets output 0 and lse -inf.
 
-    Malformed lengths (value checks, run on CPU tensors or with ``validate=True``): a sequence with
-    more query tokens than tokens (``q_len_b > seq_lens[b]``, its K/V cannot all be in pages) is a
-    ``ValueError``; unvalidated, that sequence fails closed: none of its rows reads anything (output
+    Malformed lengths (value checks, run on CPU tensors or with ``validate=True``): a causal
+    sequence with more query tokens than tokens (``q_len_b > seq_lens[b]``, its K/V cannot all be
+    in pages) is a ``ValueError``; unvalidated, that sequence fails closed: none of its rows reads anything (output
     0, lse -inf) while its pages are still checked and reported. ``cu_seqlens_q`` that does not
     start at 0, decreases or does not end at ``total_q`` is a ``ValueError``; unvalidated, it is
     clamped to ``[0, total_q]`` and made non-decreasing, so no row outside ``q`` is touched, and rows

@@ -3,7 +3,8 @@
 Paged KV layout (every docstring in kvattn points here)
 -------------------------------------------------------
 ``k_cache``, ``v_cache``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD), separate K and V
-    pools of one dtype (float16, bfloat16 or float32). ``page_size`` is a power of two from 1 to 256.
+    pools of one dtype (float16, bfloat16 or float32). ``page_size`` is any size from 1 to 1024
+    (powers of two take the kernels' fast paths; ``valid_len`` stays exact at every size).
     Only the last dimension must be contiguous: the pools may be strided views into a larger buffer,
     as engines hand out per-layer views of one flat allocation. A head-major (HND) buffer
     ``[num_pages, num_kv_heads, page_size, head_dim]`` is passed as ``buf.transpose(1, 2)``: the
@@ -39,7 +40,7 @@ import torch
 from .tags import OWNER_MAX
 
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_PAGE_SIZE = 256
+MAX_PAGE_SIZE = 1024
 
 
 class _PagedShapes:
@@ -122,8 +123,8 @@ def check_kv_pools(k_cache, v_cache, device=None) -> None:
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}")
     page_size = k_cache.shape[1]
-    if page_size < 1 or page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
-        _fail("k_cache", f"page_size (dim 1) a power of two in [1, {MAX_PAGE_SIZE}]", page_size)
+    if page_size < 1 or page_size > MAX_PAGE_SIZE:
+        _fail("k_cache", f"page_size (dim 1) in [1, {MAX_PAGE_SIZE}]", page_size)
     if k_cache.shape[0] < 1:
         _fail("k_cache", "at least one page (dim 0)", k_cache.shape[0])
     check_last_dim_contiguous("k_cache", k_cache)
@@ -255,9 +256,9 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     naming the argument, what was expected and what was got.
 
     Value checks (with ``validate``, default on CPU tensors): those of decode, plus
-    ``cu_seqlens_q`` starting at 0, non-decreasing and ending at ``total_q``, and every sequence
-    holding at least its query tokens (``seq_lens[b] >= q_len_b``). Skipped, the kernels fail
-    closed: see :func:`kvattn.paged_extend`.
+    ``cu_seqlens_q`` starting at 0, non-decreasing and ending at ``total_q``, and, when causal,
+    every sequence holding at least its query tokens (``seq_lens[b] >= q_len_b``). Skipped, the
+    kernels fail closed: see :func:`kvattn.paged_extend`.
     """
     _check_query_and_pools(q, k_cache, v_cache)
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
@@ -275,14 +276,16 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     if validate is None:
         validate = q.device.type == "cpu"
     if validate:
-        check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0])
+        check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0], causal)
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], max_pages)
     return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
                       scale, causal)
 
 
-def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int) -> None:
-    """The value checks of ``cu_seqlens_q`` (host-side: synchronises on a device tensor)."""
+def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int, causal: bool = True) -> None:
+    """The value checks of ``cu_seqlens_q`` (host-side: synchronises on a device tensor). Causal
+    attention needs every query's own key in the pages (``seq_lens[b] >= q_len_b``); without
+    causality a sequence may have more query rows than keys (each row reads all of them)."""
     cu = cu_seqlens_q.cpu().to(torch.int64)
     if int(cu[0]) != 0:
         _fail("cu_seqlens_q", "cu_seqlens_q[0] = 0", f"cu_seqlens_q[0] = {int(cu[0])}")
@@ -295,6 +298,8 @@ def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int) -> None:
     if int(cu[-1]) != total_q:
         _fail("cu_seqlens_q", f"a last offset equal to total_q = {total_q} (q's dim 0)",
               f"cu_seqlens_q[-1] = {int(cu[-1])}")
+    if not causal:
+        return
     lens = seq_lens.cpu().to(torch.int64)
     bad = torch.nonzero(q_lens > lens).flatten()
     if bad.numel():

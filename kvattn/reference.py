@@ -123,8 +123,9 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
     ``q_len`` of its ``seq_lens[b]`` tokens; row ``j`` sits at position ``seq_lens[b] - q_len + j``
     and, when ``causal``, reads keys at positions up to its own. The reader's rule and the report
     are exactly those of :func:`paged_decode` for the same ``seq_lens``: every page covering
-    ``[0, seq_len)`` is checked and counted once per sequence. A sequence with ``q_len > seq_len``
-    reads nothing (its rows get 0 and lse -inf). Rows outside every sequence (possible only when
+    ``[0, seq_len)`` is checked and counted once per sequence. A causal sequence with ``q_len >
+    seq_len`` reads nothing (its rows get 0 and lse -inf); without causality every row reads all
+    ``seq_len`` keys. Rows outside every sequence (possible only when
     ``cu_seqlens_q`` fails validation) come out 0 here; the kernels leave them unwritten.
 
     Returns ``(out, report)`` or ``(out, lse, report)``, ``out`` ``[total_q, num_heads, head_dim]``
@@ -145,7 +146,7 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
     for b in range(a.batch):
         lo, hi = starts[b], starts[b + 1]
         seq_len = int(a.seq_lens[b])
-        if hi == lo or hi - lo > seq_len:
+        if hi == lo or (a.causal and hi - lo > seq_len):
             continue
         q_pos = seq_len - (hi - lo) + torch.arange(hi - lo, device=q.device)  # [q_len]
         rows_allowed = allowed[b][None, :].expand(hi - lo, -1)  # [q_len, N]

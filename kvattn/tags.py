@@ -12,7 +12,7 @@ Bit layout of a tag (bit 63 is always 0, so every valid tag is a non-negative in
   zero-initialised tag array fails closed. No writer produces state 3 or a word with bit 63 set;
   every reader and writer treats such a *malformed* word like ``FREE`` (refused, never held).
 - ``valid_len``: the number of leading token slots of the page that hold data written by ``owner``.
-  Only meaningful when ``state == WRITTEN``; 14 bits cover every supported page size (<= 256).
+  Only meaningful when ``state == WRITTEN``; 14 bits cover every supported page size (<= 1024).
 - ``owner``: the lease id the page was reserved or written for. Owner 0 is invalid: no helper
   produces a RESERVED or WRITTEN tag with owner 0, so an expected owner of 0 never matches.
 

@@ -95,11 +95,14 @@ MATRIX = [
     (F16, 256, 256, 2, 1, (256, 17), 1, "HND"),
     (BF16, 16, 96, 6, 2, (0, 50, 33), 4, "HND"),  # an empty sequence: output 0, lse -inf
     (BF16, 16, 256, 16, 1, (40, 9), 3, "NHD"),  # group 16 x D 256: one tile of 16 rows
-    (F16, 1, 128, 8, 2, (7, 1), 3, "offset"),  # refused: rows off 16-byte alignment
+    (F16, 1, 128, 8, 2, (7, 1), 3, "offset"),  # rows off 16-byte alignment: element copies
     (BF16, 4, 80, 64, 2, (13, 6), 2, "NHD"),  # group 32: two head chunks of 16
     (F16, 16, 16, 2, 1, (3, 16), 1, "NHD"),
     (BF16, 2, 64, 4, 2, (9,), 5, "HND"),
     (F16, 8, 72, 20, 1, (70, 33), 2, "NHD"),  # group 20: chunks of 16 and 4; 72 = 4.5 k-steps
+    (BF16, 5, 13, 4, 2, (11, 5, 26), 2, "NHD"),  # a page of 5 tokens, head dim 13: element copies
+    (F16, 48, 512, 8, 1, (100, 48), 2, "HND"),  # head dim 512: two blocks split the output dims
+    (BF16, 1000, 40, 4, 4, (1001, 999), 2, "NHD"),  # pages of 1000 tokens
 ]
 
 
@@ -114,12 +117,6 @@ def test_decode_matrix_matches_reference(backend, case):
     dtype, page, dim, heads, kv_heads, lens, splits, layout = case
     batch = make(backend, dtype=dtype, page_size=page, head_dim=dim, num_heads=heads,
                  num_kv_heads=kv_heads, seq_lens=lens, layout=layout, seed=len(lens) + dim)
-    if layout == "offset":
-        # Rows off 16-byte alignment: the registry refuses them with the reason, the launcher too.
-        assert "16-byte aligned" in module_of(backend).why_not(batch.args())
-        with pytest.raises(RuntimeError, match="16-byte aligned"):
-            run(backend, batch, num_splits=splits)
-        return
     plan = {}
     out_c, lse_c, report = run(backend, batch, num_splits=splits, plan=plan)
     ref_out = assert_matches_reference(batch, out_c, lse_c, report)
@@ -131,16 +128,19 @@ def test_decode_matrix_matches_reference(backend, case):
     assert torch.equal(out_c, out_u) and torch.equal(lse_c, lse_u)
 
     assert plan["num_chunks"] == -(-(heads // kv_heads) // 16)
+    # Rows off 16-byte alignment or head dims not a multiple of 8 are copied element by element.
+    assert plan["vec"] == (0 if layout == "offset" or dim % 8 else 1)
+    assert plan["d_split"] == (2 if dim > 256 else 1)
     if splits is not None:
         assert plan["num_splits"] == splits
 
 
 def test_matrix_covers_the_contract():
-    """The matrix holds both 16-bit dtypes, page sizes 1/16/256, the listed head dims, GQA, splits,
-    strided (HND) and unaligned pools."""
+    """The matrix holds both 16-bit dtypes, page sizes 1/16/256 and non-powers of two, the listed
+    head dims (a multiple of 8 or not, up to 512), GQA, splits, strided (HND) and unaligned pools."""
     assert {c[0] for c in MATRIX} == {F16, BF16}
-    assert {1, 16, 256} <= {c[1] for c in MATRIX}
-    assert {16, 64, 72, 80, 96, 128, 256} <= {c[2] for c in MATRIX}
+    assert {1, 5, 16, 48, 256, 1000} <= {c[1] for c in MATRIX}
+    assert {13, 16, 64, 72, 80, 96, 128, 256, 512} <= {c[2] for c in MATRIX}
     assert max(c[3] // c[4] for c in MATRIX) > 1 and max(c[6] or 1 for c in MATRIX) > 1
     assert {"NHD", "HND", "offset"} == {c[7] for c in MATRIX}
 
@@ -478,16 +478,29 @@ def test_harness_mma_and_ldmatrix_follow_the_ptx_fragment_layout():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_page_division_is_exact_for_every_page_size():
+    """The kernels split a token index into (page, slot) by multiply-shift; it must equal floor
+    division for every supported page size at every page boundary and up to the 2**31 capacity."""
+    sim = importlib.import_module("kvattn.backends.cuda_sim._sim")
+    top = 2 ** 31 - 1
+    for size in range(1, 1025):
+        last = top // size
+        pages = [0, 1, 2, 3, 1000, 65535, last - 1, last]
+        ns = sorted({n for k in pages for n in (k * size - 1, k * size, k * size + size - 1)
+                     if 0 <= n <= top} | {top})
+        assert sim.page_div(size, ns) == [n // size for n in ns], f"page size {size}"
+
+
 def test_launcher_errors_raise_naming_the_kernel():
-    batch = make("cuda_sim", dtype=F16, head_dim=64, seq_lens=(4,))
+    batch = make("cuda_sim", dtype=F16, head_dim=64, page_size=1024, seq_lens=(4,))
     args = batch.args()
-    args.q = args.q[..., :12]  # head_dim 12: refused by the launcher, not a crash
-    args.k_cache = args.k_cache[..., :12]
-    args.v_cache = args.v_cache[..., :12]
+    # 2**21 table columns of 1024-token pages: the launcher's own capacity limit refuses, not a crash
+    args.block_table = args.block_table[:, :1].expand(args.batch, 2 ** 21).contiguous()
+    args.expected = args.expected[:, :1].expand(args.batch, 2 ** 21).contiguous()
     out = torch.empty_like(args.q)
     sim = importlib.import_module("kvattn.backends.cuda_sim._sim")
-    with pytest.raises(RuntimeError, match=r"paged_decode .*head_dim must be a multiple of 8"):
-        launch.decode(sim, args, check=True, out=out, lse=None)
+    with pytest.raises(RuntimeError, match=r"paged_decode .*table capacity must stay below 2\*\*31 tokens"):
+        launch.decode(sim, args, check=True, out=out, lse=None, num_splits=1)
 
 
 def test_why_not_gives_reasons():
@@ -498,10 +511,10 @@ def test_why_not_gives_reasons():
         assert reason is not None and "cuda:" not in reason
     else:
         assert reason is not None and ("not built" in reason or "no GPU" in reason)
-    odd = make("cuda_sim", dtype=F16, head_dim=20, page_size=4, seq_lens=(3,)).args()
-    assert "head_dim 20" in module_of("cuda_sim").why_not(odd)
-    big = make("cuda_sim", dtype=F16, head_dim=264, page_size=4, seq_lens=(3,)).args()
-    assert "head_dim 264" in module_of("cuda_sim").why_not(big)
+    odd = make("cuda_sim", dtype=F16, head_dim=20, page_size=7, seq_lens=(3,)).args()
+    assert module_of("cuda_sim").why_not(odd) is None
+    big = make("cuda_sim", dtype=F16, head_dim=520, page_size=4, seq_lens=(3,)).args()
+    assert "head_dim 520" in module_of("cuda_sim").why_not(big)
     fp32 = make("cuda_sim", dtype=F32, head_dim=16, page_size=4, seq_lens=(3,)).args()
     assert "float32" in module_of("cuda_sim").why_not(fp32) and "triton" in module_of("cuda_sim").why_not(fp32)
 
@@ -525,9 +538,9 @@ def test_ptxas_resources_have_no_local_memory():
     records = report.check(log)
     decode = [r for r in records if "paged_decode_kernel" in r["kernel"]]
     assert {(r["kernel"], r["arch"]) for r in decode} == {
-        (f"void kvattn::paged_decode_kernel<{t}, {d}, {c}>(kvattn::DecodeParams)", arch)
-        for t in ("__half", "__nv_bfloat16") for d in (64, 128, 256) for c in ("true", "false")
-        for arch in ("sm_80", "sm_90")}
+        (f"void kvattn::paged_decode_kernel<{t}, {d}, {c}, {v}>(kvattn::DecodeParams)", arch)
+        for t in ("__half", "__nv_bfloat16") for d in (64, 128, 256, 512) for c in ("true", "false")
+        for v in ("true", "false") for arch in ("sm_80", "sm_90")}
     assert all(0 < r["registers"] <= 255 for r in records)
 
 

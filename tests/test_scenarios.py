@@ -1,4 +1,6 @@
-"""The reader scenarios of docs/ownership.md section 6 (1, 3-7), on every backend.
+"""The reader scenarios of docs/ownership.md section 6 (1, 3-7), on every backend and three page
+geometries: 4-token pages with head dim 32, a page size that is not a power of two (5), and head
+dim 512 (the kernels that tile over D).
 
 Every slot a reader must not use holds NaN or a sentinel engineered to dominate attention; checked
 results must be finite and equal the reference over the slots the rule allows. Each "no violation"
@@ -15,8 +17,27 @@ from kvattn import KVOwnershipError, Violation
 from util import (DEVICE, LSE_TOLERANCE, Batch, assert_close_to_reference, assert_reports_equal,
                   backends_under_test, decode, precise_dtype, runs_float32, tolerance)
 
-PAGE = 4
 SENTINEL_V = 100.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    page: int
+    head_dim: int
+
+    def small_batch(self, seq_lens, *, dtype=torch.float16, seed=0, **kwargs):
+        return Batch.random(batch=len(seq_lens), num_heads=4, num_kv_heads=2,
+                            head_dim=self.head_dim, page_size=self.page, seq_lens=seq_lens,
+                            dtype=dtype, seed=seed, **kwargs)
+
+    @property
+    def lens3(self):
+        """Three sequences of 2, 3 and 3 pages, the first and last ending one slot into a page."""
+        return [self.page + 1, 3 * self.page, 2 * self.page + 1]
+
+
+DEFAULT = Geometry(page=4, head_dim=32)
+GEOMETRIES = [DEFAULT, Geometry(page=5, head_dim=32), Geometry(page=4, head_dim=512)]
 
 
 @pytest.fixture(params=backends_under_test())
@@ -24,9 +45,9 @@ def backend(request):
     return request.param
 
 
-def small_batch(seq_lens, *, dtype=torch.float16, seed=0, **kwargs):
-    return Batch.random(batch=len(seq_lens), num_heads=4, num_kv_heads=2, head_dim=32,
-                        page_size=PAGE, seq_lens=seq_lens, dtype=dtype, seed=seed, **kwargs)
+@pytest.fixture(params=GEOMETRIES, ids=lambda g: f"p{g.page}-d{g.head_dim}")
+def geo(request):
+    return request.param
 
 
 def check_against_reference(batch, backend, **kwargs):
@@ -42,25 +63,25 @@ def check_against_reference(batch, backend, **kwargs):
 
 # --- 1. Incident replay ------------------------------------------------------------------------
 
-def incident(num_pages_b, dtype=torch.float16):
+def incident(geo, num_pages_b, dtype=torch.float16):
     """Tenant A fills the whole pool with K aligned to B's queries (x8) and V = 100, then releases
     it; B reserves ``num_pages_b`` pages and one token is written. Returns the cache, B's lease, B's
     query and B's one token."""
-    num_kv_heads, group, head_dim = 2, 2, 32
+    num_kv_heads, group, head_dim, page = 2, 2, geo.head_dim, geo.page
     g = torch.Generator().manual_seed(42)
     # The query heads of a group are equal, so one sentinel key dominates each of them.
     q = torch.randn(1, num_kv_heads, head_dim, generator=g).repeat_interleave(group, dim=1)
     q = q.to(dtype).to(DEVICE)
-    cache = kvattn.PagedKVCache(8, PAGE, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    cache = kvattn.PagedKVCache(8, page, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
     cache.k_cache.fill_(float("nan"))
     cache.v_cache.fill_(float("nan"))
-    tenant_a = cache.allocate(8 * PAGE)
-    sentinel_k = (8 * q[0, ::group]).expand(8 * PAGE, num_kv_heads, head_dim)
+    tenant_a = cache.allocate(8 * page)
+    sentinel_k = (8 * q[0, ::group]).expand(8 * page, num_kv_heads, head_dim)
     sentinel_v = torch.full_like(sentinel_k, SENTINEL_V)
     assert cache.append(tenant_a, sentinel_k.contiguous(), sentinel_v).dropped_count() == 0
     cache.free(tenant_a)
 
-    lease_b = cache.allocate(num_pages_b * PAGE)
+    lease_b = cache.allocate(num_pages_b * page)
     k1 = torch.randn(1, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     v1 = torch.randn(1, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     assert cache.append(lease_b, k1, v1).dropped_count() == 0
@@ -69,11 +90,11 @@ def incident(num_pages_b, dtype=torch.float16):
 
 
 @pytest.mark.parametrize("num_pages_b", [1, 4])
-def test_incident_replay_checked_refuses_and_reports(backend, num_pages_b):
-    cache, lease_b, q, k1, v1 = incident(num_pages_b)
+def test_incident_replay_checked_refuses_and_reports(backend, geo, num_pages_b):
+    cache, lease_b, q, k1, v1 = incident(geo, num_pages_b)
     table, _, expected = cache.batch([lease_b])
     # The decode node believes the whole prompt arrived: it attends over every reserved page.
-    seq_lens = torch.tensor([num_pages_b * PAGE], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([num_pages_b * geo.page], dtype=torch.int32, device=DEVICE)
     out, lse, report = decode(backend, q, cache.k_cache, cache.v_cache, table, seq_lens,
                               cache.page_tags, expected, return_lse=True)
     assert report.violations.tolist() == [num_pages_b]
@@ -97,21 +118,21 @@ def test_incident_replay_checked_refuses_and_reports(backend, num_pages_b):
 
 
 @pytest.mark.parametrize("num_pages_b", [1, 4])
-def test_incident_replay_unchecked_shows_the_sentinel(backend, num_pages_b):
+def test_incident_replay_unchecked_shows_the_sentinel(backend, geo, num_pages_b):
     """The twin: without the check the same call returns the sentinel, so the scenario is real."""
-    cache, lease_b, q, _, _ = incident(num_pages_b)
+    cache, lease_b, q, _, _ = incident(geo, num_pages_b)
     table, _, expected = cache.batch([lease_b])
-    seq_lens = torch.tensor([num_pages_b * PAGE], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([num_pages_b * geo.page], dtype=torch.int32, device=DEVICE)
     out, report = decode(backend, q, cache.k_cache, cache.v_cache, table, seq_lens,
                          cache.page_tags, expected, check=False)
     assert report is None
     assert (out.float() > 0.9 * SENTINEL_V).all()
 
 
-def test_incident_replay_truthful_length_is_clean(backend):
+def test_incident_replay_truthful_length_is_clean(backend, geo):
     """The twin of the over-long read: decoding B with the length the writer accounted for (1)
     reports nothing and gives the same answer."""
-    cache, lease_b, q, _, v1 = incident(4)
+    cache, lease_b, q, _, v1 = incident(geo, 4)
     table, seq_lens, expected = cache.batch([lease_b])
     out, report = decode(backend, q, cache.k_cache, cache.v_cache, table, seq_lens,
                          cache.page_tags, expected)
@@ -122,18 +143,16 @@ def test_incident_replay_truthful_length_is_clean(backend):
 
 # --- 3. FREE / RESERVED pages, padding, bad indices, duplicates, swapped rows ------------------
 
-LENS3 = [5, 12, 9]
 
-
-def test_clean_batch_has_no_violation(backend):
-    batch = small_batch(LENS3)
+def test_clean_batch_has_no_violation(backend, geo):
+    batch = geo.small_batch(geo.lens3)
     _, _, report = check_against_reference(batch, backend)
     assert not report.any() and report.pages_checked.tolist() == [2, 3, 3]
 
 
 @pytest.mark.parametrize("tag", ["free", "reserved"])
-def test_free_and_reserved_pages_are_refused(backend, tag):
-    batch = small_batch(LENS3)
+def test_free_and_reserved_pages_are_refused(backend, geo, tag):
+    batch = geo.small_batch(geo.lens3)
     page = int(batch.block_table[1, 1])
     batch.page_tags[page] = kvattn.FREE_TAG if tag == "free" else kvattn.reserved_tag(2)
     _, _, report = check_against_reference(batch, backend)
@@ -142,29 +161,29 @@ def test_free_and_reserved_pages_are_refused(backend, tag):
     assert report.page_reasons[1].tolist() == [0, int(reason), 0]
 
 
-def test_padding_page_past_seq_len_is_ignored(backend):
+def test_padding_page_past_seq_len_is_ignored(backend, geo):
     """Engines pad table rows with page 0 (someone else's); unread entries are not violations."""
-    batch = small_batch([5, 12, 9], extra_pages=1)
+    batch = geo.small_batch(geo.lens3, extra_pages=1)
     batch.block_table[0, 2:] = 0
     batch.block_table[2, 3] = 0
     _, _, report = check_against_reference(batch, backend)
     assert not report.any()
 
 
-def test_padding_page_that_is_read_is_refused(backend):
+def test_padding_page_that_is_read_is_refused(backend, geo):
     """The twin: a length that reaches the padding entry reads it, and the tag refuses it."""
-    batch = small_batch([5, 12, 9], extra_pages=1)
+    batch = geo.small_batch(geo.lens3, extra_pages=1)
     batch.block_table[0, 2] = int(batch.block_table[1, 0])  # seq 1's page as padding
-    batch.seq_lens[0] = 2 * PAGE + 1
+    batch.seq_lens[0] = 2 * geo.page + 1
     _, _, report = check_against_reference(batch, backend)
-    # Page 1 of seq 0 holds 1 written slot of 4 now read; page 2 is seq 1's.
+    # Page 1 of seq 0 holds 1 written slot of a page now read; page 2 is seq 1's.
     assert report.page_reasons[0].tolist()[:3] == [0, int(Violation.UNWRITTEN),
                                                    int(Violation.OWNER_MISMATCH)]
 
 
 @pytest.mark.parametrize("bad", ["past_pool", "negative", "int32_min"])
-def test_out_of_range_and_negative_indices_are_refused(backend, bad):
-    batch = small_batch(LENS3)
+def test_out_of_range_and_negative_indices_are_refused(backend, geo, bad):
+    batch = geo.small_batch(geo.lens3)
     num_pages = batch.k_cache.shape[0]
     batch.block_table[2, 1] = {"past_pool": num_pages, "negative": -1, "int32_min": -2 ** 31}[bad]
     _, _, report = check_against_reference(batch, backend)
@@ -172,25 +191,25 @@ def test_out_of_range_and_negative_indices_are_refused(backend, bad):
     assert report.page_reasons[2].tolist() == [0, int(Violation.OUT_OF_RANGE), 0]
 
 
-def test_duplicated_index_of_another_sequence_is_refused(backend):
-    batch = small_batch(LENS3)
+def test_duplicated_index_of_another_sequence_is_refused(backend, geo):
+    batch = geo.small_batch(geo.lens3)
     batch.block_table[2, 0] = batch.block_table[1, 0]
     _, _, report = check_against_reference(batch, backend)
     assert report.violations.tolist() == [0, 0, 1]
     assert report.reasons.tolist() == [0, 0, int(Violation.OWNER_MISMATCH)]
 
 
-def test_duplicated_index_of_own_full_page_passes(backend):
+def test_duplicated_index_of_own_full_page_passes(backend, geo):
     """The twin, and a stated limit: a sequence listing its own full page twice reads it twice. The
     tag proves who wrote a page, not where in the sequence it belongs."""
-    batch = small_batch(LENS3)
+    batch = geo.small_batch(geo.lens3)
     batch.block_table[1, 1] = batch.block_table[1, 0]
     _, _, report = check_against_reference(batch, backend)
     assert not report.any()
 
 
-def test_swapped_rows_are_refused(backend):
-    batch = small_batch(LENS3)
+def test_swapped_rows_are_refused(backend, geo):
+    batch = geo.small_batch(geo.lens3)
     batch.block_table[[1, 2]] = batch.block_table[[2, 1]].clone()
     out, lse, report = check_against_reference(batch, backend)
     assert report.violations.tolist() == [0, 3, 3]
@@ -211,21 +230,24 @@ def stale_tails(batch):
     return batch
 
 
-@pytest.mark.parametrize("length", [PAGE - 1, PAGE, PAGE + 1, 2 * PAGE - 1, 2 * PAGE, 2 * PAGE + 1])
-def test_partial_pages_at_page_boundaries_are_clean(backend, length):
-    batch = stale_tails(small_batch([length, 1, 3 * PAGE]))
+@pytest.mark.parametrize("pages,slots", [(1, -1), (1, 0), (1, 1), (2, -1), (2, 0), (2, 1)])
+def test_partial_pages_at_page_boundaries_are_clean(backend, geo, pages, slots):
+    length = pages * geo.page + slots
+    batch = stale_tails(geo.small_batch([length, 1, 3 * geo.page]))
     out, _, report = check_against_reference(batch, backend)
     assert not report.any()
     assert out.abs().max() < 10
 
 
-@pytest.mark.parametrize("written,read", [(PAGE - 1, PAGE), (1, PAGE), (PAGE + 1, 2 * PAGE),
-                                          (2 * PAGE - 1, 2 * PAGE + 1)])
-def test_reading_past_valid_len_is_refused(backend, written, read):
-    """The twin: the table claims more tokens than were written; the stale tail stays out."""
-    batch = small_batch([written, 1, 3 * PAGE], extra_pages=1)
+@pytest.mark.parametrize("written,read", [((1, -1), (1, 0)), ((0, 1), (1, 0)), ((1, 1), (2, 0)),
+                                          ((2, -1), (2, 1))])
+def test_reading_past_valid_len_is_refused(backend, geo, written, read):
+    """The twin: the table claims more tokens than were written; the stale tail stays out.
+    ``written`` and ``read`` are (pages, slots) lengths: pages * page_size + slots."""
+    written, read = (pages * geo.page + slots for pages, slots in (written, read))
+    batch = geo.small_batch([written, 1, 3 * geo.page], extra_pages=1)
     # Sequence 0's spare page: written for it with nothing in it yet (valid_len 0).
-    spare = int(batch.block_table[0, -(-written // PAGE)])
+    spare = int(batch.block_table[0, -(-written // geo.page)])
     batch.page_tags[spare] = kvattn.written_tag(1, 0)
     batch = stale_tails(batch)
     batch.seq_lens[0] = read
@@ -237,22 +259,23 @@ def test_reading_past_valid_len_is_refused(backend, written, read):
 
 # --- 5. Prefix sharing ---------------------------------------------------------------------------
 
-def shared_prefix_cache(dtype=torch.float16):
+def shared_prefix_cache(geo, dtype=torch.float16):
     g = torch.Generator().manual_seed(5)
-    cache = kvattn.PagedKVCache(12, PAGE, 2, 32, dtype=dtype, device=DEVICE)
+    page, head_dim = geo.page, geo.head_dim
+    cache = kvattn.PagedKVCache(12, page, 2, head_dim, dtype=dtype, device=DEVICE)
     cache.k_cache.fill_(float("nan"))
     cache.v_cache.fill_(float("nan"))
 
     def kv(n):
-        return [torch.randn(n, 2, 32, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+        return [torch.randn(n, 2, head_dim, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
 
-    parent = cache.allocate(2 * PAGE + 2)
-    cache.append(parent, *kv(2 * PAGE + 2))
-    child = cache.share_prefix(parent, 2 * PAGE + 2, capacity=3 * PAGE)
+    parent = cache.allocate(2 * page + 2)
+    cache.append(parent, *kv(2 * page + 2))
+    child = cache.share_prefix(parent, 2 * page + 2, capacity=3 * page)
     cache.append(child, *kv(3))
-    other = cache.allocate(PAGE)
-    cache.append(other, *kv(PAGE))
-    q = torch.randn(3, 4, 32, generator=g).to(dtype).to(DEVICE)
+    other = cache.allocate(page)
+    cache.append(other, *kv(page))
+    q = torch.randn(3, 4, head_dim, generator=g).to(dtype).to(DEVICE)
     return cache, parent, child, other, q
 
 
@@ -262,8 +285,8 @@ def cache_batch(cache, leases, q, expected=None):
                  per_entry if expected is None else expected)
 
 
-def test_prefix_sharing_with_per_entry_expected_passes(backend):
-    cache, parent, child, other, q = shared_prefix_cache()
+def test_prefix_sharing_with_per_entry_expected_passes(backend, geo):
+    cache, parent, child, other, q = shared_prefix_cache(geo)
     assert child.pages[:2] == parent.pages[:2] and child.page_owners[:2] == [parent.owner] * 2
     batch = cache_batch(cache, [parent, child, other], q)
     _, _, report = check_against_reference(batch, backend)
@@ -274,10 +297,10 @@ def test_prefix_sharing_with_per_entry_expected_passes(backend):
     assert not report.any()
 
 
-def test_prefix_sharing_with_wrong_expected_fails(backend):
+def test_prefix_sharing_with_wrong_expected_fails(backend, geo):
     """The twin: the shared pages expected under the child's own owner, or under an unrelated
     lease, are refused; the child's own page still passes."""
-    cache, parent, child, other, q = shared_prefix_cache()
+    cache, parent, child, other, q = shared_prefix_cache(geo)
     table, _, per_entry = cache.batch([parent, child, other])
     wrong = per_entry.clone()
     wrong[1, :2] = child.owner
@@ -296,10 +319,10 @@ def test_prefix_sharing_with_wrong_expected_fails(backend):
 # --- 6. All valid: checked == unchecked, bitwise ------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_all_valid_checked_equals_unchecked_bitwise(backend, dtype):
+def test_all_valid_checked_equals_unchecked_bitwise(backend, geo, dtype):
     if dtype == torch.float32 and not runs_float32(backend):
         pytest.skip(f"{backend} runs fp16/bf16 only (tensor cores)")
-    cache, parent, child, other, q = shared_prefix_cache(dtype)
+    cache, parent, child, other, q = shared_prefix_cache(geo, dtype)
     batch = cache_batch(cache, [parent, child, other], q)
     checked, lse_c, report = batch.decode(backend, return_lse=True)
     unchecked, lse_u, _ = batch.decode(backend, check=False, return_lse=True)
@@ -307,10 +330,10 @@ def test_all_valid_checked_equals_unchecked_bitwise(backend, dtype):
     assert torch.equal(checked, unchecked) and torch.equal(lse_c, lse_u)
 
 
-def test_one_refused_page_makes_checked_differ_from_unchecked(backend):
+def test_one_refused_page_makes_checked_differ_from_unchecked(backend, geo):
     """The twin: refuse one page and the checked output moves away from the unchecked one (which
     reads the refused page's NaN-free stale data)."""
-    cache, parent, child, other, q = shared_prefix_cache(precise_dtype(backend))
+    cache, parent, child, other, q = shared_prefix_cache(geo, precise_dtype(backend))
     batch = cache_batch(cache, [parent, child, other], q)
     batch.expected[2, 0] = parent.owner
     checked, report = batch.decode(backend)
@@ -323,8 +346,8 @@ def test_one_refused_page_makes_checked_differ_from_unchecked(backend):
 
 # --- 7. Fully masked sequences and splits --------------------------------------------------------
 
-def test_fully_masked_sequences_give_zero_and_minus_inf(backend):
-    batch = small_batch([9, 12, 1, 5])
+def test_fully_masked_sequences_give_zero_and_minus_inf(backend, geo):
+    batch = geo.small_batch([2 * geo.page + 1, 3 * geo.page, 1, geo.page + 1])
     for i in range(3):
         batch.page_tags[int(batch.block_table[1, i])] = kvattn.reserved_tag(2)
     batch.seq_lens[3] = 0
@@ -355,7 +378,7 @@ def test_masked_split_leaves_other_splits_exact(backend):
 # --- on_violation="raise" and the report API ----------------------------------------------------
 
 def test_raise_names_sequences_pages_and_reasons(backend):
-    batch = small_batch(LENS3)
+    batch = DEFAULT.small_batch(DEFAULT.lens3)
     batch.page_tags[int(batch.block_table[2, 1])] = kvattn.reserved_tag(3)
     batch.block_table[0, 0] = -1
     out_buf = torch.full_like(batch.q, float("nan"))
@@ -372,7 +395,7 @@ def test_raise_names_sequences_pages_and_reasons(backend):
 
 
 def test_raise_is_silent_when_clean(backend):
-    batch = small_batch(LENS3)
+    batch = DEFAULT.small_batch(DEFAULT.lens3)
     out, report = batch.decode(backend, on_violation="raise")
     assert torch.isfinite(out).all()
     report.raise_if_any()
@@ -382,9 +405,9 @@ def test_raise_is_silent_when_clean(backend):
 
 
 def test_report_api_on_violations(backend):
-    batch = small_batch(LENS3)
+    batch = DEFAULT.small_batch(DEFAULT.lens3)
     batch.page_tags[int(batch.block_table[1, 0])] = kvattn.FREE_TAG
-    batch.page_tags[int(batch.block_table[1, 2])] = kvattn.written_tag(9, PAGE)
+    batch.page_tags[int(batch.block_table[1, 2])] = kvattn.written_tag(9, DEFAULT.page)
     _, report = batch.decode(backend, validate=False)
     assert report.any()
     assert report.ok().tolist() == [True, False, True]
@@ -396,8 +419,8 @@ def test_report_api_on_violations(backend):
 
 
 def test_report_names_seq_len_beyond_table_as_page_minus_one(backend):
-    batch = small_batch(LENS3)
-    batch.seq_lens[1] = batch.block_table.shape[1] * PAGE + 1
+    batch = DEFAULT.small_batch(DEFAULT.lens3)
+    batch.seq_lens[1] = batch.block_table.shape[1] * DEFAULT.page + 1
     _, report = batch.decode(backend, validate=False)
     assert report.refusals() == {1: [(-1, Violation.OUT_OF_RANGE)]}
     assert "page -1: OUT_OF_RANGE" in report.summary()

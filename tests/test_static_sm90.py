@@ -85,7 +85,11 @@ def test_kv_loads_are_16_byte_async_copies(static, backend):
     records = static[0]["records"]
     if backend not in backends_of(records):
         pytest.skip("no CUDA object (nvcc absent)")
-    for (kernel, config), pair in pairs(records, backend).items():
+    found = pairs(records, backend)
+    # CUDA's element-wise variants serve pools whose rows are not 16-byte aligned, by design.
+    vectorised = {key: pair for key, pair in found.items() if "elementwise" not in key[1]}
+    assert vectorised and (backend == "triton" or len(vectorised) < len(found))
+    for (kernel, config), pair in vectorised.items():
         for r in pair.values():
             assert r["loop_ldgsts_128"] > 0 or r["loop_ldg_128"] > 0, (kernel, config, r)
 
@@ -110,7 +114,7 @@ def test_checked_decode_loop_within_ten_percent_at_page_16(static, capsys):
         if kernel == "paged_decode_kernel" and " p16 " in config:
             ratios[config] = pair[True]["loop_sass"] / pair[False]["loop_sass"]
     for (kernel, config), pair in pairs(records, "cuda").items():
-        if kernel == "paged_decode_kernel":  # one kernel for every page size
+        if kernel == "paged_decode_kernel" and "elementwise" not in config:  # every page size
             ratios["cuda " + config] = pair[True]["loop_sass"] / pair[False]["loop_sass"]
     extend = {c: p[True]["loop_sass"] / p[False]["loop_sass"]
               for b in ("triton", "cuda") for (k, c), p in pairs(records, b).items() if k == "paged_extend_kernel"}

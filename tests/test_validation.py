@@ -38,11 +38,11 @@ MALFORMED = {
     "v_shape": (replaced(v_cache=lambda b: b.v_cache[:-1]), {}, ValueError, ["v_cache", "shape"]),
     "k_int_dtype": (replaced(k_cache=lambda b: b.k_cache.to(torch.int16)), {}, TypeError,
                     ["k_cache", "int16"]),
-    "page_size_not_pow2": (replaced(k_cache=lambda b: b.k_cache[:, :3], v_cache=lambda b: b.v_cache[:, :3]),
-                           {}, ValueError, ["k_cache", "page_size", "3"]),
-    "page_size_512": (replaced(k_cache=lambda b: b.k_cache.repeat(1, 128, 1, 1),
-                               v_cache=lambda b: b.v_cache.repeat(1, 128, 1, 1)),
-                      {}, ValueError, ["k_cache", "page_size", "512"]),
+    "page_size_0": (replaced(k_cache=lambda b: b.k_cache[:, :0], v_cache=lambda b: b.v_cache[:, :0]),
+                    {}, ValueError, ["k_cache", "page_size", "0"]),
+    "page_size_1028": (replaced(k_cache=lambda b: b.k_cache.repeat(1, 257, 1, 1),
+                                v_cache=lambda b: b.v_cache.repeat(1, 257, 1, 1)),
+                       {}, ValueError, ["k_cache", "page_size", "1028"]),
     "head_dim_mismatch": (replaced(k_cache=lambda b: b.k_cache[..., :8], v_cache=lambda b: b.v_cache[..., :8]),
                           {}, ValueError, ["k_cache", "head_dim"]),
     "kv_heads_not_dividing": (replaced(k_cache=lambda b: b.k_cache.repeat(1, 1, 3, 1)[:, :, :3],
@@ -141,7 +141,7 @@ def needs_triton():
 
 
 def wide_head_batch():
-    return Batch.random(batch=1, num_heads=1, num_kv_heads=1, head_dim=512, page_size=4,
+    return Batch.random(batch=1, num_heads=1, num_kv_heads=1, head_dim=520, page_size=4,
                         seq_lens=[3], dtype=torch.float32)
 
 
@@ -149,7 +149,7 @@ def wide_head_batch():
 def test_forced_backend_that_refuses_raises_with_its_reason():
     with pytest.raises(ValueError) as info:
         wide_head_batch().decode("triton")
-    assert "backend" in str(info.value) and "head_dim 512 > 256" in str(info.value)
+    assert "backend" in str(info.value) and "head_dim 520 > 512" in str(info.value)
 
 
 @needs_triton()
@@ -163,7 +163,7 @@ def test_env_var_forces_the_backend(monkeypatch):
     monkeypatch.setenv("KVATTN_BACKEND", "triton")
     with pytest.raises(ValueError) as info:
         batch.decode("auto")
-    assert "KVATTN_BACKEND" in str(info.value) and "head_dim 512 > 256" in str(info.value)
+    assert "KVATTN_BACKEND" in str(info.value) and "head_dim 520 > 512" in str(info.value)
     # An explicit backend argument wins over the variable.
     out, _ = batch.decode("reference")
     assert torch.isfinite(out).all()

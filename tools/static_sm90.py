@@ -246,9 +246,14 @@ TRITON_CONFIGS = [
     ("decode bf16 d128 p64 mha", "decode", torch.bfloat16, 128, 64, 32, 32),
     ("decode bf16 d256 p16 gqa8", "decode", torch.bfloat16, 256, 16, 64, 8),
     ("decode bf16 d64 p16 gqa4", "decode", torch.bfloat16, 64, 16, 32, 8),
+    ("decode bf16 d512 p16 gqa8", "decode", torch.bfloat16, 512, 16, 64, 8),
+    ("decode bf16 d128 p48 gqa4", "decode", torch.bfloat16, 128, 48, 32, 8),
+    ("decode fp16 d128 p5 gqa4", "decode", torch.float16, 128, 5, 32, 8),
     ("extend bf16 d128 p16 gqa4", "extend", torch.bfloat16, 128, 16, 32, 8),
     ("extend fp16 d128 p1 mha", "extend", torch.float16, 128, 1, 32, 32),
     ("extend bf16 d256 p16 gqa8", "extend", torch.bfloat16, 256, 16, 64, 8),
+    ("extend bf16 d512 p16 gqa8", "extend", torch.bfloat16, 512, 16, 64, 8),
+    ("extend fp16 d128 p80 gqa4", "extend", torch.float16, 128, 80, 32, 8),
 ]
 
 
@@ -298,7 +303,10 @@ def _demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
 
 
-_CUDA_KERNEL = re.compile(r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (\d+))?(?:, (true|false))?>")
+# kernel<T, D, CHECK, VEC>: VEC false is the element-wise copy for pools whose rows are not 16-byte
+# aligned (odd head dims, offset views).
+_CUDA_KERNEL = re.compile(
+    r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (\d+))?(?:, (true|false))?(?:, (true|false))?>")
 _CUDA_DTYPES = {"__half": "fp16", "__nv_bfloat16": "bf16", "float": "fp32"}
 
 
@@ -331,8 +339,9 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
                 op = "decode" if "decode" in kernel else "extend" if "extend" in kernel else "write_kv"
                 dim = int(m.group(3)) if m and m.group(3) else None
                 layout = layouts.get(op, {}).get(dim, {}) if kernel.startswith("paged_") else {}
+                copies = {"true": "16B", "false": "elementwise"}.get(m.group(5) if m else None, "")
                 config = " ".join(x for x in (op, _CUDA_DTYPES.get(m.group(2), "") if m else "",
-                                              f"d{dim}" if dim else "") if x)
+                                              f"d{dim}" if dim else "", copies) if x)
                 records.append(dict(backend="cuda", config=config, op=op, kernel=kernel,
                                     check=bool(m and m.group(4) == "true"), registers=u.get("REG"),
                                     local=u.get("LOCAL", 0) + u.get("STACK", 0),

@@ -1,22 +1,25 @@
 // Paged decode with the ownership check (docs/ownership.md, section 3) as a template parameter,
 // split-KV, and the merge of the splits. One source for nvcc and for the CPU harness
-// (csrc/sim/simt.h); the rule itself is tag_rule.cuh, the tensor-core step attention.cuh.
+// (csrc/sim/simt.h); the rule itself is tag_rule.cuh, the tensor-core step attention.cuh, the tile
+// shapes tiles.h.
 //
-// Grid (B, num_kv_heads * num_chunks, num_splits), 4 warps. A block serves the query heads of one
-// chunk of a KV head's GQA group (up to 16 heads: the rows of one mma tile) over one split, an
+// Grid (B, num_kv_heads * num_chunks * d_split, num_splits), 4 warps. A block serves the query heads
+// of one chunk of a KV head's GQA group (up to 16 heads: the rows of one mma tile) over one split, an
 // equal page-aligned share of the sequence's actual length (kvattn.backends.grids.split_chunk), so
-// each KV page is read once for the whole group. Each warp streams its own sub-tiles of 16 tokens
+// each KV page is read once for the whole group (heads over 256 wide: d_split = 2 blocks, each with
+// all of QK^T and half of the output dims). Each warp streams its own sub-tiles of 16 tokens
 // (sub-tile j goes to warp j % 4) through a private pipeline of kStages shared-memory stages:
-//   - resolve: the sub-tile's block-table entry (or, for pages under 16 tokens, one entry per
-//     token) and, when CHECK, its tag and expected owner, loaded one sub-tile ahead of its copy so
-//     the latency hides behind the compute of the current one; a token the rule refuses, past the
-//     split's end or in a page outside the pool (both variants) gets no bytes;
-//   - copy: K and V rows by 16-byte cp.async, zero-filled for tokens that are not read (no branch:
-//     a refused slot is never loaded and contributes 0 * 0, never NaN);
+//   - resolve: lane r < 16 looks up token r's block-table entry and, when CHECK, its tag and expected
+//     owner (for pages of 16 or more tokens the 16 lanes load the same words), in two steps a
+//     sub-tile ahead of the copy, so the latency hides behind the compute of the current one; a
+//     token the rule refuses, past the split's end or in a page outside the pool (both variants)
+//     gets no bytes. Any page size: token -> page is a multiply and a shift (params.h PageDiv);
+//   - copy: K and V rows by 16-byte cp.async when rows are 16-byte aligned (VEC), else element by
+//     element, zero-filled for tokens that are not read (a refused slot is never loaded and
+//     contributes 0 * 0, never NaN) and past head_dim;
 //   - compute: S = Q K^T and O += P V on tensor cores, online softmax in registers.
-// K/V rows must be 16-byte aligned (the launcher refuses others; the Triton backend runs them).
 // The warps' partial states are merged through shared memory at the end. The report is written by
-// the chunk-0 block of KV head 0 of each split after its loop, from the table entries and tags of
+// the first block of KV head 0 of each split after its loop, from the table entries and tags of
 // its pages (L2-resident by then): final counters with one split, per-split partial counts summed
 // by the merge kernel otherwise. No separate zeroing launch, no global atomics.
 #pragma once
@@ -69,12 +72,12 @@ KVATTN_DEVICE TokenEntry fetch_entry(const DecodeParams& p, const int32_t* bt_ro
   TokenEntry e{0, 0, 0, false, false};
   const int64_t t = t0 + lane;
   if (lane < kSubTile && t < end) {
-    e.logical = t >> p.page_shift;
+    e.logical = page_of(p.page, t);
     const int32_t page = bt_row[e.logical * p.stride_bt_p];
     e.live = true;
     e.in_range = page >= 0 && page < p.num_pages;
     e.page = e.in_range ? page : 0;
-    e.slot = static_cast<int32_t>(t & ((int64_t{1} << p.page_shift) - 1));
+    e.slot = static_cast<int32_t>(t - e.logical * p.page.size);
   }
   return e;
 }
@@ -85,7 +88,7 @@ KVATTN_DEVICE TokenVerdict fetch_verdict(const DecodeParams& p, const int64_t* e
   TokenVerdict v{e, 0};
   if (e.live && e.in_range) {
     // The length mask in slots of the page; the range guard holds in both variants.
-    int64_t limit = end - (e.logical << p.page_shift);
+    int64_t limit = end - e.logical * p.page.size;
     if (CHECK) {
       const int64_t owner = p.stride_ep == 0 ? seq_owner : exp_row[e.logical * p.stride_ep];
       limit = min64(limit, readable_slots(p.page_tags[e.page], owner));
@@ -108,29 +111,60 @@ KVATTN_DEVICE uint32_t place_sub_tile(const DecodeParams& p, const TokenVerdict&
   return __ballot_sync(0xffffffffu, lane < kSubTile && ok) & 0xffffu;
 }
 
-// Issues the cp.async copies of one sub-tile's K and V rows into a stage, zero-filled for tokens
-// outside `mask` and for the padding past head_dim. Copy k of a lane moves 16 bytes of row
-// k * R + lane / kChunks (R = 32 / kChunks rows per warp-wide copy), chunk lane % kChunks.
-template <class T, int D>
-KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int64_t* offsets, unsigned char* stage) {
+// Copy k of thread t, when N threads move N consecutive 16-byte chunks of a tile at a time, moves
+// chunk k * N + t of a tile with kChunks chunks per row. Written so that an unrolled loop folds k
+// away: a constant plus one per-thread term, computed once.
+template <int kChunks, int N>
+struct ChunkMap {
+  static_assert(kChunks % N == 0 || N % kChunks == 0, "chunks per row and threads must divide");
+  static KVATTN_DEVICE int row(int k, int t) {
+    if constexpr (kChunks <= N) return k * (N / kChunks) + t / kChunks;
+    else return k / (kChunks / N);
+  }
+  static KVATTN_DEVICE int col(int k, int t) {
+    if constexpr (kChunks <= N) return t % kChunks;
+    else return (k % (kChunks / N)) * N + t;
+  }
+};
+
+// Moves 16 bytes (8 elements) of a row: by cp.async when rows are 16-byte aligned (VEC), else
+// element by element, stored at once (visible after the warp's next sync). Elements past
+// head_dim and rows not read become zeros; the source of a 0-byte copy is never read.
+template <class T, bool VEC>
+KVATTN_DEVICE void copy_chunk(unsigned char* dst, const T* src, int valid, bool read) {
+  if constexpr (VEC) {
+    cp_async_16(dst, src, read && valid > 0 ? 16 : 0);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) reinterpret_cast<T*>(dst)[e] = read && e < valid ? src[e] : from_float<T>(0.0f);
+  }
+}
+
+// Copies one sub-tile's K rows (all D) and V rows (this block's DV columns from v_col) into a
+// stage, zero-filled for tokens outside `mask`: the warp's 32 lanes move 32 consecutive 16-byte
+// chunks of the rows at a time (lane l: chunk l % chunks-per-row of row l / chunks-per-row).
+template <class T, int D, bool VEC>
+KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int64_t* offsets, int v_col,
+                                 unsigned char* stage) {
   using L = DecodeLayout<D>;
-  constexpr int R = 32 / L::kChunks;
   const int lane = lane_index();
-  const int row0 = lane / L::kChunks;
-  const int c = lane % L::kChunks;
-  const bool data = c < p.head_dim / 8;
   const T* k_pool = static_cast<const T*>(p.k);
   const T* v_pool = static_cast<const T*>(p.v);
-  unsigned char* k_dst = stage + row0 * L::kRow + c * 16;
-  unsigned char* v_dst = k_dst + kSubTile * L::kRow;
-#pragma unroll
-  for (int k = 0; k < kSubTile / R; ++k) {
-    const int row = k * R + row0;
-    // Every offset points into the pool (page 0 for a refused or absent token); the source of a
-    // 0-byte copy is never read.
-    const int bytes = data && ((mask >> row) & 1u) ? 16 : 0;
-    cp_async_16(k_dst + k * R * L::kRow, k_pool + offsets[2 * row] + c * 8, bytes);
-    cp_async_16(v_dst + k * R * L::kRow, v_pool + offsets[2 * row + 1] + c * 8, bytes);
+  constexpr int kCopiesK = kSubTile * L::kChunksK / 32, kCopiesV = kSubTile * L::kChunksV / 32;
+#pragma unroll copy_unroll(kCopiesK)
+  for (int k = 0; k < kCopiesK; ++k) {
+    using M = ChunkMap<L::kChunksK, 32>;
+    const int row = M::row(k, lane), c = M::col(k, lane);
+    copy_chunk<T, VEC>(stage + row * L::kRowK + c * 16, k_pool + offsets[2 * row] + c * 8, p.head_dim - c * 8,
+                       (mask >> row) & 1u);
+  }
+  unsigned char* v_stage = stage + kSubTile * L::kRowK;
+#pragma unroll copy_unroll(kCopiesV)
+  for (int k = 0; k < kCopiesV; ++k) {
+    using M = ChunkMap<L::kChunksV, 32>;
+    const int row = M::row(k, lane), c = M::col(k, lane);
+    copy_chunk<T, VEC>(v_stage + row * L::kRowV + c * 16, v_pool + offsets[2 * row + 1] + v_col + c * 8,
+                       p.head_dim - v_col - c * 8, (mask >> row) & 1u);
   }
 }
 
@@ -147,6 +181,7 @@ struct DecodeWarp {
   int64_t seq_owner, start, end;
   int warp, mine;  // sub-tiles of this warp
   int64_t k_head_off, v_head_off;
+  int v_col;  // first head dim this block accumulates (d_split > 1)
   int64_t* offsets;  // [16][2] shared memory of this warp
   uint32_t* masks;   // [kStages]
   unsigned char* stages;
@@ -155,7 +190,7 @@ struct DecodeWarp {
 // Copies the warp's sub-tile n into its stage (when it exists), then advances the resolve
 // pipeline: `verdict` becomes sub-tile n + 1's (its tag loads issued now) and `entry` n + 2's.
 // Every call commits one group of copies, possibly empty, so waits count stages.
-template <class T, int D, bool CHECK>
+template <class T, int D, bool CHECK, bool VEC>
 KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry, TokenVerdict& verdict,
                                   int& stage) {
   using L = DecodeLayout<D>;
@@ -163,7 +198,7 @@ KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry,
     const uint32_t mask = place_sub_tile(w.p, verdict, w.k_head_off, w.v_head_off, w.offsets);
     if (lane_index() == 0) w.masks[stage] = mask;
     __syncwarp();
-    copy_sub_tile<T, D>(w.p, mask, w.offsets, w.stages + stage * L::kStageBytes);
+    copy_sub_tile<T, D, VEC>(w.p, mask, w.offsets, w.v_col, w.stages + stage * L::kStageBytes);
     __syncwarp();  // the offsets are rewritten by the next issue
     stage = stage + 1 == L::kStages ? 0 : stage + 1;
     verdict = fetch_verdict<CHECK>(w.p, w.exp_row, w.seq_owner, entry, w.end);
@@ -183,25 +218,32 @@ KVATTN_DEVICE void load_query_rows(unsigned char* rows, const T* q, int64_t stri
   }
 }
 
-template <class T, int D, bool CHECK>
-__global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeParams p) {
+// A minimum of one block per SM leaves ptxas the whole register file (shared memory limits the
+// blocks per SM to two or one before registers do); without it one instantiation spilled 4 bytes.
+template <class T, int D, bool CHECK, bool VEC>
+__global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeParams p) {
   using L = DecodeLayout<D>;
+  constexpr int DV = L::kDV;
   KVATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
   const int64_t b = blockIdx.x;
-  const int kv_head = static_cast<int>(blockIdx.y) / p.num_chunks;
-  const int chunk = static_cast<int>(blockIdx.y) % p.num_chunks;
+  const int d_part = static_cast<int>(blockIdx.y) % HeadSplit<D>::kSplit;
+  const int kv_head = static_cast<int>(blockIdx.y) / HeadSplit<D>::kSplit / p.num_chunks;
+  const int chunk = static_cast<int>(blockIdx.y) / HeadSplit<D>::kSplit % p.num_chunks;
+  const int v_col = d_part * DV;
   const int split = blockIdx.z;
   const int head0 = kv_head * p.group + chunk * kWarpRows;
   const int heads = static_cast<int>(min64(kWarpRows, p.group - chunk * kWarpRows));
-  const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
   const int32_t raw_len = p.seq_lens[b * p.stride_sl];
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
   const SplitRange range = split_range(seq_len, split, p.num_splits, p.align, p.min_chunk);
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* exp_row = p.expected + b * p.stride_eb;
-  const int ksteps = (p.head_dim + 15) / 16;
+  const int ksteps = (p.head_dim + 15) / 16;  // QK^T over the whole head
+  const int dv = static_cast<int>(min64(DV, p.head_dim - v_col));  // output dims of this block
+  const int dsteps = (dv + 15) / 16;
 
   unsigned char* q_rows = smem;
   unsigned char* stages = smem + L::kQBytes + warp * L::kWarpBytes;
@@ -217,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   __syncthreads();
   QueryFragments<D> q;
   q.load(q_rows, ksteps);
-  WarpAttention<T, D> att;
+  WarpAttention<T, DV> att;
   att.init();
 
   // This warp's sub-tiles: j = warp, warp + 4, ... of the split's ceil((end - start) / 16).
@@ -233,11 +275,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   entry = fetch_entry(p, bt_row, sub_tile_start(range.start, warp, 1), range.end);
   int issue_stage = 0;  // stage of the next sub-tile to copy (n % kStages, kept incrementally)
   const DecodeWarp w{p, bt_row, exp_row, seq_owner, range.start, range.end, warp, mine, k_head_off, v_head_off,
-                     offsets, masks, stages};
+                     v_col, offsets, masks, stages};
 #pragma unroll
-  for (int s = 0; s < L::kStages - 1; ++s) issue_sub_tile<T, D, CHECK>(w, s, entry, verdict, issue_stage);
+  for (int s = 0; s < L::kStages - 1; ++s) issue_sub_tile<T, D, CHECK, VEC>(w, s, entry, verdict, issue_stage);
   for (int i = 0, st = 0; i < mine; ++i, st = st + 1 == L::kStages ? 0 : st + 1) {
-    issue_sub_tile<T, D, CHECK>(w, i + L::kStages - 1, entry, verdict, issue_stage);
+    issue_sub_tile<T, D, CHECK, VEC>(w, i + L::kStages - 1, entry, verdict, issue_stage);
 #if KVATTN_SIM_BREAK != 1
     cp_async_wait<L::kStages - 1>();
 #endif
@@ -254,21 +296,21 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
         s[n][c] = (mask >> token) & 1u ? s[n][c] * p.scale_log2 : -INFINITY;
       }
     att.template softmax_step<kSubTile>(s);
-    att.template accumulate<kSubTile>(s, k_rows + kSubTile * L::kRow, ksteps);
+    att.template accumulate<kSubTile>(s, k_rows + kSubTile * L::kRowK, dsteps);
     __syncwarp();  // the stage is overwritten by the copy issued next
   }
   cp_async_wait<0>();
   att.finish();
 
-  // Merge the four warps' states through their own stage memory: [16][D] outputs, then m and l.
+  // Merge the four warps' states through their own stage memory: [16][DV] outputs, then m and l.
   __syncwarp();
   float* w_out = reinterpret_cast<float*>(stages);
-  float* w_ml = w_out + kWarpRows * D;
+  float* w_ml = w_out + kWarpRows * DV;
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j)
+  for (int j = 0; j < DV / 8; ++j)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) w_out[(g + 8 * (c / 2)) * D + 8 * j + 2 * t + c % 2] = att.o[j][c];
+    for (int c = 0; c < 4; ++c) w_out[(g + 8 * (c / 2)) * DV + 8 * j + 2 * t + c % 2] = att.o[j][c];
   if (t == 0) {
     w_ml[g] = att.m[0];
     w_ml[g + 8] = att.m[1];
@@ -277,51 +319,55 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   }
   __syncthreads();
   const bool active = range.start < range.end;
-  for (int i = tid; i < heads * p.head_dim; i += kThreads) {
-    const int r = i / p.head_dim, d = i % p.head_dim;
+  for (int i = tid; i < heads * dv; i += kThreads) {
+    const int r = i / dv, d = i % dv;
     float m_top = -INFINITY;
     for (int w = 0; w < kWarps; ++w) {
-      const float* ml = reinterpret_cast<const float*>(smem + L::kQBytes + w * L::kWarpBytes) + kWarpRows * D;
+      const float* ml = reinterpret_cast<const float*>(smem + L::kQBytes + w * L::kWarpBytes) + kWarpRows * DV;
       m_top = fmaxf(m_top, ml[r]);
     }
     const float m_ref = m_top == -INFINITY ? 0.0f : m_top;
     float o = 0.0f, l = 0.0f;
     for (int w = 0; w < kWarps; ++w) {
       const float* wo = reinterpret_cast<const float*>(smem + L::kQBytes + w * L::kWarpBytes);
-      const float* ml = wo + kWarpRows * D;
+      const float* ml = wo + kWarpRows * DV;
       const float weight = exp2f(ml[r] - m_ref);
-      o += wo[r * D + d] * weight;
+      o += wo[r * DV + d] * weight;
       l += ml[kWarpRows + r] * weight;
     }
     // Only an empty row (l == 0) gets the 0 / -inf convention; a NaN read from a page that passed
-    // the check propagates, as in the reference.
+    // the check propagates, as in the reference. Blocks of a head split write their columns; the
+    // first writes the row's statistics.
     if (p.num_splits == 1) {
-      static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + d] = from_float<T>(l == 0.0f ? 0.0f : o / l);
-      if (d == 0 && p.lse != nullptr) p.lse[b * p.num_heads + head0 + r] = l == 0.0f ? -INFINITY : (m_ref + log2f(l)) * kLn2;
+      static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + v_col + d] =
+          from_float<T>(l == 0.0f ? 0.0f : o / l);
+      if (d == 0 && d_part == 0 && p.lse != nullptr)
+        p.lse[b * p.num_heads + head0 + r] = l == 0.0f ? -INFINITY : (m_ref + log2f(l)) * kLn2;
     } else if (active) {
       const int64_t row = (b * p.num_heads + head0 + r) * p.num_splits + split;
-      p.part_acc[row * p.head_dim + d] = o;
-      if (d == 0) {
+      p.part_acc[row * p.head_dim + v_col + d] = o;
+      if (d == 0 && d_part == 0) {
         p.part_ml[row * 2] = m_top;
         p.part_ml[row * 2 + 1] = l;
       }
     }
   }
 
-  if (CHECK && kv_head == 0 && chunk == 0) {
+  if (CHECK && kv_head == 0 && chunk == 0 && d_part == 0) {
     int8_t* reasons_row = p.page_reasons + b * p.max_pages;
-    const int64_t page_lo = range.start >> p.page_shift;
-    int64_t page_hi = (range.end + (int64_t{1} << p.page_shift) - 1) >> p.page_shift;
+    const int64_t page_size = p.page.size;
+    const int64_t page_lo = range.start / page_size;  // splits are whole pages
+    int64_t page_hi = (range.end + page_size - 1) / page_size;
 #if KVATTN_SIM_BREAK == 2
     page_hi -= 1;
 #endif
     if (active) {
-      check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, p.page_shift, seq_len,
+      check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, page_size, seq_len,
                   page_lo, page_hi, reasons_row, counters, kThreads);
     }
     // This split's stripe of the table entries past the sequence: nothing is read there; zeroed
     // so that every entry of page_reasons is written by the call.
-    const int64_t unread = (seq_len + (int64_t{1} << p.page_shift) - 1) >> p.page_shift;
+    const int64_t unread = (seq_len + page_size - 1) / page_size;
     const int64_t stripe = (p.max_pages - unread + p.num_splits - 1) / p.num_splits;
     const int64_t lo = unread + split * stripe;
     for (int64_t i = lo + tid; i < min64(lo + stripe, p.max_pages); i += kThreads) reasons_row[i] = 0;
@@ -352,7 +398,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Decod
   const int64_t b = blockIdx.x;
   const int head = blockIdx.y;
   const int S = p.num_splits;
-  const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
   const int32_t raw_len = p.seq_lens[b * p.stride_sl];
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
   const SplitRange first = split_range(seq_len, 0, S, p.align, p.min_chunk);
@@ -408,33 +454,46 @@ inline bool kv_rows_aligned(const void* k, const void* v, const int64_t (&stride
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernels cannot run.
 template <class T>
 const char* plan_decode(DecodeParams& p) {
-  if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8) return "head_dim must be a multiple of 8 in [8, 256]";
+  if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
     return "num_heads must be a positive multiple of num_kv_heads";
-  if (p.page_shift < 0 || p.page_shift > 8) return "page_size must be a power of two in [1, 256]";
+  if (p.page.size < 1 || p.page.size > 1024) return "page_size must be in [1, 1024]";
   if (p.max_pages < 1 || p.batch < 1) return "empty block table or batch";
-  const int page_size = 1 << p.page_shift;
-  if (p.align < kSubTile || p.align % kSubTile || p.align % page_size || p.min_chunk < p.align || p.min_chunk % p.align)
-    return "align must be a multiple of 16 and of page_size, min_chunk a multiple of align";
+  if (static_cast<int64_t>(p.max_pages) * p.page.size >= (int64_t{1} << 31)) return "table capacity must stay below 2**31 tokens";
+  if (p.align < 1 || p.align % p.page.size || p.min_chunk < p.align || p.min_chunk % p.align)
+    return "align must be a multiple of page_size, min_chunk a multiple of align";
   if (p.num_splits < 1 || p.num_splits > 65535) return "num_splits must be in [1, 65535]";
   if (p.num_splits > 1 && (p.part_acc == nullptr || p.part_ml == nullptr)) return "split buffers missing";
   p.group = p.num_heads / p.num_kv_heads;
   p.num_chunks = (p.group + kWarpRows - 1) / kWarpRows;
-  if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks > 65535) return "too many KV heads";
-  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
-  if (!kv_rows_aligned(p.k, p.v, strides, p.head_dim))
-    return "K/V rows must be 16-byte aligned (pool pointers 16-byte aligned, strides multiples of 8 elements)";
   const int d = padded_head_dim(p.head_dim);
-  p.smem_bytes = d == 64 ? DecodeLayout<64>::kTotal : d == 128 ? DecodeLayout<128>::kTotal : DecodeLayout<256>::kTotal;
+  p.d_split = d > 256 ? 2 : 1;
+  if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
+  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
+  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim);
+  p.smem_bytes = d == 64    ? DecodeLayout<64>::kTotal
+                 : d == 128 ? DecodeLayout<128>::kTotal
+                 : d == 256 ? DecodeLayout<256>::kTotal
+                            : DecodeLayout<512>::kTotal;
   return nullptr;
 }
 
-template <class T, int D, bool CHECK>
+template <class T, int D, bool CHECK, bool VEC>
 cudaError_t launch_decode_kernel(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_kv_heads * p.num_chunks),
+  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_kv_heads * p.num_chunks * p.d_split),
                   static_cast<unsigned>(p.num_splits));
-  return launch_kernel(&paged_decode_kernel<T, D, CHECK>, grid, dim3(kThreads), static_cast<size_t>(p.smem_bytes),
+  return launch_kernel(&paged_decode_kernel<T, D, CHECK, VEC>, grid, dim3(kThreads), static_cast<size_t>(p.smem_bytes),
                        stream, p);
+}
+
+template <class T, bool CHECK, bool VEC>
+cudaError_t launch_decode_dim(const DecodeParams& p, cudaStream_t stream) {
+  switch (padded_head_dim(p.head_dim)) {
+    case 64: return launch_decode_kernel<T, 64, CHECK, VEC>(p, stream);
+    case 128: return launch_decode_kernel<T, 128, CHECK, VEC>(p, stream);
+    case 256: return launch_decode_kernel<T, 256, CHECK, VEC>(p, stream);
+    default: return launch_decode_kernel<T, 512, CHECK, VEC>(p, stream);
+  }
 }
 
 template <class T, bool CHECK>
@@ -445,10 +504,7 @@ LaunchResult launch_decode(DecodeParams& p, cudaStream_t stream) {
                 p.beyond_table == nullptr || p.page_reasons == nullptr ||
                 (p.num_splits > 1 && p.part_report == nullptr)))
     return {static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", "report buffers missing"};
-  const int d = padded_head_dim(p.head_dim);
-  cudaError_t e = d == 64    ? launch_decode_kernel<T, 64, CHECK>(p, stream)
-                  : d == 128 ? launch_decode_kernel<T, 128, CHECK>(p, stream)
-                             : launch_decode_kernel<T, 256, CHECK>(p, stream);
+  cudaError_t e = p.vec ? launch_decode_dim<T, CHECK, true>(p, stream) : launch_decode_dim<T, CHECK, false>(p, stream);
   if (e != cudaSuccess) {
     return {static_cast<int>(e), CHECK ? "paged_decode_kernel<check=true>" : "paged_decode_kernel<check=false>",
             cudaGetErrorString(e)};

@@ -33,18 +33,18 @@ __global__ void __launch_bounds__(kThreads) resolve_pages_kernel(const ExtendPar
   int32_t* counters = reinterpret_cast<int32_t*>(smem);
   const int tid = threadIdx.x;
   const int64_t b = blockIdx.x;
-  const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
+  const int64_t page_size = p.page.size;
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) * page_size;
   const int32_t raw_len = p.seq_lens[b * p.stride_sl];
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* exp_row = p.expected + b * p.stride_eb;
   if (tid < kReportFields) counters[tid] = 0;
   __syncthreads();
-  check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, p.page_shift, seq_len, 0,
+  check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, page_size, seq_len, 0,
               p.max_pages, p.page_reasons + b * p.max_pages, counters, kThreads);
-  const int64_t page_size = int64_t{1} << p.page_shift;
   for (int64_t i = tid; i < p.max_pages; i += kThreads) {
-    const bool read = seq_len > (i << p.page_shift);
+    const bool read = seq_len > i * page_size;
     const int64_t page = read ? bt_row[i * p.stride_bt_p] : 0;
     const bool in_range = page >= 0 && page < p.num_pages;
     const int readable = read && in_range ? readable_slots(p.page_tags[page], exp_row[i * p.stride_ep]) : 0;
@@ -70,8 +70,8 @@ KVATTN_DEVICE int2 load_key_entry(const ExtendParams& p, const int32_t* bt_row, 
   int2 entry = make_int2(-1, 0);
   const int64_t t = t0 + tid;
   if (tid < keys && t < kv_hi) {
-    const int64_t logical = t >> p.page_shift;
-    const int slot = static_cast<int>(t & ((int64_t{1} << p.page_shift) - 1));
+    const int64_t logical = page_of(p.page, t);
+    const int slot = static_cast<int>(t - logical * p.page.size);
     if (CHECK) {
       const int64_t e = eff_row[logical];
       if (slot < static_cast<int>(e & 0xffffffff)) entry = make_int2(static_cast<int>(e >> 32), slot);
@@ -83,19 +83,25 @@ KVATTN_DEVICE int2 load_key_entry(const ExtendParams& p, const int32_t* bt_row, 
   return entry;
 }
 
-template <class T, int D, bool CHECK>
-__global__ void __launch_bounds__(kThreads) paged_extend_kernel(const ExtendParams p) {
+// A minimum of one block per SM leaves ptxas the whole register file, as for decode.
+template <class T, int D, bool CHECK, bool VEC>
+__global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendParams p) {
   using L = ExtendLayout<D>;
   constexpr int NK = L::kKeys;
+  constexpr int DV = L::kDV;
   KVATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
   const int64_t slot_id = blockIdx.x;
-  const int kv_head = static_cast<int>(blockIdx.y) / p.num_chunks;
-  const int chunk = static_cast<int>(blockIdx.y) % p.num_chunks;
+  const int d_part = static_cast<int>(blockIdx.y) % HeadSplit<D>::kSplit;
+  const int kv_head = static_cast<int>(blockIdx.y) / HeadSplit<D>::kSplit / p.num_chunks;
+  const int chunk = static_cast<int>(blockIdx.y) / HeadSplit<D>::kSplit % p.num_chunks;
+  const int v_col = d_part * DV;
   const int H = p.heads_per_tile, TOK = p.tokens_per_tile;
-  const int64_t capacity = static_cast<int64_t>(p.max_pages) << p.page_shift;
-  const int ksteps = (p.head_dim + 15) / 16;
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
+  const int ksteps = (p.head_dim + 15) / 16;  // QK^T over the whole head
+  const int dv = static_cast<int>(min64(DV, p.head_dim - v_col));  // output dims of this block
+  const int dsteps = (dv + 15) / 16;
 
   // The sequence of this slot: the last one whose first tile is at or before it (tile_start[0] = 0).
   int64_t lo = 0, hi = p.batch - 1;
@@ -111,11 +117,12 @@ __global__ void __launch_bounds__(kThreads) paged_extend_kernel(const ExtendPara
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
   const int64_t first_pos = raw_len - q_len;  // position of the sequence's first query token
   const int64_t m0 = tile * TOK;
-  // One past the last key the block reads; 0 for a spare slot and for a sequence holding fewer
-  // tokens than it has queries (malformed: it fails closed and reads nothing).
+  // One past the last key the block reads; 0 for a spare slot and, when causal, for a sequence
+  // holding fewer tokens than it has queries (malformed: it fails closed and reads nothing).
   int64_t kv_hi = seq_len;
   if (p.causal) kv_hi = min64(kv_hi, first_pos + min64(m0 + TOK, q_len));
-  if (m0 >= q_len || q_len > raw_len) kv_hi = 0;
+  // Without causality a sequence may have more queries than keys: each row reads them all.
+  if (m0 >= q_len || (p.causal && q_len > raw_len)) kv_hi = 0;
   const int64_t n_tiles = (kv_hi + NK - 1) / NK;
   // Key tiles from here on may hold keys after the block's first query position: causal mask.
   const int64_t diagonal = p.causal ? max64(first_pos + m0 + 1, 0) / NK * NK : kv_hi;
@@ -136,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) paged_extend_kernel(const ExtendPara
     T x = from_float<T>(0.0f);
     if (row_ok(r) && d < p.head_dim)
       x = q_ptr[(row0 + row_token(r)) * p.stride_qt + (kv_head * p.group + row_head(r)) * p.stride_qh + d];
-    reinterpret_cast<T*>(q_rows + r * L::kRow)[d] = x;
+    reinterpret_cast<T*>(q_rows + r * L::kRowK)[d] = x;
   }
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* eff_row = CHECK ? p.effective + b * p.max_pages : nullptr;
@@ -152,25 +159,33 @@ __global__ void __launch_bounds__(kThreads) paged_extend_kernel(const ExtendPara
   };
   const T* k_pool = static_cast<const T*>(p.k);
   const T* v_pool = static_cast<const T*>(p.v);
-  const int chunks = p.head_dim / 8;
-  const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh;
+  const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh + v_col;
+  // The block's 128 threads move 128 consecutive 16-byte chunks of the tile's rows at a time; a key
+  // that is not read points at page 0 (inside the pool) and copies 0 bytes (decode.cuh copy_chunk).
   auto copy_tile = [&](int64_t j) {
     const int2* tile_keys = keys + (j % L::kKeySlots) * NK;
-    unsigned char* k_dst0 = tiles + (j % L::kStages) * L::kTileBytes;
-#pragma unroll
-    for (int k = 0; k < NK * L::kChunks / kThreads; ++k) {
-      const int idx = k * kThreads + tid;
-      const int row = idx / L::kChunks;
-      const int c = idx % L::kChunks;
+    unsigned char* k_tile = tiles + (j % L::kStages) * L::kTileBytes;
+    unsigned char* v_tile = k_tile + NK * L::kRowK;
+    constexpr int kCopiesK = NK * L::kChunksK / kThreads, kCopiesV = NK * L::kChunksV / kThreads;
+#pragma unroll copy_unroll(kCopiesK)
+    for (int k = 0; k < kCopiesK; ++k) {
+      using M = ChunkMap<L::kChunksK, kThreads>;
+      const int row = M::row(k, tid), c = M::col(k, tid);
       const int2 key = tile_keys[row];
-      // A key that is not read points at page 0 (inside the pool); a 0-byte copy reads nothing.
-      const int bytes = key.x >= 0 && c < chunks ? 16 : 0;
       const int64_t page = key.x >= 0 ? key.x : 0;
-      const int64_t k_off = page * p.stride_kp + key.y * p.stride_ks + k_head_off + c * 8;
-      const int64_t v_off = page * p.stride_vp + key.y * p.stride_vs + v_head_off + c * 8;
-      unsigned char* k_dst = k_dst0 + row * L::kRow + c * 16;
-      cp_async_16(k_dst, k_pool + k_off, bytes);
-      cp_async_16(k_dst + NK * L::kRow, v_pool + v_off, bytes);
+      copy_chunk<T, VEC>(k_tile + row * L::kRowK + c * 16,
+                         k_pool + page * p.stride_kp + key.y * p.stride_ks + k_head_off + c * 8,
+                         p.head_dim - c * 8, key.x >= 0);
+    }
+#pragma unroll copy_unroll(kCopiesV)
+    for (int k = 0; k < kCopiesV; ++k) {
+      using M = ChunkMap<L::kChunksV, kThreads>;
+      const int row = M::row(k, tid), c = M::col(k, tid);
+      const int2 key = tile_keys[row];
+      const int64_t page = key.x >= 0 ? key.x : 0;
+      copy_chunk<T, VEC>(v_tile + row * L::kRowV + c * 16,
+                         v_pool + page * p.stride_vp + key.y * p.stride_vs + v_head_off + c * 8,
+                         p.head_dim - v_col - c * 8, key.x >= 0);
     }
   };
 
@@ -180,8 +195,8 @@ __global__ void __launch_bounds__(kThreads) paged_extend_kernel(const ExtendPara
   if (n_tiles > 0) copy_tile(0);
   cp_async_commit();
   QueryFragments<D> q;
-  q.load(q_rows + warp * kWarpRows * L::kRow, ksteps);
-  WarpAttention<T, D> att;
+  q.load(q_rows + warp * kWarpRows * L::kRowK, ksteps);
+  WarpAttention<T, DV> att;
   att.init();
   const int g = lane / 4, t = lane % 4;
   int64_t q_pos[2];  // positions of this lane's rows g and g + 8
@@ -213,7 +228,7 @@ __global__ void __launch_bounds__(kThreads) paged_extend_kernel(const ExtendPara
         s[n][c] = visible ? s[n][c] * p.scale_log2 : -INFINITY;
       }
     att.template softmax_step<NK>(s);
-    att.template accumulate<NK>(s, k_rows + NK * L::kRow, ksteps);
+    att.template accumulate<NK>(s, k_rows + NK * L::kRowK, dsteps);
   }
   cp_async_wait<0>();
   att.finish();
@@ -228,13 +243,13 @@ __global__ void __launch_bounds__(kThreads) paged_extend_kernel(const ExtendPara
     const float l = att.l[r];
     T* out_row = out + (row0 + row_token(row)) * p.stride_ot + (kv_head * p.group + row_head(row)) * p.stride_oh;
 #pragma unroll
-    for (int jd = 0; jd < D / 8; ++jd)
+    for (int jd = 0; jd < DV / 8; ++jd)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int d = 8 * jd + 2 * t + c;
-        if (d < p.head_dim) out_row[d] = from_float<T>(l == 0.0f ? 0.0f : att.o[jd][2 * r + c] / l);
+        if (d < dv) out_row[v_col + d] = from_float<T>(l == 0.0f ? 0.0f : att.o[jd][2 * r + c] / l);
       }
-    if (t == 0 && p.lse != nullptr) {
+    if (t == 0 && d_part == 0 && p.lse != nullptr) {
       p.lse[(row0 + row_token(row)) * p.num_heads + kv_head * p.group + row_head(row)] =
           l == 0.0f ? -INFINITY : (att.m[r] + log2f(l)) * kLn2;
     }
@@ -244,31 +259,45 @@ __global__ void __launch_bounds__(kThreads) paged_extend_kernel(const ExtendPara
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernel cannot run.
 template <class T>
 const char* plan_extend(ExtendParams& p) {
-  if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8) return "head_dim must be a multiple of 8 in [8, 256]";
+  if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
     return "num_heads must be a positive multiple of num_kv_heads";
-  if (p.page_shift < 0 || p.page_shift > 8) return "page_size must be a power of two in [1, 256]";
+  if (p.page.size < 1 || p.page.size > 1024) return "page_size must be in [1, 1024]";
   if (p.max_pages < 1 || p.batch < 1) return "empty block table or batch";
+  if (static_cast<int64_t>(p.max_pages) * p.page.size >= (int64_t{1} << 31)) return "table capacity must stay below 2**31 tokens";
   p.group = p.num_heads / p.num_kv_heads;
   if (p.heads_per_tile < 1 || p.heads_per_tile > std::min(p.group, kExtendRows) || p.tokens_per_tile < 1 ||
       p.tokens_per_tile * p.heads_per_tile > kExtendRows)
     return "tokens_per_tile * heads_per_tile must be at most 64, heads_per_tile at most the GQA group";
   if (p.num_slots < p.batch) return "num_slots must give every sequence a tile";
   p.num_chunks = (p.group + p.heads_per_tile - 1) / p.heads_per_tile;
-  if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks > 65535) return "too many KV heads";
-  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
-  if (!kv_rows_aligned(p.k, p.v, strides, p.head_dim))
-    return "K/V rows must be 16-byte aligned (pool pointers 16-byte aligned, strides multiples of 8 elements)";
   const int d = padded_head_dim(p.head_dim);
-  p.smem_bytes = d == 64 ? ExtendLayout<64>::kTotal : d == 128 ? ExtendLayout<128>::kTotal : ExtendLayout<256>::kTotal;
+  p.d_split = d > 256 ? 2 : 1;
+  if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
+  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
+  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim);
+  p.smem_bytes = d == 64    ? ExtendLayout<64>::kTotal
+                 : d == 128 ? ExtendLayout<128>::kTotal
+                 : d == 256 ? ExtendLayout<256>::kTotal
+                            : ExtendLayout<512>::kTotal;
   return nullptr;
 }
 
-template <class T, int D, bool CHECK>
+template <class T, int D, bool CHECK, bool VEC>
 cudaError_t launch_extend_kernel(const ExtendParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.num_slots), static_cast<unsigned>(p.num_kv_heads * p.num_chunks));
-  return launch_kernel(&paged_extend_kernel<T, D, CHECK>, grid, dim3(kThreads), static_cast<size_t>(p.smem_bytes),
+  const dim3 grid(static_cast<unsigned>(p.num_slots), static_cast<unsigned>(p.num_kv_heads * p.num_chunks * p.d_split));
+  return launch_kernel(&paged_extend_kernel<T, D, CHECK, VEC>, grid, dim3(kThreads), static_cast<size_t>(p.smem_bytes),
                        stream, p);
+}
+
+template <class T, bool CHECK, bool VEC>
+cudaError_t launch_extend_dim(const ExtendParams& p, cudaStream_t stream) {
+  switch (padded_head_dim(p.head_dim)) {
+    case 64: return launch_extend_kernel<T, 64, CHECK, VEC>(p, stream);
+    case 128: return launch_extend_kernel<T, 128, CHECK, VEC>(p, stream);
+    case 256: return launch_extend_kernel<T, 256, CHECK, VEC>(p, stream);
+    default: return launch_extend_kernel<T, 512, CHECK, VEC>(p, stream);
+  }
 }
 
 template <class T, bool CHECK>
@@ -283,10 +312,7 @@ LaunchResult launch_extend(ExtendParams& p, cudaStream_t stream) {
                                         16, stream, static_cast<const ExtendParams&>(p));
     if (e != cudaSuccess) return {static_cast<int>(e), "resolve_pages_kernel", cudaGetErrorString(e)};
   }
-  const int d = padded_head_dim(p.head_dim);
-  const cudaError_t e = d == 64    ? launch_extend_kernel<T, 64, CHECK>(p, stream)
-                        : d == 128 ? launch_extend_kernel<T, 128, CHECK>(p, stream)
-                                   : launch_extend_kernel<T, 256, CHECK>(p, stream);
+  const cudaError_t e = p.vec ? launch_extend_dim<T, CHECK, true>(p, stream) : launch_extend_dim<T, CHECK, false>(p, stream);
   if (e != cudaSuccess) {
     return {static_cast<int>(e), CHECK ? "paged_extend_kernel<check=true>" : "paged_extend_kernel<check=false>",
             cudaGetErrorString(e)};

@@ -8,6 +8,34 @@ namespace kvattn {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// n / d and n % d for 0 <= n < 2**31 and a divisor d in [1, 2**16) fixed for a launch, by a
+// multiply and a shift: m = ceil(2**(31 + s) / d) with s = ceil(log2 d) gives floor(n * m /
+// 2**(31 + s)) = floor(n / d) exactly (the error n * (m - 2**(31+s)/d) / 2**(31+s) stays below
+// 2**-s <= 1/d). For a power of two it is the shift. Filled on the host (make_page_div).
+struct PageDiv {
+  int size;       // the divisor: tokens per page
+  uint32_t mul;   // m
+  int shift;      // 31 + s
+};
+
+inline PageDiv make_page_div(int size) {
+  int s = 0;
+  while ((1 << s) < size) ++s;
+  const uint64_t m = ((uint64_t{1} << (31 + s)) + static_cast<uint64_t>(size) - 1) / static_cast<uint64_t>(size);
+  return {size, static_cast<uint32_t>(m), 31 + s};
+}
+
+#if defined(__CUDACC__)
+#define KVATTN_PARAMS_FN __host__ __device__ inline
+#else
+#define KVATTN_PARAMS_FN inline
+#endif
+
+// The logical page of token n (0 <= n < 2**31).
+KVATTN_PARAMS_FN int64_t page_of(const PageDiv& d, int64_t n) {
+  return static_cast<int64_t>((static_cast<uint64_t>(n) * d.mul) >> d.shift);
+}
+
 struct DecodeParams {
   const void* q;            // [B, H, D]
   const void* k;            // [num_pages, page_size, Hkv, D], any strides, last dim contiguous
@@ -36,7 +64,7 @@ struct DecodeParams {
 
   float scale_log2;  // scale * log2(e): the kernels work in base 2
   int batch, num_heads, num_kv_heads, head_dim;
-  int page_shift;  // page_size = 1 << page_shift
+  PageDiv page;  // page_size, for token -> (logical page, slot)
   int max_pages;
   // Split-KV: num_splits programs per (sequence, KV head); each takes an equal share of its
   // sequence's actual length rounded up to `align` (a multiple of the page size and of 16), at
@@ -46,6 +74,8 @@ struct DecodeParams {
   // Filled by the launcher (plan_decode), not by the caller.
   int group;       // query heads per KV head
   int num_chunks;  // blocks per KV head: the group in chunks of kWarpRows heads
+  int d_split;     // blocks sharing one (KV head, chunk): each accumulates 1/d_split of the head dim
+  int vec;         // 1: K/V rows copied by 16-byte cp.async (aligned); 0: element by element
   int smem_bytes;  // dynamic shared memory of the decode kernel
 };
 
@@ -78,7 +108,7 @@ struct ExtendParams {
 
   float scale_log2;  // scale * log2(e)
   int batch, num_heads, num_kv_heads, head_dim;
-  int page_shift;       // page_size = 1 << page_shift
+  PageDiv page;
   int max_pages;
   int causal;
   int num_slots;        // grid x: ceil(total_q / tokens_per_tile) + B, from shapes only
@@ -88,6 +118,8 @@ struct ExtendParams {
   // Filled by the launcher (plan_extend), not by the caller.
   int group;
   int num_chunks;
+  int d_split;
+  int vec;
   int smem_bytes;
 };
 
@@ -114,7 +146,7 @@ struct WriteKVParams {
   int64_t stride_slot, stride_owner;
   int64_t num_tokens, num_pages;
   int slot_is_int64;
-  int page_shift, num_kv_heads, head_dim;
+  int page_size, num_kv_heads, head_dim;
 };
 
 // Enqueues the decode (and the split merge) on `stream`; never synchronises, never exits.

@@ -25,34 +25,55 @@ KVATTN_TILE_FN int tile_row_bytes() {
 
 // Head dims are padded to one of these for the register tiles; the padding is zero and skipped.
 KVATTN_TILE_FN int padded_head_dim(int head_dim) {
-  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 256 ? 256 : 512;
 }
+
+// Unroll factor of a copy loop of `copies` iterations per thread: complete up to 8 (head dims up
+// to 128), 4 beyond: completely unrolled, the copies of a 256- or 512-wide head keep too many
+// addresses live and spill (measured with ptxas -v).
+KVATTN_TILE_FN int copy_unroll(int copies) {
+  return copies <= 16 ? copies : 4;
+}
+
+// Heads wider than 256: two blocks share a tile, each computes all of QK^T (over D) and
+// accumulates half of the output dims (DV = D / 2), so the accumulators fit in registers.
+template <int D>
+struct HeadSplit {
+  static constexpr int kSplit = D > 256 ? 2 : 1;
+  static constexpr int kDV = D / kSplit;
+};
 
 template <int D>
 struct DecodeLayout {
+  static constexpr int kDV = HeadSplit<D>::kDV;
   static constexpr int kStages = D <= 128 ? 3 : 2;
-  static constexpr int kRow = tile_row_bytes<D>();
-  static constexpr int kChunks = D * 2 / 16;                      // 16-byte chunks per row
-  static constexpr int kStageBytes = 2 * kSubTile * kRow;         // K and V of one sub-tile
-  static constexpr int kQBytes = kWarpRows * kRow;
+  static constexpr int kRowK = tile_row_bytes<D>();
+  static constexpr int kRowV = tile_row_bytes<kDV>();
+  static constexpr int kChunksK = D * 2 / 16;    // 16-byte chunks per K row
+  static constexpr int kChunksV = kDV * 2 / 16;  // per V row (this block's part)
+  static constexpr int kStageBytes = kSubTile * (kRowK + kRowV);  // K and V of one sub-tile
+  static constexpr int kQBytes = kWarpRows * kRowK;
   static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kMaskBytes = (kWarps * kStages * 4 + 15) / 16 * 16;
   static constexpr int kOffsetBytes = kWarps * kSubTile * 2 * 8;  // per warp: [16 tokens][K, V] int64
   static constexpr int kCounterBytes = 16;
   static constexpr int kTotal = kQBytes + kWarps * kWarpBytes + kMaskBytes + kOffsetBytes + kCounterBytes;
-  // The merge of the warps reuses each warp's stage memory: [kWarpRows][D] outputs, m and l.
-  static_assert(kWarpRows * D * 4 + 2 * kWarpRows * 4 <= kWarpBytes, "warp merge area");
+  // The merge of the warps reuses each warp's stage memory: [kWarpRows][DV] outputs, m and l.
+  static_assert(kWarpRows * kDV * 4 + 2 * kWarpRows * 4 <= kWarpBytes, "warp merge area");
 };
 
 template <int D>
 struct ExtendLayout {
+  static constexpr int kDV = HeadSplit<D>::kDV;
   static constexpr int kStages = 2;
   static constexpr int kKeys = D <= 128 ? 64 : 32;  // keys per tile
-  static constexpr int kRow = tile_row_bytes<D>();
-  static constexpr int kChunks = D * 2 / 16;
+  static constexpr int kRowK = tile_row_bytes<D>();
+  static constexpr int kRowV = tile_row_bytes<kDV>();
+  static constexpr int kChunksK = D * 2 / 16;
+  static constexpr int kChunksV = kDV * 2 / 16;
   static constexpr int kKeySlots = 3;  // key entries: tile j read, tile j + 1 copied, tile j + 2 stored
-  static constexpr int kQBytes = kExtendRows * kRow;
-  static constexpr int kTileBytes = 2 * kKeys * kRow;  // K and V of one tile
+  static constexpr int kQBytes = kExtendRows * kRowK;
+  static constexpr int kTileBytes = kKeys * (kRowK + kRowV);  // K and V of one tile
   static constexpr int kKeyBytes = kKeySlots * kKeys * 8;  // per key: page (-1: not read) and slot
   static constexpr int kMaskBytes = kKeySlots * 8;
   static constexpr int kTotal = kQBytes + kStages * kTileBytes + kKeyBytes + kMaskBytes;

@@ -29,8 +29,8 @@ KVATTN_DEVICE WriteToken write_token(const WriteKVParams& p, int64_t t) {
   const int64_t s = p.slot_is_int64 ? static_cast<const int64_t*>(p.slot_mapping)[t * p.stride_slot]
                                     : static_cast<const int32_t*>(p.slot_mapping)[t * p.stride_slot];
   w.padding = s < 0;
-  w.page = s >> p.page_shift;  // floor division for the non-negative ids that matter
-  w.slot = s & ((int64_t{1} << p.page_shift) - 1);
+  w.page = s / p.page_size;  // floor division for the non-negative ids that matter
+  w.slot = s - w.page * p.page_size;
   w.in_range = !w.padding && w.page < p.num_pages;
   const int64_t tag = w.in_range ? p.page_tags[w.page] : 0;
   w.held = w.in_range && held_by(tag, p.owners[t * p.stride_owner]);

@@ -17,10 +17,11 @@ from ..grids import extend_tile_map, plan_num_splits
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 256
-# Decode blocks resident per SM: about 109 KB of shared memory each at head_dim 128 (3 stages of
-# 16-token K/V sub-tiles per warp), two per H100/H200 SM.
-DECODE_BLOCKS_PER_SM = 2
+MAX_HEAD_DIM = 512
+# Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers) per padded
+# head dim, from the shared memory and registers in benchmarks/results/static_sm90.md: 59 KB and
+# 150-170 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512.
+DECODE_BLOCKS_PER_SM = {64: 3, 128: 2, 256: 1, 512: 1}
 SUB_TILE = 16  # tokens a decode warp copies per pipeline stage
 
 
@@ -29,22 +30,29 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
     if args.q.dtype not in TENSOR_CORE_DTYPES:
         return (f"dtype {str(args.q.dtype).replace('torch.', '')} is not supported (the CUDA kernels run "
                 "fp16/bf16 on tensor cores; the triton backend runs float32)")
-    if args.head_dim % 8 or args.head_dim > MAX_HEAD_DIM:
-        return f"head_dim {args.head_dim} is not a multiple of 8 up to {MAX_HEAD_DIM}"
-    pools = (args.k_cache, args.v_cache)
-    if any(t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]) for t in pools):
-        return ("K/V rows are not 16-byte aligned (the kernels copy them by 16-byte cp.async; the "
-                "triton backend runs any alignment)")
-    if args.batch >= 2 ** 31 or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 65535:
+    if args.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
+    if args.max_pages * args.page_size >= 2 ** 31:
+        return f"a table of {args.max_pages} pages of {args.page_size} tokens holds 2**31 tokens or more"
+    if args.batch >= 2 ** 31 or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 32767:
         return f"grid too large (batch {args.batch}, {args.num_heads} heads)"
     return None
 
 
-def plan_splits(args: DecodeArgs, num_splits: int | None = None) -> tuple[int, int, int]:
+def decode_blocks_per_sm(head_dim: int) -> int:
+    """Decode blocks one SM holds at once for this head dim (its padded register tile)."""
+    return DECODE_BLOCKS_PER_SM[next(d for d in sorted(DECODE_BLOCKS_PER_SM) if head_dim <= d)]
+
+
+def plan_splits(args: DecodeArgs, num_splits: int | None = None,
+                blocks_per_sm: int | None = None) -> tuple[int, int, int]:
     """``(num_splits, min_chunk, align)``: :func:`kvattn.backends.grids.plan_num_splits` with chunks
-    of whole pages and whole 16-token sub-tiles."""
-    align = max(SUB_TILE, args.page_size)
-    splits, min_chunk = plan_num_splits(args, align, DECODE_BLOCKS_PER_SM, num_splits)
+    of whole pages (and whole 16-token sub-tiles when one of page and sub-tile divides the other);
+    ``blocks_per_sm`` overrides the occupancy target (for tuning)."""
+    page = args.page_size
+    align = max(page, SUB_TILE) if page % SUB_TILE == 0 or SUB_TILE % page == 0 else page
+    target = blocks_per_sm or decode_blocks_per_sm(args.head_dim)
+    splits, min_chunk = plan_num_splits(args, align, target, num_splits)
     return splits, min_chunk, align
 
 
@@ -70,7 +78,7 @@ def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
         stride_ep=args.expected.stride(1), stride_oh=out.stride(1),
         num_pages=args.num_pages, scale_log2=args.scale * LOG2E, batch=args.batch,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-        page_shift=args.page_size.bit_length() - 1, max_pages=args.max_pages,
+        page_size=args.page_size, max_pages=args.max_pages,
     )
 
 
@@ -172,7 +180,7 @@ def write_kv(ext, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vch=v_cache.stride(2),
         stride_slot=slot_mapping.stride(0), stride_owner=owners.stride(0),
         num_tokens=num_tokens, num_pages=num_pages, slot_is_int64=int(slot_mapping.dtype == torch.int64),
-        page_shift=page_size.bit_length() - 1, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
     )
     ext.write_kv(params, DTYPE_CODES[k_cache.dtype], stream)
     return WriteResult(landed, drop_reasons, dropped)

@@ -27,20 +27,25 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class ExtendConfig:
-    """Tiles of ``block_m`` rows (query tokens x the heads of a GQA group) and ``block_n`` keys."""
+    """Tiles of ``block_m`` rows (query tokens x the heads of a GQA group) and ``block_n`` keys;
+    ``d_split`` programs share a tile and each accumulates ``1 / d_split`` of the output head dim
+    (for heads too wide for one program's registers)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    d_split: int = 1
 
 
 def small_pages(page_size: int) -> bool:
-    return page_size < 16
+    """Pages a 16-token tile does not fit whole: resolved per token."""
+    return page_size % 16 != 0
 
 
 def large_pages(page_size: int) -> bool:
-    return page_size >= 32
+    """Pages whole 32-token tiles fit."""
+    return page_size % 32 == 0
 
 
 # (arch, dtype, head_dim rounded up to a power of two, page_size) -> config. A field matches when it
@@ -56,14 +61,17 @@ DECODE_TABLE: list[tuple[tuple, DecodeConfig]] = [
     # K/V buffers.
     ((None, None, None, small_pages), DecodeConfig(block_n=16, num_stages=5, programs_per_sm=4)),
     ((None, None, 256, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=5)),
+    ((None, None, 512, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=2)),
     ((None, torch.float32, None, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=4)),
 ]
 
 EXTEND_TABLE: list[tuple[tuple, ExtendConfig]] = [
     ((None, None, None, None), ExtendConfig()),
     ((None, None, 256, None), ExtendConfig(block_m=64, block_n=32)),
+    ((None, None, 512, None), ExtendConfig(block_m=128, block_n=16, d_split=2)),
     # Exact fp32 products ("ieee") hold four times the registers of a 16-bit tensor-core tile.
     ((None, torch.float32, None, None), ExtendConfig(block_m=32, block_n=32, num_warps=4)),
+    ((None, torch.float32, 512, None), ExtendConfig(block_m=32, block_n=16, num_warps=4, d_split=4)),
 ]
 
 

@@ -33,7 +33,7 @@ from .configs import DecodeConfig, decode_config
 from .softmax import online_softmax_step, qk_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, check_pages, readable_len
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 REPORT_FIELDS = tl.constexpr(3)  # refused pages, OR of reasons, pages read (per split)
 
 
@@ -86,7 +86,7 @@ def paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for t0 in range(start, end, BLOCK_N):
-        if PAGE >= BLOCK_N:
+        if PAGE % BLOCK_N == 0:
             # The tile lies inside one page: one block-table entry and one tag, as scalars.
             logical = t0 // PAGE
             page = tl.load(bt_row + logical)
@@ -101,7 +101,7 @@ def paged_decode_kernel(
             slot = t0 % PAGE + offs_n  # [BLOCK_N]
             live = slot < limit
         else:
-            # Small pages: the tile spans BLOCK_N // PAGE pages, resolved per token.
+            # Pages shorter than a tile, or not a multiple of it: resolved per token.
             tok = t0 + offs_n  # [BLOCK_N]
             logical = tok // PAGE
             slot = tok % PAGE
@@ -245,8 +245,10 @@ def launch_config(args: DecodeArgs, config: DecodeConfig | None = None) -> Decod
 
 
 def split_alignment(args: DecodeArgs, config: DecodeConfig) -> int:
-    """Split chunks are whole pages and whole tiles."""
-    return max(config.block_n, args.page_size)
+    """Split chunks are whole pages (so each page is checked by one split), and whole tiles when
+    one of page and tile divides the other."""
+    page, tile = args.page_size, config.block_n
+    return max(page, tile) if page % tile == 0 or tile % page == 0 else page
 
 
 def plan_splits(args: DecodeArgs, config: DecodeConfig | None = None,

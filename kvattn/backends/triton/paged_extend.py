@@ -84,11 +84,12 @@ def resolve_pages_kernel(
 
 @triton.jit
 def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages, stride_kp, stride_ks,
-                 stride_vp, stride_vs, offs_n, offs_d, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                 CHECK: tl.constexpr):
-    """K and V ``[BLOCK_N, BLOCK_D]`` of keys ``t0 + offs_n`` and the mask of those that may be
-    read: below ``kv_hi``, in the pool and (checked) among the page's readable slots. One table
-    entry per key in both variants: the effective entry (checked) or the block-table entry."""
+                 stride_vp, stride_vs, offs_n, offs_d, offs_dv, HEAD_DIM: tl.constexpr,
+                 PAGE: tl.constexpr, CHECK: tl.constexpr):
+    """K ``[BLOCK_N, BLOCK_D]`` and V ``[BLOCK_N, DV]`` (this program's slice of the head dim) of
+    keys ``t0 + offs_n``, and the mask of those that may be read: below ``kv_hi``, in the pool and
+    (checked) among the page's readable slots. One table entry per key in both variants: the
+    effective entry (checked) or the block-table entry."""
     tok = t0 + offs_n  # [BLOCK_N]
     logical = tok // PAGE
     slot = tok % PAGE
@@ -100,11 +101,10 @@ def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages, stride_k
     else:
         page = tl.load(bt_row + logical, mask=live, other=0).to(tl.int64)  # [BLOCK_N]
         live = live & (page >= 0) & (page < num_pages)
-    kv_mask = live[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
-                mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :],
-                mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+                mask=live[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_dv[None, :],
+                mask=live[:, None] & (offs_dv < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, DV]
     return k, v, live
 
 
@@ -117,12 +117,16 @@ def paged_extend_kernel(
     stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, CAUSAL: tl.constexpr, CHECK: tl.constexpr,
-    DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, D_SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
+    CHECK: tl.constexpr, DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     slot_id = tl.program_id(0)
-    kv_head = tl.program_id(1) // num_chunks
-    chunk = tl.program_id(1) % num_chunks
+    # Axis 1: KV head, head chunk and, for the widest heads, which part of the output dims this
+    # program accumulates (D_SPLIT programs share a tile: each computes the full QK^T, registers
+    # hold only its DV = BLOCK_D / D_SPLIT output columns).
+    d_part = tl.program_id(1) % D_SPLIT
+    kv_head = tl.program_id(1) // D_SPLIT // num_chunks
+    chunk = tl.program_id(1) // D_SPLIT % num_chunks
 
     # The sequence of this tile slot: how many sequences' tiles all start at or below it, minus one.
     # Spare slots past the last tile land on the last sequence with a tile index past its rows.
@@ -141,16 +145,21 @@ def paged_extend_kernel(
     seq_len = tl.minimum(tl.maximum(raw_len, 0), max_pages * PAGE)
     first_pos = raw_len - q_len  # position of the sequence's first query token
     m0 = tile * TOKENS
-    # One past the last key this tile reads; 0 for spare slots and for a sequence holding fewer
-    # tokens than it has queries (malformed: it fails closed and reads nothing).
+    # One past the last key this tile reads; 0 for spare slots and, when causal, for a sequence
+    # holding fewer tokens than it has queries (malformed: it fails closed and reads nothing).
     kv_hi = seq_len
     if CAUSAL:
         kv_hi = tl.minimum(kv_hi, first_pos + tl.minimum(m0 + TOKENS, q_len))
-    kv_hi = tl.where((m0 < q_len) & (q_len <= raw_len), kv_hi, 0)
+    if CAUSAL:
+        kv_hi = tl.where((m0 < q_len) & (q_len <= raw_len), kv_hi, 0)
+    else:
+        kv_hi = tl.where(m0 < q_len, kv_hi, 0)  # more queries than keys: each reads them all
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    DV: tl.constexpr = BLOCK_D // D_SPLIT
+    offs_dv = d_part * DV + tl.arange(0, DV)
     d_mask = offs_d < HEAD_DIM
     # Rows past the sequence's queries or the group read q = 0 and are never stored.
     q_idx = m0 + offs_m // HEADS  # [BLOCK_M] query token of each row
@@ -168,7 +177,7 @@ def paged_extend_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
     # Key tiles wholly at or before the tile's first query position need no causal mask: only the
     # per-key mask (length, range guard, ownership). The rest get the causal mask per element.
     diagonal = kv_hi
@@ -177,14 +186,14 @@ def paged_extend_kernel(
     for t0 in range(0, diagonal, BLOCK_N):
         k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
                                   stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
-                                  HEAD_DIM, PAGE, CHECK)
+                                  offs_dv, HEAD_DIM, PAGE, CHECK)
         s = qk_scores(q, k, DOT_FP32)  # [BLOCK_M, BLOCK_N]
         s = tl.where(live[None, :], s * scale_log2, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
     for t0 in range(diagonal, kv_hi, BLOCK_N):
         k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
                                   stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
-                                  HEAD_DIM, PAGE, CHECK)
+                                  offs_dv, HEAD_DIM, PAGE, CHECK)
         s = qk_scores(q, k, DOT_FP32)  # [BLOCK_M, BLOCK_N]
         visible = live[None, :] & ((t0 + offs_n)[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * scale_log2, float("-inf"))
@@ -192,11 +201,13 @@ def paged_extend_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DIM)[None, :])
     if RETURN_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
-        tl.store(lse_ptr + rows * NUM_HEADS + head, lse, mask=row_ok)
+        # One program of a d_split group writes the LSE (a vector test: the interpreter refuses a
+        # vector mask combined with a scalar bool).
+        tl.store(lse_ptr + rows * NUM_HEADS + head, lse, mask=row_ok & ((offs_m * 0 + d_part) == 0))
 
 
 def launch_config(args: ExtendArgs, config: ExtendConfig | None = None) -> ExtendConfig:
@@ -238,7 +249,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
             args.expected.stride(0), args.expected.stride(1),
             PAGE=args.page_size, BLOCK_P=128, num_warps=4,
         )
-    paged_extend_kernel[(slots, args.num_kv_heads * chunks)](
+    paged_extend_kernel[(slots, args.num_kv_heads * chunks * config.d_split)](
         q, k_cache, v_cache, q_start, tile_start, args.block_table, effective, args.seq_lens,
         out, lse if lse is not None else out,  # lse unused when not asked
         args.scale * LOG2E, args.batch, args.num_pages, args.max_pages, chunks,
@@ -247,7 +258,8 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         args.block_table.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=args.num_heads, GROUP=args.num_heads // args.num_kv_heads, HEADS=heads,
         TOKENS=tokens, HEAD_DIM=args.head_dim, BLOCK_D=block_d, PAGE=args.page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, CAUSAL=args.causal, CHECK=check,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, D_SPLIT=config.d_split, CAUSAL=args.causal,
+        CHECK=check,
         DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
