@@ -38,7 +38,6 @@ and pointers, so they run on every device.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -264,8 +263,8 @@ def _check_scale_and_out(scale, out, q, inputs: dict) -> float:
     must not overlap (the output would land in a page its tag still certifies, or in the tags)."""
     if scale is None:
         scale = q.shape[2] ** -0.5
-    elif (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-          or not MIN_SCALE <= scale <= MAX_SCALE):
+    elif (isinstance(scale, bool) or not isinstance(scale, (int, float))
+          or not MIN_SCALE <= scale <= MAX_SCALE):  # False for NaN; exact for ints of any size
         _fail("scale", "a positive finite float in [2**-126, 2**126] or None", repr(scale))
     if out is not None:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
@@ -376,8 +375,20 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     if validate:
         check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0])
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], max_pages)
+    else:
+        seq_lens = bounded_lengths(seq_lens, max_pages * k_cache.shape[1], q.shape[0])
     return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
                       scale, causal, rows_covered=bool(validate))
+
+
+def bounded_lengths(seq_lens: torch.Tensor, capacity: int, total_q: int) -> torch.Tensor:
+    """Unvalidated extend lengths clamped to ``[-1, capacity + total_q + 1]`` (a device op, no
+    synchronisation), which changes no result: every length below 0 reads nothing and holds no
+    query, and every length past ``capacity + total_q`` reads the whole table, is beyond it, and puts
+    every query at or after every key. The kernels derive positions from the length in int32, and
+    lengths near the int32 limits overflowed there (the Triton extend then walked negative key
+    indices); bounded, every position they compute stays far from the limits."""
+    return seq_lens.clamp(-1, min(capacity + total_q + 1, 2 ** 31 - 1))
 
 
 def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int) -> None:

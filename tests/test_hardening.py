@@ -744,3 +744,33 @@ def test_commit_with_a_page_size_commits(path):
     result = kvattn.commit_pages(tags, [0, 1], 1, [0, 2], 2)
     assert result.landed.tolist() == [True, True]
     assert tags.tolist() == [kvattn.written_tag(1, 0), kvattn.written_tag(1, 2)]
+
+
+# --- lengths at the int32 limits -----------------------------------------------------------------
+
+INT32_MAX, INT32_MIN = 2 ** 31 - 1, -2 ** 31
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("seq_len, cu", [(INT32_MAX, [0, 0, 0]), (INT32_MAX - 40, [0, 1, 3]),
+                                         (INT32_MIN, [0, 1, 3]), (INT32_MIN, [0, 0, 0])])
+def test_extend_lengths_at_the_int32_limits_fail_closed(backend, seq_len, cu):
+    """Unvalidated lengths near the int32 limits on the last sequence (whose spare tile slots add
+    to the positions a kernel derives from them): beyond the table they read the whole table and
+    count OUT_OF_RANGE once, negative they read nothing, like any length past the table or below 0.
+    (The Triton extend overflowed its int32 positions here and walked negative key indices: a
+    segfault under the interpreter; tests/test_fuzz.py checks the bounding against its oracle.)"""
+    b = batch()
+    b.seq_lens[1] = seq_len
+    q = extend_query(b)[0][:cu[-1]]
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    out, lse, report = run("extend", b, backend, q=q, cu=cu_t, return_lse=True, validate=False)
+    # The same call with a moderate stand-in: any length past the table, or any negative one.
+    stand_in = dataclasses.replace(b, seq_lens=b.seq_lens.clone())
+    stand_in.seq_lens[1] = 1000 if seq_len > 0 else -5
+    ref_out, ref_lse, ref_report = run("extend", stand_in, "reference", q=q, cu=cu_t,
+                                       return_lse=True, validate=False)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref_out.float(), **tolerance(F16))
+    assert_reports_equal(report, ref_report)
+    assert report.beyond_table.tolist() == [0, int(seq_len > 0)]

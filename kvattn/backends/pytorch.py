@@ -91,8 +91,10 @@ def atomic_put_rows(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: t
     Atomic only where ``scatter_reduce_`` is (CUDA); exact everywhere."""
     int_dtype = _INT_OF_SIZE[dst.element_size()]
     n = ok.shape[0]
+    if n == 0:
+        return
     offsets = _element_offsets(dst, index)
-    bits = values.contiguous().view(int_dtype).reshape(n, -1)
+    bits = values.contiguous().view(int_dtype).reshape(offsets.shape)
     accepted = ok[:, None].expand_as(offsets)
     info = torch.iinfo(int_dtype)
     low, high = torch.full_like(bits, info.min), torch.full_like(bits, info.max)
