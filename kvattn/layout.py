@@ -127,13 +127,14 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     """``[first, end)`` byte addresses of ``t``'s elements; None when it has no element or no
     memory of its own (meta tensors, and the fake tensors of tracing, whose storage is meta)."""
-    if t.numel() == 0:
+    if t.is_meta or t.numel() == 0:
         return None
-    try:
-        if t.untyped_storage().device.type == "meta":
+    if type(t) is not torch.Tensor:  # a subclass (the fake tensors of tracing) may have no memory
+        try:
+            if t.untyped_storage().device.type == "meta":
+                return None
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses without a storage
             return None
-    except (RuntimeError, NotImplementedError):  # wrapper subclasses without a storage
-        return None
     start = t.data_ptr()
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
