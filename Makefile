@@ -1,7 +1,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: deps build test demo env bench static static-env clean
+.PHONY: deps build test sanitize demo env bench static static-env clean
 
 deps:
 	bash tools/ensure_deps.sh
@@ -34,6 +34,33 @@ $(STATIC_PY):
 static: build static-env
 	$(STATIC_PY) tools/static_sm90.py --markdown benchmarks/results/static_sm90.md \
 	  --json benchmarks/results/static_sm90.json
+
+# The CPU harness built with AddressSanitizer and UBSan into build/sanitize/ (the normal modules
+# are untouched), standing in for kvattn.backends.cuda_sim._sim (tests/conftest.py) while the
+# harness tests and the cuda_sim cases of the hardening, fuzz and trace suites run. Python is not
+# instrumented: the ASan runtime is preloaded (with libstdc++, whose __cxa_throw ASan intercepts
+# and must find at start-up), and allocation reports from uninstrumented libraries (leaks,
+# mismatched new/delete in torch) are off. SANITIZE_TESTS / SANITIZE_SELECT narrow it.
+SANITIZE_DIR := build/sanitize
+SANITIZE_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
+  -fno-sanitize-recover=all -fno-strict-aliasing -Wno-unknown-pragmas -fvisibility=hidden -fPIC -shared
+SANITIZE_TESTS ?= tests/test_sanitize.py tests/test_cuda.py tests/test_cuda_extend.py \
+  tests/test_hardening.py tests/test_fuzz.py tests/test_traces.py
+SANITIZE_SELECT ?= cuda_sim or test_cuda or sanitize
+CXX ?= g++
+
+$(SANITIZE_DIR)/_sim.so: $(shell find csrc -name '*.h' -o -name '*.cuh' -o -name '*.cpp') kvattn/tags.py
+	mkdir -p $(SANITIZE_DIR)
+	$(CXX) $(SANITIZE_FLAGS) -Icsrc -Ibuild/generated \
+	  -I"$$($(PYTHON) -c 'import pybind11; print(pybind11.get_include())')" \
+	  -I"$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	  csrc/sim/module_sim.cpp -o $@
+
+sanitize: build $(SANITIZE_DIR)/_sim.so
+	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so):$$($(CXX) -print-file-name=libstdc++.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:new_delete_type_mismatch=0:detect_odr_violation=0 \
+	  UBSAN_OPTIONS=print_stacktrace=1 KVATTN_SIM_MODULE=$(SANITIZE_DIR)/_sim.so \
+	  $(PYTHON) -m pytest -n 2 -q -p no:cacheprovider -k "$(SANITIZE_SELECT)" $(SANITIZE_TESTS)
 
 demo: build
 	$(PYTHON) -m kvattn.demo

@@ -82,8 +82,10 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     in pages) is a ``ValueError``; unvalidated, that sequence fails closed: none of its rows reads anything (output
     0, lse -inf) while its pages are still checked and reported. ``cu_seqlens_q`` that does not
     start at 0, decreases or does not end at ``total_q`` is a ``ValueError``; unvalidated, it is
-    clamped to ``[0, total_q]`` and made non-decreasing, so no row outside ``q`` is touched, and rows
-    no sequence covers are left unwritten. ``seq_lens`` past the table count as in decode.
+    clamped to ``[0, total_q]`` and made non-decreasing, so no row outside ``q`` is touched; rows no
+    sequence covers get output 0 and lse -inf when kvattn allocates the output (``out=None``; the
+    lse is always kvattn's), and are left unwritten in a caller's ``out``, on every backend.
+    ``seq_lens`` past the table count as in decode.
 
     Args:
         q: ``[total_q, num_heads, head_dim]`` queries of the new tokens, sequence by sequence.
@@ -133,9 +135,16 @@ def _run(op: str, args, backend: str, check: bool, on_violation: str, out, retur
     """Pick the backend for ``op``, allocate what the caller did not give, launch, report."""
     impl = backends.select(args, backend, op=op)
     q = args.q
+    # Unvalidated extend offsets may leave rows no sequence covers, which no kernel writes: what
+    # kvattn allocates is then filled first, so no stale memory of the allocator comes back.
+    uncovered = op == "extend" and not args.rows_covered
     if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        out = torch.zeros_like(q) if uncovered else torch.empty_like(q)
+    lse = None
+    if return_lse:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if uncovered:
+            lse.fill_(float("-inf"))
     report: OwnershipReport | None = getattr(impl, op)(args, check=check, out=out, lse=lse)
     if on_violation == "raise":
         report.raise_if_any()

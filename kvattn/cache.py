@@ -1,7 +1,9 @@
 """A small paged KV allocator that shows the intended use of the tags.
 
-Each allocation is a :class:`Lease` with a fresh owner id (ids are never reused, so a stale page can
-never carry a live owner). Allocation reserves pages (reads fail until something is written), writes
+Each allocation is a :class:`Lease` with a fresh owner id, unique across every cache of the process
+(ids are never reused, so a stale page can never carry a live owner, and a lease of one cache can
+never pass for another cache's). A lease is bound to the cache that issued it: another cache
+refuses it. Allocation reserves pages (reads fail until something is written), writes
 go through :func:`kvattn.write_kv` under the lease's owner, freeing releases pages whose last
 reference is gone. A lease may share another lease's full, written prefix pages; its block-table
 entries for them expect the other lease's owner (per-entry ``expected``).
@@ -12,14 +14,40 @@ pages and a report, not a leak.
 """
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from .api import paged_decode, paged_extend
-from .layout import KV_DTYPES
+from .layout import KV_DTYPES, check_pool_geometry
 from .tags import OWNER_MAX
 from .writers import WriteResult, reassign_pages, release_pages, reserve_pages, write_kv
+
+
+_owner_lock = threading.Lock()
+_owner_ids = itertools.count(1)
+
+
+def new_owner_id() -> int:
+    """A fresh owner id, never handed out before in this process (thread-safe)."""
+    with _owner_lock:
+        owner = next(_owner_ids)
+    if owner > OWNER_MAX:
+        raise RuntimeError("owner ids exhausted in this process (2**47 - 1 issued)")
+    return owner
+
+
+def _count(name: str, value, *, optional: bool = False) -> None:
+    """A token count a caller gives: a non-negative int (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name}: expected a token count >= 0, got {value}")
 
 
 @dataclass
@@ -38,14 +66,19 @@ class PagedKVCache:
     """K/V page pools, their tag array and a free list.
 
     Args:
-        num_pages, page_size, num_kv_heads, head_dim: pool geometry (:mod:`kvattn.layout`).
+        num_pages, page_size, num_kv_heads, head_dim: pool geometry (:mod:`kvattn.layout`): ints
+            >= 1, ``page_size`` at most 1024 (else TypeError/ValueError).
         dtype, device: of the pools.
         layout: ``"NHD"`` or ``"HND"``: the byte order of the pool buffers. Either way
             ``k_cache``/``v_cache`` are NHD-shaped views (HND ones are transposed views).
+
+    Every method that takes a lease refuses (ValueError) one this cache did not issue, and token
+    counts must be non-negative ints.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float16, device=None, layout: str = "NHD"):
+        check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim)
         if dtype not in KV_DTYPES:
             raise TypeError(f"dtype: expected one of {KV_DTYPES}, got {dtype}")
         if layout == "NHD":
@@ -64,18 +97,18 @@ class PagedKVCache:
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: freed pages are reused first
         self._refs = [0] * num_pages
         self._live: dict[int, Lease] = {}
-        self._next_owner = 1
+        # Every lease this cache issued and someone still holds, freed ones included (batch()
+        # accepts those: reading a stale lease is how a bug shows as refused pages).
+        self._issued: weakref.WeakValueDictionary[int, Lease] = weakref.WeakValueDictionary()
 
     @property
     def num_free_pages(self) -> int:
         return len(self._free)
 
-    def _new_owner(self) -> int:
-        owner = self._next_owner
-        if owner > OWNER_MAX:
-            raise RuntimeError("owner ids exhausted; a new cache (and tag array) is needed")
-        self._next_owner += 1
-        return owner
+    def _new_lease(self, **fields) -> Lease:
+        lease = Lease(owner=new_owner_id(), **fields)
+        self._issued[lease.owner] = lease
+        return lease
 
     def _take_pages(self, lease: Lease, count: int) -> None:
         if count > len(self._free):
@@ -90,7 +123,11 @@ class PagedKVCache:
 
     def allocate(self, num_tokens: int) -> Lease:
         """A new lease with a fresh owner and enough RESERVED pages for ``num_tokens`` tokens."""
-        lease = Lease(owner=self._new_owner())
+        _count("num_tokens", num_tokens)
+        if -(-num_tokens // self.page_size) > len(self._free):  # before an owner id is spent
+            raise RuntimeError(f"KV pool exhausted: need {-(-num_tokens // self.page_size)} pages, "
+                               f"{len(self._free)} free")
+        lease = self._new_lease()
         self._take_pages(lease, -(-num_tokens // self.page_size))
         self._live[lease.owner] = lease
         return lease
@@ -98,6 +135,7 @@ class PagedKVCache:
     def grow(self, lease: Lease, num_tokens: int) -> None:
         """Reserve pages so ``lease`` can hold ``num_tokens`` tokens in all."""
         self._check_live(lease)
+        _count("num_tokens", num_tokens)
         self._take_pages(lease, max(0, -(-num_tokens // self.page_size) - len(lease.pages)))
 
     def share_prefix(self, parent: Lease, num_tokens: int, capacity: int | None = None) -> Lease:
@@ -105,12 +143,14 @@ class PagedKVCache:
         tokens (a partial last page is not shared: the new lease must write those tokens itself).
         Its ``num_tokens`` starts at the shared length; ``capacity`` (tokens) reserves more pages."""
         self._check_live(parent)
+        _count("num_tokens", num_tokens)
+        _count("capacity", capacity, optional=True)
         shared = min(num_tokens, parent.num_tokens) // self.page_size
         extra = 0 if capacity is None else max(0, -(-capacity // self.page_size) - shared)
         if extra > len(self._free):  # before any reference is taken, so a refusal leaks nothing
             raise RuntimeError(f"KV pool exhausted: need {extra} pages, {len(self._free)} free")
-        lease = Lease(owner=self._new_owner(), pages=parent.pages[:shared],
-                      page_owners=parent.page_owners[:shared], num_tokens=shared * self.page_size)
+        lease = self._new_lease(pages=parent.pages[:shared], page_owners=parent.page_owners[:shared],
+                                num_tokens=shared * self.page_size)
         for p in lease.pages:
             self._refs[p] += 1
         self._take_pages(lease, extra)
@@ -118,7 +158,14 @@ class PagedKVCache:
         return lease
 
     def slot_mapping(self, lease: Lease, start: int, count: int) -> torch.Tensor:
-        """``[count]`` int64 slots (``page * page_size + slot``) of tokens ``start ..`` of ``lease``."""
+        """``[count]`` int64 slots (``page * page_size + slot``) of tokens ``start ..`` of ``lease``,
+        which must lie in its pages."""
+        self._check_issued(lease)
+        _count("start", start)
+        _count("count", count)
+        if start + count > len(lease.pages) * self.page_size:
+            raise ValueError(f"count: expected tokens {start} .. {start + count} to lie in the lease's "
+                             f"{len(lease.pages)} page(s) of {self.page_size}, got {count} tokens")
         tokens = torch.arange(start, start + count)
         pages = torch.tensor(lease.pages, dtype=torch.int64)[tokens // self.page_size]
         return (pages * self.page_size + tokens % self.page_size).to(self.device)
@@ -159,7 +206,7 @@ class PagedKVCache:
         self._free += reversed(released)
         if not kept:
             return None
-        heir = self._new_owner()
+        heir = new_owner_id()
         reassign_pages(self.page_tags, kept, lease.owner, heir)
         for other in self._live.values():
             other.page_owners = [heir if (o == lease.owner and p in kept) else o
@@ -171,6 +218,8 @@ class PagedKVCache:
         is per entry (``[B, max_pages]``), unused entries hold page 0 and owner 0."""
         if not leases:
             raise ValueError("leases: expected at least one lease, got an empty list")
+        for lease in leases:
+            self._check_issued(lease)
         max_pages = max(1, max(len(lease.pages) for lease in leases))
         table = torch.zeros(len(leases), max_pages, dtype=torch.int32)
         expected = torch.zeros(len(leases), max_pages, dtype=torch.int64)
@@ -214,8 +263,16 @@ class PagedKVCache:
         return paged_extend(q, self.k_cache, self.v_cache, offsets.to(self.device), table, seq_lens,
                             self.page_tags, expected, **kwargs)
 
-    @staticmethod
-    def _check_live(lease: Lease) -> None:
+    def _check_issued(self, lease) -> None:
+        if not isinstance(lease, Lease):
+            raise TypeError(f"lease: expected a kvattn.Lease, got {type(lease).__name__}")
+        if self._issued.get(lease.owner) is not lease:
+            raise ValueError(f"lease: expected a lease issued by this cache, got the lease of owner "
+                             f"{lease.owner}, which it did not issue (another cache's, or built by "
+                             "hand)")
+
+    def _check_live(self, lease) -> None:
+        self._check_issued(lease)
         if lease.freed:
             raise ValueError(f"lease: expected a live lease, got lease of owner {lease.owner} "
                              "that was already freed")

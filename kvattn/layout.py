@@ -30,6 +30,12 @@ the values on the host. They run when the index tensors are on the CPU, or when 
 (one device synchronisation). On a GPU they are skipped by default, and the kernels fail closed on
 the same inputs: a ``seq_len`` past the table reads nothing past it and counts one ``OUT_OF_RANGE``
 violation, a negative ``seq_len`` reads nothing, and owner 0 never matches a tag.
+
+Memory: a tensor a call writes shares no memory with any tensor it reads (``out`` with the inputs;
+for the writers, the pools and tags with ``slot_mapping`` and the owners, the tags with the pools),
+and no two of its elements share an address (no stride 0 over a dimension longer than 1); the
+pools' elements are distinct too, so no two pages overlap. These checks read only shapes, strides
+and pointers, so they run on every device.
 """
 from __future__ import annotations
 
@@ -41,6 +47,10 @@ from .tags import OWNER_MAX
 
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_PAGE_SIZE = 1024
+# The kernels scale logits in float32 (the CUDA ones by scale * log2(e)): a scale outside the
+# normal float32 range would flush to 0 or overflow to inf there.
+MIN_SCALE = 2.0 ** -126
+MAX_SCALE = 2.0 ** 126
 
 
 class _PagedShapes:
@@ -115,6 +125,72 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         _fail(name, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)`` byte addresses of ``t``'s elements; None when it has no element or no
+    memory of its own (meta tensors, and the fake tensors of tracing, whose storage is meta)."""
+    if t.is_meta or t.numel() == 0:
+        return None
+    if type(t) is not torch.Tensor:  # a subclass (the fake tensors of tracing) may have no memory
+        try:
+            if t.untyped_storage().device.type == "meta":
+                return None
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses without a storage
+            return None
+    start = t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def check_apart(name: str, t, others: dict) -> None:
+    """``t`` shares no memory with any tensor of ``others`` (``{name: tensor or None}``).
+
+    By address ranges: views that interleave with another tensor without sharing an element are
+    refused too; a buffer a kernel writes has no reason to sit inside one it reads."""
+    span = _byte_span(t) if isinstance(t, torch.Tensor) else None
+    if span is None:
+        return
+    for other_name, other in others.items():
+        if not isinstance(other, torch.Tensor) or other is t or other.device != t.device:
+            continue
+        o = _byte_span(other)
+        if o is not None and span[0] < o[1] and o[0] < span[1]:
+            _fail(name, f"a tensor sharing no memory with {other_name}",
+                  f"one whose bytes [{span[0]:#x}, {span[1]:#x}) overlap {other_name}'s "
+                  f"[{o[0]:#x}, {o[1]:#x})")
+
+
+def check_distinct_elements(name: str, t: torch.Tensor) -> None:
+    """Every element of ``t`` has its own address: no stride 0 over a dimension longer than 1, no
+    strides that fold rows onto each other. Sorted by stride, each dimension must step past all the
+    smaller ones span (sufficient; an exotic layout that interleaves without overlap is refused)."""
+    if t.numel() == 0:
+        return
+    reach = 0
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= reach:
+            _fail(name, "a tensor whose elements do not overlap (no stride 0 over a dimension of "
+                  "size > 1, no rows folded onto each other)",
+                  f"shape {tuple(t.shape)} with strides {t.stride()}")
+        reach += stride * (size - 1)
+
+
+def is_page_size(page_size) -> bool:
+    """A page size kvattn supports: any size in ``[1, MAX_PAGE_SIZE]``."""
+    return 1 <= page_size <= MAX_PAGE_SIZE
+
+
+def check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim) -> None:
+    """The geometry of a pool given as ints (:class:`kvattn.PagedKVCache`)."""
+    for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if value < 1:
+            _fail(name, "an int >= 1", value)
+    if not is_page_size(page_size):
+        _fail("page_size", f"an int in [1, {MAX_PAGE_SIZE}]", page_size)
+
+
 def check_kv_pools(k_cache, v_cache, device=None) -> None:
     """Shape, dtype and stride checks of the two pools (the layout above)."""
     check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES, device=device)
@@ -122,13 +198,19 @@ def check_kv_pools(k_cache, v_cache, device=None) -> None:
     check_shape("v_cache", v_cache, k_cache.shape)
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}")
-    page_size = k_cache.shape[1]
-    if page_size < 1 or page_size > MAX_PAGE_SIZE:
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    if not is_page_size(page_size):
         _fail("k_cache", f"page_size (dim 1) in [1, {MAX_PAGE_SIZE}]", page_size)
-    if k_cache.shape[0] < 1:
-        _fail("k_cache", "at least one page (dim 0)", k_cache.shape[0])
+    if num_pages < 1:
+        _fail("k_cache", "at least one page (dim 0)", num_pages)
+    if num_kv_heads < 1:
+        _fail("k_cache", "at least one KV head (dim 2)", num_kv_heads)
+    if head_dim < 1:
+        _fail("k_cache", "head_dim (dim 3) >= 1", head_dim)
     check_last_dim_contiguous("k_cache", k_cache)
     check_last_dim_contiguous("v_cache", v_cache)
+    check_distinct_elements("k_cache", k_cache)
+    check_distinct_elements("v_cache", v_cache)
 
 
 def check_page_tags(page_tags, num_pages: int, device=None) -> None:
@@ -141,6 +223,10 @@ def check_page_tags(page_tags, num_pages: int, device=None) -> None:
 def _check_query_and_pools(q, k_cache, v_cache) -> None:
     """``q`` (``[rows, num_heads, head_dim]``) against the pools: dtype, head_dim, GQA grouping."""
     check_tensor("q", q, ndim=3, dtypes=KV_DTYPES)
+    if q.shape[1] < 1:
+        _fail("q", "at least one head (dim 1)", f"shape {tuple(q.shape)}")
+    if q.shape[2] < 1:
+        _fail("q", "head_dim (dim 2) >= 1", f"shape {tuple(q.shape)}")
     check_kv_pools(k_cache, v_cache, q.device)
     if k_cache.dtype != q.dtype:
         raise TypeError(f"k_cache: expected dtype {q.dtype} (that of q), got {k_cache.dtype}")
@@ -174,15 +260,20 @@ def _check_index_tensors(block_table, seq_lens, page_tags, expected, batch: int,
     return expected
 
 
-def _check_scale_and_out(scale, out, q) -> float:
+def _check_scale_and_out(scale, out, q, inputs: dict) -> float:
+    """``scale`` (resolved) and ``out``; ``inputs`` are the tensors the call reads, which ``out``
+    must not overlap (the output would land in a page its tag still certifies, or in the tags)."""
     if scale is None:
         scale = q.shape[2] ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        _fail("scale", "a positive float or None", repr(scale))
+    elif (isinstance(scale, bool) or not isinstance(scale, (int, float))
+          or not MIN_SCALE <= scale <= MAX_SCALE):  # False for NaN; exact for ints of any size
+        _fail("scale", "a positive finite float in [2**-126, 2**126] or None", repr(scale))
     if out is not None:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
         check_shape("out", out, q.shape)
         check_last_dim_contiguous("out", out)
+        check_distinct_elements("out", out)
+        check_apart("out", out, inputs)
     return float(scale)
 
 
@@ -194,9 +285,11 @@ def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expec
     batch = q.shape[0]
     if batch < 1:
         _fail("q", "a batch of at least one sequence", f"shape {tuple(q.shape)}")
+    inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                  seq_lens=seq_lens, page_tags=page_tags, expected=expected)
     expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
                                     k_cache.shape[0], q.device)
-    scale = _check_scale_and_out(scale, out, q)
+    scale = _check_scale_and_out(scale, out, q, inputs)
     if validate is None:
         validate = q.device.type == "cpu"
     if validate:
@@ -231,6 +324,8 @@ class ExtendArgs(_PagedShapes):
     ``q`` ``[total_q, num_heads, head_dim]``. ``seq_lens[b]`` counts every token of the sequence in
     pages, the new ones included (their K/V were appended first), so the new tokens are the last
     ``q_len_b`` tokens: query row ``j`` of ``b`` sits at position ``seq_lens[b] - q_len_b + j``.
+    ``rows_covered``: ``cu_seqlens_q`` passed :func:`check_query_offsets`, so every row of ``q``
+    belongs to a sequence (False when the value checks were skipped: it may not).
     """
 
     q: torch.Tensor
@@ -243,6 +338,7 @@ class ExtendArgs(_PagedShapes):
     expected: torch.Tensor
     scale: float
     causal: bool
+    rows_covered: bool = False
 
     @property
     def total_q(self) -> int:
@@ -268,9 +364,12 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
     check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
     check_last_dim_contiguous("cu_seqlens_q", cu_seqlens_q)
+    inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
+                  block_table=block_table, seq_lens=seq_lens, page_tags=page_tags,
+                  expected=expected)
     expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
                                     k_cache.shape[0], q.device)
-    scale = _check_scale_and_out(scale, out, q)
+    scale = _check_scale_and_out(scale, out, q, inputs)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if validate is None:
@@ -279,7 +378,7 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
         check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0], causal)
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], max_pages)
     return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                      scale, causal)
+                      scale, causal, rows_covered=bool(validate))
 
 
 def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int, causal: bool = True) -> None:
@@ -313,5 +412,6 @@ def query_offsets(cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
     """``[B + 1]`` int64 offsets the kernels use: ``cu_seqlens_q`` clamped to ``[0, total_q]`` and
     made non-decreasing (device ops, no synchronisation). Equal to ``cu_seqlens_q`` when it passes
     :func:`check_query_offsets`; otherwise every row a kernel touches still lies inside ``q`` and
-    belongs to one sequence only, and rows outside every sequence are not written."""
+    belongs to one sequence only, and rows outside every sequence (before ``offsets[0]`` or from
+    ``offsets[-1]`` on) are not written by the kernels."""
     return torch.cummax(cu_seqlens_q.long().clamp(0, total_q), dim=0).values

@@ -1,9 +1,16 @@
 """The inputs of :func:`kvattn.write_kv`, validated once: :class:`WriteArgs`, the record the backend
-registry and the writer backends receive, as :class:`kvattn.layout.DecodeArgs` is for the readers.
+registry and the writer backends receive, as :class:`kvattn.layout.DecodeArgs` is for the readers;
+and the owner-id checks every writer shares.
 
 The pools and tags follow :mod:`kvattn.layout`; the new tokens' ``k``/``v`` are ``[T, num_kv_heads,
 head_dim]`` in the cache dtype, ``slot_mapping`` ``[T]`` int32/int64 (``page * page_size + slot``,
-negative = padding), the owners one int64 per token.
+negative = padding, any stride), the owners one int64 per token.
+
+Value checks of the writers (owner ids in ``[1, OWNER_MAX]``, page ids in the pool) run where the
+values are on the host: a Python int or list, a CPU tensor; ``validate=True`` runs them on device
+tensors too (one synchronisation), ``validate=False`` on no tensor. Unchecked, the device ops fail
+closed (docs/ownership.md section 4): an owner outside ``[1, OWNER_MAX]`` holds no page and no tag
+ever carries it.
 """
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import check_kv_pools, check_last_dim_contiguous, check_page_tags, check_tensor
+from .layout import check_apart, check_kv_pools, check_last_dim_contiguous, check_page_tags, check_tensor
 from .tags import OWNER_MAX
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -43,25 +50,49 @@ class WriteArgs:
                 self.owners)
 
 
-def owner_ids(owner, n: int, device) -> torch.Tensor:
-    """Owner ids as an int64 tensor of ``n``; a Python int is checked here, a tensor is trusted
-    (an owner that holds no page simply matches none)."""
+def on_host(values, validate: bool | None) -> bool:
+    """Whether the value checks run on ``values``: ``validate``, or by default when they are on
+    the host (not a tensor, or a CPU tensor)."""
+    if validate is not None:
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate: expected a bool or None, got {type(validate).__name__}")
+        return validate
+    return not isinstance(values, torch.Tensor) or values.device.type == "cpu"
+
+
+def check_owner_values(name: str, owners: torch.Tensor) -> None:
+    """Every id of ``owners`` in ``[1, OWNER_MAX]`` (host-side: synchronises on a device tensor)."""
+    flat = owners.detach().reshape(-1).cpu()
+    bad = torch.nonzero((flat < 1) | (flat > OWNER_MAX)).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        where = f"{name}[{i}]" if owners.dim() else name
+        raise ValueError(f"{name}: expected owner ids in [1, {OWNER_MAX}], got {where} = {int(flat[i])}")
+
+
+def owner_ids(owner, n: int, device, *, name: str = "owner", validate: bool | None = None
+              ) -> torch.Tensor:
+    """Owner ids as an int64 tensor of ``n`` on ``device``. A Python int is always checked; a
+    tensor (0-d or ``[n]``) when :func:`on_host` says so. An unchecked id outside ``[1,
+    OWNER_MAX]`` holds no page, so the writers refuse it on the device."""
     if isinstance(owner, torch.Tensor):
-        check_tensor("owner", owner, dtypes=(torch.int64,))
-        if owner.dim() == 0:
-            return owner.to(device).expand(n)
-        if tuple(owner.shape) != (n,):
-            raise ValueError(f"owner: expected an int or an int64 tensor of shape ({n},), "
+        check_tensor(name, owner, dtypes=(torch.int64,))
+        if owner.dim() != 0 and tuple(owner.shape) != (n,):
+            raise ValueError(f"{name}: expected an int or an int64 tensor of shape ({n},), "
                              f"got shape {tuple(owner.shape)}")
-        return owner.to(device)
+        if on_host(owner, validate):
+            check_owner_values(name, owner)
+        owner = owner.to(device)
+        return owner.expand(n) if owner.dim() == 0 else owner
     if isinstance(owner, bool) or not isinstance(owner, int):
-        raise TypeError(f"owner: expected an int or an int64 tensor, got {type(owner).__name__}")
+        raise TypeError(f"{name}: expected an int or an int64 tensor, got {type(owner).__name__}")
     if not 1 <= owner <= OWNER_MAX:
-        raise ValueError(f"owner: expected an id in [1, {OWNER_MAX}], got {owner}")
+        raise ValueError(f"{name}: expected an id in [1, {OWNER_MAX}], got {owner}")
     return torch.full((n,), owner, dtype=torch.int64, device=device)
 
 
-def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner) -> WriteArgs:
+def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
+                      validate: bool | None = None) -> WriteArgs:
     """The argument checks of :func:`kvattn.write_kv`; raise ValueError/TypeError naming the
     argument, what was expected and what was got."""
     check_kv_pools(k_cache, v_cache)
@@ -77,5 +108,11 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner) ->
                              f"(tokens of slot_mapping, heads and head_dim of the cache), "
                              f"got {tuple(t.shape)}")
         check_last_dim_contiguous(name, t)
-    return WriteArgs(k, v, k_cache, v_cache, slot_mapping, page_tags,
-                     owner_ids(owner, num_tokens, device))
+    owners = owner_ids(owner, num_tokens, device, validate=validate)
+    # The kernels read slot_mapping, the owners and the tags again after storing K/V (the stamp):
+    # none may sit in memory this call writes, nor may a K/V store land in a tag.
+    written = dict(k_cache=k_cache, v_cache=v_cache, page_tags=page_tags)
+    check_apart("page_tags", page_tags, dict(k_cache=k_cache, v_cache=v_cache))
+    check_apart("slot_mapping", slot_mapping, written)
+    check_apart("owner", owners, written)
+    return WriteArgs(k, v, k_cache, v_cache, slot_mapping, page_tags, owners)

@@ -17,83 +17,127 @@ never lower ``valid_len``. Only reserve, reassign and release set a tag outright
 
 Everything here runs as device ops on the tensors' device with no host synchronisation; results are
 device tensors. :func:`write_kv` runs on the backend the registry (:mod:`kvattn.backends`) picks;
-the page-level writers are a few PyTorch ops on any device.
+the page-level writers are a few PyTorch ops on any device. No writer touches an element it does
+not write: a refused token or page is never read back and stored again, so a concurrent writer's
+fresh bytes or stamp cannot be undone (:func:`kvattn.backends.pytorch.put_rows`).
+
+Malformed values (``validate``, :mod:`kvattn.write_args`): owner ids outside ``[1, OWNER_MAX]`` and
+(for reserve and release) page ids outside the pool raise ``ValueError`` where the values are on
+the host (ints, lists, CPU tensors; any tensor with ``validate=True``). Unchecked (device tensors by
+default, ``validate=False``) the writers fail closed on the same values: an owner outside the range
+holds no page (``NOT_HELD``) and is never written into a tag (reserve and reassign make such a
+page FREE instead), an out-of-range page id changes nothing.
 """
 from __future__ import annotations
 
 import torch
 
 from . import backends
-from .backends.pytorch import masked_put, written
-from .layout import check_page_tags, check_tensor
+from .backends.pytorch import max_rows, put_rows, reserved, written
+from .layout import MAX_PAGE_SIZE, check_apart, check_page_tags, check_tensor, is_page_size
 from .report import WriteResult
-from .tags import OWNER_SHIFT, STATE_RESERVED, WriteDrop, held_by
-from .write_args import INDEX_DTYPES, owner_ids, validate_write_kv
+from .tags import FREE_TAG, OWNER_SHIFT, WriteDrop, held_by, valid_owner
+from .write_args import INDEX_DTYPES, on_host, owner_ids, validate_write_kv
 
 
-def _as_index(name: str, pages, device) -> torch.Tensor:
-    if not isinstance(pages, torch.Tensor):
-        pages = torch.as_tensor(pages, dtype=torch.int64)
-    check_tensor(name, pages, ndim=1, dtypes=INDEX_DTYPES)
-    return pages.to(device=device, dtype=torch.int64)
+def _as_index(name: str, values, page_tags) -> torch.Tensor:
+    if not isinstance(values, torch.Tensor):
+        values = torch.as_tensor(values, dtype=torch.int64)
+    check_tensor(name, values, ndim=1, dtypes=INDEX_DTYPES)
+    check_apart(name, values, dict(page_tags=page_tags))
+    return values.to(device=page_tags.device, dtype=torch.int64)
 
 
-def reserve_pages(page_tags: torch.Tensor, pages, owner: int) -> None:
-    """Mark ``pages`` RESERVED for ``owner`` (allocation). Page ids must lie in
-    ``[0, num_pages)``; they are checked on the host when given as a list or a CPU tensor."""
-    pages = _pages_in_range(page_tags, pages)
-    owners = owner_ids(owner, pages.numel(), page_tags.device)
-    page_tags.index_put_((pages,), (owners << OWNER_SHIFT) | STATE_RESERVED)
-
-
-def _pages_held(page_tags, pages, owner):
-    """``(safe page ids, their tags, in range, held by owner)`` for a page-level writer; out-of-range
-    ids are clamped for the reads and never counted as held."""
+def _page_ids(page_tags, pages, validate) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(page ids clamped into the pool, in range)`` for a writer that sets tags outright; page ids
+    outside the pool raise ValueError where :func:`~kvattn.write_args.on_host` says so."""
     check_page_tags(page_tags, page_tags.shape[0])
     num_pages = page_tags.shape[0]
-    pages = _as_index("pages", pages, page_tags.device)
-    owners = owner_ids(owner, pages.numel(), page_tags.device)
+    checked = on_host(pages, validate)
+    pages = _as_index("pages", pages, page_tags)
+    if checked and pages.numel():
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < 0 or hi >= num_pages:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"pages: expected page ids in [0, {num_pages}), got {bad}")
+    return pages.clamp(0, num_pages - 1), (pages >= 0) & (pages < num_pages)
+
+
+def reserve_pages(page_tags: torch.Tensor, pages, owner, *, validate: bool | None = None) -> None:
+    """Mark ``pages`` RESERVED for ``owner`` (allocation), whatever they held before.
+
+    ``owner``: an int, or an int64 tensor (0-d or one per page). Page ids must lie in ``[0,
+    num_pages)`` and owners in ``[1, OWNER_MAX]``: ``ValueError`` where the values are on the host
+    (a list, an int, CPU tensors) or with ``validate=True``. Unchecked (device tensors by default,
+    ``validate=False``), an out-of-range page id changes nothing, and a page whose owner is outside
+    ``[1, OWNER_MAX]`` becomes FREE: its previous holder loses it as with a valid owner, nobody
+    holds it, and no tag carries an impossible owner.
+    """
+    safe, in_range = _page_ids(page_tags, pages, validate)
+    owners = owner_ids(owner, safe.numel(), page_tags.device, validate=validate)
+    check_apart("owner", owners, dict(page_tags=page_tags))
+    tags = torch.where(valid_owner(owners), reserved(owners), FREE_TAG)
+    put_rows(page_tags, (safe,), tags, in_range)
+
+
+def _pages_held(page_tags, pages, owner, validate):
+    """``(safe page ids, their tags, owners, in range, held by owner)`` for a page-level writer;
+    out-of-range ids are clamped for the reads and never counted as held."""
+    check_page_tags(page_tags, page_tags.shape[0])
+    num_pages = page_tags.shape[0]
+    pages = _as_index("pages", pages, page_tags)
+    owners = owner_ids(owner, pages.numel(), page_tags.device, validate=validate)
+    check_apart("owner", owners, dict(page_tags=page_tags))
     in_range = (pages >= 0) & (pages < num_pages)
     safe = pages.clamp(0, num_pages - 1)
     tag = page_tags[safe]
-    return safe, tag, in_range, in_range & held_by(tag, owners)
+    return safe, tag, owners, in_range, in_range & held_by(tag, owners)
 
 
-def reassign_pages(page_tags: torch.Tensor, pages, owner: int, new_owner: int) -> WriteResult:
+def reassign_pages(page_tags: torch.Tensor, pages, owner, new_owner, *,
+                   validate: bool | None = None) -> WriteResult:
     """Hand ``pages`` held by ``owner`` over to ``new_owner``, keeping their state and ``valid_len``.
 
     For a lease that ends while other leases still read pages it wrote (a shared prefix): under a
     new owner id the readers keep reading the same bytes, and a late write of the ended lease no
     longer finds its owner on the page (``NOT_HELD``). Pages ``owner`` does not hold are left as they
-    are and counted.
+    are, untouched, and counted. Owners are checked as in :func:`reserve_pages`; unchecked, a page
+    whose ``new_owner`` is outside ``[1, OWNER_MAX]`` becomes FREE (the ended lease loses it, its
+    readers are refused) and is counted ``NOT_HELD`` (the heir cannot hold it).
     """
-    safe, tag, in_range, held = _pages_held(page_tags, pages, owner)
-    heirs = owner_ids(new_owner, safe.numel(), page_tags.device)
-    masked_put(page_tags, (safe,), (heirs << OWNER_SHIFT) | (tag & ((1 << OWNER_SHIFT) - 1)), held)
-    reasons = torch.where(held, 0, int(WriteDrop.NOT_HELD))
+    safe, tag, _, in_range, held = _pages_held(page_tags, pages, owner, validate)
+    heirs = owner_ids(new_owner, safe.numel(), page_tags.device, name="new_owner", validate=validate)
+    check_apart("new_owner", heirs, dict(page_tags=page_tags))
+    kept = tag & ((1 << OWNER_SHIFT) - 1)
+    handed = torch.where(valid_owner(heirs), (heirs << OWNER_SHIFT) | kept, FREE_TAG)
+    put_rows(page_tags, (safe,), handed, held)
+    landed = held & valid_owner(heirs)
+    reasons = torch.where(landed, 0, int(WriteDrop.NOT_HELD))
     reasons = torch.where(in_range, reasons, int(WriteDrop.OUT_OF_RANGE)).to(torch.int8)
-    return WriteResult(held, reasons, (~held).sum())
+    return WriteResult(landed, reasons, (~landed).sum())
 
 
-def release_pages(page_tags: torch.Tensor, pages) -> None:
-    """Mark ``pages`` FREE. The K/V bytes are left as they are."""
-    pages = _pages_in_range(page_tags, pages)
-    page_tags.index_fill_(0, pages, 0)
+def release_pages(page_tags: torch.Tensor, pages, *, validate: bool | None = None) -> None:
+    """Mark ``pages`` FREE. The K/V bytes are left as they are. Page ids are checked as in
+    :func:`reserve_pages`; unchecked, an out-of-range id changes nothing."""
+    safe, in_range = _page_ids(page_tags, pages, validate)
+    put_rows(page_tags, (safe,), torch.zeros_like(safe), in_range)
 
 
-def _pages_in_range(page_tags, pages) -> torch.Tensor:
-    check_page_tags(page_tags, page_tags.shape[0])
-    on_host = not isinstance(pages, torch.Tensor) or pages.device.type == "cpu"
-    pages = _as_index("pages", pages, page_tags.device)
-    if on_host and pages.numel():
-        lo, hi = int(pages.min()), int(pages.max())
-        if lo < 0 or hi >= page_tags.shape[0]:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"pages: expected page ids in [0, {page_tags.shape[0]}), got {bad}")
-    return pages
+def check_page_size(page_size) -> int:
+    """``page_size`` given apart from the pools (:func:`commit_pages`): an int in
+    ``[1, MAX_PAGE_SIZE]``, as the pools' dimension 1 must be."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int):
+        raise TypeError(f"page_size: expected an int (the pools' dim 1), got "
+                        f"{type(page_size).__name__}")
+    if not is_page_size(page_size):
+        raise ValueError(f"page_size: expected an int in [1, {MAX_PAGE_SIZE}] (the pools' "
+                         f"dim 1), got {page_size}")
+    return page_size
 
 
-def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: int) -> WriteResult:
+def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: int, *,
+                 validate: bool | None = None) -> WriteResult:
     """Transfer receive: mark ``pages`` WRITTEN for ``owner`` with ``valid_lens`` leading slots.
 
     ``valid_lens`` must be the number of tokens the receiver accounted for (bytes it saw arrive),
@@ -101,10 +145,13 @@ def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: i
     WRITTEN for ``owner``) and ``0 <= valid_len <= page_size``; otherwise it is left as it was and
     counted in the result (``NOT_HELD``, ``BAD_LENGTH``, ``OUT_OF_RANGE``). A commit never lowers
     a page's ``valid_len``: slots already marked written for this owner were written for it.
+    ``page_size`` (the pools' dimension 1, 1 to 1024 tokens) is checked; owners as in
+    :func:`reserve_pages` (unchecked, an owner outside ``[1, OWNER_MAX]`` holds nothing:
+    ``NOT_HELD``).
     """
-    safe, _, in_range, held = _pages_held(page_tags, pages, owner)
-    owners = owner_ids(owner, safe.numel(), page_tags.device)
-    lens = _as_index("valid_lens", valid_lens, page_tags.device)
+    page_size = check_page_size(page_size)
+    safe, _, owners, in_range, held = _pages_held(page_tags, pages, owner, validate)
+    lens = _as_index("valid_lens", valid_lens, page_tags)
     if lens.numel() != safe.numel():
         raise ValueError(f"valid_lens: expected {safe.numel()} lengths (one per page), "
                          f"got {lens.numel()}")
@@ -113,19 +160,18 @@ def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: i
     reasons = torch.where(good_len, 0, int(WriteDrop.BAD_LENGTH))
     reasons = torch.where(held, reasons, int(WriteDrop.NOT_HELD))
     reasons = torch.where(in_range, reasons, int(WriteDrop.OUT_OF_RANGE)).to(torch.int8)
-    stamp = torch.where(landed, written(owners, lens.clamp(0, page_size)), 0)
-    page_tags.scatter_reduce_(0, safe, stamp, reduce="amax", include_self=True)
+    max_rows(page_tags, safe, written(owners, lens.clamp(0, page_size)), landed)
     return WriteResult(landed, reasons, (~landed).sum())
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, page_tags: torch.Tensor, owner, *,
-             backend: str = "auto") -> WriteResult:
+             backend: str = "auto", validate: bool | None = None) -> WriteResult:
     """Append new tokens' K/V to their page slots, then stamp the pages (``reshape_and_cache``).
 
     ``k``, ``v``: ``[T, num_kv_heads, head_dim]``, the cache dtype. ``slot_mapping``: ``[T]`` int32/
-    int64, ``page * page_size + slot`` per token; a negative entry is padding and is skipped without
-    being counted. ``owner``: the writer's lease id, an int or an int64 tensor ``[T]`` (one per
+    int64 (any stride), ``page * page_size + slot`` per token; a negative entry is padding and is
+    skipped without being counted. ``owner``: the writer's lease id, an int or an int64 tensor ``[T]`` (one per
     token). Pools and tags as in :mod:`kvattn.layout`.
 
     A token lands only if all hold, else nothing of it is written and it is counted as dropped:
@@ -148,6 +194,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     two tokens' values, not necessarily the same token's for every element (the owner is the same
     either way; a refused token never lands).
 
+    ``validate``: check a tensor ``owner``'s ids on the host (default: when it is a CPU tensor);
+    unchecked, an owner outside ``[1, OWNER_MAX]`` holds no page and its tokens drop ``NOT_HELD``.
+    ``slot_mapping`` and the owners must share no memory with the pools or the tags, nor the tags with
+    the pools (:mod:`kvattn.layout`): the kernels read them again after storing K/V.
+
     ``backend``: picked by the registry, :mod:`kvattn.backends`, like the readers' (a named backend
     that cannot run the inputs raises ``ValueError`` with its reason). ``"torch"`` composes the
     steps from PyTorch ops (any device); ``"triton"`` runs
@@ -156,7 +207,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     built, else ``triton``, and ``torch`` for CPU tensors (the interpreter would run one slow
     program per token). All give the same result, except in that race.
     """
-    args = validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner)
+    args = validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner,
+                             validate=validate)
     impl = backends.select(args, backend, op="write_kv")
     if args.num_tokens == 0:
         return WriteResult.empty(k_cache.device)

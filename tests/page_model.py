@@ -138,6 +138,12 @@ class PageModel:
 
     def write(self, slot_ids: list, owners: list, tokens: list) -> tuple[list, list]:
         """``write_kv``: returns ``(landed, reasons)`` per token and applies the landed ones."""
+        landed, reasons = self.decide_write(slot_ids, owners)
+        self.apply_write(slot_ids, owners, tokens, landed)
+        return landed, reasons
+
+    def decide_write(self, slot_ids: list, owners: list) -> tuple[list, list]:
+        """The verdicts of ``write_kv`` on the current state, applying nothing."""
         size = self.page_size
         n = len(slot_ids)
         padding = [s < 0 for s in slot_ids]
@@ -162,13 +168,18 @@ class PageModel:
                 reasons.append(int(WriteDrop.NOT_HELD))
             else:
                 reasons.append(int(WriteDrop.GAP))
-        for i in range(n):
-            if landed[i]:
-                ps = self.pages[page[i]]
-                ps.slots[slot[i]] = (owners[i], tokens[i])
-                ps.valid_len = max(self._prefix(page[i]), slot[i] + 1)
-                ps.state = WRITTEN
         return landed, reasons
+
+    def apply_write(self, slot_ids: list, owners: list, tokens: list, landed: list) -> None:
+        """Store the landed tokens and raise their pages' stamps, on the state as it is now (a
+        write decided before another writer ran stores after it: the stamp only grows)."""
+        for sid, owner, token, ok in zip(slot_ids, owners, tokens, landed):
+            if ok:
+                page, slot = divmod(sid, self.page_size)
+                ps = self.pages[page]
+                ps.slots[slot] = (owner, token)
+                ps.valid_len = max(self._prefix(page), slot + 1)
+                ps.state = WRITTEN
 
     def commit(self, pages: list, owners: list, lens: list) -> tuple[list, list]:
         """``commit_pages``: returns ``(landed, reasons)`` per page and applies the landed ones."""

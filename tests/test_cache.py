@@ -1,12 +1,14 @@
 """kvattn.PagedKVCache: owner ids, reserve/append/free, prefix sharing, batches, and decode over leases
 against attention over exactly the tokens each lease appended. Pools are NaN-poisoned first."""
+import threading
+
 import pytest
 import torch
 
 import kvattn
 from kvattn import Violation
 
-from util import DEVICE, backends_under_test, tolerance
+from util import DEVICE, backends_under_test, raises, tolerance
 
 PAGE, HEADS, KV_HEADS, DIM = 4, 4, 2, 16
 DECODE_BACKENDS = [b for b in backends_under_test() if b in ("reference", "triton", "cuda")]
@@ -415,3 +417,124 @@ def test_late_write_twin_lands_while_the_parent_lives():
     late = kvattn.write_kv(garbage, garbage, cache.k_cache, cache.v_cache,
                            cache.slot_mapping(parent, 0, 2), cache.page_tags, parent.owner)
     assert late.dropped_count() == 0
+
+
+# --- hostile use: owners across caches, foreign leases, geometry, counts ---------------------------------------------
+
+def small_cache(**kwargs):
+    return kvattn.PagedKVCache(**{**dict(num_pages=4, page_size=4, num_kv_heads=1, head_dim=16),
+                                  **kwargs})
+
+
+def test_owner_ids_are_unique_across_caches_and_threads():
+    caches = [small_cache(num_pages=64) for _ in range(4)]
+    owners, lock = [], threading.Lock()
+
+    def allocate(c):
+        got = [c.allocate(0).owner for _ in range(50)]
+        with lock:
+            owners.extend(got)
+
+    threads = [threading.Thread(target=allocate, args=(c,)) for c in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(owners) == len(set(owners)) == 200
+
+
+def _lease_misuses(b, lease):
+    k = torch.zeros(1, 1, 16, dtype=torch.float16)
+    q = torch.zeros(1, 2, 16, dtype=torch.float16)
+    return {"append": lambda: b.append(lease, k, k), "grow": lambda: b.grow(lease, 8),
+            "free": lambda: b.free(lease), "share_prefix": lambda: b.share_prefix(lease, 4),
+            "batch": lambda: b.batch([lease]), "decode": lambda: b.decode(q, [lease]),
+            "slot_mapping": lambda: b.slot_mapping(lease, 0, 1)}
+
+
+@pytest.mark.parametrize("use", ["append", "grow", "free", "share_prefix", "batch", "decode",
+                                 "slot_mapping"])
+def test_a_lease_of_another_cache_is_refused(use):
+    """Cache A's lease used on cache B: before, both started at owner 1, so A's lease landed in B's
+    lease of the same id and B then read A's tokens as its own."""
+    a, b = small_cache(), small_cache()
+    lease = a.allocate(4)
+    mine = b.allocate(4)
+    tags_before = b.page_tags.clone()
+    with raises(ValueError, "lease", "issued by this cache", str(lease.owner)):
+        _lease_misuses(b, lease)[use]()
+    assert torch.equal(b.page_tags, tags_before) and b.num_free_pages == 3
+    assert mine.owner != lease.owner
+
+
+def test_a_hand_made_lease_is_refused_and_a_non_lease_is_a_type_error():
+    c = small_cache()
+    real = c.allocate(4)
+    fake = kvattn.Lease(owner=real.owner, pages=list(real.pages), page_owners=list(real.page_owners))
+    with raises(ValueError, "lease", "issued by this cache"):
+        c.append(fake, torch.zeros(1, 1, 16, dtype=torch.float16), torch.zeros(1, 1, 16, dtype=torch.float16))
+    with raises(TypeError, "lease", "Lease", "dict"):
+        c.batch([{"owner": real.owner}])
+
+
+def test_the_issuing_cache_takes_its_own_leases():
+    """The twin: every use above runs on the cache that issued the lease."""
+    c = small_cache()
+    lease = c.allocate(4)
+    k = torch.randn(2, 1, 16).to(torch.float16)
+    assert c.append(lease, k, k).dropped_count() == 0
+    c.grow(lease, 8)
+    assert c.slot_mapping(lease, 0, 2).tolist() == [lease.pages[0] * 4, lease.pages[0] * 4 + 1]
+    child = c.share_prefix(lease, 4)
+    out, report = c.decode(torch.randn(1, 2, 16).to(torch.float16), [lease], backend="reference")
+    assert not report.any() and torch.isfinite(out).all()
+    c.free(child)
+    c.free(lease)
+    with raises(ValueError, "lease", "already freed"):
+        c.free(lease)
+    assert c.batch([lease])[1].tolist() == [2]  # a stale lease of this cache may still be read
+
+
+@pytest.mark.parametrize("field, value, error, words", [
+    ("num_pages", 0, ValueError, ["num_pages", ">= 1", "0"]),
+    ("num_pages", -3, ValueError, ["num_pages", "-3"]),
+    ("page_size", 1025, ValueError, ["page_size", "[1, 1024]", "1025"]),
+    ("page_size", -2, ValueError, ["page_size", "-2"]),
+    ("page_size", 0, ValueError, ["page_size", "0"]),
+    ("num_kv_heads", 0, ValueError, ["num_kv_heads", "0"]),
+    ("head_dim", 0, ValueError, ["head_dim", "0"]),
+    ("head_dim", True, TypeError, ["head_dim", "bool"]),
+    ("page_size", 2.5, TypeError, ["page_size", "float"]),
+    ("num_pages", "8", TypeError, ["num_pages", "str"]),
+])
+def test_cache_geometry_is_validated_at_construction(field, value, error, words):
+    with raises(error, *words):
+        small_cache(**{field: value})
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda c, lease: c.allocate(-5), ValueError, ["num_tokens", ">= 0", "-5"]),
+    (lambda c, lease: c.allocate(True), TypeError, ["num_tokens", "bool"]),
+    (lambda c, lease: c.allocate(2.5), TypeError, ["num_tokens", "float"]),
+    (lambda c, lease: c.grow(lease, -1), ValueError, ["num_tokens", "-1"]),
+    (lambda c, lease: c.share_prefix(lease, -4), ValueError, ["num_tokens", "-4"]),
+    (lambda c, lease: c.share_prefix(lease, 4, capacity=-1), ValueError, ["capacity", "-1"]),
+    (lambda c, lease: c.slot_mapping(lease, -1, 1), ValueError, ["start", "-1"]),
+    (lambda c, lease: c.slot_mapping(lease, 2, 3), ValueError, ["count", "1 page(s)"]),
+])
+def test_bad_token_counts_raise(call, error, words):
+    c = small_cache()
+    lease = c.allocate(4)
+    free_before = c.num_free_pages
+    with raises(error, *words):
+        call(c, lease)
+    assert c.num_free_pages == free_before
+
+
+def test_good_token_counts_are_accepted():
+    """The twin: zero and in-range counts work."""
+    c = small_cache()
+    assert c.allocate(0).pages == [] and len(c.allocate(5).pages) == 2
+    lease = c.allocate(4)
+    c.grow(lease, 0)
+    assert c.slot_mapping(lease, 1, 3).shape == (3,) and c.slot_mapping(lease, 4, 0).shape == (0,)

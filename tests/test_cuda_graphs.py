@@ -85,15 +85,31 @@ def test_spy_sees_host_reads():
     assert spy.reads
 
 
-def test_write_kv_reads_nothing_on_the_host():
-    b = _batch()
+def _write_two_tokens(b: Batch, **kwargs):
     page = b.block_table[0, 1]
     slots = torch.stack([page * 4 + 1, page * 4 + 2]).long()
-    owner = torch.ones(2, dtype=torch.int64)
-    k = torch.randn(2, 2, 16).to(b.k_cache.dtype)
+    owner = torch.ones(2, dtype=torch.int64, device=b.k_cache.device)
+    k = torch.randn(2, 2, 16).to(b.k_cache.dtype).to(b.k_cache.device)
+    return kvattn.write_kv(k, k, b.k_cache, b.v_cache, slots, b.page_tags, owner, **kwargs)
+
+
+def test_write_kv_reads_nothing_on_the_host(monkeypatch):
+    """The device path of the torch writer (CPU tensors pick their rows on the host, where that
+    waits for nothing, so it is forced here), with the owner values unchecked."""
+    monkeypatch.setattr(kvattn.backends.pytorch, "rows_on_host", lambda t: False)
+    b = _batch()
     with HostReadSpy() as spy:
-        kvattn.write_kv(k, k, b.k_cache, b.v_cache, slots, b.page_tags, owner)
+        result = _write_two_tokens(b, validate=False)
     assert spy.reads == []
+    assert result.landed.tolist() == [True, True]
+
+
+def test_write_kv_on_cpu_tensors_reads_on_the_host():
+    """The twin: by default CPU tensors' owners are checked and rows picked on the host."""
+    b = _batch()
+    with HostReadSpy() as spy:
+        result = _write_two_tokens(b)
+    assert spy.reads and result.landed.tolist() == [True, True]
 
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

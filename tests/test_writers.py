@@ -378,13 +378,25 @@ def test_owner_as_zero_dim_tensor():
     assert tag(pool, 1) == kvattn.written_tag(10, 1)
 
 
-def test_owner_zero_in_a_tensor_matches_no_page():
+def test_owner_zero_in_an_unchecked_tensor_matches_no_page():
     pool = Pool()
     pool.tags[1] = 0  # FREE: owner field 0 too, but FREE is never held
     k, v = kv(1)
     owner = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    assert result_lists(write(pool, k, v, slots((1, 0)), owner)) == ([False], [NOT_HELD], 1)
+    result = kvattn.write_kv(k, v, pool.k, pool.v, slots((1, 0)), pool.tags, owner, validate=False)
+    assert result_lists(result) == ([False], [NOT_HELD], 1)
     assert tag(pool, 1) == kvattn.FREE_TAG
+
+
+def test_owner_zero_in_a_checked_tensor_raises():
+    """The twin: checked (the default for a CPU tensor, or validate=True), the same owner is a
+    ValueError naming it, and nothing is written."""
+    pool = Pool()
+    k, v = kv(1)
+    owner = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"owner: expected owner ids in \[1, .*got owner\[0\] = 0"):
+        kvattn.write_kv(k, v, pool.k, pool.v, slots((1, 0)), pool.tags, owner, validate=True)
+    assert tag(pool, 1) == kvattn.FREE_TAG and torch.isnan(pool.k).all()
 
 
 # --- a dropped and a landed token aimed at one slot ----------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 import kvattn
@@ -177,3 +178,20 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch
     tol = tolerance(dtype)
     assert ref.abs().max() > 2 * tol["atol"], "reference output too small to tell right from wrong"
     torch.testing.assert_close(out.to(ref.dtype), ref, **tol)
+
+
+def raises(error, *words):
+    """``pytest.raises`` of exactly ``error`` (not a subclass) whose message holds every word."""
+    class Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(error)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            suppressed = self.ctx.__exit__(*exc)
+            assert type(self.info.value) is error, repr(self.info.value)
+            for word in words:
+                assert word in str(self.info.value), f"{word!r} not in {self.info.value}"
+            return suppressed
+    return Check()

@@ -1,5 +1,7 @@
 // Kernels that test the harness itself (tests/test_cuda.py::test_harness_*): that it reports a
-// barrier or a shuffle not reached by every thread, and that a missing barrier shows as wrong data.
+// barrier or a shuffle not reached by every thread, and that a missing barrier shows as wrong data;
+// and that the sanitizer build (make sanitize, tests/test_sanitize.py) reports an out-of-bounds
+// read made on a fiber's stack frame.
 #pragma once
 
 #include <string>
@@ -11,7 +13,7 @@
 namespace kvsim {
 namespace selftest {
 
-enum Mode { kCorrect = 0, kExitBeforeBarrier = 1, kPartialShuffle = 2, kMissingBarrier = 3 };
+enum Mode { kCorrect = 0, kExitBeforeBarrier = 1, kPartialShuffle = 2, kMissingBarrier = 3, kReadPastOut = 4 };
 
 struct Params {
   int* out;
@@ -33,6 +35,8 @@ __global__ void neighbour_kernel(const Params p) {
     return;
   }
   for (int offset = 16; offset > 0; offset >>= 1) v += 0 * __shfl_xor_sync(0xffffffffu, v, offset);
+  // Only the sanitizer test asks for this: the last thread reads one element past `out`.
+  if (p.mode == kReadPastOut) v += static_cast<const volatile int*>(p.out)[tid + 1] & 0;
   p.out[tid] = v;
 }
 

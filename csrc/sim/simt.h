@@ -38,6 +38,17 @@
 #include <random>
 #include <string>
 #include <tuple>
+
+// AddressSanitizer tracks one stack per thread: every swapcontext between a fiber and the scheduler
+// is announced to it (make sanitize), or it reports the fibers' stack frames as overflows.
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#define KVSIM_FIBER_SWITCH(save, bottom, size) __sanitizer_start_switch_fiber(save, bottom, size)
+#define KVSIM_FIBER_ARRIVED(save, bottom, size) __sanitizer_finish_switch_fiber(save, bottom, size)
+#else
+#define KVSIM_FIBER_SWITCH(save, bottom, size) ((void)0)
+#define KVSIM_FIBER_ARRIVED(save, bottom, size) ((void)0)
+#endif
 #include <vector>
 
 #define __global__
@@ -160,6 +171,8 @@ struct PendingCopy {
 
 struct Fiber {
   ucontext_t ctx;
+  unsigned char* stack = nullptr;
+  void* asan_fake_stack = nullptr;
   dim3 tid;
   int linear = 0;
   FiberState state = FiberState::kRunnable;
@@ -190,6 +203,9 @@ struct State {
   std::vector<unsigned char*> stacks;
   std::vector<unsigned char> smem;
   std::string last_error;
+  const void* scheduler_stack = nullptr;  // the OS thread's stack, for the sanitizer
+  size_t scheduler_stack_size = 0;
+  void* scheduler_fake_stack = nullptr;
 };
 
 inline State& state() {
@@ -205,19 +221,25 @@ inline void set_seed(uint64_t seed) { state().rng.seed(seed); }
 
 inline unsigned char* dynamic_smem() { return state().block->smem; }
 
+// The calling fiber hands the OS thread back to the scheduler; `exiting`: it will never resume.
+inline void switch_to_scheduler(bool exiting) {
+  State& s = state();
+  Fiber* f = s.fiber;
+  KVSIM_FIBER_SWITCH(exiting ? nullptr : &f->asan_fake_stack, s.scheduler_stack, s.scheduler_stack_size);
+  swapcontext(&f->ctx, &s.block->scheduler);
+  KVSIM_FIBER_ARRIVED(f->asan_fake_stack, &s.scheduler_stack, &s.scheduler_stack_size);
+}
+
 // Stops the calling thread for good and makes the launch fail with `message`.
 [[noreturn]] inline void fail(const std::string& message) {
   State& s = state();
   if (s.block->error.empty()) s.block->error = message;
   s.fiber->state = FiberState::kFailed;
-  swapcontext(&s.fiber->ctx, &s.block->scheduler);
+  switch_to_scheduler(true);
   __builtin_unreachable();
 }
 
-inline void yield_to_scheduler() {
-  State& s = state();
-  swapcontext(&s.fiber->ctx, &s.block->scheduler);
-}
+inline void yield_to_scheduler() { switch_to_scheduler(false); }
 
 inline void syncthreads() {
   state().fiber->state = FiberState::kBlockBarrier;
@@ -367,13 +389,15 @@ inline void mma_m16n8k16(float* d, const uint32_t* a, const uint32_t* b, const f
 
 inline void fiber_entry() {
   State& s = state();
+  KVSIM_FIBER_ARRIVED(nullptr, &s.scheduler_stack, &s.scheduler_stack_size);
   (*s.block->body)();
   if (!s.fiber->copies.empty()) {
     if (s.block->error.empty()) s.block->error = "a thread exited with cp.async copies it never waited for";
     s.fiber->state = FiberState::kFailed;
-    return;
+  } else {
+    s.fiber->state = FiberState::kDone;
   }
-  s.fiber->state = FiberState::kDone;
+  KVSIM_FIBER_SWITCH(nullptr, s.scheduler_stack, s.scheduler_stack_size);
 }  // returns to the scheduler through uc_link
 
 inline unsigned char* stack_for(size_t i) {
@@ -443,6 +467,7 @@ inline bool run_block(Block& block) {
       return false;
     }
     getcontext(&f.ctx);
+    f.stack = stack;
     f.ctx.uc_stack.ss_sp = stack;
     f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = &block.scheduler;
@@ -456,7 +481,9 @@ inline bool run_block(Block& block) {
     std::shuffle(order.begin(), order.end(), s.rng);
     for (int i : order) {
       s.fiber = &block.fibers[i];
+      KVSIM_FIBER_SWITCH(&s.scheduler_fake_stack, s.fiber->stack, kStackBytes);
       swapcontext(&block.scheduler, &s.fiber->ctx);
+      KVSIM_FIBER_ARRIVED(s.scheduler_fake_stack, nullptr, nullptr);
       if (!block.error.empty()) return false;
     }
     if (!release_barriers(block)) return false;

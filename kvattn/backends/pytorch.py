@@ -1,20 +1,33 @@
 """The writer as a composition of PyTorch ops (backend ``"torch"``): any device, no kernel of its
 own. ``backend="auto"`` takes it for CPU tensors; it is also the model the writer kernels are tested
-against. Semantics: :func:`kvattn.write_kv` (authoritative)."""
+against. Semantics: :func:`kvattn.write_kv` (authoritative).
+
+Its stores and those of the page-level writers (:mod:`kvattn.writers`) go through :func:`put_rows`
+and :func:`max_rows`, which touch the elements of accepted rows only: a refused row's element is
+never read back and rewritten, so a concurrent writer's fresh bytes or stamp cannot be undone.
+"""
 from __future__ import annotations
 
 import torch
 
 from ..report import WriteResult
-from ..tags import (OWNER_SHIFT, STATE_WRITTEN, VALID_LEN_SHIFT, WriteDrop, held_by, tag_state,
-                    tag_valid_len)
+from ..tags import (OWNER_SHIFT, STATE_RESERVED, STATE_WRITTEN, VALID_LEN_SHIFT, WriteDrop, held_by,
+                    tag_state, tag_valid_len)
 from ..write_args import WriteArgs
 
 NAME = "torch"
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 def why_not(args: WriteArgs) -> str | None:
     return None
+
+
+def rows_on_host(t: torch.Tensor) -> bool:
+    """Whether the stores pick their accepted rows on the host: for CPU tensors, where that waits
+    for no device. (Tests replace it to run the device path on CPU tensors.)"""
+    return t.device.type == "cpu"
 
 
 def written(owner: torch.Tensor, valid_len: torch.Tensor) -> torch.Tensor:
@@ -22,21 +35,74 @@ def written(owner: torch.Tensor, valid_len: torch.Tensor) -> torch.Tensor:
     return (owner << OWNER_SHIFT) | (valid_len << VALID_LEN_SHIFT) | STATE_WRITTEN
 
 
-def masked_put(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: torch.Tensor) -> None:
-    """``dst[index] = values`` for the rows where ``ok``, leaving every other element of ``dst`` as
-    it was, with no host synchronisation.
+def reserved(owner: torch.Tensor) -> torch.Tensor:
+    """RESERVED tags of ``owner`` (an int64 tensor)."""
+    return (owner << OWNER_SHIFT) | STATE_RESERVED
 
-    Refused rows are redirected to the first accepted row (same index, same value), so a refused row
-    can never race an accepted write to the same element; if no row is accepted, every row writes
-    back what its (clamped) index already holds. ``index`` entries must already be clamped in range.
+
+def put_rows(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: torch.Tensor) -> None:
+    """``dst[index] = values`` for the rows where ``ok``; no other element of ``dst`` is read or
+    written, and nothing waits for the device.
+
+    ``index``: int64 ``[n]`` tensors for the leading dimensions of ``dst``, already clamped in range;
+    ``values``: broadcastable to ``[n, *dst.shape[len(index):]]``. Two accepted rows aimed at one
+    element race (either value, per element). On CPU tensors the accepted rows are picked on the
+    host (there is no device to wait for); elsewhere :func:`atomic_put_rows` sets them.
     """
-    # index_select with a 1-element index tensor: indexing with a 0-d tensor would call .item().
-    first = torch.argmax(ok.to(torch.int8)).reshape(1)  # 0 when nothing is accepted
-    any_ok = ok.any()
-    row_ok = ok.view(-1, *([1] * (values.dim() - 1)))
-    idx = tuple(torch.where(ok, i, torch.where(any_ok, i.index_select(0, first), i)) for i in index)
-    fallback = torch.where(any_ok, values.index_select(0, first), dst[index].to(values.dtype))
-    dst.index_put_(idx, torch.where(row_ok, values, fallback).to(dst.dtype))
+    values = values.to(dst.dtype).expand(ok.shape[0], *dst.shape[len(index):])
+    if not rows_on_host(dst):
+        atomic_put_rows(dst, index, values, ok)
+        return
+    rows = torch.nonzero(ok).flatten()
+    if rows.numel():
+        dst.index_put_(tuple(i.index_select(0, rows) for i in index), values.index_select(0, rows))
+
+
+def max_rows(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor, ok: torch.Tensor) -> None:
+    """``dst[index] = max(dst[index], values)`` for the rows where ``ok`` (1-D int64 ``dst``: the
+    tags' stamps), touching no other element. On a device the refused rows carry the identity of
+    max, which the atomic reduction leaves as it finds."""
+    if not rows_on_host(dst):
+        floor = torch.full_like(values, torch.iinfo(torch.int64).min)
+        dst.scatter_reduce_(0, index, torch.where(ok, values, floor), reduce="amax", include_self=True)
+        return
+    rows = torch.nonzero(ok).flatten()
+    if rows.numel():
+        dst.scatter_reduce_(0, index.index_select(0, rows), values.index_select(0, rows),
+                            reduce="amax", include_self=True)
+
+
+def _element_offsets(dst: torch.Tensor, index: tuple) -> torch.Tensor:
+    """``[n, m]`` storage offsets of the ``m`` elements of each row ``dst[index[0][r], ...]``."""
+    base = dst.storage_offset() + sum(i * s for i, s in zip(index, dst.stride()))
+    inner = torch.zeros((), dtype=torch.int64, device=dst.device)
+    for size, stride in zip(dst.shape[len(index):], dst.stride()[len(index):]):
+        inner = inner[..., None] + torch.arange(size, device=dst.device) * stride
+    return base[:, None] + inner.reshape(1, -1)
+
+
+def atomic_put_rows(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: torch.Tensor) -> None:
+    """:func:`put_rows` as two reductions over an integer view of ``dst``'s storage: a min that
+    takes the accepted elements to the smallest integer, then a max that raises them to their
+    values' bit patterns. A refused row's elements receive the identity of each (the largest, then
+    the smallest integer), and a device's atomic min/max leaves them as it finds them, whatever a
+    concurrent writer put there meanwhile. Between the two an accepted element holds the sign bit
+    alone (``-0.0``, or a malformed tag, which reads as FREE): it is being overwritten anyway.
+    Atomic only where ``scatter_reduce_`` is (CUDA); exact everywhere."""
+    int_dtype = _INT_OF_SIZE[dst.element_size()]
+    n = ok.shape[0]
+    if n == 0:
+        return
+    offsets = _element_offsets(dst, index)
+    bits = values.contiguous().view(int_dtype).reshape(offsets.shape)
+    accepted = ok[:, None].expand_as(offsets)
+    info = torch.iinfo(int_dtype)
+    low, high = torch.full_like(bits, info.min), torch.full_like(bits, info.max)
+    storage = dst.view(int_dtype).as_strided((dst.untyped_storage().nbytes() // dst.element_size(),),
+                                             (1,), 0)
+    offsets = offsets.flatten()
+    storage.scatter_reduce_(0, offsets, torch.where(accepted, low, high).flatten(), reduce="amin")
+    storage.scatter_reduce_(0, offsets, torch.where(accepted, bits, low).flatten(), reduce="amax")
 
 
 def write_kv(args: WriteArgs) -> WriteResult:
@@ -69,10 +135,9 @@ def write_kv(args: WriteArgs) -> WriteResult:
     reasons = torch.where(in_range | padding, reasons, int(WriteDrop.OUT_OF_RANGE)).to(torch.int8)
 
     safe_slot = slot.clamp(0, page_size - 1)
-    masked_put(k_cache, (safe_page, safe_slot), k, landed)
-    masked_put(v_cache, (safe_page, safe_slot), v, landed)
-    stamp = torch.where(landed, written(owners, slot + 1), 0)
-    page_tags.scatter_reduce_(0, safe_page, stamp, reduce="amax", include_self=True)
+    put_rows(k_cache, (safe_page, safe_slot), k, landed)
+    put_rows(v_cache, (safe_page, safe_slot), v, landed)
+    max_rows(page_tags, safe_page, written(owners, slot + 1), landed)
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 

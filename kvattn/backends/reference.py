@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from ..layout import DecodeArgs, ExtendArgs
+from ..layout import DecodeArgs, ExtendArgs, query_offsets
 from ..report import OwnershipReport
 
 NAME = "reference"
@@ -32,7 +32,11 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
                                     args.block_table, args.seq_lens, args.page_tags, args.expected,
                                     scale=args.scale, causal=args.causal, check=check,
                                     return_lse=True)
-    out.copy_(result[0])
+    # Like the kernels, write only the rows some sequence covers (all of them when cu_seqlens_q is
+    # well formed); the oracle syncs anyway.
+    offsets = query_offsets(args.cu_seqlens_q, args.total_q)
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    out[lo:hi].copy_(result[0][lo:hi])
     if lse is not None:
-        lse.copy_(result[1])
+        lse[lo:hi].copy_(result[1][lo:hi])
     return result[2]

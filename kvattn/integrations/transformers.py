@@ -48,11 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import api
+from ..cache import new_owner_id
 from ..report import KVOwnershipError
 from ..tags import WriteDrop
 from ..writers import release_pages, reserve_pages, write_kv
@@ -140,7 +142,6 @@ class _State:
         self.tags = {layer: torch.zeros(self.num_blocks, dtype=torch.int64, device=rows.device)
                      for layer in allocator.layer_indices}
         self.device = rows.device
-        self._next_owner = 1
         self.owner: dict[str, int] = {}  # request id -> owner id
         self.expected: dict[str, list[int]] = {}  # request id -> owner per logical block
         self.block_owner: dict[int, int] = {}  # block -> owner it was reserved for
@@ -151,8 +152,7 @@ class _State:
 
     def request_owner(self, request_id: str) -> int:
         if request_id not in self.owner:
-            self.owner[request_id] = self._next_owner
-            self._next_owner += 1
+            self.owner[request_id] = new_owner_id()
         return self.owner[request_id]
 
     def reserved(self, request_id: str, blocks: list[int]) -> None:
@@ -291,25 +291,44 @@ class _State:
 
 
 def _error(batch: _Batch, row: int) -> KVOwnershipError:
+    """The failure of request ``row``, summarised across the layers of the forward: the writer's
+    dropped writes first (usually the cause: a write into a page the request no longer holds leaves
+    slots unwritten, which every layer's read then refuses), then the refused reads by reason and
+    page, each with the number of layers it happened in."""
     rid = batch.request_ids[row]
-    lines, refusals = [], {}
-    for layer, report in batch.reports:
-        pages = report.refusals().get(row)
-        if pages:
-            refusals.setdefault(layer, pages)
-            shown = ", ".join(f"page {i}: {_flags(r)}" for i, r in pages[:8])
-            lines.append(f"layer {layer}: {len(pages)} refused page(s): {shown}")
     first = batch.cu_seqlens_q[row].item()
     last = batch.cu_seqlens_q[row + 1].item()
-    for layer, reasons in batch.drops:
+    drops: Counter = Counter()  # WriteDrop name -> tokens dropped, summed over layers
+    drop_layers = 0
+    for _, reasons in batch.drops:
         mine = reasons[first:last]
-        if (mine != 0).any():
-            names = {_flags(WriteDrop(int(r))) for r in mine[mine != 0].tolist()}
-            lines.append(f"layer {layer}: {int((mine != 0).sum())} KV write(s) dropped by the "
-                         f"writer: {', '.join(sorted(names))}")
+        dropped = mine[mine != 0].tolist()
+        drop_layers += bool(dropped)
+        drops.update(_flags(WriteDrop(int(r))) for r in dropped)
+    reads: dict[str, Counter] = {}  # Violation name -> logical page -> layers refusing it
+    refused: set = set()
+    for _, report in batch.reports:
+        pages = report.refusals().get(row, [])
+        refused.update(pages)
+        for page, reason in pages:
+            reads.setdefault(_flags(reason), Counter())[page] += 1
+    lines = []
+    if drops:
+        counts = ", ".join(f"{n} {name}" for name, n in sorted(drops.items()))
+        lines.append(f"writes: {counts} dropped write(s) of its new tokens, in {drop_layers} of "
+                     f"{len(batch.drops)} layer(s)")
+    for name, pages in sorted(reads.items()):
+        by_layers: dict[int, list] = {}
+        for page, n in sorted(pages.items()):
+            by_layers.setdefault(n, []).append(page)
+        for n, group in sorted(by_layers.items(), reverse=True):
+            shown = ", ".join("past the table" if i < 0 else str(i) for i in group[:8])
+            more = f", ... ({len(group) - 8} more)" if len(group) > 8 else ""
+            lines.append(f"reads: {name} on logical page(s) {shown}{more}, in {n} of "
+                         f"{len(batch.reports)} layer(s)")
     message = (f"kvattn ownership check failed for request {rid!r}: its KV pages could not be "
-               "proven to hold its own tokens, so the request was stopped.\n" + "\n".join(lines[:8]))
-    return KVOwnershipError(message, {row: sum(refusals.values(), [])})
+               "proven to hold its own tokens, so the request was stopped.\n" + "\n".join(lines))
+    return KVOwnershipError(message, {row: sorted(refused)})
 
 
 def _flags(value) -> str:

@@ -182,7 +182,9 @@ def paged_extend_kernel(
     # per-key mask (length, range guard, ownership). The rest get the causal mask per element.
     diagonal = kv_hi
     if CAUSAL:
-        diagonal = tl.minimum(kv_hi, (first_pos + m0 + 1) // BLOCK_N * BLOCK_N)
+        # At least 0: with a length near the int32 limits first_pos + m0 + 1 wraps negative, and a
+        # negative start would walk keys below 0 (they pass tok < kv_hi).
+        diagonal = tl.maximum(tl.minimum(kv_hi, (first_pos + m0 + 1) // BLOCK_N * BLOCK_N), 0)
     for t0 in range(0, diagonal, BLOCK_N):
         k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
                                   stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,

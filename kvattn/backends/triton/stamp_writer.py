@@ -19,13 +19,13 @@ from .tag_rule import DROP_GAP, DROP_NOT_HELD, DROP_OUT_OF_RANGE, held_by, writt
 def write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, tags_ptr, owner_ptr,
     stamp_ptr, reasons_ptr,
-    num_pages, stride_owner, stride_kt, stride_kh, stride_vt, stride_vh,
+    num_pages, stride_slot, stride_owner, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cp, stride_cs, stride_ch, stride_dp, stride_ds, stride_dh,
     PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
-    target = tl.load(slot_mapping_ptr + i).to(tl.int64)
+    target = tl.load(slot_mapping_ptr + i * stride_slot).to(tl.int64)
     owner = tl.load(owner_ptr + i * stride_owner)
     page = target // PAGE
     slot = target % PAGE
@@ -41,7 +41,7 @@ def write_kv_kernel(
     j = i
     walking = held & (start > prefix)
     while walking:
-        prev_target = tl.load(slot_mapping_ptr + j - 1, mask=j > 0, other=-1).to(tl.int64)
+        prev_target = tl.load(slot_mapping_ptr + (j - 1) * stride_slot, mask=j > 0, other=-1).to(tl.int64)
         prev_owner = tl.load(owner_ptr + (j - 1) * stride_owner, mask=j > 0, other=0)
         continues = (j > 0) & (start > 0) & (prev_target == target - (slot - start) - 1) & (
             prev_owner == owner)
@@ -73,18 +73,19 @@ def write_kv_kernel(
 
 
 @triton.jit
-def stamp_kernel(slot_mapping_ptr, stamp_ptr, tags_ptr, num_tokens, PAGE: tl.constexpr,
+def stamp_kernel(slot_mapping_ptr, stamp_ptr, tags_ptr, num_tokens, stride_slot, PAGE: tl.constexpr,
                  BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     stamp = tl.load(stamp_ptr + offs, mask=offs < num_tokens, other=0)
-    target = tl.load(slot_mapping_ptr + offs, mask=offs < num_tokens, other=0).to(tl.int64)
+    target = tl.load(slot_mapping_ptr + offs * stride_slot, mask=offs < num_tokens, other=0).to(tl.int64)
     # While one owner holds a page its tag only grows, so the largest stamp is the new tag.
     tl.atomic_max(tags_ptr + target // PAGE, stamp, mask=stamp != 0)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners):
     """Launch both kernels; arguments already validated by :func:`kvattn.writers.write_kv`
-    (``owners`` an int64 tensor ``[T]``, possibly a stride-0 expansion). Returns
+    (``owners`` an int64 tensor ``[T]``, possibly a stride-0 expansion; ``slot_mapping`` read
+    through its stride, as the other writers do). Returns
     ``(landed, drop_reasons)``."""
     import torch
 
@@ -94,7 +95,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners):
     reasons = torch.empty(num_tokens, dtype=torch.int8, device=k.device)
     write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, page_tags, owners, stamps, reasons,
-        num_pages, owners.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        num_pages, slot_mapping.stride(0), owners.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
@@ -102,5 +103,6 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners):
     )
     block = 256
     stamp_kernel[(triton.cdiv(num_tokens, block),)](slot_mapping, stamps, page_tags, num_tokens,
-                                                    PAGE=page_size, BLOCK=block)
+                                                    slot_mapping.stride(0), PAGE=page_size,
+                                                    BLOCK=block)
     return stamps != 0, reasons
