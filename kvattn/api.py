@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .layout import validate_decode, validate_extend
+from .layout import validate_decode, validate_extend, validate_mla_decode
 from .report import OwnershipReport
 
 
@@ -146,6 +146,70 @@ def _run(op: str, args, backend: str, check: bool, on_violation: str, out, retur
         if uncovered:
             lse.fill_(float("-inf"))
     report: OwnershipReport | None = getattr(impl, op)(args, check=check, out=out, lse=lse)
+    if on_violation == "raise":
+        report.raise_if_any()
+    return (out, lse, report) if return_lse else (out, report)
+
+
+def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, page_tags: torch.Tensor, expected: torch.Tensor, *,
+                     kv_lora_rank: int = 512, scale: float | None = None, check: bool = True,
+                     on_violation: str = "report", backend: str = "auto",
+                     out: torch.Tensor | None = None, return_lse: bool = False,
+                     validate: bool | None = None, num_splits: int | None = None):
+    """Ownership-checked paged MLA decode (multi-head latent attention, DeepSeek V2/V3 style) for
+    one new query token per sequence, with the queries already absorbed into the latent space (as
+    FlashMLA and vLLM's MLA backends take them).
+
+    The latent layout is defined in :class:`kvattn.layout.MLADecodeArgs`: one row of
+    ``kv_lora_rank + rope_dim`` dims per token (512 + 64 in DeepSeek V2/V3) is the key of every
+    query head, its first ``kv_lora_rank`` dims the value. One tag per page, and the reader's rule,
+    the masking of refused slots and the report of :func:`kvattn.paged_decode` (docs/ownership.md
+    section 3): slot ``s`` of logical page ``i`` of sequence ``b`` contributes only if the page id
+    is in range, its tag is WRITTEN for owner ``expected[b, i]`` (or ``expected[b]``), ``s`` is
+    below the page's ``valid_len`` and the token lies inside ``seq_lens[b]``. A sequence with
+    nothing readable gets output 0 and lse -inf.
+
+    Args:
+        q: ``[B, num_heads, kv_lora_rank + rope_dim]``: the absorbed no-PE query, then its RoPE part.
+        kv_cache: ``[num_pages, page_size, 1, kv_lora_rank + rope_dim]`` latent pool (may be a
+            strided view; never copied).
+        block_table: ``[B, max_pages]`` int32 logical-to-physical page map.
+        seq_lens: ``[B]`` int32 tokens per sequence, the new token's latent row included.
+        page_tags: ``[num_pages]`` int64 page tags.
+        expected: ``[B]`` or ``[B, max_pages]`` int64 owner ids the pages must carry.
+        kv_lora_rank: the value dims at the front of each latent row (default 512).
+        scale: logit scale; default ``(kv_lora_rank + rope_dim) ** -0.5`` (FlashMLA's default;
+            DeepSeek models pass their own softmax scale).
+        check: False runs the unchecked variant (same kernel, check compiled out, no report).
+        on_violation: ``"report"`` or ``"raise"`` (synchronises; raises
+            :class:`kvattn.KVOwnershipError` after writing the output).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``; see :mod:`kvattn.backends`.
+        out: optional ``[B, num_heads, kv_lora_rank]`` output buffer (dtype of ``q``).
+        return_lse: also return the ``[B, num_heads]`` float32 natural-log LSE.
+        validate: run the value checks of :mod:`kvattn.layout` (default: only on CPU tensors).
+        num_splits: split-KV programs per sequence and head block (default: planned from the
+            device's occupancy; the reference ignores it).
+
+    Returns:
+        ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``; ``report`` is an
+        :class:`kvattn.OwnershipReport` in device memory, None when ``check=False``.
+
+    Raises:
+        ValueError, TypeError: malformed inputs, naming the argument, the expected and the actual.
+        KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
+    """
+    check_mode(check, on_violation)
+    args = validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
+                               kv_lora_rank=kv_lora_rank, scale=scale, out=out, validate=validate,
+                               num_splits=num_splits)
+    impl = backends.select(args, backend, op="mla_decode")
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    lse = None
+    if return_lse:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    report: OwnershipReport | None = impl.mla_decode(args, check=check, out=out, lse=lse)
     if on_violation == "raise":
         report.raise_if_any()
     return (out, lse, report) if return_lse else (out, report)

@@ -415,3 +415,104 @@ def query_offsets(cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
     belongs to one sequence only, and rows outside every sequence (before ``offsets[0]`` or from
     ``offsets[-1]`` on) are not written by the kernels."""
     return torch.cummax(cu_seqlens_q.long().clamp(0, total_q), dim=0).values
+
+
+MAX_SPLITS_GRID = 65535  # the grid dimension the decode kernels put their splits on
+
+
+@dataclass
+class MLADecodeArgs(_PagedShapes):
+    """Validated MLA paged-decode inputs (multi-head latent attention, DeepSeek V2/V3 style, with
+    the queries already absorbed into the latent space as FlashMLA and vLLM's MLA backends take
+    them). ``expected`` is 2-D as in :class:`DecodeArgs`.
+
+    Latent layout: ``kv_cache`` ``[num_pages, page_size, 1, kv_lora_rank + rope_dim]`` (512 + 64 in
+    DeepSeek V2/V3, pages of 64 tokens in the peers' kernels), one dtype (float16, bfloat16 or
+    float32), last dimension contiguous, any other strides (a per-layer view of a larger buffer).
+    One row per token serves as the key (all ``kv_lora_rank + rope_dim`` dims) and as the value
+    (its first ``kv_lora_rank`` dims, the compressed latent; the rest is the decoupled RoPE key).
+    ``q`` ``[B, num_heads, kv_lora_rank + rope_dim]`` (the absorbed no-PE part, then the RoPE part),
+    ``out`` ``[B, num_heads, kv_lora_rank]``, ``lse`` ``[B, num_heads]``. Every query head reads
+    the one latent head (MQA). ``page_tags``, ``block_table``, ``seq_lens`` and ``expected`` are
+    those of the paged layout above, one tag per page: the reader's rule and the report are
+    decode's. ``num_splits``: the split-KV count asked for (None: the planner's).
+    """
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    page_tags: torch.Tensor
+    expected: torch.Tensor
+    scale: float
+    kv_lora_rank: int
+    num_splits: int | None = None
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """The latent pool as the key pool (the registry reads the device of ``k_cache``)."""
+        return self.kv_cache
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim - self.kv_lora_rank
+
+
+def _check_latent_pool(kv_cache, q) -> None:
+    """``kv_cache`` against the latent layout of :class:`MLADecodeArgs` and against ``q``."""
+    check_tensor("kv_cache", kv_cache, ndim=4, dtypes=KV_DTYPES, device=q.device)
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"kv_cache: expected dtype {q.dtype} (that of q), got {kv_cache.dtype}")
+    num_pages, page_size, num_latent_heads, dim = kv_cache.shape
+    if num_pages < 1:
+        _fail("kv_cache", "at least one page (dim 0)", num_pages)
+    if not is_page_size(page_size):
+        _fail("kv_cache", f"page_size (dim 1) in [1, {MAX_PAGE_SIZE}]", page_size)
+    if num_latent_heads != 1:
+        _fail("kv_cache", "one latent head (dim 2 of size 1)", f"shape {tuple(kv_cache.shape)}")
+    if dim != q.shape[2]:
+        _fail("kv_cache", f"kv_lora_rank + rope_dim = {q.shape[2]} (q's dim 2) in dim 3", dim)
+    check_last_dim_contiguous("kv_cache", kv_cache)
+    check_distinct_elements("kv_cache", kv_cache)
+
+
+def validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *,
+                        kv_lora_rank=512, scale=None, out=None, validate=None,
+                        num_splits=None) -> MLADecodeArgs:
+    """Check every MLA decode input against the latent layout of :class:`MLADecodeArgs` and the
+    paged layout above; raise ValueError/TypeError naming the argument, what was expected and what
+    was got. ``scale`` defaults to ``(kv_lora_rank + rope_dim) ** -0.5`` (FlashMLA's default;
+    DeepSeek models pass their own). Value checks as for decode."""
+    check_tensor("q", q, ndim=3, dtypes=KV_DTYPES)
+    batch, num_heads, dim = q.shape
+    if batch < 1:
+        _fail("q", "a batch of at least one sequence", f"shape {tuple(q.shape)}")
+    if num_heads < 1:
+        _fail("q", "at least one head (dim 1)", f"shape {tuple(q.shape)}")
+    if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int):
+        raise TypeError(f"kv_lora_rank: expected an int, got {type(kv_lora_rank).__name__}")
+    if not 1 <= kv_lora_rank <= dim:
+        _fail("kv_lora_rank", f"an int in [1, {dim}] (q's dim 2 = kv_lora_rank + rope_dim)",
+              kv_lora_rank)
+    check_last_dim_contiguous("q", q)
+    _check_latent_pool(kv_cache, q)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= MAX_SPLITS_GRID):
+        _fail("num_splits", f"None or an int in [1, {MAX_SPLITS_GRID}]", repr(num_splits))
+    inputs = dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
+                  page_tags=page_tags, expected=expected)
+    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
+                                    kv_cache.shape[0], q.device)
+    scale = _check_scale_and_out(scale, None, q, inputs)
+    if out is not None:
+        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
+        check_shape("out", out, (batch, num_heads, kv_lora_rank))
+        check_last_dim_contiguous("out", out)
+        check_distinct_elements("out", out)
+        check_apart("out", out, inputs)
+    if validate is None:
+        validate = q.device.type == "cpu"
+    if validate:
+        check_lengths_and_owners(seq_lens, expected, kv_cache.shape[1], block_table.shape[1])
+    return MLADecodeArgs(q, kv_cache, block_table, seq_lens, page_tags, expected, scale,
+                         kv_lora_rank, num_splits)

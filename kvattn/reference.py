@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import query_offsets, validate_decode, validate_extend
+from .layout import query_offsets, validate_decode, validate_extend, validate_mla_decode
 from .report import OwnershipReport
 from .tags import (STATE_WRITTEN, Violation, page_reason, tag_owner, tag_state, tag_valid_len,
                    valid_owner)
@@ -156,4 +156,27 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
         out[lo:hi], lse[lo:hi] = attend(a.q[lo:hi], k[b].expand(hi - lo, n, -1, -1),
                                         v[b].expand(hi - lo, n, -1, -1), rows_allowed, a.scale,
                                         compute_dtype)
+    return (out, lse, report) if return_lse else (out, report)
+
+
+def paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *, kv_lora_rank=512,
+                     scale=None, check=True, return_lse=False, compute_dtype=torch.float32):
+    """Reference MLA paged decode. Arguments and layout as :func:`kvattn.paged_mla_decode`
+    (:class:`kvattn.layout.MLADecodeArgs`): every query head attends over the one latent head,
+    the whole latent row is the key and its first ``kv_lora_rank`` dims the value. The reader's
+    rule and the report are :func:`paged_decode`'s.
+
+    Returns ``(out, report)`` or ``(out, lse, report)``; ``out`` ``[B, num_heads, kv_lora_rank]``
+    in ``compute_dtype``, ``report`` None when ``check=False`` (unchecked, entries outside the pool
+    read as nothing, as in :func:`paged_decode`).
+    """
+    a = validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
+                            kv_lora_rank=kv_lora_rank, scale=scale, validate=False)
+    allowed, report = readable_slots(a, check)
+    pages = a.block_table.long().clamp(0, a.num_pages - 1)
+    latent = a.kv_cache[pages].flatten(1, 2)  # [B, M * P, 1, D]
+    # Attention with the whole latent row as the value: the first kv_lora_rank output dims are
+    # exactly those of the value part, the rest is dropped.
+    out, lse = attend(a.q, latent, latent, allowed.flatten(1), a.scale, compute_dtype)
+    out = out[..., :a.kv_lora_rank].contiguous()
     return (out, lse, report) if return_lse else (out, report)

@@ -1,11 +1,13 @@
 """Backend registry: picks the backend that runs a call, and says why it refused the others.
 
 A backend is a module with ``NAME``, one launcher per op it implements, named after the op
-(``decode(args, *, check, out, lse)``, ``extend(args, *, check, out, lse)``, ``write_kv(args)``),
+(``decode(args, *, check, out, lse)``, ``extend(args, *, check, out, lse)``, ``write_kv(args)``,
+``mla_decode(args, *, check, out, lse)``),
 and ``why_not(args) -> str | None`` (None: it can run these inputs), or ``why_not_<op>(args)`` for
 an op whose inputs it judges apart. ``args`` is the op's validated record:
-:class:`kvattn.layout.DecodeArgs`, :class:`~kvattn.layout.ExtendArgs` or
-:class:`kvattn.write_args.WriteArgs`. A backend without a launcher for an op refuses that op.
+:class:`kvattn.layout.DecodeArgs`, :class:`~kvattn.layout.ExtendArgs`,
+:class:`kvattn.write_args.WriteArgs` or :class:`~kvattn.layout.MLADecodeArgs`. A backend
+without a launcher for an op refuses that op.
 
 ``backend="auto"`` takes the first backend of :func:`auto_order` (``AUTO_ORDER[op]``, or
 ``AUTO_ORDER_CPU[op]`` for CPU tensors) that accepts the inputs, and logs once why it refused the
@@ -33,11 +35,12 @@ _BACKENDS = {
     "torch": "kvattn.backends.pytorch",
     "cuda_sim": "kvattn.backends.cuda_sim",
 }
-OPS = ("decode", "extend", "write_kv")
+OPS = ("decode", "extend", "write_kv", "mla_decode")
 AUTO_ORDER = {
     "decode": ("cuda", "triton", "reference"),
     "extend": ("cuda", "triton", "reference"),
     "write_kv": ("cuda", "triton", "torch"),
+    "mla_decode": ("triton", "reference"),
 }
 # The Triton interpreter would run the writer as one program per token; the PyTorch ops compute
 # the same result in a few tensor ops.

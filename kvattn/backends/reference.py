@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from ..layout import DecodeArgs, ExtendArgs, query_offsets
+from ..layout import DecodeArgs, ExtendArgs, MLADecodeArgs, query_offsets
 from ..report import OwnershipReport
 
 NAME = "reference"
@@ -39,4 +39,16 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
     out[lo:hi].copy_(result[0][lo:hi])
     if lse is not None:
         lse[lo:hi].copy_(result[1][lo:hi])
+    return result[2]
+
+
+def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor,
+               lse: torch.Tensor | None) -> OwnershipReport | None:
+    result = reference.paged_mla_decode(args.q, args.kv_cache, args.block_table, args.seq_lens,
+                                        args.page_tags, args.expected,
+                                        kv_lora_rank=args.kv_lora_rank, scale=args.scale,
+                                        check=check, return_lse=True)
+    out.copy_(result[0])
+    if lse is not None:
+        lse.copy_(result[1])
     return result[2]
