@@ -1,5 +1,6 @@
 """The Triton backend: one module per kernel (``paged_decode``, ``paged_extend``,
-``stamp_writer``), the reader's rule they share (``tag_rule``), and this facade for the registry."""
+``paged_mla_decode``, ``stamp_writer``), the reader's rule they share (``tag_rule``), and this
+facade for the registry."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,7 @@ from ...write_args import WriteArgs
 from . import stamp_writer
 from .paged_decode import MAX_HEAD_DIM, decode, interpreted
 from .paged_extend import extend
+from .paged_mla_decode import MAX_KV_LORA_RANK, MAX_ROPE_DIM, mla_decode
 
 NAME = "triton"
 
@@ -40,4 +42,15 @@ def write_kv(args: WriteArgs) -> WriteResult:
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 
-__all__ = ["NAME", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
+def why_not_mla_decode(args) -> str | None:
+    """None if the MLA decode kernel can run ``args`` (:class:`kvattn.layout.MLADecodeArgs`)."""
+    reason = _why_not_here(args.q.device)
+    if reason is None and args.kv_lora_rank > MAX_KV_LORA_RANK:
+        return f"kv_lora_rank {args.kv_lora_rank} > {MAX_KV_LORA_RANK}"
+    if reason is None and args.rope_dim > MAX_ROPE_DIM:
+        return f"rope_dim {args.rope_dim} > {MAX_ROPE_DIM}"
+    return reason
+
+
+__all__ = ["NAME", "decode", "extend", "mla_decode", "why_not", "why_not_mla_decode",
+           "why_not_write_kv", "write_kv"]

@@ -112,3 +112,31 @@ def extend_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_
 
 def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """MLA decode: ``block_h`` query heads per program (the M dimension of both products, at
+    least 16 for the tensor cores; more heads take more programs, which re-read the latent rows
+    from L2), ``block_n`` latent rows per tile, ``programs_per_sm`` for the split planner."""
+
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+
+
+# (arch, dtype, kv_lora_rank + rope_dim rounded up to a power of two, page_size) -> config, matched
+# as DECODE_TABLE. Defaults from sm_90 compiles (tools/static_sm90.py), not timings.
+MLA_DECODE_TABLE: list[tuple[tuple, MLADecodeConfig]] = [
+    ((None, None, None, None), MLADecodeConfig()),
+]
+
+
+def mla_decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int,
+                      **overrides) -> MLADecodeConfig:
+    """The table's MLA decode config for these inputs (``head_dim``: ``kv_lora_rank +
+    rope_dim``), with ``overrides`` (fields of MLADecodeConfig)."""
+    config = _lookup(MLA_DECODE_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size))
+    return replace(config, **overrides) if overrides else config
