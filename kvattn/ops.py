@@ -7,6 +7,8 @@ Registered ops (``torch.library.custom_op``, each with a fake implementation for
   ``violations``, ``reasons``, ``pages_checked`` and ``beyond_table``; ``page_reasons`` is
   ``[B, max_pages]`` int8. ``lse`` is empty (``[0]``) unless asked for. With ``check=False`` the
   report tensors are zeros and the wrappers below return ``None`` for the report.
+- ``kvattn::paged_mla_decode``: the MLA decode, with the same four results (``out`` ``[B,
+  num_heads, kv_lora_rank]``).
 - ``kvattn::write_kv``: mutates ``k_cache``, ``v_cache`` and ``page_tags``; returns ``(landed,
   drop_reasons, dropped)`` as in :class:`kvattn.WriteResult`.
 
@@ -27,7 +29,7 @@ import torch
 
 from . import api, writers
 from .api import check_mode
-from .layout import check_tensor, validate_decode, validate_extend
+from .layout import check_tensor, validate_decode, validate_extend, validate_mla_decode
 from .report import OwnershipReport
 from .tags import OWNER_MAX
 
@@ -156,4 +158,42 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner) -> writers.
     return writers.WriteResult(landed, drop_reasons, dropped)
 
 
-__all__ = ["paged_decode", "paged_extend", "write_kv"]
+@torch.library.custom_op("kvattn::paged_mla_decode", mutates_args=())
+def _paged_mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, page_tags: torch.Tensor, expected: torch.Tensor,
+                         kv_lora_rank: int, scale: float | None, check: bool, backend: str,
+                         return_lse: bool, validate: bool | None, num_splits: int | None,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, report = api.paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
+                                            kv_lora_rank=kv_lora_rank, scale=scale, check=check,
+                                            backend=backend, return_lse=True, validate=validate,
+                                            num_splits=num_splits)
+    counts, page_reasons = _report_tensors(report, q.shape[0], block_table.shape[1], q.device)
+    return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
+
+
+@_paged_mla_decode_op.register_fake
+def _(q, kv_cache, block_table, seq_lens, page_tags, expected, kv_lora_rank, scale, check, backend,
+      return_lse, validate, num_splits):
+    batch, max_pages = block_table.shape
+    lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
+    return (q.new_empty(batch, q.shape[1], kv_lora_rank), lse,
+            q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
+
+
+def paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *, kv_lora_rank=512,
+                     scale=None, check=True, on_violation="report", backend="auto",
+                     return_lse=False, validate=None, num_splits=None):
+    """:func:`kvattn.paged_mla_decode` through the ``kvattn::paged_mla_decode`` custom op (no
+    ``out=``)."""
+    check_mode(check, on_violation)
+    args = validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
+                               kv_lora_rank=kv_lora_rank, scale=scale, validate=False,
+                               num_splits=num_splits)
+    out, lse, counts, page_reasons = torch.ops.kvattn.paged_mla_decode(
+        q, kv_cache, block_table, seq_lens, page_tags, expected, kv_lora_rank, args.scale, check,
+        backend, return_lse, validate, num_splits)
+    return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
+
+
+__all__ = ["paged_decode", "paged_extend", "paged_mla_decode", "write_kv"]

@@ -1,0 +1,655 @@
+"""MLA paged decode (:func:`kvattn.paged_mla_decode`): the Triton kernel against the reference, both
+against MLA attention written from its definition here, token by token; the peers' geometry (a
+512 + 64 latent, pages of 64 tokens); splits; the ownership scenarios of docs/ownership.md section
+6 on the latent cache; validation errors; the registry and the custom op.
+
+Pools come from :class:`MLABatch`: pages drawn from a random permutation of an oversized pool, NaN
+in every slot a reader must not use, so a wrong address or mask shows as NaN or a large error.
+Small latents (32 + 16) keep the interpreter fast where the geometry does not matter; every
+property that depends on the tile shapes is also run at 512 + 64.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import kvattn
+from kvattn import KVOwnershipError, Violation, backends, ops
+from kvattn.tags import STATE_WRITTEN
+from util import DEVICE, LSE_TOLERANCE, assert_reports_equal, raises, tolerance
+
+SENTINEL = 100.0
+BACKENDS = ["reference", "triton"]
+
+
+@dataclasses.dataclass
+class MLABatch:
+    """A decode batch over a NaN-poisoned latent pool ``[num_pages, page_size, 1, lora + rope]``."""
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    page_tags: torch.Tensor
+    expected: torch.Tensor
+    kv_lora_rank: int
+
+    @classmethod
+    def random(cls, *, seq_lens, num_heads=4, lora=32, rope=16, page_size=4, dtype=torch.float16,
+               pool_factor=3, extra_pages=0, seed=0) -> "MLABatch":
+        """Sequence ``b`` owns ``ceil(seq_lens[b] / page_size)`` (+ ``extra_pages``) pages of a
+        randomly permuted pool ``pool_factor`` times larger than needed, WRITTEN for owner ``b + 1``
+        up to its tokens (RESERVED when empty); every other slot holds NaN and every other page is
+        FREE."""
+        g = torch.Generator().manual_seed(seed)
+        seq_lens = [int(s) for s in seq_lens]
+        pages_per_seq = [-(-s // page_size) + extra_pages for s in seq_lens]
+        max_pages = max(1, max(pages_per_seq))
+        num_pages = max(4, pool_factor * sum(pages_per_seq))
+        kv = torch.full((num_pages, page_size, 1, lora + rope), float("nan"), dtype=dtype)
+        tags = torch.zeros(num_pages, dtype=torch.int64)
+        table = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
+        perm = torch.randperm(num_pages, generator=g).tolist()
+        for b, (length, n) in enumerate(zip(seq_lens, pages_per_seq)):
+            pages = [perm.pop() for _ in range(n)]
+            table[b, :n] = torch.tensor(pages, dtype=torch.int32)
+            for i, p in enumerate(pages):
+                filled = min(page_size, max(0, length - i * page_size))
+                kv[p, :filled] = torch.randn(filled, 1, lora + rope, generator=g).to(dtype)
+                tags[p] = kvattn.written_tag(b + 1, filled) if filled else kvattn.reserved_tag(b + 1)
+        q = torch.randn(len(seq_lens), num_heads, lora + rope, generator=g).to(dtype)
+        return cls(q.to(DEVICE), kv.to(DEVICE), table.to(DEVICE),
+                   torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tags.to(DEVICE),
+                   torch.arange(1, len(seq_lens) + 1, dtype=torch.int64, device=DEVICE), lora)
+
+    def inputs(self):
+        return (self.q, self.kv_cache, self.block_table, self.seq_lens, self.page_tags,
+                self.expected)
+
+    def decode(self, backend, **kwargs):
+        return kvattn.paged_mla_decode(*self.inputs(), kv_lora_rank=self.kv_lora_rank,
+                                       backend=backend, **kwargs)
+
+    def reference(self, **kwargs):
+        return kvattn.reference.paged_mla_decode(*self.inputs(), kv_lora_rank=self.kv_lora_rank,
+                                                 compute_dtype=torch.float64, **kwargs)
+
+
+def mla_formula(batch: MLABatch, *, scale=None, check=True):
+    """MLA decode from its definition, in float64, one token at a time: token ``t`` of sequence
+    ``b`` lies in slot ``t % P`` of page ``block_table[b, t // P]`` and counts when that page is in
+    the pool and (checked) its tag is WRITTEN for the expected owner with the slot below its
+    valid_len. Each head's logits are its query dotted with the token's whole latent row, scaled;
+    its output is the softmax-weighted sum of the rows' first ``kv_lora_rank`` entries."""
+    q, kv, table, lens, tags, expected = (t.cpu() for t in batch.inputs())
+    lora, page = batch.kv_lora_rank, kv.shape[1]
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape[0], q.shape[1], lora, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    for b in range(q.shape[0]):
+        rows = []
+        for t in range(int(lens[b])):
+            p = int(table[b, t // page])
+            if not 0 <= p < kv.shape[0]:
+                continue
+            owner = int(expected[b] if expected.dim() == 1 else expected[b, t // page])
+            tag = int(tags[p])
+            if check and (kvattn.tag_state(tag) != STATE_WRITTEN or kvattn.tag_owner(tag) != owner
+                          or t % page >= kvattn.tag_valid_len(tag)):
+                continue
+            rows.append(kv[p, t % page, 0].double())
+        if not rows:
+            continue
+        keys = torch.stack(rows)  # [N, lora + rope]
+        for h in range(q.shape[1]):
+            logits = [scale * float(q[b, h].double() @ k) for k in keys]
+            top = max(logits)
+            weights = [math.exp(x - top) for x in logits]
+            total = sum(weights)
+            out[b, h] = sum(w * k[:lora] for w, k in zip(weights, keys)) / total
+            lse[b, h] = top + math.log(total)
+    return out, lse
+
+
+def assert_matches(batch, backend, *, check=True, **kwargs):
+    """``backend``'s output, lse and report against the reference (float64) and the formula;
+    returns them."""
+    out, lse, report = batch.decode(backend, check=check, return_lse=True, **kwargs)
+    ref_out, ref_lse, ref_report = batch.reference(check=check, return_lse=True,
+                                                   scale=kwargs.get("scale"))
+    want_out, want_lse = mla_formula(batch, check=check, scale=kwargs.get("scale"))
+    assert out.shape == (*batch.q.shape[:2], batch.kv_lora_rank) and out.dtype == batch.q.dtype
+    assert torch.isfinite(out).all(), "a refused or masked slot was read"
+    tol = tolerance(batch.q.dtype)
+    torch.testing.assert_close(ref_out, want_out.to(DEVICE), atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(ref_lse, want_lse.to(DEVICE), atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(out.double(), want_out.to(DEVICE), **tol)
+    torch.testing.assert_close(lse.double(), want_lse.to(DEVICE), **LSE_TOLERANCE)
+    if check:
+        assert_reports_equal(report, ref_report)
+    else:
+        assert report is None
+    return out, lse, report
+
+
+def boundary_lens(page):
+    return [1, max(1, page - 1), page, page + 1, 2 * page + 1]
+
+
+# --- Against the reference and the formula --------------------------------------------------------
+
+# (dtype, lora, rope, page, heads, num_splits): every dtype, page sizes below, equal to and above the
+# 16/32-token tiles (1 and 5 resolved per token), heads below 16, between blocks and over two blocks,
+# one and several splits, a latent without RoPE part.
+CASES = [
+    (torch.float16, 32, 16, 4, 4, 1),
+    (torch.bfloat16, 32, 16, 5, 3, 2),
+    (torch.float32, 32, 16, 1, 2, 3),
+    (torch.float16, 64, 0, 16, 20, 2),
+    (torch.bfloat16, 512, 64, 64, 16, 1),
+    (torch.float16, 512, 64, 64, 16, 3),
+    (torch.float32, 48, 8, 32, 1, 2),
+]
+
+
+@pytest.mark.parametrize("dtype,lora,rope,page,heads,splits", CASES,
+                         ids=[f"{str(c[0])[6:]}-{c[1]}+{c[2]}-p{c[3]}-h{c[4]}-s{c[5]}" for c in CASES])
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_triton_matches_reference_and_formula(dtype, lora, rope, page, heads, splits, check):
+    batch = MLABatch.random(seq_lens=boundary_lens(page), num_heads=heads, lora=lora, rope=rope,
+                            page_size=page, dtype=dtype, seed=lora + page)
+    _, _, report = assert_matches(batch, "triton", check=check, num_splits=splits)
+    if check:
+        assert not report.any() and report.pages_checked.tolist() == [
+            -(-n // page) for n in boundary_lens(page)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scale_is_applied(backend):
+    batch = MLABatch.random(seq_lens=[9, 3], page_size=4)
+    assert_matches(batch, backend, scale=0.37)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_peer_grid_512_plus_64_page_64(heads):
+    """FlashMLA's and vLLM's MLA test geometry (latent 512 + 64, bf16, pages of 64, 16 or 128 query
+    heads) on a small batch: one sequence ending a slot into its third page, one ending on a page
+    boundary, both split in two."""
+    batch = MLABatch.random(seq_lens=[129, 64], num_heads=heads, lora=512, rope=64, page_size=64,
+                            dtype=torch.bfloat16, seed=heads)
+    out, lse, report = batch.decode("triton", return_lse=True, num_splits=2)
+    ref_out, ref_lse, ref_report = batch.reference(return_lse=True)
+    torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.bfloat16))
+    torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
+    assert_reports_equal(report, ref_report)
+    assert not report.any() and report.pages_checked.tolist() == [3, 1]
+
+
+def test_bf16_output_is_not_garbage():
+    """A query aligned with one latent row makes attention peaked: the output must follow that
+    row's value part (the interpreter's bf16 tl.dot is wrong unless upcast)."""
+    batch = MLABatch.random(seq_lens=[70], num_heads=16, lora=512, rope=64, page_size=64,
+                            dtype=torch.bfloat16, seed=4)
+    p = int(batch.block_table[0, 1])
+    batch.q[0] = (batch.kv_cache[p, 3, 0] * 0.5).to(torch.bfloat16)
+    out, _ = batch.decode("triton")
+    ref_out, _ = batch.reference()
+    torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.bfloat16))
+    cos = torch.nn.functional.cosine_similarity(out[0].float(), batch.kv_cache[p, 3, 0, :512].float()[None])
+    assert (cos > 0.9).all()
+
+
+def test_strided_pool_view_out_buffer_and_per_entry_expected():
+    """The latent pool as a per-layer view of a larger buffer (rows two pools apart), the output
+    into a caller's buffer, ``expected`` given per block-table entry."""
+    batch = MLABatch.random(seq_lens=[6, 11], page_size=4, num_heads=3)
+    n, page, _, dim = batch.kv_cache.shape
+    layers = torch.full((n, page, 2, dim), float("nan"), dtype=batch.kv_cache.dtype, device=DEVICE)
+    layers[:, :, 1:2] = batch.kv_cache
+    batch.kv_cache = layers[:, :, 1:2]
+    batch.expected = batch.expected[:, None].expand(-1, batch.block_table.shape[1]).contiguous()
+    out_buf = torch.full((2, 3, 32), float("nan"), dtype=batch.q.dtype, device=DEVICE)
+    for backend in BACKENDS:
+        out, report = batch.decode(backend, out=out_buf)
+        assert out is out_buf and not report.any()
+        torch.testing.assert_close(out.double(), mla_formula(batch)[0].to(DEVICE),
+                                   **tolerance(batch.q.dtype))
+        out_buf.fill_(float("nan"))
+
+
+def test_planned_splits_cover_the_sequence():
+    """Without ``num_splits`` the CPU plan splits a table of 2048 tokens in two: the merge of both
+    equals the reference."""
+    from kvattn.backends.triton import paged_mla_decode as module
+    batch = MLABatch.random(seq_lens=[2048, 700], page_size=64, pool_factor=1, lora=32, rope=16,
+                            num_heads=2, dtype=torch.float32)
+    args = kvattn.layout.validate_mla_decode(*batch.inputs(), kv_lora_rank=32)
+    assert module.plan_splits(args)[0] == 2
+    out, lse, report = batch.decode("triton", return_lse=True)
+    ref_out, ref_lse, ref_report = batch.reference(return_lse=True)
+    torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.float32))
+    torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
+    assert_reports_equal(report, ref_report)
+
+
+# --- Fully refused rows and splits ---------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fully_refused_sequences_give_zero_and_minus_inf(backend, splits):
+    batch = MLABatch.random(seq_lens=[9, 12, 1, 5], page_size=4)
+    for i in range(3):
+        batch.page_tags[int(batch.block_table[1, i])] = kvattn.reserved_tag(2)
+    batch.seq_lens[3] = 0
+    out, lse, report = assert_matches(batch, backend, num_splits=splits)
+    for b in (1, 3):
+        assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all()
+    assert torch.isfinite(lse[[0, 2]]).all()
+    assert report.violations.tolist() == [0, 3, 0, 0]
+
+
+def test_clean_sequences_have_finite_rows():
+    """The twin: the same batch without the refused pages and empty sequence is finite throughout."""
+    batch = MLABatch.random(seq_lens=[9, 12, 1, 5], page_size=4)
+    _, lse, report = assert_matches(batch, "triton", num_splits=3)
+    assert torch.isfinite(lse).all() and not report.any()
+
+
+def test_refused_split_leaves_the_other_split_exact():
+    """Two splits of 64 tokens; the first split's pages are all refused, so its partial is empty
+    (m = -inf, l = 0) and the merge returns the second split's attention alone."""
+    batch = MLABatch.random(seq_lens=[128, 128], page_size=16, lora=512, rope=64, num_heads=16,
+                            dtype=torch.float16, seed=7)
+    for i in range(4):
+        batch.page_tags[int(batch.block_table[0, i])] = kvattn.FREE_TAG
+    _, _, report = assert_matches(batch, "triton", num_splits=2)
+    assert report.violations.tolist() == [4, 0]
+    assert report.page_reasons[0].tolist() == [int(Violation.FREE)] * 4 + [0] * 4
+
+
+# --- The scenarios of docs/ownership.md section 6 on the latent cache ----------------------------
+# Pages of 4 tokens are resolved per token by the kernel (shorter than its 32-row tile), pages of 32
+# tile by tile with one scalar tag test: each scenario runs on both paths.
+
+@pytest.fixture(params=[4, 32], ids=lambda p: f"p{p}")
+def page(request):
+    return request.param
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def incident(lora=32, rope=16, page=4, num_pages_b=4, heads=4, dtype=torch.float16):
+    """Tenant A's latent rows fill the pool, with a constant value part of 100 that dominates B's
+    logits, then the pages are released; B reserves ``num_pages_b`` pages, one token arrives and
+    is committed. Returns a batch of B reading all of its pages, and B's one row."""
+    g = torch.Generator().manual_seed(42)
+    num_pages = 8
+    # A positive query: the sentinel rows' constant value part then dominates every head's logits.
+    q = torch.randn(1, 1, lora + rope, generator=g).abs().expand(1, heads, -1).to(dtype).to(DEVICE)
+    kv = torch.full((num_pages, page, 1, lora + rope), float("nan"), dtype=dtype, device=DEVICE)
+    tags = torch.zeros(num_pages, dtype=torch.int64, device=DEVICE)
+    pages_a = list(range(num_pages))
+    kvattn.reserve_pages(tags, pages_a, 1)
+    kv[:, :, 0, :lora] = SENTINEL
+    kv[:, :, 0, lora:] = 8 * q[0, 0, lora:]
+    kvattn.commit_pages(tags, pages_a, 1, [page] * num_pages, page)
+    kvattn.release_pages(tags, pages_a)
+
+    pages_b = torch.randperm(num_pages, generator=g)[:num_pages_b].tolist()
+    kvattn.reserve_pages(tags, pages_b, 2)
+    row = torch.randn(lora + rope, generator=g).to(dtype).to(DEVICE)
+    kv[pages_b[0], 0, 0] = row
+    assert kvattn.commit_pages(tags, pages_b[:1], 2, [1], page).dropped_count() == 0
+    table = torch.tensor([pages_b], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([num_pages_b * page], dtype=torch.int32, device=DEVICE)
+    expected = torch.tensor([2], dtype=torch.int64, device=DEVICE)
+    return MLABatch(q.contiguous(), kv, table, lens, tags, expected, lora), row
+
+
+def check_incident(batch, row, backend):
+    lora = batch.kv_lora_rank
+    out, _, report = assert_matches(batch, backend)
+    assert report.violations.tolist() == [4]
+    assert report.reasons.tolist() == [int(Violation.UNWRITTEN | Violation.RESERVED)]
+    assert report.page_reasons[0].tolist() == [int(Violation.UNWRITTEN)] + [int(Violation.RESERVED)] * 3
+    # Attention over B's one token is that token's value part, for every head.
+    want = row[:lora].float().expand(out.shape[1], -1)
+    torch.testing.assert_close(out[0].float(), want, **tolerance(batch.q.dtype))
+    assert out.abs().max() < 10, "sentinel influence"
+
+
+def test_incident_replay_checked_refuses_and_reports(backend, page):
+    check_incident(*incident(page=page), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_incident_replay_checked_at_512_plus_64_page_64(backend):
+    check_incident(*incident(lora=512, rope=64, page=64, heads=16), backend)
+
+
+def test_incident_replay_unchecked_shows_the_sentinel(backend, page):
+    """The twin: without the check the same call returns the sentinel, so the scenario is real."""
+    batch, _ = incident(page=page)
+    out, report = batch.decode(backend, check=False)
+    assert report is None and (out.float() > 0.9 * SENTINEL).all()
+
+
+def test_incident_replay_truthful_length_is_clean(backend, page):
+    """The twin of the over-long read: B decoded over the one token it received is clean."""
+    batch, row = incident(page=page)
+    batch.seq_lens[0] = 1
+    out, _, report = assert_matches(batch, backend)
+    assert not report.any() and report.pages_checked.tolist() == [1]
+    torch.testing.assert_close(out[0].float(), row[:32].float().expand(4, -1),
+                               **tolerance(batch.q.dtype))
+
+
+def lens3(page=4):
+    """Three sequences of 2, 3 and 3 pages, the first and last ending one slot into a page."""
+    return [page + 1, 3 * page, 2 * page + 1]
+
+
+def small(page, **kwargs):
+    return MLABatch.random(seq_lens=lens3(page), page_size=page, **kwargs)
+
+
+def test_clean_batch_has_no_violation(backend, page):
+    _, _, report = assert_matches(small(page), backend)
+    assert not report.any() and report.pages_checked.tolist() == [2, 3, 3]
+
+
+@pytest.mark.parametrize("tag", ["free", "reserved"])
+def test_free_and_reserved_pages_are_refused(backend, page, tag):
+    batch = small(page)
+    batch.page_tags[int(batch.block_table[1, 1])] = (kvattn.FREE_TAG if tag == "free"
+                                                     else kvattn.reserved_tag(2))
+    _, _, report = assert_matches(batch, backend)
+    reason = Violation.FREE if tag == "free" else Violation.RESERVED
+    assert report.violations.tolist() == [0, 1, 0]
+    assert report.page_reasons[1].tolist() == [0, int(reason), 0]
+
+
+@pytest.mark.parametrize("bad", ["past_pool", "negative", "int32_min"])
+def test_out_of_range_and_negative_indices_are_refused(backend, page, bad):
+    batch = small(page)
+    num_pages = batch.kv_cache.shape[0]
+    batch.block_table[2, 1] = {"past_pool": num_pages, "negative": -1, "int32_min": -2 ** 31}[bad]
+    _, _, report = assert_matches(batch, backend)
+    assert report.violations.tolist() == [0, 0, 1]
+    assert report.page_reasons[2].tolist() == [0, int(Violation.OUT_OF_RANGE), 0]
+
+
+def test_padding_page_past_seq_len_is_ignored(backend, page):
+    """Engines pad table rows with page 0 (someone else's); unread entries are not violations."""
+    batch = small(page, extra_pages=1)
+    batch.block_table[0, 2:] = 0
+    batch.block_table[2, 3] = 0
+    _, _, report = assert_matches(batch, backend)
+    assert not report.any()
+
+
+def test_padding_page_that_is_read_is_refused(backend, page):
+    """The twin: a length that reaches the padding entry reads it, and the tag refuses it."""
+    batch = small(page, extra_pages=1)
+    batch.block_table[0, 2] = int(batch.block_table[1, 0])
+    batch.seq_lens[0] = 2 * page + 1
+    _, _, report = assert_matches(batch, backend)
+    assert report.page_reasons[0].tolist()[:3] == [0, int(Violation.UNWRITTEN),
+                                                   int(Violation.OWNER_MISMATCH)]
+
+
+def test_duplicated_index_of_another_sequence_is_refused(backend, page):
+    batch = small(page)
+    batch.block_table[2, 0] = batch.block_table[1, 0]
+    _, _, report = assert_matches(batch, backend)
+    assert report.violations.tolist() == [0, 0, 1]
+    assert report.reasons.tolist() == [0, 0, int(Violation.OWNER_MISMATCH)]
+
+
+def test_swapped_rows_are_refused(backend, page):
+    batch = small(page)
+    batch.block_table[[1, 2]] = batch.block_table[[2, 1]].clone()
+    out, lse, report = assert_matches(batch, backend)
+    assert report.violations.tolist() == [0, 3, 3]
+    assert report.reasons.tolist() == [0] + [int(Violation.OWNER_MISMATCH)] * 2
+    assert torch.equal(out[1:], torch.zeros_like(out[1:])) and torch.isneginf(lse[1:]).all()
+
+
+def stale_tails(batch):
+    """Sentinel rows in every slot past each written page's valid_len: a previous owner's data."""
+    for p in range(batch.kv_cache.shape[0]):
+        tag = int(batch.page_tags[p])
+        if kvattn.tag_state(tag) == STATE_WRITTEN:
+            batch.kv_cache[p, kvattn.tag_valid_len(tag):] = SENTINEL
+    return batch
+
+
+@pytest.mark.parametrize("pages,slots", [(1, -1), (1, 0), (1, 1), (2, 0), (2, 1)])
+def test_partial_pages_at_page_boundaries_are_clean(backend, page, pages, slots):
+    batch = stale_tails(MLABatch.random(seq_lens=[pages * page + slots, 1, 3 * page],
+                                        page_size=page))
+    out, _, report = assert_matches(batch, backend)
+    assert not report.any() and out.abs().max() < 10
+
+
+@pytest.mark.parametrize("written,read", [((1, -1), (1, 0)), ((0, 1), (1, 0)), ((1, 1), (2, 0)),
+                                          ((2, -1), (2, 1))])
+def test_reading_past_valid_len_is_refused(backend, page, written, read):
+    """The twin: the table claims more tokens than were written; the stale tail stays out.
+    ``written`` and ``read`` are (pages, slots) lengths: pages * page_size + slots."""
+    written, read = (pages * page + slots for pages, slots in (written, read))
+    batch = MLABatch.random(seq_lens=[written, 1, 3 * page], page_size=page, extra_pages=1)
+    # Sequence 0's spare page: written for it with nothing in it yet (valid_len 0).
+    spare = int(batch.block_table[0, -(-written // page)])
+    batch.page_tags[spare] = kvattn.written_tag(1, 0)
+    batch = stale_tails(batch)
+    batch.seq_lens[0] = read
+    out, _, report = assert_matches(batch, backend)
+    assert report.violations.tolist()[0] >= 1
+    assert report.reasons.tolist()[0] == int(Violation.UNWRITTEN)
+    assert out.abs().max() < 10
+
+
+def shared_prefix(page, dtype=torch.float16):
+    """Parent writes 2 pages + 2 tokens under owner 1; the child (owner 2) shares the parent's two
+    full pages and wrote 3 tokens of its own; another sequence (owner 3) wrote one page. Latent
+    rows arrive by another path and are committed by the tokens received (commit_pages)."""
+    g = torch.Generator().manual_seed(5)
+    dim = 48
+    kv = torch.full((12, page, 1, dim), float("nan"), dtype=dtype, device=DEVICE)
+    tags = torch.zeros(12, dtype=torch.int64, device=DEVICE)
+
+    def write(pages, owner, tokens):
+        kvattn.reserve_pages(tags, pages, owner)
+        for i, p in enumerate(pages):
+            n = min(page, tokens - i * page)
+            kv[p, :n] = torch.randn(n, 1, dim, generator=g).to(dtype).to(DEVICE)
+            assert kvattn.commit_pages(tags, [p], owner, [n], page).dropped_count() == 0
+
+    write([3, 7, 1], 1, 2 * page + 2)
+    write([9], 2, 3)
+    write([4], 3, page)
+    table = torch.tensor([[3, 7, 1], [3, 7, 9], [4, 0, 0]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([2 * page + 2, 2 * page + 3, page], dtype=torch.int32, device=DEVICE)
+    per_entry = torch.tensor([[1, 1, 1], [1, 1, 2], [3, 3, 3]], dtype=torch.int64, device=DEVICE)
+    q = torch.randn(3, 4, dim, generator=g).to(dtype).to(DEVICE)
+    return MLABatch(q, kv, table, lens, tags, per_entry, 32)
+
+
+def test_prefix_sharing_with_per_entry_expected_passes(backend, page):
+    _, _, report = assert_matches(shared_prefix(page), backend)
+    assert not report.any() and report.pages_checked.tolist() == [3, 3, 1]
+
+
+def test_prefix_sharing_with_wrong_expected_fails(backend, page):
+    """The twin: the shared pages expected under the child's own owner, or an unrelated one, are
+    refused; per sequence, only the child's shared pages fail."""
+    batch = shared_prefix(page)
+    batch.expected[1, :2] = 2
+    batch.expected[0, :2] = 3
+    _, _, report = assert_matches(batch, backend)
+    assert report.violations.tolist() == [2, 2, 0]
+    assert report.page_reasons[:2, :2].tolist() == [[int(Violation.OWNER_MISMATCH)] * 2] * 2
+    batch.expected = torch.tensor([1, 2, 3], dtype=torch.int64, device=DEVICE)
+    _, _, report = assert_matches(batch, backend)
+    assert report.violations.tolist() == [0, 2, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_all_valid_checked_equals_unchecked_bitwise(backend, page, dtype):
+    batch = shared_prefix(page, dtype)
+    checked, lse_c, report = batch.decode(backend, return_lse=True)
+    unchecked, lse_u, _ = batch.decode(backend, check=False, return_lse=True)
+    assert not report.any()
+    assert torch.equal(checked, unchecked) and torch.equal(lse_c, lse_u)
+
+
+def test_one_refused_page_makes_checked_differ_from_unchecked(backend, page):
+    """The twin: one refused page (the parent's, read by the third sequence) moves the checked
+    output away from the unchecked one, which reads that page's finite data."""
+    batch = shared_prefix(page, torch.float32)
+    batch.block_table[2, 0] = 3
+    checked, report = batch.decode(backend)
+    unchecked, _ = batch.decode(backend, check=False)
+    assert report.violations.tolist() == [0, 0, 1]
+    assert torch.equal(checked[:2], unchecked[:2])
+    assert torch.equal(checked[2], torch.zeros_like(checked[2]))
+    assert not torch.equal(checked[2], unchecked[2])
+
+
+def test_raise_names_sequences_pages_and_reasons(backend, page):
+    batch = small(page)
+    batch.page_tags[int(batch.block_table[2, 1])] = kvattn.reserved_tag(3)
+    batch.block_table[0, 0] = -1
+    out_buf = torch.full((3, 4, 32), float("nan"), dtype=batch.q.dtype, device=DEVICE)
+    with pytest.raises(KVOwnershipError) as info:
+        batch.decode(backend, on_violation="raise", out=out_buf)
+    assert info.value.refusals == {0: [(0, Violation.OUT_OF_RANGE)], 2: [(1, Violation.RESERVED)]}
+    assert "sequence 1" not in str(info.value)
+    torch.testing.assert_close(out_buf.double(), batch.reference()[0], **tolerance(batch.q.dtype))
+
+
+def test_raise_is_silent_when_clean(backend, page):
+    out, report = small(page).decode(backend, on_violation="raise")
+    assert torch.isfinite(out).all() and not report.any()
+
+
+def test_seq_len_past_the_table_reads_nothing_past_it(backend, page):
+    """Unvalidated, a length beyond the table counts one OUT_OF_RANGE and reads the table only."""
+    batch = small(page)
+    batch.seq_lens[1] = 100 * page
+    out, report = batch.decode(backend, validate=False, num_splits=2)
+    assert report.beyond_table.tolist() == [0, 1, 0]
+    assert report.violations.tolist() == [0, 1, 0]
+    assert report.reasons.tolist() == [0, int(Violation.OUT_OF_RANGE), 0]
+    assert torch.isfinite(out).all()
+
+
+def test_seq_len_inside_the_table_is_not_beyond_it(backend, page):
+    """The twin: a length filling the table exactly is clean."""
+    batch = small(page)
+    batch.seq_lens[1] = 3 * page
+    _, report = batch.decode(backend, validate=False, num_splits=2)
+    assert report.beyond_table.tolist() == [0, 0, 0] and not report.any()
+
+
+# --- Validation, registry, custom op --------------------------------------------------------------
+
+def _mutations():
+    def replace(**changes):
+        return lambda b: dataclasses.replace(b, **changes)
+
+    def call(b, **kwargs):
+        return kvattn.paged_mla_decode(*b.inputs(), **{"kv_lora_rank": b.kv_lora_rank, **kwargs})
+
+    return {
+        "q_2d": (lambda b: call(dataclasses.replace(b, q=b.q[0])), ValueError, ("q:", "3-D")),
+        "two_latent_heads": (lambda b: call(replace(kv_cache=b.kv_cache.expand(-1, -1, 2, -1)
+                                                    .contiguous())(b)),
+                             ValueError, ("kv_cache:", "one latent head")),
+        "dim_mismatch": (lambda b: call(replace(q=b.q[..., :40].contiguous())(b)), ValueError,
+                         ("kv_cache:", "q's dim 2")),
+        "dtype_mismatch": (lambda b: call(replace(q=b.q.float())(b)), TypeError,
+                           ("kv_cache:", "float32")),
+        "lora_bool": (lambda b: call(b, kv_lora_rank=True), TypeError, ("kv_lora_rank:",)),
+        "lora_too_big": (lambda b: call(b, kv_lora_rank=49), ValueError, ("kv_lora_rank:", "49")),
+        "lora_zero": (lambda b: call(b, kv_lora_rank=0), ValueError, ("kv_lora_rank:",)),
+        "out_shape": (lambda b: call(b, out=torch.empty_like(b.q)), ValueError,
+                      ("out:", "(3, 4, 32)")),
+        "out_overlaps_q": (lambda b: call(b, out=b.q[..., :32]), ValueError, ("out:",)),
+        "splits_zero": (lambda b: call(b, num_splits=0), ValueError, ("num_splits:",)),
+        "splits_float": (lambda b: call(b, num_splits=2.0), ValueError, ("num_splits:",)),
+        "scale_nan": (lambda b: call(b, scale=float("nan")), ValueError, ("scale:",)),
+        "table_int64": (lambda b: call(replace(block_table=b.block_table.long())(b)), TypeError,
+                        ("block_table:",)),
+        "expected_shape": (lambda b: call(replace(expected=b.expected[:2])(b)), ValueError,
+                           ("expected:",)),
+        "seq_len_past_table": (lambda b: call(replace(seq_lens=b.seq_lens + 100)(b), validate=True),
+                               ValueError, ("seq_lens:",)),
+        "owner_zero": (lambda b: call(replace(expected=b.expected * 0)(b), validate=True),
+                       ValueError, ("expected:",)),
+        "raise_unchecked": (lambda b: call(b, check=False, on_violation="raise"), ValueError,
+                            ("on_violation:",)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_mutations()))
+def test_malformed_inputs_raise_naming_the_argument(name):
+    mutate, error, words = _mutations()[name]
+    with raises(error, *words):
+        mutate(MLABatch.random(seq_lens=lens3()))
+
+
+def test_well_formed_inputs_pass_validation():
+    """The twin of the table above: the unmutated batch runs on every backend of the op."""
+    batch = MLABatch.random(seq_lens=lens3())
+    for backend in BACKENDS:
+        out, report = batch.decode(backend)
+        assert out.shape == (3, 4, 32) and not report.any()
+
+
+def test_registry_reasons_and_auto_choice():
+    batch = MLABatch.random(seq_lens=lens3())
+    args = kvattn.layout.validate_mla_decode(*batch.inputs(), kv_lora_rank=32)
+    reasons = backends.explain(args, "mla_decode")
+    assert reasons["reference"] is None and reasons["triton"] is None
+    assert reasons["cuda"] is not None and reasons["torch"] == "no mla_decode kernel"
+    assert backends.auto_choice(args, "mla_decode")[0] == "triton"
+    wide = MLABatch.random(seq_lens=[3], lora=520, rope=8, num_heads=1)
+    wide_args = kvattn.layout.validate_mla_decode(*wide.inputs(), kv_lora_rank=520)
+    assert backends.explain(wide_args, "mla_decode")["triton"] == "kv_lora_rank 520 > 512"
+    assert backends.auto_choice(wide_args, "mla_decode")[0] == "reference"
+    with raises(ValueError, "backend 'triton' cannot run", "kv_lora_rank 520 > 512"):
+        wide.decode("triton")
+    with raises(ValueError, "backend 'cuda' cannot run"):
+        batch.decode("cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_paged_mla_decode(backend):
+    batch = MLABatch.random(seq_lens=[5, 2], dtype=torch.float32)
+    torch.library.opcheck(torch.ops.kvattn.paged_mla_decode.default,
+                          batch.inputs() + (32, None, True, backend, True, None, None))
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_mla_op_equals_direct_call(corrupt):
+    batch = MLABatch.random(seq_lens=[5, 9, 2], dtype=torch.float32)
+    if corrupt:  # sequence 0 reads sequence 1's first page: OWNER_MISMATCH
+        batch.block_table[0, 0] = batch.block_table[1, 0]
+    out, lse, report = ops.paged_mla_decode(*batch.inputs(), kv_lora_rank=32, backend="triton",
+                                            return_lse=True, num_splits=2)
+    ref_out, ref_lse, ref_report = batch.decode("triton", return_lse=True, num_splits=2)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert_reports_equal(report, ref_report)
+    assert bool(report.violations[0]) == corrupt
+    if corrupt:
+        with pytest.raises(KVOwnershipError, match="OWNER_MISMATCH"):
+            ops.paged_mla_decode(*batch.inputs(), kv_lora_rank=32, backend="reference",
+                                 on_violation="raise")
