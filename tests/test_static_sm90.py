@@ -136,3 +136,16 @@ def test_committed_table_is_current(static):
         pytest.skip("no CUDA object (nvcc absent)")
     assert COMMITTED.exists(), "run `make static`"
     assert COMMITTED.read_text() == table, "benchmarks/results/static_sm90.md is stale: run `make static`"
+
+
+def test_mla_decode_on_tensor_cores_with_cheap_check_at_page_64(static):
+    """The MLA kernel's products run on tensor cores (16-bit latents) and, at FlashMLA's page of 64
+    (one scalar tag test per tile), the check adds at most DECODE_RATIO_MAX to its main loop."""
+    found = {c: p for (k, c), p in pairs(static[0]["records"], "triton").items()
+             if k == "paged_mla_decode_kernel"}
+    assert any(" p64 " in c for c in found) and any(" p1 " in c for c in found)
+    for config, pair in found.items():
+        for r in pair.values():
+            assert ("fp32" in config) == (r["loop_mma"] == 0), (config, r)
+        if " p64 " in config:
+            assert pair[True]["loop_sass"] / pair[False]["loop_sass"] <= DECODE_RATIO_MAX, config

@@ -256,6 +256,17 @@ TRITON_CONFIGS = [
     ("extend fp16 d128 p80 gqa4", "extend", torch.float16, 128, 80, 32, 8),
 ]
 
+# MLA decode (head_dim: the latent row, kv_lora_rank 512 + rope_dim 64; one latent head).
+MLA_LORA = 512
+TRITON_CONFIGS += [
+    ("mla_decode bf16 512+64 p64 h16", "mla_decode", torch.bfloat16, 576, 64, 16, 1),
+    ("mla_decode fp16 512+64 p64 h16", "mla_decode", torch.float16, 576, 64, 16, 1),
+    ("mla_decode bf16 512+64 p64 h128", "mla_decode", torch.bfloat16, 576, 64, 128, 1),
+    ("mla_decode bf16 512+64 p16 h16", "mla_decode", torch.bfloat16, 576, 16, 16, 1),
+    ("mla_decode bf16 512+64 p1 h16", "mla_decode", torch.bfloat16, 576, 1, 16, 1),
+    ("mla_decode fp32 512+64 p64 h16", "mla_decode", torch.float32, 576, 64, 16, 1),
+]
+
 
 def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads):
     """Validated arguments of a small launch with engine-like strides (a pool of 1001 pages and a
@@ -269,6 +280,10 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads):
     table = torch.zeros(batch, max_pages, dtype=torch.int32)
     lens = torch.full((batch,), 100, dtype=torch.int32)
     expected = torch.ones(batch, dtype=torch.int64)
+    if op == "mla_decode":
+        q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
+        return kvattn.layout.validate_mla_decode(q, k, table, lens, tags, expected,
+                                                 kv_lora_rank=MLA_LORA, validate=False)
     if op == "decode":
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
         return kvattn.layout.validate_decode(q, k, v, table, lens, tags, expected, validate=False)
@@ -284,7 +299,7 @@ def triton_records(configs=TRITON_CONFIGS) -> list[dict]:
     for name, op, dtype, head_dim, page_size, num_heads, num_kv_heads in configs:
         args = _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads)
         for check in (False, True):
-            out = torch.empty_like(args.q)
+            out = args.q.new_empty(*args.q.shape[:2], getattr(args, "kv_lora_rank", args.head_dim))
             lse = torch.empty(args.q.shape[:2], dtype=torch.float32)
             with compile_only() as compiled:
                 getattr(triton_backend, op)(args, check=check, out=out, lse=lse)

@@ -118,19 +118,31 @@ def _pow2(x: int) -> int:
 class MLADecodeConfig:
     """MLA decode: ``block_h`` query heads per program (the M dimension of both products, at
     least 16 for the tensor cores; more heads take more programs, which re-read the latent rows
-    from L2), ``block_n`` latent rows per tile, ``programs_per_sm`` for the split planner."""
+    from L2), ``block_n`` latent rows per tile, ``programs_per_sm`` for the split planner (from
+    registers and shared memory of the compiled kernel, see ``tools/static_sm90.py``)."""
 
     block_h: int = 16
-    block_n: int = 32
-    num_warps: int = 4
-    num_stages: int = 2
+    block_n: int = 16
+    num_warps: int = 8
+    num_stages: int = 4
     programs_per_sm: int = 2
 
 
 # (arch, dtype, kv_lora_rank + rope_dim rounded up to a power of two, page_size) -> config, matched
-# as DECODE_TABLE. Defaults from sm_90 compiles (tools/static_sm90.py), not timings.
+# as DECODE_TABLE. Defaults chosen from sm_90 compiles of the 512 + 64 latent (tools/static_sm90.py:
+# K/V buffers, registers, shared memory, loop instructions), not timings. With 4 warps the
+# [16, 512] float32 accumulator and the 16-head query take 128 to 180 registers; 8 warps halve that.
 MLA_DECODE_TABLE: list[tuple[tuple, MLADecodeConfig]] = [
+    # Pages of 16 (and other multiples of 16 but not 32): one scalar page per tile, three latent
+    # buffers (74 KB of shared memory), about 97 registers: two programs per SM.
     ((None, None, None, None), MLADecodeConfig()),
+    # Pages of 64 (FlashMLA's) and other multiples of 32: 32-row tiles, two buffers (93 KB).
+    ((None, None, None, large_pages), MLADecodeConfig(block_n=32, num_stages=3)),
+    # Short pages are resolved per row; five stages keep two buffers; about 140 registers (checked):
+    # one program per SM.
+    ((None, None, None, small_pages), MLADecodeConfig(num_stages=5, programs_per_sm=1)),
+    # float32 rows are twice as wide: 16-row tiles, two buffers (112 KB).
+    ((None, torch.float32, None, None), MLADecodeConfig(num_stages=3)),
 ]
 
 
