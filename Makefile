@@ -69,7 +69,7 @@ env:
 	$(PYTHON) -m kvattn.env
 
 bench: build
-	$(PYTHON) -m benchmarks.decode --quick && $(PYTHON) -m benchmarks.extend --quick
+	$(PYTHON) -m benchmarks.decode --quick && $(PYTHON) -m benchmarks.extend --quick && $(PYTHON) -m benchmarks.mla --quick
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache kvattn/backends/cuda/*.so kvattn/backends/cuda_sim/*.so \

@@ -576,3 +576,100 @@ def spread_pct(values: list[float]) -> float:
     if len(values) < 2:
         return 0.0
     return 100.0 * (max(values) - min(values)) / statistics.median(values)
+
+
+@dataclass(frozen=True)
+class MLAPoint:
+    """One MLA decode problem: ``batch`` sequences of ``context`` tokens, ``num_heads`` query heads
+    reading one latent row of ``kv_lora_rank + rope_dim`` dims per token."""
+
+    batch: int
+    context: int
+    page_size: int
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: str
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.context // self.page_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def elt(self) -> int:
+        return torch.finfo(DTYPES[self.dtype]).bits // 8
+
+    def kv_set_bytes(self) -> int:
+        """Bytes of latent rows one rotation set occupies in the pool (whole pages)."""
+        return self.batch * self.pages_per_seq * self.page_size * self.head_dim * self.elt
+
+    def label(self) -> str:
+        return (f"B{self.batch}_ctx{self.context}_p{self.page_size}_h{self.num_heads}_"
+                f"mla{self.kv_lora_rank}+{self.rope_dim}_{self.dtype}")
+
+
+def mla_bytes_moved(p: MLAPoint, checked: bool) -> dict[str, int]:
+    """The fewest bytes an MLA decode call must move, by part: each latent row read once (the
+    kernel's re-reads of a row for further head blocks come from L2 and are not counted), Q
+    (``kv_lora_rank + rope_dim`` dims) read and O (``kv_lora_rank``) written once, and the index
+    and report bytes of :func:`bytes_moved`."""
+    pages = p.batch * p.pages_per_seq
+    parts = {
+        "kv": p.batch * p.context * p.head_dim * p.elt,
+        "qo": p.batch * p.num_heads * (p.head_dim + p.kv_lora_rank) * p.elt,
+        "table": pages * 4 + p.batch * 4,
+        "tags": (pages * 8 + p.batch * 8 + pages * 1 + 4 * p.batch * 4) if checked else 0,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+@dataclass
+class MLAInputs:
+    """A latent pool holding ``len(tables)`` rotation sets of one MLA point."""
+
+    point: MLAPoint
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    page_tags: torch.Tensor
+    tables: list[torch.Tensor]
+    seq_lens: torch.Tensor
+    expected: list[torch.Tensor]
+    scale: float
+
+    @property
+    def sets(self) -> int:
+        return len(self.tables)
+
+    def pool_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def args(self, i: int) -> tuple:
+        return (self.q, self.kv_cache, self.tables[i], self.seq_lens, self.page_tags,
+                self.expected[i])
+
+
+def make_mla_inputs(p: MLAPoint, device: torch.device, sets: int, seed: int = 0) -> MLAInputs:
+    """The decode pool of :func:`make_decode_inputs` (rotation sets, permuted pages, NaN in every
+    slot no sequence reads, committed tags) with one latent pool ``[num_pages, page_size, 1,
+    kv_lora_rank + rope_dim]``; the scale is FlashMLA's default, ``head_dim ** -0.5``."""
+    decode_point = Point(p.batch, p.context, p.page_size, p.num_heads, 1, p.head_dim, p.dtype)
+    d = make_decode_inputs(decode_point, device, sets, seed)
+    return MLAInputs(p, d.q, d.k_cache, d.page_tags, d.tables, d.seq_lens, d.expected, d.scale)
+
+
+def mla_reference_output(inp: MLAInputs, i: int, rows: int) -> torch.Tensor:
+    """float32 reference for the first ``rows`` sequences of set ``i``."""
+    q, kv, table, lens, tags, expected = inp.args(i)
+    out, report = kvattn.reference.paged_mla_decode(q[:rows], kv, table[:rows], lens[:rows], tags,
+                                                    expected[:rows],
+                                                    kv_lora_rank=inp.point.kv_lora_rank,
+                                                    scale=inp.scale)
+    if int(report.violations.sum()) != 0:
+        raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
+                           f"({report.summary()})")
+    return out

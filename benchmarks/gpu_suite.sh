@@ -9,8 +9,8 @@
 #      where the sanitizer cannot run;
 #   4. the tests that use GPU tensors (-m "not host_only"), with a per-test timeout;
 #   5. the tuning sweep (benchmarks/tune.py), about 100 s;
-#   6. the decode and extend benchmark sweeps in what is left, each point's rows written as soon as
-#      it is measured (rows.jsonl), slow providers sized by a first timed call.
+#   6. the decode, MLA decode and extend benchmark sweeps in what is left, each point's rows written
+#      as soon as it is measured (rows.jsonl), slow providers sized by a first timed call.
 # Everything goes under $OUT (at most 8 files: the device tool's limit) and benchmarks/results/.
 #
 #   KVATTN_COMMIT=$(git rev-parse --short=10 HEAD) bash benchmarks/gpu_suite.sh
@@ -94,12 +94,16 @@ if [ "$tune_s" -gt 20 ]; then
   cat "$scratch"/tune/*/tune.md 2>/dev/null | head -40
 fi
 
-collect() {  # $1: run folder, $2: prefix of the summary's copy in $OUTDIR
+collect() {  # $1: run folder, $2: prefix of the summary's copy in $OUTDIR ("none": into the log)
   cp -r "$1" "$RESULTS/"
-  [ -f "$1/summary.md" ] && cp "$1/summary.md" "$OUTDIR/${2}summary.md"
+  if [ "$2" = none ]; then
+    [ -f "$1/summary.md" ] && sed -n '/^## Targets/,$p' "$1/summary.md"
+  else
+    [ -f "$1/summary.md" ] && cp "$1/summary.md" "$OUTDIR/${2}summary.md"
+  fi
   echo "results: $RESULTS/$(basename "$1")"
 }
-sweep() {  # $1: decode or extend, $2: its budget (s), $3: the least worth starting, $4: as collect's $2
+sweep() {  # $1: decode, mla or extend, $2: its budget (s), $3: the least worth starting, $4: as collect's $2
   sweep_rc=skipped
   if [ "$2" -gt "$3" ]; then
     local preset=${SUITE_PRESET:-gpu-suite}
@@ -117,14 +121,19 @@ sweep() {  # $1: decode or extend, $2: its budget (s), $3: the least worth start
 bench_left=$(( $(left) - 40 ))
 extend_left=$(( bench_left * 2 / 5 ))
 [ $extend_left -gt 100 ] && extend_left=100
-sweep decode $(( bench_left - extend_left )) 30 ""
+# MLA decode: a sixth, at most 60 s; its summary goes into suite.log (the 8 files of $OUTDIR are taken).
+mla_left=$(( bench_left / 6 ))
+[ $mla_left -gt 60 ] && mla_left=60
+sweep decode $(( bench_left - extend_left - mla_left )) 30 ""
 decode_rc=$sweep_rc
+sweep mla $mla_left 20 none
+mla_rc=$sweep_rc
 sweep extend $(( $(left) - 35 )) 20 extend-
 extend_rc=$sweep_rc
 
 for run_dir in "$scratch"/tune/*; do [ -d "$run_dir" ] && cp -r "$run_dir" "$RESULTS/"; done
 [ -n "$(ls -A "$scratch" 2>/dev/null)" ] && tar -czf "$OUTDIR/results.tar.gz" -C "$scratch" .
-step "done: build=$build_rc smoke=$smoke_rc tests=$tests_rc tune=$tune_rc decode=$decode_rc extend=$extend_rc"
+step "done: build=$build_rc smoke=$smoke_rc tests=$tests_rc tune=$tune_rc decode=$decode_rc extend=$extend_rc mla=$mla_rc"
 ls -la "$OUTDIR"
 [ -f "$OUTDIR/summary.md" ] && sed -n '/^## Targets/,/^## Decode/p' "$OUTDIR/summary.md"
 [ -f "$OUTDIR/extend-summary.md" ] && sed -n '/^## Targets/,/^## Extend/p' "$OUTDIR/extend-summary.md"
@@ -135,6 +144,7 @@ ok "$smoke_rc" || failed+=("cuda smoke (see smoke.log)")
 ok "$tests_rc" || failed+=("tests (see tests.log)")
 ok "$decode_rc" || failed+=("decode sweep (a kvattn provider failed or the sweep stopped)")
 ok "$extend_rc" || failed+=("extend sweep (a kvattn provider failed or the sweep stopped)")
+ok "$mla_rc" || failed+=("MLA decode sweep (a kvattn provider failed or the sweep stopped)")
 if [ ${#failed[@]} -gt 0 ]; then
   echo "GPU SUITE FAILED: ${failed[*]}"
   exit 1

@@ -6,7 +6,7 @@ import csv
 import json
 from pathlib import Path
 
-from .plot import plot_extend_run, plot_run
+from .plot import plot_extend_run, plot_mla_run, plot_run
 
 # Targets (benchmark figures on an H200, never test assertions).
 CHECK_TOL_LONG = 0.01  # checked within 1% of unchecked at context >= LONG_CONTEXT
@@ -278,3 +278,42 @@ def write_extend_outputs(run_dir: Path, meta: dict, rows: list[dict], log_lines:
     return _write_run(run_dir, meta, {"extend": (rows, EXTEND_COLUMNS)},
                       extend_summary_markdown(meta, rows), log_lines,
                       (lambda: plot_extend_run(run_dir, meta, rows)) if plots else None)
+
+
+MLA_COLUMNS = ["provider", "mode", "status", "batch", "context", "page_size", "num_heads",
+               "kv_lora_rank", "rope_dim", "dtype", "median_ms", "spread_pct", "repeats",
+               "kv_bytes", "other_bytes", "total_bytes", "tbps", "pct_copy_bw",
+               "ratio_vs_unchecked", "ratio_min", "ratio_max", "max_abs_err", "sets", "pool_bytes",
+               "times_ms"]
+
+
+def _mla_point(r: dict) -> str:
+    return (f"B={r['batch']} ctx={r['context']} page={r['page_size']} heads={r['num_heads']} "
+            f"latent={r['kv_lora_rank']}+{r['rope_dim']} {r['dtype']}")
+
+
+def evaluate_mla_targets(meta: dict, rows: list[dict]) -> list[str]:
+    """Decode's check-overhead target on the MLA rows (GPU runs, graph replays)."""
+    if not meta["gpu_measurement"]:
+        return list(CPU_NO_TARGETS)
+    return _overhead_lines(rows, _mla_point, f"Checked MLA decode within {100 * CHECK_TOL_LONG:.0f}% "
+                           f"of unchecked at context >= {LONG_CONTEXT}, within "
+                           f"{100 * CHECK_TOL_ANY:.0f}% everywhere (decode's tolerance)",
+                           short_note=True)
+
+
+def mla_summary_markdown(meta: dict, rows: list[dict]) -> str:
+    return _summary(meta, evaluate_mla_targets(meta, rows), [
+        ("MLA decode", rows,
+         ["point", "provider", "mode", "median {unit}", "spread %", "TB/s", "% copy",
+          "checked/unchecked (range)", "max err"],
+         lambda r, scale: [_mla_point(r), *_timing_cells(r, scale), f"{r['tbps']:.3g}",
+                           f"{r['pct_copy_bw']:.1f}", _ratio(r, "ratio_vs_unchecked", 4),
+                           f"{r['max_abs_err']:.2g}"]),
+    ], rows)
+
+
+def write_mla_outputs(run_dir: Path, meta: dict, rows: list[dict], log_lines: list[str],
+                      plots: bool = True) -> list[Path]:
+    return _write_run(run_dir, meta, {"mla": (rows, MLA_COLUMNS)}, mla_summary_markdown(meta, rows),
+                      log_lines, (lambda: plot_mla_run(run_dir, meta, rows)) if plots else None)

@@ -1,5 +1,5 @@
-"""Plots of a benchmark run: check overhead and achieved bandwidth (decode) or TFLOP/s (extend)
-against context.
+"""Plots of a benchmark run: check overhead and achieved bandwidth (decode, MLA decode) or TFLOP/s
+(extend) against context.
 
 ``python -m benchmarks.plot RUN_DIR`` redraws them from ``RUN_DIR/run.json``. Without matplotlib
 nothing is drawn and the run says so; the CSV/JSON/markdown outputs do not depend on it.
@@ -88,6 +88,20 @@ def plot_extend_run(run_dir: Path, meta: dict, extend: list[dict]) -> list[Path]
     return _draw(run_dir, meta, extend, figures, _extend_key, "prefix + chunk (tokens)")
 
 
+def _mla_key(r: dict) -> str:
+    return (f"{r['provider']} {r['mode']} B={r['batch']} p{r['page_size']} h{r['num_heads']} "
+            f"mla{r['kv_lora_rank']}+{r['rope_dim']} {r['dtype']}")
+
+
+def plot_mla_run(run_dir: Path, meta: dict, rows: list[dict]) -> list[Path]:
+    figures = [
+        ("mla_overhead.png", "checked / unchecked - 1 (%)", _overhead, None),
+        ("mla_bandwidth.png", "achieved TB/s (useful bytes / median time)", lambda r: r.get("tbps"),
+         meta["copy_bandwidth_start"]["tbps"]),
+    ]
+    return _draw(run_dir, meta, rows, figures, _mla_key, "context (tokens)")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -97,6 +111,8 @@ def main(argv=None) -> int:
     data = json.loads((run_dir / "run.json").read_text())
     if "extend" in data:
         paths = plot_extend_run(run_dir, data["meta"], data["extend"])
+    elif "mla" in data:
+        paths = plot_mla_run(run_dir, data["meta"], data["mla"])
     else:
         paths = plot_run(run_dir, data["meta"], data["decode"])
     for path in paths:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import kvattn
 from kvattn import backends
 
-from .common import DTYPES, DecodeInputs, ExtendInputs
+from .common import DTYPES, DecodeInputs, ExtendInputs, MLAInputs
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,9 @@ def _flashinfer_extend_build(inp: ExtendInputs):
 
 
 def all_providers(op: str = "decode") -> list[Provider]:
-    """Every provider of ``op`` (``"decode"`` or ``"extend"``), kvattn's first."""
+    """Every provider of ``op`` (``"decode"``, ``"extend"`` or ``"mla_decode"``), kvattn's first."""
+    if op == "mla_decode":
+        return mla_providers()
     if op not in _OPS:
         raise ValueError(f"op: expected 'decode' or 'extend', got {op!r}")
     decode = op == "decode"
@@ -296,3 +298,64 @@ def select(names: list[str] | None, op: str = "decode") -> list[Provider]:
     if unknown:
         raise ValueError(f"--providers: expected names from {sorted(known)}, got {unknown}")
     return [p for p in providers if p.name in names]
+
+
+def _mla_kvattn(backend: str, check: bool) -> Provider:
+    def why_not(inp: MLAInputs) -> str | None:
+        args = kvattn.layout.validate_mla_decode(*inp.args(0), kv_lora_rank=inp.point.kv_lora_rank,
+                                                 scale=inp.scale, validate=False)
+        return backends.explain(args, op="mla_decode")[backend]
+
+    def build(inp: MLAInputs):
+        p = inp.point
+        out = inp.q.new_empty(p.batch, p.num_heads, p.kv_lora_rank)
+
+        def run(i: int):
+            return kvattn.paged_mla_decode(*inp.args(i), kv_lora_rank=p.kv_lora_rank,
+                                           scale=inp.scale, check=check, backend=backend, out=out)
+        return run, out
+
+    variant = "checked" if check else "unchecked"
+    return Provider(f"kvattn-{backend}-{variant}", f"kvattn-{backend}", check, why_not, build)
+
+
+def _mla_sdpa_why_not(inp: MLAInputs) -> str | None:
+    return _gather_why_not(inp, 3 * inp.point.kv_set_bytes())
+
+
+def _mla_sdpa_build(inp: MLAInputs):
+    """Without a paged MLA kernel: gather the latent rows into a contiguous tensor, then SDPA with
+    the heads as the query length (MQA: one latent head), the whole row as the key and its first
+    ``kv_lora_rank`` dims as the value."""
+    p = inp.point
+    tables = [t.long() for t in inp.tables]
+
+    def run(i: int):
+        latent = inp.kv_cache[tables[i]].flatten(1, 2)[:, :p.context].transpose(1, 2)  # [B, 1, N, D]
+        q = inp.q.view(p.batch, 1, p.num_heads, p.head_dim)
+        out = F.scaled_dot_product_attention(q, latent, latent[..., :p.kv_lora_rank],
+                                             scale=inp.scale)
+        return out.view(p.batch, p.num_heads, p.kv_lora_rank), None
+    return run, None
+
+
+def _mla_reference_build(inp: MLAInputs):
+    p = inp.point
+    out = inp.q.new_empty(p.batch, p.num_heads, p.kv_lora_rank)
+
+    def run(i: int):
+        return kvattn.paged_mla_decode(*inp.args(i), kv_lora_rank=p.kv_lora_rank, scale=inp.scale,
+                                       backend="reference", out=out)
+    return run, out
+
+
+def mla_providers() -> list[Provider]:
+    """The MLA decode providers: kvattn's Triton kernel checked and unchecked, SDPA over gathered
+    latent rows, the reference (CPU)."""
+    return [
+        _mla_kvattn("triton", True), _mla_kvattn("triton", False),
+        Provider("torch-sdpa-gather", "torch-sdpa-gather", False, _mla_sdpa_why_not,
+                 _mla_sdpa_build),
+        Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not,
+                 _mla_reference_build),
+    ]

@@ -1,4 +1,4 @@
-"""The benchmark harnesses (decode and extend) end to end on tiny CPU points: they check every
+"""The benchmark harnesses (decode, extend and MLA decode) end to end on tiny CPU points: they check every
 provider before timing it, refuse a wrong one, and write their files labelled as not a GPU
 measurement."""
 import csv
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from benchmarks import decode, extend, providers
-from benchmarks.common import Device, ExtendPoint, Point, TimingConfig
+from benchmarks import decode, extend, mla, providers
+from benchmarks.common import Device, ExtendPoint, MLAPoint, Point, TimingConfig
 
 TINY = Point(batch=1, context=40, page_size=16, num_heads=4, num_kv_heads=2, head_dim=32, dtype="fp16")
 # Two pages per sequence, the last one partly read; the prefix ends inside the first page.
@@ -112,3 +112,47 @@ def test_extend_quick_run_writes_labelled_files(tmp_path, monkeypatch):
     run_dir, meta = _quick_run(tmp_path, monkeypatch, extend, TINY_EXTEND, "extend",
                                {"extend_overhead.png", "extend_tflops.png"})
     assert run_dir.name.endswith("_extend") and meta["op"] == "extend"
+
+
+TINY_MLA = MLAPoint(batch=2, context=40, page_size=16, num_heads=4, kv_lora_rank=32, rope_dim=16,
+                    dtype="fp16")
+
+
+@CPU_ONLY
+def test_mla_run_point_times_checked_providers_and_pairs_the_ratio():
+    chosen = providers.select(["kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"],
+                              op="mla_decode")
+    rows = mla.run_point(TINY_MLA, chosen, _cpu(), TimingConfig(cpu_runs=1, repeats=2, graphs=False),
+                         copy_tbps=1.0, log=print)
+    ok = {r["provider"]: r for r in rows if r["status"] == "ok"}
+    assert set(ok) == {p.name for p in chosen}
+    for r in ok.values():
+        assert r["max_abs_err"] <= 1e-2 and r["median_ms"] > 0 and len(r["times_ms"]) == 2
+    checked, unchecked = ok["kvattn-triton-checked"], ok["kvattn-triton-unchecked"]
+    # One latent row per token read once; q of 48 dims read, o of 32 written per head.
+    assert unchecked["kv_bytes"] == 2 * 40 * 48 * 2 and unchecked["other_bytes"] == 2 * 4 * 80 * 2 + 6 * 4 + 2 * 4
+    assert checked["total_bytes"] - unchecked["total_bytes"] == 8 * 6 + 8 * 2 + 6 + 16 * 2
+    assert checked["ratio_min"] <= checked["ratio_vs_unchecked"] <= checked["ratio_max"]
+
+
+@CPU_ONLY
+def test_mla_run_point_refuses_a_provider_with_wrong_output():
+    def build(inp):
+        out = inp.q.new_empty(2, 4, 32)
+
+        def run(i):
+            out.copy_(inp.q[..., :32])  # finite, right shape, wrong values
+            return out, None
+        return run, out
+
+    wrong = providers.Provider("wrong", "wrong", False, lambda inp: None, build)
+    rows = mla.run_point(TINY_MLA, [wrong], _cpu(), TimingConfig(cpu_runs=1, repeats=1, graphs=False),
+                         copy_tbps=1.0, log=print)
+    assert len(rows) == 1 and rows[0]["status"].startswith("failed: AssertionError")
+
+
+@CPU_ONLY
+def test_mla_quick_run_writes_labelled_files(tmp_path, monkeypatch):
+    run_dir, meta = _quick_run(tmp_path, monkeypatch, mla, TINY_MLA, "mla",
+                               {"mla_overhead.png", "mla_bandwidth.png"})
+    assert run_dir.name.endswith("_mla") and meta["op"] == "mla_decode"

@@ -31,10 +31,11 @@ def test_dry_run_passes_and_names_every_step(dry_run):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     log = (out / "suite.log").read_text()
     for step in ("device and versions", "under compute-sanitizer", "tuning sweep", "decode benchmark sweep",
-                 "extend benchmark sweep", "done:"):
+                 "mla benchmark sweep", "extend benchmark sweep", "done:"):
         assert step in log, step
     assert log.rstrip().endswith("GPU suite passed")
-    assert re.search(r"done: build=skipped smoke=0 tests=skipped tune=0 decode=0 extend=0", log)
+    assert re.search(r"done: build=skipped smoke=0 tests=skipped tune=0 decode=0 extend=0 mla=0", log)
+    assert "## MLA decode (NOT a GPU measurement)" in log  # its summary, in the log
 
 
 def test_dry_run_leaves_what_the_device_tool_brings_back(dry_run):
@@ -44,6 +45,7 @@ def test_dry_run_leaves_what_the_device_tool_brings_back(dry_run):
     assert {"suite.log", "smoke.log", "summary.md", "extend-summary.md", "results.tar.gz"} <= set(files)
     folders = sorted(p.name for p in results.iterdir())
     assert any(f.endswith("_extend") for f in folders) and any(f.endswith("_tune") for f in folders)
+    assert any(f.endswith("_mla") for f in folders)
     for folder in results.iterdir():
         if not folder.name.endswith("_tune"):
             assert (folder / "rows.jsonl").exists(), folder  # each point written as it was measured
