@@ -2,8 +2,8 @@
 
 - Versions: Python, kvattn, torch (and the CUDA it was built for), triton, nvcc (on this machine and
   the one the CUDA module was built with), the NVIDIA driver, the GPUs.
-- Backends: for each op (``decode``, ``extend``, ``write_kv``) and each device (the CPU, and the
-  first GPU when there is one), the backend ``backend="auto"`` takes for a small probe input, and
+- Backends: for each op (``decode``, ``extend``, ``write_kv``, ``mla_decode``) and each device (the
+  CPU, and the first GPU when there is one), the backend ``backend="auto"`` takes for a small probe input, and
   for every backend whether it accepts that input or why it refuses. Only the registry is asked:
   nothing is launched. ``KVATTN_BACKEND`` and ``TRITON_INTERPRET`` are shown because they change
   the answers.
@@ -28,7 +28,7 @@ import subprocess
 import torch
 
 from . import backends, extensions
-from .layout import validate_decode, validate_extend
+from .layout import validate_decode, validate_extend, validate_mla_decode
 from .version import __version__
 from .write_args import validate_write_kv
 
@@ -78,6 +78,10 @@ def _probe_args(device: str) -> dict:
         "extend": validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens,
                                   page_tags, expected, validate=False),
         "write_kv": validate_write_kv(kv, kv, k_cache, v_cache, slot_mapping, page_tags, 1),
+        # MLA: the probe's head_dim is the latent row (three quarters latent, a quarter RoPE).
+        "mla_decode": validate_mla_decode(q, k_cache[:, :, :1], block_table, seq_lens, page_tags,
+                                          expected, kv_lora_rank=3 * p["head_dim"] // 4,
+                                          validate=False),
     }
 
 
