@@ -302,6 +302,29 @@ def test_fp8_pools_without_scales_dequantise_by_one():
     assert torch.equal(one, explicit)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_extend_window_far_into_a_long_sequence(causal):
+    """A 230-token sequence whose 10 rows read a 40-key window: every backend skips the key tiles
+    before it (the CUDA kernel's 64-key tiles included), and pages there are neither read nor
+    reported, even foreign ones."""
+    ext = Extend.random([10, 2], [220, 5], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                        page_size=8, pool_factor=2, seed=5)
+    plant_foreign_page(ext.pages, 0, 3)   # tokens 24-31: long before the window
+    plant_foreign_page(ext.pages, 0, 23)  # tokens 184-191: inside it
+    args = kvattn.layout.validate_extend(*ext.inputs(), causal=causal, window_left=40)
+    want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(2)],
+                               DIM ** -0.5, causal=causal, window_left=40)
+    names = claims(args, "extend")
+    assert set(names) == set(backends_under_test())
+    for backend in names:
+        out, lse, report = ext.run(backend, causal=causal, return_lse=True, window_left=40)
+        assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
+        assert report.violations.tolist() == [1, 0]
+        assert report.page_reasons[0].tolist()[3] == 0
+        # Window of the first row: keys 180 .. 229, pages 22 .. 28.
+        assert report.pages_checked.tolist() == [7, 1]
+
+
 # --- sliding window: what is read and what is reported -------------------------------------------
 
 def window_batch(page):

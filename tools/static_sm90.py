@@ -324,10 +324,12 @@ def _demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
 
 
-# kernel<T, D, CHECK, VEC>: VEC false is the element-wise copy for pools whose rows are not 16-byte
-# aligned (odd head dims, offset views).
+# kernel<T, D, CHECK, VEC, VARIANT>: VEC false is the element-wise copy for pools whose rows are not
+# 16-byte aligned (odd head dims, offset views); VARIANT true compiles in the score switches of
+# kvattn.variants (merge_splits_kernel<T, VARIANT> has only the last).
 _CUDA_KERNEL = re.compile(
-    r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (\d+))?(?:, (true|false))?(?:, (true|false))?>")
+    r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (\d+))?(?:, (true|false))?(?:, (true|false))?"
+    r"(?:, (true|false))?>")
 _CUDA_DTYPES = {"__half": "fp16", "__nv_bfloat16": "bf16", "float": "fp32"}
 
 
@@ -357,14 +359,20 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
                 u = usage.get(mangled, {})
                 m = _CUDA_KERNEL.search(names[mangled])
                 kernel = m.group(1) if m else names[mangled].split("(")[0].split("::")[-1]
-                op = "decode" if "decode" in kernel else "extend" if "extend" in kernel else "write_kv"
+                op = ("decode" if "decode" in kernel or kernel == "merge_splits_kernel"
+                      else "extend" if "extend" in kernel or kernel == "resolve_pages_kernel"
+                      else "write_kv")
                 dim = int(m.group(3)) if m and m.group(3) else None
                 layout = layouts.get(op, {}).get(dim, {}) if kernel.startswith("paged_") else {}
                 copies = {"true": "16B", "false": "elementwise"}.get(m.group(5) if m else None, "")
+                switches = "window+softcap+sinks+alibi" if m and m.group(6) == "true" else ""
+                if m and not dim and m.group(4) == "true":  # merge_splits_kernel<T, VARIANT>
+                    switches = "window+sinks"
                 config = " ".join(x for x in (op, _CUDA_DTYPES.get(m.group(2), "") if m else "",
-                                              f"d{dim}" if dim else "", copies) if x)
+                                              f"d{dim}" if dim else "", copies, switches) if x)
                 records.append(dict(backend="cuda", config=config, op=op, kernel=kernel,
-                                    check=bool(m and m.group(4) == "true"), registers=u.get("REG"),
+                                    check=bool(m and dim and m.group(4) == "true"),
+                                    registers=u.get("REG"),
                                     local=u.get("LOCAL", 0) + u.get("STACK", 0),
                                     shared=layout.get("shared_bytes", u.get("SHARED", 0)),
                                     kv_buffers=layout.get("stages"), **sass_figures(insns)))

@@ -19,7 +19,7 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 512
 # The switches of kvattn.variants the kernels compile in.
-SWITCHES: frozenset[str] = frozenset()
+SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes"})
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers) per padded
 # head dim, from the shared memory and registers in benchmarks/results/static_sm90.md: 59 KB and
 # 150-170 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512.
@@ -84,6 +84,8 @@ def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
         num_pages=args.num_pages, scale_log2=args.scale * LOG2E, batch=args.batch,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
         page_size=args.page_size, max_pages=args.max_pages,
+        window_left=args.variant.window_left, soft_cap=args.variant.logits_soft_cap,
+        alibi=_ptr(args.variant.alibi_slopes), sinks=_ptr(args.variant.sinks),
     )
 
 
