@@ -83,6 +83,10 @@ void fill_attention(Params& p, const py::dict& a) {
   if (page_size < 1 || page_size > 65535) throw std::invalid_argument("page_size must be in [1, 65535]");
   p.page = kvattn::make_page_div(static_cast<int>(page_size));
   p.max_pages = static_cast<int>(integer(a, "max_pages"));
+  p.var.window_left = static_cast<int>(integer(a, "window_left"));
+  p.var.soft_cap = a["soft_cap"].cast<float>();
+  p.var.alibi = pointer<const float>(a, "alibi");
+  p.var.sinks = pointer<const float>(a, "sinks");
 }
 
 kvattn::DType dtype_of(int code, const char* op) {

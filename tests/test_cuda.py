@@ -538,9 +538,9 @@ def test_ptxas_resources_have_no_local_memory():
     records = report.check(log)
     decode = [r for r in records if "paged_decode_kernel" in r["kernel"]]
     assert {(r["kernel"], r["arch"]) for r in decode} == {
-        (f"void kvattn::paged_decode_kernel<{t}, {d}, {c}, {v}>(kvattn::DecodeParams)", arch)
+        (f"void kvattn::paged_decode_kernel<{t}, {d}, {c}, {v}, {s}>(kvattn::DecodeParams)", arch)
         for t in ("__half", "__nv_bfloat16") for d in (64, 128, 256, 512) for c in ("true", "false")
-        for v in ("true", "false") for arch in ("sm_80", "sm_90")}
+        for v in ("true", "false") for s in ("true", "false") for arch in ("sm_80", "sm_90")}
     assert all(0 < r["registers"] <= 255 for r in records)
 
 

@@ -246,8 +246,8 @@ def test_ptxas_extend_kernels_have_no_local_memory():
     assert log.exists(), "build/cuda/ptxas.log missing: build with `python setup.py build_ext --inplace`"
     records = [r for r in report.check(log) if "paged_extend_kernel" in r["kernel"]]
     assert {(r["kernel"], r["arch"]) for r in records} == {
-        (f"void kvattn::paged_extend_kernel<{t}, {d}, {c}, {v}>(kvattn::ExtendParams)", arch)
+        (f"void kvattn::paged_extend_kernel<{t}, {d}, {c}, {v}, {s}>(kvattn::ExtendParams)", arch)
         for t in ("__half", "__nv_bfloat16") for d in (64, 128, 256, 512) for c in ("true", "false")
-        for v in ("true", "false") for arch in ("sm_80", "sm_90")}
+        for v in ("true", "false") for s in ("true", "false") for arch in ("sm_80", "sm_90")}
     assert all(0 < r["registers"] <= 255 and not r["spill_stores"] and not r["stack_frame"]
                for r in records)

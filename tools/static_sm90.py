@@ -238,7 +238,8 @@ def triton_kernel_figures(kernel) -> dict:
                 **sass_figures(insns))
 
 
-# Shapes of the configurations: (name, op, dtype, head_dim, page_size, num_heads, num_kv_heads)
+# Shapes of the configurations: (name, op, dtype, head_dim, page_size, num_heads, num_kv_heads),
+# and optionally the variant switches (kvattn.variants) by name, below.
 TRITON_CONFIGS = [
     ("decode bf16 d128 p16 gqa4", "decode", torch.bfloat16, 128, 16, 32, 8),
     ("decode fp16 d128 p16 gqa4", "decode", torch.float16, 128, 16, 32, 8),
@@ -254,6 +255,12 @@ TRITON_CONFIGS = [
     ("extend bf16 d256 p16 gqa8", "extend", torch.bfloat16, 256, 16, 64, 8),
     ("extend bf16 d512 p16 gqa8", "extend", torch.bfloat16, 512, 16, 64, 8),
     ("extend fp16 d128 p80 gqa4", "extend", torch.float16, 128, 80, 32, 8),
+    ("decode bf16 d128 p16 gqa4 window+softcap+sinks+alibi", "decode", torch.bfloat16, 128, 16,
+     32, 8, "scores"),
+    ("decode bf16 d128 p16 gqa4 fp8-e4m3 KV", "decode", torch.bfloat16, 128, 16, 32, 8, "fp8"),
+    ("extend bf16 d128 p16 gqa4 window+softcap+sinks+alibi", "extend", torch.bfloat16, 128, 16,
+     32, 8, "scores"),
+    ("extend bf16 d128 p16 gqa4 fp8-e4m3 KV", "extend", torch.bfloat16, 128, 16, 32, 8, "fp8"),
 ]
 
 # MLA decode (head_dim: the latent row, kv_lora_rank 512 + rope_dim 64; one latent head).
@@ -268,13 +275,25 @@ TRITON_CONFIGS += [
 ]
 
 
-def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads):
+def _variant(name: str | None, num_heads: int) -> dict:
+    """The switches of a configuration: every score switch at once, or fp8 pools with scales."""
+    if name == "scores":
+        return dict(window_left=4095, logits_soft_cap=30.0, sinks=torch.zeros(num_heads),
+                    alibi_slopes=torch.ones(num_heads))
+    if name == "fp8":
+        return dict(k_scale=0.5, v_scale=0.5)
+    return {}
+
+
+def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads, variant=None):
     """Validated arguments of a small launch with engine-like strides (a pool of 1001 pages and a
     table of 257 entries per sequence: neither divisible by 16, as in general)."""
     import kvattn
 
     batch, num_pages, max_pages = 4, 1001, 257
-    k = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype)
+    switches = _variant(variant, num_heads)
+    pool_dtype = torch.float8_e4m3fn if variant == "fp8" else dtype
+    k = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=pool_dtype)
     v = torch.zeros_like(k)
     tags = torch.zeros(num_pages, dtype=torch.int64)
     table = torch.zeros(batch, max_pages, dtype=torch.int32)
@@ -286,18 +305,20 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads):
                                                  kv_lora_rank=MLA_LORA, validate=False)
     if op == "decode":
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
-        return kvattn.layout.validate_decode(q, k, v, table, lens, tags, expected, validate=False)
+        return kvattn.layout.validate_decode(q, k, v, table, lens, tags, expected, validate=False,
+                                             **switches)
     q = torch.zeros(batch * 77, num_heads, head_dim, dtype=dtype)
     cu = torch.arange(0, batch + 1, dtype=torch.int32) * 77
-    return kvattn.layout.validate_extend(q, k, v, cu, table, lens, tags, expected, validate=False)
+    return kvattn.layout.validate_extend(q, k, v, cu, table, lens, tags, expected, validate=False,
+                                         **switches)
 
 
 def triton_records(configs=TRITON_CONFIGS) -> list[dict]:
     from kvattn.backends import triton as triton_backend
 
     records = []
-    for name, op, dtype, head_dim, page_size, num_heads, num_kv_heads in configs:
-        args = _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads)
+    for name, op, *shape in configs:
+        args = _inputs(op, *shape)
         for check in (False, True):
             out = args.q.new_empty(*args.q.shape[:2], getattr(args, "kv_lora_rank", args.head_dim))
             lse = torch.empty(args.q.shape[:2], dtype=torch.float32)
@@ -318,10 +339,12 @@ def _demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
 
 
-# kernel<T, D, CHECK, VEC>: VEC false is the element-wise copy for pools whose rows are not 16-byte
-# aligned (odd head dims, offset views).
+# kernel<T, D, CHECK, VEC, VARIANT>: VEC false is the element-wise copy for pools whose rows are not
+# 16-byte aligned (odd head dims, offset views); VARIANT true compiles in the score switches of
+# kvattn.variants (merge_splits_kernel<T, VARIANT> has only the last).
 _CUDA_KERNEL = re.compile(
-    r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (\d+))?(?:, (true|false))?(?:, (true|false))?>")
+    r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (\d+))?(?:, (true|false))?(?:, (true|false))?"
+    r"(?:, (true|false))?>")
 _CUDA_DTYPES = {"__half": "fp16", "__nv_bfloat16": "bf16", "float": "fp32"}
 
 
@@ -351,14 +374,20 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
                 u = usage.get(mangled, {})
                 m = _CUDA_KERNEL.search(names[mangled])
                 kernel = m.group(1) if m else names[mangled].split("(")[0].split("::")[-1]
-                op = "decode" if "decode" in kernel else "extend" if "extend" in kernel else "write_kv"
+                op = ("decode" if "decode" in kernel or kernel == "merge_splits_kernel"
+                      else "extend" if "extend" in kernel or kernel == "resolve_pages_kernel"
+                      else "write_kv")
                 dim = int(m.group(3)) if m and m.group(3) else None
                 layout = layouts.get(op, {}).get(dim, {}) if kernel.startswith("paged_") else {}
                 copies = {"true": "16B", "false": "elementwise"}.get(m.group(5) if m else None, "")
+                switches = "window+softcap+sinks+alibi" if m and m.group(6) == "true" else ""
+                if m and not dim and m.group(4) == "true":  # merge_splits_kernel<T, VARIANT>
+                    switches = "window+sinks"
                 config = " ".join(x for x in (op, _CUDA_DTYPES.get(m.group(2), "") if m else "",
-                                              f"d{dim}" if dim else "", copies) if x)
+                                              f"d{dim}" if dim else "", copies, switches) if x)
                 records.append(dict(backend="cuda", config=config, op=op, kernel=kernel,
-                                    check=bool(m and m.group(4) == "true"), registers=u.get("REG"),
+                                    check=bool(m and dim and m.group(4) == "true"),
+                                    registers=u.get("REG"),
                                     local=u.get("LOCAL", 0) + u.get("STACK", 0),
                                     shared=layout.get("shared_bytes", u.get("SHARED", 0)),
                                     kv_buffers=layout.get("stages"), **sass_figures(insns)))

@@ -7,6 +7,7 @@
 // key 8n + 2t + c % 2; accumulator o[j][c] is row g + 8 * (c / 2), dimension 8j + 2t + c % 2.
 #pragma once
 
+#include "params.h"
 #include "tiles.h"
 #include "warp_ops.cuh"
 
@@ -173,5 +174,26 @@ struct WarpAttention {
     l[1] = quad_sum(l[1]);
   }
 };
+
+// The score switches of kvattn.variants on one base-2 logit `x` (already scaled), in their order:
+// the soft-cap cap * tanh(x' / cap) of the natural logit x' (tanh(y) = 1 - 2 / (e^2y + 1), and
+// e^(2x'/cap) = 2^(2x/cap): one exp2, an overflow to inf giving tanh = 1 exactly), then ALiBi
+// (`alibi2` = slope * log2(e), `distance` the key's position minus the query's, or minus its
+// absolute value without causality).
+KVATTN_DEVICE float variant_score(float x, const ScoreVariant& v, float alibi2, float distance) {
+  if (v.soft_cap > 0.0f) {
+    const float e = exp2f(x * (2.0f / v.soft_cap));
+    x = v.soft_cap * (1.0f / kLn2) * (1.0f - 2.0f / (e + 1.0f));
+  }
+  if (v.alibi != nullptr) x += alibi2 * distance;
+  return x;
+}
+
+// The softmax denominator of a row with running max m (base 2) and sum l: an attention sink's
+// logit (natural) joins it. A row with nothing read (l == 0) is 0 / -inf whatever the sink.
+KVATTN_DEVICE float with_sink(float l, float m, const float* sinks, int head) {
+  if (sinks == nullptr || l == 0.0f) return l;
+  return l + exp2f(sinks[head] * (1.0f / kLn2) - (m == -INFINITY ? 0.0f : m));
+}
 
 }  // namespace kvattn

@@ -50,6 +50,20 @@ KVATTN_HOST_DEVICE SplitRange split_range(int64_t seq_len, int split, int num_sp
   return {start, end, chunk};
 }
 
+// The first key a decode query reads (0 without a sliding window), and the first token of the
+// splits: that key's align-aligned start (kvattn.backends.grids, window_start in the Triton
+// kernel), so that every page is still checked by exactly one split and pages before it by none.
+struct WindowSpan {
+  int64_t first_key, span_lo;
+};
+
+template <bool VARIANT>
+KVATTN_HOST_DEVICE WindowSpan window_span(int64_t seq_len, const ScoreVariant& v, int align) {
+  if (!VARIANT || v.window_left < 0) return {0, 0};
+  const int64_t first = seq_len - 1 - v.window_left > 0 ? seq_len - 1 - v.window_left : 0;
+  return {first, first / align * align};
+}
+
 // Resolving a sub-tile's 16 tokens takes two dependent loads (block-table entry, then tag) and is
 // pipelined across the warp's iterations so that no load result is used in the iteration that
 // issues it: lane r < 16 resolves token t0 + r (for pages of 16 tokens or more all 16 lanes load
@@ -67,11 +81,14 @@ struct TokenVerdict {  // after the tag load
   int readable;  // slots of the page that may be read (the split's end and, checked, the tag)
 };
 
-KVATTN_DEVICE TokenEntry fetch_entry(const DecodeParams& p, const int32_t* bt_row, int64_t t0, int64_t end) {
+// `first`: the first key of the window (VARIANT only); tokens before it are not read.
+template <bool VARIANT>
+KVATTN_DEVICE TokenEntry fetch_entry(const DecodeParams& p, const int32_t* bt_row, int64_t t0, int64_t first,
+                                     int64_t end) {
   const int lane = lane_index();
   TokenEntry e{0, 0, 0, false, false};
   const int64_t t = t0 + lane;
-  if (lane < kSubTile && t < end) {
+  if (lane < kSubTile && t < end && (!VARIANT || t >= first)) {
     e.logical = page_of(p.page, t);
     const int32_t page = bt_row[e.logical * p.stride_bt_p];
     e.live = true;
@@ -151,7 +168,10 @@ KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int
   const T* k_pool = static_cast<const T*>(p.k);
   const T* v_pool = static_cast<const T*>(p.v);
   constexpr int kCopiesK = kSubTile * L::kChunksK / 32, kCopiesV = kSubTile * L::kChunksV / 32;
-#pragma unroll copy_unroll(kCopiesK)
+  // Element-wise copies of a 512-wide head keep eight loads per copy live: unrolled by 2 only.
+  constexpr int kUnrollK = VEC || D <= 256 ? copy_unroll(kCopiesK) : 2;
+  constexpr int kUnrollV = VEC || D <= 256 ? copy_unroll(kCopiesV) : 2;
+#pragma unroll kUnrollK
   for (int k = 0; k < kCopiesK; ++k) {
     using M = ChunkMap<L::kChunksK, 32>;
     const int row = M::row(k, lane), c = M::col(k, lane);
@@ -159,7 +179,7 @@ KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int
                        (mask >> row) & 1u);
   }
   unsigned char* v_stage = stage + kSubTile * L::kRowK;
-#pragma unroll copy_unroll(kCopiesV)
+#pragma unroll kUnrollV
   for (int k = 0; k < kCopiesV; ++k) {
     using M = ChunkMap<L::kChunksV, 32>;
     const int row = M::row(k, lane), c = M::col(k, lane);
@@ -178,7 +198,7 @@ struct DecodeWarp {
   const DecodeParams& p;
   const int32_t* bt_row;
   const int64_t* exp_row;
-  int64_t seq_owner, start, end;
+  int64_t seq_owner, start, first_key, end;
   int warp, mine;  // sub-tiles of this warp
   int64_t k_head_off, v_head_off;
   int v_col;  // first head dim this block accumulates (d_split > 1)
@@ -190,7 +210,7 @@ struct DecodeWarp {
 // Copies the warp's sub-tile n into its stage (when it exists), then advances the resolve
 // pipeline: `verdict` becomes sub-tile n + 1's (its tag loads issued now) and `entry` n + 2's.
 // Every call commits one group of copies, possibly empty, so waits count stages.
-template <class T, int D, bool CHECK, bool VEC>
+template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
 KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry, TokenVerdict& verdict,
                                   int& stage) {
   using L = DecodeLayout<D>;
@@ -202,7 +222,7 @@ KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry,
     __syncwarp();  // the offsets are rewritten by the next issue
     stage = stage + 1 == L::kStages ? 0 : stage + 1;
     verdict = fetch_verdict<CHECK>(w.p, w.exp_row, w.seq_owner, entry, w.end);
-    entry = fetch_entry(w.p, w.bt_row, sub_tile_start(w.start, w.warp, n + 2), w.end);
+    entry = fetch_entry<VARIANT>(w.p, w.bt_row, sub_tile_start(w.start, w.warp, n + 2), w.first_key, w.end);
   }
   cp_async_commit();
 }
@@ -220,7 +240,7 @@ KVATTN_DEVICE void load_query_rows(unsigned char* rows, const T* q, int64_t stri
 
 // A minimum of one block per SM leaves ptxas the whole register file (shared memory limits the
 // blocks per SM to two or one before registers do); without it one instantiation spilled 4 bytes.
-template <class T, int D, bool CHECK, bool VEC>
+template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
 __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeParams p) {
   using L = DecodeLayout<D>;
   constexpr int DV = L::kDV;
@@ -238,7 +258,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
   const int32_t raw_len = p.seq_lens[b * p.stride_sl];
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
-  const SplitRange range = split_range(seq_len, split, p.num_splits, p.align, p.min_chunk);
+  const WindowSpan win = window_span<VARIANT>(seq_len, p.var, p.align);
+  SplitRange range = split_range(seq_len - win.span_lo, split, p.num_splits, p.align, p.min_chunk);
+  range.start += win.span_lo;
+  range.end += win.span_lo;
+  // The warps' sub-tiles start at the window's 16-token block: earlier ones would read nothing.
+  const int64_t tiles_lo = VARIANT ? max64(range.start, win.first_key / kSubTile * kSubTile) : range.start;
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* exp_row = p.expected + b * p.stride_eb;
   const int ksteps = (p.head_dim + 15) / 16;  // QK^T over the whole head
@@ -262,24 +287,32 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   WarpAttention<T, DV> att;
   att.init();
 
-  // This warp's sub-tiles: j = warp, warp + 4, ... of the split's ceil((end - start) / 16).
-  const int n_sub = static_cast<int>(range.end > range.start ? (range.end - range.start + kSubTile - 1) / kSubTile : 0);
+  // This warp's sub-tiles: j = warp, warp + 4, ... of the split's ceil((end - tiles_lo) / 16).
+  const int n_sub = static_cast<int>(range.end > tiles_lo ? (range.end - tiles_lo + kSubTile - 1) / kSubTile : 0);
   const int mine = n_sub > warp ? (n_sub - warp + kWarps - 1) / kWarps : 0;
   const int64_t seq_owner = exp_row[0];
   const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh;
 
   // The resolve pipeline (fetch_entry -> fetch_verdict -> place_sub_tile), one step per iteration;
   // sub-tiles at or past the end resolve to an empty mask without loading anything.
-  TokenEntry entry = fetch_entry(p, bt_row, sub_tile_start(range.start, warp, 0), range.end);
+  TokenEntry entry = fetch_entry<VARIANT>(p, bt_row, sub_tile_start(tiles_lo, warp, 0), win.first_key, range.end);
   TokenVerdict verdict = fetch_verdict<CHECK>(p, exp_row, seq_owner, entry, range.end);
-  entry = fetch_entry(p, bt_row, sub_tile_start(range.start, warp, 1), range.end);
+  entry = fetch_entry<VARIANT>(p, bt_row, sub_tile_start(tiles_lo, warp, 1), win.first_key, range.end);
   int issue_stage = 0;  // stage of the next sub-tile to copy (n % kStages, kept incrementally)
-  const DecodeWarp w{p, bt_row, exp_row, seq_owner, range.start, range.end, warp, mine, k_head_off, v_head_off,
-                     v_col, offsets, masks, stages};
+  const DecodeWarp w{p, bt_row, exp_row, seq_owner, tiles_lo, win.first_key, range.end, warp, mine, k_head_off,
+                     v_head_off, v_col, offsets, masks, stages};
+  // ALiBi slopes (base 2) of this lane's rows g and g + 8.
+  float alibi2[2] = {0.0f, 0.0f};
+  if (VARIANT && p.var.alibi != nullptr) {
+    for (int r = 0; r < 2; ++r) {
+      const int row = lane / 4 + 8 * r;
+      alibi2[r] = row < heads ? p.var.alibi[head0 + row] * (1.0f / kLn2) : 0.0f;
+    }
+  }
 #pragma unroll
-  for (int s = 0; s < L::kStages - 1; ++s) issue_sub_tile<T, D, CHECK, VEC>(w, s, entry, verdict, issue_stage);
+  for (int s = 0; s < L::kStages - 1; ++s) issue_sub_tile<T, D, CHECK, VEC, VARIANT>(w, s, entry, verdict, issue_stage);
   for (int i = 0, st = 0; i < mine; ++i, st = st + 1 == L::kStages ? 0 : st + 1) {
-    issue_sub_tile<T, D, CHECK, VEC>(w, i + L::kStages - 1, entry, verdict, issue_stage);
+    issue_sub_tile<T, D, CHECK, VEC, VARIANT>(w, i + L::kStages - 1, entry, verdict, issue_stage);
 #if KVATTN_SIM_BREAK != 1
     cp_async_wait<L::kStages - 1>();
 #endif
@@ -288,12 +321,16 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     const uint32_t mask = masks[st];
     float s[kSubTile / 8][4];
     qk_scores<T, D, kSubTile>(s, q, k_rows, ksteps);
+    // Position of token 0 of this sub-tile minus the query's (seq_len - 1), for ALiBi.
+    const float distance0 = VARIANT ? static_cast<float>(sub_tile_start(tiles_lo, warp, i) - (seq_len - 1)) : 0.0f;
 #pragma unroll
     for (int n = 0; n < kSubTile / 8; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int token = n * 8 + 2 * (lane % 4) + c % 2;
-        s[n][c] = (mask >> token) & 1u ? s[n][c] * p.scale_log2 : -INFINITY;
+        float x = s[n][c] * p.scale_log2;
+        if (VARIANT) x = variant_score(x, p.var, alibi2[c / 2], distance0 + static_cast<float>(token));
+        s[n][c] = (mask >> token) & 1u ? x : -INFINITY;
       }
     att.template softmax_step<kSubTile>(s);
     att.template accumulate<kSubTile>(s, k_rows + kSubTile * L::kRowK, dsteps);
@@ -339,8 +376,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     // the check propagates, as in the reference. Blocks of a head split write their columns; the
     // first writes the row's statistics.
     if (p.num_splits == 1) {
+      const float denominator = VARIANT ? with_sink(l, m_ref, p.var.sinks, head0 + r) : l;
       static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + v_col + d] =
-          from_float<T>(l == 0.0f ? 0.0f : o / l);
+          from_float<T>(l == 0.0f ? 0.0f : o / denominator);
       if (d == 0 && d_part == 0 && p.lse != nullptr)
         p.lse[b * p.num_heads + head0 + r] = l == 0.0f ? -INFINITY : (m_ref + log2f(l)) * kLn2;
     } else if (active) {
@@ -363,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
 #endif
     if (active) {
       check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, page_size, seq_len,
-                  page_lo, page_hi, reasons_row, counters, kThreads);
+                  win.first_key, page_lo, page_hi, reasons_row, counters, kThreads);
     }
     // This split's stripe of the table entries past the sequence: nothing is read there; zeroed
     // so that every entry of page_reasons is written by the call.
@@ -371,6 +409,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     const int64_t stripe = (p.max_pages - unread + p.num_splits - 1) / p.num_splits;
     const int64_t lo = unread + split * stripe;
     for (int64_t i = lo + tid; i < min64(lo + stripe, p.max_pages); i += kThreads) reasons_row[i] = 0;
+    if (VARIANT) {
+      // And its stripe of the entries before the splits' span (wholly before the window).
+      const int64_t before = win.span_lo / page_size;
+      const int64_t stripe_b = (before + p.num_splits - 1) / p.num_splits;
+      for (int64_t i = split * stripe_b + tid; i < min64((split + 1) * stripe_b, before); i += kThreads)
+        reasons_row[i] = 0;
+    }
     __syncthreads();
     if (tid == 0) {
       if (p.num_splits == 1) {
@@ -392,8 +437,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
 
 // Combines the splits of one (sequence, head) that lie inside the sequence. A split with nothing
 // readable has m = -inf, l = 0 and weighs 0; a row where every split is empty gets output 0 and
-// lse -inf. The head-0 block of each sequence also sums the splits' report counts.
-template <class T>
+// lse -inf; an attention sink joins the denominator once, here. The head-0 block of each sequence
+// also sums the splits' report counts.
+template <class T, bool VARIANT>
 __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const DecodeParams p) {
   const int64_t b = blockIdx.x;
   const int head = blockIdx.y;
@@ -401,8 +447,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Decod
   const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
   const int32_t raw_len = p.seq_lens[b * p.stride_sl];
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
-  const SplitRange first = split_range(seq_len, 0, S, p.align, p.min_chunk);
-  const int active = static_cast<int>((seq_len + first.chunk - 1) / first.chunk);
+  const int64_t span = seq_len - window_span<VARIANT>(seq_len, p.var, p.align).span_lo;
+  const SplitRange first = split_range(span, 0, S, p.align, p.min_chunk);
+  const int active = static_cast<int>((span + first.chunk - 1) / first.chunk);
   const int64_t row0 = (b * p.num_heads + head) * S;
   float m_max = -INFINITY;
   for (int s = 0; s < active; ++s) m_max = fmaxf(m_max, p.part_ml[(row0 + s) * 2]);
@@ -410,10 +457,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Decod
   float l_sum = 0.0f;
   for (int s = 0; s < active; ++s) l_sum += p.part_ml[(row0 + s) * 2 + 1] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
   T* out = static_cast<T*>(p.out) + b * p.stride_ob + head * p.stride_oh;
+  const float denominator = VARIANT ? with_sink(l_sum, m_ref, p.var.sinks, head) : l_sum;
   for (int d = threadIdx.x; d < p.head_dim; d += kMergeThreads) {
     float o = 0.0f;
     for (int s = 0; s < active; ++s) o += p.part_acc[(row0 + s) * p.head_dim + d] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
-    out[d] = from_float<T>(l_sum == 0.0f ? 0.0f : o / l_sum);
+    out[d] = from_float<T>(l_sum == 0.0f ? 0.0f : o / denominator);
   }
   if (threadIdx.x == 0 && p.lse != nullptr) {
     p.lse[b * p.num_heads + head] = l_sum == 0.0f ? -INFINITY : (m_ref + log2f(l_sum)) * kLn2;
@@ -478,22 +526,30 @@ const char* plan_decode(DecodeParams& p) {
   return nullptr;
 }
 
-template <class T, int D, bool CHECK, bool VEC>
+template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
 cudaError_t launch_decode_kernel(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_kv_heads * p.num_chunks * p.d_split),
                   static_cast<unsigned>(p.num_splits));
-  return launch_kernel(&paged_decode_kernel<T, D, CHECK, VEC>, grid, dim3(kThreads), static_cast<size_t>(p.smem_bytes),
-                       stream, p);
+  return launch_kernel(&paged_decode_kernel<T, D, CHECK, VEC, VARIANT>, grid, dim3(kThreads),
+                       static_cast<size_t>(p.smem_bytes), stream, p);
 }
 
-template <class T, bool CHECK, bool VEC>
+template <class T, bool CHECK, bool VEC, bool VARIANT>
 cudaError_t launch_decode_dim(const DecodeParams& p, cudaStream_t stream) {
   switch (padded_head_dim(p.head_dim)) {
-    case 64: return launch_decode_kernel<T, 64, CHECK, VEC>(p, stream);
-    case 128: return launch_decode_kernel<T, 128, CHECK, VEC>(p, stream);
-    case 256: return launch_decode_kernel<T, 256, CHECK, VEC>(p, stream);
-    default: return launch_decode_kernel<T, 512, CHECK, VEC>(p, stream);
+    case 64: return launch_decode_kernel<T, 64, CHECK, VEC, VARIANT>(p, stream);
+    case 128: return launch_decode_kernel<T, 128, CHECK, VEC, VARIANT>(p, stream);
+    case 256: return launch_decode_kernel<T, 256, CHECK, VEC, VARIANT>(p, stream);
+    default: return launch_decode_kernel<T, 512, CHECK, VEC, VARIANT>(p, stream);
   }
+}
+
+// The instantiation of the copy width and the score switches.
+template <class T, bool CHECK>
+cudaError_t launch_decode_variant(const DecodeParams& p, cudaStream_t stream) {
+  const bool variant = has_variant(p.var);
+  if (p.vec) return variant ? launch_decode_dim<T, CHECK, true, true>(p, stream) : launch_decode_dim<T, CHECK, true, false>(p, stream);
+  return variant ? launch_decode_dim<T, CHECK, false, true>(p, stream) : launch_decode_dim<T, CHECK, false, false>(p, stream);
 }
 
 template <class T, bool CHECK>
@@ -504,7 +560,7 @@ LaunchResult launch_decode(DecodeParams& p, cudaStream_t stream) {
                 p.beyond_table == nullptr || p.page_reasons == nullptr ||
                 (p.num_splits > 1 && p.part_report == nullptr)))
     return {static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", "report buffers missing"};
-  cudaError_t e = p.vec ? launch_decode_dim<T, CHECK, true>(p, stream) : launch_decode_dim<T, CHECK, false>(p, stream);
+  cudaError_t e = launch_decode_variant<T, CHECK>(p, stream);
   if (e != cudaSuccess) {
     return {static_cast<int>(e), CHECK ? "paged_decode_kernel<check=true>" : "paged_decode_kernel<check=false>",
             cudaGetErrorString(e)};
@@ -513,8 +569,10 @@ LaunchResult launch_decode(DecodeParams& p, cudaStream_t stream) {
     const dim3 merge_grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
     DecodeParams merge = p;
     if (!CHECK) merge.violations = nullptr;
-    e = launch_kernel(&merge_splits_kernel<T>, merge_grid, dim3(kMergeThreads), 0, stream,
-                      static_cast<const DecodeParams&>(merge));
+    e = has_variant(p.var) ? launch_kernel(&merge_splits_kernel<T, true>, merge_grid, dim3(kMergeThreads), 0, stream,
+                                           static_cast<const DecodeParams&>(merge))
+                           : launch_kernel(&merge_splits_kernel<T, false>, merge_grid, dim3(kMergeThreads), 0, stream,
+                                           static_cast<const DecodeParams&>(merge));
     if (e != cudaSuccess) return {static_cast<int>(e), "merge_splits_kernel", cudaGetErrorString(e)};
   }
   return {0, nullptr, nullptr};

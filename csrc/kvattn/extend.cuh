@@ -26,9 +26,18 @@
 
 namespace kvattn {
 
+// The first key any query row of sequence b reads: 0, or with a sliding window the window start of
+// its first row (at position seq_len - q_len).
+KVATTN_DEVICE int64_t extend_first_key(const ExtendParams& p, int64_t b, int32_t raw_len) {
+  if (p.var.window_left < 0) return 0;
+  const int64_t q_len = p.q_start[b + 1] - p.q_start[b];
+  return max64(static_cast<int64_t>(raw_len) - q_len - p.var.window_left, 0);
+}
+
 // One sequence per block: each table entry's reason (0 when accepted or not read), the report's
-// counters and the effective entry page << 32 | readable slots (0 for a page that is not read).
-__global__ void __launch_bounds__(kThreads) resolve_pages_kernel(const ExtendParams p) {
+// counters and the effective entry page << 32 | readable slots (0 for a page that is not read,
+// including pages wholly before a sliding window).
+__global__ void __launch_bounds__(kThreads, 1) resolve_pages_kernel(const ExtendParams p) {
   KVATTN_DYNAMIC_SMEM(smem);
   int32_t* counters = reinterpret_cast<int32_t*>(smem);
   const int tid = threadIdx.x;
@@ -39,12 +48,13 @@ __global__ void __launch_bounds__(kThreads) resolve_pages_kernel(const ExtendPar
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* exp_row = p.expected + b * p.stride_eb;
+  const int64_t first_key = extend_first_key(p, b, raw_len);
   if (tid < kReportFields) counters[tid] = 0;
   __syncthreads();
-  check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, page_size, seq_len, 0,
-              p.max_pages, p.page_reasons + b * p.max_pages, counters, kThreads);
+  check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, page_size, seq_len, first_key,
+              0, p.max_pages, p.page_reasons + b * p.max_pages, counters, kThreads);
   for (int64_t i = tid; i < p.max_pages; i += kThreads) {
-    const bool read = seq_len > i * page_size;
+    const bool read = seq_len > i * page_size && (i + 1) * page_size > first_key;
     const int64_t page = read ? bt_row[i * p.stride_bt_p] : 0;
     const bool in_range = page >= 0 && page < p.num_pages;
     const int readable = read && in_range ? readable_slots(p.page_tags[page], exp_row[i * p.stride_ep]) : 0;
@@ -84,7 +94,7 @@ KVATTN_DEVICE int2 load_key_entry(const ExtendParams& p, const int32_t* bt_row, 
 }
 
 // A minimum of one block per SM leaves ptxas the whole register file, as for decode.
-template <class T, int D, bool CHECK, bool VEC>
+template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
 __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendParams p) {
   using L = ExtendLayout<D>;
   constexpr int NK = L::kKeys;
@@ -126,6 +136,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   const int64_t n_tiles = (kv_hi + NK - 1) / NK;
   // Key tiles from here on may hold keys after the block's first query position: causal mask.
   const int64_t diagonal = p.causal ? max64(first_pos + m0 + 1, 0) / NK * NK : kv_hi;
+  // With a sliding window, key tiles wholly before the window of the block's first row are skipped.
+  const bool windowed = VARIANT && p.var.window_left >= 0;
+  const int64_t j0 = windowed ? min64(max64(first_pos + m0 - p.var.window_left, 0) / NK, n_tiles) : 0;
 
   unsigned char* q_rows = smem;
   unsigned char* tiles = smem + L::kQBytes;
@@ -147,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   }
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* eff_row = CHECK ? p.effective + b * p.max_pages : nullptr;
-  int2 entry = load_key_entry<CHECK>(p, bt_row, eff_row, 0, kv_hi, NK);
+  int2 entry = load_key_entry<CHECK>(p, bt_row, eff_row, j0 * NK, kv_hi, NK);
 
   // Stores the key entries of tile j (loaded one tile earlier) and their mask: keys 32w .. 32w + 31
   // by warp w.
@@ -189,10 +202,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
     }
   };
 
-  store_keys(0);
-  entry = load_key_entry<CHECK>(p, bt_row, eff_row, NK, kv_hi, NK);
+  store_keys(j0);
+  entry = load_key_entry<CHECK>(p, bt_row, eff_row, (j0 + 1) * NK, kv_hi, NK);
   __syncthreads();
-  if (n_tiles > 0) copy_tile(0);
+  if (j0 < n_tiles) copy_tile(j0);
   cp_async_commit();
   QueryFragments<D> q;
   q.load(q_rows + warp * kWarpRows * L::kRowK, ksteps);
@@ -201,8 +214,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   const int g = lane / 4, t = lane % 4;
   int64_t q_pos[2];  // positions of this lane's rows g and g + 8
   for (int r = 0; r < 2; ++r) q_pos[r] = first_pos + row_token(warp * kWarpRows + g + 8 * r);
+  float alibi2[2] = {0.0f, 0.0f};  // ALiBi slopes (base 2) of those rows
+  if (VARIANT && p.var.alibi != nullptr) {
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp * kWarpRows + g + 8 * r;
+      alibi2[r] = row_ok(row) ? p.var.alibi[kv_head * p.group + row_head(row)] * (1.0f / kLn2) : 0.0f;
+    }
+  }
 
-  for (int64_t j = 0; j < n_tiles; ++j) {
+  for (int64_t j = j0; j < n_tiles; ++j) {
     store_keys(j + 1);  // entries of tile j + 1, loaded during tile j - 1
     entry = load_key_entry<CHECK>(p, bt_row, eff_row, (j + 2) * NK, kv_hi, NK);
     __syncthreads();  // tile j + 1's entries visible; every warp is done with tile j - 1's buffer
@@ -225,7 +245,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
         const int key = n * 8 + 2 * t + c % 2;
         bool visible = (mask >> key) & 1u;
         if (causal_tile) visible = visible && t0 + key <= q_pos[c / 2];
-        s[n][c] = visible ? s[n][c] * p.scale_log2 : -INFINITY;
+        float x = s[n][c] * p.scale_log2;
+        if (VARIANT) {
+          if (windowed) visible = visible && t0 + key >= q_pos[c / 2] - p.var.window_left;
+          const float distance = static_cast<float>(t0 + key - q_pos[c / 2]);
+          x = variant_score(x, p.var, alibi2[c / 2], p.causal ? distance : -fabsf(distance));
+        }
+        s[n][c] = visible ? x : -INFINITY;
       }
     att.template softmax_step<NK>(s);
     att.template accumulate<NK>(s, k_rows + NK * L::kRowK, dsteps);
@@ -241,13 +267,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
     const int row = warp * kWarpRows + g + 8 * r;
     if (!row_ok(row)) continue;
     const float l = att.l[r];
+    const float denominator = VARIANT ? with_sink(l, att.m[r], p.var.sinks, kv_head * p.group + row_head(row)) : l;
     T* out_row = out + (row0 + row_token(row)) * p.stride_ot + (kv_head * p.group + row_head(row)) * p.stride_oh;
 #pragma unroll
     for (int jd = 0; jd < DV / 8; ++jd)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int d = 8 * jd + 2 * t + c;
-        if (d < dv) out_row[v_col + d] = from_float<T>(l == 0.0f ? 0.0f : att.o[jd][2 * r + c] / l);
+        if (d < dv) out_row[v_col + d] = from_float<T>(l == 0.0f ? 0.0f : att.o[jd][2 * r + c] / denominator);
       }
     if (t == 0 && d_part == 0 && p.lse != nullptr) {
       p.lse[(row0 + row_token(row)) * p.num_heads + kv_head * p.group + row_head(row)] =
@@ -283,21 +310,28 @@ const char* plan_extend(ExtendParams& p) {
   return nullptr;
 }
 
-template <class T, int D, bool CHECK, bool VEC>
+template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
 cudaError_t launch_extend_kernel(const ExtendParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_slots), static_cast<unsigned>(p.num_kv_heads * p.num_chunks * p.d_split));
-  return launch_kernel(&paged_extend_kernel<T, D, CHECK, VEC>, grid, dim3(kThreads), static_cast<size_t>(p.smem_bytes),
-                       stream, p);
+  return launch_kernel(&paged_extend_kernel<T, D, CHECK, VEC, VARIANT>, grid, dim3(kThreads),
+                       static_cast<size_t>(p.smem_bytes), stream, p);
 }
 
-template <class T, bool CHECK, bool VEC>
+template <class T, bool CHECK, bool VEC, bool VARIANT>
 cudaError_t launch_extend_dim(const ExtendParams& p, cudaStream_t stream) {
   switch (padded_head_dim(p.head_dim)) {
-    case 64: return launch_extend_kernel<T, 64, CHECK, VEC>(p, stream);
-    case 128: return launch_extend_kernel<T, 128, CHECK, VEC>(p, stream);
-    case 256: return launch_extend_kernel<T, 256, CHECK, VEC>(p, stream);
-    default: return launch_extend_kernel<T, 512, CHECK, VEC>(p, stream);
+    case 64: return launch_extend_kernel<T, 64, CHECK, VEC, VARIANT>(p, stream);
+    case 128: return launch_extend_kernel<T, 128, CHECK, VEC, VARIANT>(p, stream);
+    case 256: return launch_extend_kernel<T, 256, CHECK, VEC, VARIANT>(p, stream);
+    default: return launch_extend_kernel<T, 512, CHECK, VEC, VARIANT>(p, stream);
   }
+}
+
+template <class T, bool CHECK>
+cudaError_t launch_extend_variant(const ExtendParams& p, cudaStream_t stream) {
+  const bool variant = has_variant(p.var);
+  if (p.vec) return variant ? launch_extend_dim<T, CHECK, true, true>(p, stream) : launch_extend_dim<T, CHECK, true, false>(p, stream);
+  return variant ? launch_extend_dim<T, CHECK, false, true>(p, stream) : launch_extend_dim<T, CHECK, false, false>(p, stream);
 }
 
 template <class T, bool CHECK>
@@ -312,7 +346,7 @@ LaunchResult launch_extend(ExtendParams& p, cudaStream_t stream) {
                                         16, stream, static_cast<const ExtendParams&>(p));
     if (e != cudaSuccess) return {static_cast<int>(e), "resolve_pages_kernel", cudaGetErrorString(e)};
   }
-  const cudaError_t e = p.vec ? launch_extend_dim<T, CHECK, true>(p, stream) : launch_extend_dim<T, CHECK, false>(p, stream);
+  const cudaError_t e = launch_extend_variant<T, CHECK>(p, stream);
   if (e != cudaSuccess) {
     return {static_cast<int>(e), CHECK ? "paged_extend_kernel<check=true>" : "paged_extend_kernel<check=false>",
             cudaGetErrorString(e)};

@@ -36,6 +36,15 @@ KVATTN_PARAMS_FN int64_t page_of(const PageDiv& d, int64_t n) {
   return static_cast<int64_t>((static_cast<uint64_t>(n) * d.mul) >> d.shift);
 }
 
+// The score switches of kvattn.variants (the kernels' VARIANT instantiations read them; the plain
+// ones compile them out): sliding window, logit soft-cap, ALiBi slopes, attention sinks.
+struct ScoreVariant {
+  int window_left;      // keys from position q_pos - window_left on; -1: no window
+  float soft_cap;       // cap * tanh(x / cap) of the natural logit x; 0: off
+  const float* alibi;   // [num_heads] slopes, or null
+  const float* sinks;   // [num_heads] sink logits (natural), or null
+};
+
 struct DecodeParams {
   const void* q;            // [B, H, D]
   const void* k;            // [num_pages, page_size, Hkv, D], any strides, last dim contiguous
@@ -63,6 +72,7 @@ struct DecodeParams {
   int64_t num_pages;
 
   float scale_log2;  // scale * log2(e): the kernels work in base 2
+  ScoreVariant var;
   int batch, num_heads, num_kv_heads, head_dim;
   PageDiv page;  // page_size, for token -> (logical page, slot)
   int max_pages;
@@ -107,6 +117,7 @@ struct ExtendParams {
   int64_t num_pages;
 
   float scale_log2;  // scale * log2(e)
+  ScoreVariant var;
   int batch, num_heads, num_kv_heads, head_dim;
   PageDiv page;
   int max_pages;
@@ -122,6 +133,11 @@ struct ExtendParams {
   int vec;
   int smem_bytes;
 };
+
+// Whether a launch needs the VARIANT instantiation (any score switch on).
+inline bool has_variant(const ScoreVariant& v) {
+  return v.window_left >= 0 || v.soft_cap > 0.0f || v.alibi != nullptr || v.sinks != nullptr;
+}
 
 struct LaunchResult {
   int code;            // 0 on success (cudaError_t value otherwise)

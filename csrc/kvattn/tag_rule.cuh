@@ -43,19 +43,20 @@ KVATTN_DEVICE bool held_by(int64_t tag, int64_t owner) {
          (tag >> tags::OWNER_SHIFT) == owner;
 }
 
-// The report for logical pages [page_lo, page_hi) of one sequence of seq_len tokens, by the
-// `threads` threads of a block: each page's reason into reasons_row (0 when accepted or not read),
-// and the block's sums (refused pages, OR of reasons, pages read) added into counters[0..2] in
-// shared memory, which the caller zeroed. Page memory is untouched.
+// The report for logical pages [page_lo, page_hi) of one sequence of seq_len tokens whose queries
+// read keys from first_key on (a sliding window; 0 without one), by the `threads` threads of a
+// block: each page's reason into reasons_row (0 when accepted or not read), and the block's sums
+// (refused pages, OR of reasons, pages read) added into counters[0..2] in shared memory, which the
+// caller zeroed. Page memory is untouched.
 KVATTN_DEVICE void check_pages(const int32_t* bt_row, int64_t stride_bt_p, const int64_t* exp_row, int64_t stride_ep,
                                const int64_t* page_tags, int64_t num_pages, int64_t page_size, int64_t seq_len,
-                               int64_t page_lo, int64_t page_hi, int8_t* reasons_row, int32_t* counters,
-                               int threads) {
+                               int64_t first_key, int64_t page_lo, int64_t page_hi, int8_t* reasons_row,
+                               int32_t* counters, int threads) {
   int bad = 0, bits = 0, read = 0;
   for (int64_t i = page_lo + threadIdx.x; i < page_hi; i += threads) {
     const int64_t slots_read = min64(max64(seq_len - i * page_size, 0), page_size);
     int reason = 0;
-    if (slots_read > 0) {
+    if (slots_read > 0 && (i + 1) * page_size > first_key) {
       const int64_t page = bt_row[i * stride_bt_p];
       const bool in_range = page >= 0 && page < num_pages;
       reason = page_reason(in_range ? page_tags[page] : 0, in_range, exp_row[i * stride_ep], slots_read);

@@ -30,11 +30,12 @@ import triton.language as tl
 
 from ...layout import MLADecodeArgs
 from ...report import OwnershipReport
+from ...variants import PLAIN, Variant
 from ..grids import plan_num_splits
 from .configs import MLADecodeConfig, mla_decode_config
-from .paged_decode import REPORT_FIELDS, interpreted, merge_splits_kernel, split_alignment, split_range
+from .paged_decode import interpreted, merge_splits_kernel, split_alignment, split_range
 from .softmax import online_softmax_step, qk_scores
-from .split_report import store_split_report
+from .split_report import REPORT_FIELDS, store_split_report
 from .tag_rule import LOG2E, LOG2E_C, readable_len
 
 MAX_KV_LORA_RANK = 512
@@ -126,7 +127,7 @@ def paged_mla_decode_kernel(
             store_split_report(bt_row, exp_row, stride_ep, tags_ptr, page_reasons_ptr + b * max_pages,
                                part_report_ptr, violations_ptr, reasons_ptr, checked_ptr,
                                beyond_ptr, b, split, num_splits, num_pages, max_pages, raw_len,
-                               seq_len, start, end, PAGE, BLOCK_P)
+                               seq_len, 0, start, end, PAGE, BLOCK_P)
 
     if num_splits == 1:
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -154,6 +155,7 @@ class _Programs:
     num_kv_heads: int
     max_pages: int
     page_size: int
+    variant: Variant = PLAIN
 
 
 def launch_config(args: MLADecodeArgs, config: MLADecodeConfig | None = None) -> MLADecodeConfig:
@@ -224,8 +226,9 @@ def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torc
     if splits > 1:
         merge_splits_kernel[(batch, num_heads)](
             part_acc, part_ml, part_report, args.seq_lens, out, lse_arg, *report_args,
-            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=lora, BLOCK_D=block_l, PAGE=args.page_size,
-            ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None, num_warps=4,
+            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), -1, out, out,
+            NUM_HEADS=num_heads, GROUP=num_heads, HEAD_DIM=lora, BLOCK_D=block_l,
+            PAGE=args.page_size, ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None,
+            WINDOW=False, SINKS=False, FP8=False, num_warps=4,
         )
     return report

@@ -1,0 +1,106 @@
+"""The ownership scenarios of docs/ownership.md section 6 with each attention variant switched on:
+no switch may let a refused page contribute or change what is refused. Every backend that claims
+the switch must give the reference's output (with the same switch) and the report of the plain
+call; every slot a reader must not use holds NaN or a sentinel engineered to dominate attention.
+
+The window used here covers every sequence (what a window refuses is in tests/test_variants.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvattn
+from kvattn import backends
+from test_scenarios import DEFAULT, SENTINEL_V, cache_batch, incident, shared_prefix_cache
+from util import DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
+
+HEADS = 4
+
+
+def switches():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "window": dict(window_left=64),
+        "softcap": dict(logits_soft_cap=5.0),
+        "sinks": dict(sinks=(torch.rand(HEADS, generator=g) * 2).to(DEVICE)),
+        "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEVICE)),
+        "fp8": dict(k_scale=0.5, v_scale=0.25),
+    }
+
+
+SWITCHES = switches()
+
+
+def as_fp8(batch: Batch) -> Batch:
+    """The batch over e4m3 pools (NaN stays NaN); values stored at twice their size, read back at
+    the scales of the "fp8" switch, so the sentinels keep dominating."""
+    batch.k_cache = (batch.k_cache.float() * 2).to(torch.float8_e4m3fn)
+    batch.v_cache = (batch.v_cache.float() * 4).to(torch.float8_e4m3fn)
+    return batch
+
+
+def incident_batch() -> Batch:
+    cache, lease_b, q, _, _ = incident(DEFAULT, 4)
+    table, _, expected = cache.batch([lease_b])
+    seq_lens = torch.tensor([4 * DEFAULT.page], dtype=torch.int32, device=DEVICE)
+    return Batch(q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags, expected)
+
+
+def refused_pages_batch() -> Batch:
+    batch = DEFAULT.small_batch(DEFAULT.lens3)
+    batch.page_tags[int(batch.block_table[1, 1])] = kvattn.FREE_TAG
+    batch.page_tags[int(batch.block_table[2, 0])] = kvattn.reserved_tag(3)
+    batch.block_table[0, 1] = -1
+    return batch
+
+
+def swapped_rows_batch() -> Batch:
+    batch = DEFAULT.small_batch(DEFAULT.lens3)
+    batch.block_table[[1, 2]] = batch.block_table[[2, 1]].clone()
+    return batch
+
+
+def foreign_prefix_batch() -> Batch:
+    cache, parent, child, other, q = shared_prefix_cache(DEFAULT)
+    table, _, per_entry = cache.batch([parent, child, other])
+    wrong = per_entry.clone()
+    wrong[1, :2] = child.owner
+    return cache_batch(cache, [parent, child, other], q, expected=wrong)
+
+
+SCENARIOS = {
+    "incident": incident_batch,
+    "refused_pages": refused_pages_batch,
+    "swapped_rows": swapped_rows_batch,
+    "foreign_prefix": foreign_prefix_batch,
+}
+
+
+def inputs(b: Batch) -> tuple:
+    return b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens, b.page_tags, b.expected
+
+
+@pytest.mark.parametrize("switch", list(SWITCHES))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_scenario_under_each_switch(scenario, switch):
+    batch = SCENARIOS[scenario]()
+    plain = kvattn.paged_decode(*inputs(batch), backend="reference")[1]
+    assert plain.any(), "the scenario refuses something"
+    if switch == "fp8":
+        batch = as_fp8(batch)
+    kwargs = SWITCHES[switch]
+    ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
+        *inputs(batch), return_lse=True, compute_dtype=torch.float64, **kwargs)
+    assert_reports_equal(ref_report, plain)
+    args = kvattn.layout.validate_decode(*inputs(batch), **kwargs)
+    names = [n for n, why in backends.explain(args).items() if why is None]
+    assert "reference" in names
+    for backend in names:
+        out, lse, report = kvattn.paged_decode(*inputs(batch), backend=backend, return_lse=True,
+                                               **kwargs)
+        assert torch.isfinite(out).all(), f"{backend}: a refused slot was read"
+        torch.testing.assert_close(out.double(), ref_out, **tolerance(batch.q.dtype))
+        torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
+        assert_reports_equal(report, plain)
+        assert out.float().abs().max() < 0.5 * SENTINEL_V, f"{backend}: sentinel influence"
