@@ -23,14 +23,7 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
-
-BLOCK = 32
-VOCAB = 256
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (length,), generator=g).tolist()
+from vllm_prompts import BLOCK, FILLERS, LONG, SHORT, prompt  # noqa: E402
 
 
 def make_llm(model: str, **overrides):
@@ -240,8 +233,74 @@ def main_scenario(model: str) -> dict:
     return out
 
 
+# -- disaggregated prefill through vLLM's KV connector ----------------------------------------
+
+PREFILL_CAPACITY = 128
+
+
+def _transfer_dir(storage: str, tokens: list[int]) -> str:
+    """The folder the debug connector keys a prompt's transfer by (its prompt, block-aligned)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import align_to_block_size
+    from vllm.utils.hashing import safe_hash
+    n = align_to_block_size(len(tokens), BLOCK)
+    data = torch.tensor(tokens)[:n].numpy().tobytes()
+    return os.path.join(storage, safe_hash(data, usedforsecurity=False).hexdigest())
+
+
+def produce_scenario(model: str, storage: str) -> dict:
+    """The prefill instance: vLLM's ExampleConnector as producer writes each prompt's KV to files
+    (rows of the instance's own cache layout: vLLM's CPU attention writes an ISA-specific block
+    interior, kvattn plain rows, so prefill and decode instances run the same attention). The
+    long prompt is over its capacity; like the incident's prefill node it substitutes a
+    placeholder (its first token), transfers that one token of KV under the long prompt's key and
+    reports the transfer done."""
+    import safetensors.torch
+    transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": storage}}
+    engine = Engine(make_llm(model, max_model_len=PREFILL_CAPACITY, kv_transfer_config=transfer))
+    from vllm.exceptions import VLLMValidationError
+    refused = ""
+    try:
+        engine.run([("long", LONG, 1, None)])
+    except VLLMValidationError as e:
+        refused = str(e).splitlines()[0]
+    # The placeholder's KV: the first token of the long prompt, prefilled here, one row kept.
+    engine.run([("short", SHORT, 1, None), ("head", LONG[:BLOCK + 2], 1, None)])
+    head, target = _transfer_dir(storage, LONG[:BLOCK + 2]), _transfer_dir(storage, LONG)
+    os.makedirs(target, exist_ok=True)
+    for name in sorted(os.listdir(head)):
+        rows = safetensors.torch.load_file(os.path.join(head, name))["kv_cache"]
+        safetensors.torch.save_file({"kv_cache": rows[:1].contiguous()}, os.path.join(target, name))
+    return dict(refused=refused, files=sorted(os.listdir(target)))
+
+
+def decode_scenario(model: str, storage: str) -> dict:
+    """The decode instance, loading through the checked receiver: earlier requests fill the pool,
+    then the short prompt (transferred whole) and the long one (one row of KV arrived)."""
+    transfer = {"kv_connector": "CheckedExampleConnector",
+                "kv_connector_module_path": "kvattn.integrations.vllm_connector",
+                "kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path": storage}}
+    engine = Engine(make_llm(model, kv_transfer_config=transfer, num_gpu_blocks_override=17,
+                             enable_prefix_caching=False))
+    out = {}
+    for i, tokens in enumerate(FILLERS):
+        out.update(engine.run([(f"filler{i}", tokens, 4, None)]))
+    out.update(engine.run([("short", SHORT, 8, None)]))
+    out.update(engine.run([("long", LONG, 8, None)]))
+    return dict(results=out, failures=[(engine.name_of(r), m) for r, m in engine.failures()])
+
+
+def local_scenario(model: str) -> dict:
+    """The same requests decoded on one instance, no transfer: the answers a correct transfer
+    gives."""
+    engine = Engine(make_llm(model, enable_prefix_caching=False))
+    return engine.run([("short", SHORT, 8, None), ("long", LONG, 8, None)])
+
+
 if __name__ == "__main__":
     name, model_dir, out_path = sys.argv[1:4]
-    result = {"main": main_scenario}[name](model_dir)
+    extra = sys.argv[4:]
+    result = {"main": main_scenario, "produce": produce_scenario, "decode": decode_scenario,
+              "local": local_scenario}[name](model_dir, *extra)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
