@@ -265,8 +265,9 @@ class WorkerOwnership:
             block_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 self._end_lease(rid, released)
-                self._new_lease(rid, block_ids, cached.num_computed_tokens[i],
-                                self._tokens(runner, rid), reserved)
+                tokens = cached.all_token_ids.get(rid) or self._tokens(runner, rid)
+                self._new_lease(rid, block_ids, cached.num_computed_tokens[i], list(tokens),
+                                reserved)
             elif block_ids is not None and rid in self.leases:
                 self._check_groups(block_ids)
                 lease = self.leases[rid]
