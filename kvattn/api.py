@@ -13,7 +13,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  expected: torch.Tensor, *, scale: float | None = None, check: bool = True,
                  on_violation: str = "report", backend: str = "auto",
                  out: torch.Tensor | None = None, return_lse: bool = False,
-                 validate: bool | None = None):
+                 validate: bool | None = None, window_left: int = -1,
+                 logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None):
     """Ownership-checked paged attention for one new query token per sequence.
 
     Shapes, dtypes and the paged layout are defined once in :mod:`kvattn.layout`; the tag format in
@@ -40,6 +42,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return_lse: also return the ``[B, num_heads]`` float32 natural-log LSE.
         validate: run the value checks of :mod:`kvattn.layout` (default: only when the tensors are
             on the CPU, where they cost no device synchronisation).
+        window_left, logits_soft_cap, sinks, alibi_slopes, k_scale, v_scale: the attention
+            variants (sliding window, soft-cap, attention sinks, ALiBi, fp8 KV dequantisation),
+            defined in :mod:`kvattn.variants`; all off by default.
 
     Returns:
         ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``. ``report`` is an
@@ -51,7 +56,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     check_mode(check, on_violation)
     args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
-                           scale=scale, out=out, validate=validate)
+                           scale=scale, out=out, validate=validate, window_left=window_left,
+                           logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
+                           k_scale=k_scale, v_scale=v_scale)
     return _run("decode", args, backend, check, on_violation, out, return_lse)
 
 
@@ -60,7 +67,9 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  page_tags: torch.Tensor, expected: torch.Tensor, *, scale: float | None = None,
                  causal: bool = True, check: bool = True, on_violation: str = "report",
                  backend: str = "auto", out: torch.Tensor | None = None,
-                 return_lse: bool = False, validate: bool | None = None):
+                 return_lse: bool = False, validate: bool | None = None, window_left: int = -1,
+                 logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None):
     """Ownership-checked paged attention for a ragged batch of new query tokens (chunked prefill,
     prefill over a cached prefix).
 
@@ -106,6 +115,10 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out: optional ``[total_q, num_heads, head_dim]`` output buffer (dtype of ``q``).
         return_lse: also return the ``[total_q, num_heads]`` float32 natural-log LSE.
         validate: run the value checks (default: only on CPU tensors, where they cost no sync).
+        window_left, logits_soft_cap, sinks, alibi_slopes, k_scale, v_scale: the attention
+            variants of :mod:`kvattn.variants`, as in :func:`paged_decode`. With a sliding window
+            each row reads its own window; the pages checked (and reported) are those holding a key
+            some row of the sequence reads.
 
     Returns:
         ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``; ``report`` is an
@@ -117,7 +130,9 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     check_mode(check, on_violation)
     args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
-                           expected, scale=scale, causal=causal, out=out, validate=validate)
+                           expected, scale=scale, causal=causal, out=out, validate=validate,
+                           window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                           alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
     return _run("extend", args, backend, check, on_violation, out, return_lse)
 
 

@@ -3,7 +3,8 @@
 Paged KV layout (every docstring in kvattn points here)
 -------------------------------------------------------
 ``k_cache``, ``v_cache``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD), separate K and V
-    pools of one dtype (float16, bfloat16 or float32). ``page_size`` is any size from 1 to 1024
+    pools of one dtype: that of ``q`` (float16, bfloat16 or float32), or fp8 (``float8_e4m3fn``,
+    ``float8_e5m2``) dequantised by ``k_scale``/``v_scale`` (:mod:`kvattn.variants`). ``page_size`` is any size from 1 to 1024
     (powers of two take the kernels' fast paths; ``valid_len`` stays exact at every size).
     Only the last dimension must be contiguous: the pools may be strided views into a larger buffer,
     as engines hand out per-layer views of one flat allocation. A head-major (HND) buffer
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from .tags import OWNER_MAX
+from .variants import FP8_DTYPES, PLAIN, Variant, check_variant
 
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_PAGE_SIZE = 1024
@@ -97,6 +99,7 @@ class DecodeArgs(_PagedShapes):
     page_tags: torch.Tensor
     expected: torch.Tensor
     scale: float
+    variant: Variant = PLAIN
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -193,8 +196,8 @@ def check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim) -> None:
 
 def check_kv_pools(k_cache, v_cache, device=None) -> None:
     """Shape, dtype and stride checks of the two pools (the layout above)."""
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES, device=device)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_DTYPES, device=device)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES + FP8_DTYPES, device=device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_DTYPES + FP8_DTYPES, device=device)
     check_shape("v_cache", v_cache, k_cache.shape)
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}")
@@ -228,8 +231,9 @@ def _check_query_and_pools(q, k_cache, v_cache) -> None:
     if q.shape[2] < 1:
         _fail("q", "head_dim (dim 2) >= 1", f"shape {tuple(q.shape)}")
     check_kv_pools(k_cache, v_cache, q.device)
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache: expected dtype {q.dtype} (that of q), got {k_cache.dtype}")
+    if k_cache.dtype != q.dtype and k_cache.dtype not in FP8_DTYPES:
+        raise TypeError(f"k_cache: expected dtype {q.dtype} (that of q) or an fp8 dtype, got "
+                        f"{k_cache.dtype}")
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, kv_head_dim = k_cache.shape[2:]
     if kv_head_dim != head_dim:
@@ -278,10 +282,12 @@ def _check_scale_and_out(scale, out, q, inputs: dict) -> float:
 
 
 def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *,
-                    scale=None, out=None, validate=None) -> DecodeArgs:
-    """Check every decode input against the layout above; raise ValueError/TypeError naming the
-    argument, what was expected and what was got. Returns the inputs in canonical form."""
+                    scale=None, out=None, validate=None, **variant) -> DecodeArgs:
+    """Check every decode input against the layout above and the switches of
+    :mod:`kvattn.variants` (``variant``: its keyword arguments); raise ValueError/TypeError naming
+    the argument, what was expected and what was got. Returns the inputs in canonical form."""
     _check_query_and_pools(q, k_cache, v_cache)
+    switches = check_variant(q, k_cache, **variant)
     batch = q.shape[0]
     if batch < 1:
         _fail("q", "a batch of at least one sequence", f"shape {tuple(q.shape)}")
@@ -294,7 +300,8 @@ def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expec
         validate = q.device.type == "cpu"
     if validate:
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], block_table.shape[1])
-    return DecodeArgs(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale)
+    return DecodeArgs(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale,
+                      switches)
 
 
 def check_lengths_and_owners(seq_lens, expected, page_size: int, max_pages: int) -> None:
@@ -339,6 +346,7 @@ class ExtendArgs(_PagedShapes):
     scale: float
     causal: bool
     rows_covered: bool = False
+    variant: Variant = PLAIN
 
     @property
     def total_q(self) -> int:
@@ -346,7 +354,7 @@ class ExtendArgs(_PagedShapes):
 
 
 def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                    *, scale=None, causal=True, out=None, validate=None) -> ExtendArgs:
+                    *, scale=None, causal=True, out=None, validate=None, **variant) -> ExtendArgs:
     """Check every extend input against the layout above (``q``/``out`` are ``[total_q,
     num_heads, head_dim]`` here, ``cu_seqlens_q`` ``[B + 1]`` int32); raise ValueError/TypeError
     naming the argument, what was expected and what was got.
@@ -354,9 +362,10 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     Value checks (with ``validate``, default on CPU tensors): those of decode, plus
     ``cu_seqlens_q`` starting at 0, non-decreasing and ending at ``total_q``, and, when causal,
     every sequence holding at least its query tokens (``seq_lens[b] >= q_len_b``). Skipped, the
-    kernels fail closed: see :func:`kvattn.paged_extend`.
+    kernels fail closed: see :func:`kvattn.paged_extend`. ``variant``: as in :func:`validate_decode`.
     """
     _check_query_and_pools(q, k_cache, v_cache)
+    switches = check_variant(q, k_cache, **variant)
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
     batch, max_pages = block_table.shape
     if batch < 1:
@@ -378,7 +387,7 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
         check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0], causal)
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], max_pages)
     return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                      scale, causal, rows_covered=bool(validate))
+                      scale, causal, rows_covered=bool(validate), variant=switches)
 
 
 def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int, causal: bool = True) -> None:

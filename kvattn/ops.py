@@ -50,18 +50,24 @@ def _report_from_tensors(counts: torch.Tensor, page_reasons: torch.Tensor) -> Ow
 def _paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, page_tags: torch.Tensor,
                      expected: torch.Tensor, scale: float | None, check: bool, backend: str,
-                     return_lse: bool, validate: bool | None,
+                     return_lse: bool, validate: bool | None, window_left: int,
+                     logits_soft_cap: float, sinks: torch.Tensor | None,
+                     alibi_slopes: torch.Tensor | None, k_scale: torch.Tensor | None,
+                     v_scale: torch.Tensor | None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     out, lse, report = api.paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags,
                                         expected, scale=scale, check=check, backend=backend,
-                                        return_lse=True, validate=validate)
+                                        return_lse=True, validate=validate, window_left=window_left,
+                                        logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                        alibi_slopes=alibi_slopes, k_scale=k_scale,
+                                        v_scale=v_scale)
     counts, page_reasons = _report_tensors(report, q.shape[0], block_table.shape[1], q.device)
     return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
 
 
 @_paged_decode_op.register_fake
 def _(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale, check, backend,
-      return_lse, validate):
+      return_lse, validate, *variant):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
     return (torch.empty_like(q), lse, q.new_empty(4, batch, dtype=torch.int32),
@@ -73,11 +79,16 @@ def _paged_extend_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      cu_seqlens_q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      page_tags: torch.Tensor, expected: torch.Tensor, scale: float | None,
                      causal: bool, check: bool, backend: str, return_lse: bool,
-                     validate: bool | None,
+                     validate: bool | None, window_left: int, logits_soft_cap: float,
+                     sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     out, lse, report = api.paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens,
                                         page_tags, expected, scale=scale, causal=causal, check=check,
-                                        backend=backend, return_lse=True, validate=validate)
+                                        backend=backend, return_lse=True, validate=validate,
+                                        window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                        sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale,
+                                        v_scale=v_scale)
     counts, page_reasons = _report_tensors(report, block_table.shape[0], block_table.shape[1],
                                            q.device)
     return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
@@ -85,7 +96,7 @@ def _paged_extend_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 @_paged_extend_op.register_fake
 def _(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, scale, causal,
-      check, backend, return_lse, validate):
+      check, backend, return_lse, validate, *variant):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
     return (torch.empty_like(q), lse, q.new_empty(4, batch, dtype=torch.int32),
@@ -114,28 +125,35 @@ def _finish(out, lse, counts, page_reasons, check, on_violation, return_lse):
     return (out, lse, report) if return_lse else (out, report)
 
 
+def _variant_args(sw):
+    """The op's positional variant arguments (scales as the validated tensors, so the op schema
+    takes tensors only)."""
+    return (sw.window_left, sw.logits_soft_cap, sw.sinks, sw.alibi_slopes, sw.k_scale, sw.v_scale)
+
+
 def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *, scale=None,
-                 check=True, on_violation="report", backend="auto", return_lse=False, validate=None):
+                 check=True, on_violation="report", backend="auto", return_lse=False, validate=None,
+                 **variant):
     """:func:`kvattn.paged_decode` through the ``kvattn::paged_decode`` custom op (no ``out=``)."""
     check_mode(check, on_violation)
     args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
-                           scale=scale, validate=False)
+                           scale=scale, validate=False, **variant)
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_decode(
         q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, args.scale, check, backend,
-        return_lse, validate)
+        return_lse, validate, *_variant_args(args.variant))
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 
 def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
                  scale=None, causal=True, check=True, on_violation="report", backend="auto",
-                 return_lse=False, validate=None):
+                 return_lse=False, validate=None, **variant):
     """:func:`kvattn.paged_extend` through the ``kvattn::paged_extend`` custom op (no ``out=``)."""
     check_mode(check, on_violation)
     args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
-                           expected, scale=scale, causal=causal, validate=False)
+                           expected, scale=scale, causal=causal, validate=False, **variant)
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_extend(
         q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, args.scale,
-        causal, check, backend, return_lse, validate)
+        causal, check, backend, return_lse, validate, *_variant_args(args.variant))
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 

@@ -13,14 +13,17 @@ from .layout import query_offsets, validate_decode, validate_extend
 from .report import OwnershipReport
 from .tags import (STATE_WRITTEN, Violation, page_reason, tag_owner, tag_state, tag_valid_len,
                    valid_owner)
+from .variants import PLAIN, Variant
 
 
-def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int):
+def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int, first_key=None):
     """Apply the reader's rule to every logical page of a batch.
 
     Returns ``(slot_ok, report)``: ``slot_ok`` ``[B, max_pages, page_size]`` bool is True where a
     slot may contribute (length mask and ownership rule both pass); the report counts refused pages.
-    ``expected`` is ``[B, max_pages]`` (broadcast a ``[B]`` one first).
+    ``expected`` is ``[B, max_pages]`` (broadcast a ``[B]`` one first). ``first_key`` ``[B]``: the
+    first key any query of the sequence reads (a sliding window); pages wholly before it are not
+    read, so neither checked nor refused.
     """
     num_pages = page_tags.shape[0]
     batch, max_pages = block_table.shape
@@ -33,6 +36,8 @@ def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int):
     first_slot = torch.arange(max_pages, device=pages.device) * page_size
     slots_read = (lens[:, None] - first_slot[None, :]).clamp(0, page_size)  # [B, M]
     read = slots_read > 0
+    if first_key is not None:
+        read &= first_slot[None, :] + page_size > first_key[:, None]
 
     reason = torch.where(read, page_reason(tags, in_range, expected, slots_read), 0)
     beyond = (seq_lens.long() > capacity).to(torch.int32)
@@ -64,39 +69,81 @@ def length_mask(block_table, seq_lens, page_size: int):
     return (token[None, :] < lens[:, None]).view(-1, max_pages, page_size)
 
 
-def readable_slots(a, check: bool):
+def first_keys(seq_lens, q_lens, window_left: int):
+    """``[B]`` int64: the first key a sequence's queries read under a sliding window (0 without
+    one): the window of its first query, at position ``seq_len - q_len``."""
+    lens = seq_lens.long()
+    if window_left < 0:
+        return torch.zeros_like(lens)
+    return (lens - q_lens - window_left).clamp(min=0)
+
+
+def readable_slots(a, check: bool, first_key=None):
     """``(allowed [B, max_pages, page_size], report)`` for validated arguments ``a``: the reader's
     rule when ``check``, else the length mask alone (entries outside the pool read as nothing) and
-    no report."""
+    no report. ``first_key``: as in :func:`page_verdicts` (the window is applied per query by
+    :func:`attend`; here it only decides which pages are checked)."""
     if check:
-        return page_verdicts(a.block_table, a.seq_lens, a.page_tags, a.expected, a.page_size)
+        return page_verdicts(a.block_table, a.seq_lens, a.page_tags, a.expected, a.page_size,
+                             first_key)
     pages = a.block_table.long()
     in_range = (pages >= 0) & (pages < a.num_pages)
     return length_mask(a.block_table, a.seq_lens, a.page_size) & in_range[..., None], None
 
 
-def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32):
+def gather_pages(a, pool, scale):
+    """``[B, max_pages * page_size, Hkv, D]``: a pool read through the block table (entries outside
+    the pool read page 0; the caller masks them), dequantised by ``scale`` ``[Hkv]`` when fp8."""
+    pages = a.block_table.long().clamp(0, a.num_pages - 1)
+    x = pool[pages].flatten(1, 2)
+    if scale is None:
+        return x
+    return x.float() * scale[:, None]
+
+
+def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos=None,
+           causal: bool = True, variant: Variant = PLAIN):
     """Softmax attention of ``q`` ``[B, H, D]`` over ``k``/``v`` ``[B, N, Hkv, D]`` where ``allowed``
-    ``[B, N]``; GQA by head groups. Returns ``out`` ``[B, H, D]`` and ``lse`` ``[B, H]`` in
-    ``compute_dtype``; a row with nothing allowed gets output 0 and lse -inf."""
+    ``[B, N]``; GQA by head groups. ``q_pos`` ``[B]``: each query's position (key ``n`` sits at
+    position ``n``), needed by the window and ALiBi of ``variant`` (:mod:`kvattn.variants`), which
+    ``causal`` selects the ALiBi form of. Returns ``out`` ``[B, H, D]`` and ``lse`` ``[B, H]`` (over
+    the keys: sinks join only the output's denominator) in ``compute_dtype``; a row with nothing
+    allowed gets output 0 and lse -inf."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    if variant.windowed:
+        allowed = allowed & (key_pos[None, :] >= q_pos[:, None] - variant.window_left)
     # Disallowed slots may hold NaN (poisoned or foreign pages): zero them before any arithmetic.
     k = torch.where(allowed[..., None, None], k, 0).to(compute_dtype)
     v = torch.where(allowed[..., None, None], v, 0).to(compute_dtype)
     qg = q.to(compute_dtype).view(batch, num_kv_heads, group, head_dim)
     logits = torch.einsum("bkgd,bnkd->bkgn", qg, k) * scale  # [B, Hkv, G, N]
+    if variant.logits_soft_cap > 0:
+        cap = variant.logits_soft_cap
+        logits = cap * torch.tanh(logits / cap)
+    if variant.alibi_slopes is not None:
+        distance = (key_pos[None, :] - q_pos[:, None]).to(compute_dtype)  # [B, N]
+        if not causal:
+            distance = -distance.abs()
+        slopes = variant.alibi_slopes.to(compute_dtype).view(num_kv_heads, group)
+        logits = logits + slopes[None, :, :, None] * distance[:, None, None, :]
     logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G], -inf where nothing is allowed
     probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0)[..., None])
     out = torch.einsum("bkgn,bnkd->bkgd", probs, v)
+    if variant.sinks is not None:
+        # The sink's share of the denominator: out *= e^lse / (e^lse + e^sink) = sigmoid(lse - sink).
+        sinks = variant.sinks.to(compute_dtype).view(1, num_kv_heads, group)
+        out = out * torch.sigmoid(lse - sinks)[..., None]
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 
 
 def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *, scale=None,
-                 check=True, return_lse=False, compute_dtype=torch.float32):
-    """Reference paged decode. Arguments and layout as :func:`kvattn.paged_decode`.
+                 check=True, return_lse=False, compute_dtype=torch.float32, **variant):
+    """Reference paged decode. Arguments and layout as :func:`kvattn.paged_decode` (``variant``: the
+    switches of :mod:`kvattn.variants`).
 
     Returns ``(out, report)`` or ``(out, lse, report)``; ``out`` is in ``compute_dtype`` (float32 by
     default, float64 on request), ``report`` is None when ``check=False``. Unchecked, the block table
@@ -104,18 +151,25 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected
     variants read them blindly: that is undefined behaviour there, so tests never rely on it).
     """
     a = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
-                        scale=scale, validate=False)
-    allowed, report = readable_slots(a, check)
-    pages = a.block_table.long().clamp(0, a.num_pages - 1)
-    k = a.k_cache[pages].flatten(1, 2)  # [B, M * P, Hkv, D]
-    v = a.v_cache[pages].flatten(1, 2)
-    out, lse = attend(a.q, k, v, allowed.flatten(1), a.scale, compute_dtype)
+                        scale=scale, validate=False, **variant)
+    return decode_args(a, check, return_lse, compute_dtype)
+
+
+def decode_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
+    """:func:`paged_decode` on validated arguments (:class:`kvattn.layout.DecodeArgs`)."""
+    sw = a.variant
+    q_pos = a.seq_lens.long() - 1
+    allowed, report = readable_slots(a, check, first_keys(a.seq_lens, 1, sw.window_left))
+    k = gather_pages(a, a.k_cache, sw.k_scale)  # [B, M * P, Hkv, D]
+    v = gather_pages(a, a.v_cache, sw.v_scale)
+    out, lse = attend(a.q, k, v, allowed.flatten(1), a.scale, compute_dtype, q_pos=q_pos,
+                      variant=sw)
     return (out, lse, report) if return_lse else (out, report)
 
 
 def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
                  scale=None, causal=True, check=True, return_lse=False,
-                 compute_dtype=torch.float32):
+                 compute_dtype=torch.float32, **variant):
     """Reference paged extend (chunked prefill). Arguments and semantics as
     :func:`kvattn.paged_extend`; layout in :mod:`kvattn.layout`.
 
@@ -130,18 +184,27 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
 
     Returns ``(out, report)`` or ``(out, lse, report)``, ``out`` ``[total_q, num_heads, head_dim]``
     in ``compute_dtype``, ``lse`` ``[total_q, num_heads]``; ``report`` is None when unchecked.
+    With a sliding window the pages checked are those holding a key some row reads.
     """
     a = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
-                        expected, scale=scale, causal=causal, validate=False)
-    allowed, report = readable_slots(a, check)
+                        expected, scale=scale, causal=causal, validate=False, **variant)
+    return extend_args(a, check, return_lse, compute_dtype)
+
+
+def extend_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
+    """:func:`paged_extend` on validated arguments (:class:`kvattn.layout.ExtendArgs`)."""
+    sw = a.variant
+    offsets = query_offsets(a.cu_seqlens_q, a.total_q)
+    allowed, report = readable_slots(a, check, first_keys(a.seq_lens, offsets[1:] - offsets[:-1],
+                                                          sw.window_left))
     allowed = allowed.flatten(1)  # [B, M * P]
-    pages = a.block_table.long().clamp(0, a.num_pages - 1)
-    k = a.k_cache[pages].flatten(1, 2)  # [B, M * P, Hkv, D]
-    v = a.v_cache[pages].flatten(1, 2)
+    k = gather_pages(a, a.k_cache, sw.k_scale)  # [B, M * P, Hkv, D]
+    v = gather_pages(a, a.v_cache, sw.v_scale)
+    q = a.q
 
     out = torch.zeros(a.total_q, a.num_heads, a.head_dim, dtype=compute_dtype, device=q.device)
     lse = torch.full((a.total_q, a.num_heads), float("-inf"), dtype=compute_dtype, device=q.device)
-    starts = query_offsets(a.cu_seqlens_q, a.total_q).tolist()
+    starts = offsets.tolist()
     key_pos = torch.arange(allowed.shape[1], device=q.device)
     for b in range(a.batch):
         lo, hi = starts[b], starts[b + 1]
@@ -155,5 +218,5 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
         n = rows_allowed.shape[1]
         out[lo:hi], lse[lo:hi] = attend(a.q[lo:hi], k[b].expand(hi - lo, n, -1, -1),
                                         v[b].expand(hi - lo, n, -1, -1), rows_allowed, a.scale,
-                                        compute_dtype)
+                                        compute_dtype, q_pos=q_pos, causal=a.causal, variant=sw)
     return (out, lse, report) if return_lse else (out, report)

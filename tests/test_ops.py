@@ -32,15 +32,20 @@ def _extend_inputs():
     return (q, b.k_cache, b.v_cache, cu, b.block_table, b.seq_lens, b.page_tags, b.expected)
 
 
+# The op's variant arguments with every switch off: window_left, logits_soft_cap, sinks,
+# alibi_slopes, k_scale, v_scale.
+PLAIN = (-1, 0.0, None, None, None, None)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_opcheck_paged_decode(backend):
     torch.library.opcheck(torch.ops.kvattn.paged_decode.default,
-                          _args(_batch()) + (None, True, backend, True, None))
+                          _args(_batch()) + (None, True, backend, True, None) + PLAIN)
 
 
 def test_opcheck_paged_extend():
     torch.library.opcheck(torch.ops.kvattn.paged_extend.default,
-                          _extend_inputs() + (None, True, True, "reference", False, None))
+                          _extend_inputs() + (None, True, True, "reference", False, None) + PLAIN)
 
 
 def test_opcheck_write_kv():

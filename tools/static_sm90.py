@@ -238,7 +238,8 @@ def triton_kernel_figures(kernel) -> dict:
                 **sass_figures(insns))
 
 
-# Shapes of the configurations: (name, op, dtype, head_dim, page_size, num_heads, num_kv_heads)
+# Shapes of the configurations: (name, op, dtype, head_dim, page_size, num_heads, num_kv_heads),
+# and optionally the variant switches (kvattn.variants) by name, below.
 TRITON_CONFIGS = [
     ("decode bf16 d128 p16 gqa4", "decode", torch.bfloat16, 128, 16, 32, 8),
     ("decode fp16 d128 p16 gqa4", "decode", torch.float16, 128, 16, 32, 8),
@@ -254,16 +255,34 @@ TRITON_CONFIGS = [
     ("extend bf16 d256 p16 gqa8", "extend", torch.bfloat16, 256, 16, 64, 8),
     ("extend bf16 d512 p16 gqa8", "extend", torch.bfloat16, 512, 16, 64, 8),
     ("extend fp16 d128 p80 gqa4", "extend", torch.float16, 128, 80, 32, 8),
+    ("decode bf16 d128 p16 gqa4 window+softcap+sinks+alibi", "decode", torch.bfloat16, 128, 16,
+     32, 8, "scores"),
+    ("decode bf16 d128 p16 gqa4 fp8-e4m3 KV", "decode", torch.bfloat16, 128, 16, 32, 8, "fp8"),
+    ("extend bf16 d128 p16 gqa4 window+softcap+sinks+alibi", "extend", torch.bfloat16, 128, 16,
+     32, 8, "scores"),
+    ("extend bf16 d128 p16 gqa4 fp8-e4m3 KV", "extend", torch.bfloat16, 128, 16, 32, 8, "fp8"),
 ]
 
 
-def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads):
+def _variant(name: str | None, num_heads: int) -> dict:
+    """The switches of a configuration: every score switch at once, or fp8 pools with scales."""
+    if name == "scores":
+        return dict(window_left=4095, logits_soft_cap=30.0, sinks=torch.zeros(num_heads),
+                    alibi_slopes=torch.ones(num_heads))
+    if name == "fp8":
+        return dict(k_scale=0.5, v_scale=0.5)
+    return {}
+
+
+def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads, variant=None):
     """Validated arguments of a small launch with engine-like strides (a pool of 1001 pages and a
     table of 257 entries per sequence: neither divisible by 16, as in general)."""
     import kvattn
 
     batch, num_pages, max_pages = 4, 1001, 257
-    k = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype)
+    switches = _variant(variant, num_heads)
+    pool_dtype = torch.float8_e4m3fn if variant == "fp8" else dtype
+    k = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=pool_dtype)
     v = torch.zeros_like(k)
     tags = torch.zeros(num_pages, dtype=torch.int64)
     table = torch.zeros(batch, max_pages, dtype=torch.int32)
@@ -271,18 +290,20 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads):
     expected = torch.ones(batch, dtype=torch.int64)
     if op == "decode":
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
-        return kvattn.layout.validate_decode(q, k, v, table, lens, tags, expected, validate=False)
+        return kvattn.layout.validate_decode(q, k, v, table, lens, tags, expected, validate=False,
+                                             **switches)
     q = torch.zeros(batch * 77, num_heads, head_dim, dtype=dtype)
     cu = torch.arange(0, batch + 1, dtype=torch.int32) * 77
-    return kvattn.layout.validate_extend(q, k, v, cu, table, lens, tags, expected, validate=False)
+    return kvattn.layout.validate_extend(q, k, v, cu, table, lens, tags, expected, validate=False,
+                                         **switches)
 
 
 def triton_records(configs=TRITON_CONFIGS) -> list[dict]:
     from kvattn.backends import triton as triton_backend
 
     records = []
-    for name, op, dtype, head_dim, page_size, num_heads, num_kv_heads in configs:
-        args = _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads)
+    for name, op, *shape in configs:
+        args = _inputs(op, *shape)
         for check in (False, True):
             out = torch.empty_like(args.q)
             lse = torch.empty(args.q.shape[:2], dtype=torch.float32)

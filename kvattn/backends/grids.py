@@ -62,6 +62,9 @@ def plan_num_splits(args, align: int, programs_per_sm: int, num_splits: int | No
     smallest chunk, so tests exercise the merge. ``num_splits`` overrides the count (tests,
     tuning sweeps)."""
     capacity = args.max_pages * args.page_size
+    if args.variant.windowed:
+        # The splits cover the window (from an aligned start), not the whole table.
+        capacity = min(capacity, args.variant.window_left + 1 + align)
     sms = device_sms(args.q.device)
     min_chunk = align if sms is None else round_up(GPU_MIN_CHUNK, align)
     if num_splits is None:

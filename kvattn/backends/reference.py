@@ -17,9 +17,7 @@ def why_not(args: DecodeArgs) -> str | None:
 
 def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
            lse: torch.Tensor | None) -> OwnershipReport | None:
-    result = reference.paged_decode(args.q, args.k_cache, args.v_cache, args.block_table,
-                                    args.seq_lens, args.page_tags, args.expected, scale=args.scale,
-                                    check=check, return_lse=True)
+    result = reference.decode_args(args, check, return_lse=True)
     out.copy_(result[0])
     if lse is not None:
         lse.copy_(result[1])
@@ -28,10 +26,7 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
 
 def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
            lse: torch.Tensor | None) -> OwnershipReport | None:
-    result = reference.paged_extend(args.q, args.k_cache, args.v_cache, args.cu_seqlens_q,
-                                    args.block_table, args.seq_lens, args.page_tags, args.expected,
-                                    scale=args.scale, causal=args.causal, check=check,
-                                    return_lse=True)
+    result = reference.extend_args(args, check, return_lse=True)
     # Like the kernels, write only the rows some sequence covers (all of them when cu_seqlens_q is
     # well formed); the oracle syncs anyway.
     offsets = query_offsets(args.cu_seqlens_q, args.total_q)

@@ -18,6 +18,8 @@ LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 512
+# The switches of kvattn.variants the kernels compile in.
+SWITCHES: frozenset[str] = frozenset()
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers) per padded
 # head dim, from the shared memory and registers in benchmarks/results/static_sm90.md: 59 KB and
 # 150-170 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512.
@@ -32,6 +34,9 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
                 "fp16/bf16 on tensor cores; the triton backend runs float32)")
     if args.head_dim > MAX_HEAD_DIM:
         return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
+    missing = [s for s in args.variant.switches() if s not in SWITCHES]
+    if missing:
+        return f"no kernel for {', '.join(missing)}"
     if args.max_pages * args.page_size >= 2 ** 31:
         return f"a table of {args.max_pages} pages of {args.page_size} tokens holds 2**31 tokens or more"
     if args.batch >= 2 ** 31 or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 32767:

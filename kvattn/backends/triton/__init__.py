@@ -10,6 +10,9 @@ from . import stamp_writer
 from .paged_decode import MAX_HEAD_DIM, decode, interpreted
 from .paged_extend import extend
 
+# The switches of kvattn.variants the kernels compile in.
+SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "fp8 KV"})
+
 NAME = "triton"
 
 
@@ -26,6 +29,9 @@ def why_not(args) -> str | None:
     reason = _why_not_here(args.q.device)
     if reason is None and args.head_dim > MAX_HEAD_DIM:
         return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
+    unsupported = [s for s in args.variant.switches() if s not in SWITCHES]
+    if reason is None and unsupported:
+        return f"no kernel for {', '.join(unsupported)}"
     return reason
 
 

@@ -30,7 +30,7 @@ from ...layout import DecodeArgs
 from ...report import OwnershipReport
 from ..grids import plan_num_splits
 from .configs import DecodeConfig, decode_config
-from .softmax import online_softmax_step, qk_scores
+from .softmax import online_softmax_step, qk_scores, sink_denominator, variant_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, check_pages, readable_len
 
 MAX_HEAD_DIM = 512
@@ -47,17 +47,31 @@ def split_range(seq_len, split, num_splits, min_chunk, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def window_start(seq_len, window_left, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
+    """``(first key read, first token of the splits)``: with a sliding window the query at
+    ``seq_len - 1`` reads keys from ``seq_len - 1 - window_left`` on, and the splits cover
+    ``[span_lo, seq_len)`` from that key's ALIGN-aligned start (kvattn.backends.grids.window_span),
+    so every page is still checked by one split and pages before the window by none."""
+    if WINDOW:
+        first = tl.maximum(seq_len - 1 - window_left, 0)
+        return first, first // ALIGN * ALIGN
+    return 0, 0
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, tags_ptr, expected_ptr,
     out_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, part_report_ptr,
     violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
     scale_log2, num_pages, max_pages, num_splits, min_chunk,
+    window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_eb, stride_ep, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, CHECK: tl.constexpr, DOT_FP32: tl.constexpr,
-    RETURN_LSE: tl.constexpr, OWNER_PER_PAGE: tl.constexpr,
+    RETURN_LSE: tl.constexpr, OWNER_PER_PAGE: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -66,7 +80,10 @@ def paged_decode_kernel(
     raw_len = tl.load(seq_lens_ptr + b)
     capacity = max_pages * PAGE
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
-    start, end, _ = split_range(seq_len, split, num_splits, min_chunk, ALIGN)
+    first_key, span_lo = window_start(seq_len, window_left, WINDOW, ALIGN)
+    start, end, _ = split_range(seq_len - span_lo, split, num_splits, min_chunk, ALIGN)
+    start += span_lo
+    end += span_lo
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -82,10 +99,20 @@ def paged_decode_kernel(
     reasons_row = page_reasons_ptr + b * max_pages
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    qk_scale = scale_log2
+    if FP8:
+        # Per-head dequantisation: K's scale folds into the logits, V's into the output.
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    alibi2 = tl.zeros([BLOCK_G], dtype=tl.float32)
+    if ALIBI:
+        alibi2 = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for t0 in range(start, end, BLOCK_N):
+    loop_lo = start
+    if WINDOW:
+        loop_lo = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)  # tiles wholly before: skipped
+    for t0 in range(loop_lo, end, BLOCK_N):
         if PAGE % BLOCK_N == 0:
             # The tile lies inside one page: one block-table entry and one tag, as scalars.
             logical = t0 // PAGE
@@ -114,14 +141,21 @@ def paged_decode_kernel(
                 if OWNER_PER_PAGE:
                     owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
                 live = live & (slot < readable_len(tag, owner))
+        if WINDOW:
+            live = live & (t0 + offs_n >= first_key)
         page = page.to(tl.int64)
         k_rows = k_head + page * stride_kp + slot * stride_ks  # [BLOCK_N]
         v_rows = v_head + page * stride_vp + slot * stride_vs
         kv_mask = live[:, None] & d_mask[None, :]
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = qk_scores(q, k, DOT_FP32)
-        s = tl.where(live[None, :], s * scale_log2, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        distance = (t0 + offs_n - (seq_len - 1)).to(tl.float32)[None, :]  # [1, BLOCK_N]
+        s = variant_scores(qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance,
+                           SOFTCAP, ALIBI)
+        s = tl.where(live[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     if CHECK:
@@ -129,8 +163,8 @@ def paged_decode_kernel(
             # The report of this split's pages: their table entries and tags again (from L2),
             # once per program instead of once per tile.
             bad, reasons, read = check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row,
-                                             num_pages, seq_len, start // PAGE, tl.cdiv(end, PAGE),
-                                             PAGE, BLOCK_P)
+                                             num_pages, seq_len, first_key, start // PAGE,
+                                             tl.cdiv(end, PAGE), PAGE, BLOCK_P)
             if num_splits == 1:
                 # A seq_len past the table: nothing beyond it is read, and it counts once.
                 beyond = (raw_len > capacity).to(tl.int32)
@@ -148,15 +182,26 @@ def paged_decode_kernel(
             unread = tl.cdiv(seq_len, PAGE)
             stripe = tl.cdiv(max_pages - unread, num_splits)
             lo = unread + split * stripe
-            check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len, lo,
-                        tl.minimum(lo + stripe, max_pages), PAGE, BLOCK_P)
+            check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len,
+                        first_key, lo, tl.minimum(lo + stripe, max_pages), PAGE, BLOCK_P)
+            if WINDOW:
+                # And its stripe of the entries before the splits' span (before the window).
+                stripe = tl.cdiv(span_lo // PAGE, num_splits)
+                check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages,
+                            seq_len, first_key, split * stripe,
+                            tl.minimum((split + 1) * stripe, span_lo // PAGE), PAGE, BLOCK_P)
 
     if num_splits == 1:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_safe[:, None]
+        sink2 = tl.zeros([BLOCK_G], dtype=tl.float32)
+        if SINKS:
+            sink2 = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
+        out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
+        if FP8:
+            out = out * tl.load(v_scale_ptr + kv_head)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         if RETURN_LSE:
+            l_safe = tl.where(l_i > 0, l_i, 1.0)
             lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
             tl.store(lse_ptr + b * NUM_HEADS + heads, lse, mask=g_mask)
     elif start < end:
@@ -171,9 +216,10 @@ def paged_decode_kernel(
 def merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, part_report_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
-    max_pages, num_splits, min_chunk, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    ALIGN: tl.constexpr, BLOCK_S: tl.constexpr, CHECK: tl.constexpr, RETURN_LSE: tl.constexpr,
+    max_pages, num_splits, min_chunk, stride_ob, stride_oh, window_left, sinks_ptr, v_scale_ptr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_S: tl.constexpr, CHECK: tl.constexpr,
+    RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
 ):
     """Combine the splits of one (sequence, head) that lie inside the sequence; a split with nothing
     readable has m = -inf, l = 0 and weighs 0, and a row where every split is empty gets output 0
@@ -183,8 +229,9 @@ def merge_splits_kernel(
     raw_len = tl.load(seq_lens_ptr + b)
     capacity = max_pages * PAGE
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
-    _, _, chunk = split_range(seq_len, 0, num_splits, min_chunk, ALIGN)
-    active = tl.cdiv(seq_len, chunk)
+    _, span_lo = window_start(seq_len, window_left, WINDOW, ALIGN)
+    _, _, chunk = split_range(seq_len - span_lo, 0, num_splits, min_chunk, ALIGN)
+    active = tl.cdiv(seq_len - span_lo, chunk)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     base = (b * NUM_HEADS + head) * num_splits
@@ -209,7 +256,12 @@ def merge_splits_kernel(
         acc += part * w[:, None]
     l_total = tl.sum(l_sum, axis=0)
     l_safe = tl.where(l_total > 0, l_total, 1.0)
-    out = tl.sum(acc, axis=0) / l_safe  # [BLOCK_D]
+    denominator = l_safe
+    if SINKS:
+        denominator = l_total + tl.exp2(tl.load(sinks_ptr + head) * LOG2E_C - m_ref)
+    out = tl.sum(acc, axis=0) / denominator  # [BLOCK_D]
+    if FP8:
+        out = out * tl.load(v_scale_ptr + head // GROUP)
     tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
     if RETURN_LSE:
@@ -284,12 +336,18 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     r = report
     lse_arg = lse if lse is not None else out
     report_args = ((r.violations, r.reasons, r.pages_checked, r.beyond_table) if r else (out,) * 4)
+    sw = args.variant
+    # Switch tensors that are off get `out` as a never-read pointer.
+    alibi, sinks, k_scale, v_scale = (t if t is not None else out for t in
+                                      (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale))
+    switches = dict(WINDOW=sw.windowed, SINKS=sw.sinks is not None, FP8=sw.fp8)
 
     paged_decode_kernel[(batch, args.num_kv_heads, splits)](
         q, k_cache, v_cache, args.block_table, args.seq_lens, args.page_tags, args.expected,
         out, lse_arg, part_acc, part_ml, part_report,
         *report_args, r.page_reasons if r else out,
         args.scale * LOG2E, args.num_pages, args.max_pages, splits, min_chunk,
+        sw.window_left, sw.logits_soft_cap, alibi, sinks, k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         args.block_table.stride(0), args.expected.stride(0), args.expected.stride(1),
@@ -297,13 +355,17 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size, BLOCK_N=config.block_n,
         ALIGN=align, BLOCK_P=128, CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
-        OWNER_PER_PAGE=args.expected.stride(1) != 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        OWNER_PER_PAGE=args.expected.stride(1) != 0, SOFTCAP=sw.logits_soft_cap > 0,
+        ALIBI=sw.alibi_slopes is not None, **switches,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         merge_splits_kernel[(batch, num_heads)](
             part_acc, part_ml, part_report, args.seq_lens, out, lse_arg, *report_args,
-            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size,
-            ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None, num_warps=4,
+            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), sw.window_left,
+            sinks, v_scale,
+            NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            PAGE=args.page_size, ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None,
+            **switches, num_warps=4,
         )
     return report

@@ -33,7 +33,7 @@ from ...report import OwnershipReport
 from ..grids import extend_tile_map
 from .configs import ExtendConfig, extend_config
 from .paged_decode import interpreted
-from .softmax import online_softmax_step, qk_scores
+from .softmax import online_softmax_step, qk_scores, sink_denominator, variant_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
 SLOT_BITS = tl.constexpr(32)
@@ -41,17 +41,22 @@ SLOT_BITS = tl.constexpr(32)
 
 @triton.jit
 def resolve_pages_kernel(
-    block_table_ptr, seq_lens_ptr, tags_ptr, expected_ptr, effective_ptr,
+    block_table_ptr, seq_lens_ptr, q_start_ptr, tags_ptr, expected_ptr, effective_ptr,
     violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
-    num_pages, max_pages, stride_bt, stride_eb, stride_ep,
-    PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
+    num_pages, max_pages, stride_bt, stride_eb, stride_ep, window_left,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """One sequence: every table entry's reason (0 when accepted or not read), the report's
-    counters, and the effective entry ``page << 32 | readable slots`` of every page it reads."""
+    counters, and the effective entry ``page << 32 | readable slots`` of every page it reads.
+    With a sliding window, pages wholly before the first row's window are not read."""
     b = tl.program_id(0).to(tl.int64)
     raw_len = tl.load(seq_lens_ptr + b)
     capacity = max_pages * PAGE
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
+    first_key = 0
+    if WINDOW:
+        q_len = tl.load(q_start_ptr + b + 1) - tl.load(q_start_ptr + b)
+        first_key = tl.maximum(raw_len.to(tl.int64) - q_len - window_left, 0)
     bt_row = block_table_ptr + b * stride_bt
     exp_row = expected_ptr + b * stride_eb
     bad = tl.zeros([BLOCK_P], dtype=tl.int32)
@@ -61,7 +66,7 @@ def resolve_pages_kernel(
         logical = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
         in_table = logical < max_pages
         slots_read = tl.minimum(tl.maximum(seq_len - logical * PAGE, 0), PAGE)
-        read = in_table & (slots_read > 0)
+        read = in_table & (slots_read > 0) & ((logical + 1) * PAGE > first_key)
         page = tl.load(bt_row + logical, mask=read, other=0)
         in_range = (page >= 0) & (page < num_pages)
         tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
@@ -109,16 +114,40 @@ def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages, stride_k
 
 
 @triton.jit
+def tile_scores(q, k, live, tok, q_pos, qk_scale, soft_cap, alibi2, window_left,
+                DIAGONAL: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Base-2 logits [BLOCK_M, BLOCK_N] of one KV tile (keys ``tok``) for rows at ``q_pos``, -inf
+    where a key may not be read (``live``), lies after the row (DIAGONAL tiles) or before its
+    window."""
+    distance = 0.0
+    if ALIBI:
+        distance = (tok[None, :] - q_pos[:, None]).to(tl.float32)  # [BLOCK_M, BLOCK_N]
+        if not CAUSAL:
+            distance = -tl.abs(distance)
+    s = variant_scores(qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance, SOFTCAP,
+                       ALIBI)
+    visible = live[None, :]
+    if DIAGONAL:
+        visible = visible & (tok[None, :] <= q_pos[:, None])
+    if WINDOW:
+        visible = visible & (tok[None, :] >= q_pos[:, None] - window_left)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
 def paged_extend_kernel(
     q_ptr, k_ptr, v_ptr, q_start_ptr, tile_start_ptr, block_table_ptr, effective_ptr, seq_lens_ptr,
     out_ptr, lse_ptr,
     scale_log2, batch, num_pages, max_pages, num_chunks,
+    window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, D_SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
-    CHECK: tl.constexpr, DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr,
+    CHECK: tl.constexpr, DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
 ):
     slot_id = tl.program_id(0)
     # Axis 1: KV head, head chunk and, for the widest heads, which part of the output dims this
@@ -175,6 +204,13 @@ def paged_extend_kernel(
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
 
+    qk_scale = scale_log2
+    if FP8:
+        # Per-head dequantisation: K's scale folds into the logits, V's into the output.
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ALIBI:
+        alibi2 = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * LOG2E_C
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
@@ -185,24 +221,40 @@ def paged_extend_kernel(
         # At least 0: with a length near the int32 limits first_pos + m0 + 1 wraps negative, and a
         # negative start would walk keys below 0 (they pass tok < kv_hi).
         diagonal = tl.maximum(tl.minimum(kv_hi, (first_pos + m0 + 1) // BLOCK_N * BLOCK_N), 0)
-    for t0 in range(0, diagonal, BLOCK_N):
+    kv_lo = 0
+    if WINDOW:
+        # Tiles wholly before the window of the tile's first row are skipped; the window mask
+        # applies per element on the others.
+        kv_lo = tl.maximum(first_pos + m0 - window_left, 0) // BLOCK_N * BLOCK_N
+        diagonal = tl.maximum(diagonal, kv_lo)
+    for t0 in range(kv_lo, diagonal, BLOCK_N):
         k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
                                   stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
                                   offs_dv, HEAD_DIM, PAGE, CHECK)
-        s = qk_scores(q, k, DOT_FP32)  # [BLOCK_M, BLOCK_N]
-        s = tl.where(live[None, :], s * scale_log2, float("-inf"))
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tile_scores(q, k, live, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2, window_left,
+                        False, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
     for t0 in range(diagonal, kv_hi, BLOCK_N):
         k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
                                   stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
                                   offs_dv, HEAD_DIM, PAGE, CHECK)
-        s = qk_scores(q, k, DOT_FP32)  # [BLOCK_M, BLOCK_N]
-        visible = live[None, :] & ((t0 + offs_n)[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * scale_log2, float("-inf"))
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tile_scores(q, k, live, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2, window_left,
+                        CAUSAL, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
+    sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:
+        sink2 = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E_C
+    out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DIM)[None, :])
     if RETURN_LSE:
@@ -239,30 +291,36 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     heads, tokens, chunks = row_layout(args, block_m)
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
     q_start, tile_start, slots = extend_tile_map(args, tokens)
+    sw = args.variant
     report = None
     effective = args.block_table  # unused when unchecked
     if check:
         report = OwnershipReport.allocate(args.batch, args.max_pages, q.device)
         effective = torch.empty(args.batch, args.max_pages, dtype=torch.int64, device=q.device)
         resolve_pages_kernel[(args.batch,)](
-            args.block_table, args.seq_lens, args.page_tags, args.expected, effective,
+            args.block_table, args.seq_lens, q_start, args.page_tags, args.expected, effective,
             report.violations, report.reasons, report.pages_checked, report.beyond_table,
             report.page_reasons, args.num_pages, args.max_pages, args.block_table.stride(0),
-            args.expected.stride(0), args.expected.stride(1),
-            PAGE=args.page_size, BLOCK_P=128, num_warps=4,
+            args.expected.stride(0), args.expected.stride(1), sw.window_left,
+            PAGE=args.page_size, BLOCK_P=128, WINDOW=sw.windowed, num_warps=4,
         )
+    # Switch tensors that are off get `out` as a never-read pointer.
+    alibi, sinks, k_scale, v_scale = (t if t is not None else out for t in
+                                      (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale))
     paged_extend_kernel[(slots, args.num_kv_heads * chunks * config.d_split)](
         q, k_cache, v_cache, q_start, tile_start, args.block_table, effective, args.seq_lens,
         out, lse if lse is not None else out,  # lse unused when not asked
         args.scale * LOG2E, args.batch, args.num_pages, args.max_pages, chunks,
+        sw.window_left, sw.logits_soft_cap, alibi, sinks, k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         args.block_table.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=args.num_heads, GROUP=args.num_heads // args.num_kv_heads, HEADS=heads,
         TOKENS=tokens, HEAD_DIM=args.head_dim, BLOCK_D=block_d, PAGE=args.page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, D_SPLIT=config.d_split, CAUSAL=args.causal,
-        CHECK=check,
-        DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
+        CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
+        SOFTCAP=sw.logits_soft_cap > 0, ALIBI=sw.alibi_slopes is not None,
+        SINKS=sw.sinks is not None, FP8=sw.fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return report

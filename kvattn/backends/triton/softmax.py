@@ -4,6 +4,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .tag_rule import LOG2E_C
+
 
 @triton.jit
 def qk_scores(q, k, DOT_FP32: tl.constexpr):
@@ -30,3 +32,32 @@ def online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def variant_scores(qk, qk_scale, soft_cap, alibi2, distance, SOFTCAP: tl.constexpr,
+                   ALIBI: tl.constexpr):
+    """Base-2 logits of raw scores ``qk`` [ROWS, BLOCK_N] under the score switches of
+    kvattn.variants, in their order: ``qk_scale`` (scale * log2(e), times an fp8 K scale), the
+    soft-cap ``cap * tanh(x / cap)`` of the natural logit ``x``, then ALiBi (``alibi2`` [ROWS] is
+    slope * log2(e), ``distance`` key minus query position, broadcast to the tile)."""
+    s = qk * qk_scale
+    if SOFTCAP:
+        # tanh(x / cap) = 1 - 2 / (exp(2x / cap) + 1), and exp(2x / cap) = exp2(2 s / cap) for the
+        # base-2 logit s: one exp2 per score; an overflow to inf gives tanh = 1 exactly.
+        e = tl.exp2(s * (2.0 / soft_cap))
+        s = (soft_cap * LOG2E_C) * (1.0 - 2.0 / (e + 1.0))
+    if ALIBI:
+        s += alibi2[:, None] * distance
+    return s
+
+
+@triton.jit
+def sink_denominator(l_i, m_i, sink2, SINKS: tl.constexpr):
+    """The softmax denominator of a row with running max ``m_i`` and sum ``l_i`` (base 2): with
+    SINKS the sink logit ``sink2`` (base 2) joins it; a row with nothing read keeps output 0
+    (its accumulator is 0) and the returned lse, from ``l_i`` alone, stays -inf."""
+    if SINKS:
+        m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+        return l_i + tl.exp2(sink2 - m_ref)
+    return tl.where(l_i > 0, l_i, 1.0)

@@ -72,12 +72,13 @@ def page_reason(tag, in_range, exp_owner, slots_read):
 
 
 @triton.jit
-def check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len, page_lo,
-                page_hi, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The report for logical pages ``[page_lo, page_hi)`` of one sequence of ``seq_len`` tokens:
-    writes each page's reason to ``reasons_row`` (0 when accepted or not read) and returns
-    ``(refused pages, OR of their reasons, pages read)``. Pages are read in blocks of BLOCK_P, each
-    with its block-table entry, tag and expected owner; page memory is never touched."""
+def check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len, first_key,
+                page_lo, page_hi, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The report for logical pages ``[page_lo, page_hi)`` of one sequence of ``seq_len`` tokens
+    whose queries read keys from ``first_key`` on (a sliding window; 0 without one): writes each
+    page's reason to ``reasons_row`` (0 when accepted or not read) and returns ``(refused pages, OR
+    of their reasons, pages read)``. Pages are read in blocks of BLOCK_P, each with its block-table
+    entry, tag and expected owner; page memory is never touched."""
     bad = tl.zeros([BLOCK_P], dtype=tl.int32)
     n_read = tl.zeros([BLOCK_P], dtype=tl.int32)
     bits = tl.zeros([BLOCK_P], dtype=tl.int32)
@@ -85,7 +86,7 @@ def check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, se
         logical = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
         in_table = logical < page_hi
         slots_read = tl.minimum(tl.maximum(seq_len - logical * PAGE, 0), PAGE)
-        read = in_table & (slots_read > 0)
+        read = in_table & (slots_read > 0) & ((logical + 1) * PAGE > first_key)
         page = tl.load(bt_row + logical, mask=read, other=0)
         in_range = (page >= 0) & (page < num_pages)
         tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)

@@ -1,0 +1,140 @@
+"""The attention variants, written down once: switches of the same decode and extend kernels.
+
+Every switch changes the scores a query gives its keys, or which keys it reads; none changes the
+reader's rule (docs/ownership.md section 3): a refused slot never contributes, whatever the switch.
+With ``q_pos`` the position of a query (decode: ``seq_len - 1``; extend: ``seq_len - q_len + j``)
+and ``s = scale * q . k_j`` the score of key ``j``:
+
+``window_left`` (int, default -1: off; FlashInfer's convention)
+    Sliding window: the query reads keys ``j >= q_pos - window_left`` only (and, causal,
+    ``j <= q_pos``). FlashAttention's ``window_size=(left, right)`` is ``window_left = left`` with
+    causal attention (``right = 0``) or non-causal attention (``right = -1``); vLLM's and Hugging
+    Face's ``sliding_window = W`` (the query and the ``W - 1`` keys before it) is ``window_left =
+    W - 1``. Keys older than the window are neither read nor checked: a page wholly before the first
+    key any query of the sequence reads is not counted in ``pages_checked`` and never refused; a page
+    straddling the window edge is checked like any page read (its ``valid_len`` must cover the slots
+    read, so its head may be stale).
+``logits_soft_cap`` (float, default 0: off)
+    ``s = cap * tanh(s / cap)`` before the softmax (Gemma 2, Grok), as FlashInfer and vLLM define it.
+``sinks`` (``[num_heads]`` float32 tensor, default None)
+    One learnable logit per query head that joins the softmax denominator and contributes no value
+    (gpt-oss): ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. The returned ``lse``
+    covers the keys only, so results over key ranges still merge as without sinks, and a row with
+    nothing readable still gives output 0 and lse -inf.
+``alibi_slopes`` (``[num_heads]`` float32 tensor, default None)
+    ``s += slope * (j - q_pos)`` for causal attention and decode (vLLM's paged attention), and
+    ``s -= slope * |j - q_pos|`` without causality (FlashAttention's ALiBi).
+``k_scale``, ``v_scale`` (float or float32 tensor ``[]``, ``[1]`` or ``[num_kv_heads]``; default 1)
+    Only with fp8 pools (``float8_e4m3fn`` or ``float8_e5m2`` ``k_cache``/``v_cache``, while ``q``
+    stays float16/bfloat16/float32 and sets the output dtype): a key element is
+    ``k_cache[...] * k_scale[kv_head]`` in float32, likewise V (vLLM's and FlashInfer's per-tensor
+    or per-head scales). :func:`kvattn.write_kv` divides by the same scales when it quantises. The
+    tags are unchanged.
+
+Order of operations on a score: scale, soft-cap, ALiBi, then the masks (window, causality, length,
+ownership) set refused and masked scores to -inf.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """The validated switches of one call (see the module docstring). ``k_scale``/``v_scale`` are
+    ``[num_kv_heads]`` float32 tensors on the query's device when the pools are fp8, else None."""
+
+    window_left: int = -1
+    logits_soft_cap: float = 0.0
+    sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0
+
+    @property
+    def fp8(self) -> bool:
+        return self.k_scale is not None
+
+    def switches(self) -> list[str]:
+        """Names of the switches that are on (for the backends' refusal reasons)."""
+        on = [("window_left", self.windowed), ("logits_soft_cap", self.logits_soft_cap > 0),
+              ("sinks", self.sinks is not None), ("alibi_slopes", self.alibi_slopes is not None),
+              ("fp8 KV", self.fp8)]
+        return [name for name, active in on if active]
+
+
+PLAIN = Variant()
+
+
+def _fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def _per_head(name: str, t, num_heads: int, device) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name}: expected dtype float32, got {str(t.dtype).replace('torch.', '')}")
+    if tuple(t.shape) != (num_heads,):
+        _fail(name, f"shape ({num_heads},) (one value per query head)", f"{tuple(t.shape)}")
+    if t.device != device:
+        _fail(name, f"a tensor on {device} (the device of q)", f"one on {t.device}")
+    return t.contiguous()
+
+
+def _kv_scale(name: str, value, num_kv_heads: int, device) -> torch.Tensor:
+    """A per-tensor or per-head dequantisation scale as a ``[num_kv_heads]`` float32 tensor."""
+    if value is None:
+        value = 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise TypeError(f"{name}: expected a float or a float32 tensor, got {type(value).__name__}")
+    if not isinstance(value, torch.Tensor):
+        if not (math.isfinite(value) and value > 0):
+            _fail(name, "a positive finite scale", repr(value))
+        return torch.full((num_kv_heads,), float(value), dtype=torch.float32, device=device)
+    if value.dtype != torch.float32:
+        raise TypeError(f"{name}: expected dtype float32, got {str(value.dtype).replace('torch.', '')}")
+    if value.device != device:
+        _fail(name, f"a tensor on {device} (the device of q)", f"one on {value.device}")
+    if value.numel() == 1 and value.dim() <= 1:
+        return value.reshape(1).expand(num_kv_heads).contiguous()
+    if tuple(value.shape) != (num_kv_heads,):
+        _fail(name, f"shape (), (1,) or ({num_kv_heads},)", f"{tuple(value.shape)}")
+    return value.contiguous()
+
+
+def check_variant(q: torch.Tensor, k_cache: torch.Tensor, *, window_left=-1, logits_soft_cap=0.0,
+                  sinks=None, alibi_slopes=None, k_scale=None, v_scale=None) -> Variant:
+    """Validate the switches of a decode or extend call against ``q`` ``[rows, num_heads, D]`` and
+    the pools; returns :data:`PLAIN` when none is on."""
+    if isinstance(window_left, bool) or not isinstance(window_left, int):
+        raise TypeError(f"window_left: expected an int, got {type(window_left).__name__}")
+    if window_left < -1 or window_left >= 2 ** 31 - 1:
+        _fail("window_left", "-1 (no window) or a key count in [0, 2**31 - 1)", window_left)
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
+        raise TypeError(f"logits_soft_cap: expected a float, got {type(logits_soft_cap).__name__}")
+    if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
+        _fail("logits_soft_cap", "0 (off) or a positive finite cap", repr(logits_soft_cap))
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    sinks = _per_head("sinks", sinks, num_heads, q.device)
+    alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads, q.device)
+    fp8 = k_cache.dtype in FP8_DTYPES
+    if not fp8 and (k_scale is not None or v_scale is not None):
+        _fail("k_scale" if k_scale is not None else "v_scale",
+              "None with float16/bfloat16/float32 pools (scales dequantise fp8 pools)",
+              f"a scale with {str(k_cache.dtype).replace('torch.', '')} pools")
+    ks = _kv_scale("k_scale", k_scale, num_kv_heads, q.device) if fp8 else None
+    vs = _kv_scale("v_scale", v_scale, num_kv_heads, q.device) if fp8 else None
+    variant = Variant(window_left, float(logits_soft_cap), sinks, alibi_slopes, ks, vs)
+    return PLAIN if not variant.switches() else variant

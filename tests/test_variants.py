@@ -1,0 +1,410 @@
+"""The attention variants of kvattn.variants (sliding window, logit soft-cap, attention sinks, ALiBi,
+fp8 KV) on every backend that claims them: against the reference and against :func:`dense`, the
+definitions written out here one query row at a time in float64, with NaN-filled foreign pages
+planted where a sequence reads them (and, for the window, where it does not).
+
+Peer grids where they exist: windows 64/128/256 and soft-caps 30/50 (vLLM's and FlashInfer's
+tests), fp8 e4m3/e5m2 with per-tensor and per-head scales.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvattn
+from kvattn import Violation, backends
+from test_extend import Extend
+from util import (DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal, backends_under_test, launcher,
+                  tolerance)
+
+FOREIGN_OWNER = 99
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def inputs(pages: Batch) -> tuple:
+    return (pages.q, pages.k_cache, pages.v_cache, pages.block_table, pages.seq_lens,
+            pages.page_tags, pages.expected)
+
+
+def plant_foreign_page(pages: Batch, b: int, i: int) -> None:
+    """Entry ``i`` of sequence ``b`` names a page written in full for another owner, NaN inside."""
+    used = set(pages.block_table.flatten().tolist())
+    spare = next(p for p in range(pages.k_cache.shape[0]) if p not in used)
+    pages.k_cache[spare] = float("nan")
+    pages.v_cache[spare] = float("nan")
+    pages.page_tags[spare] = kvattn.written_tag(FOREIGN_OWNER, pages.k_cache.shape[1])
+    pages.block_table[b, i] = spare
+
+
+def tokens(pages: Batch, b: int, k_scale=None, v_scale=None):
+    """K/V ``[seq_len, Hkv, D]`` float64 of sequence ``b`` by plain indexing (dequantised by the
+    per-head scales), and which tokens are not on a foreign page."""
+    n = int(pages.seq_lens[b])
+    size = pages.k_cache.shape[1]
+    idx = torch.arange(n)
+    phys = pages.block_table[b].long().cpu()[idx // size]
+    ok = [int(pages.page_tags[p]) >> kvattn.tags.OWNER_SHIFT != FOREIGN_OWNER for p in phys.tolist()]
+    k = pages.k_cache.cpu()[phys, idx % size].double()
+    v = pages.v_cache.cpu()[phys, idx % size].double()
+    if k_scale is not None:
+        k = k * torch.as_tensor(k_scale).double().reshape(-1, 1)
+        v = v * torch.as_tensor(v_scale).double().reshape(-1, 1)
+    return k, v, ok
+
+
+def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=None, sinks=None):
+    """Attention from the definitions, float64, one row and head at a time. ``seqs``: per sequence
+    ``(k, v, ok)`` as from :func:`tokens`. Row ``j`` of sequence ``b`` sits at ``len(k) - q_len + j``."""
+    total_q, num_heads, head_dim = q.shape
+    out = torch.zeros(total_q, num_heads, head_dim, dtype=torch.float64)
+    lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float64)
+    starts = cu.cpu().tolist()
+    for b, (k, v, ok) in enumerate(seqs):
+        group = num_heads // k.shape[1]
+        q_len = starts[b + 1] - starts[b]
+        for j in range(q_len):
+            pos = len(k) - q_len + j
+            keys = [t for t in range(len(k)) if ok[t] and (not causal or t <= pos)
+                    and (window_left < 0 or t >= pos - window_left)]
+            if not keys:
+                continue
+            row = starts[b] + j
+            for h in range(num_heads):
+                scores = []
+                for t in keys:
+                    s = scale * float(q[row, h].cpu().double() @ k[t, h // group])
+                    if cap > 0:
+                        s = cap * math.tanh(s / cap)
+                    if slopes is not None:
+                        d = t - pos
+                        s += float(slopes[h]) * (d if causal else -abs(d))
+                    scores.append(s)
+                m = max(scores)
+                weights = [math.exp(s - m) for s in scores]
+                total = sum(weights)
+                lse[row, h] = m + math.log(total)
+                if sinks is not None:
+                    total += math.exp(float(sinks[h]) - m)
+                acc = sum(w * v[t, h // group] for w, t in zip(weights, keys))
+                out[row, h] = acc / total
+    return out, lse
+
+
+def decode_rows(pages: Batch):
+    batch = pages.q.shape[0]
+    return torch.arange(batch + 1, dtype=torch.int32)
+
+
+def claims(args, op: str) -> list[str]:
+    return [n for n, why in backends.explain(args, op=op).items() if why is None]
+
+
+def assert_matches(out, lse, want_out, want_lse, dtype):
+    assert torch.isfinite(out).all(), "a refused or masked slot was read"
+    tol = tolerance(dtype)
+    assert want_out.abs().max() > 10 * tol["atol"], "expected output too small to tell"
+    torch.testing.assert_close(out.cpu().double(), want_out, **tol)
+    finite = torch.isfinite(want_lse)
+    assert torch.isneginf(lse.cpu()[~finite]).all()
+    torch.testing.assert_close(lse.cpu().double()[finite], want_lse[finite], **LSE_TOLERANCE)
+
+
+def per_head(values, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(HEADS, generator=g) * (values[1] - values[0]) + values[0]).to(DEVICE)
+
+
+# Each case: the switches as kvattn takes them, and the same for dense().
+def switch_cases():
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(HEADS)], device=DEVICE)
+    sinks = per_head((-1.0, 2.0), seed=3)
+    return {
+        "window": (dict(window_left=5), dict(window_left=5)),
+        "window0": (dict(window_left=0), dict(window_left=0)),
+        "softcap": (dict(logits_soft_cap=0.7), dict(cap=0.7)),
+        "sinks": (dict(sinks=sinks), dict(sinks=sinks)),
+        "alibi": (dict(alibi_slopes=slopes), dict(slopes=slopes)),
+        "all": (dict(window_left=6, logits_soft_cap=1.5, sinks=sinks, alibi_slopes=slopes),
+                dict(window_left=6, cap=1.5, sinks=sinks, slopes=slopes)),
+    }
+
+
+CASES = switch_cases()
+
+
+def decode_batch(page, seed=0):
+    """Lengths around page boundaries and past the window; a foreign page in the last sequence's
+    second entry (read by every case here: it is inside every window used below)."""
+    lens = [1, page + 1, 3 * page + 2, 3 * page]
+    pages = Batch.random(batch=len(lens), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                         page_size=page, seq_lens=lens, pool_factor=2, seed=seed)
+    plant_foreign_page(pages, 3, 2)
+    return pages
+
+
+@pytest.mark.parametrize("page", [4, 5])
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_variants_match_the_definition(case, page):
+    ours, theirs = CASES[case]
+    pages = decode_batch(page)
+    args = kvattn.layout.validate_decode(*inputs(pages), **ours)
+    names = claims(args, "decode")
+    seqs = [tokens(pages, b) for b in range(4)]
+    want_out, want_lse = dense(pages.q, decode_rows(pages), seqs, DIM ** -0.5, **theirs)
+    ref_report = None
+    for backend in names:
+        out, lse, report = kvattn.paged_decode(*inputs(pages), backend=backend,
+                                               return_lse=True, **ours)
+        assert_matches(out, lse, want_out, want_lse, pages.q.dtype)
+        ref_report = ref_report or report
+        assert_reports_equal(report, ref_report)
+        refused = report.violations.tolist()
+        assert refused[:3] == [0, 0, 0] and refused[3] == 1
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_extend_variants_match_the_definition(case, causal):
+    ours, theirs = CASES[case]
+    page = 4
+    ext = Extend.random([1, 5, 3, 2], [page - 1, 0, 2 * page + 1, 3 * page], num_heads=HEADS,
+                        num_kv_heads=KV_HEADS, head_dim=DIM, page_size=page, pool_factor=2)
+    plant_foreign_page(ext.pages, 3, 2)
+    args = kvattn.layout.validate_extend(*ext.inputs(), causal=causal, **ours)
+    seqs = [tokens(ext.pages, b) for b in range(4)]
+    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM ** -0.5, causal=causal, **theirs)
+    ref_report = None
+    for backend in claims(args, "extend"):
+        out, lse, report = ext.run(backend, causal=causal, return_lse=True, **ours)
+        assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
+        ref_report = ref_report or report
+        assert_reports_equal(report, ref_report)
+        # Sequence 3's foreign page is refused when some row's window reaches it.
+        k, _, ok = seqs[3]
+        first = max(0, len(k) - 2 - theirs.get("window_left", len(k)))
+        assert report.violations.tolist() == [0, 0, 0, int(not all(ok[first:]))]
+
+
+SPLIT_CASES = ["window", "softcap", "sinks", "alibi", "all"]
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_decode_variants_across_splits(case, num_splits):
+    """The kernels' split-KV path: partial results merged with the sink added once and the window
+    spread over the splits from its aligned start; the report is the unsplit one."""
+    ours, theirs = CASES[case]
+    if "window_left" in ours:
+        ours, theirs = dict(ours, window_left=37), dict(theirs, window_left=37)
+    lens = [90, 17, 1, 64]
+    pages = Batch.random(batch=4, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                         page_size=4, seq_lens=lens, pool_factor=2, seed=7)
+    plant_foreign_page(pages, 0, 20)  # tokens 80-83: inside every window here
+    args = kvattn.layout.validate_decode(*inputs(pages), **ours)
+    want_out, want_lse = dense(pages.q, decode_rows(pages), [tokens(pages, b) for b in range(4)],
+                               DIM ** -0.5, **theirs)
+    ref = kvattn.paged_decode(*inputs(pages), backend="reference", **ours)[1]
+    kernels = [n for n in claims(args, "decode") if n != "reference"]
+    for backend in kernels:
+        out = torch.empty_like(pages.q)
+        lse = torch.empty(pages.q.shape[:2], dtype=torch.float32, device=DEVICE)
+        report = launcher(backend).decode(args, check=True, out=out, lse=lse, num_splits=num_splits)
+        assert_matches(out, lse, want_out, want_lse, pages.q.dtype)
+        assert_reports_equal(report, ref)
+    assert ref.violations.tolist() == [1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", ["window", "all"])
+def test_triton_extend_small_tiles_skip_tiles_before_the_window(case, causal):
+    """16-row, 16-key tiles over 60-token sequences: whole key tiles before a query tile's window
+    are skipped and the edge tiles masked per element."""
+    if "triton" not in backends_under_test():
+        pytest.skip("triton cannot run here")
+    module = __import__("kvattn.backends.triton.paged_extend", fromlist=["extend"])
+    ours, theirs = CASES[case]
+    ext = Extend.random([20, 3], [40, 29], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                        page_size=4, pool_factor=2, seed=11)
+    plant_foreign_page(ext.pages, 1, 7)  # tokens 28-31: in the window of sequence 1's rows
+    args = kvattn.layout.validate_extend(*ext.inputs(), causal=causal, **ours)
+    want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(2)],
+                               DIM ** -0.5, causal=causal, **theirs)
+    out = torch.empty_like(ext.q)
+    lse = torch.empty(ext.q.shape[:2], dtype=torch.float32, device=DEVICE)
+    report = module.extend(args, check=True, out=out, lse=lse, block_m=16, block_n=16)
+    assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
+    assert_reports_equal(report, ext.reference(causal=causal, **ours)[2])
+    assert report.violations.tolist() == [0, 1]
+
+
+# --- fp8 KV -------------------------------------------------------------------------------------
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def to_fp8(pages: Batch, dtype) -> Batch:
+    """The same batch with fp8 pools (NaN stays NaN), values scaled into fp8's range."""
+    pages.k_cache = (pages.k_cache.float() * 8).to(dtype)
+    pages.v_cache = (pages.v_cache.float() * 8).to(dtype)
+    return pages
+
+
+SCALES = {"tensor": (0.125, 0.25), "per-head": (torch.tensor([0.125, 0.0625]),
+                                                torch.tensor([0.25, 0.5]))}
+
+
+@pytest.mark.parametrize("scales", list(SCALES))
+@pytest.mark.parametrize("fmt", list(FP8))
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
+def test_fp8_decode_matches_the_dequantised_definition(q_dtype, fmt, scales):
+    k_scale, v_scale = SCALES[scales]
+    if isinstance(k_scale, torch.Tensor):
+        k_scale, v_scale = k_scale.to(DEVICE), v_scale.to(DEVICE)
+    pages = to_fp8(decode_batch(4), FP8[fmt])
+    pages.q = pages.q.to(q_dtype)
+    ks = torch.as_tensor(k_scale).expand(KV_HEADS)
+    vs = torch.as_tensor(v_scale).expand(KV_HEADS)
+    seqs = [tokens(pages, b, ks.cpu(), vs.cpu()) for b in range(4)]
+    want_out, want_lse = dense(pages.q, decode_rows(pages), seqs, DIM ** -0.5)
+    args = kvattn.layout.validate_decode(*inputs(pages), k_scale=k_scale, v_scale=v_scale)
+    names = claims(args, "decode")
+    assert "reference" in names
+    for backend in names:
+        out, lse, report = kvattn.paged_decode(*inputs(pages), backend=backend, return_lse=True,
+                                               k_scale=k_scale, v_scale=v_scale)
+        assert out.dtype == q_dtype
+        assert_matches(out, lse, want_out, want_lse, q_dtype)
+        assert report.violations.tolist() == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+def test_fp8_extend_matches_the_dequantised_definition(fmt):
+    ext = Extend.random([1, 5, 3, 2], [3, 0, 9, 12], num_heads=HEADS, num_kv_heads=KV_HEADS,
+                        head_dim=DIM, page_size=4, pool_factor=2)
+    plant_foreign_page(ext.pages, 3, 2)
+    to_fp8(ext.pages, FP8[fmt])
+    k_scale, v_scale = torch.tensor([0.125, 0.0625], device=DEVICE), 0.25
+    seqs = [tokens(ext.pages, b, k_scale.cpu(), torch.full((KV_HEADS,), 0.25)) for b in range(4)]
+    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM ** -0.5)
+    args = kvattn.layout.validate_extend(*ext.inputs(), k_scale=k_scale, v_scale=v_scale)
+    for backend in claims(args, "extend"):
+        out, lse, report = ext.run(backend, return_lse=True, k_scale=k_scale, v_scale=v_scale)
+        assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
+        assert report.violations.tolist() == [0, 0, 0, 1]
+
+
+def test_fp8_pools_without_scales_dequantise_by_one():
+    pages = to_fp8(decode_batch(4), torch.float8_e4m3fn)
+    one = kvattn.paged_decode(*inputs(pages), backend="reference")[0]
+    explicit = kvattn.paged_decode(*inputs(pages), backend="reference", k_scale=1.0, v_scale=1.0)[0]
+    assert torch.equal(one, explicit)
+
+
+# --- sliding window: what is read and what is reported -------------------------------------------
+
+def window_batch(page):
+    """One sequence of 4P + 2 tokens whose query reads keys from 3P + 1 - window on."""
+    return Batch.random(batch=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                        page_size=page, seq_lens=[4 * page + 2], pool_factor=3)
+
+
+@pytest.mark.parametrize("backend", backends_under_test())
+def test_pages_before_the_window_are_neither_read_nor_checked(backend):
+    """window_left = P + 1 from position 4P + 1: keys from 3P on. Pages 0-2 lie wholly before the
+    window; a foreign NaN page there is not read and not reported, and pages_checked counts the 2
+    pages the window touches."""
+    page = 4
+    pages = window_batch(page)
+    plant_foreign_page(pages, 0, 1)
+    args = kvattn.layout.validate_decode(*inputs(pages), window_left=page + 1)
+    if backend not in claims(args, "decode"):
+        pytest.skip(f"{backend} does not run sliding windows")
+    out, lse, report = kvattn.paged_decode(*inputs(pages), backend=backend, return_lse=True,
+                                           window_left=page + 1)
+    seqs = [tokens(pages, 0)]
+    want_out, want_lse = dense(pages.q, decode_rows(pages), seqs, DIM ** -0.5, window_left=page + 1)
+    assert_matches(out, lse, want_out, want_lse, pages.q.dtype)
+    assert not report.any() and report.pages_checked.tolist() == [2]
+    assert report.page_reasons[0].tolist() == [0] * pages.block_table.shape[1]
+
+
+@pytest.mark.parametrize("backend", backends_under_test())
+def test_a_page_straddling_the_window_edge_is_checked(backend):
+    """The twin: window_left = P + 2 reaches one slot into page 2, so a foreign page there is read
+    through that slot and refused; the rest of the window still attends."""
+    page = 4
+    pages = window_batch(page)
+    plant_foreign_page(pages, 0, 2)
+    args = kvattn.layout.validate_decode(*inputs(pages), window_left=page + 2)
+    if backend not in claims(args, "decode"):
+        pytest.skip(f"{backend} does not run sliding windows")
+    out, lse, report = kvattn.paged_decode(*inputs(pages), backend=backend, return_lse=True,
+                                           window_left=page + 2)
+    want_out, want_lse = dense(pages.q, decode_rows(pages), [tokens(pages, 0)], DIM ** -0.5,
+                               window_left=page + 2)
+    assert_matches(out, lse, want_out, want_lse, pages.q.dtype)
+    assert report.violations.tolist() == [1] and report.pages_checked.tolist() == [3]
+    assert int(report.page_reasons[0, 2]) == int(Violation.OWNER_MISMATCH)
+
+
+def test_window_of_a_straddling_page_needs_only_its_read_prefix_written():
+    """valid_len must cover the slots up to the last one read, as without a window: a page whose
+    unread head is stale but written passes; one whose read tail is unwritten is refused."""
+    page = 4
+    pages = window_batch(page)
+    ref = kvattn.paged_decode(*inputs(pages), backend="reference", window_left=page)[1]
+    assert not ref.any()
+    last = int(pages.block_table[0, 4])
+    pages.page_tags[last] = kvattn.written_tag(1, 1)  # 2 slots of the last page are read
+    report = kvattn.paged_decode(*inputs(pages), backend="reference", window_left=page)[1]
+    assert report.page_reasons[0].tolist()[4] == int(Violation.UNWRITTEN)
+
+
+# --- sinks: a refused row gives 0, not the sink's share ----------------------------------------
+
+@pytest.mark.parametrize("backend", backends_under_test())
+def test_fully_refused_row_with_sinks_gives_zero_and_minus_inf(backend):
+    pages = decode_batch(4)
+    for i in range(4):
+        pages.page_tags[int(pages.block_table[2, i])] = kvattn.FREE_TAG
+    sinks = per_head((0.0, 1.0))
+    args = kvattn.layout.validate_decode(*inputs(pages), sinks=sinks)
+    if backend not in claims(args, "decode"):
+        pytest.skip(f"{backend} does not run sinks")
+    out, lse, report = kvattn.paged_decode(*inputs(pages), backend=backend, return_lse=True,
+                                           sinks=sinks)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
+    assert torch.isfinite(out).all() and report.violations.tolist()[2] == 4
+
+
+def test_a_large_sink_takes_the_mass_and_a_small_one_none():
+    pages = decode_batch(4)
+    plain = kvattn.paged_decode(*inputs(pages), backend="reference")[0]
+    big = kvattn.paged_decode(*inputs(pages), backend="reference",
+                              sinks=torch.full((HEADS,), 80.0, device=DEVICE))[0]
+    small = kvattn.paged_decode(*inputs(pages), backend="reference",
+                                sinks=torch.full((HEADS,), -80.0, device=DEVICE))[0]
+    assert big.abs().max() < 1e-6
+    torch.testing.assert_close(small, plain)
+
+
+# --- validation -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(window_left=-2), ValueError, ["window_left", "-2"]),
+    (dict(window_left=2.0), TypeError, ["window_left", "float"]),
+    (dict(logits_soft_cap=-1.0), ValueError, ["logits_soft_cap", "-1.0"]),
+    (dict(logits_soft_cap=float("inf")), ValueError, ["logits_soft_cap", "inf"]),
+    (dict(sinks=torch.zeros(3)), ValueError, ["sinks", "(4,)", "(3,)"]),
+    (dict(sinks=torch.zeros(4, dtype=torch.float16)), TypeError, ["sinks", "float32"]),
+    (dict(alibi_slopes=[0.5] * 4), TypeError, ["alibi_slopes", "list"]),
+    (dict(k_scale=2.0), ValueError, ["k_scale", "fp8"]),
+])
+def test_variant_arguments_are_named(change, error, words):
+    pages = decode_batch(4)
+    with pytest.raises(error) as info:
+        kvattn.paged_decode(*inputs(pages), backend="reference", **change)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
