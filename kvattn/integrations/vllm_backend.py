@@ -1,0 +1,183 @@
+"""The vLLM attention backend that :func:`kvattn.integrations.vllm.register` puts in place of vLLM's
+CPU attention: vLLM's cache read by views, KV written by :func:`kvattn.write_kv`, attention by
+:func:`kvattn.paged_extend` / :func:`kvattn.paged_decode` on vLLM's own block table and lengths,
+checked against the owners of :class:`kvattn.integrations.vllm.WorkerOwnership`.
+
+Imported by vLLM (through the registry path) only in processes that run the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
+                                       AttentionType, CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from .. import api
+from ..layout import MAX_PAGE_SIZE
+from ..writers import write_kv
+from . import vllm as integration
+
+
+class KVAttnBackend(AttentionBackend):
+    """Decoder attention over vLLM's paged cache, ownership-checked by kvattn."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        # The slot of vLLM's CPU backend: code that branches on the name sees the cache layout
+        # it expects.
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or 1 <= block_size <= MAX_PAGE_SIZE
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # [num_blocks, kv_heads, block_size, 2 * head_dim] per layer, as vLLM's CPU backend: the
+        # K and V halves are HND pages, which kvattn reads as transposed NHD views.
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return True
+
+    @staticmethod
+    def get_impl_cls() -> type[KVAttnImpl]:
+        return KVAttnImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVAttnMetadataBuilder]:
+        return KVAttnMetadataBuilder
+
+
+@dataclass
+class KVAttnMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    slot_mapping: torch.Tensor  # [num_slots] int64, -1 = padding
+    decode_only: bool
+    batch: integration.StepBatch
+
+
+class KVAttnMetadataBuilder(AttentionMetadataBuilder[KVAttnMetadata]):
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.state = integration.attach(vllm_config, list(layer_names), kv_cache_spec.block_size,
+                                        check=True)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KVAttnMetadata:
+        common = common_attn_metadata
+        num_reqs = common.num_reqs
+        return KVAttnMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            query_start_loc=common.query_start_loc[: num_reqs + 1],
+            seq_lens=common.seq_lens[:num_reqs],
+            slot_mapping=common.slot_mapping,
+            decode_only=common.max_query_len == 1,
+            batch=self.state.step_batch(common),
+        )
+
+
+class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 sinks=None) -> None:
+        unsupported = [name for name, value in (
+            ("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+            ("logits_soft_cap", logits_soft_cap), ("sinks", sinks),
+            ("kv_sharing_target_layer_name", kv_sharing_target_layer_name)) if value]
+        if attn_type != AttentionType.DECODER:
+            unsupported.append(f"attn_type {attn_type!r}")
+        if kv_cache_dtype != "auto":
+            unsupported.append(f"kv_cache_dtype {kv_cache_dtype!r}")
+        if unsupported:
+            raise integration.IntegrationError("kvattn.integrations.vllm does not support "
+                                               + ", ".join(unsupported))
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_sharing_target_layer_name = None
+        self.attn_type = attn_type
+        # The layers are built under the engine's configuration, the object the runner and the
+        # builders share: the key of the worker's ownership state.
+        self.vllm_config = get_current_vllm_config()
+
+    def _state(self) -> integration.WorkerOwnership:
+        state = integration.state_for(self.vllm_config)
+        if state is None:
+            raise integration.IntegrationError(
+                "kvattn.integrations.vllm: attention ran before the KV cache was set up")
+        return state
+
+    def _pools(self, kv_cache: torch.Tensor):
+        """K and V pools as NHD views ``[num_blocks, block_size, kv_heads, head_dim]`` of vLLM's
+        ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` layer cache."""
+        d = self.head_size
+        return kv_cache[..., :d].transpose(1, 2), kv_cache[..., d:].transpose(1, 2)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        state = self._state()
+        batch = state.batch
+        if batch is None:  # a dummy run (profiling, warm-up): no request owns anything
+            return
+        k_pages, v_pages = self._pools(kv_cache)
+        n = slot_mapping.shape[0]
+        result = write_kv(key[:n], value[:n], k_pages, v_pages, slot_mapping,
+                          state.layer_tags(layer.layer_name), batch.token_owner[:n],
+                          validate=False)
+        rows = batch.token_row.shape[0]
+        dropped = (result.drop_reasons[:rows] != 0).to(torch.int32)
+        batch.dropped.index_add_(0, batch.token_row, dropped)
+        batch.drops.append((layer.layer_name, result.drop_reasons))
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise integration.IntegrationError(
+                "kvattn.integrations.vllm does not support fused output quantization")
+        if attn_metadata is None:  # profiling run
+            return output
+        state = self._state()
+        batch = attn_metadata.batch
+        n = attn_metadata.num_actual_tokens
+        q = query[:n]
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        k_pages, v_pages = self._pools(kv_cache)
+        tags = state.layer_tags(layer.layer_name)
+        common = dict(scale=self.scale, check=state.check, backend=state.backend, out=out,
+                      validate=False)
+        if attn_metadata.decode_only:
+            _, report = api.paged_decode(q, k_pages, v_pages, batch.block_table,
+                                         attn_metadata.seq_lens, tags, batch.expected, **common)
+        else:
+            _, report = api.paged_extend(q, k_pages, v_pages, attn_metadata.query_start_loc,
+                                         batch.block_table, attn_metadata.seq_lens, tags,
+                                         batch.expected, causal=True, **common)
+        if report is not None:
+            batch.refused += report.violations
+            batch.reports.append((layer.layer_name, report))
+        return output

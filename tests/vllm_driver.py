@@ -1,0 +1,306 @@
+"""Scenarios run inside vLLM (the vLLM environment's Python, engine in-process), for
+tests/test_vllm.py. One engine per invocation; results go to a JSON file:
+
+    python tests/vllm_driver.py SCENARIO MODEL_DIR OUT_JSON [STORAGE_DIR]
+
+``KVATTN_VLLM=1`` in the environment runs the engine on kvattn attention, without it on vLLM's own.
+Scenarios: ``main`` (greedy tokens with chunked prefill and prefix caching, then four faults
+injected into vLLM's bookkeeping, each next to a clean run of the same requests), ``produce``
+(a prefill instance writing KV files through vLLM's connector, and the incident's substitute),
+``decode`` (a decode instance loading them).
+
+Requests are added to the engine step by step (``LLMEngine.add_request``/``step``), so a fault can
+wait for the moment it needs (a request decoding, another arriving). Each fault is injected the
+same way on both attentions: on vLLM's own it must change the victim's tokens (the fault is real),
+on kvattn's it must fail the victim and leave the others as in the clean run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch  # noqa: E402
+from vllm_prompts import BLOCK, FILLERS, LONG, SHORT, prompt  # noqa: E402
+
+
+def make_llm(model: str, **overrides):
+    from vllm import LLM
+    args = dict(model=model, dtype="float32", block_size=BLOCK, enforce_eager=True,
+                max_model_len=512, kv_cache_memory_bytes=32 << 20, max_num_seqs=8,
+                enable_prefix_caching=True, max_num_batched_tokens=64, seed=0)
+    args.update(overrides)
+    return LLM(**args)
+
+
+class Engine:
+    """The in-process engine's parts a fault needs, and a step-by-step request runner."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.engine = llm.llm_engine
+        core = self.engine.engine_core.engine_core
+        self.scheduler = core.scheduler
+        self.runner = core.model_executor.driver_worker.worker.model_runner
+        self.ids: dict[str, str] = {}  # name -> the engine's request id
+
+    def run(self, schedule, max_steps: int = 400) -> dict:
+        """``schedule``: ``(name, tokens, max_tokens, after)``; ``after`` is None (at once),
+        ``("finished", name)`` or ``("tokens", name, k)``: added once that holds."""
+        from vllm import SamplingParams
+        pending = list(schedule)
+        results: dict[str, dict] = {}
+        produced: dict[str, int] = {}
+        for _ in range(max_steps):
+            for entry in list(pending):
+                name, tokens, max_tokens, after = entry
+                if after is None or (after[0] == "finished" and after[1] in results) or (
+                        after[0] == "tokens" and produced.get(after[1], 0) >= after[2]):
+                    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                    self.ids[name] = self.engine.add_request(name, {"prompt_token_ids": tokens},
+                                                             params)
+                    pending.remove(entry)
+            if not pending and not self.engine.has_unfinished_requests():
+                break
+            for out in self.engine.step():
+                name = out.request_id
+                produced[name] = len(out.outputs[0].token_ids)
+                if out.finished:
+                    results[name] = dict(tokens=list(out.outputs[0].token_ids),
+                                         finish_reason=out.outputs[0].finish_reason,
+                                         cached=out.num_cached_tokens or 0)
+        return results
+
+    def row(self, name: str) -> int | None:
+        return self.runner.input_batch.req_id_to_index.get(self.ids.get(name))
+
+    def failures(self) -> list[tuple[str, str]]:
+        from kvattn.integrations import vllm as integration
+        state = integration.state_for(self.runner.vllm_config)
+        return list(state.failures) if state is not None else []
+
+    def name_of(self, request_id: str) -> str:
+        return next((n for n, i in self.ids.items() if i == request_id), request_id)
+
+
+def scenario(engine: Engine, schedule, inject) -> dict:
+    """A clean run and a faulted run of ``schedule`` (prefix cache reset before each)."""
+    engine.llm.reset_prefix_cache()
+    clean = engine.run(schedule)
+    engine.llm.reset_prefix_cache()
+    seen = len(engine.failures())
+    injected, restore = inject(engine)
+    try:
+        faulted = engine.run(schedule)
+    finally:
+        restore()
+    failures = [(engine.name_of(r), m) for r, m in engine.failures()[seen:]]
+    return dict(clean=clean, faulted=faulted, injected=bool(injected), failures=failures)
+
+
+def patch(obj, name, make):
+    """Replace ``obj.name`` by ``make(original)``; returns the restorer."""
+    original = getattr(obj, name)
+    setattr(obj, name, make(original))
+    return lambda: setattr(obj, name, original)
+
+
+def foreign_entry(engine):
+    """The victim's block-table entry 0 points at another live request's block 0, from the
+    victim's first decode on (the worker's table, the one the kernel is given)."""
+    done = []
+
+    def make(original):
+        def _update_states(scheduler_output):
+            result = original(scheduler_output)
+            v, x = engine.row("victim"), engine.row("other")
+            batch = engine.runner.input_batch
+            if v is not None and x is not None and (
+                    batch.num_computed_tokens_cpu[v] >= batch.num_prompt_tokens[v]):
+                table = batch.block_table[0].block_table.np
+                table[v, 0] = table[x, 0]
+                done.append(True)
+            return result
+        return _update_states
+    return done, patch(engine.runner, "_update_states", make)
+
+
+def _swap_next_allocation(engine, for_name: str, block_of, evict: bool):
+    """When the scheduler allocates new blocks for ``for_name``, hand it ``block_of()`` in place of
+    the first block it picked (which goes back to the free queue)."""
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    manager = engine.scheduler.kv_cache_manager
+    armed, done = [], []
+
+    def make_allocate(original):
+        def allocate_slots(request, *args, **kwargs):
+            armed.append(request.request_id == engine.ids.get(for_name) and not done)
+            try:
+                return original(request, *args, **kwargs)
+            finally:
+                armed.pop()
+        return allocate_slots
+
+    def make_get(original):
+        def get_new_blocks(num_blocks):
+            blocks = original(num_blocks)
+            if armed and armed[-1] and blocks and not done:
+                target = pool.blocks[block_of()]
+                if target.ref_cnt == 0:
+                    pool.free_block_queue.remove(target)
+                if evict:
+                    pool._maybe_evict_cached_block(target)
+                target.ref_cnt += 1
+                pool.free_blocks([blocks[0]])
+                blocks[0] = target
+                done.append(True)
+            return blocks
+        return get_new_blocks
+
+    restores = [patch(manager, "allocate_slots", make_allocate),
+                patch(pool, "get_new_blocks", make_get)]
+    return done, lambda: [r() for r in reversed(restores)]
+
+
+def early_free(engine):
+    """The victim's block 0 is freed while the victim runs and handed to a newcomer."""
+    manager = engine.scheduler.kv_cache_manager
+    return _swap_next_allocation(
+        engine, "newcomer", lambda: manager.get_block_ids(engine.ids["victim"])[0][0], evict=True)
+
+
+def lost_prefill(engine):
+    """The KV writes of the victim's prefill chunks are lost (its slots become padding)."""
+    done = []
+
+    def make(original):
+        def _prepare_inputs(scheduler_output, *args, **kwargs):
+            result = original(scheduler_output, *args, **kwargs)
+            v = engine.row("victim")
+            batch = engine.runner.input_batch
+            if v is not None and batch.num_computed_tokens_cpu[v] < batch.num_prompt_tokens[v]:
+                lo, hi = engine.runner.query_start_loc.np[v:v + 2]
+                batch.block_table[0].slot_mapping.gpu[lo:hi] = -1
+                done.append(True)
+            return result
+        return _prepare_inputs
+    return done, patch(engine.runner, "_prepare_inputs", make)
+
+
+def stale_prefix(engine):
+    """A finished request's cached block 0 is handed to a new request without its prefix hash
+    being dropped; a later request with that prefix hits the stale block."""
+    manager = engine.scheduler.kv_cache_manager
+    first_blocks = {}
+
+    def make(original):
+        def allocate_slots(request, *args, **kwargs):
+            result = original(request, *args, **kwargs)
+            if request.request_id == engine.ids.get("writer") and "writer" not in first_blocks:
+                first_blocks["writer"] = manager.get_block_ids(request.request_id)[0][0]
+            return result
+        return allocate_slots
+    restore_watch = patch(manager, "allocate_slots", make)
+    done, restore_swap = _swap_next_allocation(engine, "overwriter",
+                                               lambda: first_blocks["writer"], evict=False)
+    return done, lambda: (restore_swap(), restore_watch())
+
+
+def main_scenario(model: str) -> dict:
+    engine = Engine(make_llm(model))
+    out: dict = {}
+    first = [(f"p{i}", prompt(10 + i, n), 8, None) for i, n in enumerate((17, 40, 75, 130))]
+    shared = [(f"s{i}", prompt(10 + i, 96)[:64] + prompt(20 + i, 10 + 7 * i), 8, ("finished", "p3"))
+              for i in (2, 3)] + [("r3", prompt(13, 130), 8, ("finished", "p3"))]
+    engine.llm.reset_prefix_cache()
+    out["equality"] = engine.run(first + shared)
+    v, o = prompt(30, 70), prompt(31, 50)
+    out["foreign_entry"] = scenario(engine, [("victim", v, 10, None), ("other", o, 10, None),
+                                             ("third", prompt(32, 20), 10, None)], foreign_entry)
+    out["early_free"] = scenario(engine, [("victim", v, 12, None), ("other", prompt(33, 30), 12, None),
+                                          ("newcomer", prompt(34, 45), 8, ("tokens", "victim", 2))],
+                                 early_free)
+    out["lost_prefill"] = scenario(engine, [("victim", prompt(35, 100), 8, None),
+                                            ("other", prompt(36, 40), 8, None)], lost_prefill)
+    a = prompt(37, 70)
+    out["stale_prefix"] = scenario(engine, [
+        ("writer", a, 4, None),
+        ("overwriter", prompt(38, 20), 6, ("finished", "writer")),
+        ("reader", a[:64] + prompt(39, 20), 8, ("finished", "overwriter"))], stale_prefix)
+    out["failures_total"] = len(engine.failures())
+    return out
+
+
+# -- disaggregated prefill through vLLM's KV connector ----------------------------------------
+
+PREFILL_CAPACITY = 128
+
+
+def _transfer_dir(storage: str, tokens: list[int]) -> str:
+    """The folder the debug connector keys a prompt's transfer by (its prompt, block-aligned)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import align_to_block_size
+    from vllm.utils.hashing import safe_hash
+    n = align_to_block_size(len(tokens), BLOCK)
+    data = torch.tensor(tokens)[:n].numpy().tobytes()
+    return os.path.join(storage, safe_hash(data, usedforsecurity=False).hexdigest())
+
+
+def produce_scenario(model: str, storage: str) -> dict:
+    """The prefill instance: vLLM's ExampleConnector as producer writes each prompt's KV to files
+    (rows of the instance's own cache layout: vLLM's CPU attention writes an ISA-specific block
+    interior, kvattn plain rows, so prefill and decode instances run the same attention). The
+    long prompt is over its capacity; like the incident's prefill node it substitutes a
+    placeholder (its first token), transfers that one token of KV under the long prompt's key and
+    reports the transfer done."""
+    import safetensors.torch
+    transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": storage}}
+    engine = Engine(make_llm(model, max_model_len=PREFILL_CAPACITY, kv_transfer_config=transfer))
+    from vllm.exceptions import VLLMValidationError
+    refused = ""
+    try:
+        engine.run([("long", LONG, 1, None)])
+    except VLLMValidationError as e:
+        refused = str(e).splitlines()[0]
+    # The placeholder's KV: the first token of the long prompt, prefilled here, one row kept.
+    engine.run([("short", SHORT, 1, None), ("head", LONG[:BLOCK + 2], 1, None)])
+    head, target = _transfer_dir(storage, LONG[:BLOCK + 2]), _transfer_dir(storage, LONG)
+    os.makedirs(target, exist_ok=True)
+    for name in sorted(os.listdir(head)):
+        rows = safetensors.torch.load_file(os.path.join(head, name))["kv_cache"]
+        safetensors.torch.save_file({"kv_cache": rows[:1].contiguous()}, os.path.join(target, name))
+    return dict(refused=refused, files=sorted(os.listdir(target)))
+
+
+def decode_scenario(model: str, storage: str) -> dict:
+    """The decode instance, loading through the checked receiver: earlier requests fill the pool,
+    then the short prompt (transferred whole) and the long one (one row of KV arrived)."""
+    transfer = {"kv_connector": "CheckedExampleConnector",
+                "kv_connector_module_path": "kvattn.integrations.vllm_connector",
+                "kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path": storage}}
+    engine = Engine(make_llm(model, kv_transfer_config=transfer, num_gpu_blocks_override=17,
+                             enable_prefix_caching=False))
+    out = {}
+    for i, tokens in enumerate(FILLERS):
+        out.update(engine.run([(f"filler{i}", tokens, 4, None)]))
+    out.update(engine.run([("short", SHORT, 8, None)]))
+    out.update(engine.run([("long", LONG, 8, None)]))
+    return dict(results=out, failures=[(engine.name_of(r), m) for r, m in engine.failures()])
+
+
+def local_scenario(model: str) -> dict:
+    """The same requests decoded on one instance, no transfer: the answers a correct transfer
+    gives."""
+    engine = Engine(make_llm(model, enable_prefix_caching=False))
+    return engine.run([("short", SHORT, 8, None), ("long", LONG, 8, None)])
+
+
+if __name__ == "__main__":
+    name, model_dir, out_path = sys.argv[1:4]
+    extra = sys.argv[4:]
+    result = {"main": main_scenario, "produce": produce_scenario, "decode": decode_scenario,
+              "local": local_scenario}[name](model_dir, *extra)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
