@@ -13,6 +13,9 @@ from .paged_extend import extend
 # The switches of kvattn.variants the kernels compile in.
 SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "fp8 KV"})
 
+# The switches of kvattn.variants the stamping writer implements (fp8 pools, quantising on write).
+WRITE_SWITCHES = frozenset({"fp8 KV"})
+
 NAME = "triton"
 
 
@@ -42,8 +45,8 @@ def why_not_write_kv(args: WriteArgs) -> str | None:
 
 def write_kv(args: WriteArgs) -> WriteResult:
     """:mod:`.stamp_writer`'s two launches (arguments accepted by :func:`why_not_write_kv`)."""
-    landed, reasons = stamp_writer.write_kv(*args.tensors())
+    landed, reasons = stamp_writer.write_kv(*args.tensors(), args.k_scale, args.v_scale)
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 
-__all__ = ["NAME", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
+__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
