@@ -16,7 +16,7 @@ import re
 import statistics
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,27 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # times max|v| (randn values, |v| <= ~5), as in tests/util.py.
 MAX_ABS_ERR = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 6e-2}
 REPO = Path(__file__).resolve().parent.parent
+# The attention variants the sweeps time (kvattn/variants.py), checked and unchecked alike: name ->
+# (window_left, the switch's keyword arguments for H query heads). Peers run "plain" only.
+FP8_SCALE = 1 / 16  # randn values / 1/16 stay well inside e4m3's +-448
+VARIANTS = {
+    "plain": (-1, lambda h: {}),
+    "window128": (128, lambda h: dict(window_left=128)),
+    "window256": (256, lambda h: dict(window_left=256)),
+    "softcap30": (-1, lambda h: dict(logits_soft_cap=30.0)),
+    "sinks": (-1, lambda h: dict(sinks=torch.linspace(-1.0, 1.0, h))),
+    # BLOOM's slopes: 2 ** (-8 (i + 1) / H).
+    "alibi": (-1, lambda h: dict(alibi_slopes=2.0 ** (-8.0 * torch.arange(1, h + 1) / h))),
+    "fp8-e4m3": (-1, lambda h: dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)),
+}
+
+
+def variant_kwargs(name: str, num_heads: int, device: torch.device) -> dict:
+    """The switches of variant ``name`` as kvattn takes them, tensors on ``device``."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant: expected one of {list(VARIANTS)}, got {name!r}")
+    kwargs = VARIANTS[name][1](num_heads)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
 @dataclass(frozen=True)
@@ -47,6 +68,7 @@ class Point:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    variant: str = "plain"
 
     @property
     def pages_per_seq(self) -> int:
@@ -56,32 +78,54 @@ class Point:
     def elt(self) -> int:
         return torch.finfo(DTYPES[self.dtype]).bits // 8
 
+    @property
+    def kv_elt(self) -> int:
+        """Bytes per K/V element in the pool (1 for fp8 pools)."""
+        return 1 if self.variant.startswith("fp8") else self.elt
+
+    @property
+    def window_left(self) -> int:
+        return VARIANTS[self.variant][0]
+
+    def first_page_read(self, first_key: int) -> int:
+        """The first logical page a query whose window starts at key ``first_key`` reads."""
+        return max(0, first_key) // self.page_size if self.window_left >= 0 else 0
+
+    @property
+    def pages_checked(self) -> int:
+        """Pages a checked decode of one sequence counts: those its window reaches."""
+        return self.pages_per_seq - self.first_page_read(self.context - 1 - self.window_left)
+
     def kv_set_bytes(self) -> int:
         """Bytes of K and V one rotation set occupies in the pool (whole pages)."""
         return 2 * self.batch * self.pages_per_seq * self.page_size * self.num_kv_heads * \
-            self.head_dim * self.elt
+            self.head_dim * self.kv_elt
 
     def label(self) -> str:
+        suffix = "" if self.variant == "plain" else f"_{self.variant}"
         return (f"B{self.batch}_ctx{self.context}_p{self.page_size}_h{self.num_heads}x"
-                f"{self.num_kv_heads}_d{self.head_dim}_{self.dtype}")
+                f"{self.num_kv_heads}_d{self.head_dim}_{self.dtype}{suffix}")
 
 
 def bytes_moved(p: Point, checked: bool, q_tokens: int | None = None) -> dict[str, int]:
     """The fewest bytes a decode call must move through device memory, by part.
 
     K/V: only the slots the sequences read (``context`` tokens each, not whole pages), once each.
-    Q is read and O written once. The block table: the entries read. Checked calls also read one
+    Q is read and O written once (a decode window reads its last ``window_left + 1`` keys and their
+    pages only; extend counts every key of the sequence). The block table: the entries read. Checked calls also read one
     tag per page read and the ``[B]`` expected owners, and write the report (counters and per-page
     reasons). Split-KV partial results are an implementation choice and are not counted.
     ``q_tokens``: an extend call's query rows (default one per sequence, decode); it also reads
     the ``[B + 1]`` row offsets.
     """
-    tokens = p.batch * p.context
-    pages = p.batch * p.pages_per_seq
+    read = p.context if p.window_left < 0 or q_tokens is not None else min(p.context,
+                                                                           p.window_left + 1)
+    tokens = p.batch * read
+    pages = p.batch * (p.pages_per_seq if q_tokens is not None else p.pages_checked)
     rows = p.batch if q_tokens is None else q_tokens
     offsets = 0 if q_tokens is None else (p.batch + 1) * 4
     parts = {
-        "kv": 2 * tokens * p.num_kv_heads * p.head_dim * p.elt,
+        "kv": 2 * tokens * p.num_kv_heads * p.head_dim * p.kv_elt,
         "qo": 2 * rows * p.num_heads * p.head_dim * p.elt,
         "table": pages * 4 + p.batch * 4 + offsets,  # block table + seq_lens (+ cu_seqlens_q)
         "tags": (pages * 8 + p.batch * 8 + pages * 1 + 4 * p.batch * 4) if checked else 0,
@@ -164,6 +208,7 @@ class DecodeInputs:
     seq_lens: torch.Tensor  # [B] int32, shared by every set
     expected: list[torch.Tensor]  # per set: [B] int64
     scale: float
+    variant: dict = field(default_factory=dict)  # the point's switches, as kvattn takes them
 
     @property
     def sets(self) -> int:
@@ -191,6 +236,7 @@ class ExtendPoint:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    variant: str = "plain"
 
     @property
     def context(self) -> int:
@@ -207,18 +253,28 @@ class ExtendPoint:
     def pool_point(self) -> Point:
         """The decode point whose pool an extend call reads: same sequences, same pages."""
         return Point(self.batch, self.context, self.page_size, self.num_heads, self.num_kv_heads,
-                     self.head_dim, self.dtype)
+                     self.head_dim, self.dtype, self.variant)
+
+    @property
+    def pages_checked(self) -> int:
+        """Pages a checked extend of one sequence counts: from its first row's window on."""
+        pool = self.pool_point()
+        return pool.pages_per_seq - pool.first_page_read(self.prefix - pool.window_left)
 
     def flops(self) -> int:
         """Causal-aware: query row ``j`` of a chunk (position ``prefix + j``) meets
         ``prefix + j + 1`` keys, 2 FLOPs per element for QK^T and 2 for PV; masked-out work a kernel
         may still do is not counted."""
         pairs = self.chunk * self.prefix + self.chunk * (self.chunk + 1) // 2
+        window = VARIANTS[self.variant][0]
+        if window >= 0:  # row j meets at most window_left + 1 keys
+            pairs = sum(min(self.prefix + j + 1, window + 1) for j in range(self.chunk))
         return 4 * self.batch * self.num_heads * self.head_dim * pairs
 
     def label(self) -> str:
+        suffix = "" if self.variant == "plain" else f"_{self.variant}"
         return (f"B{self.batch}_q{self.chunk}_pre{self.prefix}_p{self.page_size}_h{self.num_heads}x"
-                f"{self.num_kv_heads}_d{self.head_dim}_{self.dtype}")
+                f"{self.num_kv_heads}_d{self.head_dim}_{self.dtype}{suffix}")
 
 
 @dataclass
@@ -241,6 +297,10 @@ class ExtendInputs:
 
     def pool_bytes(self) -> int:
         return self.pool.pool_bytes()
+
+    @property
+    def variant(self) -> dict:
+        return self.pool.variant
 
     def args(self, i: int) -> tuple:
         d = self.pool
@@ -288,8 +348,12 @@ def make_decode_inputs(p: Point, device: torch.device, sets: int, seed: int = 0)
         expected.append(owners)
     q = torch.randn(p.batch, p.num_heads, p.head_dim, generator=gen, device=device, dtype=dtype)
     seq_lens = torch.full((p.batch,), p.context, dtype=torch.int32, device=device)
+    variant = variant_kwargs(p.variant, p.num_heads, device)
+    if "k_scale" in variant:  # fp8 pools hold the values divided by the scale (NaN stays NaN)
+        k_cache = (k_cache.float() / variant["k_scale"]).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / variant["v_scale"]).to(torch.float8_e4m3fn)
     return DecodeInputs(p, q, k_cache, v_cache, page_tags, tables, seq_lens, expected,
-                        p.head_dim ** -0.5)
+                        p.head_dim ** -0.5, variant)
 
 
 def make_extend_inputs(p: ExtendPoint, device: torch.device, sets: int, seed: int = 0) -> ExtendInputs:
@@ -306,7 +370,7 @@ def reference_output(inp: DecodeInputs, i: int, rows: int) -> torch.Tensor:
     so a slice keeps the check cheap at long context)."""
     q, k, v, table, lens, tags, expected = inp.args(i)
     out, report = kvattn.reference.paged_decode(q[:rows], k, v, table[:rows], lens[:rows], tags,
-                                                expected[:rows], scale=inp.scale)
+                                                expected[:rows], scale=inp.scale, **inp.variant)
     if int(report.violations.sum()) != 0:
         raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
                            f"({report.summary()})")
@@ -336,7 +400,7 @@ def extend_reference(inp: ExtendInputs, i: int, picks: list[tuple[int, int]]) ->
     lens = torch.tensor([p.prefix + j + 1 for _, j in picks], dtype=torch.int32, device=dev)
     cu = torch.arange(len(picks) + 1, dtype=torch.int32, device=dev)
     out, report = kvattn.reference.paged_extend(q[rows], k, v, cu, table[seqs].contiguous(), lens,
-                                                tags, expected[seqs], scale=inp.scale)
+                                                tags, expected[seqs], scale=inp.scale, **inp.variant)
     if int(report.violations.sum()) != 0:
         raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
                            f"({report.summary()})")
@@ -346,7 +410,8 @@ def extend_reference(inp: ExtendInputs, i: int, picks: list[tuple[int, int]]) ->
 def check_provider(run, out_buf, refs: dict, dtype: str, pages_per_seq: int,
                    rows: torch.Tensor | None = None) -> float:
     """Run every set in ``refs`` once on a poisoned buffer; raise if the output is off, not
-    written, or the report does not prove the check ran. ``rows`` indexes the output rows
+    written, or the report does not prove the check ran (``pages_per_seq``: the pages each
+    sequence's check must count, those its window reaches). ``rows`` indexes the output rows
     ``refs`` hold (default: the first ones). Returns the largest error seen."""
     worst = 0.0
     for i, ref in refs.items():

@@ -20,7 +20,7 @@ import torch
 
 import kvattn
 
-from .common import (DTYPES, Device, GraphTimer, Point, TimingConfig, bandwidth_columns,
+from .common import (DTYPES, VARIANTS, Device, GraphTimer, Point, TimingConfig, bandwidth_columns,
                      bytes_moved, check_and_measure, check_provider, make_decode_inputs,
                      reference_output, rotation_sets, spread_pct, time_eager)
 from .outputs import write_outputs
@@ -34,23 +34,34 @@ def _grid(batches, contexts, pages=(16,), heads=((32, 8),), dims=(128,), dtypes=
             itertools.product(dtypes, dims, heads, pages, batches, contexts)]
 
 
+def variant_points(batch: int, context: int, **shape) -> list[Point]:
+    """One point per attention variant (checked vs unchecked on the same kernel switch)."""
+    base = dict(page_size=16, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bf16")
+    base.update(shape)
+    return [Point(batch, context, variant=v, **base) for v in VARIANTS if v != "plain"]
+
+
 def preset_points(name: str) -> list[Point]:
     """The sweeps. ``gpu-suite`` is ordered by importance (the target region first), so a run
-    stopped by its time budget keeps the points that matter most."""
+    stopped by its time budget keeps the points that matter most; the variant rows come last."""
     if name == "cpu-tiny":
         return [Point(1, 64, 16, 8, 2, 64, "fp16"), Point(2, 100, 16, 8, 2, 32, "fp16"),
-                Point(1, 48, 16, 4, 4, 32, "bf16"), Point(1, 40, 1, 8, 2, 32, "fp16")]
+                Point(1, 48, 16, 4, 4, 32, "bf16"), Point(1, 40, 1, 8, 2, 32, "fp16"),
+                # A window at a context past it (pages before the window neither read nor counted);
+                # the other variants' CPU cases are in benchmarks/test_bench_decode.py.
+                Point(1, 160, 16, 4, 2, 16, "fp16", "window128")]
     if name == "gpu-suite":
         return (_grid([16, 64], [8192, 32768])
                 + _grid([16], [4096, 131072]) + _grid([1], [4096, 32768]) + _grid([16], [1024])
                 + _grid([256], [4096]) + _grid([64], [32768], dtypes=("fp16",))
                 + _grid([16], [8192], pages=(1, 64)) + _grid([16], [8192], heads=((64, 8), (32, 32)))
-                + _grid([16], [8192], dims=(64, 256)) + _grid([16], [8192], dtypes=("fp16",)))
+                + _grid([16], [8192], dims=(64, 256)) + _grid([16], [8192], dtypes=("fp16",))
+                + variant_points(16, 32768))
     if name == "full":
         main = _grid([1, 4, 16, 64, 256], [1024, 4096, 16384, 65536, 131072], pages=(1, 16, 64),
                      heads=((32, 8), (64, 8), (32, 32)), dtypes=("fp16", "bf16"))
         extra = _grid([1, 16, 64], [4096, 32768], dims=(64, 256), dtypes=("fp16", "bf16"))
-        return main + extra
+        return main + extra + variant_points(16, 32768) + variant_points(64, 131072)
     raise ValueError(f"--preset: expected one of {PRESETS}, got {name!r}")
 
 
@@ -101,7 +112,7 @@ def run_point(p: Point, providers, device: Device, cfg: TimingConfig, copy_tbps:
     base = dict(asdict(p), sets=sets, pool_bytes=inp.pool_bytes())
     return check_and_measure(
         providers, inp,
-        lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_per_seq), base,
+        lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_checked), base,
         device, cfg,
         lambda prov, med: bandwidth_columns(bytes_moved(p, prov.checked), med, copy_tbps), log,
         deadline)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .common import (Device, ExtendPoint, TimingConfig, bandwidth_columns, bytes_moved,
+from .common import (VARIANTS, Device, ExtendPoint, TimingConfig, bandwidth_columns, bytes_moved,
                      check_and_measure, check_provider, extend_check_rows, extend_reference,
                      make_extend_inputs, matmul_rate, rotation_sets)
 from .decode import estimate_point_seconds
@@ -37,20 +37,29 @@ def _grid(batches, chunks, prefixes, pages=(16,), heads=((32, 8),), dims=(128,),
             itertools.product(dtypes, dims, heads, pages, batches, chunks, prefixes)]
 
 
+def variant_points(batch: int, chunk: int, prefix: int) -> list[ExtendPoint]:
+    """One point per attention variant (checked vs unchecked on the same kernel switch)."""
+    return [ExtendPoint(batch, chunk, prefix, 16, 32, 8, 128, "bf16", v) for v in VARIANTS
+            if v != "plain"]
+
+
 def preset_points(name: str) -> list[ExtendPoint]:
     """The sweeps. ``gpu-suite`` is ordered by importance (a long-prefix chunk first), so a run
-    stopped by its time budget keeps the points that matter most."""
+    stopped by its time budget keeps the points that matter most; the variant rows come last."""
     if name == "cpu-tiny":
         return [ExtendPoint(1, 16, 0, 16, 4, 2, 32, "fp16"), ExtendPoint(2, 24, 40, 16, 8, 2, 32, "fp16"),
-                ExtendPoint(1, 8, 20, 1, 4, 4, 32, "bf16"), ExtendPoint(2, 40, 24, 64, 4, 2, 32, "fp16")]
+                ExtendPoint(1, 8, 20, 1, 4, 4, 32, "bf16"), ExtendPoint(2, 40, 24, 64, 4, 2, 32, "fp16"),
+                # A window shorter than the prefix: the pages before it neither read nor counted.
+                ExtendPoint(1, 8, 150, 16, 4, 2, 16, "fp16", "window128")]
     if name == "gpu-suite":
         return (_grid([8], [2048], [8192]) + _grid([8], [512], [32768]) + _grid([1], [4096], [0])
                 + _grid([32], [128], [4096]) + _grid([8], [2048], [8192], dtypes=("fp16",))
                 + _grid([8], [1024], [4096], pages=(1, 64))
-                + _grid([8], [1024], [4096], heads=((32, 32),)))
+                + _grid([8], [1024], [4096], heads=((32, 32),)) + variant_points(8, 512, 32768))
     if name == "full":
-        return _grid([1, 4, 32], [128, 512, 4096], [0, 4096, 32768], pages=(1, 16, 64),
-                     heads=((32, 8), (32, 32)), dtypes=("fp16", "bf16"))
+        return (_grid([1, 4, 32], [128, 512, 4096], [0, 4096, 32768], pages=(1, 16, 64),
+                      heads=((32, 8), (32, 32)), dtypes=("fp16", "bf16"))
+                + variant_points(8, 512, 32768) + variant_points(8, 2048, 131072))
     raise ValueError(f"--preset: expected one of {PRESETS}, got {name!r}")
 
 
@@ -81,7 +90,7 @@ def run_point(p: ExtendPoint, providers, device: Device, cfg: TimingConfig, copy
                 pool_bytes=inp.pool_bytes())
     return check_and_measure(
         providers, inp,
-        lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_per_seq, rows_idx),
+        lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_checked, rows_idx),
         base, device, cfg, lambda prov, med: extend_columns(p, prov.checked, med, copy_tbps), log,
         deadline)
 

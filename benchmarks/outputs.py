@@ -23,12 +23,12 @@ PEER = "flex-paged"  # the peer kvattn's decode must be ahead of
 TARGET_MODE = "graph"
 
 DECODE_COLUMNS = ["provider", "mode", "status", "batch", "context", "page_size", "num_heads",
-                  "num_kv_heads", "head_dim", "dtype", "median_ms", "spread_pct", "repeats",
+                  "num_kv_heads", "head_dim", "dtype", "variant", "median_ms", "spread_pct", "repeats",
                   "kv_bytes", "other_bytes", "total_bytes", "tbps", "pct_copy_bw",
                   "ratio_vs_unchecked", "ratio_min", "ratio_max", "max_abs_err", "sets",
                   "pool_bytes", "times_ms"]
 EXTEND_COLUMNS = ["provider", "mode", "status", "batch", "chunk", "prefix", "context", "page_size",
-                  "num_heads", "num_kv_heads", "head_dim", "dtype", "median_ms", "spread_pct",
+                  "num_heads", "num_kv_heads", "head_dim", "dtype", "variant", "median_ms", "spread_pct",
                   "repeats", "flops", "tflops", "kv_bytes", "other_bytes", "total_bytes", "tbps",
                   "pct_copy_bw", "ratio_vs_unchecked", "ratio_min", "ratio_max", "max_abs_err",
                   "rows_checked", "sets", "pool_bytes", "times_ms"]

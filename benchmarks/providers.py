@@ -38,14 +38,15 @@ def _kvattn(backend: str, check: bool, op: str) -> Provider:
     validate, call = _OPS[op]
 
     def why_not(inp: DecodeInputs | ExtendInputs) -> str | None:
-        args = validate(*inp.args(0), scale=inp.scale, validate=False)
+        args = validate(*inp.args(0), scale=inp.scale, validate=False, **inp.variant)
         return backends.explain(args, op=op)[backend]
 
     def build(inp: DecodeInputs | ExtendInputs):
         out = torch.empty_like(inp.q)
 
         def run(i: int):
-            return call(*inp.args(i), scale=inp.scale, check=check, backend=backend, out=out)
+            return call(*inp.args(i), scale=inp.scale, check=check, backend=backend, out=out,
+                        **inp.variant)
         return run, out
 
     variant = "checked" if check else "unchecked"
@@ -210,7 +211,7 @@ def _reference_build(op: str):
         out = torch.empty_like(inp.q)
 
         def run(i: int):
-            return call(*inp.args(i), scale=inp.scale, backend="reference", out=out)
+            return call(*inp.args(i), scale=inp.scale, backend="reference", out=out, **inp.variant)
         return run, out
     return build
 
@@ -267,6 +268,16 @@ def _flashinfer_extend_build(inp: ExtendInputs):
     return run, None
 
 
+def _plain_only(why_not):
+    """A peer's ``why_not`` that also refuses the attention variants (the peers run as plain
+    attention here; the variant rows compare kvattn checked with kvattn unchecked)."""
+    def refuse(inp):
+        if inp.variant:
+            return f"plain attention only in this harness (variant {inp.point.variant})"
+        return why_not(inp)
+    return refuse
+
+
 def all_providers(op: str = "decode") -> list[Provider]:
     """Every provider of ``op`` (``"decode"``, ``"extend"`` or ``"mla_decode"``), kvattn's first."""
     if op == "mla_decode":
@@ -278,11 +289,11 @@ def all_providers(op: str = "decode") -> list[Provider]:
         _kvattn("triton", True, op), _kvattn("triton", False, op),
         _kvattn("cuda", True, op), _kvattn("cuda", False, op),
         Provider("torch-sdpa-gather", "torch-sdpa-gather", False,
-                 _sdpa_why_not if decode else _sdpa_extend_why_not,
+                 _plain_only(_sdpa_why_not if decode else _sdpa_extend_why_not),
                  _sdpa_build if decode else _sdpa_extend_build),
-        Provider("flex-paged", "flex-paged", False, _flex_why_not,
+        Provider("flex-paged", "flex-paged", False, _plain_only(_flex_why_not),
                  _flex_build if decode else _flex_extend_build),
-        Provider("flashinfer", "flashinfer", False, _flashinfer_why_not,
+        Provider("flashinfer", "flashinfer", False, _plain_only(_flashinfer_why_not),
                  _flashinfer_build if decode else _flashinfer_extend_build),
         Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not, _reference_build(op)),
     ]

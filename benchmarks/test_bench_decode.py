@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from benchmarks import common, decode, providers
-from benchmarks.common import Device, Point
+from benchmarks.common import VARIANTS, Device, Point
 
 DEVICE = Device.current()
+# Every attention variant, checked and unchecked, after the plain points.
 POINTS = ([Point(16, 8192, 16, 32, 8, 128, "bf16"), Point(64, 32768, 16, 32, 8, 128, "bf16"),
-           Point(1, 32768, 16, 32, 8, 128, "bf16")] if DEVICE.is_gpu
-          else [Point(1, 40, 16, 4, 2, 32, "fp16")])
+           Point(1, 32768, 16, 32, 8, 128, "bf16")] + decode.variant_points(16, 32768)
+          if DEVICE.is_gpu else [Point(1, 40, 16, 4, 2, 32, "fp16")]
+          + [Point(1, 160 if v.startswith("window") else 40, 16, 4, 2, 32, "fp16", v)
+             for v in VARIANTS if v != "plain"])
 PROVIDERS = providers.all_providers()
 
 
@@ -39,7 +42,7 @@ def test_decode(benchmark, inputs, provider):
     if reason is not None:
         pytest.skip(reason)
     run, out = provider.build(inp)
-    err = common.check_provider(run, out, refs, inp.point.dtype, inp.point.pages_per_seq)
+    err = common.check_provider(run, out, refs, inp.point.dtype, inp.point.pages_checked)
     benchmark.extra_info.update(max_abs_err=err, total_bytes=common.bytes_moved(
         inp.point, provider.checked)["total"], gpu_measurement=DEVICE.is_gpu)
     counter = itertools.count()

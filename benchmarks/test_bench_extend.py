@@ -11,12 +11,15 @@ import pytest
 import torch
 
 from benchmarks import common, extend, providers
-from benchmarks.common import Device, ExtendPoint
+from benchmarks.common import VARIANTS, Device, ExtendPoint
 
 DEVICE = Device.current()
+# Every attention variant, checked and unchecked, after the plain points.
 POINTS = ([ExtendPoint(8, 2048, 8192, 16, 32, 8, 128, "bf16"), ExtendPoint(1, 4096, 0, 16, 32, 8, 128, "bf16"),
-           ExtendPoint(32, 128, 4096, 16, 32, 8, 128, "bf16")] if DEVICE.is_gpu
-          else [ExtendPoint(1, 8, 12, 16, 4, 2, 32, "fp16")])
+           ExtendPoint(32, 128, 4096, 16, 32, 8, 128, "bf16")] + extend.variant_points(8, 512, 32768)
+          if DEVICE.is_gpu else [ExtendPoint(1, 8, 12, 16, 4, 2, 32, "fp16")]
+          + [ExtendPoint(1, 8, 150 if v.startswith("window") else 12, 16, 4, 2, 32, "fp16", v)
+             for v in VARIANTS if v != "plain"])
 PROVIDERS = providers.all_providers("extend")
 
 
@@ -42,7 +45,7 @@ def test_extend(benchmark, inputs, provider):
     if reason is not None:
         pytest.skip(reason)
     run, out = provider.build(inp)
-    err = common.check_provider(run, out, refs, p.dtype, p.pages_per_seq, rows)
+    err = common.check_provider(run, out, refs, p.dtype, p.pages_checked, rows)
     benchmark.extra_info.update(max_abs_err=err, flops=p.flops(), total_bytes=common.bytes_moved(
         p.pool_point(), provider.checked, p.q_tokens)["total"], gpu_measurement=DEVICE.is_gpu)
     counter = itertools.count()

@@ -24,6 +24,8 @@ import torch
 from .api import paged_decode, paged_extend
 from .layout import KV_DTYPES, check_pool_geometry
 from .tags import OWNER_MAX
+from .variants import FP8_DTYPES
+from .write_args import write_scales
 from .writers import WriteResult, reassign_pages, release_pages, reserve_pages, write_kv
 
 
@@ -68,7 +70,12 @@ class PagedKVCache:
     Args:
         num_pages, page_size, num_kv_heads, head_dim: pool geometry (:mod:`kvattn.layout`): ints
             >= 1, ``page_size`` at most 1024 (else TypeError/ValueError).
-        dtype, device: of the pools.
+        dtype, device: of the pools: float16/bfloat16/float32, or fp8 (``float8_e4m3fn``,
+            ``float8_e5m2``), which :meth:`append` fills by quantising wider K/V by ``k_scale``/
+            ``v_scale`` (:func:`kvattn.write_kv`) and :meth:`decode`/:meth:`prefill` read back
+            dequantised by the same scales.
+        k_scale, v_scale: fp8 pools only (a float, or a float32 tensor ``[]``, ``[1]`` or
+            ``[num_kv_heads]`` on ``device``; default 1), else ``ValueError``.
         layout: ``"NHD"`` or ``"HND"``: the byte order of the pool buffers. Either way
             ``k_cache``/``v_cache`` are NHD-shaped views (HND ones are transposed views).
 
@@ -77,10 +84,11 @@ class PagedKVCache:
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float16, device=None, layout: str = "NHD"):
+                 dtype: torch.dtype = torch.float16, device=None, layout: str = "NHD",
+                 k_scale=None, v_scale=None):
         check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim)
-        if dtype not in KV_DTYPES:
-            raise TypeError(f"dtype: expected one of {KV_DTYPES}, got {dtype}")
+        if dtype not in KV_DTYPES + FP8_DTYPES:
+            raise TypeError(f"dtype: expected one of {KV_DTYPES + FP8_DTYPES}, got {dtype}")
         if layout == "NHD":
             shape = (num_pages, page_size, num_kv_heads, head_dim)
             self.k_cache = torch.empty(shape, dtype=dtype, device=device)
@@ -93,6 +101,9 @@ class PagedKVCache:
             raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
         self.page_size = page_size
         self.device = self.k_cache.device
+        # [num_kv_heads] float32 for fp8 pools (what the writer divides by and the readers multiply
+        # by), else None.
+        self.k_scale, self.v_scale = write_scales(torch.float32, self.k_cache, k_scale, v_scale, None)
         self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: freed pages are reused first
         self._refs = [0] * num_pages
@@ -178,9 +189,12 @@ class PagedKVCache:
         self._check_live(lease)
         count = k.shape[0]
         self.grow(lease, lease.num_tokens + count)
+        # fp8 tokens go in as they are; wider ones into fp8 pools are quantised by the scales.
+        scales = {} if k.dtype == self.k_cache.dtype else dict(k_scale=self.k_scale,
+                                                                  v_scale=self.v_scale)
         result = write_kv(k, v, self.k_cache, self.v_cache,
                           self.slot_mapping(lease, lease.num_tokens, count), self.page_tags,
-                          lease.owner)
+                          lease.owner, **scales)
         lease.num_tokens += count
         return result
 
@@ -233,7 +247,7 @@ class PagedKVCache:
         """:func:`kvattn.paged_decode` of ``q`` ``[B, num_heads, head_dim]`` over ``leases``."""
         table, seq_lens, expected = self.batch(leases)
         return paged_decode(q, self.k_cache, self.v_cache, table, seq_lens, self.page_tags,
-                            expected, **kwargs)
+                            expected, **self._scales(kwargs))
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leases: list[Lease],
                 q_lens, **kwargs):
@@ -261,7 +275,13 @@ class PagedKVCache:
         offsets = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
         table, seq_lens, expected = self.batch(leases)
         return paged_extend(q, self.k_cache, self.v_cache, offsets.to(self.device), table, seq_lens,
-                            self.page_tags, expected, **kwargs)
+                            self.page_tags, expected, **self._scales(kwargs))
+
+    def _scales(self, kwargs: dict) -> dict:
+        """The readers' keyword arguments with this cache's fp8 scales (unless given)."""
+        if self.k_scale is None:
+            return kwargs
+        return dict(dict(k_scale=self.k_scale, v_scale=self.v_scale), **kwargs)
 
     def _check_issued(self, lease) -> None:
         if not isinstance(lease, Lease):

@@ -29,9 +29,11 @@ import torch
 
 from . import api, writers
 from .api import check_mode
-from .layout import check_tensor, validate_decode, validate_extend, validate_mla_decode
+from .layout import (check_kv_pools, check_tensor, validate_decode, validate_extend,
+                     validate_mla_decode)
 from .report import OwnershipReport
 from .tags import OWNER_MAX
+from .write_args import write_scales
 
 
 def _report_tensors(report: OwnershipReport | None, batch: int, max_pages: int, device):
@@ -107,14 +109,16 @@ def _(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expec
 
 @torch.library.custom_op("kvattn::write_kv", mutates_args=("k_cache", "v_cache", "page_tags"))
 def _write_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, page_tags: torch.Tensor,
-                 owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    result = writers.write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner)
+                 slot_mapping: torch.Tensor, page_tags: torch.Tensor, owner: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    result = writers.write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner,
+                              k_scale=k_scale, v_scale=v_scale)
     return result.landed, result.drop_reasons, result.dropped
 
 
 @_write_kv_op.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping, page_tags, owner):
+def _(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, k_scale=None, v_scale=None):
     n = slot_mapping.shape[0]
     return (slot_mapping.new_empty(n, dtype=torch.bool), slot_mapping.new_empty(n, dtype=torch.int8),
             slot_mapping.new_empty((), dtype=torch.int64))
@@ -159,9 +163,16 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner) -> writers.WriteResult:
+def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *, k_scale=None,
+             v_scale=None) -> writers.WriteResult:
     """:func:`kvattn.write_kv` through the ``kvattn::write_kv`` custom op. ``owner`` may be an int
-    (checked here) or an int64 tensor, 0-d or ``[T]``."""
+    (checked here) or an int64 tensor, 0-d or ``[T]``; float scales become the validated
+    ``[num_kv_heads]`` tensors (the op schema takes tensors only)."""
+    if k_scale is not None or v_scale is not None:
+        check_kv_pools(k_cache, v_cache)
+        check_tensor("k", k, ndim=3)
+        # Values are checked inside the op (write_kv validates the tensors again), not at trace time.
+        k_scale, v_scale = write_scales(k.dtype, k_cache, k_scale, v_scale, False)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int32, torch.int64))
     if isinstance(owner, torch.Tensor):
         check_tensor("owner", owner, dtypes=(torch.int64,))
@@ -172,7 +183,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner) -> writers.
     else:
         owner = torch.tensor(owner, dtype=torch.int64, device=slot_mapping.device)
     landed, drop_reasons, dropped = torch.ops.kvattn.write_kv(k, v, k_cache, v_cache, slot_mapping,
-                                                              page_tags, owner)
+                                                              page_tags, owner, k_scale, v_scale)
     return writers.WriteResult(landed, drop_reasons, dropped)
 
 

@@ -42,6 +42,9 @@ from dataclasses import dataclass
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The largest finite value of each fp8 format: the writer saturates to it (vLLM's convention), since
+# e4m3fn has no infinity and an overflowing cast would store NaN.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,8 +96,9 @@ def _per_head(name: str, t, num_heads: int, device) -> torch.Tensor | None:
     return t.contiguous()
 
 
-def _kv_scale(name: str, value, num_kv_heads: int, device) -> torch.Tensor:
-    """A per-tensor or per-head dequantisation scale as a ``[num_kv_heads]`` float32 tensor."""
+def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q") -> torch.Tensor:
+    """A per-tensor or per-head dequantisation scale as a ``[num_kv_heads]`` float32 tensor
+    (``device_of``: the argument whose device the scale must be on, for the message)."""
     if value is None:
         value = 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
@@ -106,7 +110,7 @@ def _kv_scale(name: str, value, num_kv_heads: int, device) -> torch.Tensor:
     if value.dtype != torch.float32:
         raise TypeError(f"{name}: expected dtype float32, got {str(value.dtype).replace('torch.', '')}")
     if value.device != device:
-        _fail(name, f"a tensor on {device} (the device of q)", f"one on {value.device}")
+        _fail(name, f"a tensor on {device} (the device of {device_of})", f"one on {value.device}")
     if value.numel() == 1 and value.dim() <= 1:
         return value.reshape(1).expand(num_kv_heads).contiguous()
     if tuple(value.shape) != (num_kv_heads,):

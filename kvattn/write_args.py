@@ -3,7 +3,8 @@ registry and the writer backends receive, as :class:`kvattn.layout.DecodeArgs` i
 and the owner-id checks every writer shares.
 
 The pools and tags follow :mod:`kvattn.layout`; the new tokens' ``k``/``v`` are ``[T, num_kv_heads,
-head_dim]`` in the cache dtype, ``slot_mapping`` ``[T]`` int32/int64 (``page * page_size + slot``,
+head_dim]`` in the cache dtype (fp8 pools also take float16/bfloat16/float32 tokens, which the writer
+quantises by ``k_scale``/``v_scale``: :func:`kvattn.write_kv`), ``slot_mapping`` ``[T]`` int32/int64 (``page * page_size + slot``,
 negative = padding, any stride), the owners one int64 per token.
 
 Value checks of the writers (owner ids in ``[1, OWNER_MAX]``, page ids in the pool) run where the
@@ -18,15 +19,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import check_apart, check_kv_pools, check_last_dim_contiguous, check_page_tags, check_tensor
+from .layout import (KV_DTYPES, check_apart, check_kv_pools, check_last_dim_contiguous, check_page_tags,
+                     check_tensor)
 from .tags import OWNER_MAX
+from .variants import FP8_DTYPES, _kv_scale
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass
 class WriteArgs:
-    """Validated ``write_kv`` inputs; ``owners`` is int64 ``[T]`` (a stride-0 view for one owner)."""
+    """Validated ``write_kv`` inputs; ``owners`` is int64 ``[T]`` (a stride-0 view for one owner).
+    ``k_scale``/``v_scale``: ``[num_kv_heads]`` float32 tensors when the writer quantises ``k``/``v``
+    into fp8 pools, else None."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -35,6 +40,17 @@ class WriteArgs:
     slot_mapping: torch.Tensor
     page_tags: torch.Tensor
     owners: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantises(self) -> bool:
+        return self.k_scale is not None
+
+    def switches(self) -> list[str]:
+        """The :mod:`kvattn.variants` switches a writer must implement to run these inputs (the
+        registry refuses a backend whose ``WRITE_SWITCHES`` lack one): ``"fp8 KV"`` for fp8 pools."""
+        return ["fp8 KV"] if self.k_cache.dtype in FP8_DTYPES else []
 
     @property
     def num_tokens(self) -> int:
@@ -91,8 +107,44 @@ def owner_ids(owner, n: int, device, *, name: str = "owner", validate: bool | No
     return torch.full((n,), owner, dtype=torch.int64, device=device)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def write_scales(k_dtype, k_cache, k_scale, v_scale, validate: bool | None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(k_scale, v_scale)`` as ``[num_kv_heads]`` float32 tensors when the writer quantises (fp8
+    pools, ``k`` not fp8), else ``(None, None)``. A scale is a float or a float32 tensor ``[]``,
+    ``[1]`` or ``[num_kv_heads]`` (:mod:`kvattn.variants`), positive and finite: checked for
+    floats, and for tensors where :func:`on_host` says so."""
+    device, num_kv_heads = k_cache.device, k_cache.shape[2]
+    fp8_pool = k_cache.dtype in FP8_DTYPES
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if not fp8_pool:
+            raise ValueError(f"{name}: expected None with {_dtype_name(k_cache.dtype)} pools (scales "
+                             f"quantise into fp8 pools), got a scale")
+        if k_dtype == k_cache.dtype:
+            raise ValueError(f"{name}: expected None when k and v are already "
+                             f"{_dtype_name(k_cache.dtype)} (stored as they are), got a scale")
+    if not fp8_pool or k_dtype == k_cache.dtype:
+        return None, None
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        t = _kv_scale(name, scale, num_kv_heads, device, device_of="k_cache")
+        if isinstance(scale, torch.Tensor) and on_host(scale, validate):
+            flat = t.detach().cpu()
+            bad = torch.nonzero(~(torch.isfinite(flat) & (flat > 0))).flatten()
+            if bad.numel():
+                raise ValueError(f"{name}: expected positive finite scales, got "
+                                 f"{float(flat[int(bad[0])])!r} for KV head {int(bad[0])}")
+        scales.append(t)
+    return scales[0], scales[1]
+
+
 def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
-                      validate: bool | None = None) -> WriteArgs:
+                      validate: bool | None = None, k_scale=None, v_scale=None) -> WriteArgs:
     """The argument checks of :func:`kvattn.write_kv`; raise ValueError/TypeError naming the
     argument, what was expected and what was got."""
     check_kv_pools(k_cache, v_cache)
@@ -101,8 +153,11 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
     check_page_tags(page_tags, num_pages, device)
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
     num_tokens = slot_mapping.shape[0]
+    # fp8 pools take tokens already in the pool's format, or in a wider one to quantise.
+    dtypes = (k_cache.dtype,) + (KV_DTYPES if k_cache.dtype in FP8_DTYPES else ())
+    check_tensor("k", k, ndim=3, dtypes=dtypes, device=device)
+    check_tensor("v", v, ndim=3, dtypes=(k.dtype,), device=device)
     for name, t in (("k", k), ("v", v)):
-        check_tensor(name, t, ndim=3, dtypes=(k_cache.dtype,), device=device)
         if tuple(t.shape) != (num_tokens, num_kv_heads, head_dim):
             raise ValueError(f"{name}: expected shape ({num_tokens}, {num_kv_heads}, {head_dim}) "
                              f"(tokens of slot_mapping, heads and head_dim of the cache), "
@@ -115,4 +170,7 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
     check_apart("page_tags", page_tags, dict(k_cache=k_cache, v_cache=v_cache))
     check_apart("slot_mapping", slot_mapping, written)
     check_apart("owner", owners, written)
-    return WriteArgs(k, v, k_cache, v_cache, slot_mapping, page_tags, owners)
+    k_scale, v_scale = write_scales(k.dtype, k_cache, k_scale, v_scale, validate)
+    check_apart("k_scale", k_scale, written)
+    check_apart("v_scale", v_scale, written)
+    return WriteArgs(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale, v_scale)

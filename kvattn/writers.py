@@ -220,10 +220,12 @@ def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: i
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, page_tags: torch.Tensor, owner, *,
-             backend: str = "auto", validate: bool | None = None) -> WriteResult:
+             backend: str = "auto", validate: bool | None = None, k_scale=None,
+             v_scale=None) -> WriteResult:
     """Append new tokens' K/V to their page slots, then stamp the pages (``reshape_and_cache``).
 
-    ``k``, ``v``: ``[T, num_kv_heads, head_dim]``, the cache dtype. ``slot_mapping``: ``[T]`` int32/
+    ``k``, ``v``: ``[T, num_kv_heads, head_dim]``, the cache dtype (or, for fp8 pools, float16/
+    bfloat16/float32 to quantise: see ``k_scale``). ``slot_mapping``: ``[T]`` int32/
     int64 (any stride), ``page * page_size + slot`` per token; a negative entry is padding and is
     skipped without being counted. ``owner``: the writer's lease id, an int or an int64 tensor ``[T]`` (one per
     token). Pools and tags as in :mod:`kvattn.layout`.
@@ -253,6 +255,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ``slot_mapping`` and the owners must share no memory with the pools or the tags, nor the tags with
     the pools (:mod:`kvattn.layout`): the kernels read them again after storing K/V.
 
+    ``k_scale``, ``v_scale``: with fp8 pools (``float8_e4m3fn``/``float8_e5m2``) and wider ``k``/``v``,
+    the dequantisation scales of :mod:`kvattn.variants` (a float, or a float32 tensor ``[]``,
+    ``[1]`` or ``[num_kv_heads]`` on the pools' device; default 1): the stored element is ``x /
+    scale`` computed in float32 (correctly rounded), saturated to the format's largest finite value
+    (448 for e4m3, 57344 for e5m2, as vLLM's cache writer does: e4m3fn has no infinity), then
+    rounded to nearest even; NaN is stored as the positive NaN code ``0x7f``. Every writer that
+    quantises stores the same bytes. ``k``/``v`` already in the pools' fp8 dtype are stored as they
+    are (then the scales must be None). Scales with non-fp8 pools raise ``ValueError``. The tags
+    are those of any write.
+
     ``backend``: picked by the registry, :mod:`kvattn.backends`, like the readers' (a named backend
     that cannot run the inputs raises ``ValueError`` with its reason). ``"torch"`` composes the
     steps from PyTorch ops (any device); ``"triton"`` runs
@@ -262,7 +274,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     program per token). All give the same result, except in that race.
     """
     args = validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner,
-                             validate=validate)
+                             validate=validate, k_scale=k_scale, v_scale=v_scale)
     impl = backends.select(args, backend, op="write_kv")
     if args.num_tokens == 0:
         return WriteResult.empty(k_cache.device)

@@ -13,9 +13,12 @@ import torch
 from ..report import WriteResult
 from ..tags import (OWNER_SHIFT, STATE_RESERVED, STATE_WRITTEN, VALID_LEN_SHIFT, WriteDrop, held_by,
                     tag_state, tag_valid_len)
+from ..variants import FP8_MAX
 from ..write_args import WriteArgs
 
 NAME = "torch"
+# Switches of kvattn.variants this writer implements (the registry refuses the others).
+WRITE_SWITCHES = frozenset({"fp8 KV"})
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -105,9 +108,22 @@ def atomic_put_rows(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: t
     storage.scatter_reduce_(0, offsets, torch.where(accepted, bits, low).flatten(), reduce="amax")
 
 
+def quantise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[T, num_kv_heads, head_dim]`` as ``dtype`` (fp8) by the per-head ``scale``, the rule
+    of :func:`kvattn.write_kv`: float32 ``x / scale``, saturated to the largest finite value, NaN as
+    the positive NaN, then torch's round-to-nearest-even cast."""
+    limit = FP8_MAX[dtype]
+    y = (x.float() / scale[None, :, None]).clamp(-limit, limit)
+    # The sign of a NaN quotient depends on the device; one NaN code makes the bytes identical.
+    return y.masked_fill(torch.isnan(y), float("nan")).to(dtype)
+
+
 def write_kv(args: WriteArgs) -> WriteResult:
     """The writer's steps as PyTorch ops, on validated arguments."""
     k, v, k_cache, v_cache, slot_mapping, page_tags, owners = args.tensors()
+    if args.quantises:
+        k = quantise(k, args.k_scale, k_cache.dtype)
+        v = quantise(v, args.v_scale, v_cache.dtype)
     num_tokens = slot_mapping.shape[0]
     device = k_cache.device
     page_size = k_cache.shape[1]
@@ -141,4 +157,4 @@ def write_kv(args: WriteArgs) -> WriteResult:
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 
-__all__ = ["NAME", "why_not", "write_kv"]
+__all__ = ["NAME", "WRITE_SWITCHES", "quantise", "why_not", "write_kv"]

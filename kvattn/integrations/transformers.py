@@ -31,6 +31,16 @@ How it hooks in (all installed on entry, restored on exit, for caches created in
   :func:`kvattn.paged_decode` when every request has one new token) over the pages, through a block
   table built from the engine's per-request block lists; the gathered K/V the engine would pass are
   not built. Other calls go to the original function.
+- **Variants.** What the model's attention module passes to the attention function becomes the
+  switches of :mod:`kvattn.variants`: ``sliding_window=W`` (the layers the config makes sliding:
+  ``config.layer_types``, or every layer when the config has a ``sliding_window`` and no layer
+  types) is ``window_left = W - 1`` (the query and the ``W - 1`` keys before it, as transformers'
+  sliding-window mask), ``softcap`` (Gemma 2's ``attn_logit_softcapping``) is
+  ``logits_soft_cap``, and ``s_aux`` (gpt-oss's per-head sinks) is ``sinks``. Sliding-window layers
+  keep every token in full-attention pages (the engine's cache is set up as if all layers were
+  full attention): transformers' sliding allocator is a ring buffer that overwrites a slot in place
+  when its token leaves the window, which a page's written prefix cannot describe. kvattn's window
+  then neither reads nor checks the pages before it, so memory is that of full attention.
 - **Failure.** Reports and writer drops are accumulated per request over the layers of a forward;
   after the forward (where the engine reads its sampled tokens back anyway) one synchronisation
   reads them, and each affected request is failed through the engine's own per-request error path
@@ -38,8 +48,7 @@ How it hooks in (all installed on entry, restored on exit, for caches created in
   message, before its token is accepted. The other requests of the batch proceed unchanged: refused
   slots are masked, never attended, so nothing leaks across requests.
 
-Not supported (refused with a message when the engine is set up): sliding-window layers, CUDA
-graphs, torch.compile of the forward, async batching, forking (``num_return_sequences > 1``). The
+Not supported (refused with a message when the engine is set up): CUDA graphs, torch.compile of the forward, async batching, forking (``num_return_sequences > 1``). The
 engine's decode fast path (a block table for flash's own cache write) is switched off so every cache
 write goes through the stamping writer. CPU offloading of requests restores KV bytes without a
 writer: such requests fail closed (their restored pages are RESERVED, not WRITTEN).
@@ -121,7 +130,7 @@ class _State:
         from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
         if set(cache.cache_allocators) != {FULL_ATTENTION}:
             raise AdapterError(
-                "kvattn.integrations.transformers: only models whose layers are all full attention are "
+                "kvattn.integrations.transformers: only full-attention and sliding-window layers are "
                 f"supported, got attention types {sorted(cache.cache_allocators)}")
         allocator = cache.cache_allocators[FULL_ATTENTION]
         self.allocator = allocator
@@ -253,11 +262,13 @@ class _State:
         batch.dropped_tokens.index_add_(0, batch.token_row, dropped)
         batch.drops.append((layer, result.drop_reasons))
 
-    def attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+    def attend(self, layer: int, query: torch.Tensor, scale: float | None, **variant) -> torch.Tensor:
+        """kvattn's attention of ``layer`` for the prepared batch; ``variant``: the switches of
+        :mod:`kvattn.variants` the layer uses (:func:`_variant`)."""
         batch = self._current()
         q = query[0].transpose(0, 1)  # [T, heads, head_dim]
         k_pages, v_pages = self.pages[layer]
-        common = dict(scale=scale, check=self.check, backend=self.backend, validate=False)
+        common = dict(scale=scale, check=self.check, backend=self.backend, validate=False, **variant)
         if batch.decode_only:
             out, report = api.paged_decode(q, k_pages, v_pages, batch.block_table, batch.seq_lens,
                                            self.tags[layer], batch.expected, **common)
@@ -329,6 +340,41 @@ def _error(batch: _Batch, row: int) -> KVOwnershipError:
     message = (f"kvattn ownership check failed for request {rid!r}: its KV pages could not be "
                "proven to hold its own tokens, so the request was stopped.\n" + "\n".join(lines))
     return KVOwnershipError(message, {row: sorted(refused)})
+
+
+def _variant(kwargs: dict, device: torch.device) -> dict:
+    """The :mod:`kvattn.variants` switches of one attention call, from the keyword arguments the
+    model's attention module passes to the attention function (transformers 5.24: Mistral, Qwen2,
+    Gemma 2 and gpt-oss pass ``sliding_window``, Gemma 2 ``softcap``, gpt-oss ``s_aux``)."""
+    variant = {}
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise AdapterError("kvattn.integrations.transformers: expected sliding_window to be a "
+                               f"positive int (keys a query attends, itself included), got {window!r}")
+        variant["window_left"] = window - 1
+    cap = kwargs.get("softcap")
+    if cap is not None and cap != 0:
+        variant["logits_soft_cap"] = float(cap)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        variant["sinks"] = sinks.detach().to(device=device, dtype=torch.float32).contiguous()
+    return variant
+
+
+def _all_full_attention(original):
+    """transformers' grouping of layers by attention type, with sliding-window layers grouped with
+    the full-attention ones: they keep all their tokens in pages, and kvattn applies the window
+    (the module docstring says why). Other attention types stay apart, and the cache refuses them."""
+    from transformers.generation.continuous_batching.cache_allocators import (FULL_ATTENTION,
+                                                                              SLIDING_ATTENTION)
+
+    def group_layers_by_attn_type(config):
+        groups = original(config)
+        if not set(groups) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+            return groups
+        return {FULL_ATTENTION: sorted(i for layers in groups.values() for i in layers)}
+    return group_layers_by_attn_type
 
 
 def _flags(value) -> str:
@@ -511,14 +557,12 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             state = kwargs.get("kvattn_state")
             if state is None:
                 return original(module, query, key, value, attention_mask, *args, **kwargs)
-            for name in ("softcap", "s_aux", "sliding_window"):
-                if kwargs.get(name) is not None:
-                    raise AdapterError(f"kvattn.integrations.transformers: attention with {name} "
-                                       "is not supported")
-            return state.attend(module.layer_idx, query, kwargs.get("scaling")), None
+            return state.attend(module.layer_idx, query, kwargs.get("scaling"),
+                                **_variant(kwargs, query.device)), None
         return attention_forward
 
     try:
+        patch(cb_cache, "group_layers_by_attn_type", _all_full_attention)
         patch(Cache, "__init__", cache_init)
         patch(Cache, "update", cache_update)
         patch(Cache, "reset", cache_reset)

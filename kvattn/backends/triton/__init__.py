@@ -15,6 +15,9 @@ from .paged_mla_decode import MAX_KV_LORA_RANK, MAX_ROPE_DIM, mla_decode
 # The switches of kvattn.variants the kernels compile in.
 SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "fp8 KV"})
 
+# The switches of kvattn.variants the stamping writer implements (fp8 pools, quantising on write).
+WRITE_SWITCHES = frozenset({"fp8 KV"})
+
 NAME = "triton"
 
 
@@ -44,10 +47,11 @@ def why_not_write_kv(args: WriteArgs) -> str | None:
 
 def write_kv(args: WriteArgs) -> WriteResult:
     """:mod:`.stamp_writer`'s two launches (arguments accepted by :func:`why_not_write_kv`)."""
-    landed, reasons = stamp_writer.write_kv(*args.tensors())
+    landed, reasons = stamp_writer.write_kv(*args.tensors(), args.k_scale, args.v_scale)
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 
+<<<<<<< HEAD
 def why_not_mla_decode(args) -> str | None:
     """None if the MLA decode kernel can run ``args`` (:class:`kvattn.layout.MLADecodeArgs`)."""
     reason = _why_not_here(args.q.device)
@@ -60,3 +64,6 @@ def why_not_mla_decode(args) -> str | None:
 
 __all__ = ["NAME", "decode", "extend", "mla_decode", "why_not", "why_not_mla_decode",
            "why_not_write_kv", "write_kv"]
+=======
+__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
+>>>>>>> issue-12-rest

@@ -5,24 +5,28 @@ token lands if its page is in range, its owner holds the page, and its run (cons
 filling consecutive slots of one page) starts at or below the page's ``valid_len``. Launch 1 decides
 every token against the tags as they were before the call, stores the K/V of landed tokens only, and
 records each landed token's stamp; launch 2 raises the tags with ``atomic_max``. Deciding before any
-stamp is what keeps the result independent of the order programs run in.
+stamp is what keeps the result independent of the order programs run in. Into fp8 pools, launch 1
+quantises each landed element by its head's scale (:mod:`.fp8`) and stores the code through a byte
+view of the pool.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from .fp8 import fp8_bits, fp8_format
 from .tag_rule import DROP_GAP, DROP_NOT_HELD, DROP_OUT_OF_RANGE, held_by, written_prefix, written_tag
 
 
 @triton.jit
 def write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, tags_ptr, owner_ptr,
-    stamp_ptr, reasons_ptr,
+    stamp_ptr, reasons_ptr, k_scale_ptr, v_scale_ptr,
     num_pages, stride_slot, stride_owner, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cp, stride_cs, stride_ch, stride_dp, stride_ds, stride_dh,
     PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     target = tl.load(slot_mapping_ptr + i * stride_slot).to(tl.int64)
@@ -65,6 +69,12 @@ def write_kv_kernel(
     row = offs_h[:, None] * stride_kh + offs_d[None, :]  # [BLOCK_H, BLOCK_D]
     k = tl.load(k_ptr + i * stride_kt + row, mask=hd_mask)
     v = tl.load(v_ptr + i * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=hd_mask)
+    if QUANT:
+        # div_rn: the correctly rounded quotient the torch writer computes (not a fast reciprocal).
+        ks = tl.load(k_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)
+        vs = tl.load(v_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)
+        k = fp8_bits(tl.math.div_rn(k.to(tl.float32), ks[:, None]), MANT, BIAS, MAX_BITS)
+        v = fp8_bits(tl.math.div_rn(v.to(tl.float32), vs[:, None]), MANT, BIAS, MAX_BITS)
     safe_page = tl.where(landed, page, 0)
     tl.store(k_cache_ptr + safe_page * stride_cp + slot * stride_cs + offs_h[:, None] * stride_ch
              + offs_d[None, :], k, mask=hd_mask)
@@ -82,24 +92,32 @@ def stamp_kernel(slot_mapping_ptr, stamp_ptr, tags_ptr, num_tokens, stride_slot,
     tl.atomic_max(tags_ptr + target // PAGE, stamp, mask=stamp != 0)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners):
+def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale=None, v_scale=None):
     """Launch both kernels; arguments already validated by :func:`kvattn.writers.write_kv`
     (``owners`` an int64 tensor ``[T]``, possibly a stride-0 expansion; ``slot_mapping`` read
-    through its stride, as the other writers do). Returns
-    ``(landed, drop_reasons)``."""
+    through its stride, as the other writers do; ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32
+    when quantising into fp8 pools). Returns ``(landed, drop_reasons)``."""
     import torch
 
+    quant = k_scale is not None
+    mant, bias, max_bits = fp8_format(k_cache.dtype) if quant else (0, 0, 0)
+    if quant:
+        # The kernel stores codes it computed itself: a byte view of the same pages (same strides,
+        # one byte per element).
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     num_tokens = slot_mapping.shape[0]
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     stamps = torch.empty(num_tokens, dtype=torch.int64, device=k.device)
     reasons = torch.empty(num_tokens, dtype=torch.int8, device=k.device)
     write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, page_tags, owners, stamps, reasons,
+        k_scale if quant else stamps, v_scale if quant else stamps,
         num_pages, slot_mapping.stride(0), owners.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANT=quant, MANT=mant, BIAS=bias, MAX_BITS=max_bits,
     )
     block = 256
     stamp_kernel[(triton.cdiv(num_tokens, block),)](slot_mapping, stamps, page_tags, num_tokens,

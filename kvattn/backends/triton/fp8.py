@@ -1,0 +1,51 @@
+"""fp8 encoding as integer arithmetic on float32 bits, for the stamping writer.
+
+Triton's own ``.to(tl.float8e4nv / tl.float8e5)`` is not usable here: under the Triton 3.9
+interpreter it rounds values below the formats' normal range differently from torch (fp32 and
+bf16 sources flush fp8 subnormals to zero, fp16 sources turn tiny values into nonzero codes).
+Computing the code from the float32 bit pattern with integer operations keeps this writer's bytes
+equal to the torch writer's, interpreted or compiled: round to nearest, ties to even, subnormals
+included.
+"""
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from ...variants import FP8_MAX
+
+
+def fp8_format(dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(mantissa bits, exponent bias, float32 bits of the largest finite value)`` of ``dtype``."""
+    mant, bias = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}[dtype]
+    return mant, bias, struct.unpack("<i", struct.pack("<f", FP8_MAX[dtype]))[0]
+
+
+@triton.jit
+def fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr):
+    """The fp8 code (uint8) of float32 ``x``: saturated to the largest finite value (``MAX_BITS``,
+    its float32 bit pattern), NaN as the positive NaN 0x7f, else round to nearest even."""
+    u = x.to(tl.int32, bitcast=True)
+    sign = (u >> 31) & 1
+    a = u & 0x7FFFFFFF
+    nan = a > 0x7F800000
+    # Positive floats order like their bit patterns, so saturation is an integer minimum.
+    a = tl.minimum(a, MAX_BITS)
+    exp = a >> 23
+    e_t = exp - (127 - BIAS)  # the exponent field in the fp8 format, < 1 below its normal range
+    normal = e_t >= 1
+    # Normal: rebias the exponent and drop 23 - MANT mantissa bits (a carry rolls into the
+    # exponent, as it must). Subnormal: shift the significand with its implicit bit further right;
+    # past 31 bits everything is dropped (float32 subnormals included), which rounds to zero.
+    v = tl.where(normal, a - ((127 - BIAS) << 23), (a & 0x7FFFFF) | 0x800000)
+    v = tl.where(exp == 0, 0, v)
+    shift = tl.where(normal, 23 - MANT, tl.minimum(24 - MANT - e_t, 31))
+    q = v >> shift
+    rem = v & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    bits = tl.where(nan, 0x7F, q | (sign << 7))
+    return bits.to(tl.uint8)

@@ -1,0 +1,131 @@
+"""The README's table of attention variants per backend says what the registry does: every cell is
+compared with :func:`kvattn.backends.explain` on a small probe input with that variant.
+
+"yes": the backend accepts the probe; "no": it refuses it with a reason naming the switch; "—": it
+has no launcher for the op. A backend refused for this machine (no GPU, an extension not built)
+cannot answer for its kernels here: the CUDA backend's machine check is set aside (its kernel
+claims, :func:`kvattn.backends.cuda.launch.unsupported` and the writer switches, are the same code
+on any machine), and a backend that still refuses the plain probe is skipped, not trusted.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+import kvattn
+from kvattn import backends
+from kvattn.layout import validate_decode, validate_extend
+from kvattn.write_args import validate_write_kv
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+HEADS, KV_HEADS, DIM, PAGE = 2, 1, 64, 16
+
+
+def matrix() -> tuple[list[str], dict[str, dict[str, str]]]:
+    """``(backends, {row label: {backend: cell}})`` from the README's marked table."""
+    text = open(README).read()
+    block = re.search(r"<!-- support-matrix -->\n(.*?)<!-- /support-matrix -->", text, re.S)
+    assert block, "README.md: the support matrix markers are missing"
+    lines = [line.strip() for line in block.group(1).strip().splitlines()]
+    split = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    header, rows = split[0], split[2:]
+    names = [h.strip("`") for h in header[1:]]
+    return names, {row[0]: dict(zip(names, row[1:])) for row in rows}
+
+
+def reader_args(pool_dtype=torch.float16, **variant):
+    k_cache = torch.zeros(2, PAGE, KV_HEADS, DIM, dtype=pool_dtype)
+    tags = torch.zeros(2, dtype=torch.int64)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    owners = torch.ones(1, dtype=torch.int64)
+    q = torch.zeros(1, HEADS, DIM, dtype=torch.float16)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    return {"decode": validate_decode(q, k_cache, k_cache.clone(), table, lens, tags, owners,
+                                      validate=False, **variant),
+            "extend": validate_extend(q, k_cache, k_cache.clone(), cu, table, lens, tags, owners,
+                                      validate=False, **variant)}
+
+
+def writer_args(pool_dtype):
+    k_cache = torch.zeros(2, PAGE, KV_HEADS, DIM, dtype=pool_dtype)
+    k = torch.zeros(1, KV_HEADS, DIM, dtype=torch.float16)
+    scales = dict(k_scale=0.5, v_scale=0.5) if pool_dtype != torch.float16 else {}
+    return {"write_kv": validate_write_kv(k, k, k_cache, k_cache.clone(),
+                                          torch.zeros(1, dtype=torch.int64),
+                                          torch.zeros(2, dtype=torch.int64), 1, **scales)}
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Row label -> (the switch a refusal must name, probes: one {op: args} per input the row covers).
+ROWS = {
+    "sliding window (`window_left`)": ("window_left", lambda: [reader_args(window_left=3)]),
+    "logit soft-cap (`logits_soft_cap`)": ("logits_soft_cap",
+                                           lambda: [reader_args(logits_soft_cap=30.0)]),
+    "attention sinks (`sinks`)": ("sinks", lambda: [reader_args(sinks=torch.zeros(HEADS))]),
+    "ALiBi (`alibi_slopes`)": ("alibi_slopes",
+                               lambda: [reader_args(alibi_slopes=torch.ones(HEADS))]),
+    "fp8 e4m3 pools (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [reader_args(E4M3, k_scale=0.5)]),
+    "fp8 e5m2 pools (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [reader_args(E5M2, k_scale=0.5)]),
+    "fp8 write (`write_kv` into e4m3/e5m2 pools)": ("fp8 KV",
+                                                    lambda: [writer_args(E4M3), writer_args(E5M2)]),
+}
+PLAIN = {"decode": lambda: reader_args()["decode"], "extend": lambda: reader_args()["extend"],
+         "write_kv": lambda: writer_args(torch.float16)["write_kv"]}
+
+
+@pytest.fixture
+def claims_here(monkeypatch):
+    """The CUDA backend with its machine check set aside (see the module docstring)."""
+    cuda = backends.load("cuda")[0]
+    if cuda is not None and not torch.cuda.is_available():
+        monkeypatch.setattr(cuda, "_why_not_here", lambda device: None)
+
+
+def verdict(reason: str | None, op: str, switch: str) -> str:
+    if reason is None:
+        return "yes"
+    if reason == f"no {op} kernel":
+        return "—"
+    assert switch in reason, f"a refusal that does not name {switch!r}: {reason!r}"
+    return "no"
+
+
+def test_the_matrix_has_every_backend_and_row():
+    names, rows = matrix()
+    assert sorted(names) == sorted(backends.names())
+    assert list(rows) == list(ROWS)
+    assert all(set(cells.values()) <= {"yes", "no", "—"} for cells in rows.values())
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_each_cell_is_what_the_registry_says(row, claims_here):
+    names, rows = matrix()
+    switch, probes = ROWS[row]
+    checked = 0
+    for backend in names:
+        for probe in probes():
+            for op, args in probe.items():
+                plain = backends.explain(PLAIN[op](), op)[backend]
+                if plain is not None and plain != f"no {op} kernel":
+                    continue  # refused here for reasons of this machine: no answer about kernels
+                got = verdict(backends.explain(args, op)[backend], op, switch)
+                assert got == rows[row][backend], (
+                    f"README says {rows[row][backend]!r} for {row} on {backend} ({op}); the "
+                    f"registry says {backends.explain(args, op)[backend]!r}")
+                checked += 1
+    # reference, triton (interpreted on the CPU), torch and cuda answer on every machine.
+    assert checked >= 4 * len(probes()[0])
+
+
+def test_a_wrong_cell_is_caught(claims_here):
+    """The twin: the comparison fails on a cell the registry contradicts (CUDA fp8 said yes)."""
+    args = reader_args(E4M3, k_scale=0.5)["decode"]
+    assert verdict(backends.explain(args, "decode")["cuda"], "decode", "fp8 KV") != "yes"
+    assert verdict(backends.explain(args, "decode")["triton"], "decode", "fp8 KV") == "yes"
+    with pytest.raises(AssertionError, match="does not name"):
+        verdict("no GPU (torch.cuda.is_available() is False)", "decode", "fp8 KV")
+    assert kvattn.backends.explain(args, "decode")["torch"] == "no decode kernel"
