@@ -4,19 +4,14 @@ A backend is a module with ``NAME``, one launcher per op it implements, named af
 (``decode(args, *, check, out, lse)``, ``extend(args, *, check, out, lse)``, ``write_kv(args)``,
 ``mla_decode(args, *, check, out, lse)``),
 and ``why_not(args) -> str | None`` (None: it can run these inputs), or ``why_not_<op>(args)`` for
-<<<<<<< HEAD
-an op whose inputs it judges apart. ``args`` is the op's validated record:
+an op whose inputs it judges apart. A writer names the switches of its inputs it implements in
+``WRITE_SWITCHES`` (today ``"fp8 KV"``: writing into fp8 pools, quantising on the way); the registry
+refuses a writer whose set lacks a switch the inputs need
+(:meth:`kvattn.write_args.WriteArgs.switches`), after the backend's own reasons (the readers'
+switches are judged by each backend's ``why_not``). ``args`` is the op's validated record:
 :class:`kvattn.layout.DecodeArgs`, :class:`~kvattn.layout.ExtendArgs`,
 :class:`kvattn.write_args.WriteArgs` or :class:`~kvattn.layout.MLADecodeArgs`. A backend
 without a launcher for an op refuses that op.
-=======
-an op whose inputs it judges apart. A writer names the switches of its inputs it implements in
-``WRITE_SWITCHES`` (today ``"fp8 KV"``: writing into fp8 pools, quantising on the way); the registry
-refuses a writer whose set lacks a switch the inputs need (:meth:`kvattn.write_args.WriteArgs.switches`), after the
-backend's own reasons (the readers' switches are judged by each backend's ``why_not``). ``args`` is the op's validated record:
-:class:`kvattn.layout.DecodeArgs`, :class:`~kvattn.layout.ExtendArgs` or
-:class:`kvattn.write_args.WriteArgs`. A backend without a launcher for an op refuses that op.
->>>>>>> issue-12-rest
 
 ``backend="auto"`` takes the first backend of :func:`auto_order` (``AUTO_ORDER[op]``, or
 ``AUTO_ORDER_CPU[op]`` for CPU tensors) that accepts the inputs, and logs once why it refused the

@@ -51,7 +51,6 @@ def write_kv(args: WriteArgs) -> WriteResult:
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 
-<<<<<<< HEAD
 def why_not_mla_decode(args) -> str | None:
     """None if the MLA decode kernel can run ``args`` (:class:`kvattn.layout.MLADecodeArgs`)."""
     reason = _why_not_here(args.q.device)
@@ -62,8 +61,5 @@ def why_not_mla_decode(args) -> str | None:
     return reason
 
 
-__all__ = ["NAME", "decode", "extend", "mla_decode", "why_not", "why_not_mla_decode",
-           "why_not_write_kv", "write_kv"]
-=======
-__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
->>>>>>> issue-12-rest
+__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "mla_decode", "why_not",
+           "why_not_mla_decode", "why_not_write_kv", "write_kv"]
