@@ -431,3 +431,56 @@ def test_variant_arguments_are_named(change, error, words):
         kvattn.paged_decode(*inputs(pages), backend="reference", **change)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+# vLLM's and FlashInfer's kernel tests: windows of 64/128/256 keys, soft-caps of 30 and 50.
+PEER_GRID = [(window, cap) for window in (64, 128, 256) for cap in (30.0, 50.0)]
+# Unit-variance q and k give logits of about 1, where a cap of 30 changes nothing; q scaled up
+# so logits reach the cap's bend (tanh(s / cap) visibly below s / cap) and a missing cap fails.
+PEER_Q_GAIN = 12.0
+
+
+@pytest.mark.parametrize("window,cap", PEER_GRID)
+def test_decode_peer_grid_windows_and_soft_caps(window, cap):
+    lens = [300, 129, 65, 1]
+    pages = Batch.random(batch=4, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                         page_size=16, seq_lens=lens, pool_factor=2, seed=11)
+    pages.q.mul_(PEER_Q_GAIN)
+    plant_foreign_page(pages, 0, 17)  # tokens 272-287: inside every window of sequence 0
+    plant_foreign_page(pages, 0, 1)   # tokens 16-31: before every window
+    ours = dict(window_left=window, logits_soft_cap=cap)
+    args = kvattn.layout.validate_decode(*inputs(pages), **ours)
+    want_out, want_lse = dense(pages.q, decode_rows(pages), [tokens(pages, b) for b in range(4)],
+                               DIM ** -0.5, window_left=window, cap=cap)
+    reports = []
+    for backend in claims(args, "decode"):
+        out, lse, report = kvattn.paged_decode(*inputs(pages), backend=backend, return_lse=True,
+                                               **ours)
+        assert_matches(out, lse, want_out, want_lse, pages.q.dtype)
+        reports.append(report)
+    assert len(reports) >= 2
+    for report in reports:
+        assert_reports_equal(report, reports[0])
+    assert reports[0].violations.tolist() == [1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("window,cap", PEER_GRID[::2])
+def test_extend_peer_grid_windows_and_soft_caps(window, cap):
+    ext = Extend.random([3, 2, 1, 2], [297, 127, 64, 0], num_heads=HEADS, num_kv_heads=KV_HEADS,
+                        head_dim=DIM, page_size=16, pool_factor=2, seed=5)
+    ext.q.mul_(PEER_Q_GAIN)
+    plant_foreign_page(ext.pages, 0, 17)
+    plant_foreign_page(ext.pages, 0, 1)
+    ours = dict(window_left=window, logits_soft_cap=cap)
+    args = kvattn.layout.validate_extend(*ext.inputs(), causal=True, **ours)
+    want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(4)],
+                               DIM ** -0.5, causal=True, window_left=window, cap=cap)
+    reports = []
+    for backend in claims(args, "extend"):
+        out, lse, report = ext.run(backend, causal=True, return_lse=True, **ours)
+        assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
+        reports.append(report)
+    assert len(reports) >= 2
+    for report in reports:
+        assert_reports_equal(report, reports[0])
+    assert reports[0].violations.tolist() == [1, 0, 0, 0]
