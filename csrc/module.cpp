@@ -14,6 +14,7 @@
 
 #include "kvattn/params.h"
 #include "kvattn/tiles.h"
+#include "kvattn_sources.h"
 #include "kvattn_tags.h"
 
 #if defined(KVATTN_SIM)
@@ -258,6 +259,7 @@ PYBIND11_MODULE(KVATTN_MODULE_NAME, m) {
         "Enqueue the paged extend; returns the launch plan. Raises RuntimeError naming the kernel\n"
         "on error.");
   m.attr("EXTEND_ROWS") = py::int_(kvattn::kExtendRows);
+  m.attr("SOURCE_DIGEST") = py::str(KVATTN_SOURCE_DIGEST);
   m.def("write_kv", &write_kv, py::arg("args"), py::arg("dtype"), py::arg("stream"),
         "Enqueue the stamping writer. Raises RuntimeError naming the kernel on error.");
   m.def("tag_layout", &tag_layout, "The tag constants this module was compiled with.");

@@ -17,11 +17,16 @@ architecture (registers, static shared memory, stack frame and spill bytes), as 
 
 A module is *built* when it imports, *not built* when there is no file for it (the record says
 why setup.py skipped it, when it did), and *build failed* when its file does not load or the last
-build of it failed. Standard library only: setup.py loads this file by path, without importing
+build of it failed. In a source checkout (``make build``, an editable install) a module is *stale*,
+and is not used, when it was compiled from other sources than ``csrc/`` holds now: every module
+carries the :func:`source_digest` of its build (``SOURCE_DIGEST``), so a kernel whose launcher
+changed since the last build can never run with the new launcher's arguments. Standard library only: setup.py loads this file by path, without importing
 kvattn (which needs torch).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 RECORD = "_build.json"
-BUILT, NOT_BUILT, FAILED = "built", "not built", "build failed"
+BUILT, NOT_BUILT, FAILED, STALE = "built", "not built", "build failed", "stale"
 
 # What setup.py builds (csrc/ holds the sources): the CUDA kernels (nvcc), the same sources on the
 # CPU harness (a C++ compiler), and three harness builds with a deliberate defect the tests require
@@ -42,6 +47,8 @@ EXTENSIONS = (
     "kvattn.backends.cuda_sim._sim_break_pages",
     "kvattn.backends.cuda_sim._sim_break_fragment",
 )
+# What the modules are compiled from, besides kvattn/tags.py (the tag header is generated from it).
+SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")
 # where a module can be built, when that is not every machine with a C++ compiler
 _WHERE = {"kvattn.backends.cuda._C": " where nvcc is installed"}
 
@@ -51,7 +58,7 @@ class Status:
     """What is known of one extension module."""
 
     module: str
-    state: str  # BUILT, NOT_BUILT or FAILED
+    state: str  # BUILT, NOT_BUILT, FAILED or STALE
     reason: str | None = None  # why it is not usable or what went wrong; for a built one, a caveat
     path: str | None = None  # the file it was (or would have been) loaded from
     record: dict = field(default_factory=dict)  # its entry in the build record
@@ -64,6 +71,29 @@ class Status:
         elif self.path:
             text += f" ({self.path})"
         return text
+
+
+def source_digest(root: pathlib.Path) -> str:
+    """16 hex digits of SHA-256 over what setup.py compiles from the checkout at ``root``: every
+    C++/CUDA file under ``csrc/`` (path and bytes) and ``kvattn/tags.py``."""
+    files = sorted(p for p in (root / "csrc").rglob("*") if p.suffix in SOURCE_SUFFIXES)
+    h = hashlib.sha256()
+    for path in [*files, root / "kvattn" / "tags.py"]:
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def source_tree() -> pathlib.Path | None:
+    """The checkout this package is imported from, or None for an installed package (whose
+    modules were built with it and come without sources)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    return root if (root / "setup.py").is_file() and (root / "csrc").is_dir() else None
+
+
+@functools.lru_cache(maxsize=1)
+def _tree_digest() -> str | None:
+    tree = source_tree()
+    return None if tree is None else source_digest(tree)
 
 
 def record_path() -> pathlib.Path:
@@ -104,6 +134,13 @@ def load(module: str) -> tuple[ModuleType | None, Status]:
     except ImportError as e:
         return None, Status(module, FAILED, f"{spec.origin} does not load ({e}); run `make build` "
                                             f"again{where}", spec.origin, entry)
+    current = _tree_digest() if module.startswith("kvattn.") else None
+    built = getattr(loaded, "SOURCE_DIGEST", None)
+    if current is not None and built != current:
+        return None, Status(module, STALE, f"{spec.origin} was built from other sources than "
+                                           f"{source_tree() / 'csrc'} holds now (built from "
+                                           f"{built or 'an unrecorded version'}, sources {current}); "
+                                           f"run `make build`{where}", spec.origin, entry)
     if recorded == "failed":
         return loaded, Status(module, FAILED, f"the last build failed ({entry.get('reason')}); an "
                                               f"older build is loaded from {spec.origin}",

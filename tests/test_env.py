@@ -152,3 +152,41 @@ def test_a_built_extension_leaves_no_reason(backend):
     if module.STATUS.path is None:
         pytest.skip(f"{backend}: {module.STATUS.line()}")
     assert module._NOT_BUILT is None and module.STATUS.state in (extensions.BUILT, extensions.FAILED)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cuda_sim"])
+def test_built_modules_carry_the_digest_of_this_checkout(backend):
+    module, _ = backends.load(backend)
+    if module.STATUS.path is None:
+        pytest.skip(f"{backend}: {module.STATUS.line()}")
+    compiled = module._C if backend == "cuda" else module._sim
+    assert compiled.SOURCE_DIGEST == extensions.source_digest(ROOT)
+
+
+def test_a_module_built_from_other_sources_is_stale_and_not_used(monkeypatch):
+    """A launcher newer than its kernel would pass arguments the kernel does not read (a switch
+    silently off): such a module is refused, whatever the build record says."""
+    module, status = extensions.load("kvattn.backends.cuda_sim._sim")
+    if module is None:
+        pytest.skip(status.line())
+    monkeypatch.setattr(extensions, "_tree_digest", lambda: "0" * 16)
+    module, status = extensions.load("kvattn.backends.cuda_sim._sim")
+    assert module is None and status.state == extensions.STALE
+    assert "built from other sources" in status.reason and "run `make build`" in status.reason
+    assert "0" * 16 in status.reason
+
+
+def test_the_source_digest_follows_every_compiled_file(tmp_path):
+    (tmp_path / "csrc" / "kvattn").mkdir(parents=True)
+    (tmp_path / "kvattn").mkdir()
+    header, tags = tmp_path / "csrc" / "kvattn" / "decode.cuh", tmp_path / "kvattn" / "tags.py"
+    header.write_text("// kernel\n")
+    tags.write_text("OWNER_SHIFT = 16\n")
+    (tmp_path / "csrc" / "notes.md").write_text("not compiled\n")
+    first = extensions.source_digest(tmp_path)
+    (tmp_path / "csrc" / "notes.md").write_text("edited\n")
+    assert extensions.source_digest(tmp_path) == first
+    for path, text in ((header, "// kernel, edited\n"), (tags, "OWNER_SHIFT = 17\n")):
+        path.write_text(text)
+        assert extensions.source_digest(tmp_path) != first
+        first = extensions.source_digest(tmp_path)
