@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kvattn/fp8.h"
 #include "kvattn/params.h"
 #include "kvattn/tiles.h"
 #include "kvattn_sources.h"
@@ -88,6 +89,13 @@ void fill_attention(Params& p, const py::dict& a) {
   p.var.soft_cap = a["soft_cap"].cast<float>();
   p.var.alibi = pointer<const float>(a, "alibi");
   p.var.sinks = pointer<const float>(a, "sinks");
+  const int64_t kv_dtype = integer(a, "kv_dtype");
+  if (kv_dtype < 0 || kv_dtype > 2)
+    throw std::invalid_argument("kv_dtype must be 0 (the query's), 1 (float8_e4m3fn) or 2 (float8_e5m2), got " +
+                                std::to_string(kv_dtype));
+  p.kv_type = static_cast<kvattn::KVType>(kv_dtype);
+  p.k_scale = pointer<const float>(a, "k_scale");
+  p.v_scale = pointer<const float>(a, "v_scale");
 }
 
 kvattn::DType dtype_of(int code, const char* op) {
@@ -213,12 +221,18 @@ py::dict tile_layouts() {
   decode[py::int_(128)] = entry(kvattn::DecodeLayout<128>::kStages, kvattn::DecodeLayout<128>::kTotal);
   decode[py::int_(256)] = entry(kvattn::DecodeLayout<256>::kStages, kvattn::DecodeLayout<256>::kTotal);
   decode[py::int_(512)] = entry(kvattn::DecodeLayout<512>::kStages, kvattn::DecodeLayout<512>::kTotal);
+  py::dict decode_fp8;  // fp8 pools: K/V rows of one byte an element
+  decode_fp8[py::int_(64)] = entry(kvattn::DecodeLayout<64, 1>::kStages, kvattn::DecodeLayout<64, 1>::kTotal);
+  decode_fp8[py::int_(128)] = entry(kvattn::DecodeLayout<128, 1>::kStages, kvattn::DecodeLayout<128, 1>::kTotal);
+  decode_fp8[py::int_(256)] = entry(kvattn::DecodeLayout<256, 1>::kStages, kvattn::DecodeLayout<256, 1>::kTotal);
+  decode_fp8[py::int_(512)] = entry(kvattn::DecodeLayout<512, 1>::kStages, kvattn::DecodeLayout<512, 1>::kTotal);
   extend[py::int_(64)] = entry(kvattn::ExtendLayout<64>::kStages, kvattn::ExtendLayout<64>::kTotal);
   extend[py::int_(128)] = entry(kvattn::ExtendLayout<128>::kStages, kvattn::ExtendLayout<128>::kTotal);
   extend[py::int_(256)] = entry(kvattn::ExtendLayout<256>::kStages, kvattn::ExtendLayout<256>::kTotal);
   extend[py::int_(512)] = entry(kvattn::ExtendLayout<512>::kStages, kvattn::ExtendLayout<512>::kTotal);
   py::dict d;
   d["decode"] = decode;
+  d["decode_fp8"] = decode_fp8;
   d["extend"] = extend;
   return d;
 }
@@ -262,6 +276,17 @@ PYBIND11_MODULE(KVATTN_MODULE_NAME, m) {
   m.attr("SOURCE_DIGEST") = py::str(KVATTN_SOURCE_DIGEST);
   m.def("write_kv", &write_kv, py::arg("args"), py::arg("dtype"), py::arg("stream"),
         "Enqueue the stamping writer. Raises RuntimeError naming the kernel on error.");
+  m.def("fp8_to_float", [](const std::vector<int>& bytes, const std::string& format) {
+    if (format != "e4m3" && format != "e5m2")
+      throw std::invalid_argument("fp8_to_float: format must be 'e4m3' or 'e5m2', got '" + format + "'");
+    std::vector<float> out;
+    for (int b : bytes) {
+      if (b < 0 || b > 255) throw std::invalid_argument("fp8_to_float: bytes must be in [0, 255], got " + std::to_string(b));
+      const uint8_t x = static_cast<uint8_t>(b);
+      out.push_back(format == "e4m3" ? kvattn::e4m3_to_float(x) : kvattn::e5m2_to_float(x));
+    }
+    return out;
+  }, py::arg("bytes"), py::arg("format"), "fp8 bytes as float by the kernels' conversion (csrc/kvattn/fp8.h).");
   m.def("tag_layout", &tag_layout, "The tag constants this module was compiled with.");
   m.def("tile_layouts", &tile_layouts, "Pipeline stages and dynamic shared memory of the attention kernels.");
   m.def("page_div", [](int size, const std::vector<int64_t>& ns) {

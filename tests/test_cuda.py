@@ -531,16 +531,19 @@ def nvcc_present() -> bool:
 @pytest.mark.skipif(not nvcc_present(), reason="no nvcc: the CUDA module is not built here")
 def test_ptxas_resources_have_no_local_memory():
     """setup.py keeps the -Xptxas -v output; every decode instantiation is there for sm_80 and
-    sm_90, with registers recorded and no spill or stack frame."""
+    sm_90, with registers recorded and no spill or stack frame: pools of the query's type with both
+    copy widths, fp8 pools (e4m3, e5m2) with 16-byte copies only."""
     report = _load_ptxas_report()
     log = ROOT / "build" / "cuda" / "ptxas.log"
     assert log.exists(), "build/cuda/ptxas.log missing: build with `python setup.py build_ext --inplace`"
     records = report.check(log)
     decode = [r for r in records if "paged_decode_kernel" in r["kernel"]]
     assert {(r["kernel"], r["arch"]) for r in decode} == {
-        (f"void kvattn::paged_decode_kernel<{t}, {d}, {c}, {v}, {s}>(kvattn::DecodeParams)", arch)
-        for t in ("__half", "__nv_bfloat16") for d in (64, 128, 256, 512) for c in ("true", "false")
-        for v in ("true", "false") for s in ("true", "false") for arch in ("sm_80", "sm_90")}
+        (f"void kvattn::paged_decode_kernel<{t}, {kv}, {d}, {c}, {v}, {s}>(kvattn::DecodeParams)", arch)
+        for t in ("__half", "__nv_bfloat16") for kv in (t, "kvattn::Fp8E4M3", "kvattn::Fp8E5M2")
+        for d in (64, 128, 256, 512) for c in ("true", "false")
+        for v in (("true", "false") if kv == t else ("true",)) for s in ("true", "false")
+        for arch in ("sm_80", "sm_90")}
     assert all(0 < r["registers"] <= 255 for r in records)
 
 

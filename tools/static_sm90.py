@@ -339,13 +339,15 @@ def _demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
 
 
-# kernel<T, D, CHECK, VEC, VARIANT>: VEC false is the element-wise copy for pools whose rows are not
-# 16-byte aligned (odd head dims, offset views); VARIANT true compiles in the score switches of
-# kvattn.variants (merge_splits_kernel<T, VARIANT> has only the last).
+# kernel<T, D, CHECK, VEC, VARIANT>, and paged_decode_kernel<T, KV, D, CHECK, VEC, VARIANT> with KV
+# the pools' element type (T, or fp8: 16-byte copies only): VEC false is the element-wise copy for
+# pools whose rows are not 16-byte aligned (odd head dims, offset views); VARIANT true compiles in
+# the score switches of kvattn.variants (merge_splits_kernel<T, VARIANT> has only the last).
 _CUDA_KERNEL = re.compile(
-    r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (\d+))?(?:, (true|false))?(?:, (true|false))?"
-    r"(?:, (true|false))?>")
+    r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (__half|__nv_bfloat16|kvattn::Fp8E4M3|kvattn::Fp8E5M2))?"
+    r"(?:, (\d+))?(?:, (true|false))?(?:, (true|false))?(?:, (true|false))?>")
 _CUDA_DTYPES = {"__half": "fp16", "__nv_bfloat16": "bf16", "float": "fp32"}
+_CUDA_FP8 = {"kvattn::Fp8E4M3": "fp8 e4m3", "kvattn::Fp8E5M2": "fp8 e5m2"}
 
 
 def _cuda_layouts() -> dict:
@@ -377,16 +379,19 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
                 op = ("decode" if "decode" in kernel or kernel == "merge_splits_kernel"
                       else "extend" if "extend" in kernel or kernel == "resolve_pages_kernel"
                       else "write_kv")
-                dim = int(m.group(3)) if m and m.group(3) else None
-                layout = layouts.get(op, {}).get(dim, {}) if kernel.startswith("paged_") else {}
-                copies = {"true": "16B", "false": "elementwise"}.get(m.group(5) if m else None, "")
-                switches = "window+softcap+sinks+alibi" if m and m.group(6) == "true" else ""
-                if m and not dim and m.group(4) == "true":  # merge_splits_kernel<T, VARIANT>
+                dim = int(m.group(4)) if m and m.group(4) else None
+                fp8 = _CUDA_FP8.get(m.group(3), "") if m else ""
+                table = op + "_fp8" if fp8 else op
+                layout = layouts.get(table, {}).get(dim, {}) if kernel.startswith("paged_") else {}
+                # fp8 kernels copy by 16 bytes only: the format names them.
+                copies = "" if fp8 else {"true": "16B", "false": "elementwise"}.get(m.group(6) if m else None, "")
+                switches = "window+softcap+sinks+alibi" if m and m.group(7) == "true" else ""
+                if m and not dim and m.group(5) == "true":  # merge_splits_kernel<T, VARIANT>
                     switches = "window+sinks"
                 config = " ".join(x for x in (op, _CUDA_DTYPES.get(m.group(2), "") if m else "",
-                                              f"d{dim}" if dim else "", copies, switches) if x)
+                                              f"d{dim}" if dim else "", copies, fp8, switches) if x)
                 records.append(dict(backend="cuda", config=config, op=op, kernel=kernel,
-                                    check=bool(m and dim and m.group(4) == "true"),
+                                    check=bool(m and dim and m.group(5) == "true"),
                                     registers=u.get("REG"),
                                     local=u.get("LOCAL", 0) + u.get("STACK", 0),
                                     shared=layout.get("shared_bytes", u.get("SHARED", 0)),

@@ -80,6 +80,50 @@ KVATTN_DEVICE void qk_scores(float (&s)[NK / 8][4], const Q& q, const unsigned c
   }
 }
 
+// fp8 pools: the fragments are built from shared-memory words instead of ldmatrix (which moves
+// 16-bit elements), so the dims are laid out for 32-bit reads.
+//
+// QK^T sums over the head dims, so any order of them serves if Q and K agree. In each 16-dim
+// k-step, lane t takes the four bytes K[key][4t .. 4t + 3] as its B fragment (b0: dims 4t, 4t + 1
+// as k-indices 2t, 2t + 1; b1: dims 4t + 2, 4t + 3 as 2t + 8, 2t + 9): one 32-bit load per key and
+// k-step. Q is stored in shared memory with its dims in that order (fp8_q_column), so its ldmatrix
+// A fragments match.
+KVATTN_HOST_DEVICE int fp8_q_column(int d) {
+  const int p = d & 15, t = p >> 2, j = p & 3;
+  return (d & ~15) + 2 * t + (j & 1) + (j >> 1) * 8;
+}
+
+// P V sums over keys, which come from the scores in mma order; here the output dims are permuted
+// instead: column n of n8-tile j (the lane's g for B, 2t + {0, 1} for the accumulators) is dim
+// 32 (j / 4) + 4 n + j % 4. Lane g then reads V[key][32 J + 4g .. + 3] for tiles 4J .. 4J + 3 of one
+// key in one 32-bit load, and the accumulator o[j][c] is this dim of the output.
+KVATTN_HOST_DEVICE int fp8_v_dim(int j, int n) { return 32 * (j / 4) + 4 * n + j % 4; }
+
+// qk_scores for an fp8 K stage (rows of D bytes and 16 of padding) against Q stored in
+// fp8_q_column order.
+template <class T, class KV, int D, int NK, class Q>
+KVATTN_DEVICE void qk_scores_fp8(float (&s)[NK / 8][4], const Q& q, const unsigned char* k_rows, int ksteps) {
+  constexpr int kRow = D + 16;
+  const int lane = lane_index();
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s[n][c] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    if (kk < ksteps) {
+      uint32_t a[4];
+      q.get(kk, a);
+#pragma unroll
+      for (int n = 0; n < NK / 8; ++n) {
+        const uint32_t w = load_shared_u32(k_rows + (n * 8 + g) * kRow + kk * 16 + 4 * t);
+        mma_16816<T>(s[n], a, fp8x2_to<T, KV>(w), fp8x2_to<T, KV>(w >> 16));
+      }
+    }
+  }
+}
+
 KVATTN_DEVICE float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -163,6 +207,38 @@ struct WarpAttention {
                                    (dn * 16 + (i / 2) * 8) * 2);
           mma_16816<T>(o[2 * dn], a, b[0], b[1]);
           mma_16816<T>(o[2 * dn + 1], a, b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  // accumulate for an fp8 V stage (rows of D bytes and 16 of padding): o[j] holds the dims of
+  // fp8_v_dim. `groups` = ceil(head_dim / 32) groups of four n8-tiles are computed.
+  template <class KV, int NK>
+  KVATTN_DEVICE void accumulate_fp8(const float (&p)[NK / 8][4], const unsigned char* v_rows, int groups) {
+    static_assert(D % 32 == 0, "fp8 V groups of 32 dims");
+    constexpr int kRow = D + 16;
+    const int lane = lane_index();
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int n16 = 0; n16 < NK / 16; ++n16) {
+      const float(&lo)[4] = p[2 * n16];
+      const float(&hi)[4] = p[2 * n16 + 1];
+      const uint32_t a[4] = {pack2<T>(lo[0], lo[1]), pack2<T>(lo[2], lo[3]), pack2<T>(hi[0], hi[1]),
+                             pack2<T>(hi[2], hi[3])};
+      // The B fragment's keys 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of these 16.
+      const unsigned char* row = v_rows + (n16 * 16 + 2 * t) * kRow + 4 * g;
+#pragma unroll
+      for (int J = 0; J < D / 32; ++J) {
+        if (J < groups) {
+          const uint32_t w0 = load_shared_u32(row + J * 32), w1 = load_shared_u32(row + kRow + J * 32);
+          const uint32_t w8 = load_shared_u32(row + 8 * kRow + J * 32), w9 = load_shared_u32(row + 9 * kRow + J * 32);
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const uint32_t pick = m | (m + 4) << 4;  // byte m of the first word, then of the second
+            mma_16816<T>(o[4 * J + m], a, fp8x2_to<T, KV>(byte_perm(w0, w1, pick)),
+                         fp8x2_to<T, KV>(byte_perm(w8, w9, pick)));
+          }
         }
       }
     }

@@ -144,7 +144,7 @@ struct ChunkMap {
   }
 };
 
-// Moves 16 bytes (8 elements) of a row: by cp.async when rows are 16-byte aligned (VEC), else
+// Moves 16 bytes (8 16-bit or 16 fp8 elements) of a row: by cp.async when rows are 16-byte aligned (VEC), else
 // element by element, stored at once (visible after the warp's next sync). Elements past
 // head_dim and rows not read become zeros; the source of a 0-byte copy is never read.
 template <class T, bool VEC>
@@ -153,20 +153,23 @@ KVATTN_DEVICE void copy_chunk(unsigned char* dst, const T* src, int valid, bool 
     cp_async_16(dst, src, read && valid > 0 ? 16 : 0);
   } else {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) reinterpret_cast<T*>(dst)[e] = read && e < valid ? src[e] : from_float<T>(0.0f);
+    for (int e = 0; e < static_cast<int>(16 / sizeof(T)); ++e)
+      reinterpret_cast<T*>(dst)[e] = read && e < valid ? src[e] : from_float<T>(0.0f);
   }
 }
 
 // Copies one sub-tile's K rows (all D) and V rows (this block's DV columns from v_col) into a
 // stage, zero-filled for tokens outside `mask`: the warp's 32 lanes move 32 consecutive 16-byte
-// chunks of the rows at a time (lane l: chunk l % chunks-per-row of row l / chunks-per-row).
-template <class T, int D, bool VEC>
+// chunks of the rows at a time (lane l: chunk l % chunks-per-row of row l / chunks-per-row). KV:
+// the pool element type (fp8 pools: 16 elements a chunk, VEC only).
+template <class KV, int D, bool VEC>
 KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int64_t* offsets, int v_col,
                                  unsigned char* stage) {
-  using L = DecodeLayout<D>;
+  using L = DecodeLayout<D, sizeof(KV)>;
+  constexpr int kElems = 16 / sizeof(KV);  // elements of a chunk
   const int lane = lane_index();
-  const T* k_pool = static_cast<const T*>(p.k);
-  const T* v_pool = static_cast<const T*>(p.v);
+  const KV* k_pool = static_cast<const KV*>(p.k);
+  const KV* v_pool = static_cast<const KV*>(p.v);
   constexpr int kCopiesK = kSubTile * L::kChunksK / 32, kCopiesV = kSubTile * L::kChunksV / 32;
   // Element-wise copies of a 512-wide head keep eight loads per copy live: unrolled by 2 only.
   constexpr int kUnrollK = VEC || D <= 256 ? copy_unroll(kCopiesK) : 2;
@@ -175,16 +178,16 @@ KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int
   for (int k = 0; k < kCopiesK; ++k) {
     using M = ChunkMap<L::kChunksK, 32>;
     const int row = M::row(k, lane), c = M::col(k, lane);
-    copy_chunk<T, VEC>(stage + row * L::kRowK + c * 16, k_pool + offsets[2 * row] + c * 8, p.head_dim - c * 8,
-                       (mask >> row) & 1u);
+    copy_chunk<KV, VEC>(stage + row * L::kRowK + c * 16, k_pool + offsets[2 * row] + c * kElems,
+                        p.head_dim - c * kElems, (mask >> row) & 1u);
   }
   unsigned char* v_stage = stage + kSubTile * L::kRowK;
 #pragma unroll kUnrollV
   for (int k = 0; k < kCopiesV; ++k) {
     using M = ChunkMap<L::kChunksV, 32>;
     const int row = M::row(k, lane), c = M::col(k, lane);
-    copy_chunk<T, VEC>(v_stage + row * L::kRowV + c * 16, v_pool + offsets[2 * row + 1] + v_col + c * 8,
-                       p.head_dim - v_col - c * 8, (mask >> row) & 1u);
+    copy_chunk<KV, VEC>(v_stage + row * L::kRowV + c * 16, v_pool + offsets[2 * row + 1] + v_col + c * kElems,
+                        p.head_dim - v_col - c * kElems, (mask >> row) & 1u);
   }
 }
 
@@ -210,15 +213,15 @@ struct DecodeWarp {
 // Copies the warp's sub-tile n into its stage (when it exists), then advances the resolve
 // pipeline: `verdict` becomes sub-tile n + 1's (its tag loads issued now) and `entry` n + 2's.
 // Every call commits one group of copies, possibly empty, so waits count stages.
-template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
+template <class KV, int D, bool CHECK, bool VEC, bool VARIANT>
 KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry, TokenVerdict& verdict,
                                   int& stage) {
-  using L = DecodeLayout<D>;
+  using L = DecodeLayout<D, sizeof(KV)>;
   if (n < w.mine) {
     const uint32_t mask = place_sub_tile(w.p, verdict, w.k_head_off, w.v_head_off, w.offsets);
     if (lane_index() == 0) w.masks[stage] = mask;
     __syncwarp();
-    copy_sub_tile<T, D, VEC>(w.p, mask, w.offsets, w.v_col, w.stages + stage * L::kStageBytes);
+    copy_sub_tile<KV, D, VEC>(w.p, mask, w.offsets, w.v_col, w.stages + stage * L::kStageBytes);
     __syncwarp();  // the offsets are rewritten by the next issue
     stage = stage + 1 == L::kStages ? 0 : stage + 1;
     verdict = fetch_verdict<CHECK>(w.p, w.exp_row, w.seq_owner, entry, w.end);
@@ -228,21 +231,24 @@ KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry,
 }
 
 // Rows [0, 16) of `rows` shared-memory rows of D elements: the query heads head0 .. head0 + heads
-// of sequence b (zeros past them and past head_dim).
-template <class T, int D>
+// of sequence b (zeros past them and past head_dim); FP8: dim d at column fp8_q_column(d).
+template <class T, int D, bool FP8>
 KVATTN_DEVICE void load_query_rows(unsigned char* rows, const T* q, int64_t stride_h, int heads, int head_dim) {
   for (int i = threadIdx.x; i < kWarpRows * D; i += kThreads) {
     const int r = i / D, d = i % D;
-    reinterpret_cast<T*>(rows + r * tile_row_bytes<D>())[d] =
+    reinterpret_cast<T*>(rows + r * tile_row_bytes<D>())[FP8 ? fp8_q_column(d) : d] =
         r < heads && d < head_dim ? q[r * stride_h + d] : from_float<T>(0.0f);
   }
 }
 
 // A minimum of one block per SM leaves ptxas the whole register file (shared memory limits the
 // blocks per SM to two or one before registers do); without it one instantiation spilled 4 bytes.
-template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
+// KV: the pools' element type, T (16-bit pools) or Fp8E4M3 / Fp8E5M2 (T is then the query's type,
+// the output's and the tensor cores'; k_scale joins the score's scale and v_scale the output, once).
+template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT>
 __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeParams p) {
-  using L = DecodeLayout<D>;
+  constexpr bool kFp8 = !std::is_same<T, KV>::value;
+  using L = DecodeLayout<D, sizeof(KV)>;
   constexpr int DV = L::kDV;
   KVATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
@@ -268,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int64_t* exp_row = p.expected + b * p.stride_eb;
   const int ksteps = (p.head_dim + 15) / 16;  // QK^T over the whole head
   const int dv = static_cast<int>(min64(DV, p.head_dim - v_col));  // output dims of this block
-  const int dsteps = (dv + 15) / 16;
+  const int dsteps = kFp8 ? (dv + 31) / 32 : (dv + 15) / 16;  // fp8: groups of 32 dims (accumulate_fp8)
 
   unsigned char* q_rows = smem;
   unsigned char* stages = smem + L::kQBytes + warp * L::kWarpBytes;
@@ -278,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   int32_t* counters = reinterpret_cast<int32_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes + L::kMaskBytes +
                                                  L::kOffsetBytes);
 
-  load_query_rows<T, D>(q_rows, static_cast<const T*>(p.q) + b * p.stride_qb + head0 * p.stride_qh, p.stride_qh,
+  load_query_rows<T, D, kFp8>(q_rows, static_cast<const T*>(p.q) + b * p.stride_qb + head0 * p.stride_qh, p.stride_qh,
                         heads, p.head_dim);
   if (tid < kReportFields) counters[tid] = 0;
   __syncthreads();
@@ -292,6 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int mine = n_sub > warp ? (n_sub - warp + kWarps - 1) / kWarps : 0;
   const int64_t seq_owner = exp_row[0];
   const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh;
+  const float score_scale = kFp8 ? p.scale_log2 * p.k_scale[kv_head] : p.scale_log2;
 
   // The resolve pipeline (fetch_entry -> fetch_verdict -> place_sub_tile), one step per iteration;
   // sub-tiles at or past the end resolve to an empty mask without loading anything.
@@ -310,9 +317,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     }
   }
 #pragma unroll
-  for (int s = 0; s < L::kStages - 1; ++s) issue_sub_tile<T, D, CHECK, VEC, VARIANT>(w, s, entry, verdict, issue_stage);
+  for (int s = 0; s < L::kStages - 1; ++s) issue_sub_tile<KV, D, CHECK, VEC, VARIANT>(w, s, entry, verdict, issue_stage);
   for (int i = 0, st = 0; i < mine; ++i, st = st + 1 == L::kStages ? 0 : st + 1) {
-    issue_sub_tile<T, D, CHECK, VEC, VARIANT>(w, i + L::kStages - 1, entry, verdict, issue_stage);
+    issue_sub_tile<KV, D, CHECK, VEC, VARIANT>(w, i + L::kStages - 1, entry, verdict, issue_stage);
 #if KVATTN_SIM_BREAK != 1
     cp_async_wait<L::kStages - 1>();
 #endif
@@ -320,7 +327,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     const unsigned char* k_rows = stages + st * L::kStageBytes;
     const uint32_t mask = masks[st];
     float s[kSubTile / 8][4];
-    qk_scores<T, D, kSubTile>(s, q, k_rows, ksteps);
+    if constexpr (kFp8) qk_scores_fp8<T, KV, D, kSubTile>(s, q, k_rows, ksteps);
+    else qk_scores<T, D, kSubTile>(s, q, k_rows, ksteps);
     // Position of token 0 of this sub-tile minus the query's (seq_len - 1), for ALiBi.
     const float distance0 = VARIANT ? static_cast<float>(sub_tile_start(tiles_lo, warp, i) - (seq_len - 1)) : 0.0f;
 #pragma unroll
@@ -328,12 +336,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int token = n * 8 + 2 * (lane % 4) + c % 2;
-        float x = s[n][c] * p.scale_log2;
+        float x = s[n][c] * score_scale;
         if (VARIANT) x = variant_score(x, p.var, alibi2[c / 2], distance0 + static_cast<float>(token));
         s[n][c] = (mask >> token) & 1u ? x : -INFINITY;
       }
     att.template softmax_step<kSubTile>(s);
-    att.template accumulate<kSubTile>(s, k_rows + kSubTile * L::kRowK, dsteps);
+    if constexpr (kFp8) att.template accumulate_fp8<KV, kSubTile>(s, k_rows + kSubTile * L::kRowK, dsteps);
+    else att.template accumulate<kSubTile>(s, k_rows + kSubTile * L::kRowK, dsteps);
     __syncwarp();  // the stage is overwritten by the copy issued next
   }
   cp_async_wait<0>();
@@ -344,10 +353,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   float* w_out = reinterpret_cast<float*>(stages);
   float* w_ml = w_out + kWarpRows * DV;
   const int g = lane / 4, t = lane % 4;
+  const float out_scale = kFp8 ? p.v_scale[kv_head] : 1.0f;
 #pragma unroll
   for (int j = 0; j < DV / 8; ++j)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) w_out[(g + 8 * (c / 2)) * DV + 8 * j + 2 * t + c % 2] = att.o[j][c];
+    for (int c = 0; c < 4; ++c) {
+      const int dim = kFp8 ? fp8_v_dim(j, 2 * t + c % 2) : 8 * j + 2 * t + c % 2;
+      w_out[(g + 8 * (c / 2)) * DV + dim] = kFp8 ? att.o[j][c] * out_scale : att.o[j][c];
+    }
   if (t == 0) {
     w_ml[g] = att.m[0];
     w_ml[g + 8] = att.m[1];
@@ -491,16 +504,19 @@ template <>
 constexpr bool kTensorCoreType<__nv_bfloat16> = true;
 
 // True when K/V rows can be copied in 16-byte pieces: aligned pools, strides and head_dim in
-// multiples of 8 elements.
-inline bool kv_rows_aligned(const void* k, const void* v, const int64_t (&strides)[6], int head_dim) {
+// multiples of the `chunk` elements of 16 bytes (8 16-bit, 16 fp8).
+inline bool kv_rows_aligned(const void* k, const void* v, const int64_t (&strides)[6], int head_dim, int chunk = 8) {
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  bool vec = aligned(k) && aligned(v) && head_dim % 8 == 0;
-  for (int64_t s : strides) vec = vec && s % 8 == 0;
+  bool vec = aligned(k) && aligned(v) && head_dim % chunk == 0;
+  for (int64_t s : strides) vec = vec && s % chunk == 0;
   return vec;
 }
 
+template <class KV>
+constexpr bool kFp8Type = std::is_same<KV, Fp8E4M3>::value || std::is_same<KV, Fp8E5M2>::value;
+
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernels cannot run.
-template <class T>
+template <class T, class KV>
 const char* plan_decode(DecodeParams& p) {
   if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
@@ -518,49 +534,60 @@ const char* plan_decode(DecodeParams& p) {
   p.d_split = d > 256 ? 2 : 1;
   if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
   const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
-  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim);
-  p.smem_bytes = d == 64    ? DecodeLayout<64>::kTotal
-                 : d == 128 ? DecodeLayout<128>::kTotal
-                 : d == 256 ? DecodeLayout<256>::kTotal
-                            : DecodeLayout<512>::kTotal;
+  constexpr int kb = sizeof(KV);
+  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 16 / kb);
+  if (kFp8Type<KV>) {
+    // The fp8 instantiations copy by cp.async only (kvattn/backends/cuda/launch.py refuses others
+    // first, so they go to the Triton backend).
+    if (!p.vec) return "fp8 pools need 16-byte aligned rows: head_dim and K/V strides multiples of 16 elements";
+    if (p.k_scale == nullptr || p.v_scale == nullptr) return "fp8 pools need k_scale and v_scale";
+  }
+  p.smem_bytes = d == 64    ? DecodeLayout<64, kb>::kTotal
+                 : d == 128 ? DecodeLayout<128, kb>::kTotal
+                 : d == 256 ? DecodeLayout<256, kb>::kTotal
+                            : DecodeLayout<512, kb>::kTotal;
   return nullptr;
 }
 
-template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
+template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT>
 cudaError_t launch_decode_kernel(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_kv_heads * p.num_chunks * p.d_split),
                   static_cast<unsigned>(p.num_splits));
-  return launch_kernel(&paged_decode_kernel<T, D, CHECK, VEC, VARIANT>, grid, dim3(kThreads),
+  return launch_kernel(&paged_decode_kernel<T, KV, D, CHECK, VEC, VARIANT>, grid, dim3(kThreads),
                        static_cast<size_t>(p.smem_bytes), stream, p);
 }
 
-template <class T, bool CHECK, bool VEC, bool VARIANT>
+template <class T, class KV, bool CHECK, bool VEC, bool VARIANT>
 cudaError_t launch_decode_dim(const DecodeParams& p, cudaStream_t stream) {
   switch (padded_head_dim(p.head_dim)) {
-    case 64: return launch_decode_kernel<T, 64, CHECK, VEC, VARIANT>(p, stream);
-    case 128: return launch_decode_kernel<T, 128, CHECK, VEC, VARIANT>(p, stream);
-    case 256: return launch_decode_kernel<T, 256, CHECK, VEC, VARIANT>(p, stream);
-    default: return launch_decode_kernel<T, 512, CHECK, VEC, VARIANT>(p, stream);
+    case 64: return launch_decode_kernel<T, KV, 64, CHECK, VEC, VARIANT>(p, stream);
+    case 128: return launch_decode_kernel<T, KV, 128, CHECK, VEC, VARIANT>(p, stream);
+    case 256: return launch_decode_kernel<T, KV, 256, CHECK, VEC, VARIANT>(p, stream);
+    default: return launch_decode_kernel<T, KV, 512, CHECK, VEC, VARIANT>(p, stream);
   }
 }
 
-// The instantiation of the copy width and the score switches.
-template <class T, bool CHECK>
+// The instantiation of the copy width and the score switches (fp8 pools: 16-byte copies only,
+// plan_decode refuses the others).
+template <class T, class KV, bool CHECK>
 cudaError_t launch_decode_variant(const DecodeParams& p, cudaStream_t stream) {
   const bool variant = has_variant(p.var);
-  if (p.vec) return variant ? launch_decode_dim<T, CHECK, true, true>(p, stream) : launch_decode_dim<T, CHECK, true, false>(p, stream);
-  return variant ? launch_decode_dim<T, CHECK, false, true>(p, stream) : launch_decode_dim<T, CHECK, false, false>(p, stream);
+  if (kFp8Type<KV> || p.vec)
+    return variant ? launch_decode_dim<T, KV, CHECK, true, true>(p, stream) : launch_decode_dim<T, KV, CHECK, true, false>(p, stream);
+  if constexpr (!kFp8Type<KV>)
+    return variant ? launch_decode_dim<T, KV, CHECK, false, true>(p, stream) : launch_decode_dim<T, KV, CHECK, false, false>(p, stream);
+  return cudaErrorInvalidValue;
 }
 
-template <class T, bool CHECK>
+template <class T, class KV, bool CHECK>
 LaunchResult launch_decode(DecodeParams& p, cudaStream_t stream) {
-  const char* refused = plan_decode<T>(p);
+  const char* refused = plan_decode<T, KV>(p);
   if (refused != nullptr) return {static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", refused};
   if (CHECK && (p.violations == nullptr || p.reasons == nullptr || p.pages_checked == nullptr ||
                 p.beyond_table == nullptr || p.page_reasons == nullptr ||
                 (p.num_splits > 1 && p.part_report == nullptr)))
     return {static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", "report buffers missing"};
-  cudaError_t e = launch_decode_variant<T, CHECK>(p, stream);
+  cudaError_t e = launch_decode_variant<T, KV, CHECK>(p, stream);
   if (e != cudaSuccess) {
     return {static_cast<int>(e), CHECK ? "paged_decode_kernel<check=true>" : "paged_decode_kernel<check=false>",
             cudaGetErrorString(e)};

@@ -42,7 +42,20 @@ LaunchResult paged_decode(DecodeParams& p, DType dtype, bool check, void* stream
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   return by_dtype(dtype, "paged_decode (launcher)", true, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if constexpr (kTensorCoreType<T>) return check ? launch_decode<T, true>(p, s) : launch_decode<T, false>(p, s);
+    if constexpr (kTensorCoreType<T>) {
+      switch (p.kv_type) {
+        case KVType::kSame: return check ? launch_decode<T, T, true>(p, s) : launch_decode<T, T, false>(p, s);
+#if !KVATTN_HALF_ONLY
+        case KVType::kE4M3:
+          return check ? launch_decode<T, Fp8E4M3, true>(p, s) : launch_decode<T, Fp8E4M3, false>(p, s);
+        case KVType::kE5M2:
+          return check ? launch_decode<T, Fp8E5M2, true>(p, s) : launch_decode<T, Fp8E5M2, false>(p, s);
+#endif
+        default: break;
+      }
+      return LaunchResult{static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)",
+                          "pool dtype not built into this module"};
+    }
     return LaunchResult{static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", "unsupported dtype"};
   });
 }

@@ -286,6 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernel cannot run.
 template <class T>
 const char* plan_extend(ExtendParams& p) {
+  if (p.kv_type != KVType::kSame) return "fp8 pools: the CUDA extend has no fp8 path (the triton backend runs them)";
   if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
     return "num_heads must be a positive multiple of num_kv_heads";

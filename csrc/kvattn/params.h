@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "fp8.h"
+
 namespace kvattn {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
@@ -73,6 +75,11 @@ struct DecodeParams {
 
   float scale_log2;  // scale * log2(e): the kernels work in base 2
   ScoreVariant var;
+  // fp8 pools (kv_type kE4M3/kE5M2): a key element is k[...] * k_scale[kv_head], likewise V;
+  // [num_kv_heads] float32 each, null with kSame (pools of the query's type).
+  KVType kv_type;
+  const float* k_scale;
+  const float* v_scale;
   int batch, num_heads, num_kv_heads, head_dim;
   PageDiv page;  // page_size, for token -> (logical page, slot)
   int max_pages;
@@ -118,6 +125,9 @@ struct ExtendParams {
 
   float scale_log2;  // scale * log2(e)
   ScoreVariant var;
+  KVType kv_type;  // as in DecodeParams; the extend runs kSame only (fp8 pools are refused)
+  const float* k_scale;
+  const float* v_scale;
   int batch, num_heads, num_kv_heads, head_dim;
   PageDiv page;
   int max_pages;

@@ -43,16 +43,20 @@ struct HeadSplit {
   static constexpr int kDV = D / kSplit;
 };
 
-template <int D>
+// KB: bytes of a pool element, 2 (the query's 16-bit type) or 1 (fp8 pools: K/V rows of D bytes
+// and 16 of padding in shared memory, converted to 16 bits when the fragments are built; the query
+// rows stay 16-bit).
+template <int D, int KB = 2>
 struct DecodeLayout {
+  static_assert(KB == 1 || KB == 2, "pool elements of 1 or 2 bytes");
   static constexpr int kDV = HeadSplit<D>::kDV;
   static constexpr int kStages = D <= 128 ? 3 : 2;
-  static constexpr int kRowK = tile_row_bytes<D>();
-  static constexpr int kRowV = tile_row_bytes<kDV>();
-  static constexpr int kChunksK = D * 2 / 16;    // 16-byte chunks per K row
-  static constexpr int kChunksV = kDV * 2 / 16;  // per V row (this block's part)
+  static constexpr int kRowK = D * KB + 16;
+  static constexpr int kRowV = kDV * KB + 16;
+  static constexpr int kChunksK = D * KB / 16;    // 16-byte chunks per K row
+  static constexpr int kChunksV = kDV * KB / 16;  // per V row (this block's part)
   static constexpr int kStageBytes = kSubTile * (kRowK + kRowV);  // K and V of one sub-tile
-  static constexpr int kQBytes = kWarpRows * kRowK;
+  static constexpr int kQBytes = kWarpRows * tile_row_bytes<D>();
   static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kMaskBytes = (kWarps * kStages * 4 + 15) / 16 * 16;
   static constexpr int kOffsetBytes = kWarps * kSubTile * 2 * 8;  // per warp: [16 tokens][K, V] int64

@@ -12,9 +12,15 @@
 #pragma once
 
 #include "compat.cuh"
+#include "fp8.h"
+
+#if defined(__CUDACC__)
+#include <cuda_fp8.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace kvattn {
 
@@ -110,6 +116,53 @@ KVATTN_DEVICE uint32_t pack2(float lo, float hi) {
   std::memcpy(&lb, &l, 2);
   std::memcpy(&hb, &h, 2);
   return static_cast<uint32_t>(lb) | static_cast<uint32_t>(hb) << 16;
+}
+
+// 4 bytes of shared memory at a 4-byte aligned address (the fp8 fragments are built from them).
+KVATTN_DEVICE uint32_t load_shared_u32(const unsigned char* address) {
+#if defined(__CUDACC__)
+  return *reinterpret_cast<const uint32_t*>(address);
+#else
+  uint32_t w;
+  std::memcpy(&w, address, 4);
+  return w;
+#endif
+}
+
+// __byte_perm(x, y, s) in its default mode: byte i of the result is byte (s >> 4i) & 7 of the
+// 8 bytes y:x (x the low four).
+KVATTN_DEVICE uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#if defined(__CUDACC__)
+  return __byte_perm(x, y, s);
+#else
+  const uint64_t xy = static_cast<uint64_t>(y) << 32 | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((xy >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+#endif
+}
+
+// The two fp8 values in the low 16 bits of `pair` (element 0 in the low byte) as two T packed like
+// pack2: exactly, since every e4m3 and e5m2 value is a float16 and a bfloat16 value. On the
+// device one cvt to f16x2 (sm_89 and later; cuda_fp8.h emulates it before), then for bf16 through
+// float; on the harness the conversion of fp8.h.
+template <class T, class KV>
+KVATTN_DEVICE uint32_t fp8x2_to(uint32_t pair) {
+#if defined(__CUDACC__)
+  constexpr __nv_fp8_interpretation_t kFormat = std::is_same<KV, Fp8E4M3>::value ? __NV_E4M3 : __NV_E5M2;
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), kFormat);
+  if constexpr (std::is_same<T, __half>::value) {
+    return static_cast<uint32_t>(h.x) | static_cast<uint32_t>(h.y) << 16;
+  } else {
+    const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(__half2(h)));
+    uint32_t r;
+    std::memcpy(&r, &b, 4);
+    return r;
+  }
+#else
+  return pack2<T>(fp8_to_float(KV{static_cast<uint8_t>(pair & 0xffu)}),
+                  fp8_to_float(KV{static_cast<uint8_t>((pair >> 8) & 0xffu)}));
+#endif
 }
 
 }  // namespace kvattn

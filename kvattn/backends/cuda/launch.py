@@ -16,10 +16,14 @@ from ..grids import extend_tile_map, plan_num_splits
 
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# kv_dtype of the binding (csrc/kvattn/fp8.h KVType): 0, pools of the query's dtype.
+FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 512
-# The switches of kvattn.variants the kernels compile in.
+# The switches of kvattn.variants the kernels compile in: the score switches in both, fp8 pools in
+# the decode only.
 SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes"})
+DECODE_SWITCHES = SWITCHES | {"fp8 KV"}
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers) per padded
 # head dim, from the shared memory and registers in benchmarks/results/static_sm90.md: 59 KB and
 # 150-170 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512.
@@ -34,14 +38,27 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
                 "fp16/bf16 on tensor cores; the triton backend runs float32)")
     if args.head_dim > MAX_HEAD_DIM:
         return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
-    missing = [s for s in args.variant.switches() if s not in SWITCHES]
+    switches = DECODE_SWITCHES if isinstance(args, DecodeArgs) else SWITCHES
+    missing = [s for s in args.variant.switches() if s not in switches]
     if missing:
-        return f"no kernel for {', '.join(missing)}"
+        why = " (the CUDA extend has no fp8 path; the triton backend runs it)" if "fp8 KV" in missing else ""
+        return f"no kernel for {', '.join(missing)}{why}"
+    if args.variant.fp8 and not _rows_of_16_bytes(args):
+        return ("fp8 pools need 16-byte aligned rows (head_dim and the K/V strides multiples of 16 "
+                f"elements, 16-byte aligned data), got head_dim {args.head_dim}, k_cache strides "
+                f"{args.k_cache.stride()}, v_cache strides {args.v_cache.stride()}")
     if args.max_pages * args.page_size >= 2 ** 31:
         return f"a table of {args.max_pages} pages of {args.page_size} tokens holds 2**31 tokens or more"
     if args.batch >= 2 ** 31 or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 32767:
         return f"grid too large (batch {args.batch}, {args.num_heads} heads)"
     return None
+
+
+def _rows_of_16_bytes(args) -> bool:
+    """The fp8 decode copies K/V rows by 16-byte cp.async only (16 fp8 elements a copy)."""
+    pools = (args.k_cache, args.v_cache)
+    return (args.head_dim % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in pools)
+            and all(s % 16 == 0 for t in pools for s in t.stride()[:3]))
 
 
 def decode_blocks_per_sm(head_dim: int) -> int:
@@ -86,6 +103,8 @@ def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
         page_size=args.page_size, max_pages=args.max_pages,
         window_left=args.variant.window_left, soft_cap=args.variant.logits_soft_cap,
         alibi=_ptr(args.variant.alibi_slopes), sinks=_ptr(args.variant.sinks),
+        kv_dtype=FP8_CODES.get(k.dtype, 0), k_scale=_ptr(args.variant.k_scale),
+        v_scale=_ptr(args.variant.v_scale),
     )
 
 

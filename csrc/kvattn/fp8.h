@@ -1,0 +1,70 @@
+// The fp8 pool elements (kvattn.variants: float8_e4m3fn and float8_e5m2 k_cache/v_cache) and their
+// exact conversion to float: plain C++, so the binding (csrc/module.cpp), the CPU harness and the
+// tests (tests/test_cuda_fp8.py, all 256 bytes of each format against torch) use one definition.
+// On the device the kernels convert pairs with cvt.rn.f16x2.{e4m3,e5m2}x2 (cuda_fp8.h), which is
+// exact as well: every e4m3 and e5m2 value is a float16 value.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define KVATTN_FP8_FN __host__ __device__ inline
+#else
+#define KVATTN_FP8_FN inline
+#endif
+
+namespace kvattn {
+
+// One byte each in the pools; distinct types so that the kernels' cache element type selects the
+// fp8 path (the format is the type).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+
+KVATTN_FP8_FN float fp8_float_from_bits(uint32_t bits) {
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// e4m3fn: bias 7, no infinity, S.1111.111 the only NaN (so the largest value is 448), subnormals
+// m * 2**-9.
+KVATTN_FP8_FN float e4m3_to_float(uint8_t x) {
+  const uint32_t sign = static_cast<uint32_t>(x & 0x80u) << 24;
+  const uint32_t e = (x >> 3) & 0xfu, m = x & 0x7u;
+  if (e == 0xfu && m == 0x7u) return fp8_float_from_bits(sign | 0x7fc00000u);
+  if (e == 0) {
+    // m * 2**-9 is exact in float; the sign is set on the bits so that 0x80 gives -0.0.
+    uint32_t bits;
+    const float v = static_cast<float>(m) * 0.001953125f;
+    memcpy(&bits, &v, 4);
+    return fp8_float_from_bits(bits | sign);
+  }
+  return fp8_float_from_bits(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// e5m2: bias 15 with IEEE infinities and NaNs (exponent 31), subnormals m * 2**-16.
+KVATTN_FP8_FN float e5m2_to_float(uint8_t x) {
+  const uint32_t sign = static_cast<uint32_t>(x & 0x80u) << 24;
+  const uint32_t e = (x >> 2) & 0x1fu, m = x & 0x3u;
+  if (e == 0x1fu) return fp8_float_from_bits(sign | (m == 0 ? 0x7f800000u : 0x7fc00000u));
+  if (e == 0) {
+    uint32_t bits;
+    const float v = static_cast<float>(m) * 0.0000152587890625f;
+    memcpy(&bits, &v, 4);
+    return fp8_float_from_bits(bits | sign);
+  }
+  return fp8_float_from_bits(sign | ((e + 112u) << 23) | (m << 21));
+}
+
+KVATTN_FP8_FN float fp8_to_float(Fp8E4M3 x) { return e4m3_to_float(x.bits); }
+KVATTN_FP8_FN float fp8_to_float(Fp8E5M2 x) { return e5m2_to_float(x.bits); }
+
+// The pool element types of the launchers (kv_dtype in the binding): the query's type, or fp8.
+enum class KVType : int { kSame = 0, kE4M3 = 1, kE5M2 = 2 };
+
+}  // namespace kvattn

@@ -1,0 +1,173 @@
+"""fp8 KV pools in the CUDA decode kernel, run on the CPU harness (backend ``cuda_sim``).
+
+The kernel reads fp8 bytes into shared memory and builds its tensor-core fragments from them
+(csrc/kvattn/attention.cuh, qk_scores_fp8 / accumulate_fp8): Q's dims are stored permuted for the
+QK^T reads and the output dims come back permuted from P V, so every head-dim padding, head split
+(d_split) and GQA chunking is compared here with the reference. The conversion of fp8.h is checked
+against torch for all 256 bytes of each format. The element-wise fp8 scenarios (NaN-poisoned
+foreign pages, the float64 formula) run on cuda_sim through tests/test_variants.py and
+tests/test_variant_scenarios.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvattn
+from kvattn import backends
+from kvattn.backends.cuda import launch
+from util import LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
+
+sim = pytest.importorskip("kvattn.backends.cuda_sim._sim")
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FOREIGN_OWNER = 77
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_conversion_matches_torch_for_every_byte(fmt):
+    got = torch.tensor(sim.fp8_to_float(list(range(256)), fmt), dtype=torch.float32)
+    want = torch.arange(256, dtype=torch.uint8).view(FORMATS[fmt]).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    # Bit for bit elsewhere: signed zeros, subnormals, the largest values and (e5m2) infinities.
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    assert nan.sum() == (2 if fmt == "e4m3" else 6)
+
+
+def test_conversion_rejects_unknown_formats_and_bytes():
+    with pytest.raises(ValueError, match="format"):
+        sim.fp8_to_float([0], "e3m4")
+    with pytest.raises(ValueError, match="bytes"):
+        sim.fp8_to_float([256], "e4m3")
+
+
+def fp8_batch(fmt, q_dtype, *, head_dim, heads, kv_heads, page, lens, seed=0):
+    """A NaN-poisoned batch over fp8 pools, values stored at 4x their size (read back at the
+    scales below), with a foreign page full of NaN in the last sequence's second entry."""
+    pages = Batch.random(batch=len(lens), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                         page_size=page, seq_lens=lens, dtype=torch.float32, pool_factor=2, seed=seed)
+    used = set(pages.block_table.flatten().tolist())
+    spare = next(p for p in range(pages.k_cache.shape[0]) if p not in used)
+    pages.page_tags[spare] = kvattn.written_tag(FOREIGN_OWNER, page)
+    pages.block_table[len(lens) - 1, 1] = spare
+    pages.k_cache = (pages.k_cache * 4).to(FORMATS[fmt])
+    pages.v_cache = (pages.v_cache * 4).to(FORMATS[fmt])
+    pages.q = pages.q.to(q_dtype)
+    return pages
+
+
+def scales(kv_heads):
+    """Distinct per-head scales, so that a wrong head's scale shows."""
+    k = torch.tensor([0.25, 0.125, 0.3, 0.2][:kv_heads])
+    v = torch.tensor([0.25, 0.5, 0.2, 0.4][:kv_heads])
+    return k, v
+
+
+# (q dtype, format, head_dim, heads, kv heads, page, splits, switches): every padded head dim,
+# a head dim padded within its tile (80 -> 128), the head split of 512 (d_split 2), a GQA group of
+# 20 (two chunks of 16 rows), split-KV with its merge, and the score switches (the VARIANT
+# instantiation).
+CASES = {
+    "fp16-e4m3-d64-gqa20": (torch.float16, "e4m3", 64, 20, 1, 16, 1, {}),
+    "bf16-e5m2-d80-split3": (torch.bfloat16, "e5m2", 80, 4, 2, 5, 3, {}),
+    "fp16-e5m2-d128": (torch.float16, "e5m2", 128, 4, 2, 16, 1, {}),
+    "bf16-e4m3-d256-switches": (torch.bfloat16, "e4m3", 256, 4, 2, 8, 2,
+                                dict(window_left=30, logits_soft_cap=3.0,
+                                     sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]))),
+    "bf16-e4m3-d512": (torch.bfloat16, "e4m3", 512, 2, 1, 16, 1, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_decode_matches_the_reference(case):
+    q_dtype, fmt, head_dim, heads, kv_heads, page, splits, switches = CASES[case]
+    pages = fp8_batch(fmt, q_dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads, page=page,
+                      lens=[3, 2 * page + 1, 40])
+    k_scale, v_scale = scales(kv_heads)
+    kwargs = dict(k_scale=k_scale, v_scale=v_scale, **switches)
+    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
+                                         pages.seq_lens, pages.page_tags, pages.expected, **kwargs)
+    assert backends.explain(args, op="decode")["cuda_sim"] is None
+    ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
+        pages.q, pages.k_cache, pages.v_cache, pages.block_table, pages.seq_lens, pages.page_tags,
+        pages.expected, return_lse=True, compute_dtype=torch.float64, **kwargs)
+    out = torch.empty_like(pages.q)
+    lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
+    plan = {}
+    report = launch.decode(sim, args, check=True, out=out, lse=lse, num_splits=splits, plan=plan)
+    assert plan["num_splits"] == splits and plan["vec"] == 1
+    assert plan["smem_bytes"] == sim.tile_layouts()["decode_fp8"][max(64, 1 << (head_dim - 1).bit_length())]["shared_bytes"]
+    assert torch.isfinite(out).all(), "a refused slot was read"
+    # K and V convert exactly to the query's 16-bit type; the kernel rounds the probabilities to it
+    # before P V as in the 16-bit pools, so the bound is that of the query dtype.
+    assert ref_out.abs().max() > 10 * tolerance(q_dtype)["atol"]
+    torch.testing.assert_close(out.double(), ref_out, **tolerance(q_dtype))
+    torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
+    assert_reports_equal(report, ref_report)
+    assert report.violations.tolist()[-1] == 1
+
+
+def test_unchecked_fp8_decode_reads_the_foreign_page():
+    """The violation twin: the same call unchecked reads the foreign page's NaN."""
+    pages = fp8_batch("e4m3", torch.float16, head_dim=64, heads=2, kv_heads=1, page=8, lens=[20, 20])
+    k_scale, v_scale = scales(1)
+    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
+                                         pages.seq_lens, pages.page_tags, pages.expected,
+                                         k_scale=k_scale, v_scale=v_scale)
+    out = torch.empty_like(pages.q)
+    launch.decode(sim, args, check=False, out=out, lse=None, num_splits=1)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
+
+
+def test_fp8_scales_apply_per_kv_head():
+    """Doubling one KV head's v_scale doubles exactly its query heads' outputs (a power of two
+    changes no rounding)."""
+    pages = fp8_batch("e5m2", torch.float16, head_dim=64, heads=4, kv_heads=2, page=16, lens=[30])
+    k_scale, v_scale = scales(2)
+
+    def decode(vs):
+        args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
+                                             pages.seq_lens, pages.page_tags, pages.expected,
+                                             k_scale=k_scale, v_scale=vs)
+        out = torch.empty_like(pages.q)
+        launch.decode(sim, args, check=True, out=out, lse=None, num_splits=1)
+        return out
+
+    base = decode(v_scale)
+    doubled = decode(v_scale * torch.tensor([1.0, 2.0]))
+    assert torch.equal(doubled[:, :2], base[:, :2])
+    assert torch.equal(doubled[:, 2:], base[:, 2:] * 2)
+
+
+def test_cuda_refuses_fp8_extend_and_unaligned_fp8_rows():
+    """The launcher says why (and the kernels' planner refuses the same calls if reached)."""
+    pages = fp8_batch("e4m3", torch.float16, head_dim=24, heads=2, kv_heads=1, page=4, lens=[9])
+    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
+                                         pages.seq_lens, pages.page_tags, pages.expected, k_scale=0.5)
+    why = backends.explain(args, op="decode")["cuda_sim"]
+    assert why is not None and "16-byte" in why and "head_dim 24" in why
+    with pytest.raises(RuntimeError, match="fp8 pools need 16-byte aligned rows"):
+        launch.decode(sim, args, check=True, out=torch.empty_like(pages.q), lse=None, num_splits=1)
+
+    pages = fp8_batch("e4m3", torch.float16, head_dim=16, heads=2, kv_heads=1, page=4, lens=[9])
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    q = pages.q.repeat(2, 1, 1)
+    ext = kvattn.layout.validate_extend(q, pages.k_cache, pages.v_cache, cu, pages.block_table,
+                                        pages.seq_lens, pages.page_tags, pages.expected, k_scale=0.5)
+    why = backends.explain(ext, op="extend")["cuda_sim"]
+    assert why is not None and "fp8" in why and "triton" in why
+    with pytest.raises(RuntimeError, match="fp8 pools: the CUDA extend has no fp8 path"):
+        launch.extend(sim, ext, check=True, out=torch.empty_like(q), lse=None)
+
+
+def test_binding_rejects_an_unknown_pool_dtype_code():
+    pages = fp8_batch("e4m3", torch.float16, head_dim=16, heads=2, kv_heads=1, page=4, lens=[9])
+    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
+                                         pages.seq_lens, pages.page_tags, pages.expected, k_scale=0.5)
+    out = torch.empty_like(pages.q)
+    params = dict(launch._attention_params(args, out, None, None), part_acc=0, part_ml=0, part_report=0,
+                  stride_qb=pages.q.stride(0), stride_ob=out.stride(0), num_splits=1, align=4,
+                  min_chunk=4, kv_dtype=3)
+    with pytest.raises(ValueError, match="kv_dtype must be 0"):
+        sim.decode(params, launch.DTYPE_CODES[pages.q.dtype], True, 0)
