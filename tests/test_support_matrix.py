@@ -60,6 +60,13 @@ def writer_args(pool_dtype):
 
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def only(op: str, pool_dtype) -> dict:
+    """The probe of one reader op on fp8 pools (the CUDA kernels differ between decode and extend)."""
+    return {op: reader_args(pool_dtype, k_scale=0.5)[op]}
+
+
 # Row label -> (the switch a refusal must name, probes: one {op: args} per input the row covers).
 ROWS = {
     "sliding window (`window_left`)": ("window_left", lambda: [reader_args(window_left=3)]),
@@ -68,8 +75,10 @@ ROWS = {
     "attention sinks (`sinks`)": ("sinks", lambda: [reader_args(sinks=torch.zeros(HEADS))]),
     "ALiBi (`alibi_slopes`)": ("alibi_slopes",
                                lambda: [reader_args(alibi_slopes=torch.ones(HEADS))]),
-    "fp8 e4m3 pools (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [reader_args(E4M3, k_scale=0.5)]),
-    "fp8 e5m2 pools (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [reader_args(E5M2, k_scale=0.5)]),
+    "fp8 e4m3 pools, decode (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [only("decode", E4M3)]),
+    "fp8 e5m2 pools, decode (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [only("decode", E5M2)]),
+    "fp8 e4m3 pools, extend": ("fp8 KV", lambda: [only("extend", E4M3)]),
+    "fp8 e5m2 pools, extend": ("fp8 KV", lambda: [only("extend", E5M2)]),
     "fp8 write (`write_kv` into e4m3/e5m2 pools)": ("fp8 KV",
                                                     lambda: [writer_args(E4M3), writer_args(E5M2)]),
 }
@@ -122,10 +131,10 @@ def test_each_cell_is_what_the_registry_says(row, claims_here):
 
 
 def test_a_wrong_cell_is_caught(claims_here):
-    """The twin: the comparison fails on a cell the registry contradicts (CUDA fp8 said yes)."""
-    args = reader_args(E4M3, k_scale=0.5)["decode"]
-    assert verdict(backends.explain(args, "decode")["cuda"], "decode", "fp8 KV") != "yes"
-    assert verdict(backends.explain(args, "decode")["triton"], "decode", "fp8 KV") == "yes"
+    """The twin: the comparison fails on a cell the registry contradicts (CUDA fp8 extend said yes)."""
+    args = reader_args(E4M3, k_scale=0.5)["extend"]
+    assert verdict(backends.explain(args, "extend")["cuda"], "extend", "fp8 KV") != "yes"
+    assert verdict(backends.explain(args, "extend")["triton"], "extend", "fp8 KV") == "yes"
     with pytest.raises(AssertionError, match="does not name"):
         verdict("no GPU (torch.cuda.is_available() is False)", "decode", "fp8 KV")
     assert kvattn.backends.explain(args, "decode")["torch"] == "no decode kernel"
