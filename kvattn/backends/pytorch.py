@@ -14,6 +14,7 @@ from ..report import WriteResult
 from ..tags import (OWNER_SHIFT, STATE_RESERVED, STATE_WRITTEN, VALID_LEN_SHIFT, WriteDrop, held_by,
                     tag_state, tag_valid_len)
 from ..write_args import WriteArgs
+from .pytorch_attention import decode, extend  # noqa: F401 (this backend's readers)
 
 NAME = "torch"
 
