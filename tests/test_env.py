@@ -30,10 +30,13 @@ def test_info_says_which_backend_accepts_which_op_and_why_the_others_refuse():
     assert cpu["decode"]["reasons"]["reference"] is None
     assert cpu["extend"]["reasons"]["reference"] is None
     assert cpu["write_kv"]["reasons"]["reference"] == "no write_kv kernel"
-    assert cpu["decode"]["reasons"]["torch"] == "no decode kernel"
+    assert cpu["decode"]["reasons"]["torch"] is None
+    assert cpu["extend"]["reasons"]["torch"] is None
     assert cpu["write_kv"]["reasons"]["torch"] is None
     assert cpu["write_kv"]["auto"] == "torch"
-    assert cpu["decode"]["auto"] == ("triton" if interpreted() else "reference")
+    assert cpu["decode"]["auto"] == ("triton" if interpreted() else "torch")
+    assert cpu["extend"]["auto"] == ("triton" if interpreted() else "torch")
+    assert cpu["decode"]["order"].index("torch") < cpu["decode"]["order"].index("reference")
     assert cpu["mla_decode"]["auto"] == ("triton" if interpreted() else "reference")
     assert cpu["mla_decode"]["reasons"]["torch"] == "no mla_decode kernel"
     if not interpreted():

@@ -8,7 +8,8 @@ import torch
 
 import kvattn
 from kvattn.report import OwnershipReport
-from util import Batch, assert_reports_equal, backends_under_test, kernel_backends, precise_dtype
+from util import (Batch, assert_reports_equal, backends_under_test, kernel_backends, precise_dtype,
+                  split_kv_backends)
 
 from test_extend import Extend
 
@@ -33,8 +34,8 @@ def launcher(backend):
 
 
 @pytest.mark.parametrize("refused", [False, True], ids=["clean", "refused"])
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("backend", kernel_backends())
+@pytest.mark.parametrize("backend,splits", [(b, s) for b in kernel_backends()
+                                            for s in ([1, 3] if b in split_kv_backends() else [None])])
 def test_decode_writes_every_report_entry(poisoned_reports, backend, splits, refused):
     batch = Batch.random(batch=3, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
                          seq_lens=[0, 9, 30], dtype=precise_dtype(backend), extra_pages=2)
@@ -44,7 +45,8 @@ def test_decode_writes_every_report_entry(poisoned_reports, backend, splits, ref
     args = kvattn.layout.validate_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_table,
                                          batch.seq_lens, batch.page_tags, batch.expected, validate=False)
     out = torch.empty_like(batch.q)
-    report = launcher(backend).decode(args, check=True, out=out, lse=None, num_splits=splits)
+    split = {} if splits is None else dict(num_splits=splits)
+    report = launcher(backend).decode(args, check=True, out=out, lse=None, **split)
     _, ref = kvattn.reference.paged_decode(*[getattr(args, n) for n in (
         "q", "k_cache", "v_cache", "block_table", "seq_lens", "page_tags", "expected")])
     assert_reports_equal(report, ref)

@@ -139,8 +139,9 @@ def test_head_dim_past_512_is_refused_by_the_kernels_with_the_reason():
     probe = Batch.random(batch=1, num_heads=1, num_kv_heads=1, head_dim=520, page_size=4,
                          seq_lens=[3]).args()
     reasons = backends.explain(probe)
-    assert reasons["reference"] is None
-    for name in set(backends_under_test()) - {"reference"}:
+    # PyTorch ops have no register tile to outgrow.
+    assert reasons["reference"] is None and reasons["torch"] is None
+    for name in set(backends_under_test()) - {"reference", "torch"}:
         assert "head_dim 520" in reasons[name], (name, reasons[name])
 
 

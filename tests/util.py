@@ -2,6 +2,7 @@
 poison in every slot that must not be read, the backends under test, and precision-based tolerances."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import pytest
@@ -137,6 +138,13 @@ def lse_tolerance(dtype: torch.dtype) -> dict:
 def kernel_backends() -> list[str]:
     """The backends under test other than the reference (those compared against it)."""
     return [name for name in backends_under_test() if name != "reference"]
+
+
+def split_kv_backends() -> list[str]:
+    """The backends under test whose decode launcher splits the keys (takes ``num_splits``); the
+    torch backend and the reference attend over a sequence's keys in one piece."""
+    return [name for name in kernel_backends()
+            if "num_splits" in inspect.signature(launcher(name).decode).parameters]
 
 
 def launcher(backend: str):

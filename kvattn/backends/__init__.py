@@ -48,7 +48,11 @@ AUTO_ORDER = {
 }
 # The Triton interpreter would run the writer as one program per token; the PyTorch ops compute
 # the same result in a few tensor ops.
-AUTO_ORDER_CPU = {**AUTO_ORDER, "write_kv": ("torch",)}
+# The readers' PyTorch ops read only the pages a sequence covers; the reference gathers the whole
+# table per query row and stays the oracle, last.
+AUTO_ORDER_CPU = {**AUTO_ORDER, "write_kv": ("torch",),
+                  "decode": ("cuda", "triton", "torch", "reference"),
+                  "extend": ("cuda", "triton", "torch", "reference")}
 _logged: set = set()
 
 

@@ -15,6 +15,7 @@ from ..tags import (OWNER_SHIFT, STATE_RESERVED, STATE_WRITTEN, VALID_LEN_SHIFT,
                     tag_state, tag_valid_len)
 from ..variants import FP8_MAX
 from ..write_args import WriteArgs
+from .pytorch_attention import decode, extend  # noqa: F401 (this backend's readers)
 
 NAME = "torch"
 # Switches of kvattn.variants this writer implements (the registry refuses the others).

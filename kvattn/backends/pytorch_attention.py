@@ -1,0 +1,227 @@
+"""The readers as PyTorch ops (backend ``"torch"``): paged decode and extend that read only the
+pages a sequence covers, for CPU tensors where no kernel runs (``backend="auto"`` takes them there
+before the reference). Any device; every variant of :mod:`kvattn.variants`; float32 compute.
+
+Semantics and report are those of :mod:`kvattn.reference`: its reader's rule
+(:func:`~kvattn.reference.readable_slots`) decides which slots may contribute and writes the report,
+so the two cannot disagree on what is refused. What differs is the work: the reference gathers every
+page of the block table for every query row, these launchers gather ``ceil(seq_len / page_size)``
+pages per sequence (from the window's first page on), once per sequence, and multiply a tile of
+query rows by those keys. Decode batches sequences of similar length into one gather.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from ..layout import DecodeArgs, ExtendArgs, query_offsets
+from ..report import OwnershipReport
+from ..variants import Variant
+
+# Logits of one extend tile (rows x query heads x keys, float32) are kept under this many elements,
+# so a long prefill never materialises its whole score matrix.
+TILE_ELEMENTS = 1 << 22
+# Decode sequences share a gather while the shortest reads at least half the pages of the longest
+# (or all read only a few pages): padding then at most doubles a bucket's work.
+BUCKET_FLOOR_PAGES = 4
+
+
+def _page_ranges(a, first_key: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Per sequence, the logical pages ``[lo, hi)`` holding a key some query reads: up to the
+    (table-clipped) length, from the page of the window's first key on."""
+    capacity = a.block_table.shape[1] * a.page_size
+    lens = a.seq_lens.long().clamp(0, capacity)
+    hi = torch.div(lens + a.page_size - 1, a.page_size, rounding_mode="floor")
+    lo = torch.minimum(torch.div(first_key.clamp(min=0), a.page_size, rounding_mode="floor"), hi)
+    return lo.tolist(), hi.tolist()
+
+
+def _gather(a, pool: torch.Tensor, scale, pages: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``[S, C * P, Hkv, D]`` float32: logical pages ``pages`` ``[S, C]`` (indices already in the
+    pool) dequantised by ``scale`` when fp8, zero wherever ``allowed`` ``[S, C * P]`` is False:
+    refused and foreign slots may hold NaN, which must not reach any product."""
+    x = pool.index_select(0, pages.flatten())  # a copy, whole pages at a time
+    x = x.view(pages.shape[0], -1, a.num_kv_heads, a.head_dim).float()
+    if scale is not None:
+        x = x * scale.view(1, 1, -1, 1)
+    # Usually only the tail of the last page is masked: zero those slots, not the whole copy.
+    seq, slot = torch.nonzero(~allowed, as_tuple=True)
+    if seq.numel():
+        x[seq, slot] = 0
+    return x
+
+
+def _per_kv_head(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[h] = a[h] @ b[:, :, h]`` for ``a`` ``[Hkv, S, R, X]``, ``b`` ``[S, X, Hkv, Y]`` read
+    in place (a head's keys are a strided matrix of the gathered pages; copying them head-major
+    would cost a pass over the keys)."""
+    for h in range(a.shape[0]):
+        torch.bmm(a[h], b[:, :, h], out=out[h])
+    return out
+
+
+def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
+    """Softmax attention of ``q`` ``[Hkv, S, G, T, D]`` (float32, already scaled) over ``k``/``v``
+    ``[S, N, Hkv, D]`` where ``mask`` ``[S, T, N]``; ``q_pos`` ``[S, T]`` and ``key_pos`` ``[S, N]``
+    are positions in the sequence. The score transforms are those of
+    :func:`kvattn.reference.attend`, in its order. Returns ``out`` ``[Hkv, S, G, T, D]`` and ``lse``
+    ``[Hkv, S, G, T]``; a row with nothing in ``mask`` gets output 0 and lse -inf."""
+    hkv, s, g, t, d = q.shape
+    n = k.shape[1]
+    logits = q.new_empty(hkv, s, g * t, n)
+    _per_kv_head(q.reshape(hkv, s, g * t, d), k.transpose(1, 3), logits)
+    logits = logits.view(hkv, s, g, t, n)
+    if variant.logits_soft_cap > 0:
+        cap = variant.logits_soft_cap
+        logits = cap * torch.tanh(logits / cap)
+    if variant.alibi_slopes is not None:
+        distance = (key_pos[:, None, :] - q_pos[:, :, None]).float()  # [S, T, N]
+        if not causal:
+            distance = -distance.abs()
+        slopes = variant.alibi_slopes.float().view(hkv, 1, g, 1, 1)
+        logits = logits + slopes * distance[None, :, None]
+    logits = logits.masked_fill(~mask[None, :, None], float("-inf"))
+    top = logits.amax(dim=-1, keepdim=True)
+    top = top.masked_fill(top == float("-inf"), 0)
+    probs = torch.exp(logits - top)
+    denom = probs.sum(dim=-1)  # [Hkv, S, G, T], 0 where nothing is allowed
+    lse = top.squeeze(-1) + torch.log(denom)
+    out = _per_kv_head(probs.view(hkv, s, g * t, n), v, q.new_empty(hkv, s, g * t, d))
+    out = out.view(hkv, s, g, t, d)
+    out = out / denom.masked_fill(denom == 0, 1)[..., None]
+    if variant.sinks is not None:
+        # As the reference: the sink's share of the denominator is sigmoid(lse - sink).
+        sinks = variant.sinks.float().view(hkv, 1, g, 1)
+        out = out * torch.sigmoid(lse - sinks)[..., None]
+    return out, lse
+
+
+def _window_mask(variant: Variant, q_pos, key_pos):
+    """``[S, T, N]`` True where a key lies inside the query's sliding window (None without one)."""
+    if not variant.windowed:
+        return None
+    return key_pos[:, None, :] >= q_pos[:, :, None] - variant.window_left
+
+
+def _buckets(counts: list[int], rows: list[int]) -> list[list[int]]:
+    """Sequences ``rows`` grouped for one gather each, longest first (see BUCKET_FLOOR_PAGES)."""
+    order = sorted(rows, key=lambda b: -counts[b])
+    groups: list[list[int]] = []
+    for b in order:
+        if groups:
+            longest = counts[groups[-1][0]]
+            if longest <= BUCKET_FLOOR_PAGES or 2 * counts[b] >= longest:
+                groups[-1].append(b)
+                continue
+        groups.append([b])
+    return groups
+
+
+def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
+           lse: torch.Tensor | None) -> OwnershipReport | None:
+    a, sw = args, args.variant
+    first_key = reference.first_keys(a.seq_lens, 1, sw.window_left)
+    allowed, report = reference.readable_slots(a, check, first_key)
+    allowed = allowed.flatten(1)  # [B, M * P]
+    lo, hi = _page_ranges(a, first_key)
+    counts = [h - l for l, h in zip(lo, hi)]
+    device, page = a.q.device, a.page_size
+    q_pos_all = a.seq_lens.long() - 1
+    g = a.num_heads // a.num_kv_heads
+    reading = [b for b in range(a.batch) if counts[b] > 0]
+    idle = [b for b in range(a.batch) if counts[b] == 0]
+    if idle:
+        rows = torch.tensor(idle, device=device)
+        out.index_fill_(0, rows, 0)
+        if lse is not None:
+            lse.index_fill_(0, rows, float("-inf"))
+    for group in _buckets(counts, reading):
+        rows = torch.tensor(group, device=device)
+        width = counts[group[0]]
+        start = torch.tensor([lo[b] for b in group], device=device)
+        logical = start[:, None] + torch.arange(width, device=device)  # [S, C]
+        inside = logical < torch.tensor([hi[b] for b in group], device=device)[:, None]
+        logical = torch.where(inside, logical, start[:, None])
+        pages = a.block_table.index_select(0, rows).long().gather(1, logical)
+        pages = pages.clamp(0, a.num_pages - 1)
+        slot = torch.arange(page, device=device)
+        key_pos = (logical[..., None] * page + slot).flatten(1)  # [S, C * P]
+        ok = allowed.index_select(0, rows).gather(1, key_pos)
+        ok &= inside.repeat_interleave(page, dim=1)
+        q_pos = q_pos_all.index_select(0, rows)[:, None]  # [S, 1]
+        mask = ok[:, None, :]
+        window = _window_mask(sw, q_pos, key_pos)
+        if window is not None:
+            mask = mask & window
+        k = _gather(a, a.k_cache, sw.k_scale, pages, ok)
+        v = _gather(a, a.v_cache, sw.v_scale, pages, ok)
+        q = a.q.index_select(0, rows).float() * a.scale
+        q = q.view(len(group), a.num_kv_heads, g, 1, a.head_dim).transpose(0, 1)
+        o, l = _attend(q, k, v, mask, q_pos, key_pos, sw, causal=True)
+        o = o.transpose(0, 1).reshape(len(group), a.num_heads, a.head_dim)
+        out.index_copy_(0, rows, o.to(out.dtype))
+        if lse is not None:
+            lse.index_copy_(0, rows, l.transpose(0, 1).reshape(len(group), a.num_heads))
+    return report
+
+
+def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
+           lse: torch.Tensor | None) -> OwnershipReport | None:
+    a, sw = args, args.variant
+    offsets = query_offsets(a.cu_seqlens_q, a.total_q)
+    first_key = reference.first_keys(a.seq_lens, offsets[1:] - offsets[:-1], sw.window_left)
+    allowed, report = reference.readable_slots(a, check, first_key)
+    allowed = allowed.flatten(1)  # [B, M * P]
+    lo, hi = _page_ranges(a, first_key)
+    starts = offsets.tolist()
+    seq_lens = a.seq_lens.tolist()
+    device, page = a.q.device, a.page_size
+    g = a.num_heads // a.num_kv_heads
+    for b in range(a.batch):
+        r0, r1 = starts[b], starts[b + 1]
+        q_len, seq_len = r1 - r0, seq_lens[b]
+        if q_len == 0:
+            continue
+        if hi[b] == lo[b] or (a.causal and q_len > seq_len):
+            out[r0:r1] = 0
+            if lse is not None:
+                lse[r0:r1] = float("-inf")
+            continue
+        logical = torch.arange(lo[b], hi[b], device=device)
+        pages = a.block_table[b].long().index_select(0, logical).clamp(0, a.num_pages - 1)[None]
+        key_pos = torch.arange(lo[b] * page, hi[b] * page, device=device)
+        ok = allowed[b, lo[b] * page:hi[b] * page][None]  # [1, N]
+        k = _gather(a, a.k_cache, sw.k_scale, pages, ok)  # [1, N, Hkv, D]
+        v = _gather(a, a.v_cache, sw.v_scale, pages, ok)
+        tile = max(1, min(q_len, TILE_ELEMENTS // (a.num_heads * key_pos.numel())))
+        for t0 in range(0, q_len, tile):
+            t1 = min(q_len, t0 + tile)
+            first, last = seq_len - q_len + t0, seq_len - q_len + t1 - 1
+            # Keys this tile can read: causal rows stop at their own position, windowed rows
+            # start at their window; the rest of the gathered keys stay untouched.
+            k0 = max(0, first - sw.window_left - lo[b] * page) if sw.windowed else 0
+            k1 = min(key_pos.numel(), last + 1 - lo[b] * page) if a.causal else key_pos.numel()
+            q = a.q[r0 + t0:r0 + t1].float() * a.scale  # [T, H, D]
+            q = q.view(t1 - t0, a.num_kv_heads, g, a.head_dim).permute(1, 2, 0, 3)[:, None]
+            if k1 <= k0:
+                out[r0 + t0:r0 + t1] = 0
+                if lse is not None:
+                    lse[r0 + t0:r0 + t1] = float("-inf")
+                continue
+            q_pos = torch.arange(first, last + 1, device=device)[None]  # [1, T]
+            kp = key_pos[k0:k1][None]
+            mask = ok[:, None, k0:k1]
+            if a.causal:
+                mask = mask & (kp[:, None, :] <= q_pos[:, :, None])
+            window = _window_mask(sw, q_pos, kp)
+            if window is not None:
+                mask = mask & window
+            o, l = _attend(q, k[:, k0:k1], v[:, k0:k1], mask, q_pos, kp, sw, a.causal)
+            out[r0 + t0:r0 + t1] = o[:, 0].permute(2, 0, 1, 3).reshape(t1 - t0, a.num_heads,
+                                                                        a.head_dim).to(out.dtype)
+            if lse is not None:
+                lse[r0 + t0:r0 + t1] = l[:, 0].permute(2, 0, 1).reshape(t1 - t0, a.num_heads)
+    return report
+
+
+__all__ = ["decode", "extend"]
