@@ -32,7 +32,7 @@ from ..grids import plan_num_splits
 from .configs import DecodeConfig, decode_config
 from .softmax import online_softmax_step, qk_scores, sink_denominator, variant_scores
 from .split_report import REPORT_FIELDS, store_split_report
-from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, check_pages, readable_len
+from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, check_pages, tile_slots
 
 MAX_HEAD_DIM = 512
 
@@ -113,34 +113,8 @@ def paged_decode_kernel(
     if WINDOW:
         loop_lo = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)  # tiles wholly before: skipped
     for t0 in range(loop_lo, end, BLOCK_N):
-        if PAGE % BLOCK_N == 0:
-            # The tile lies inside one page: one block-table entry and one tag, as scalars.
-            logical = t0 // PAGE
-            page = tl.load(bt_row + logical)
-            in_range = (page >= 0) & (page < num_pages)
-            limit = tl.where(in_range, end - logical * PAGE, 0)  # length mask, in slots of the page
-            if CHECK:
-                tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
-                owner = seq_owner
-                if OWNER_PER_PAGE:
-                    owner = tl.load(exp_row + logical * stride_ep)
-                limit = tl.minimum(limit, readable_len(tag, owner))
-            slot = t0 % PAGE + offs_n  # [BLOCK_N]
-            live = slot < limit
-        else:
-            # Pages shorter than a tile, or not a multiple of it: resolved per token.
-            tok = t0 + offs_n  # [BLOCK_N]
-            logical = tok // PAGE
-            slot = tok % PAGE
-            live = tok < end
-            page = tl.load(bt_row + logical, mask=live, other=0)  # [BLOCK_N]
-            live = live & (page >= 0) & (page < num_pages)
-            if CHECK:
-                tag = tl.load(tags_ptr + page, mask=live, other=0)
-                owner = seq_owner
-                if OWNER_PER_PAGE:
-                    owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
-                live = live & (slot < readable_len(tag, owner))
+        page, slot, live = tile_slots(t0, end, offs_n, bt_row, exp_row, stride_ep, seq_owner,
+                                      tags_ptr, num_pages, PAGE, BLOCK_N, CHECK, OWNER_PER_PAGE)
         if WINDOW:
             live = live & (t0 + offs_n >= first_key)
         page = page.to(tl.int64)

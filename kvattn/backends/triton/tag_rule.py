@@ -72,6 +72,44 @@ def page_reason(tag, in_range, exp_owner, slots_read):
 
 
 @triton.jit
+def tile_slots(t0, end, offs_n, bt_row, exp_row, stride_ep, seq_owner, tags_ptr, num_pages,
+               PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr,
+               OWNER_PER_PAGE: tl.constexpr):
+    """The decode tile of tokens ``[t0, t0 + BLOCK_N)`` read before ``end``: ``(page, slot,
+    live)``, the physical page(s), the slot in the page and whether each token may contribute
+    (inside the length, a page id in the pool and, checked, a slot the tag certifies for the
+    expected owner). ``page`` is a scalar when a tile lies inside one page (one table entry and
+    one tag for the tile), else ``[BLOCK_N]`` (resolved per token)."""
+    if PAGE % BLOCK_N == 0:
+        logical = t0 // PAGE
+        page = tl.load(bt_row + logical)
+        in_range = (page >= 0) & (page < num_pages)
+        limit = tl.where(in_range, end - logical * PAGE, 0)  # length mask, in slots of the page
+        if CHECK:
+            tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
+            owner = seq_owner
+            if OWNER_PER_PAGE:
+                owner = tl.load(exp_row + logical * stride_ep)
+            limit = tl.minimum(limit, readable_len(tag, owner))
+        slot = t0 % PAGE + offs_n  # [BLOCK_N]
+        live = slot < limit
+    else:
+        tok = t0 + offs_n  # [BLOCK_N]
+        logical = tok // PAGE
+        slot = tok % PAGE
+        live = tok < end
+        page = tl.load(bt_row + logical, mask=live, other=0)  # [BLOCK_N]
+        live = live & (page >= 0) & (page < num_pages)
+        if CHECK:
+            tag = tl.load(tags_ptr + page, mask=live, other=0)
+            owner = seq_owner
+            if OWNER_PER_PAGE:
+                owner = tl.load(exp_row + logical * stride_ep, mask=live, other=0)
+            live = live & (slot < readable_len(tag, owner))
+    return page, slot, live
+
+
+@triton.jit
 def check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len, first_key,
                 page_lo, page_hi, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
     """The report for logical pages ``[page_lo, page_hi)`` of one sequence of ``seq_len`` tokens
