@@ -172,8 +172,9 @@ KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int
   const KV* v_pool = static_cast<const KV*>(p.v);
   constexpr int kCopiesK = kSubTile * L::kChunksK / 32, kCopiesV = kSubTile * L::kChunksV / 32;
   // Element-wise copies of a 512-wide head keep eight loads per copy live: unrolled by 2 only.
-  constexpr int kUnrollK = VEC || D <= 256 ? copy_unroll(kCopiesK) : 2;
-  constexpr int kUnrollV = VEC || D <= 256 ? copy_unroll(kCopiesV) : 2;
+  // (Read by #pragma unroll alone, which the harness build's g++ ignores: hence maybe_unused.)
+  [[maybe_unused]] constexpr int kUnrollK = VEC || D <= 256 ? copy_unroll(kCopiesK) : 2;
+  [[maybe_unused]] constexpr int kUnrollV = VEC || D <= 256 ? copy_unroll(kCopiesV) : 2;
 #pragma unroll kUnrollK
   for (int k = 0; k < kCopiesK; ++k) {
     using M = ChunkMap<L::kChunksK, 32>;
