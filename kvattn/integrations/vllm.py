@@ -429,7 +429,9 @@ class WorkerOwnership:
         self.steps += 1
         bad = torch.nonzero((batch.refused > 0) | (batch.dropped > 0)).flatten().tolist()
         if self.check and batch.reports:
-            self.pages_checked += int(sum(int(r.pages_checked.sum()) for _, r in batch.reports))
+            # One read for every layer's count (not one device read per layer).
+            counts = torch.stack([r.pages_checked.sum() for _, r in batch.reports])
+            self.pages_checked += int(counts.sum())
         if not bad:
             return
         failed = {}
