@@ -13,10 +13,8 @@ clean tokens.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pathlib
 import shutil
 import signal
 import socket
@@ -28,94 +26,27 @@ import urllib.request
 import pytest
 
 import vllm_prompts as prompts
+import vllm_runs
+from vllm_runs import ROOT, VENV_PY, env as _env, why_no_vllm
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-VENV = ROOT / "build" / "venv-vllm"
-VENV_PY = VENV / "bin" / "python"
 DRIVER = ROOT / "tests" / "vllm_driver.py"
+
 FAULTS = ("foreign_entry", "early_free", "lost_prefill", "stale_prefix")
 VICTIM = {"foreign_entry": "victim", "early_free": "victim", "lost_prefill": "victim",
           "stale_prefix": "reader"}
 
 pytestmark = pytest.mark.slow
 
-
-def _why_no_vllm() -> str | None:
-    if (VENV / ".ready").exists():
-        return None
-    log = ROOT / "build" / "venv-vllm.log"
-    tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
-    return ("vLLM is not installed in build/venv-vllm (make vllm-env)"
-            + (": " + " | ".join(tail) if tail else ""))
+if why_no_vllm():
+    pytest.skip(why_no_vllm(), allow_module_level=True)
 
 
-if _why_no_vllm():
-    pytest.skip(_why_no_vllm(), allow_module_level=True)
-
-
-def _env(kvattn: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVATTN_", "TRITON_"))}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if kvattn:
-        env["KVATTN_VLLM"] = "1"
-    return env
-
-
-class Runs:
-    """The driver's results, computed once per test run and shared by the xdist workers through
-    files under one lock (each run starts engines for several seconds)."""
-
-    def __init__(self):
-        run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
-        self.dir = ROOT / "build" / "vllm-tests" / run_id
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def _locked(self, name, compute):
-        path = self.dir / f"{name}.json"
-        with open(self.dir / "lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not path.exists():
-                path.write_text(json.dumps(compute()))
-        return json.loads(path.read_text())
-
-    @property
-    def model(self) -> pathlib.Path:
-        model = self.dir / "model"
-        if not (model / "config.json").exists():
-            subprocess.run([str(VENV_PY), str(ROOT / "tests" / "vllm_model.py"), str(model)],
-                           check=True, capture_output=True, timeout=300)
-        return model
-
-    def drive(self, jobs: list[tuple[str, str, bool, tuple]]) -> dict:
-        """Run ``(key, scenario, kvattn, extra args)`` jobs, two at a time (the machine has two
-        cores); returns ``{key: result}``."""
-        model = self.model
-        results, running = {}, []
-        for key, scenario, kvattn, extra in jobs:
-            out = self.dir / f"{key}.out.json"
-            log = open(self.dir / f"{key}.log", "w")
-            proc = subprocess.Popen([str(VENV_PY), str(DRIVER), scenario, str(model), str(out),
-                                     *map(str, extra)], env=_env(kvattn), stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=ROOT)
-            running.append((key, proc, out, log))
-            if len(running) == 2:
-                self._wait(running.pop(0), results)
-        while running:
-            self._wait(running.pop(0), results)
-        return results
-
-    def _wait(self, job, results) -> None:
-        key, proc, out, log = job
-        rc = proc.wait(timeout=600)
-        log.close()
-        if rc != 0:
-            tail = (self.dir / f"{key}.log").read_text().splitlines()[-30:]
-            raise RuntimeError(f"driver {key} failed ({rc}):\n" + "\n".join(tail))
-        results[key] = json.loads(out.read_text())
+class Runs(vllm_runs.Runs):
+    """The fixed scenarios of tests/vllm_driver.py."""
 
     def main(self) -> dict:
-        return self._locked("main", lambda: self.drive([("main-stock", "main", False, ()),
-                                                        ("main-kvattn", "main", True, ())]))
+        return self.shared("main", lambda: self.drive([("main-stock", DRIVER, False, ("main",)),
+                                                       ("main-kvattn", DRIVER, True, ("main",))]))
 
     def disaggregated(self) -> dict:
         def compute():
@@ -123,7 +54,7 @@ class Runs:
             for store in stores.values():
                 shutil.rmtree(store, ignore_errors=True)
                 store.mkdir()
-            produced = self.drive([(f"produce-{b}", "produce", b == "kvattn", (stores[b],))
+            produced = self.drive([(f"produce-{b}", DRIVER, b == "kvattn", ("produce", stores[b]))
                                    for b in stores])
             # Each decode instance loads a copy: vLLM's debug connector also stores what a
             # consumer computes, which must not reach the other run.
@@ -132,10 +63,10 @@ class Runs:
                 copies[b] = self.dir / f"load-{b}"
                 shutil.rmtree(copies[b], ignore_errors=True)
                 shutil.copytree(store, copies[b])
-            decoded = self.drive([(f"decode-{b}", "decode", b == "kvattn", (copies[b],))
-                                  for b in stores] + [("local", "local", False, ())])
+            decoded = self.drive([(f"decode-{b}", DRIVER, b == "kvattn", ("decode", copies[b]))
+                                  for b in stores] + [("local", DRIVER, False, ("local",))])
             return {**produced, **decoded}
-        return self._locked("disaggregated", compute)
+        return self.shared("disaggregated", compute)
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +243,26 @@ def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggre
     text = log_path.read_text()
     assert "kvattn ownership check failed for request" in text
     assert "reads: RESERVED on logical page(s) 1 (block" in text
+
+
+# -- prefix-cache hits on blocks written in the same step ------------------------------------
+
+@pytest.fixture(scope="module")
+def same_step(runs):
+    return runs.shared("same_step", lambda: runs.drive(
+        [("same-step-stock", DRIVER, False, ("same_step",)),
+         ("same-step-kvattn", DRIVER, True, ("same_step",))]))
+
+
+@pytest.mark.parametrize("batch, hits", [("duplicate", [0, 64]), ("parallel", [64]),
+                                         ("system_prompt", [0, 64, 64])])
+def test_same_step_prefix_hits_pass_with_vllm_defaults(same_step, batch, hits):
+    """A request admitted in the step that writes the blocks it hits (a duplicate prompt, the
+    second sample of ``n=2``, a shared system prompt) gets vLLM's own tokens and hit count; the
+    twin, a hit whose block holds another prompt's tokens, is the differential suite's
+    ``same_step_collision`` fault."""
+    stock, kvattn = same_step["same-step-stock"], same_step["same-step-kvattn"]
+    assert kvattn[batch] == stock[batch]
+    assert [r["cached"] for r in stock[batch]] == hits
+    assert all(f == "length" for r in kvattn[batch] for f in r["finish"])
+    assert kvattn["failures"] == []

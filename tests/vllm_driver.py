@@ -5,7 +5,8 @@ tests/test_vllm.py. One engine per invocation; results go to a JSON file:
 
 ``KVATTN_VLLM=1`` in the environment runs the engine on kvattn attention, without it on vLLM's own.
 Scenarios: ``main`` (greedy tokens with chunked prefill and prefix caching, then four faults
-injected into vLLM's bookkeeping, each next to a clean run of the same requests), ``produce``
+injected into vLLM's bookkeeping, each next to a clean run of the same requests), ``same_step``
+(prefix-cache hits on blocks written in the same step), ``produce``
 (a prefill instance writing KV files through vLLM's connector, and the incident's substitute),
 ``decode`` (a decode instance loading them).
 
@@ -127,16 +128,17 @@ def foreign_entry(engine):
     return done, patch(engine.runner, "_update_states", make)
 
 
-def _swap_next_allocation(engine, for_name: str, block_of, evict: bool):
-    """When the scheduler allocates new blocks for ``for_name``, hand it ``block_of()`` in place of
-    the first block it picked (which goes back to the free queue)."""
+def _swap_next_allocation(engine, receives, block_of, evict: bool):
+    """When the scheduler allocates new blocks for a request that ``receives(request)``, hand it
+    ``block_of()`` in place of the first block it picked (which goes back to the free queue);
+    not while ``block_of()`` is None (the block's holder is preempted, say). Once."""
     pool = engine.scheduler.kv_cache_manager.block_pool
     manager = engine.scheduler.kv_cache_manager
     armed, done = [], []
 
     def make_allocate(original):
         def allocate_slots(request, *args, **kwargs):
-            armed.append(request.request_id == engine.ids.get(for_name) and not done)
+            armed.append(not done and receives(request))
             try:
                 return original(request, *args, **kwargs)
             finally:
@@ -146,8 +148,9 @@ def _swap_next_allocation(engine, for_name: str, block_of, evict: bool):
     def make_get(original):
         def get_new_blocks(num_blocks):
             blocks = original(num_blocks)
-            if armed and armed[-1] and blocks and not done:
-                target = pool.blocks[block_of()]
+            target_id = block_of() if armed and armed[-1] and blocks and not done else None
+            if target_id is not None:
+                target = pool.blocks[target_id]
                 if target.ref_cnt == 0:
                     pool.free_block_queue.remove(target)
                 if evict:
@@ -164,11 +167,18 @@ def _swap_next_allocation(engine, for_name: str, block_of, evict: bool):
     return done, lambda: [r() for r in reversed(restores)]
 
 
-def early_free(engine):
-    """The victim's block 0 is freed while the victim runs and handed to a newcomer."""
+def early_free(engine, receives=None):
+    """The victim's block 0 is freed while the victim runs and handed to a newcomer (by default
+    the request named ``newcomer``)."""
     manager = engine.scheduler.kv_cache_manager
-    return _swap_next_allocation(
-        engine, "newcomer", lambda: manager.get_block_ids(engine.ids["victim"])[0][0], evict=True)
+    if receives is None:
+        def receives(request):
+            return request.request_id == engine.ids.get("newcomer")
+
+    def victim_block():
+        blocks = manager.get_block_ids(engine.ids["victim"])[0]
+        return blocks[0] if blocks else None
+    return _swap_next_allocation(engine, receives, victim_block, evict=True)
 
 
 def lost_prefill(engine):
@@ -189,10 +199,14 @@ def lost_prefill(engine):
     return done, patch(engine.runner, "_prepare_inputs", make)
 
 
-def stale_prefix(engine):
-    """A finished request's cached block 0 is handed to a new request without its prefix hash
-    being dropped; a later request with that prefix hits the stale block."""
+def stale_prefix(engine, receives=None):
+    """A finished request's cached block 0 is handed to a new request (by default the one named
+    ``overwriter``) without its prefix hash being dropped; a later request with that prefix hits
+    the stale block."""
     manager = engine.scheduler.kv_cache_manager
+    if receives is None:
+        def receives(request):
+            return request.request_id == engine.ids.get("overwriter")
     first_blocks = {}
 
     def make(original):
@@ -203,8 +217,16 @@ def stale_prefix(engine):
             return result
         return allocate_slots
     restore_watch = patch(manager, "allocate_slots", make)
-    done, restore_swap = _swap_next_allocation(engine, "overwriter",
-                                               lambda: first_blocks["writer"], evict=False)
+    pool = manager.block_pool
+
+    def cached_block():
+        # Only while the block is free and still cached: once the pool handed it to another
+        # request, the swap would corrupt that request instead.
+        block = first_blocks.get("writer")
+        if block is None or pool.blocks[block].ref_cnt or pool.blocks[block].block_hash is None:
+            return None
+        return block
+    done, restore_swap = _swap_next_allocation(engine, receives, cached_block, evict=False)
     return done, lambda: (restore_swap(), restore_watch())
 
 
@@ -230,6 +252,34 @@ def main_scenario(model: str) -> dict:
         ("overwriter", prompt(38, 20), 6, ("finished", "writer")),
         ("reader", a[:64] + prompt(39, 20), 8, ("finished", "overwriter"))], stale_prefix)
     out["failures_total"] = len(engine.failures())
+    return out
+
+
+def same_step_scenario(model: str) -> dict:
+    """Prefix-cache hits on blocks written in the same step, through ``LLM.generate`` with
+    vLLM's defaults (prefix caching on): a duplicated 70-token prompt, parallel sampling (the
+    sampler restricted to the top token, so the samples compare exactly), and three requests
+    sharing a 64-token system prompt, each batch admitted in one step."""
+    from vllm import SamplingParams
+    llm = make_llm(model, max_num_batched_tokens=2048)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def generate(prompts, params=greedy):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [dict(tokens=[list(c.token_ids) for c in o.outputs],
+                     finish=[c.finish_reason for c in o.outputs], cached=o.num_cached_tokens or 0)
+                for o in outs]
+    out = {}
+    p = prompt(60, 70)
+    out["duplicate"] = generate([p, p])
+    llm.reset_prefix_cache()
+    out["parallel"] = generate([prompt(61, 70)], SamplingParams(
+        n=2, max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True))
+    llm.reset_prefix_cache()
+    system = prompt(62, 64)
+    out["system_prompt"] = generate([system + prompt(63 + i, 20) for i in range(3)])
+    engine = Engine(llm)
+    out["failures"] = engine.failures()
     return out
 
 
@@ -301,6 +351,6 @@ if __name__ == "__main__":
     name, model_dir, out_path = sys.argv[1:4]
     extra = sys.argv[4:]
     result = {"main": main_scenario, "produce": produce_scenario, "decode": decode_scenario,
-              "local": local_scenario}[name](model_dir, *extra)
+              "local": local_scenario, "same_step": same_step_scenario}[name](model_dir, *extra)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

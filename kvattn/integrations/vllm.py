@@ -140,14 +140,24 @@ def _install_hooks() -> None:
 
 def _finish_failed(scheduler, failed: dict[str, str], outputs: dict) -> None:
     """End the requests the worker failed (their tokens were withheld) with FINISHED_ERROR, and
-    add their final outputs to this step's, as vLLM does for its own per-request errors."""
+    add their final outputs to this step's, as vLLM does for its own per-request errors. A request
+    failed before its first token still reports its prefix-cache hits (``num_cached_tokens``), as
+    vLLM's own outputs do with the first token: the stats are taken while it holds its blocks."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.request import RequestStatus
+    stats = {}
+    for rid in failed:
+        request = scheduler.requests.get(rid)
+        prefill = request.take_prefill_stats() if request is not None else None
+        if prefill is not None:
+            prefill.finalize(scheduler.kv_cache_manager.estimate_cached_tokens(request))
+            stats[rid] = prefill
     for request in scheduler.finish_requests(failed.keys(), RequestStatus.FINISHED_ERROR):
         logger.error("%s", failed[request.request_id])
         final = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                                  finish_reason=request.get_finished_reason(),
-                                 events=request.take_events(), trace_headers=request.trace_headers)
+                                 events=request.take_events(), trace_headers=request.trace_headers,
+                                 prefill_stats=stats.get(request.request_id))
         if request.client_index in outputs:
             outputs[request.client_index].outputs.append(final)
         else:
@@ -235,6 +245,11 @@ class WorkerOwnership:
         self.batch: StepBatch | None = None
         self.steps = 0
         self.pages_checked = 0
+        # What the ledger followed, for tests and operators: leases, preemptions,
+        # prefix_hit_blocks (of them same_step_hit_blocks), cached_blocks_reused (a block vLLM
+        # evicted from its prefix cache and handed out again), refused_pages (summed over
+        # layers), dropped_writes (tokens, summed over layers).
+        self.counts: Counter = Counter()
         self.failures: list[tuple[str, str]] = []  # (request id, message), in order
 
     def add_layers(self, layer_names: list[str]) -> None:
@@ -247,27 +262,41 @@ class WorkerOwnership:
     # -- following the scheduler ---------------------------------------------------------------
 
     def begin_step(self, runner, so) -> None:
-        """Apply the scheduler's decisions of this step (``so``: its ``SchedulerOutput``)."""
+        """Apply the scheduler's decisions of this step (``so``: its ``SchedulerOutput``).
+
+        Leases first, prefix hits last: vLLM caches a block's hash when it allocates the block
+        to the request that will write it, so a request scheduled later in the same step (a
+        duplicate prompt, a sibling of ``n > 1``, a shared system prompt) can hit a block that is
+        written only in this step. Every layer stores its KV before it attends, so such a hit
+        reads the block written; it expects the writer's owner when the writer's token prefix
+        is its own, like a hit on an older block.
+        """
         self.runner = runner
         self.batch = None
         if self.tags is None:
             self._allocate_tags(runner)
         released: dict[int, list[int]] = {}  # owner -> blocks to release
-        for rid in so.finished_req_ids | (so.preempted_req_ids or set()):
+        preempted = so.preempted_req_ids or set()
+        self.counts["preemptions"] += len(preempted)
+        for rid in so.finished_req_ids | preempted:
             self._end_lease(rid, released)
         reserved: list[tuple[list[int], int]] = []
+        admitted: list[tuple[_Lease, int]] = []  # leases whose prefix hits are resolved below
+        computed = {}
         for new in so.scheduled_new_reqs:
             self._end_lease(new.req_id, released)
-            self._new_lease(new.req_id, new.block_ids, new.num_computed_tokens,
-                            list(new.prompt_token_ids or ()), reserved)
+            lease = self._new_lease(new.req_id, new.block_ids, list(new.prompt_token_ids or ()))
+            admitted.append((lease, new.num_computed_tokens))
+            computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             block_ids = cached.new_block_ids[i]
+            computed[rid] = cached.num_computed_tokens[i]
             if rid in cached.resumed_req_ids:
                 self._end_lease(rid, released)
                 tokens = cached.all_token_ids.get(rid) or self._tokens(runner, rid)
-                self._new_lease(rid, block_ids, cached.num_computed_tokens[i], list(tokens),
-                                reserved)
+                lease = self._new_lease(rid, block_ids, list(tokens))
+                admitted.append((lease, cached.num_computed_tokens[i]))
             elif block_ids is not None and rid in self.leases:
                 self._check_groups(block_ids)
                 lease = self.leases[rid]
@@ -276,17 +305,19 @@ class WorkerOwnership:
                 lease.expected += [lease.owner] * len(fresh)
                 self._hold(fresh)
                 reserved.append((fresh, lease.owner))
+        writes = self._step_writes(runner, so.num_scheduled_tokens, computed)
+        for lease, num_computed in admitted:
+            reserved.append((self._resolve_hits(lease, num_computed, writes), lease.owner))
         for owner, blocks in released.items():
             release_pages(self.tags, blocks, owner)
         for blocks, owner in reserved:
             for b in blocks:
-                self.content.pop(b, None)
+                if self.content.pop(b, None) is not None:
+                    self.counts["cached_blocks_reused"] += 1
             if blocks:
                 reserve_pages(self.tags, blocks, owner)
         if self.prefix_caching:
-            computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
-            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-            self._record_content(runner, so.num_scheduled_tokens, computed)
+            self.content.update(writes)
 
     def _allocate_tags(self, runner) -> None:
         config = runner.kv_cache_config
@@ -305,37 +336,53 @@ class WorkerOwnership:
             raise IntegrationError("kvattn.integrations.vllm: one KV cache group is supported, "
                                    f"got block ids for {len(block_ids)}")
 
-    def _new_lease(self, rid, block_ids, num_computed, tokens, reserved) -> None:
+    def _new_lease(self, rid, block_ids, tokens) -> _Lease:
+        """A new owner for ``rid`` holding ``block_ids``; its expected owners are set by
+        :meth:`_resolve_hits` once the step's writes are known."""
         self._check_groups(block_ids)
         lease = _Lease(owner=new_owner_id(), blocks=list(block_ids[0]))
         self.leases[rid] = lease
         lease.keys = _prefix_digests(tokens, self.block_size)
+        self._hold(lease.blocks)
+        self.counts["leases"] += 1
+        return lease
+
+    def _resolve_hits(self, lease: _Lease, num_computed: int,
+                      writes: dict[int, tuple[int, bytes]]) -> list[int]:
+        """Set the owner each of the lease's blocks must carry; returns the blocks it writes
+        itself (to reserve). The full blocks the scheduler reports as computed are prefix-cache
+        hits (:meth:`_computed_owner`); the rest are the lease's own."""
         fresh = []
         for i, block in enumerate(lease.blocks):
             owner = None
             if (i + 1) * self.block_size <= num_computed:
-                owner = self._computed_owner(block, lease.keys, i)
+                owner = self._computed_owner(block, lease.keys, i, writes)
             if owner is None:
                 owner = lease.owner
                 fresh.append(block)
             lease.expected.append(owner)
-        self._hold(lease.blocks)
-        reserved.append((fresh, lease.owner))
+        return fresh
 
-    def _computed_owner(self, block: int, keys: list[bytes], index: int) -> int | None:
+    def _computed_owner(self, block: int, keys: list[bytes], index: int,
+                        writes: dict[int, tuple[int, bytes]]) -> int | None:
         """The owner a block the scheduler reports as computed must carry.
 
-        A prefix-cache hit: the owner that wrote the block, if the block holds this request's
-        prefix (equal digests). A block that no live lease maps and that holds other content is
-        one the scheduler handed out afresh for KV arriving from outside (a KV connector): None,
-        meaning the new lease's own owner, reserved, so only a commit can make it readable. A
-        block another live lease maps with other content: owner 0, which no page carries, so it
-        fails closed without disturbing the lease that holds it.
+        A prefix-cache hit: the owner that wrote the block (in an earlier step, or in this one:
+        ``writes``), if the block holds this request's prefix (equal digests). A block that no
+        live lease maps and that holds other content is one the scheduler handed out afresh for
+        KV arriving from outside (a KV connector): None, meaning the new lease's own owner,
+        reserved, so only a commit can make it readable. A block another live lease maps with
+        other content: owner 0, which no page carries, so it fails closed without disturbing the
+        lease that holds it.
         """
-        written = self.content.get(block)
+        now = writes.get(block)
+        written = now if now is not None else self.content.get(block)
         if written is not None and index < len(keys) and written[1] == keys[index]:
+            self.counts["prefix_hit_blocks"] += 1
+            if now is not None:
+                self.counts["same_step_hit_blocks"] += 1
             return written[0]
-        if self.holders[block] > 0:
+        if self.holders[block] > 1:  # the new lease holds it too
             return 0
         return None
 
@@ -363,9 +410,15 @@ class WorkerOwnership:
             return []
         return list(state.prompt_token_ids or ()) + list(state.output_token_ids)
 
-    def _record_content(self, runner, scheduled: dict[str, int], computed: dict[str, int]) -> None:
+    def _step_writes(self, runner, scheduled: dict[str, int], computed: dict[str, int]
+                     ) -> dict[int, tuple[int, bytes]]:
         """Full blocks this step writes under their lease's own owner, with their prefix digest
-        (what a later prefix-cache hit on them must hold)."""
+        (what a prefix-cache hit on them must hold): block -> (owner, digest). Blocks past a
+        lease's computed tokens are its own, including those of a lease admitted in this step
+        whose hits are not resolved yet."""
+        writes: dict[int, tuple[int, bytes]] = {}
+        if not self.prefix_caching:
+            return writes
         for rid, count in scheduled.items():
             lease = self.leases.get(rid)
             if lease is None:
@@ -375,8 +428,9 @@ class WorkerOwnership:
             if end > len(lease.keys):
                 lease.keys = _prefix_digests(self._tokens(runner, rid), self.block_size, lease.keys)
             for i in range(start // self.block_size, min(end, len(lease.blocks), len(lease.keys))):
-                if lease.expected[i] == lease.owner:
-                    self.content[lease.blocks[i]] = (lease.owner, lease.keys[i])
+                if i >= len(lease.expected) or lease.expected[i] == lease.owner:
+                    writes[lease.blocks[i]] = (lease.owner, lease.keys[i])
+        return writes
 
     # -- one step's batch ------------------------------------------------------------------------
 
@@ -427,13 +481,17 @@ class WorkerOwnership:
         if batch is None or not hasattr(output, "req_id_to_index"):
             return
         self.steps += 1
-        bad = torch.nonzero((batch.refused > 0) | (batch.dropped > 0)).flatten().tolist()
-        if self.check and batch.reports:
-            # One read for every layer's count (not one device read per layer).
-            counts = torch.stack([r.pages_checked.sum() for _, r in batch.reports])
-            self.pages_checked += int(counts.sum())
-        if not bad:
+        # One device read for the step: refusals, dropped writes, and every layer's pages_checked.
+        sums = [batch.refused.sum(), batch.dropped.sum()]
+        if self.check:
+            sums += [r.pages_checked.sum() for _, r in batch.reports]
+        totals = torch.stack([t.to(torch.int64) for t in sums]).tolist()
+        self.counts["refused_pages"] += totals[0]
+        self.counts["dropped_writes"] += totals[1]
+        self.pages_checked += sum(totals[2:])
+        if not (totals[0] or totals[1]):
             return
+        bad = torch.nonzero((batch.refused > 0) | (batch.dropped > 0)).flatten().tolist()
         failed = {}
         for row in bad:
             rid = batch.req_ids[row]

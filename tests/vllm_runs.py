@@ -1,0 +1,91 @@
+"""What the vLLM test files share (tests/test_vllm.py, tests/test_vllm_differential.py): vLLM's
+own environment (``make vllm-env``: build/venv-vllm), the test model, and engine processes run in
+that environment whose JSON results are computed once per test run and shared by the xdist
+workers."""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pathlib
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+VENV = ROOT / "build" / "venv-vllm"
+VENV_PY = VENV / "bin" / "python"
+
+
+def why_no_vllm() -> str | None:
+    """None when vLLM's environment is ready, else why not (the tail of its install log)."""
+    if (VENV / ".ready").exists():
+        return None
+    log = ROOT / "build" / "venv-vllm.log"
+    tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
+    return ("vLLM is not installed in build/venv-vllm (make vllm-env)"
+            + (": " + " | ".join(tail) if tail else ""))
+
+
+def env(kvattn: bool) -> dict:
+    """The environment of an engine process: in-process engine core, one thread, and kvattn's
+    plugin switched on (``KVATTN_VLLM=1``) or not."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith(("KVATTN_", "TRITON_"))}
+    out.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if kvattn:
+        out["KVATTN_VLLM"] = "1"
+    return out
+
+
+class Runs:
+    """Engine processes' results, computed once per test run and shared by the xdist workers
+    through files under one lock (each run starts engines for several seconds)."""
+
+    def __init__(self):
+        run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+        self.dir = ROOT / "build" / "vllm-tests" / run_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def shared(self, name, compute):
+        """``compute()``'s result, computed by the first worker that asks for ``name``."""
+        path = self.dir / f"{name}.json"
+        with open(self.dir / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                path.write_text(json.dumps(compute()))
+        return json.loads(path.read_text())
+
+    @property
+    def model(self) -> pathlib.Path:
+        model = self.dir / "model"
+        if not (model / "config.json").exists():
+            subprocess.run([str(VENV_PY), str(ROOT / "tests" / "vllm_model.py"), str(model)],
+                           check=True, capture_output=True, timeout=300)
+        return model
+
+    def drive(self, jobs: list[tuple[str, pathlib.Path, bool, tuple]]) -> dict:
+        """Run ``(key, script, kvattn, args)`` jobs as ``script ARG0 MODEL OUT ARGS...`` (the
+        first argument names the scenario), two at a time (the machine has two cores); returns
+        ``{key: result}``."""
+        model = self.model
+        results, running = {}, []
+        for key, script, kvattn, args in jobs:
+            out = self.dir / f"{key}.out.json"
+            log = open(self.dir / f"{key}.log", "w")
+            first, *extra = args
+            proc = subprocess.Popen([str(VENV_PY), str(script), str(first), str(model), str(out),
+                                     *map(str, extra)], env=env(kvattn), stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=ROOT)
+            running.append((key, proc, out, log))
+            if len(running) == 2:
+                self._wait(running.pop(0), results)
+        while running:
+            self._wait(running.pop(0), results)
+        return results
+
+    def _wait(self, job, results) -> None:
+        key, proc, out, log = job
+        rc = proc.wait(timeout=600)
+        log.close()
+        if rc != 0:
+            tail = (self.dir / f"{key}.log").read_text().splitlines()[-30:]
+            raise RuntimeError(f"driver {key} failed ({rc}):\n" + "\n".join(tail))
+        results[key] = json.loads(out.read_text())
