@@ -241,6 +241,7 @@ def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggre
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     text = log_path.read_text()
+    assert "kvattn: ownership-checked attention in place of vLLM's CPU attention" in text
     assert "kvattn ownership check failed for request" in text
     assert "reads: RESERVED on logical page(s) 1 (block" in text
 

@@ -183,6 +183,10 @@ def attach(vllm_config, layer_names: list[str], block_size: int, check: bool) ->
         _refuse_unsupported(vllm_config)
         state = WorkerOwnership(vllm_config, block_size, check)
         _STATES[id(vllm_config)] = state
+        # Through vLLM's logger, so that a user sees in the engine's own log that kvattn runs.
+        logging.getLogger("vllm.kvattn").info(
+            "kvattn: ownership-checked attention in place of vLLM's CPU attention (block size "
+            "%d, kvattn backend %r)", block_size, state.backend)
     elif state.block_size != block_size:
         raise IntegrationError(f"kvattn.integrations.vllm: one block size is supported, got "
                                f"{state.block_size} and {block_size}")
