@@ -115,11 +115,15 @@ class _Batch:
 class Stats:
     """What the adapter did inside one ``with kvattn_attention()`` block (counted on the host after
     each forward), so a caller can prove kvattn ran: forwards, kvattn attention calls, logical pages
-    the checks examined (summed over layers), and the ids of the requests it failed."""
+    the checks examined and refused, new tokens whose cache write the writer dropped (each summed
+    over layers), and the ids of the requests it failed: a request with a refused page or a dropped
+    write is failed, so a clean run ends with both counts 0."""
 
     forwards: int = 0
     attention_calls: int = 0
     pages_checked: int = 0
+    refused_pages: int = 0
+    dropped_writes: int = 0
     failed_requests: list = field(default_factory=list)
 
 
@@ -291,6 +295,8 @@ class _State:
         bad = torch.nonzero((batch.refused_pages > 0) | (batch.dropped_tokens > 0)).flatten().tolist()
         self.stats.forwards += 1
         self.stats.pages_checked += int(batch.pages_checked.sum())
+        self.stats.refused_pages += int(batch.refused_pages.sum())
+        self.stats.dropped_writes += int(batch.dropped_tokens.sum())
         self.stats.failed_requests += [batch.request_ids[b] for b in bad]
         return {batch.request_ids[b]: _error(batch, b) for b in bad}
 
