@@ -84,6 +84,7 @@ def test_kvattn_matches_engine(model, prompts, clean_run, backend):
     # forward per new token.
     assert stats.forwards >= NEW_TOKENS and stats.attention_calls == 2 * stats.forwards
     assert stats.pages_checked > 0 and stats.failed_requests == []
+    assert stats.refused_pages == stats.dropped_writes == 0
 
 
 def _corrupt_when_decoding(victim: str, target):
@@ -136,6 +137,8 @@ def test_corrupt_mapping_fails_only_the_victim(model, prompts, clean_run, target
     assert failed.status == RequestStatus.FAILED
     assert "kvattn ownership check" in failed.error and reason in failed.error
     assert stats.failed_requests == [f"req_{victim}"]
+    # The victim is failed by the first forward that reads the page, in both layers.
+    assert stats.refused_pages == 2 and stats.dropped_writes == 0
     for i, result in enumerate(results):
         if i != victim:
             assert result.error is None

@@ -25,7 +25,9 @@ How it hooks in (all installed on entry, restored on exit, for caches created in
   :func:`kvattn.write_kv` at the same slots, which stamps pages WRITTEN only for tokens it wrote; a
   block going back to the engine's free pool (``CachePool.free_blocks``) becomes FREE. The expected
   owner of each logical block is recorded when the block is allocated (the request's owner) or
-  shared (the owner recorded with the content hash the engine matched), never read from the tags.
+  shared (the owner recorded with the content hash the engine matched: the lease the block was
+  reserved for when the engine registered that hash, recorded per registration, since a block
+  freed and refilled with the same tokens comes back under its old hash), never read from the tags.
 - **Attention.** The engine's attention function (``sdpa``, ``paged|eager``, ``flash_attention_*``)
   is wrapped: calls coming through a hooked cache run :func:`kvattn.paged_extend` (or
   :func:`kvattn.paged_decode` when every request has one new token) over the pages, through a block
@@ -115,11 +117,15 @@ class _Batch:
 class Stats:
     """What the adapter did inside one ``with kvattn_attention()`` block (counted on the host after
     each forward), so a caller can prove kvattn ran: forwards, kvattn attention calls, logical pages
-    the checks examined (summed over layers), and the ids of the requests it failed."""
+    the checks examined and refused, new tokens whose cache write the writer dropped (each summed
+    over layers), and the ids of the requests it failed: a request with a refused page or a dropped
+    write is failed, so a clean run ends with both counts 0."""
 
     forwards: int = 0
     attention_calls: int = 0
     pages_checked: int = 0
+    refused_pages: int = 0
+    dropped_writes: int = 0
     failed_requests: list = field(default_factory=list)
 
 
@@ -154,7 +160,10 @@ class _State:
         self.owner: dict[str, int] = {}  # request id -> owner id
         self.expected: dict[str, list[int]] = {}  # request id -> owner per logical block
         self.block_owner: dict[int, int] = {}  # block -> owner it was reserved for
-        self.hash_owner: dict[int, tuple[int, int]] = {}  # content hash -> (block, owner)
+        # content hash -> (block, owner of the lease that wrote it), for the hashes the engine
+        # registered and still holds; block_hash is the inverse, to drop an entry on release.
+        self.hash_owner: dict[int, tuple[int, int]] = {}
+        self.block_hash: dict[int, int] = {}
         self.batch: _Batch | None = None
 
     # -- page events ---------------------------------------------------------------------------
@@ -184,10 +193,19 @@ class _State:
         expected.extend([0] * (index + 1 - len(expected)))
         expected[index] = owner
 
-    def hashes_registered(self) -> None:
-        for block, h in self.allocator.ledger.block_to_hash.items():
-            if self.hash_owner.get(h, (None,))[0] != block:
+    def hashes_registered(self, before: dict[int, int | None]) -> None:
+        """Record the writer of each hash the engine registered in one ``mark_complete_blocks``
+        call: ``before`` maps the request's blocks when the call began to their hash then, and a
+        block with a hash now and none then was registered by the call, for the tokens the forward
+        of the lease it was reserved for wrote. Recorded per registration, not per (block, hash)
+        pair: a block freed, reused and filled with the same tokens comes back under its old hash
+        with a new writer, while a pair the engine kept across a free is its claim, not a write."""
+        ledger = self.allocator.ledger
+        for block, old in before.items():
+            h = ledger.block_to_hash.get(block)
+            if h is not None and old is None:
                 self.hash_owner[h] = (block, self.block_owner.get(block, 0))
+                self.block_hash[block] = h
 
     def released(self, blocks: list[int]) -> None:
         if blocks:
@@ -195,6 +213,11 @@ class _State:
                 release_pages(tags, blocks)
         for b in blocks:
             self.block_owner.pop(b, None)
+            # A freed block holds no registered content: a later share of it through a hash the
+            # engine failed to drop finds no writer and fails closed.
+            h = self.block_hash.pop(b, None)
+            if h is not None and self.hash_owner.get(h, (None,))[0] == b:
+                del self.hash_owner[h]
 
     def forget(self, request_id: str) -> None:
         self.owner.pop(request_id, None)
@@ -207,6 +230,7 @@ class _State:
         self.expected.clear()
         self.block_owner.clear()
         self.hash_owner.clear()
+        self.block_hash.clear()
 
     # -- one forward ---------------------------------------------------------------------------
 
@@ -291,6 +315,8 @@ class _State:
         bad = torch.nonzero((batch.refused_pages > 0) | (batch.dropped_tokens > 0)).flatten().tolist()
         self.stats.forwards += 1
         self.stats.pages_checked += int(batch.pages_checked.sum())
+        self.stats.refused_pages += int(batch.refused_pages.sum())
+        self.stats.dropped_writes += int(batch.dropped_tokens.sum())
         self.stats.failed_requests += [batch.request_ids[b] for b in bad]
         return {batch.request_ids[b]: _error(batch, b) for b in bad}
 
@@ -471,9 +497,10 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
         def mark_complete_blocks(self, request_id, token_ids, new_new_blocks):
             state = _state_of(self)
             before = list(self.block_table.get(request_id, []))
+            hashed = {b: self.ledger.block_to_hash.get(b) for b in before}
             original(self, request_id, token_ids, new_new_blocks)
             if state is not None:
-                state.hashes_registered()
+                state.hashes_registered(hashed)
                 # De-duplication: the engine swapped a block for an identical one already hashed.
                 for i, (old, new) in enumerate(zip(before, self.block_table[request_id])):
                     if old != new:
