@@ -22,12 +22,17 @@ test: build static-env vllm-env
 # image has, 3.6.0, in a venv beside the installed torch; without a registry the venv falls back to
 # the installed Triton and tests/test_static_sm90.py says so. `make static` rewrites the committed
 # table benchmarks/results/static_sm90.md (and .json), which the tests compare with a fresh one.
+# The venv sees $(PYTHON)'s packages through a .pth file after its own: `--system-site-packages`
+# would expose the base interpreter's instead, which inside a virtual environment lack torch.
 STATIC_VENV := build/venv-triton36
 STATIC_PY := $(STATIC_VENV)/bin/python
 static-env: $(STATIC_PY)
 
 $(STATIC_PY):
-	$(PYTHON) -m venv --system-site-packages $(STATIC_VENV)
+	$(PYTHON) -m venv $(STATIC_VENV)
+	$(PYTHON) -c "import site, sysconfig; p = sysconfig.get_paths(); \
+	  print('\n'.join(dict.fromkeys([p['purelib'], p['platlib'], *site.getsitepackages()])))" \
+	  > "$$($(STATIC_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvattn-parent.pth"
 	$(STATIC_PY) -m pip install -q --disable-pip-version-check triton==3.6.0 \
 	  || echo "static-env: triton 3.6.0 not installed; the static figures use the installed Triton"
 
