@@ -149,10 +149,12 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
         ok = allowed.index_select(0, rows).gather(1, key_pos)
         ok &= inside.repeat_interleave(page, dim=1)
         q_pos = q_pos_all.index_select(0, rows)[:, None]  # [S, 1]
-        mask = ok[:, None, :]
         window = _window_mask(sw, q_pos, key_pos)
         if window is not None:
-            mask = mask & window
+            # Slots of the window's first page before it are not read: zeroed with the refused
+            # ones, so whatever they hold never enters a product.
+            ok &= window[:, 0]
+        mask = ok[:, None, :]
         k = _gather(a, a.k_cache, sw.k_scale, pages, ok)
         v = _gather(a, a.v_cache, sw.v_scale, pages, ok)
         q = a.q.index_select(0, rows).float() * a.scale
