@@ -6,8 +6,8 @@ cuda_sim) with the reference: report fields exactly, outputs and LSEs within the
 tests/util.py. Each has a twin where the same poison is read, or the same value is valid, so a test
 that passed by accident would show. One section per item of the issue:
 
-- 1: a sliding window never loads the slots of its first page before the query's window
-  (decode).
+- 1, 2: a sliding window never loads the slots of a straddling page before every query's window
+  (decode and extend).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from test_extend import Extend
 from util import LSE_TOLERANCE, Batch, assert_reports_equal, backends_under_test, tolerance
 
 F16 = torch.float16
@@ -45,6 +46,11 @@ def decode_batch(seq_lens, page_size=4, seed=0, **kwargs) -> Batch:
                         page_size=page_size, seq_lens=seq_lens, pool_factor=2, seed=seed, **kwargs)
 
 
+def extend_batch(q_lens, prefixes, page_size=4, seed=0) -> Extend:
+    return Extend.random(q_lens, prefixes, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                         page_size=page_size, pool_factor=2, seed=seed)
+
+
 def run(op: str, x, backend: str, **kwargs):
     """``(out, lse, report)`` of decode (``x`` a Batch) or extend (``x`` an Extend)."""
     if op == "decode":
@@ -62,7 +68,7 @@ def poison_slots(pages: Batch, b: int, first: int, last: int) -> None:
         pages.v_cache[page, t % size] = NAN
 
 
-# --- 1: slots of a straddling page before the query's window --------------------------------------
+# --- 1, 2: slots of a straddling page before every query's window ---------------------------------
 
 DECODE_WINDOWS = [(5, 23, 0), (4, 18, 2), (3, 31, 4)]  # (page size, seq_len, window_left)
 
@@ -94,3 +100,36 @@ def test_decode_window_reaching_the_poison_reads_it(backend):
     poison_slots(pages, 0, first // page * page, first)
     out, _, _ = run("decode", pages, backend, window_left=window + 1)
     assert torch.isnan(out).all()
+
+
+EXTEND_WINDOWS = [(3, 26, 5, 4), (4, 13, 3, 2)]  # (page size, prefix, q_len, window_left)
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("page, prefix, q_len, window", EXTEND_WINDOWS)
+def test_extend_window_never_reads_before_every_rows_window(backend, causal, page, prefix, q_len,
+                                                            window):
+    """Row 0 sits at position prefix and reads keys from prefix - window on, every later row from
+    further on: the slots of that key's page before it are read by no row. Poisoned, they must
+    reach no row (a kernel that loads them for the tile gives every row 0 * NaN)."""
+    first = prefix - window
+    assert first % page, "the window must start inside a page"
+    want = extend_batch([q_len], [prefix], page).reference(causal=causal, window_left=window)
+    ext = extend_batch([q_len], [prefix], page)
+    poison_slots(ext.pages, 0, first // page * page, first)
+    got = run("extend", ext, backend, causal=causal, window_left=window)
+    assert_agrees(got, want)
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_extend_window_reaching_the_poison_reads_it(backend, causal):
+    """The twin: one key wider, row 0's window covers the last poisoned slot: its output is NaN on
+    every backend."""
+    page, prefix, q_len, window = EXTEND_WINDOWS[0]
+    ext = extend_batch([q_len], [prefix], page)
+    first = prefix - window
+    poison_slots(ext.pages, 0, first // page * page, first)
+    out, _, _ = run("extend", ext, backend, causal=causal, window_left=window + 1)
+    assert torch.isnan(out[0]).all()

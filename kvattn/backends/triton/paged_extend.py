@@ -88,17 +88,21 @@ def resolve_pages_kernel(
 
 
 @triton.jit
-def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages, stride_kp, stride_ks,
-                 stride_vp, stride_vs, offs_n, offs_d, offs_dv, HEAD_DIM: tl.constexpr,
-                 PAGE: tl.constexpr, CHECK: tl.constexpr):
+def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, stride_kp,
+                 stride_ks, stride_vp, stride_vs, offs_n, offs_d, offs_dv, HEAD_DIM: tl.constexpr,
+                 PAGE: tl.constexpr, CHECK: tl.constexpr, WINDOW: tl.constexpr):
     """K ``[BLOCK_N, BLOCK_D]`` and V ``[BLOCK_N, DV]`` (this program's slice of the head dim) of
-    keys ``t0 + offs_n``, and the mask of those that may be read: below ``kv_hi``, in the pool and
-    (checked) among the page's readable slots. One table entry per key in both variants: the
-    effective entry (checked) or the block-table entry."""
+    keys ``t0 + offs_n``, and the mask of those that may be read: below ``kv_hi`` (and, WINDOW, at
+    or after ``kv_lo``), in the pool and (checked) among the page's readable slots. One table entry
+    per key in both variants: the effective entry (checked) or the block-table entry."""
     tok = t0 + offs_n  # [BLOCK_N]
     logical = tok // PAGE
     slot = tok % PAGE
     live = tok < kv_hi
+    if WINDOW:
+        # Keys before every row's window are not loaded: masked by scores alone, whatever they
+        # hold would still reach the other rows as 0 * NaN.
+        live = live & (tok >= kv_lo)
     if CHECK:
         entry = tl.load(eff_row + logical, mask=live, other=0)  # [BLOCK_N]
         page = entry >> SLOT_BITS
@@ -221,16 +225,18 @@ def paged_extend_kernel(
         # At least 0: with a length near the int32 limits first_pos + m0 + 1 wraps negative, and a
         # negative start would walk keys below 0 (they pass tok < kv_hi).
         diagonal = tl.maximum(tl.minimum(kv_hi, (first_pos + m0 + 1) // BLOCK_N * BLOCK_N), 0)
+    first_key = 0  # the first key any row of the tile reads: its first row's window start
     kv_lo = 0
     if WINDOW:
         # Tiles wholly before the window of the tile's first row are skipped; the window mask
         # applies per element on the others.
-        kv_lo = tl.maximum(first_pos + m0 - window_left, 0) // BLOCK_N * BLOCK_N
+        first_key = tl.maximum(first_pos + m0 - window_left, 0)
+        kv_lo = first_key // BLOCK_N * BLOCK_N
         diagonal = tl.maximum(diagonal, kv_lo)
     for t0 in range(kv_lo, diagonal, BLOCK_N):
-        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
+        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi, num_pages,
                                   stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
-                                  offs_dv, HEAD_DIM, PAGE, CHECK)
+                                  offs_dv, HEAD_DIM, PAGE, CHECK, WINDOW)
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -238,9 +244,9 @@ def paged_extend_kernel(
                         False, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
     for t0 in range(diagonal, kv_hi, BLOCK_N):
-        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
+        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi, num_pages,
                                   stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
-                                  offs_dv, HEAD_DIM, PAGE, CHECK)
+                                  offs_dv, HEAD_DIM, PAGE, CHECK, WINDOW)
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
