@@ -7,7 +7,9 @@ tests/util.py. Each has a twin where the same poison is read, or the same value 
 that passed by accident would show. One section per item of the issue:
 
 - 1, 2: a sliding window never loads the slots of a straddling page before every query's window
-  (decode and extend).
+  (decode and extend);
+- 3: a query sits at ``seq_len - 1`` (extend rows at ``seq_len - q_len + j``) even for an
+  unvalidated ``seq_len`` past the table.
 """
 from __future__ import annotations
 
@@ -16,12 +18,15 @@ import math
 import pytest
 import torch
 
+import kvattn
 from test_extend import Extend
-from util import LSE_TOLERANCE, Batch, assert_reports_equal, backends_under_test, tolerance
+from util import (LSE_TOLERANCE, Batch, assert_reports_equal, backends_under_test, launcher,
+                  split_kv_backends, tolerance)
 
 F16 = torch.float16
 HEADS, KV_HEADS, DIM = 4, 2, 16
 READERS = backends_under_test()
+SPLIT_READERS = sorted(set(split_kv_backends()) & set(READERS))
 NAN = math.nan
 
 
@@ -133,3 +138,82 @@ def test_extend_window_reaching_the_poison_reads_it(backend, causal):
     poison_slots(ext.pages, 0, first // page * page, first)
     out, _, _ = run("extend", ext, backend, causal=causal, window_left=window + 1)
     assert torch.isnan(out[0]).all()
+
+
+# --- 3: a window with an unvalidated seq_len past the table ---------------------------------------
+
+# (seq_len, window_left, alibi): the table holds 12 tokens (3 pages of 4).
+BEYOND = [(14, 5, False), (14, 5, True), (13, 1, True), (30, 3, False), (15, 20, True)]
+SLOPES = [0.5, 0.25, 0.125, 2.0 ** -10]
+
+
+def beyond_the_table(op: str, seq_len: int, held: int = 12):
+    """Sequence 0's pages hold ``held`` tokens (the table's width) and its seq_len says
+    ``seq_len``; sequence 1 is an ordinary one."""
+    if op == "decode":
+        x = decode_batch([held, 7])
+        pages = x
+    else:
+        x = extend_batch([2, 3], [held - 2, 4])
+        pages = x.pages
+    pages.seq_lens[0] = seq_len
+    return x
+
+
+def variant_args(window, alibi):
+    kwargs = dict(window_left=window)
+    if alibi:
+        kwargs["alibi_slopes"] = torch.tensor(SLOPES)
+    return kwargs
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("seq_len, window, alibi", BEYOND)
+def test_window_past_the_table_places_the_query_at_seq_len(backend, op, seq_len, window, alibi):
+    """kvattn.variants: the query sits at seq_len - 1 (extend rows at seq_len - q_len + j) whatever
+    the table holds; the window starts and ALiBi measures from there, nothing past the table is
+    read and the length counts one OUT_OF_RANGE. Every backend agrees on output, lse and report
+    (pages_checked: the pages of the window inside the table)."""
+    x = beyond_the_table(op, seq_len)
+    kwargs = variant_args(window, alibi)
+    want = run(op, x, "reference", validate=False, **kwargs)
+    report = want[2]
+    assert report.beyond_table.tolist() == [1, 0] and report.violations.tolist() == [1, 0]
+    first = max(0, seq_len - (1 if op == "decode" else 2) - window)
+    assert report.pages_checked.tolist()[0] == max(0, 3 - first // 4)
+    got = run(op, x, backend, validate=False, **kwargs)
+    assert_agrees(got, want)
+
+
+# The same over a table of 36 tokens (9 pages): windows that span several 16-token splits.
+BEYOND_SPLITS = [(40, 20, True), (40, 20, False), (38, 30, True), (60, 3, False)]
+
+
+@pytest.mark.parametrize("backend", SPLIT_READERS)
+@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("seq_len, window, alibi", BEYOND_SPLITS)
+def test_window_past_the_table_across_splits(backend, num_splits, seq_len, window, alibi):
+    """The split-KV path of the decode kernels: the splits cover the window from the same first key,
+    and the merge spans the same splits."""
+    pages = beyond_the_table("decode", seq_len, held=36)
+    kwargs = variant_args(window, alibi)
+    want = run("decode", pages, "reference", validate=False, **kwargs)
+    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
+                                         pages.seq_lens, pages.page_tags, pages.expected,
+                                         validate=False, **kwargs)
+    out = torch.empty_like(pages.q)
+    lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
+    report = launcher(backend).decode(args, check=True, out=out, lse=lse, num_splits=num_splits)
+    assert_agrees((out, lse, report), want)
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_window_inside_the_table_agrees(backend, op):
+    """The twin: the same call with the length the table holds."""
+    x = beyond_the_table(op, 12)
+    kwargs = variant_args(5, True)
+    want = run(op, x, "reference", validate=False, **kwargs)
+    assert not want[2].any()
+    assert_agrees(run(op, x, backend, validate=False, **kwargs), want)

@@ -47,14 +47,16 @@ def split_range(seq_len, split, num_splits, min_chunk, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def window_start(seq_len, window_left, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
+def window_start(raw_len, seq_len, window_left, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
     """``(first key read, first token of the splits)``: with a sliding window the query at
-    ``seq_len - 1`` reads keys from ``seq_len - 1 - window_left`` on, and the splits cover
-    ``[span_lo, seq_len)`` from that key's ALIGN-aligned start (kvattn.backends.grids.window_span),
-    so every page is still checked by one split and pages before the window by none."""
+    ``raw_len - 1`` (the length as given, also past the table: kvattn.variants) reads keys from
+    ``raw_len - 1 - window_left`` on, and the splits cover ``[span_lo, seq_len)`` (``seq_len``
+    clamped to the table) from that key's ALIGN-aligned start, or from seq_len when the window
+    lies past the table, so every page is still checked by one split and pages before the window
+    by none."""
     if WINDOW:
-        first = tl.maximum(seq_len - 1 - window_left, 0)
-        return first, first // ALIGN * ALIGN
+        first = tl.maximum(tl.maximum(raw_len, 0) - 1 - window_left, 0)
+        return first, tl.minimum(first // ALIGN * ALIGN, seq_len)
     return 0, 0
 
 
@@ -80,7 +82,8 @@ def paged_decode_kernel(
     raw_len = tl.load(seq_lens_ptr + b)
     capacity = max_pages * PAGE
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
-    first_key, span_lo = window_start(seq_len, window_left, WINDOW, ALIGN)
+    q_pos = raw_len - 1  # the query's position, from the length as given (kvattn.variants)
+    first_key, span_lo = window_start(raw_len, seq_len, window_left, WINDOW, ALIGN)
     start, end, _ = split_range(seq_len - span_lo, split, num_splits, min_chunk, ALIGN)
     start += span_lo
     end += span_lo
@@ -126,7 +129,7 @@ def paged_decode_kernel(
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        distance = (t0 + offs_n - (seq_len - 1)).to(tl.float32)[None, :]  # [1, BLOCK_N]
+        distance = (t0 + offs_n - q_pos).to(tl.float32)[None, :]  # [1, BLOCK_N]
         s = variant_scores(qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance,
                            SOFTCAP, ALIBI)
         s = tl.where(live[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
@@ -183,7 +186,7 @@ def merge_splits_kernel(
     raw_len = tl.load(seq_lens_ptr + b)
     capacity = max_pages * PAGE
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
-    _, span_lo = window_start(seq_len, window_left, WINDOW, ALIGN)
+    _, span_lo = window_start(raw_len, seq_len, window_left, WINDOW, ALIGN)
     _, _, chunk = split_range(seq_len - span_lo, 0, num_splits, min_chunk, ALIGN)
     active = tl.cdiv(seq_len - span_lo, chunk)
     offs_s = tl.arange(0, BLOCK_S)
