@@ -45,14 +45,10 @@ from dataclasses import dataclass
 import torch
 
 from .tags import OWNER_MAX
-from .variants import FP8_DTYPES, PLAIN, Variant, check_variant
+from .variants import FP8_DTYPES, MAX_SCALE, MIN_SCALE, PLAIN, Variant, check_variant
 
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_PAGE_SIZE = 1024
-# The kernels scale logits in float32 (the CUDA ones by scale * log2(e)): a scale outside the
-# normal float32 range would flush to 0 or overflow to inf there.
-MIN_SCALE = 2.0 ** -126
-MAX_SCALE = 2.0 ** 126
 
 
 class _PagedShapes:

@@ -16,6 +16,7 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     read, so its head may be stale).
 ``logits_soft_cap`` (float, default 0: off)
     ``s = cap * tanh(s / cap)`` before the softmax (Gemma 2, Grok), as FlashInfer and vLLM define it.
+    A cap is 0 or in ``[2**-126, 2**126]`` (the normal float32 range, as for ``scale``).
 ``sinks`` (``[num_heads]`` float32 tensor, default None)
     One learnable logit per query head that joins the softmax denominator and contributes no value
     (gpt-oss): ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. The returned ``lse``
@@ -29,14 +30,13 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     stays float16/bfloat16/float32 and sets the output dtype): a key element is
     ``k_cache[...] * k_scale[kv_head]`` in float32, likewise V (vLLM's and FlashInfer's per-tensor
     or per-head scales). :func:`kvattn.write_kv` divides by the same scales when it quantises. The
-    tags are unchanged.
+    tags are unchanged. A scale lies in ``[2**-126, 2**126]``.
 
 Order of operations on a score: scale, soft-cap, ALiBi, then the masks (window, causality, length,
 ownership) set refused and masked scores to -inf.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,18 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The largest finite value of each fp8 format: the writer saturates to it (vLLM's convention), since
 # e4m3fn has no infinity and an overflowing cast would store NaN.
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# The kernels scale logits in float32 (the CUDA ones by scale * log2(e)), and divide by the soft-cap
+# and multiply by KV scales there: a value outside the normal float32 range would flush to 0 or
+# overflow to inf. The range of ``scale`` (kvattn.layout), of ``logits_soft_cap`` and of the KV
+# scales.
+MIN_SCALE = 2.0 ** -126
+MAX_SCALE = 2.0 ** 126
+
+
+def scale_ok(x):
+    """Whether a KV scale (a float or a tensor, elementwise) is valid: in ``[MIN_SCALE, MAX_SCALE]``
+    (False for NaN)."""
+    return (x >= MIN_SCALE) & (x <= MAX_SCALE)
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,8 +116,8 @@ def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q")
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
         raise TypeError(f"{name}: expected a float or a float32 tensor, got {type(value).__name__}")
     if not isinstance(value, torch.Tensor):
-        if not (math.isfinite(value) and value > 0):
-            _fail(name, "a positive finite scale", repr(value))
+        if not scale_ok(value):  # exact for ints of any size
+            _fail(name, "a positive finite scale in [2**-126, 2**126]", repr(value))
         return torch.full((num_kv_heads,), float(value), dtype=torch.float32, device=device)
     if value.dtype != torch.float32:
         raise TypeError(f"{name}: expected dtype float32, got {str(value.dtype).replace('torch.', '')}")
@@ -128,8 +140,9 @@ def check_variant(q: torch.Tensor, k_cache: torch.Tensor, *, window_left=-1, log
         _fail("window_left", "-1 (no window) or a key count in [0, 2**31 - 1)", window_left)
     if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
         raise TypeError(f"logits_soft_cap: expected a float, got {type(logits_soft_cap).__name__}")
-    if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
-        _fail("logits_soft_cap", "0 (off) or a positive finite cap", repr(logits_soft_cap))
+    if logits_soft_cap != 0 and not MIN_SCALE <= logits_soft_cap <= MAX_SCALE:  # False for NaN
+        _fail("logits_soft_cap", "0 (off) or a positive finite cap in [2**-126, 2**126]",
+              repr(logits_soft_cap))
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     sinks = _per_head("sinks", sinks, num_heads, q.device)
     alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads, q.device)

@@ -9,7 +9,9 @@ that passed by accident would show. One section per item of the issue:
 - 1, 2: a sliding window never loads the slots of a straddling page before every query's window
   (decode and extend);
 - 3: a query sits at ``seq_len - 1`` (extend rows at ``seq_len - q_len + j``) even for an
-  unvalidated ``seq_len`` past the table.
+  unvalidated ``seq_len`` past the table;
+- 6, 7: a soft-cap or a float fp8 scale outside ``[2**-126, 2**126]`` raises a ValueError naming
+  it, in the readers and the writers.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import pytest
 import torch
 
 import kvattn
+from kvattn import backends
 from test_extend import Extend
-from util import (LSE_TOLERANCE, Batch, assert_reports_equal, backends_under_test, launcher,
+from util import (LSE_TOLERANCE, Batch, assert_reports_equal, backends_under_test, launcher, raises,
                   split_kv_backends, tolerance)
 
 F16 = torch.float16
@@ -71,6 +74,18 @@ def poison_slots(pages: Batch, b: int, first: int, last: int) -> None:
         page = int(pages.block_table[b, t // size])
         pages.k_cache[page, t % size] = NAN
         pages.v_cache[page, t % size] = NAN
+
+
+def refused_batch(op: str, first_len: int = 5):
+    """Sequence 1 (9 tokens) reads nothing: every page of it FREE (its bytes NaN)."""
+    x = decode_batch([first_len, 9]) if op == "decode" else extend_batch([2, 3], [first_len - 2, 6])
+    pages = x if op == "decode" else x.pages
+    for i in range(3):
+        page = int(pages.block_table[1, i])
+        pages.page_tags[page] = kvattn.FREE_TAG
+        pages.k_cache[page] = NAN
+        pages.v_cache[page] = NAN
+    return x
 
 
 # --- 1, 2: slots of a straddling page before every query's window ---------------------------------
@@ -217,3 +232,90 @@ def test_window_inside_the_table_agrees(backend, op):
     want = run(op, x, "reference", validate=False, **kwargs)
     assert not want[2].any()
     assert_agrees(run(op, x, backend, validate=False, **kwargs), want)
+
+
+# --- 6, 7: soft-caps and float scales outside the float32 normal range ----------------------------
+
+@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("cap", [1e39, 2.0 ** 127, 1e-39, 2.0 ** -127, 10 ** 400])
+def test_soft_cap_outside_the_float32_normal_range_is_named(op, cap):
+    x = refused_batch(op)
+    with raises(ValueError, "logits_soft_cap", repr(cap)):
+        run(op, x, "reference", logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_soft_cap_at_the_upper_end_is_taken(op):
+    """The twin: 2**126 is a valid cap, which leaves logits of order 1 as they are."""
+    x = refused_batch(op)
+    want = run(op, x, "reference", logits_soft_cap=2.0 ** 126)
+    torch.testing.assert_close(want[0], run(op, x, "reference")[0], **tolerance(F16))
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_soft_cap_at_the_lower_end_agrees(backend, op):
+    """2**-126 is valid too: it flattens the logits to uniform weights, on every backend."""
+    x = refused_batch(op)
+    want = run(op, x, "reference", logits_soft_cap=2.0 ** -126)
+    assert_agrees(run(op, x, backend, logits_soft_cap=2.0 ** -126), want)
+
+
+def fp8_batch(op: str):
+    """:func:`refused_batch` with e4m3 pools (values scaled into its range, NaN stays NaN)."""
+    x = refused_batch(op)
+    pages = x if op == "decode" else x.pages
+    pages.k_cache = (pages.k_cache.float() * 8).to(torch.float8_e4m3fn)
+    pages.v_cache = (pages.v_cache.float() * 8).to(torch.float8_e4m3fn)
+    return x
+
+
+FLOAT_SCALES = [1e39, 1e300, 2.0 ** 127, 1e-39, 2.0 ** -127]
+
+
+@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad", FLOAT_SCALES)
+def test_float_scale_outside_the_range_is_named_by_the_readers(op, name, bad):
+    """Raised by the validation every reader backend shares, before one is chosen (torch's own
+    RuntimeError converting 1e39 to float32 before)."""
+    x = fp8_batch(op)
+    with raises(ValueError, name, repr(bad)):
+        run(op, x, "reference", **{name: bad})
+
+
+def fp8_writer_args():
+    k_cache = torch.full((4, 4, KV_HEADS, DIM), NAN).to(torch.float8_e4m3fn)
+    tags = torch.zeros(4, dtype=torch.int64)
+    kvattn.reserve_pages(tags, [0], 1)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, KV_HEADS, DIM, generator=g).to(F16)
+    return k, k.clone(), k_cache, k_cache.clone(), torch.tensor([0, 1]), tags
+
+
+def fp8_writers() -> list[str]:
+    k, v, k_cache, v_cache, mapping, tags = fp8_writer_args()
+    args = kvattn.write_args.validate_write_kv(k, v, k_cache, v_cache, mapping, tags, 1)
+    reasons = backends.explain(args, op="write_kv")
+    return [n for n in ("torch", "triton") if reasons[n] is None]
+
+
+@pytest.mark.parametrize("writer", fp8_writers())
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad", FLOAT_SCALES)
+def test_float_scale_outside_the_range_is_named_by_the_writers(writer, name, bad):
+    k, v, k_cache, v_cache, mapping, tags = fp8_writer_args()
+    before = tags.clone()
+    with raises(ValueError, name, repr(bad)):
+        kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, 1, backend=writer, **{name: bad})
+    assert torch.equal(tags, before)
+
+
+@pytest.mark.parametrize("writer", fp8_writers())
+@pytest.mark.parametrize("scale", [2.0 ** -126, 2.0 ** 126])
+def test_float_scales_at_the_range_ends_write(writer, scale):
+    """The twin: the ends of the range are scales the writers take."""
+    k, v, k_cache, v_cache, mapping, tags = fp8_writer_args()
+    result = kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, 1, backend=writer,
+                             k_scale=scale, v_scale=scale)
+    assert result.landed.tolist() == [True, True]

@@ -320,7 +320,7 @@ BAD_SCALES = [
     (torch.float8_e4m3fn, torch.float8_e4m3fn, dict(v_scale=0.5), ValueError,
      "v_scale: expected None when k and v are already float8_e4m3fn"),
     (torch.float8_e4m3fn, torch.float16, dict(k_scale=-1.0), ValueError,
-     "k_scale: expected a positive finite scale, got -1.0"),
+     r"k_scale: expected a positive finite scale in \[2\*\*-126, 2\*\*126\], got -1.0"),
     (torch.float8_e4m3fn, torch.float16, dict(k_scale=float("inf")), ValueError, "positive finite"),
     (torch.float8_e5m2, torch.float32, dict(v_scale=torch.tensor([1.0, 0.0])), ValueError,
      "v_scale: expected positive finite scales, got 0.0 for KV head 1"),
