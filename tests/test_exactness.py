@@ -11,7 +11,10 @@ that passed by accident would show. One section per item of the issue:
 - 3: a query sits at ``seq_len - 1`` (extend rows at ``seq_len - q_len + j``) even for an
   unvalidated ``seq_len`` past the table;
 - 6, 7: a soft-cap or a float fp8 scale outside ``[2**-126, 2**126]`` raises a ValueError naming
-  it, in the readers and the writers.
+  it, in the readers and the writers;
+- 4, 5, 8: a sink of -inf is no sink; NaN/+inf sinks, fp8 scale tensors outside that range and
+  ALiBi slopes past 2**32 or not finite raise a ValueError naming the argument where the values
+  are on the host, and unvalidated make the head read nothing (output 0, lse -inf).
 """
 from __future__ import annotations
 
@@ -33,6 +36,10 @@ SPLIT_READERS = sorted(set(split_kv_backends()) & set(READERS))
 NAN = math.nan
 
 
+def claims(args, op: str) -> list[str]:
+    return [n for n, why in backends.explain(args, op=op).items() if why is None]
+
+
 def assert_agrees(got, want, dtype=F16) -> None:
     """``got`` and ``want`` are ``(out, lse, report)``: the output finite and within the dtype's
     tolerance, the lse -inf exactly where the reference's is and close elsewhere, the reports
@@ -47,6 +54,13 @@ def assert_agrees(got, want, dtype=F16) -> None:
     torch.testing.assert_close(lse[finite].float(), want_lse[finite].float(), **LSE_TOLERANCE)
     if want_report is not None:
         assert_reports_equal(report, want_report)
+
+
+def assert_reads_nothing(out, lse, rows, heads) -> None:
+    """Rows ``rows`` of query heads ``heads`` have output 0 exactly and lse -inf."""
+    block = out[rows][:, heads]
+    assert torch.equal(block, torch.zeros_like(block)), block
+    assert torch.isneginf(lse[rows][:, heads]).all(), lse
 
 
 def decode_batch(seq_lens, page_size=4, seed=0, **kwargs) -> Batch:
@@ -86,6 +100,13 @@ def refused_batch(op: str, first_len: int = 5):
         pages.k_cache[page] = NAN
         pages.v_cache[page] = NAN
     return x
+
+
+def rows_of(op: str, b: int) -> list[int]:
+    """The output rows of sequence ``b`` of :func:`refused_batch`."""
+    if op == "decode":
+        return [b]
+    return [0, 1] if b == 0 else [2, 3, 4]
 
 
 # --- 1, 2: slots of a straddling page before every query's window ---------------------------------
@@ -319,3 +340,208 @@ def test_float_scales_at_the_range_ends_write(writer, scale):
     result = kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, 1, backend=writer,
                              k_scale=scale, v_scale=scale)
     assert result.landed.tolist() == [True, True]
+
+
+# --- 4: sinks of -inf (no sink), NaN and +inf -----------------------------------------------------
+
+NO_SINK = [-math.inf] * HEADS
+MIXED_SINKS = [-math.inf, 0.5, -math.inf, 1.5]
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("sinks", [NO_SINK, MIXED_SINKS], ids=["all", "mixed"])
+def test_minus_inf_sink_is_no_sink(backend, op, sinks):
+    """A head whose sink is -inf computes as without a sink; a row with nothing readable still gives
+    output 0 and lse -inf (not -inf - -inf)."""
+    x = refused_batch(op)
+    sinks = torch.tensor(sinks)
+    want = run(op, x, "reference", sinks=sinks)
+    plain = run(op, x, "reference")
+    none = torch.isneginf(sinks)
+    torch.testing.assert_close(want[0][:, none], plain[0][:, none])
+    torch.testing.assert_close(want[1], plain[1])
+    assert_reads_nothing(want[0], want[1], rows_of(op, 1), list(range(HEADS)))
+    assert_agrees(run(op, x, backend, sinks=sinks), want)
+
+
+BAD_SINKS = [NAN, math.inf]
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("bad", BAD_SINKS)
+def test_nan_or_inf_sink_is_refused_on_the_host(backend, op, bad):
+    sinks = torch.tensor([0.5, bad, 0.0, 1.0])
+    with raises(ValueError, "sinks", repr(bad), "head 1"):
+        run(op, refused_batch(op), backend, sinks=sinks)
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("bad", BAD_SINKS)
+def test_unvalidated_invalid_sink_head_reads_nothing(backend, op, bad):
+    """On the device path the head with the invalid sink reads nothing (0, lse -inf); the other
+    heads and the report are those of the valid sinks."""
+    x = refused_batch(op)
+    valid = torch.tensor([0.5, -1.0, 0.0, 1.0])
+    sinks = valid.clone()
+    sinks[1] = bad
+    want = run(op, x, "reference", validate=False, sinks=sinks)
+    twin = run(op, x, "reference", validate=False, sinks=valid)
+    rows = list(range(want[0].shape[0]))
+    assert_reads_nothing(want[0], want[1], rows, [1])
+    for h in (0, 2, 3):
+        torch.testing.assert_close(want[0][:, h], twin[0][:, h])
+    assert_reports_equal(want[2], twin[2])
+    assert_agrees(run(op, x, backend, validate=False, sinks=sinks), want)
+
+
+@pytest.mark.parametrize("backend", SPLIT_READERS)
+@pytest.mark.parametrize("sinks", [NO_SINK, MIXED_SINKS, [0.5, NAN, math.inf, -math.inf]],
+                         ids=["all", "mixed", "invalid"])
+def test_sinks_across_splits(backend, sinks):
+    """The merge of split-KV decode: a -inf sink is no sink there too, an invalid one reads nothing,
+    and a refused sequence merges to 0 and -inf (sequence 0's 40 tokens span three 16-token
+    splits)."""
+    pages = refused_batch("decode", first_len=40)
+    sinks = torch.tensor(sinks)
+    want = run("decode", pages, "reference", validate=False, sinks=sinks)
+    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
+                                         pages.seq_lens, pages.page_tags, pages.expected,
+                                         validate=False, sinks=sinks)
+    out = torch.empty_like(pages.q)
+    lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
+    report = launcher(backend).decode(args, check=True, out=out, lse=lse, num_splits=3)
+    assert_agrees((out, lse, report), want)
+
+
+# --- 5: fp8 scale tensors -------------------------------------------------------------------------
+
+BAD_SCALES = [NAN, math.inf, 0.0, -0.5, 2.0 ** 127, 2.0 ** -127]
+
+
+def fp8_readers(op: str, x, **kwargs) -> list[str]:
+    pages = x if op == "decode" else x.pages
+    if op == "decode":
+        args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache,
+                                             pages.block_table, pages.seq_lens, pages.page_tags,
+                                             pages.expected, validate=False, **kwargs)
+    else:
+        args = kvattn.layout.validate_extend(*x.inputs(), validate=False, **kwargs)
+    return [n for n in claims(args, op) if n in READERS]
+
+
+@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_invalid_scale_tensor_is_refused_on_the_host(op, name, bad):
+    x = fp8_batch(op)
+    scales = dict(k_scale=torch.tensor([0.125, 0.25]), v_scale=torch.tensor([0.125, 0.25]))
+    scales[name][1] = bad
+    for backend in fp8_readers(op, x, **scales):
+        with raises(ValueError, name, "KV head 1"):
+            run(op, x, backend, **scales)
+
+
+@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_unvalidated_invalid_scale_kv_head_reads_nothing(op, name, bad):
+    """Device path: the query heads of KV head 1 (heads 2 and 3) read nothing; KV head 0's heads and
+    the report are those of valid scales, on every backend that reads fp8 pools."""
+    x = fp8_batch(op)
+    valid = dict(k_scale=torch.tensor([0.125, 0.25]), v_scale=torch.tensor([0.125, 0.25]))
+    scales = {k: v.clone() for k, v in valid.items()}
+    scales[name][1] = bad
+    want = run(op, x, "reference", validate=False, **scales)
+    twin = run(op, x, "reference", validate=False, **valid)
+    rows = list(range(want[0].shape[0]))
+    assert_reads_nothing(want[0], want[1], rows, [2, 3])
+    torch.testing.assert_close(want[0][:, :2], twin[0][:, :2])
+    assert_reports_equal(want[2], twin[2])
+    names = fp8_readers(op, x, **scales)
+    assert "reference" in names and len(names) >= 2
+    for backend in names:
+        assert_agrees(run(op, x, backend, validate=False, **scales), want)
+
+
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_scales_in_range_read_on_every_backend(op):
+    """The twin: valid scales are read, identically on every backend (2**-126, the range's lower
+    end, flattens KV head 1's logits to uniform weights); a refused sequence still gives 0."""
+    x = fp8_batch(op)
+    scales = dict(k_scale=torch.tensor([0.125, 2.0 ** -126]), v_scale=torch.tensor([0.25, 0.0625]))
+    want = run(op, x, "reference", **scales)
+    assert_reads_nothing(want[0], want[1], rows_of(op, 1), list(range(HEADS)))
+    names = fp8_readers(op, x, **scales)
+    assert len(names) >= 2
+    for backend in names:
+        assert_agrees(run(op, x, backend, **scales), want)
+
+
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_scale_tensors_at_the_range_ends_pass_the_host_check(op):
+    x = fp8_batch(op)
+    ends = torch.tensor([2.0 ** -126, 2.0 ** 126])
+    validate = kvattn.layout.validate_decode if op == "decode" else kvattn.layout.validate_extend
+    inputs = ((x.q, x.k_cache, x.v_cache, x.block_table, x.seq_lens, x.page_tags, x.expected)
+              if op == "decode" else x.inputs())
+    args = validate(*inputs, validate=True, k_scale=ends, v_scale=ends.flip(0))
+    assert torch.equal(args.variant.k_scale, ends)
+
+
+@pytest.mark.parametrize("writer", fp8_writers())
+def test_writer_scale_tensor_outside_the_range_is_refused(writer):
+    """The writers take the readers' range for scale tensors on the host: 2**127 is finite and
+    positive but outside it."""
+    k, v, k_cache, v_cache, mapping, tags = fp8_writer_args()
+    with raises(ValueError, "k_scale", "KV head 1"):
+        kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, 1, backend=writer,
+                        k_scale=torch.tensor([1.0, 2.0 ** 127]))
+
+
+# --- 8: ALiBi slopes ------------------------------------------------------------------------------
+
+BAD_SLOPES = [NAN, math.inf, -1e38, 2.0 ** 32 * (1 + 2 ** -20)]
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+@pytest.mark.parametrize("bad", BAD_SLOPES)
+def test_invalid_alibi_slope_is_refused_on_the_host(backend, op, bad):
+    slopes = torch.tensor([0.5, 0.25, bad, 0.125])
+    with raises(ValueError, "alibi_slopes", "head 2"):
+        run(op, refused_batch(op), backend, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op, causal", [("decode", True), ("extend", True), ("extend", False)],
+                         ids=["decode", "extend-causal", "extend-full"])
+@pytest.mark.parametrize("bad", BAD_SLOPES)
+def test_unvalidated_invalid_slope_head_reads_nothing(backend, op, causal, bad):
+    """Both ALiBi forms (causal and not): the head with the invalid slope reads nothing, the
+    others and the report are those of valid slopes."""
+    x = refused_batch(op)
+    kwargs = dict(validate=False) if op == "decode" else dict(validate=False, causal=causal)
+    valid = torch.tensor([0.5, 0.25, 0.0625, 0.125])
+    slopes = valid.clone()
+    slopes[2] = bad
+    want = run(op, x, "reference", alibi_slopes=slopes, **kwargs)
+    twin = run(op, x, "reference", alibi_slopes=valid, **kwargs)
+    assert_reads_nothing(want[0], want[1], list(range(want[0].shape[0])), [2])
+    for h in (0, 1, 3):
+        torch.testing.assert_close(want[0][:, h], twin[0][:, h])
+    assert_reports_equal(want[2], twin[2])
+    assert_agrees(run(op, x, backend, alibi_slopes=slopes, **kwargs), want)
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_slopes_at_the_bound_agree(backend, op):
+    """The twin: |slope| = 2**32 is valid; such a head attends to the key nearest its query."""
+    x = refused_batch(op)
+    slopes = torch.tensor([2.0 ** 32, -(2.0 ** 32), 0.5, 0.0])
+    want = run(op, x, "reference", alibi_slopes=slopes)
+    assert torch.isfinite(want[0]).all()
+    assert_agrees(run(op, x, backend, alibi_slopes=slopes), want)

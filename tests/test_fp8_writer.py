@@ -323,7 +323,7 @@ BAD_SCALES = [
      r"k_scale: expected a positive finite scale in \[2\*\*-126, 2\*\*126\], got -1.0"),
     (torch.float8_e4m3fn, torch.float16, dict(k_scale=float("inf")), ValueError, "positive finite"),
     (torch.float8_e5m2, torch.float32, dict(v_scale=torch.tensor([1.0, 0.0])), ValueError,
-     "v_scale: expected positive finite scales, got 0.0 for KV head 1"),
+     r"v_scale: expected positive finite scales in \[2\*\*-126, 2\*\*126\], got 0.0 for KV head 1"),
     (torch.float8_e5m2, torch.float32, dict(k_scale=torch.ones(3)), ValueError,
      r"k_scale: expected shape \(\), \(1,\) or \(2,\), got \(3,\)"),
     (torch.float8_e5m2, torch.float32, dict(k_scale=torch.ones(2, dtype=torch.float64)), TypeError,

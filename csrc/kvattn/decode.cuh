@@ -390,21 +390,23 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
       o += wo[r * DV + d] * weight;
       l += ml[kWarpRows + r] * weight;
     }
-    // Only an empty row (l == 0) gets the 0 / -inf convention; a NaN read from a page that passed
-    // the check propagates, as in the reference. Blocks of a head split write their columns; the
-    // first writes the row's statistics.
+    // Only an empty row (l == 0), or a head that reads nothing (head_reads), gets the 0 / -inf
+    // convention; a NaN read from a page that passed the check propagates, as in the reference.
+    // Blocks of a head split write their columns; the first writes the row's statistics.
+    const bool reads = head_reads<VARIANT, kFp8>(p.var, p.k_scale, p.v_scale, head0 + r, kv_head);
     if (p.num_splits == 1) {
       const float denominator = VARIANT ? with_sink(l, m_ref, p.var.sinks, head0 + r) : l;
       static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + v_col + d] =
-          from_float<T>(l == 0.0f ? 0.0f : o / denominator);
+          from_float<T>(l == 0.0f || !reads ? 0.0f : o / denominator);
       if (d == 0 && d_part == 0 && p.lse != nullptr)
-        p.lse[b * p.num_heads + head0 + r] = l == 0.0f ? -INFINITY : (m_ref + log2f(l)) * kLn2;
+        p.lse[b * p.num_heads + head0 + r] = l == 0.0f || !reads ? -INFINITY : (m_ref + log2f(l)) * kLn2;
     } else if (active) {
+      // A head that reads nothing stores the state of a split with nothing read.
       const int64_t row = (b * p.num_heads + head0 + r) * p.num_splits + split;
-      p.part_acc[row * p.head_dim + v_col + d] = o;
+      p.part_acc[row * p.head_dim + v_col + d] = reads ? o : 0.0f;
       if (d == 0 && d_part == 0) {
-        p.part_ml[row * 2] = m_top;
-        p.part_ml[row * 2 + 1] = l;
+        p.part_ml[row * 2] = reads ? m_top : -INFINITY;
+        p.part_ml[row * 2 + 1] = reads ? l : 0.0f;
       }
     }
   }

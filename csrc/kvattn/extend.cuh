@@ -263,14 +263,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   cp_async_wait<0>();
   att.finish();
 
-  // Only an empty row (l == 0) gets the 0 / -inf convention; a NaN read from a page that passed the
-  // check propagates, as in the reference.
+  // Only an empty row (l == 0), or a head that reads nothing (head_reads), gets the 0 / -inf
+  // convention; a NaN read from a page that passed the check propagates, as in the reference.
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = warp * kWarpRows + g + 8 * r;
     if (!row_ok(row)) continue;
-    const float l = att.l[r];
+    const bool reads = head_reads<VARIANT, false>(p.var, nullptr, nullptr, kv_head * p.group + row_head(row), kv_head);
+    const float l = reads ? att.l[r] : 0.0f;
     const float denominator = VARIANT ? with_sink(l, att.m[r], p.var.sinks, kv_head * p.group + row_head(row)) : l;
     T* out_row = out + (row0 + row_token(row)) * p.stride_ot + (kv_head * p.group + row_head(row)) * p.stride_oh;
 #pragma unroll

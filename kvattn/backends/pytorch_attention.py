@@ -65,7 +65,8 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
     ``[S, N, Hkv, D]`` where ``mask`` ``[S, T, N]``; ``q_pos`` ``[S, T]`` and ``key_pos`` ``[S, N]``
     are positions in the sequence. The score transforms are those of
     :func:`kvattn.reference.attend`, in its order. Returns ``out`` ``[Hkv, S, G, T, D]`` and ``lse``
-    ``[Hkv, S, G, T]``; a row with nothing in ``mask`` gets output 0 and lse -inf."""
+    ``[Hkv, S, G, T]``; a row with nothing in ``mask``, and a head that reads nothing
+    (:meth:`kvattn.variants.Variant.heads_read`), gets output 0 and lse -inf."""
     hkv, s, g, t, d = q.shape
     n = k.shape[1]
     logits = q.new_empty(hkv, s, g * t, n)
@@ -90,9 +91,15 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
     out = out.view(hkv, s, g, t, d)
     out = out / denom.masked_fill(denom == 0, 1)[..., None]
     if variant.sinks is not None:
-        # As the reference: the sink's share of the denominator is sigmoid(lse - sink).
+        # As the reference: the sink's share of the denominator is sigmoid(lse - sink), 1 for -inf.
         sinks = variant.sinks.float().view(hkv, 1, g, 1)
-        out = out * torch.sigmoid(lse - sinks)[..., None]
+        share = torch.where(torch.isneginf(sinks), 1.0, torch.sigmoid(lse - sinks))
+        out = out * share[..., None]
+    reads = variant.heads_read(hkv * g)
+    if reads is not None:
+        reads = reads.view(hkv, 1, g, 1)
+        out = torch.where(reads[..., None], out, 0)
+        lse = torch.where(reads, lse, float("-inf"))
     return out, lse
 
 

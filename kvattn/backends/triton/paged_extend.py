@@ -33,7 +33,7 @@ from ...report import OwnershipReport
 from ..grids import extend_tile_map
 from .configs import ExtendConfig, extend_config
 from .paged_decode import interpreted
-from .softmax import online_softmax_step, qk_scores, sink_denominator, variant_scores
+from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
 SLOT_BITS = tl.constexpr(32)
@@ -257,9 +257,16 @@ def paged_extend_kernel(
     sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINKS:
         sink2 = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E_C
-    out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
     if FP8:
-        out = out * tl.load(v_scale_ptr + kv_head)
+        acc = acc * tl.load(v_scale_ptr + kv_head)
+    if SINKS or ALIBI or FP8:
+        # A head whose switch values are invalid (kvattn.variants) reads nothing: its rows end as
+        # rows with nothing read.
+        reads = heads_read(head, row_ok, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
+                           SINKS, ALIBI, FP8)
+        acc = tl.where(reads[:, None], acc, 0.0)
+        l_i = tl.where(reads, l_i, 0.0)
+    out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DIM)[None, :])
