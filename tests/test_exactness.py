@@ -14,7 +14,8 @@ that passed by accident would show. One section per item of the issue:
   it, in the readers and the writers;
 - 4, 5, 8: a sink of -inf is no sink; NaN/+inf sinks, fp8 scale tensors outside that range and
   ALiBi slopes past 2**32 or not finite raise a ValueError naming the argument where the values
-  are on the host, and unvalidated make the head read nothing (output 0, lse -inf).
+  are on the host, and unvalidated make the head read nothing (output 0, lse -inf);
+- 9: the page-level writers refuse layered tags whose rows overlap in memory.
 """
 from __future__ import annotations
 
@@ -545,3 +546,49 @@ def test_slopes_at_the_bound_agree(backend, op):
     want = run(op, x, "reference", alibi_slopes=slopes)
     assert torch.isfinite(want[0]).all()
     assert_agrees(run(op, x, backend, alibi_slopes=slopes), want)
+
+
+# --- 9: layered tags whose rows overlap -----------------------------------------------------------
+
+def folded_layers():
+    """``[2, 6]`` tags over 10 words: layer 1's page 1 is layer 0's page 5."""
+    words = torch.zeros(10, dtype=torch.int64)
+    return words, words.as_strided((2, 6), (4, 1))
+
+
+def overlapping_tags(case: str):
+    if case == "stride_0":
+        words = torch.zeros(6, dtype=torch.int64)
+        return words, words.expand(2, 6)
+    return folded_layers()
+
+
+@pytest.mark.parametrize("fn", ["reserve", "release"])
+@pytest.mark.parametrize("case", ["stride_0", "folded"])
+def test_layered_tags_whose_rows_overlap_are_refused(fn, case):
+    words, tags = overlapping_tags(case)
+    words[5] = kvattn.written_tag(1, 4)
+    before = words.clone()
+    call = (lambda: kvattn.reserve_pages(tags, [1], 2)) if fn == "reserve" else (
+        lambda: kvattn.release_pages(tags, [1]))
+    with raises(ValueError, "page_tags", "do not overlap", str(tags.stride())):
+        call()
+    assert torch.equal(words, before)
+
+
+@pytest.mark.parametrize("fn", ["reserve", "release"])
+def test_layered_tags_of_distinct_rows_are_written_per_layer(fn):
+    """The twin: rows apart in a wider buffer (strided) are distinct layers; page 1 of both changes,
+    page 5 of layer 0 (owner 1's) stays."""
+    words = torch.zeros(2, 8, dtype=torch.int64)
+    tags = words[:, 1:7]
+    tags[0, 5] = kvattn.written_tag(1, 4)
+    tags[:, 1] = kvattn.written_tag(3, 2)
+    if fn == "reserve":
+        kvattn.reserve_pages(tags, [1], 2)
+        assert tags[:, 1].tolist() == [kvattn.reserved_tag(2)] * 2
+    else:
+        kvattn.release_pages(tags, [1])
+        assert tags[:, 1].tolist() == [kvattn.FREE_TAG] * 2
+    assert int(tags[0, 5]) == kvattn.written_tag(1, 4)
+    assert words[:, 0].tolist() == [0, 0] and words[:, 7].tolist() == [0, 0]
