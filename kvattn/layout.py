@@ -26,11 +26,13 @@ Paged KV layout (every docstring in kvattn points here)
 ``lse``: ``[B, num_heads]`` float32, natural-log sum of exp of the scaled logits; ``-inf`` for a
     sequence with no readable slot (whose output is 0).
 
-Value checks (``seq_lens`` in ``[0, max_pages * page_size]``, expected owners in ``[1, 2**47)``) need
-the values on the host. They run when the index tensors are on the CPU, or when ``validate=True``
-(one device synchronisation). On a GPU they are skipped by default, and the kernels fail closed on
-the same inputs: a ``seq_len`` past the table reads nothing past it and counts one ``OUT_OF_RANGE``
-violation, a negative ``seq_len`` reads nothing, and owner 0 never matches a tag.
+Value checks (``seq_lens`` in ``[0, max_pages * page_size]``, expected owners in ``[1, 2**47)``, the
+values of the variants' tensors of :mod:`kvattn.variants`) need the values on the host. They run
+when the index tensors are on the CPU, or when ``validate=True`` (one device synchronisation). On a
+GPU they are skipped by default, and the kernels fail closed on the same inputs: a ``seq_len`` past
+the table reads nothing past it and counts one ``OUT_OF_RANGE`` violation, a negative ``seq_len``
+reads nothing, owner 0 never matches a tag, and a head with an invalid sink, slope or KV scale
+reads nothing.
 
 Memory: a tensor a call writes shares no memory with any tensor it reads (``out`` with the inputs;
 for the writers, the pools and tags with ``slot_mapping`` and the owners, the tags with the pools),
@@ -45,14 +47,10 @@ from dataclasses import dataclass
 import torch
 
 from .tags import OWNER_MAX
-from .variants import FP8_DTYPES, PLAIN, Variant, check_variant
+from .variants import FP8_DTYPES, MAX_SCALE, MIN_SCALE, PLAIN, Variant, check_values, check_variant
 
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_PAGE_SIZE = 1024
-# The kernels scale logits in float32 (the CUDA ones by scale * log2(e)): a scale outside the
-# normal float32 range would flush to 0 or overflow to inf there.
-MIN_SCALE = 2.0 ** -126
-MAX_SCALE = 2.0 ** 126
 
 
 class _PagedShapes:
@@ -300,6 +298,7 @@ def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expec
         validate = q.device.type == "cpu"
     if validate:
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], block_table.shape[1])
+        check_values(switches)
     return DecodeArgs(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale,
                       switches)
 
@@ -386,6 +385,7 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     if validate:
         check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0], causal)
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], max_pages)
+        check_values(switches)
     return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
                       scale, causal, rows_covered=bool(validate), variant=switches)
 

@@ -108,7 +108,8 @@ def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos
     position ``n``), needed by the window and ALiBi of ``variant`` (:mod:`kvattn.variants`), which
     ``causal`` selects the ALiBi form of. Returns ``out`` ``[B, H, D]`` and ``lse`` ``[B, H]`` (over
     the keys: sinks join only the output's denominator) in ``compute_dtype``; a row with nothing
-    allowed gets output 0 and lse -inf."""
+    allowed, and a head with an invalid switch value (:meth:`kvattn.variants.Variant.heads_read`),
+    gets output 0 and lse -inf."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
@@ -134,9 +135,16 @@ def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos
     probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0)[..., None])
     out = torch.einsum("bkgn,bnkd->bkgd", probs, v)
     if variant.sinks is not None:
-        # The sink's share of the denominator: out *= e^lse / (e^lse + e^sink) = sigmoid(lse - sink).
+        # The sink's share of the denominator: out *= e^lse / (e^lse + e^sink) = sigmoid(lse -
+        # sink); a sink of -inf takes none, also from a row with nothing allowed (lse - sink = NaN).
         sinks = variant.sinks.to(compute_dtype).view(1, num_kv_heads, group)
-        out = out * torch.sigmoid(lse - sinks)[..., None]
+        share = torch.where(torch.isneginf(sinks), 1.0, torch.sigmoid(lse - sinks))
+        out = out * share[..., None]
+    reads = variant.heads_read(num_heads)
+    if reads is not None:
+        reads = reads.view(1, num_kv_heads, group)
+        out = torch.where(reads[..., None], out, 0)
+        lse = torch.where(reads, lse, float("-inf"))
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 
 

@@ -16,23 +16,35 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     read, so its head may be stale).
 ``logits_soft_cap`` (float, default 0: off)
     ``s = cap * tanh(s / cap)`` before the softmax (Gemma 2, Grok), as FlashInfer and vLLM define it.
+    A cap is 0 or in ``[2**-126, 2**126]`` (the normal float32 range, as for ``scale``).
 ``sinks`` (``[num_heads]`` float32 tensor, default None)
     One learnable logit per query head that joins the softmax denominator and contributes no value
     (gpt-oss): ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. The returned ``lse``
     covers the keys only, so results over key ranges still merge as without sinks, and a row with
-    nothing readable still gives output 0 and lse -inf.
+    nothing readable still gives output 0 and lse -inf. A sink of -inf is no sink for its head;
+    NaN and +inf are invalid.
 ``alibi_slopes`` (``[num_heads]`` float32 tensor, default None)
     ``s += slope * (j - q_pos)`` for causal attention and decode (vLLM's paged attention), and
-    ``s -= slope * |j - q_pos|`` without causality (FlashAttention's ALiBi).
+    ``s -= slope * |j - q_pos|`` without causality (FlashAttention's ALiBi). A slope is finite with
+    ``|slope| <= 2**32`` (:data:`ALIBI_SLOPE_MAX`).
 ``k_scale``, ``v_scale`` (float or float32 tensor ``[]``, ``[1]`` or ``[num_kv_heads]``; default 1)
     Only with fp8 pools (``float8_e4m3fn`` or ``float8_e5m2`` ``k_cache``/``v_cache``, while ``q``
     stays float16/bfloat16/float32 and sets the output dtype): a key element is
     ``k_cache[...] * k_scale[kv_head]`` in float32, likewise V (vLLM's and FlashInfer's per-tensor
     or per-head scales). :func:`kvattn.write_kv` divides by the same scales when it quantises. The
-    tags are unchanged.
+    tags are unchanged. A scale lies in ``[2**-126, 2**126]``.
 
 Order of operations on a score: scale, soft-cap, ALiBi, then the masks (window, causality, length,
 ownership) set refused and masked scores to -inf.
+
+Values (docs/ownership.md section 8). A float cap or scale outside its range always raises
+``ValueError`` naming it. The values of the tensors (sinks, slopes, scale tensors) are checked as
+the lengths are (:mod:`kvattn.layout`): on CPU tensors or with ``validate=True``, by
+:func:`check_values`, with a ``ValueError`` naming the argument and the head. Unvalidated (a GPU's
+default path) they are not read on the host and every backend applies one rule instead
+(:meth:`Variant.heads_read`): a query head whose sink or slope is invalid, or whose KV head's
+``k_scale`` or ``v_scale`` is, reads nothing (output 0, lse -inf); the report is unchanged (the
+values are not an ownership matter). The kernels state the same rule next to a pointer here.
 """
 from __future__ import annotations
 
@@ -45,6 +57,32 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The largest finite value of each fp8 format: the writer saturates to it (vLLM's convention), since
 # e4m3fn has no infinity and an overflowing cast would store NaN.
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# The kernels scale logits in float32 (the CUDA ones by scale * log2(e)), and divide by the soft-cap
+# and multiply by KV scales there: a value outside the normal float32 range would flush to 0 or
+# overflow to inf. The range of ``scale`` (kvattn.layout), of ``logits_soft_cap`` and of the KV
+# scales.
+MIN_SCALE = 2.0 ** -126
+MAX_SCALE = 2.0 ** 126
+# ALiBi adds slope * distance, and a distance is below 2**31 in magnitude (positions are int32):
+# slopes up to 2**32 keep that product below 2**63, finite in float32 (also times log2(e), the
+# kernels' base 2), whatever the lengths.
+ALIBI_SLOPE_MAX = 2.0 ** 32
+
+
+def scale_ok(x):
+    """Whether a KV scale (a float or a tensor, elementwise) is valid: in ``[MIN_SCALE, MAX_SCALE]``
+    (False for NaN)."""
+    return (x >= MIN_SCALE) & (x <= MAX_SCALE)
+
+
+def sink_ok(x):
+    """Whether a sink logit is valid: finite, or -inf (no sink); NaN and +inf are not."""
+    return x < math.inf
+
+
+def slope_ok(x):
+    """Whether an ALiBi slope is valid: ``|slope| <= ALIBI_SLOPE_MAX`` (False for NaN and inf)."""
+    return abs(x) <= ALIBI_SLOPE_MAX
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +104,22 @@ class Variant:
     @property
     def fp8(self) -> bool:
         return self.k_scale is not None
+
+    def heads_read(self, num_heads: int) -> torch.Tensor | None:
+        """``[num_heads]`` bool: False for a query head that reads nothing because its sink or
+        slope, or a scale of its KV head, is invalid (the module docstring's rule for unvalidated
+        values); None when no switch carries per-head values."""
+        ok = None
+        if self.sinks is not None:
+            ok = sink_ok(self.sinks)
+        if self.alibi_slopes is not None:
+            slopes = slope_ok(self.alibi_slopes)
+            ok = slopes if ok is None else ok & slopes
+        if self.fp8:
+            kv = scale_ok(self.k_scale) & scale_ok(self.v_scale)
+            kv = kv.repeat_interleave(num_heads // kv.numel())
+            ok = kv if ok is None else ok & kv
+        return ok
 
     def switches(self) -> list[str]:
         """Names of the switches that are on (for the backends' refusal reasons)."""
@@ -104,8 +158,8 @@ def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q")
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
         raise TypeError(f"{name}: expected a float or a float32 tensor, got {type(value).__name__}")
     if not isinstance(value, torch.Tensor):
-        if not (math.isfinite(value) and value > 0):
-            _fail(name, "a positive finite scale", repr(value))
+        if not scale_ok(value):  # exact for ints of any size
+            _fail(name, "a positive finite scale in [2**-126, 2**126]", repr(value))
         return torch.full((num_kv_heads,), float(value), dtype=torch.float32, device=device)
     if value.dtype != torch.float32:
         raise TypeError(f"{name}: expected dtype float32, got {str(value.dtype).replace('torch.', '')}")
@@ -128,8 +182,9 @@ def check_variant(q: torch.Tensor, k_cache: torch.Tensor, *, window_left=-1, log
         _fail("window_left", "-1 (no window) or a key count in [0, 2**31 - 1)", window_left)
     if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
         raise TypeError(f"logits_soft_cap: expected a float, got {type(logits_soft_cap).__name__}")
-    if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
-        _fail("logits_soft_cap", "0 (off) or a positive finite cap", repr(logits_soft_cap))
+    if logits_soft_cap != 0 and not MIN_SCALE <= logits_soft_cap <= MAX_SCALE:  # False for NaN
+        _fail("logits_soft_cap", "0 (off) or a positive finite cap in [2**-126, 2**126]",
+              repr(logits_soft_cap))
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     sinks = _per_head("sinks", sinks, num_heads, q.device)
     alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads, q.device)
@@ -142,3 +197,30 @@ def check_variant(q: torch.Tensor, k_cache: torch.Tensor, *, window_left=-1, log
     vs = _kv_scale("v_scale", v_scale, num_kv_heads, q.device) if fp8 else None
     variant = Variant(window_left, float(logits_soft_cap), sinks, alibi_slopes, ks, vs)
     return PLAIN if not variant.switches() else variant
+
+
+def check_scale_values(name: str, scale: torch.Tensor) -> None:
+    """Every element of a ``[num_kv_heads]`` scale tensor valid (:func:`scale_ok`); host-side:
+    synchronises on a device tensor."""
+    _check_each(name, scale, scale_ok, "positive finite scales in [2**-126, 2**126]", "KV head")
+
+
+def check_values(variant: Variant) -> None:
+    """The value checks of the switches' tensors (host-side: synchronises on device tensors): sinks
+    finite or -inf, slopes within ALIBI_SLOPE_MAX, fp8 scales in range."""
+    if variant.sinks is not None:
+        _check_each("sinks", variant.sinks, sink_ok, "finite sink logits or -inf (no sink)", "head")
+    if variant.alibi_slopes is not None:
+        _check_each("alibi_slopes", variant.alibi_slopes, slope_ok,
+                    "finite slopes with |slope| <= 2**32", "head")
+    if variant.fp8:
+        check_scale_values("k_scale", variant.k_scale)
+        check_scale_values("v_scale", variant.v_scale)
+
+
+def _check_each(name: str, t: torch.Tensor, ok, expected: str, unit: str) -> None:
+    values = t.detach().cpu()
+    bad = torch.nonzero(~ok(values)).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        _fail(name, expected, f"{float(values[i])!r} for {unit} {i}")

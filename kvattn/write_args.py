@@ -22,7 +22,7 @@ import torch
 from .layout import (KV_DTYPES, check_apart, check_kv_pools, check_last_dim_contiguous, check_page_tags,
                      check_tensor)
 from .tags import OWNER_MAX
-from .variants import FP8_DTYPES, _kv_scale
+from .variants import FP8_DTYPES, _kv_scale, check_scale_values
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -115,7 +115,7 @@ def write_scales(k_dtype, k_cache, k_scale, v_scale, validate: bool | None
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(k_scale, v_scale)`` as ``[num_kv_heads]`` float32 tensors when the writer quantises (fp8
     pools, ``k`` not fp8), else ``(None, None)``. A scale is a float or a float32 tensor ``[]``,
-    ``[1]`` or ``[num_kv_heads]`` (:mod:`kvattn.variants`), positive and finite: checked for
+    ``[1]`` or ``[num_kv_heads]`` (:mod:`kvattn.variants`), in ``[2**-126, 2**126]``: checked for
     floats, and for tensors where :func:`on_host` says so."""
     device, num_kv_heads = k_cache.device, k_cache.shape[2]
     fp8_pool = k_cache.dtype in FP8_DTYPES
@@ -134,11 +134,7 @@ def write_scales(k_dtype, k_cache, k_scale, v_scale, validate: bool | None
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         t = _kv_scale(name, scale, num_kv_heads, device, device_of="k_cache")
         if isinstance(scale, torch.Tensor) and on_host(scale, validate):
-            flat = t.detach().cpu()
-            bad = torch.nonzero(~(torch.isfinite(flat) & (flat > 0))).flatten()
-            if bad.numel():
-                raise ValueError(f"{name}: expected positive finite scales, got "
-                                 f"{float(flat[int(bad[0])])!r} for KV head {int(bad[0])}")
+            check_scale_values(name, t)
         scales.append(t)
     return scales[0], scales[1]
 

@@ -25,7 +25,7 @@ fresh bytes or stamp cannot be undone (:func:`kvattn.backends.pytorch.put_rows`)
 Tags for many layers (an engine's pages are one block of every layer): :func:`reserve_pages` and
 :func:`release_pages` also take ``page_tags`` of shape ``[num_layers, num_pages]`` (each row one
 layer's contiguous tag array, what the readers take), and apply to page ``p`` of every layer in one
-call.
+call. The rows must not overlap in memory (``ValueError`` otherwise, as for pools whose pages do).
 
 Malformed values (``validate``, :mod:`kvattn.write_args`): owner ids outside ``[1, OWNER_MAX]`` and
 (for reserve and release) page ids outside the pool raise ``ValueError`` where the values are on
@@ -40,7 +40,8 @@ import torch
 
 from . import backends
 from .backends.pytorch import max_rows, put_rows, reserved, written
-from .layout import MAX_PAGE_SIZE, check_apart, check_page_tags, check_tensor, is_page_size
+from .layout import (MAX_PAGE_SIZE, check_apart, check_distinct_elements, check_page_tags,
+                     check_tensor, is_page_size)
 from .report import WriteResult
 from .tags import FREE_TAG, OWNER_SHIFT, WriteDrop, held_by, valid_owner
 from .write_args import INDEX_DTYPES, on_host, owner_ids, validate_write_kv
@@ -64,6 +65,9 @@ def _layer_rows(page_tags) -> torch.Tensor:
         if page_tags.shape[1] > 1 and page_tags.stride(1) != 1:
             raise ValueError(f"page_tags: expected contiguous rows (one per layer, stride 1), got "
                              f"strides {page_tags.stride()}")
+        # Rows sharing words (stride 0, or folded onto each other) would let a write for one
+        # layer's page land in another layer's page.
+        check_distinct_elements("page_tags", page_tags)
         return page_tags
     check_page_tags(page_tags, page_tags.shape[0] if isinstance(page_tags, torch.Tensor) else 0)
     return page_tags[None]

@@ -265,6 +265,27 @@ KVATTN_DEVICE float variant_score(float x, const ScoreVariant& v, float alibi2, 
   return x;
 }
 
+// The ranges of the switch values, kvattn/variants.py's (MIN_SCALE, MAX_SCALE, ALIBI_SLOPE_MAX).
+constexpr float kScaleMin = 0x1p-126f, kScaleMax = 0x1p126f, kSlopeMax = 0x1p32f;
+
+KVATTN_DEVICE bool scale_ok(float x) { return x >= kScaleMin && x <= kScaleMax; }  // false for NaN
+
+// Whether query head `head` (of KV head `kv_head`) reads anything: false when its sink is NaN or
+// +inf, its ALiBi slope is not within kSlopeMax, or (FP8) a scale of its KV head is out of range.
+// The rule is kvattn/variants.py's (Variant.heads_read): such a head gets output 0 and lse -inf.
+// Tested once per row after the key loop, from values the kernel reads anyway.
+template <bool VARIANT, bool FP8>
+KVATTN_DEVICE bool head_reads(const ScoreVariant& v, const float* k_scale, const float* v_scale, int head,
+                              int kv_head) {
+  bool ok = true;
+  if (VARIANT) {
+    if (v.sinks != nullptr) ok = ok && v.sinks[head] < INFINITY;
+    if (v.alibi != nullptr) ok = ok && fabsf(v.alibi[head]) <= kSlopeMax;
+  }
+  if (FP8) ok = ok && scale_ok(k_scale[kv_head]) && scale_ok(v_scale[kv_head]);
+  return ok;
+}
+
 // The softmax denominator of a row with running max m (base 2) and sum l: an attention sink's
 // logit (natural) joins it. A row with nothing read (l == 0) is 0 / -inf whatever the sink.
 KVATTN_DEVICE float with_sink(float l, float m, const float* sinks, int head) {

@@ -53,15 +53,19 @@ KVATTN_HOST_DEVICE SplitRange split_range(int64_t seq_len, int split, int num_sp
 // The first key a decode query reads (0 without a sliding window), and the first token of the
 // splits: that key's align-aligned start (kvattn.backends.grids, window_start in the Triton
 // kernel), so that every page is still checked by exactly one split and pages before it by none.
+// The query sits at raw_len - 1, the length as given even past the table (kvattn/variants.py);
+// a window wholly past the table (seq_len, the clamped length) spans nothing.
 struct WindowSpan {
   int64_t first_key, span_lo;
 };
 
 template <bool VARIANT>
-KVATTN_HOST_DEVICE WindowSpan window_span(int64_t seq_len, const ScoreVariant& v, int align) {
+KVATTN_HOST_DEVICE WindowSpan window_span(int32_t raw_len, int64_t seq_len, const ScoreVariant& v, int align) {
   if (!VARIANT || v.window_left < 0) return {0, 0};
-  const int64_t first = seq_len - 1 - v.window_left > 0 ? seq_len - 1 - v.window_left : 0;
-  return {first, first / align * align};
+  const int64_t q_pos = (raw_len > 0 ? raw_len : 0) - int64_t{1};
+  const int64_t first = q_pos - v.window_left > 0 ? q_pos - v.window_left : 0;
+  const int64_t span_lo = first / align * align;
+  return {first, span_lo < seq_len ? span_lo : seq_len};
 }
 
 // Resolving a sub-tile's 16 tokens takes two dependent loads (block-table entry, then tag) and is
@@ -265,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
   const int32_t raw_len = p.seq_lens[b * p.stride_sl];
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
-  const WindowSpan win = window_span<VARIANT>(seq_len, p.var, p.align);
+  const WindowSpan win = window_span<VARIANT>(raw_len, seq_len, p.var, p.align);
   SplitRange range = split_range(seq_len - win.span_lo, split, p.num_splits, p.align, p.min_chunk);
   range.start += win.span_lo;
   range.end += win.span_lo;
@@ -330,8 +334,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     float s[kSubTile / 8][4];
     if constexpr (kFp8) qk_scores_fp8<T, KV, D, kSubTile>(s, q, k_rows, ksteps);
     else qk_scores<T, D, kSubTile>(s, q, k_rows, ksteps);
-    // Position of token 0 of this sub-tile minus the query's (seq_len - 1), for ALiBi.
-    const float distance0 = VARIANT ? static_cast<float>(sub_tile_start(tiles_lo, warp, i) - (seq_len - 1)) : 0.0f;
+    // Position of token 0 of this sub-tile minus the query's (raw_len - 1), for ALiBi.
+    const float distance0 = VARIANT ? static_cast<float>(sub_tile_start(tiles_lo, warp, i) - (raw_len - int64_t{1})) : 0.0f;
 #pragma unroll
     for (int n = 0; n < kSubTile / 8; ++n)
 #pragma unroll
@@ -386,21 +390,23 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
       o += wo[r * DV + d] * weight;
       l += ml[kWarpRows + r] * weight;
     }
-    // Only an empty row (l == 0) gets the 0 / -inf convention; a NaN read from a page that passed
-    // the check propagates, as in the reference. Blocks of a head split write their columns; the
-    // first writes the row's statistics.
+    // Only an empty row (l == 0), or a head that reads nothing (head_reads), gets the 0 / -inf
+    // convention; a NaN read from a page that passed the check propagates, as in the reference.
+    // Blocks of a head split write their columns; the first writes the row's statistics.
+    const bool reads = head_reads<VARIANT, kFp8>(p.var, p.k_scale, p.v_scale, head0 + r, kv_head);
     if (p.num_splits == 1) {
       const float denominator = VARIANT ? with_sink(l, m_ref, p.var.sinks, head0 + r) : l;
       static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + v_col + d] =
-          from_float<T>(l == 0.0f ? 0.0f : o / denominator);
+          from_float<T>(l == 0.0f || !reads ? 0.0f : o / denominator);
       if (d == 0 && d_part == 0 && p.lse != nullptr)
-        p.lse[b * p.num_heads + head0 + r] = l == 0.0f ? -INFINITY : (m_ref + log2f(l)) * kLn2;
+        p.lse[b * p.num_heads + head0 + r] = l == 0.0f || !reads ? -INFINITY : (m_ref + log2f(l)) * kLn2;
     } else if (active) {
+      // A head that reads nothing stores the state of a split with nothing read.
       const int64_t row = (b * p.num_heads + head0 + r) * p.num_splits + split;
-      p.part_acc[row * p.head_dim + v_col + d] = o;
+      p.part_acc[row * p.head_dim + v_col + d] = reads ? o : 0.0f;
       if (d == 0 && d_part == 0) {
-        p.part_ml[row * 2] = m_top;
-        p.part_ml[row * 2 + 1] = l;
+        p.part_ml[row * 2] = reads ? m_top : -INFINITY;
+        p.part_ml[row * 2 + 1] = reads ? l : 0.0f;
       }
     }
   }
@@ -461,7 +467,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Decod
   const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
   const int32_t raw_len = p.seq_lens[b * p.stride_sl];
   const int64_t seq_len = min64(max64(raw_len, 0), capacity);
-  const int64_t span = seq_len - window_span<VARIANT>(seq_len, p.var, p.align).span_lo;
+  const int64_t span = seq_len - window_span<VARIANT>(raw_len, seq_len, p.var, p.align).span_lo;
   const SplitRange first = split_range(span, 0, S, p.align, p.min_chunk);
   const int active = static_cast<int>((span + first.chunk - 1) / first.chunk);
   const int64_t row0 = (b * p.num_heads + head) * S;

@@ -73,13 +73,16 @@ __global__ void __launch_bounds__(kThreads, 1) resolve_pages_kernel(const Extend
 }
 
 // Where key t0 + tid lives (threads tid < kKeys): page (-1 when the key may not be read) and slot.
-template <bool CHECK>
+// VARIANT: keys before `first` (the first key any row of the block reads, under a sliding window)
+// are not read either: masked by scores alone, whatever they hold would still reach the other rows
+// as 0 * NaN.
+template <bool CHECK, bool VARIANT>
 KVATTN_DEVICE int2 load_key_entry(const ExtendParams& p, const int32_t* bt_row, const int64_t* eff_row, int64_t t0,
-                                  int64_t kv_hi, int keys) {
+                                  int64_t first, int64_t kv_hi, int keys) {
   const int tid = threadIdx.x;
   int2 entry = make_int2(-1, 0);
   const int64_t t = t0 + tid;
-  if (tid < keys && t < kv_hi) {
+  if (tid < keys && t < kv_hi && (!VARIANT || t >= first)) {
     const int64_t logical = page_of(p.page, t);
     const int slot = static_cast<int>(t - logical * p.page.size);
     if (CHECK) {
@@ -138,7 +141,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   const int64_t diagonal = p.causal ? max64(first_pos + m0 + 1, 0) / NK * NK : kv_hi;
   // With a sliding window, key tiles wholly before the window of the block's first row are skipped.
   const bool windowed = VARIANT && p.var.window_left >= 0;
-  const int64_t j0 = windowed ? min64(max64(first_pos + m0 - p.var.window_left, 0) / NK, n_tiles) : 0;
+  const int64_t first_key = windowed ? max64(first_pos + m0 - p.var.window_left, 0) : 0;
+  const int64_t j0 = windowed ? min64(first_key / NK, n_tiles) : 0;
 
   unsigned char* q_rows = smem;
   unsigned char* tiles = smem + L::kQBytes;
@@ -160,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   }
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* eff_row = CHECK ? p.effective + b * p.max_pages : nullptr;
-  int2 entry = load_key_entry<CHECK>(p, bt_row, eff_row, j0 * NK, kv_hi, NK);
+  int2 entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, j0 * NK, first_key, kv_hi, NK);
 
   // Stores the key entries of tile j (loaded one tile earlier) and their mask: keys 32w .. 32w + 31
   // by warp w.
@@ -203,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   };
 
   store_keys(j0);
-  entry = load_key_entry<CHECK>(p, bt_row, eff_row, (j0 + 1) * NK, kv_hi, NK);
+  entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, (j0 + 1) * NK, first_key, kv_hi, NK);
   __syncthreads();
   if (j0 < n_tiles) copy_tile(j0);
   cp_async_commit();
@@ -224,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
 
   for (int64_t j = j0; j < n_tiles; ++j) {
     store_keys(j + 1);  // entries of tile j + 1, loaded during tile j - 1
-    entry = load_key_entry<CHECK>(p, bt_row, eff_row, (j + 2) * NK, kv_hi, NK);
+    entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, (j + 2) * NK, first_key, kv_hi, NK);
     __syncthreads();  // tile j + 1's entries visible; every warp is done with tile j - 1's buffer
     if (j + 1 < n_tiles) copy_tile(j + 1);
     cp_async_commit();
@@ -259,14 +263,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   cp_async_wait<0>();
   att.finish();
 
-  // Only an empty row (l == 0) gets the 0 / -inf convention; a NaN read from a page that passed the
-  // check propagates, as in the reference.
+  // Only an empty row (l == 0), or a head that reads nothing (head_reads), gets the 0 / -inf
+  // convention; a NaN read from a page that passed the check propagates, as in the reference.
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = warp * kWarpRows + g + 8 * r;
     if (!row_ok(row)) continue;
-    const float l = att.l[r];
+    const bool reads = head_reads<VARIANT, false>(p.var, nullptr, nullptr, kv_head * p.group + row_head(row), kv_head);
+    const float l = reads ? att.l[r] : 0.0f;
     const float denominator = VARIANT ? with_sink(l, att.m[r], p.var.sinks, kv_head * p.group + row_head(row)) : l;
     T* out_row = out + (row0 + row_token(row)) * p.stride_ot + (kv_head * p.group + row_head(row)) * p.stride_oh;
 #pragma unroll

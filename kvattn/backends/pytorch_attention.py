@@ -65,7 +65,8 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
     ``[S, N, Hkv, D]`` where ``mask`` ``[S, T, N]``; ``q_pos`` ``[S, T]`` and ``key_pos`` ``[S, N]``
     are positions in the sequence. The score transforms are those of
     :func:`kvattn.reference.attend`, in its order. Returns ``out`` ``[Hkv, S, G, T, D]`` and ``lse``
-    ``[Hkv, S, G, T]``; a row with nothing in ``mask`` gets output 0 and lse -inf."""
+    ``[Hkv, S, G, T]``; a row with nothing in ``mask``, and a head that reads nothing
+    (:meth:`kvattn.variants.Variant.heads_read`), gets output 0 and lse -inf."""
     hkv, s, g, t, d = q.shape
     n = k.shape[1]
     logits = q.new_empty(hkv, s, g * t, n)
@@ -90,9 +91,15 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
     out = out.view(hkv, s, g, t, d)
     out = out / denom.masked_fill(denom == 0, 1)[..., None]
     if variant.sinks is not None:
-        # As the reference: the sink's share of the denominator is sigmoid(lse - sink).
+        # As the reference: the sink's share of the denominator is sigmoid(lse - sink), 1 for -inf.
         sinks = variant.sinks.float().view(hkv, 1, g, 1)
-        out = out * torch.sigmoid(lse - sinks)[..., None]
+        share = torch.where(torch.isneginf(sinks), 1.0, torch.sigmoid(lse - sinks))
+        out = out * share[..., None]
+    reads = variant.heads_read(hkv * g)
+    if reads is not None:
+        reads = reads.view(hkv, 1, g, 1)
+        out = torch.where(reads[..., None], out, 0)
+        lse = torch.where(reads, lse, float("-inf"))
     return out, lse
 
 
@@ -149,10 +156,12 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
         ok = allowed.index_select(0, rows).gather(1, key_pos)
         ok &= inside.repeat_interleave(page, dim=1)
         q_pos = q_pos_all.index_select(0, rows)[:, None]  # [S, 1]
-        mask = ok[:, None, :]
         window = _window_mask(sw, q_pos, key_pos)
         if window is not None:
-            mask = mask & window
+            # Slots of the window's first page before it are not read: zeroed with the refused
+            # ones, so whatever they hold never enters a product.
+            ok &= window[:, 0]
+        mask = ok[:, None, :]
         k = _gather(a, a.k_cache, sw.k_scale, pages, ok)
         v = _gather(a, a.v_cache, sw.v_scale, pages, ok)
         q = a.q.index_select(0, rows).float() * a.scale

@@ -30,7 +30,7 @@ from ...layout import DecodeArgs
 from ...report import OwnershipReport
 from ..grids import plan_num_splits
 from .configs import DecodeConfig, decode_config
-from .softmax import online_softmax_step, qk_scores, sink_denominator, variant_scores
+from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
 from .split_report import REPORT_FIELDS, store_split_report
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, check_pages, tile_slots
 
@@ -47,14 +47,16 @@ def split_range(seq_len, split, num_splits, min_chunk, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def window_start(seq_len, window_left, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
+def window_start(raw_len, seq_len, window_left, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
     """``(first key read, first token of the splits)``: with a sliding window the query at
-    ``seq_len - 1`` reads keys from ``seq_len - 1 - window_left`` on, and the splits cover
-    ``[span_lo, seq_len)`` from that key's ALIGN-aligned start (kvattn.backends.grids.window_span),
-    so every page is still checked by one split and pages before the window by none."""
+    ``raw_len - 1`` (the length as given, also past the table: kvattn.variants) reads keys from
+    ``raw_len - 1 - window_left`` on, and the splits cover ``[span_lo, seq_len)`` (``seq_len``
+    clamped to the table) from that key's ALIGN-aligned start, or from seq_len when the window
+    lies past the table, so every page is still checked by one split and pages before the window
+    by none."""
     if WINDOW:
-        first = tl.maximum(seq_len - 1 - window_left, 0)
-        return first, first // ALIGN * ALIGN
+        first = tl.maximum(tl.maximum(raw_len, 0) - 1 - window_left, 0)
+        return first, tl.minimum(first // ALIGN * ALIGN, seq_len)
     return 0, 0
 
 
@@ -80,7 +82,8 @@ def paged_decode_kernel(
     raw_len = tl.load(seq_lens_ptr + b)
     capacity = max_pages * PAGE
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
-    first_key, span_lo = window_start(seq_len, window_left, WINDOW, ALIGN)
+    q_pos = raw_len - 1  # the query's position, from the length as given (kvattn.variants)
+    first_key, span_lo = window_start(raw_len, seq_len, window_left, WINDOW, ALIGN)
     start, end, _ = split_range(seq_len - span_lo, split, num_splits, min_chunk, ALIGN)
     start += span_lo
     end += span_lo
@@ -126,7 +129,7 @@ def paged_decode_kernel(
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        distance = (t0 + offs_n - (seq_len - 1)).to(tl.float32)[None, :]  # [1, BLOCK_N]
+        distance = (t0 + offs_n - q_pos).to(tl.float32)[None, :]  # [1, BLOCK_N]
         s = variant_scores(qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance,
                            SOFTCAP, ALIBI)
         s = tl.where(live[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
@@ -145,13 +148,21 @@ def paged_decode_kernel(
                             seq_len, first_key, split * stripe,
                             tl.minimum((split + 1) * stripe, span_lo // PAGE), PAGE, BLOCK_P)
 
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)  # V's scale, once (splits store scaled sums)
+    if SINKS or ALIBI or FP8:
+        # A head whose switch values are invalid (kvattn.variants) reads nothing: from here on its
+        # state is that of a row with nothing read, in this split and in the merge.
+        reads = heads_read(heads, g_mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
+                           SINKS, ALIBI, FP8)
+        acc = tl.where(reads[:, None], acc, 0.0)
+        m_i = tl.where(reads, m_i, float("-inf"))
+        l_i = tl.where(reads, l_i, 0.0)
     if num_splits == 1:
         sink2 = tl.zeros([BLOCK_G], dtype=tl.float32)
         if SINKS:
             sink2 = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
         out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
-        if FP8:
-            out = out * tl.load(v_scale_ptr + kv_head)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         if RETURN_LSE:
@@ -170,20 +181,21 @@ def paged_decode_kernel(
 def merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, part_report_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
-    max_pages, num_splits, min_chunk, stride_ob, stride_oh, window_left, sinks_ptr, v_scale_ptr,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    max_pages, num_splits, min_chunk, stride_ob, stride_oh, window_left, sinks_ptr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_S: tl.constexpr, CHECK: tl.constexpr,
-    RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
+    RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """Combine the splits of one (sequence, head) that lie inside the sequence; a split with nothing
-    readable has m = -inf, l = 0 and weighs 0, and a row where every split is empty gets output 0
+    """Combine the splits of one (sequence, head) that lie inside the sequence (their sums already
+    scaled by an fp8 pool's v_scale); a split with nothing readable (or of a head that reads
+    nothing) has m = -inf, l = 0 and weighs 0, and a row where every split is empty gets output 0
     and lse -inf. The head-0 program of each sequence also sums the splits' report counts."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     raw_len = tl.load(seq_lens_ptr + b)
     capacity = max_pages * PAGE
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
-    _, span_lo = window_start(seq_len, window_left, WINDOW, ALIGN)
+    _, span_lo = window_start(raw_len, seq_len, window_left, WINDOW, ALIGN)
     _, _, chunk = split_range(seq_len - span_lo, 0, num_splits, min_chunk, ALIGN)
     active = tl.cdiv(seq_len - span_lo, chunk)
     offs_s = tl.arange(0, BLOCK_S)
@@ -212,10 +224,10 @@ def merge_splits_kernel(
     l_safe = tl.where(l_total > 0, l_total, 1.0)
     denominator = l_safe
     if SINKS:
-        denominator = l_total + tl.exp2(tl.load(sinks_ptr + head) * LOG2E_C - m_ref)
+        # With nothing read the sink joins no denominator (a sink of -inf would give 0 / 0).
+        denominator = tl.where(l_total > 0,
+                               l_total + tl.exp2(tl.load(sinks_ptr + head) * LOG2E_C - m_ref), 1.0)
     out = tl.sum(acc, axis=0) / denominator  # [BLOCK_D]
-    if FP8:
-        out = out * tl.load(v_scale_ptr + head // GROUP)
     tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
     if RETURN_LSE:
@@ -316,10 +328,9 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     if splits > 1:
         merge_splits_kernel[(batch, num_heads)](
             part_acc, part_ml, part_report, args.seq_lens, out, lse_arg, *report_args,
-            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), sw.window_left,
-            sinks, v_scale,
-            NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            PAGE=args.page_size, ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None,
-            **switches, num_warps=4,
+            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), sw.window_left, sinks,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size,
+            ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
+            SINKS=sw.sinks is not None, num_warps=4,
         )
     return report

@@ -33,7 +33,7 @@ from ...report import OwnershipReport
 from ..grids import extend_tile_map
 from .configs import ExtendConfig, extend_config
 from .paged_decode import interpreted
-from .softmax import online_softmax_step, qk_scores, sink_denominator, variant_scores
+from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
 SLOT_BITS = tl.constexpr(32)
@@ -88,17 +88,21 @@ def resolve_pages_kernel(
 
 
 @triton.jit
-def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages, stride_kp, stride_ks,
-                 stride_vp, stride_vs, offs_n, offs_d, offs_dv, HEAD_DIM: tl.constexpr,
-                 PAGE: tl.constexpr, CHECK: tl.constexpr):
+def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, stride_kp,
+                 stride_ks, stride_vp, stride_vs, offs_n, offs_d, offs_dv, HEAD_DIM: tl.constexpr,
+                 PAGE: tl.constexpr, CHECK: tl.constexpr, WINDOW: tl.constexpr):
     """K ``[BLOCK_N, BLOCK_D]`` and V ``[BLOCK_N, DV]`` (this program's slice of the head dim) of
-    keys ``t0 + offs_n``, and the mask of those that may be read: below ``kv_hi``, in the pool and
-    (checked) among the page's readable slots. One table entry per key in both variants: the
-    effective entry (checked) or the block-table entry."""
+    keys ``t0 + offs_n``, and the mask of those that may be read: below ``kv_hi`` (and, WINDOW, at
+    or after ``kv_lo``), in the pool and (checked) among the page's readable slots. One table entry
+    per key in both variants: the effective entry (checked) or the block-table entry."""
     tok = t0 + offs_n  # [BLOCK_N]
     logical = tok // PAGE
     slot = tok % PAGE
     live = tok < kv_hi
+    if WINDOW:
+        # Keys before every row's window are not loaded: masked by scores alone, whatever they
+        # hold would still reach the other rows as 0 * NaN.
+        live = live & (tok >= kv_lo)
     if CHECK:
         entry = tl.load(eff_row + logical, mask=live, other=0)  # [BLOCK_N]
         page = entry >> SLOT_BITS
@@ -221,16 +225,18 @@ def paged_extend_kernel(
         # At least 0: with a length near the int32 limits first_pos + m0 + 1 wraps negative, and a
         # negative start would walk keys below 0 (they pass tok < kv_hi).
         diagonal = tl.maximum(tl.minimum(kv_hi, (first_pos + m0 + 1) // BLOCK_N * BLOCK_N), 0)
+    first_key = 0  # the first key any row of the tile reads: its first row's window start
     kv_lo = 0
     if WINDOW:
         # Tiles wholly before the window of the tile's first row are skipped; the window mask
         # applies per element on the others.
-        kv_lo = tl.maximum(first_pos + m0 - window_left, 0) // BLOCK_N * BLOCK_N
+        first_key = tl.maximum(first_pos + m0 - window_left, 0)
+        kv_lo = first_key // BLOCK_N * BLOCK_N
         diagonal = tl.maximum(diagonal, kv_lo)
     for t0 in range(kv_lo, diagonal, BLOCK_N):
-        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
+        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi, num_pages,
                                   stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
-                                  offs_dv, HEAD_DIM, PAGE, CHECK)
+                                  offs_dv, HEAD_DIM, PAGE, CHECK, WINDOW)
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -238,9 +244,9 @@ def paged_extend_kernel(
                         False, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
     for t0 in range(diagonal, kv_hi, BLOCK_N):
-        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_hi, num_pages,
+        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi, num_pages,
                                   stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
-                                  offs_dv, HEAD_DIM, PAGE, CHECK)
+                                  offs_dv, HEAD_DIM, PAGE, CHECK, WINDOW)
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -251,9 +257,16 @@ def paged_extend_kernel(
     sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINKS:
         sink2 = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E_C
-    out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
     if FP8:
-        out = out * tl.load(v_scale_ptr + kv_head)
+        acc = acc * tl.load(v_scale_ptr + kv_head)
+    if SINKS or ALIBI or FP8:
+        # A head whose switch values are invalid (kvattn.variants) reads nothing: its rows end as
+        # rows with nothing read.
+        reads = heads_read(head, row_ok, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
+                           SINKS, ALIBI, FP8)
+        acc = tl.where(reads[:, None], acc, 0.0)
+        l_i = tl.where(reads, l_i, 0.0)
+    out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DIM)[None, :])

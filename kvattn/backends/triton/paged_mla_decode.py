@@ -200,9 +200,9 @@ def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torc
     if splits > 1:
         merge_splits_kernel[(batch, num_heads)](
             part_acc, part_ml, part_report, args.seq_lens, out, lse_arg, *report_args,
-            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), -1, out, out,
-            NUM_HEADS=num_heads, GROUP=num_heads, HEAD_DIM=lora, BLOCK_D=block_l,
-            PAGE=args.page_size, ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None,
-            WINDOW=False, SINKS=False, FP8=False, num_warps=4,
+            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), -1, out,
+            NUM_HEADS=num_heads, HEAD_DIM=lora, BLOCK_D=block_l, PAGE=args.page_size, ALIGN=align,
+            BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None, WINDOW=False, SINKS=False,
+            num_warps=4,
         )
     return report

@@ -1,10 +1,16 @@
-"""The online-softmax step shared by the Triton attention kernels (decode and extend)."""
+"""The online-softmax step shared by the Triton attention kernels (decode and extend), and the
+score and epilogue rules of the variants."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from ... import variants
 from .tag_rule import LOG2E_C
+
+SCALE_MIN = tl.constexpr(variants.MIN_SCALE)
+SCALE_MAX = tl.constexpr(variants.MAX_SCALE)
+SLOPE_MAX = tl.constexpr(variants.ALIBI_SLOPE_MAX)
 
 
 @triton.jit
@@ -55,9 +61,32 @@ def variant_scores(qk, qk_scale, soft_cap, alibi2, distance, SOFTCAP: tl.constex
 @triton.jit
 def sink_denominator(l_i, m_i, sink2, SINKS: tl.constexpr):
     """The softmax denominator of a row with running max ``m_i`` and sum ``l_i`` (base 2): with
-    SINKS the sink logit ``sink2`` (base 2) joins it; a row with nothing read keeps output 0
-    (its accumulator is 0) and the returned lse, from ``l_i`` alone, stays -inf."""
+    SINKS the sink logit ``sink2`` (base 2) joins it. A row with nothing read (``l_i == 0``, its
+    accumulator 0) gets 1, so its output stays 0 whatever the sink (-inf would give 0 / 0), and
+    its lse, from ``l_i`` alone, -inf."""
     if SINKS:
         m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
-        return l_i + tl.exp2(sink2 - m_ref)
+        return tl.where(l_i > 0, l_i + tl.exp2(sink2 - m_ref), 1.0)
     return tl.where(l_i > 0, l_i, 1.0)
+
+
+@triton.jit
+def heads_read(heads, mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
+               SINKS: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr):
+    """Whether each query head of ``heads`` (where ``mask``) reads anything: False where its sink
+    or ALiBi slope, or a scale of its KV head ``kv_head``, is invalid. The rule and its ranges are
+    kvattn.variants' (Variant.heads_read): such a head gets output 0 and lse -inf. Loaded and
+    tested after the main loop, from values the kernel reads anyway."""
+    ok = mask
+    if SINKS:
+        ok = ok & (tl.load(sinks_ptr + heads, mask=mask, other=0.0) < float("inf"))  # NaN: False
+    if ALIBI:
+        ok = ok & (tl.abs(tl.load(alibi_ptr + heads, mask=mask, other=0.0)) <= SLOPE_MAX)
+    if FP8:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+        scales_ok = (k_scale >= SCALE_MIN) & (k_scale <= SCALE_MAX)
+        scales_ok = scales_ok & (v_scale >= SCALE_MIN) & (v_scale <= SCALE_MAX)
+        # A select, not `&`: the interpreter refuses a vector mask combined with a scalar bool.
+        ok = tl.where(scales_ok, ok, False)
+    return ok
