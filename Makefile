@@ -7,10 +7,13 @@ deps:
 	bash tools/ensure_deps.sh
 
 # C++/CUDA extensions in place, incremental: the CPU-harness modules of the CUDA kernels always
-# (g++ + pybind11), the CUDA module when nvcc is found (KVATTN_SKIP_CUDA_BUILD=1 skips it,
-# KVATTN_CUDA_ARCHS=90 builds sm_90 only). The last line printed says what was skipped and why.
+# (g++ + pybind11), the CUDA module whenever nvcc is found, GPU or not, since the static sm_90
+# gates of `make test` read it (KVATTN_CUDA_BUILD=0 builds it only where a GPU is visible, as
+# `pip install .` does; KVATTN_SKIP_CUDA_BUILD=1 skips it; KVATTN_CUDA_ARCHS=90 builds sm_90
+# only). The last line printed says what was skipped and why.
+KVATTN_CUDA_BUILD ?= 1
 build: deps
-	$(PYTHON) setup.py build_ext --inplace
+	KVATTN_CUDA_BUILD=$(KVATTN_CUDA_BUILD) $(PYTHON) setup.py build_ext --inplace
 
 # Without a GPU the Triton kernels run under the interpreter (tests/conftest.py). The slowest test
 # (tests/test_install.py: `pip install .` into a fresh virtual environment) is marked slow:
@@ -91,7 +94,10 @@ sanitize: build $(SANITIZE_DIR)/_sim.so
 	  UBSAN_OPTIONS=print_stacktrace=1 KVATTN_SIM_MODULE=$(SANITIZE_DIR)/_sim.so \
 	  $(PYTHON) -m pytest -n 2 -q -p no:cacheprovider -k "$(SANITIZE_SELECT)" $(SANITIZE_TESTS)
 
-demo: build
+# The demo runs the Triton kernels (the interpreter without a GPU) and needs no compiled
+# extension: only torch and triton are installed for it.
+demo:
+	bash tools/ensure_deps.sh --runtime
 	$(PYTHON) -m kvattn.demo
 
 env:

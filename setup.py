@@ -7,8 +7,11 @@
 - ``kvattn.backends.cuda._C``: the kernels compiled by nvcc for sm_80 and sm_90, or for the
   architectures in ``KVATTN_CUDA_ARCHS`` (``90``, ``80,90``, ``9.0``, ``sm_90a``), with ninja when
   present. The ``-Xptxas -v`` output is kept in build/cuda/ptxas.log and checked for local memory
-  (csrc/ptxas_report.py, summary in build/cuda/resources.json). Skipped when nvcc is not found
-  (PATH, then ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``) or ``KVATTN_SKIP_CUDA_BUILD=1``.
+  (csrc/ptxas_report.py, summary in build/cuda/resources.json). Built where it can run (an
+  NVIDIA GPU visible: ``/dev/nvidiactl``, or ``nvidia-smi -L`` lists one) or where asked for
+  (``KVATTN_CUDA_BUILD=1``: a wheel for GPU machines, the static gates of ``make test``); skipped
+  when nvcc is not found (PATH, then ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``), on a machine
+  without a GPU unless asked for, or with ``KVATTN_SKIP_CUDA_BUILD=1`` (which wins).
 - ``KVATTN_SKIP_EXTENSIONS=1`` (tools/ensure_deps.sh uses it for the editable install, then
   ``make build`` runs ``python setup.py build_ext --inplace``), or no pybind11 (a build without
   isolation), builds no extension: the install is pure Python. ``KVATTN_SKIP_HARNESS_BUILD=1``
@@ -87,6 +90,30 @@ def _nvcc() -> tuple:
         if candidate and os.path.exists(candidate):
             return candidate, None
     return None, f"nvcc not found on PATH nor in {home}/bin"
+
+
+def _gpu_visible() -> bool:
+    """Whether this machine shows an NVIDIA GPU, so that the CUDA module can run here."""
+    if os.path.exists("/dev/nvidiactl"):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return listed.returncode == 0 and "GPU" in listed.stdout
+
+
+def _cuda_wanted() -> tuple:
+    """``(nvcc path, None)`` when the CUDA module is to be built, else ``(None, why not)``."""
+    nvcc, why = _nvcc()
+    if nvcc is None:
+        return nvcc, why
+    if os.environ.get("KVATTN_CUDA_BUILD", "0") != "1" and not _gpu_visible():
+        return None, "no GPU visible (KVATTN_CUDA_BUILD=1 builds it anyway)"
+    return nvcc, None
 
 
 def _cuda_archs() -> tuple:
@@ -197,7 +224,7 @@ def _extensions():
                           depends=HEADERS + ["kvattn/tags.py"], extra_compile_args=SIM_FLAGS,
                           language="c++")
                 for name, source in SIM_MODULES.items()]
-    nvcc, why = _nvcc()
+    nvcc, why = _cuda_wanted()
     cxx = os.environ.get("CXX", "g++")
     if nvcc is not None and shutil.which(shlex.split(cxx)[0]) is None:
         nvcc, why = None, f"no host C++ compiler {cxx} for the binding"

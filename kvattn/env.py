@@ -169,8 +169,9 @@ def _kernel_name(demangled: str) -> str:
     return name.replace("kvattn::", "")
 
 
-def report(data: dict | None = None) -> str:
-    """The text ``python -m kvattn.env`` prints."""
+def report(data: dict | None = None, kernels: bool = False) -> str:
+    """The text ``python -m kvattn.env`` prints: the CUDA module's resources as one line per
+    architecture, or per kernel with ``kernels``."""
     data = info() if data is None else data
     v = data["versions"]
     lines = ["kvattn environment",
@@ -201,7 +202,18 @@ def report(data: dict | None = None) -> str:
     if data["build_summary"]:
         lines.append(f"  last build: {data['build_summary']}")
 
-    if data["cuda_resources"]:
+    if data["cuda_resources"] and not kernels:
+        lines.append("\nCUDA module, static resources (ptxas; `python -m kvattn.env --kernels` "
+                     "lists every kernel):")
+        for arch in sorted({r["arch"] for r in data["cuda_resources"]}):
+            rows = [r for r in data["cuda_resources"] if r["arch"] == arch]
+            spilling = sum(r["spill_stores"] + r["spill_loads"] > 0 for r in rows)
+            lines.append(f"  {arch}: {len(rows)} kernels, at most "
+                         f"{max(r['registers'] for r in rows)} registers, "
+                         f"{max(r['smem_static'] for r in rows)} bytes of static shared memory, "
+                         f"{max(r['stack_frame'] for r in rows)} bytes of stack; "
+                         f"{spilling} kernel(s) spill")
+    elif data["cuda_resources"]:
         lines.append("\nCUDA module, static resources per kernel (ptxas; registers, static shared "
                      "memory bytes, stack frame bytes, spill bytes):")
         lines.append(f"  {'kernel':<48} {'arch':<6} {'regs':>4} {'smem':>6} {'stack':>5} {'spill':>5}")
@@ -215,8 +227,10 @@ def report(data: dict | None = None) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvattn.env", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the data as JSON")
+    parser.add_argument("--kernels", action="store_true",
+                        help="list the CUDA module's resources per kernel")
     options = parser.parse_args(argv)
-    print(json.dumps(info(), indent=1) if options.json else report())
+    print(json.dumps(info(), indent=1) if options.json else report(kernels=options.kernels))
 
 
 if __name__ == "__main__":

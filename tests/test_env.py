@@ -55,7 +55,8 @@ def test_info_gives_the_state_of_every_extension_and_agrees_with_the_registry():
     elif sim["state"] == extensions.NOT_BUILT:
         assert reason == f"not built: {sim['reason']}"
     if data["cuda_resources"]:
-        assert "paged_decode_kernel<" in env.report(data)
+        assert "paged_decode_kernel<" in env.report(data, kernels=True)
+        assert "paged_decode_kernel<" not in env.report(data)
 
 
 def test_report_lays_out_versions_backends_extensions_and_resources():
@@ -63,11 +64,16 @@ def test_report_lays_out_versions_backends_extensions_and_resources():
     data["cuda_resources"] = [dict(kernel="void kvattn::paged_decode_kernel<__half, true>"
                                           "(kvattn::DecodeParams)", arch="sm_90", registers=56,
                                    smem_static=1024, stack_frame=0, spill_stores=0, spill_loads=0)]
+    data["cuda_resources"].append(dict(data["cuda_resources"][0], registers=128, spill_stores=8))
     text = env.report(data)
     for heading in ("kvattn environment", "Backends for a probe input", "Extensions:",
-                    "CUDA module, static resources per kernel"):
+                    "CUDA module, static resources (ptxas"):
         assert heading in text
     assert "write_kv on cpu: auto takes torch" in text
+    assert ("  sm_90: 2 kernels, at most 128 registers, 1024 bytes of static shared memory, 0 bytes "
+            "of stack; 1 kernel(s) spill") in text
+    text = env.report(data, kernels=True)
+    assert "CUDA module, static resources per kernel" in text
     row = next(line for line in text.splitlines() if "paged_decode_kernel<__half, true>" in line)
     assert row.split()[-5:] == ["sm_90", "56", "1024", "0", "0"] and "kvattn::" not in row
 

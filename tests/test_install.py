@@ -1,9 +1,11 @@
 """``pip install .`` into a fresh virtual environment builds the extensions a user's machine allows.
 
-One build for the module (the harness modules take about 10 s each, the CUDA module about 20 s for
-sm_90 alone): the fixture copies the repository's files as a clone would hold them (no build/, no
-in-place modules), creates a virtual environment that sees the machine's packages (torch and triton
-are not downloaded again), and runs ``pip install -v .`` with ``KVATTN_CUDA_ARCHS=90``. The build
+One build for the module: the fixture copies the repository's files as a clone would hold them (no
+build/, no in-place modules), creates a virtual environment that sees the machine's packages (torch
+and triton are not downloaded again), and runs ``pip install -v .`` with ``KVATTN_CUDA_ARCHS=90``.
+The CUDA module is built only where nvcc is found and a GPU is visible (setup.py's default), so on
+a machine without a GPU the install builds the CPU harness alone and says why it skipped the rest.
+What was built is checked, never how long it took. The build
 requirements come from the package index into pip's isolated build environment, as on a user's
 machine; where no index answers (the lent GPU machine), the build runs without isolation against
 the installed setuptools and pybind11. The test then looks at the installed package from outside
@@ -36,6 +38,27 @@ def _nvcc_present() -> bool:
     return shutil.which("nvcc") is not None or os.path.exists(os.path.join(home, "bin", "nvcc"))
 
 
+def _gpu_visible() -> bool:
+    """setup.py's rule for a machine where the CUDA module can run."""
+    if os.path.exists("/dev/nvidiactl"):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    return listed.returncode == 0 and "GPU" in listed.stdout
+
+
+def _cuda_skipped_because() -> str | None:
+    """Why this machine's install skips the CUDA module (a phrase of the build's reason), or None
+    when it builds it."""
+    if not _nvcc_present():
+        return "nvcc not found"
+    if not _gpu_visible():
+        return "no GPU visible (KVATTN_CUDA_BUILD=1 builds it anyway)"
+    return None
+
+
 def _source_files() -> list[str]:
     """What a clone holds: tracked files, plus new files git does not ignore."""
     try:
@@ -55,7 +78,7 @@ def _source_files() -> list[str]:
 def _clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "KVATTN_SKIP_EXTENSIONS", "KVATTN_SKIP_CUDA_BUILD",
-                        "KVATTN_CUDA_ARCHS", "KVATTN_BACKEND")}
+                        "KVATTN_CUDA_BUILD", "KVATTN_CUDA_ARCHS", "KVATTN_BACKEND")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
     return env
 
@@ -90,8 +113,9 @@ def installed(tmp_path_factory):
             pytest.skip(f"no package index answers and {missing} are not installed: cannot build")
         command.append("--no-build-isolation")
     start = time.perf_counter()
+    # The timeout only stops a hung build; the time is printed, never compared.
     result = subprocess.run(command, cwd=src, capture_output=True, text=True,
-                            env=_clean_env(KVATTN_CUDA_ARCHS="90"), timeout=1200)
+                            env=_clean_env(KVATTN_CUDA_ARCHS="90"), timeout=3600)
     seconds = time.perf_counter() - start
     log = result.stdout + result.stderr
     assert result.returncode == 0, f"pip install failed after {seconds:.0f} s:\n{log[-6000:]}"
@@ -151,7 +175,8 @@ def _check_installed_modules(python: str, cwd: pathlib.Path) -> None:
 
     entries = got["record"]["extensions"]
     state, reason, path = got["statuses"][CUDA]
-    if _nvcc_present():
+    skipped = _cuda_skipped_because()
+    if skipped is None:
         assert state == "built" and pathlib.Path(path).is_relative_to(venv), (state, reason)
         assert entries[CUDA]["archs"] == ["90"]
         kernels = {(r["kernel"], r["arch"]) for r in entries[CUDA]["resources"]}
@@ -159,7 +184,7 @@ def _check_installed_modules(python: str, cwd: pathlib.Path) -> None:
         assert any("paged_decode_kernel" in k for k, _ in kernels)
         assert any("paged_extend_kernel" in k for k, _ in kernels)
     else:
-        assert state == "not built" and "nvcc not found" in reason, (state, reason)
+        assert state == "not built" and skipped in reason, (state, reason)
         assert entries[CUDA]["status"] == "skipped"
     assert {e["status"] for n, e in entries.items() if n != CUDA} == {"built"}
 
@@ -168,10 +193,11 @@ def _check_the_one_line(log: str) -> None:
     lines = [line.strip() for line in log.splitlines()
              if re.match(r"\s*kvattn: built .*(skipped|failed)", line)]
     assert len(lines) == 1, lines
-    if _nvcc_present():
+    skipped = _cuda_skipped_because()
+    if skipped is None:
         assert lines[0].endswith("skipped nothing") and "cuda._C (sm_90)" in lines[0], lines[0]
     else:
-        assert "skipped cuda._C: nvcc not found" in lines[0], lines[0]
+        assert f"skipped cuda._C: {skipped}" in lines[0], lines[0]
 
 
 def _check_environment_report(python: str, cwd: pathlib.Path) -> None:
@@ -179,5 +205,5 @@ def _check_environment_report(python: str, cwd: pathlib.Path) -> None:
                             text=True, env=_clean_env(), timeout=300)
     assert result.returncode == 0 and "RuntimeWarning" not in result.stderr, result.stderr
     assert "Extensions:" in result.stdout and SIM in result.stdout
-    if _nvcc_present():
-        assert "CUDA module, static resources per kernel" in result.stdout
+    if _cuda_skipped_because() is None:
+        assert "CUDA module, static resources (ptxas" in result.stdout
