@@ -24,6 +24,33 @@ settings.register_profile("kvattn", deadline=None, max_examples=40, derandomize=
 settings.load_profile("kvattn")
 
 
+# The lanes of the suite (`pytest -m <lane>`, markers in pytest.ini): every test file is in one.
+# `make test-fast` runs the kernel lanes; tests/test_repository.py holds this table to tests/.
+LANES = {
+    "contract": ("test_reference", "test_scenarios", "test_variant_scenarios", "test_report_written",
+                 "test_traces", "test_exactness"),
+    "readers": ("test_decode", "test_extend", "test_mla", "test_shapes", "test_variants",
+                "test_torch_reader", "test_cuda_graphs", "test_ops"),
+    "writers": ("test_writers", "test_writers_layers", "test_fp8_writer", "test_triton_writer",
+                "test_writer_registry", "test_cache"),
+    "backends": ("test_cuda", "test_cuda_extend", "test_cuda_fp8", "test_sanitize",
+                 "test_static_sm90"),
+    "robustness": ("test_hardening", "test_fuzz", "test_validation"),
+    "integrations": ("test_transformers", "test_transformers_differential",
+                     "test_transformers_variants", "test_adapter_messages", "test_vllm",
+                     "test_vllm_differential"),
+    "repository": ("test_repository", "test_readme", "test_support_matrix", "test_env",
+                   "test_demo", "test_install", "test_gpu_suite", "test_benchmarks_smoke"),
+}
+_LANE_OF = {module: lane for lane, modules in LANES.items() for module in modules}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Slow tests first: under xdist they then overlap with the rest instead of ending the run."""
+    """Each test gets its file's lane marker. Slow tests first: under xdist they then overlap with
+    the rest instead of ending the run."""
+    import pytest
+    for item in items:
+        lane = _LANE_OF.get(item.path.stem)
+        if lane is not None:
+            item.add_marker(getattr(pytest.mark, lane))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -183,3 +183,14 @@ def test_the_kvattn_import_graph_has_no_cycle():
     assert "kvattn.backends.cuda" in graph["kvattn.backends.cuda_sim"]  # the graph is not empty
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_every_test_file_is_in_one_lane():
+    """tests/conftest.py's LANES name every test file once (a new file must pick its lane), and
+    pytest.ini registers each lane as a marker."""
+    import conftest
+    files = sorted(p.stem for p in (ROOT / "tests").glob("test_*.py"))
+    listed = [module for modules in conftest.LANES.values() for module in modules]
+    assert sorted(listed) == files
+    markers = (ROOT / "pytest.ini").read_text()
+    assert all(f"\n    {lane}:" in markers for lane in conftest.LANES)
