@@ -8,7 +8,8 @@ deps:
 
 # C++/CUDA extensions in place, incremental: the CPU-harness modules of the CUDA kernels always
 # (g++ + pybind11), the CUDA module when nvcc is found (KVATTN_SKIP_CUDA_BUILD=1 skips it,
-# KVATTN_CUDA_ARCHS=90 builds sm_90 only). The last line printed says what was skipped and why.
+# KVATTN_CUDA_ARCHS=90 builds sm_90 only, KVATTN_NVCC_THREADS=N gives nvcc N threads). The last line
+# printed says what was skipped and why.
 build: deps
 	$(PYTHON) setup.py build_ext --inplace
 
