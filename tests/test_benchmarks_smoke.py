@@ -156,3 +156,17 @@ def test_mla_quick_run_writes_labelled_files(tmp_path, monkeypatch):
     run_dir, meta = _quick_run(tmp_path, monkeypatch, mla, TINY_MLA, "mla",
                                {"mla_overhead.png", "mla_bandwidth.png"})
     assert run_dir.name.endswith("_mla") and meta["op"] == "mla_decode"
+
+
+def test_headline_presets_hold_the_goal_points_and_the_sweeps_can_leave_them_out():
+    from benchmarks.sweep import HEADLINE_PRESETS, Sweep, parse_args
+    labels = [p.label() for p in decode.preset_points("headline")]
+    assert labels == [f"B{b}_ctx{c}_p16_h32x8_d128_bf16" for b, c in
+                      ((16, 8192), (16, 32768), (64, 8192), (64, 32768), (1, 4096), (1, 32768))]
+    assert [(p.batch, p.chunk, p.prefix) for p in extend.preset_points("headline")] == [(1, 4096, 0),
+                                                                                         (1, 512, 8192)]
+    args = parse_args("decode", "", ["--preset", "gpu-suite", "--skip-preset", "headline"], HEADLINE_PRESETS)
+    sweep = Sweep.start(args, decode.preset_points, "decode")
+    left = {p.label() for p in sweep.points}
+    assert not left & set(labels) and len(left) == len(decode.preset_points("gpu-suite")) - 6
+
