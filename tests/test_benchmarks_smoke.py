@@ -170,3 +170,38 @@ def test_headline_presets_hold_the_goal_points_and_the_sweeps_can_leave_them_out
     left = {p.label() for p in sweep.points}
     assert not left & set(labels) and len(left) == len(decode.preset_points("gpu-suite")) - 6
 
+
+def test_tune_times_the_default_first_then_the_split_counts_that_fill_the_slots():
+    from benchmarks import tune
+    from kvattn.backends.triton import configs
+    default = configs.decode_config(torch.device("cpu"), torch.bfloat16, 128, 16)
+    units, slots = 16 * 8, default.programs_per_sm * 132  # batch 16 x 8 KV heads on an H200
+    for planner in (-(-slots // units), slots // units):  # a planner that rounds up, one that fits
+        candidates = tune.triton_decode_candidates(default, planner, units, slots, 32, gpu=True)
+        assert candidates[0] == ("planner", default, planner)  # the default, whatever the planner
+        splits = [n for _, config, n in candidates if config == default]
+        assert len(splits) == len(set(splits)) and slots // units in splits
+        assert units * (slots // units) <= slots < units * (slots // units + 1)  # one wave, no tail
+        neighbours = [config for rule, config, n in candidates if rule == "neighbour"]
+        assert neighbours and all(n is None for rule, _, n in candidates if rule == "neighbour")
+        for config in neighbours:  # one field one step away
+            assert sum(getattr(config, f) != getattr(default, f) for f in
+                       ("block_n", "num_warps", "num_stages", "programs_per_sm")) == 1
+    assert tune.split_candidates(64, 8, None, 64) == [("planner", 64)]  # capped, no duplicates
+
+
+def test_tune_shares_the_budget_by_op_then_by_point():
+    from benchmarks import tune
+    now = [0.0]
+    shares = tune.Shares(100.0, list(tune.OPS), clock=lambda: now[0])
+    assert shares.start_op("triton-decode", 3) == pytest.approx(50.0)  # weights 2 : 1 : 1
+    assert shares.point_deadline() == pytest.approx(50.0 / 3)
+    now[0] = 40.0  # the first point ran past its share: the others still get one
+    assert shares.point_deadline() == pytest.approx(45.0)
+    now[0] = 45.0
+    assert shares.point_deadline() == pytest.approx(50.0)
+    now[0] = 50.0
+    assert shares.start_op("triton-extend", 2) == pytest.approx(75.0)
+    now[0] = 60.0  # what an op leaves passes to the next
+    assert shares.start_op("cuda-decode", 1) == pytest.approx(100.0)
+
