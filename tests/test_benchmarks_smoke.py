@@ -205,3 +205,25 @@ def test_tune_shares_the_budget_by_op_then_by_point():
     now[0] = 60.0  # what an op leaves passes to the next
     assert shares.start_op("cuda-decode", 1) == pytest.approx(100.0)
 
+
+def test_flex_times_the_first_call_apart():
+    from types import SimpleNamespace
+
+    from benchmarks import flex
+    calls = []
+
+    def build(inp):
+        def run(i):
+            calls.append(i)
+            return inp.q, None
+        return run, None
+
+    record = {}
+    prov = flex.first_call_timed(providers.Provider("p", "p", False, lambda inp: None, build), record)
+    run, _ = prov.build(SimpleNamespace(q=torch.zeros(1)))
+    run(0)
+    first = dict(record)
+    assert set(first) == {"compile_s", "dynamo_graphs", "warnings"} and first["compile_s"] >= 0
+    run(1)
+    assert record == first and calls == [0, 1]
+    assert len(flex.preset_points("headline")) <= 2  # each shape is a compile
