@@ -227,3 +227,12 @@ def test_flex_times_the_first_call_apart():
     run(1)
     assert record == first and calls == [0, 1]
     assert len(flex.preset_points("headline")) <= 2  # each shape is a compile
+
+
+@CPU_ONLY
+def test_the_kernels_for_nsight_compute_run(capsys):
+    from benchmarks import ncu_kernels
+    assert ncu_kernels.main() == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ran")]
+    assert [line.split(": ")[1].split()[0] for line in ran] == ["decode-checked", "decode-unchecked",
+                                                               "extend-checked"]
