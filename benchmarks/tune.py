@@ -221,7 +221,7 @@ def tune_triton_decode(p: Point, device: Device, out: Writer, deadline: float, h
     planner, min_chunk, _ = paged_decode.plan_splits(args[0], default)
     units = p.batch * p.num_kv_heads
     sms = grids.device_sms(dev)
-    slots = default.programs_per_sm * sms if sms else None
+    slots = default.programs_per_sm * sms if sms and getattr(default, "programs_per_sm", None) else None
     cap = max(1, -(-args[0].max_pages * p.page_size // min_chunk))
     out.note(f"triton-decode {p.label()}: default {_label(default)}, planner {planner} splits "
              f"({units * planner} programs" + (f" for {slots} slots, {units * planner / slots:.2f} "
@@ -261,7 +261,8 @@ def tune_cuda_decode(p: Point, device: Device, out: Writer, deadline: float, har
     planner, min_chunk, _ = cuda.launch.plan_splits(args[0])
     units = p.batch * p.num_kv_heads
     sms = grids.device_sms(dev)
-    slots = cuda.launch.decode_blocks_per_sm(p.head_dim) * sms if sms else None
+    per_sm = getattr(cuda.launch, "decode_blocks_per_sm", None)  # the planner's occupancy target
+    slots = per_sm(p.head_dim) * sms if sms and per_sm else None
     cap = max(1, -(-args[0].max_pages * p.page_size // min_chunk))
     out.note(f"cuda-decode {p.label()}: planner {planner} splits ({units * planner} blocks"
              + (f" for {slots} slots, {units * planner / slots:.2f} waves)" if slots else ")"))
@@ -379,7 +380,13 @@ def main(argv=None) -> int:
         op_end = shares.start_op(op, len(points))
         out.note(f"{op}: {op_end - time.monotonic():.0f} s for {len(points)} point(s)")
         for p in points:
-            tune(p, device, out, shares.point_deadline(), shares.end)
+            deadline = shares.point_deadline()
+            try:
+                tune(p, device, out, deadline, shares.end)
+            except Exception as e:  # inputs that do not fit, a planner that changed: the next point
+                out.note(f"{op} {p.label()}: stopped by {type(e).__name__}: {e}"[:300])
+            if device.is_gpu:
+                torch.cuda.empty_cache()
     header = [f"# Tuning sweep: {device.name}, commit {git_commit()}, {stamp} UTC", "",
               f"**{label}.** Median per call (microseconds; CUDA-graph replay on a GPU), one "
               f"measurement per configuration (do_bench {TIMING.warmup_ms:g} / {TIMING.rep_ms:g} ms); "
