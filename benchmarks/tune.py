@@ -259,7 +259,8 @@ def tune_cuda_decode(p: Point, device: Device, out: Writer, deadline: float, har
         return
     ref = reference_output(inp, 0, min(p.batch, 4))
     planner, min_chunk, _ = cuda.launch.plan_splits(args[0])
-    units = p.batch * p.num_kv_heads
+    per_split = getattr(cuda.launch, "decode_blocks_per_split", None)  # where the planner counts them
+    units = per_split(args[0]) if per_split else p.batch * p.num_kv_heads
     sms = grids.device_sms(dev)
     per_sm = getattr(cuda.launch, "decode_blocks_per_sm", None)  # the planner's occupancy target
     slots = per_sm(p.head_dim) * sms if sms and per_sm else None
