@@ -60,6 +60,8 @@ def first_call_timed(prov: providers.Provider, record: dict) -> providers.Provid
             if not state["first"]:
                 return run(i)
             state["first"] = False
+            # Said before the call: a compile stopped by the step's limit still shows in the log.
+            print(f"  {prov.name}: first call (the compile) starts", flush=True)
             graphs = _dynamo_graphs()
             t0 = time.monotonic()
             with warnings.catch_warnings(record=True) as caught:

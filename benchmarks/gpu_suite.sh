@@ -15,8 +15,9 @@
 #       slots);
 #    4. the build, waited for; its duration is in build.log;
 #    5. when it built: tuning of the CUDA decode's split count, then the CUDA rows of the headline;
-#    6. FlexAttention on two headline shapes, its compile timed apart and the step bounded;
-#    7. the decode, MLA decode and extend sweeps (gpu-suite presets, less the headline points);
+#    6. FlexAttention on two headline shapes, its compile timed apart and the step bounded (60 s);
+#    7. the decode, MLA decode and extend sweeps (gpu-suite presets, less the headline points), in
+#       what is left less the smoke's time and 30 s: the first thing a slow run drops;
 #    8. every CUDA kernel instantiation on small inputs under compute-sanitizer memcheck
 #       (benchmarks/cuda_smoke.py; alone where the sanitizer cannot run);
 #    9. the tests on GPU tensors (-m "not host_only"), with what is left;
@@ -50,6 +51,7 @@ BUDGET=${SUITE_BUDGET_S:-470}
 SCALE=${SUITE_TIME_SCALE:-1}
 PRESET=${SUITE_PRESET:-gpu-suite}
 TUNE_S=$(( ${SUITE_TUNE_S:-90} * SCALE ))  # three quarters for the Triton ops, a quarter for CUDA
+SMOKE_S=75  # kept for the CUDA smoke when the sweeps are sized
 OUTDIR=${OUT:-benchmarks/results/gpu-suite-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd)
 RUNS=${SUITE_RESULTS:-$(mktemp -d)}  # parent of the run folders
@@ -207,14 +209,14 @@ fi
 
 # 6. FlexAttention: one process, the shapes in order, each started only if its compile can fit.
 if [ "$PRESET" = cpu-tiny ]; then FLEX=(--preset cpu-tiny); else FLEX=(--preset headline); fi
-t=$(cap 90); run flex "$t" - "$PY" -m benchmarks.flex "${FLEX[@]}" "${BENCH[@]}" --time-budget-s $(( t - 10 ))
+t=$(cap 60); run flex "$t" - "$PY" -m benchmarks.flex "${FLEX[@]}" "${BENCH[@]}" --time-budget-s $(( t - 10 ))
 
-# 7. The sweeps, in what is left after the smoke's 90 s and 60 s for the tests and ncu; FlexAttention
-# is not among their providers (it would compile for every shape, outside every budget).
+# 7. The sweeps, in what is left after the smoke's time and 30 s for the tests; FlexAttention is not
+# among their providers (it would compile for every shape, outside every budget).
 SWEEP=(--preset "$PRESET" --skip-preset headline "${BENCH[@]}" --providers kvattn-triton-checked
        kvattn-triton-unchecked kvattn-cuda-checked kvattn-cuda-unchecked torch-sdpa-gather flashinfer
        kvattn-reference)
-bench=$(( $(left) - 30 - 90 * SCALE - 60 * SCALE ))
+bench=$(( $(left) - 30 - SMOKE_S * SCALE - 30 * SCALE ))
 extend_s=$(( bench * 2 / 5 )); [ "$extend_s" -gt $(( 100 * SCALE )) ] && extend_s=$(( 100 * SCALE ))
 mla_s=$(( bench / 6 )); [ "$mla_s" -gt $(( 60 * SCALE )) ] && mla_s=$(( 60 * SCALE ))
 decode_s=$(( bench - extend_s - mla_s ))
@@ -233,7 +235,7 @@ sweep extend "$extend_s" 20 "${SWEEP[@]}"
 
 # 8. The CUDA smoke, under compute-sanitizer where it runs.
 if [ "$on_gpu" = 1 ] && [ -n "$SANITIZER" ]; then
-  run smoke "$(cap 90)" "$OUTDIR/smoke.log" "$SANITIZER" --tool memcheck --error-exitcode 3 "$PY" -m benchmarks.cuda_smoke \
+  run smoke "$(cap $SMOKE_S)" "$OUTDIR/smoke.log" "$SANITIZER" --tool memcheck --error-exitcode 3 "$PY" -m benchmarks.cuda_smoke \
     --backend cuda
   if grep -q "Device not supported\|Unable to\|error 999" "$OUTDIR/smoke.log"; then
     echo "compute-sanitizer cannot run on this machine (see smoke.log); the smoke without it:"
@@ -241,7 +243,7 @@ if [ "$on_gpu" = 1 ] && [ -n "$SANITIZER" ]; then
   fi
 else
   backend=cuda; [ "$on_gpu" = 1 ] || backend=cuda_sim
-  run smoke "$(cap 90)" "$OUTDIR/smoke.log" "$PY" -m benchmarks.cuda_smoke --backend "$backend"
+  run smoke "$(cap $SMOKE_S)" "$OUTDIR/smoke.log" "$PY" -m benchmarks.cuda_smoke --backend "$backend"
 fi
 tail -15 "$OUTDIR/smoke.log"
 
