@@ -10,7 +10,8 @@ deps:
 # (g++ + pybind11), the CUDA module whenever nvcc is found, GPU or not, since the static sm_90
 # gates of `make test` read it (KVATTN_CUDA_BUILD=0 builds it only where a GPU is visible, as
 # `pip install .` does; KVATTN_SKIP_CUDA_BUILD=1 skips it; KVATTN_CUDA_ARCHS=90 builds sm_90
-# only). The last line printed says what was skipped and why.
+# only; KVATTN_NVCC_THREADS=N gives nvcc N threads). The last line printed says what was skipped
+# and why.
 KVATTN_CUDA_BUILD ?= 1
 build: deps
 	KVATTN_CUDA_BUILD=$(KVATTN_CUDA_BUILD) $(PYTHON) setup.py build_ext --inplace

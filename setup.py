@@ -12,6 +12,10 @@
   (``KVATTN_CUDA_BUILD=1``: a wheel for GPU machines, the static gates of ``make test``); skipped
   when nvcc is not found (PATH, then ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``), on a machine
   without a GPU unless asked for, or with ``KVATTN_SKIP_CUDA_BUILD=1`` (which wins).
+  ``KVATTN_NVCC_THREADS=N`` lets nvcc itself use N threads (``0``: one per CPU; unset or ``1``:
+  one) on the one translation unit: ``--split-compile N`` splits one architecture's optimisation
+  and assembly over N threads, and ``--threads N`` compiles several architectures at once (nvcc
+  ignores it for one). The GPU suite uses it on its 16 cores.
 - ``KVATTN_SKIP_EXTENSIONS=1`` (tools/ensure_deps.sh uses it for the editable install, then
   ``make build`` runs ``python setup.py build_ext --inplace``), or no pybind11 (a build without
   isolation), builds no extension: the install is pure Python. ``KVATTN_SKIP_HARNESS_BUILD=1``
@@ -131,6 +135,17 @@ def _cuda_archs() -> tuple:
     return tuple(dict.fromkeys(archs))
 
 
+def _nvcc_parallel(archs: tuple) -> list:
+    """nvcc's own parallelism from ``KVATTN_NVCC_THREADS`` (see the module docstring)."""
+    raw = os.environ.get("KVATTN_NVCC_THREADS", "").strip()
+    if raw in ("", "1"):
+        return []
+    if not raw.isdigit():
+        raise ValueError(f"KVATTN_NVCC_THREADS: expected a whole number of threads (0: one per CPU), "
+                         f"got {raw!r}")
+    return [f"--split-compile={int(raw)}"] + ([f"--threads={int(raw)}"] if len(archs) > 1 else [])
+
+
 def _nvcc_release(nvcc: str):
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
     m = re.search(r"release (\d+\.\d+)", out)
@@ -231,7 +246,7 @@ def _extensions():
     if nvcc is None:
         OUTCOME.skip(CUDA_EXT, why)
     else:
-        _cuda_archs()  # a malformed KVATTN_CUDA_ARCHS fails here, before any compile
+        _nvcc_parallel(_cuda_archs())  # a malformed KVATTN_CUDA_ARCHS or _NVCC_THREADS fails here
         exts.append(Extension(CUDA_EXT, sources=[], depends=HEADERS))
     return exts
 
@@ -303,7 +318,8 @@ class BuildExt(build_ext):
         CUDA_BUILD.mkdir(parents=True, exist_ok=True)
         includes = [f"-I{CSRC}", f"-I{GENERATED}"]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-        nvcc_flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-lineinfo", *gencode, *includes]
+        nvcc_flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-lineinfo", *gencode,
+                      *_nvcc_parallel(archs), *includes]
         cxx = os.environ.get("CXX", "g++")
         cxx_flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-unknown-pragmas", *includes,
                      f"-I{sysconfig.get_paths()['include']}", f"-I{_pybind11_include()}"]
@@ -334,7 +350,8 @@ class BuildExt(build_ext):
         report = _import_path("csrc/ptxas_report.py")
         records = report.check(log, CUDA_BUILD / "resources.json")
         print(report.table(records), flush=True)
-        return {"archs": list(archs), "nvcc": _nvcc_release(nvcc), "resources": records}
+        return {"archs": list(archs), "nvcc": _nvcc_release(nvcc), "nvcc_parallel": _nvcc_parallel(archs),
+                "resources": records}
 
 
 class BuildPy(build_py):

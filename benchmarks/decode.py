@@ -24,7 +24,7 @@ from .common import (DTYPES, VARIANTS, Device, GraphTimer, Point, TimingConfig, 
                      bytes_moved, check_and_measure, check_provider, make_decode_inputs,
                      reference_output, rotation_sets, spread_pct, time_eager)
 from .outputs import write_outputs
-from .sweep import PRESETS, Sweep, exit_code, parse_args
+from .sweep import HEADLINE_PRESETS, Sweep, exit_code, parse_args
 
 CHECK_ROWS = 4  # sequences compared with the reference per checked set
 
@@ -43,7 +43,11 @@ def variant_points(batch: int, context: int, **shape) -> list[Point]:
 
 def preset_points(name: str) -> list[Point]:
     """The sweeps. ``gpu-suite`` is ordered by importance (the target region first), so a run
-    stopped by its time budget keeps the points that matter most; the variant rows come last."""
+    stopped by its time budget keeps the points that matter most; the variant rows come last.
+    ``headline``: the goals' points alone (batch 16 and 64 at 8K and 32K, batch 1 at 4K and 32K),
+    which the GPU suite times first."""
+    if name == "headline":
+        return _grid([16, 64], [8192, 32768]) + _grid([1], [4096, 32768])
     if name == "cpu-tiny":
         return [Point(1, 64, 16, 8, 2, 64, "fp16"), Point(2, 100, 16, 8, 2, 32, "fp16"),
                 Point(1, 48, 16, 4, 4, 32, "bf16"), Point(1, 40, 1, 8, 2, 32, "fp16"),
@@ -62,7 +66,7 @@ def preset_points(name: str) -> list[Point]:
                      heads=((32, 8), (64, 8), (32, 32)), dtypes=("fp16", "bf16"))
         extra = _grid([1, 16, 64], [4096, 32768], dims=(64, 256), dtypes=("fp16", "bf16"))
         return main + extra + variant_points(16, 32768) + variant_points(64, 131072)
-    raise ValueError(f"--preset: expected one of {PRESETS}, got {name!r}")
+    raise ValueError(f"--preset: expected one of {HEADLINE_PRESETS}, got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class WriterPoint:
 
 
 def writer_points(preset: str) -> list[WriterPoint]:
+    if preset == "headline":
+        return []
     if preset == "cpu-tiny":
         return [WriterPoint(8, "append", 16, 2, 64, "fp16"), WriterPoint(64, "chunk", 16, 2, 64, "fp16")]
     tokens = [16, 256, 4096] if preset == "gpu-suite" else [1, 16, 64, 256, 1024, 4096, 16384]
@@ -236,7 +242,7 @@ def run(args) -> tuple[Path, int]:
 
 
 def main(argv=None) -> int:
-    return run(parse_args("python -m benchmarks.decode", __doc__, argv))[1]
+    return run(parse_args("python -m benchmarks.decode", __doc__, argv, HEADLINE_PRESETS))[1]
 
 
 if __name__ == "__main__":

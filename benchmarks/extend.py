@@ -24,7 +24,7 @@ from .common import (VARIANTS, Device, ExtendPoint, TimingConfig, bandwidth_colu
                      make_extend_inputs, matmul_rate, rotation_sets)
 from .decode import estimate_point_seconds
 from .outputs import write_extend_outputs
-from .sweep import PRESETS, Sweep, exit_code, parse_args
+from .sweep import HEADLINE_PRESETS, Sweep, exit_code, parse_args
 
 CHECK_SEQS = 2  # sequences (besides the last) whose sampled rows are compared with the reference
 # Compute rate assumed by the wall-time estimate of a GPU point (a conservative figure for a
@@ -45,7 +45,11 @@ def variant_points(batch: int, chunk: int, prefix: int) -> list[ExtendPoint]:
 
 def preset_points(name: str) -> list[ExtendPoint]:
     """The sweeps. ``gpu-suite`` is ordered by importance (a long-prefix chunk first), so a run
-    stopped by its time budget keeps the points that matter most; the variant rows come last."""
+    stopped by its time budget keeps the points that matter most; the variant rows come last.
+    ``headline``: the goals' points alone (a prefill of 4K tokens, a chunk of 512 over 8K), which
+    the GPU suite times first."""
+    if name == "headline":
+        return _grid([1], [4096], [0]) + _grid([1], [512], [8192])
     if name == "cpu-tiny":
         return [ExtendPoint(1, 16, 0, 16, 4, 2, 32, "fp16"), ExtendPoint(2, 24, 40, 16, 8, 2, 32, "fp16"),
                 ExtendPoint(1, 8, 20, 1, 4, 4, 32, "bf16"), ExtendPoint(2, 40, 24, 64, 4, 2, 32, "fp16"),
@@ -60,7 +64,7 @@ def preset_points(name: str) -> list[ExtendPoint]:
         return (_grid([1, 4, 32], [128, 512, 4096], [0, 4096, 32768], pages=(1, 16, 64),
                       heads=((32, 8), (32, 32)), dtypes=("fp16", "bf16"))
                 + variant_points(8, 512, 32768) + variant_points(8, 2048, 131072))
-    raise ValueError(f"--preset: expected one of {PRESETS}, got {name!r}")
+    raise ValueError(f"--preset: expected one of {HEADLINE_PRESETS}, got {name!r}")
 
 
 def call_seconds(p: ExtendPoint, copy_tbps: float = 4.0) -> float:
@@ -119,7 +123,7 @@ def run(args) -> tuple[Path, int]:
 
 
 def main(argv=None) -> int:
-    return run(parse_args("python -m benchmarks.extend", __doc__, argv))[1]
+    return run(parse_args("python -m benchmarks.extend", __doc__, argv, HEADLINE_PRESETS))[1]
 
 
 if __name__ == "__main__":

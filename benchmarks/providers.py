@@ -132,10 +132,12 @@ _FLEX = {}
 
 
 def _flex_attention():
-    """``flex_attention`` compiled once (the eager version is a reference that reads every key)."""
+    """``flex_attention`` compiled once (the eager version is a reference that reads every key).
+    ``fullgraph=True``: a graph break, or a shape past dynamo's recompile limit, raises instead of
+    running that eager version, so the provider fails and says why rather than timing it."""
     if "fn" not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     return _FLEX["fn"]
 
 

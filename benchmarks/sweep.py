@@ -18,15 +18,20 @@ from .common import Device, TimingConfig, copy_bandwidth, git_commit, rotation_s
 RESULTS = Path(__file__).resolve().parent / "results"
 CPU_LABEL = "NOT a GPU measurement (CPU; Triton kernels run under the interpreter)"
 PRESETS = ("cpu-tiny", "gpu-suite", "full")
+# The decode and extend benchmarks also have the headline points alone (what the GPU suite times
+# first, while the CUDA module builds).
+HEADLINE_PRESETS = PRESETS + ("headline",)
 
 
-def parse_args(prog: str, doc: str, argv=None) -> argparse.Namespace:
+def parse_args(prog: str, doc: str, argv=None, presets=PRESETS) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog, description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="the small sweep: cpu-tiny on a CPU, gpu-suite on a GPU (the default)")
     ap.add_argument("--full", action="store_true", help="the full sweep of the issue (GPU, hours)")
-    ap.add_argument("--preset", choices=PRESETS, help="a named sweep (overrides --quick/--full)")
+    ap.add_argument("--preset", choices=presets, help="a named sweep (overrides --quick/--full)")
+    ap.add_argument("--skip-preset", choices=presets,
+                    help="leave out the points of this preset (measured by an earlier command)")
     ap.add_argument("--out-dir", default=str(RESULTS), help="parent of the run folder")
     ap.add_argument("--providers", nargs="*", help="only these providers")
     ap.add_argument("--max-points", type=int, default=0, help="only the first N points")
@@ -34,6 +39,8 @@ def parse_args(prog: str, doc: str, argv=None) -> argparse.Namespace:
     ap.add_argument("--time-budget-s", type=float, default=0,
                     help="start no point whose estimate would end past this many seconds")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--stream", metavar="FILE",
+                    help="also append each point's rows, as JSON lines naming the run, to FILE")
     return ap.parse_args(argv)
 
 
@@ -52,6 +59,7 @@ class Sweep:
     commit: str
     started: float  # time.monotonic() at the start
     log_lines: list[str] = field(default_factory=list)
+    stream: Path | None = None  # a file shared with other commands, rows appended as measured
 
     @classmethod
     def start(cls, args, preset_points, op: str, folder_suffix: str = "") -> "Sweep":
@@ -59,6 +67,9 @@ class Sweep:
         device = Device.current()
         preset = args.preset or ("full" if args.full else ("gpu-suite" if device.is_gpu else "cpu-tiny"))
         points = preset_points(preset)
+        if args.skip_preset:
+            done = {p.label() for p in preset_points(args.skip_preset)}
+            points = [p for p in points if p.label() not in done]
         if args.max_points:
             points = points[:args.max_points]
         cfg = TimingConfig(repeats=args.repeats) if device.is_gpu else \
@@ -67,9 +78,11 @@ class Sweep:
         started = time.monotonic()
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
         commit = git_commit()
-        run_dir = Path(args.out_dir) / f"{stamp}_{device.slug}_{commit}{folder_suffix}"
+        # The headline points have folders of their own (the suite times them before the sweeps).
+        suffix = folder_suffix + ("_headline" if preset == "headline" else "")
+        run_dir = Path(args.out_dir) / f"{stamp}_{device.slug}_{commit}{suffix}"
         return cls(device, preset, points, cfg, providers, args.time_budget_s, run_dir, stamp, commit,
-                   started)
+                   started, stream=Path(args.stream) if args.stream else None)
 
     @property
     def label(self) -> str:
@@ -131,11 +144,13 @@ class Sweep:
 
     def checkpoint(self, rows: list[dict]) -> None:
         """Appends one point's rows to ``rows.jsonl`` as soon as they are measured, so a run cut
-        short (a timeout) keeps every finished point."""
+        short (a timeout) keeps every finished point; to the stream too, each row with the run
+        folder's name and the preset."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "rows.jsonl", "a") as f:
-            for row in rows:
-                f.write(json.dumps(row, default=str) + "\n")
+        append_rows(self.run_dir / "rows.jsonl", rows)
+        if self.stream is not None:
+            append_rows(self.stream, [{"run": self.run_dir.name, "preset": self.preset, **r}
+                                      for r in rows])
 
     def meta(self, copy: dict, skipped: list[dict], **first) -> dict:
         """The run's metadata, measuring the copy bandwidth again at the end; ``first``: keys that
@@ -151,6 +166,13 @@ class Sweep:
     def finish(self) -> Path:
         self.log(f"results: {self.run_dir} ({self.elapsed():.0f} s)")
         return self.run_dir
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    """``rows`` as JSON lines at the end of ``path``, flushed before returning."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(row, default=str) + "\n" for row in rows))
 
 
 def kvattn_failures(rows: list[dict]) -> list[str]:

@@ -9,6 +9,7 @@ for ``pip install`` and ``python -m build``. The record (:func:`write_record` wr
                                                 "reason": "...",        # skipped or failed
                                                 "seconds": 31.2,        # built
                                                 "archs": ["80", "90"], "nvcc": "13.0",
+                                                "nvcc_parallel": ["--split-compile=16"],
                                                 "resources": [...]}}}   # the CUDA module
 
 ``resources`` holds the static figures ptxas printed for every kernel instantiation and

@@ -156,3 +156,83 @@ def test_mla_quick_run_writes_labelled_files(tmp_path, monkeypatch):
     run_dir, meta = _quick_run(tmp_path, monkeypatch, mla, TINY_MLA, "mla",
                                {"mla_overhead.png", "mla_bandwidth.png"})
     assert run_dir.name.endswith("_mla") and meta["op"] == "mla_decode"
+
+
+def test_headline_presets_hold_the_goal_points_and_the_sweeps_can_leave_them_out():
+    from benchmarks.sweep import HEADLINE_PRESETS, Sweep, parse_args
+    labels = [p.label() for p in decode.preset_points("headline")]
+    assert labels == [f"B{b}_ctx{c}_p16_h32x8_d128_bf16" for b, c in
+                      ((16, 8192), (16, 32768), (64, 8192), (64, 32768), (1, 4096), (1, 32768))]
+    assert [(p.batch, p.chunk, p.prefix) for p in extend.preset_points("headline")] == [(1, 4096, 0),
+                                                                                         (1, 512, 8192)]
+    args = parse_args("decode", "", ["--preset", "gpu-suite", "--skip-preset", "headline"], HEADLINE_PRESETS)
+    sweep = Sweep.start(args, decode.preset_points, "decode")
+    left = {p.label() for p in sweep.points}
+    assert not left & set(labels) and len(left) == len(decode.preset_points("gpu-suite")) - 6
+
+
+def test_tune_times_the_default_first_then_the_split_counts_that_fill_the_slots():
+    from benchmarks import tune
+    from kvattn.backends.triton import configs
+    default = configs.decode_config(torch.device("cpu"), torch.bfloat16, 128, 16)
+    units, slots = 16 * 8, default.programs_per_sm * 132  # batch 16 x 8 KV heads on an H200
+    for planner in (-(-slots // units), slots // units):  # a planner that rounds up, one that fits
+        candidates = tune.triton_decode_candidates(default, planner, units, slots, 32, gpu=True)
+        assert candidates[0] == ("planner", default, planner)  # the default, whatever the planner
+        splits = [n for _, config, n in candidates if config == default]
+        assert len(splits) == len(set(splits)) and slots // units in splits
+        assert units * (slots // units) <= slots < units * (slots // units + 1)  # one wave, no tail
+        neighbours = [config for rule, config, n in candidates if rule == "neighbour"]
+        assert neighbours and all(n is None for rule, _, n in candidates if rule == "neighbour")
+        for config in neighbours:  # one field one step away
+            assert sum(getattr(config, f) != getattr(default, f) for f in
+                       ("block_n", "num_warps", "num_stages", "programs_per_sm")) == 1
+    assert tune.split_candidates(64, 8, None, 64) == [("planner", 64)]  # capped, no duplicates
+
+
+def test_tune_shares_the_budget_by_op_then_by_point():
+    from benchmarks import tune
+    now = [0.0]
+    shares = tune.Shares(100.0, list(tune.OPS), clock=lambda: now[0])
+    assert shares.start_op("triton-decode", 3) == pytest.approx(50.0)  # weights 2 : 1 : 1
+    assert shares.point_deadline() == pytest.approx(50.0 / 3)
+    now[0] = 40.0  # the first point ran past its share: the others still get one
+    assert shares.point_deadline() == pytest.approx(45.0)
+    now[0] = 45.0
+    assert shares.point_deadline() == pytest.approx(50.0)
+    now[0] = 50.0
+    assert shares.start_op("triton-extend", 2) == pytest.approx(75.0)
+    now[0] = 60.0  # what an op leaves passes to the next
+    assert shares.start_op("cuda-decode", 1) == pytest.approx(100.0)
+
+
+def test_flex_times_the_first_call_apart():
+    from types import SimpleNamespace
+
+    from benchmarks import flex
+    calls = []
+
+    def build(inp):
+        def run(i):
+            calls.append(i)
+            return inp.q, None
+        return run, None
+
+    record = {}
+    prov = flex.first_call_timed(providers.Provider("p", "p", False, lambda inp: None, build), record)
+    run, _ = prov.build(SimpleNamespace(q=torch.zeros(1)))
+    run(0)
+    first = dict(record)
+    assert set(first) == {"compile_s", "dynamo_graphs", "warnings"} and first["compile_s"] >= 0
+    run(1)
+    assert record == first and calls == [0, 1]
+    assert len(flex.preset_points("headline")) <= 2  # each shape is a compile
+
+
+@CPU_ONLY
+def test_the_kernels_for_nsight_compute_run(capsys):
+    from benchmarks import ncu_kernels
+    assert ncu_kernels.main() == 0
+    ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ran")]
+    assert [line.split(": ")[1].split()[0] for line in ran] == ["decode-checked", "decode-unchecked",
+                                                               "extend-checked"]
