@@ -1,7 +1,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: deps build test sanitize demo env bench static static-env vllm-env vllm-speed clean
+.PHONY: deps build test test-fast sanitize demo env bench static static-env vllm-env vllm-speed clean
 
 deps:
 	bash tools/ensure_deps.sh
@@ -21,6 +21,14 @@ build: deps
 # `$(PYTHON) -m pytest -n 2 -q -m "not slow" tests` leaves it out.
 test: build static-env vllm-env
 	$(PYTHON) -m pytest -n 2 -q tests
+
+# A fast loop for a kernel edit: the readers and writers lanes (tests/conftest.py LANES; about a
+# minute and a half here), no install, no build (after a csrc/ edit, `make build` first).
+# TEST_LANES picks other lanes (`TEST_LANES="contract or robustness"`), BACKEND=<name> keeps the
+# tests whose id names that backend (`BACKEND=triton`).
+TEST_LANES ?= readers or writers
+test-fast:
+	$(PYTHON) -m pytest -n 2 -q -m "($(TEST_LANES)) and not slow" $(if $(BACKEND),-k "$(BACKEND)") tests
 
 # The static sm_90 figures (tools/static_sm90.py; NOT speed) are read with the Triton the H200
 # image has, 3.6.0, in a venv beside the installed torch; without a registry the venv falls back to
