@@ -18,8 +18,10 @@ import os
 import pathlib
 import re
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import time
 
 import pytest
@@ -99,11 +101,17 @@ def installed(tmp_path_factory):
     for rel in _source_files():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, src / rel)
-    # --without-pip: the machine's pip (visible through the system site-packages) installs into the
-    # environment it runs in; ensurepip would only add seconds.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(base / "venv")], check=True)
+    # The venv sees this interpreter's packages through a .pth file (--system-site-packages would
+    # show the base interpreter's, which inside a virtual environment lack torch). --without-pip:
+    # the visible pip installs into the environment it runs in; ensurepip would only add seconds.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")], check=True)
     python = str(base / "venv" / "bin" / "python")
+    site_dir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    paths = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                           *site.getsitepackages()])
+    pathlib.Path(site_dir, "kvattn-parent.pth").write_text("\n".join(paths) + "\n")
     command = [python, "-m", "pip", "install", "-v", "."]
     if not _index_answers(python, base / "requirements"):
         # setup.py builds without ninja (plain nvcc calls), not without these two.
