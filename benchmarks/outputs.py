@@ -242,8 +242,8 @@ def _extend_point(r: dict) -> str:
 
 
 def evaluate_extend_targets(meta: dict, rows: list[dict]) -> list[str]:
-    """The decode check-overhead target applied to extend, by context (prefix + chunk): the issue
-    asks for the extend sweep, the tolerance is decode's."""
+    """The decode check-overhead target applied to extend, by context (prefix + chunk): extend has
+    no target of its own, so the tolerance is decode's."""
     if not meta["gpu_measurement"]:
         return list(CPU_NO_TARGETS)
     lines = _overhead_lines(rows, _extend_point,

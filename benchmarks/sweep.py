@@ -28,7 +28,7 @@ def parse_args(prog: str, doc: str, argv=None, presets=PRESETS) -> argparse.Name
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="the small sweep: cpu-tiny on a CPU, gpu-suite on a GPU (the default)")
-    ap.add_argument("--full", action="store_true", help="the full sweep of the issue (GPU, hours)")
+    ap.add_argument("--full", action="store_true", help="the full sweep (GPU, hours)")
     ap.add_argument("--preset", choices=presets, help="a named sweep (overrides --quick/--full)")
     ap.add_argument("--skip-preset", choices=presets,
                     help="leave out the points of this preset (measured by an earlier command)")

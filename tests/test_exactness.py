@@ -1,10 +1,10 @@
-"""Every variant fails closed identically on every backend (issue 18).
+"""Every variant fails closed identically on every backend.
 
 Each test poisons (NaN) what the contract says a call does not read, or passes a switch value it
 refuses, and compares every reader backend (reference, torch, triton under the interpreter,
 cuda_sim) with the reference: report fields exactly, outputs and LSEs within the tolerances of
 tests/util.py. Each has a twin where the same poison is read, or the same value is valid, so a test
-that passed by accident would show. One section per item of the issue:
+that passed by accident would show. One section per rule:
 
 - 1, 2: a sliding window never loads the slots of a straddling page before every query's window
   (decode and extend);

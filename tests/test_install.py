@@ -7,7 +7,7 @@ The CUDA module is built only where nvcc is found and a GPU is visible (setup.py
 a machine without a GPU the install builds the CPU harness alone and says why it skipped the rest.
 What was built is checked, never how long it took. The build
 requirements come from the package index into pip's isolated build environment, as on a user's
-machine; where no index answers (the lent GPU machine), the build runs without isolation against
+machine; where no index answers (the GPU machine), the build runs without isolation against
 the installed setuptools and pybind11. The test then looks at the installed package from outside
 the repository.
 """

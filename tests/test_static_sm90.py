@@ -24,7 +24,7 @@ TOOL = ROOT / "tools" / "static_sm90.py"
 VENV_PY = ROOT / "build" / "venv-triton36" / "bin" / "python"
 COMMITTED = ROOT / "benchmarks" / "results" / "static_sm90.md"
 GPU_TRITON = "3.6.0"
-# Checked/unchecked main-loop instructions of decode at page 16 (the gate).
+# Checked/unchecked main-loop instructions of decode at page 16.
 DECODE_RATIO_MAX = 1.10
 # The same over fp8 pools: the check's instructions are those of the 16-bit kernel (41-47 per
 # loop at d64), but the unchecked loop is shorter (fp16 queries convert fp8 in one instruction),
