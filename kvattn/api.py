@@ -36,8 +36,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         check: False runs the unchecked variant (same kernel, check compiled out, no report).
         on_violation: ``"report"`` returns the report; ``"raise"`` also synchronises and raises
             :class:`kvattn.KVOwnershipError` if any page was refused (the output is written first).
-        backend: ``"auto"``, ``"cuda"``, ``"triton"`` or ``"reference"``; see
-            :mod:`kvattn.backends` (``KVATTN_BACKEND`` overrides ``"auto"``).
+        backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"torch"``, ``"reference"`` (or
+            ``"cuda_sim"`` on CPU tensors); see :mod:`kvattn.backends` (``KVATTN_BACKEND``
+            overrides ``"auto"``).
         out: optional ``[B, num_heads, head_dim]`` output buffer (dtype of ``q``).
         return_lse: also return the ``[B, num_heads]`` float32 natural-log LSE.
         validate: run the value checks of :mod:`kvattn.layout` (default: only when the tensors are
@@ -110,8 +111,8 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         check: False runs the unchecked variant (same kernel, check compiled out, no report).
         on_violation: ``"report"`` or ``"raise"`` (synchronises; raises
             :class:`kvattn.KVOwnershipError` after writing the output).
-        backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"reference"`` (or ``"cuda_sim"`` on CPU
-            tensors); see :mod:`kvattn.backends`.
+        backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"torch"``, ``"reference"`` (or
+            ``"cuda_sim"`` on CPU tensors); see :mod:`kvattn.backends`.
         out: optional ``[total_q, num_heads, head_dim]`` output buffer (dtype of ``q``).
         return_lse: also return the ``[total_q, num_heads]`` float32 natural-log LSE.
         validate: run the value checks (default: only on CPU tensors, where they cost no sync).

@@ -159,15 +159,16 @@ def test_mla_decode_on_tensor_cores_with_cheap_check_at_page_64(static):
             assert pair[True]["loop_sass"] / pair[False]["loop_sass"] <= DECODE_RATIO_MAX, config
 
 
-def test_readme_static_summary_matches_committed_table():
-    """The README's summary rows quote the committed table (by config), so they cannot go stale."""
+def test_docs_static_summary_matches_committed_table():
+    """docs/kernels.md's summary rows quote the committed table (by config), so they cannot go
+    stale."""
     records = json.loads(COMMITTED.with_suffix(".json").read_text())["records"]
     loops = {}
     for r in records:
         if r["kernel"].startswith("paged_"):
             loops.setdefault((r["backend"], r["config"]), {})[r["check"]] = r["loop_sass"]
-    readme = (ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| (Triton|CUDA|MLA) [^|]*\| `([^`]+)` \| (\d+) \| (\d+) \| ([\d.]+) \|$", readme, re.M)
+    summary = (ROOT / "docs" / "kernels.md").read_text()
+    rows = re.findall(r"^\| (Triton|CUDA|MLA) [^|]*\| `([^`]+)` \| (\d+) \| (\d+) \| ([\d.]+) \|$", summary, re.M)
     assert len(rows) >= 4
     for name, config, unchecked, checked, ratio in rows:
         pair = loops[("cuda" if name == "CUDA" else "triton", config)]

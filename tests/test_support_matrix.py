@@ -1,4 +1,4 @@
-"""The README's table of attention variants per backend says what the registry does: every cell is
+"""docs/backends.md's table of attention variants per backend says what the registry does: every cell is
 compared with :func:`kvattn.backends.explain` on a small probe input with that variant.
 
 "yes": the backend accepts the probe; "no": it refuses it with a reason naming the switch; "—": it
@@ -20,15 +20,15 @@ from kvattn import backends
 from kvattn.layout import validate_decode, validate_extend
 from kvattn.write_args import validate_write_kv
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+TABLE = os.path.join(os.path.dirname(__file__), "..", "docs", "backends.md")
 HEADS, KV_HEADS, DIM, PAGE = 2, 1, 64, 16
 
 
 def matrix() -> tuple[list[str], dict[str, dict[str, str]]]:
-    """``(backends, {row label: {backend: cell}})`` from the README's marked table."""
-    text = open(README).read()
+    """``(backends, {row label: {backend: cell}})`` from docs/backends.md's marked table."""
+    text = open(TABLE).read()
     block = re.search(r"<!-- support-matrix -->\n(.*?)<!-- /support-matrix -->", text, re.S)
-    assert block, "README.md: the support matrix markers are missing"
+    assert block, "docs/backends.md: the support matrix markers are missing"
     lines = [line.strip() for line in block.group(1).strip().splitlines()]
     split = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     header, rows = split[0], split[2:]
@@ -123,7 +123,7 @@ def test_each_cell_is_what_the_registry_says(row, claims_here):
                     continue  # refused here for reasons of this machine: no answer about kernels
                 got = verdict(backends.explain(args, op)[backend], op, switch)
                 assert got == rows[row][backend], (
-                    f"README says {rows[row][backend]!r} for {row} on {backend} ({op}); the "
+                    f"docs/backends.md says {rows[row][backend]!r} for {row} on {backend} ({op}); the "
                     f"registry says {backends.explain(args, op)[backend]!r}")
                 checked += 1
     # reference, triton (interpreted on the CPU), torch and cuda answer on every machine.
