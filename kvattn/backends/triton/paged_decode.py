@@ -269,12 +269,20 @@ def split_alignment(args: DecodeArgs, config: DecodeConfig) -> int:
     return max(page, tile) if page % tile == 0 or tile % page == 0 else page
 
 
+def resident_programs(args: DecodeArgs, config: DecodeConfig) -> int:
+    """Programs per SM the planner fits the grid to: the configuration's, fewer with variant
+    switches compiled in."""
+    if args.variant.switches() and config.switched_programs_per_sm is not None:
+        return min(config.programs_per_sm, config.switched_programs_per_sm)
+    return config.programs_per_sm
+
+
 def plan_splits(args: DecodeArgs, config: DecodeConfig | None = None,
                 num_splits: int | None = None) -> tuple[int, int, int]:
     """``(num_splits, min_chunk, align)`` of a launch (:func:`kvattn.backends.grids.plan_num_splits`)."""
     config = launch_config(args, config)
     align = split_alignment(args, config)
-    splits, min_chunk = plan_num_splits(args, align, config.programs_per_sm, num_splits)
+    splits, min_chunk = plan_num_splits(args, align, resident_programs(args, config), num_splits)
     return splits, min_chunk, align
 
 
