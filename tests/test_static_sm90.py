@@ -199,6 +199,8 @@ def test_decode_grids_fill_the_goal_shapes_once(static, backend):
     assert {(r["batch"], r["context"]) for r in rows} == GOAL_SHAPES
     for r in rows:
         assert r["planned_per_sm"] <= r["resident_per_sm"], r
-        assert r["programs"] == r["splits"] * r["batch"] * 8, r  # 8 KV heads, one chunk of 4 heads
+        # 8 KV heads of one chunk of 4 query heads; Triton: and the report's program (checked)
+        per_split = 9 if backend == "triton" else 8
+        assert r["programs"] == r["splits"] * r["batch"] * per_split, r
         assert r["tail"] <= DECODE_TAIL_MAX, r
         assert r["waves"] > 0.5 or r["splits"] == r["most_splits"], r

@@ -321,7 +321,7 @@ def _planned_per_sm(op: str, args) -> int | None:
     from kvattn.backends.triton import paged_decode, paged_mla_decode
 
     if op == "decode":
-        return paged_decode.resident_programs(args, paged_decode.launch_config(args))
+        return paged_decode.launch_config(args).programs_per_sm
     if op == "mla_decode":
         return paged_mla_decode.launch_config(args).programs_per_sm
     return None
@@ -505,24 +505,34 @@ def model_time(programs: list[tuple[float, int, float]], slots: int, cap: float)
     return clock
 
 
-def decode_model(backend: str, check: bool, batch: int, context: int, splits: int, per_split: int,
-                 bounds, slots: int, in_flight: int, tile_bytes: int, head_dim: int,
-                 report_first: int) -> float:
+# How a decode backend writes the report: "column", programs of its own beside the attention
+# programs (the first of each sequence and split in launch order; the Triton kernel), or "after",
+# the first attention program of each sequence and split after its loop (the CUDA kernel).
+REPORT_PROGRAMS = {"triton": "column", "cuda": "after"}
+
+
+def decode_model(backend: str, check: bool, batch: int, splits: int, attention_per_split: int,
+                 bounds, slots: int, in_flight: int, tile_bytes: int, head_dim: int) -> float:
     """Modelled microseconds of one decode call (the kernel, then the merge when split): programs
-    in launch order (the split is the slowest grid dimension), the first ``report_first`` of each
-    split's also writing the report after their loop when checked."""
+    in launch order (the split is the slowest grid dimension), checked with the report's programs
+    or work as ``REPORT_PROGRAMS`` says: one pass over a split's table entries and tags per 128
+    pages, two dependent loads each, from memory in a program of its own, from L2 after a loop."""
     chain = LOOP_CHAIN[(backend, check)] * L2_US
     cap = min(in_flight / MEMORY_US, tile_bytes / chain if chain else float("inf"))
+    column = check and REPORT_PROGRAMS[backend] == "column"
     programs = []
     for s, e in bounds:
         pages = -(-max(e - s, 0) // 16)
-        for i in range(per_split):
+        passes = -(-pages // 128)
+        if column:
+            programs += [(MEMORY_US, 0, 2 * MEMORY_US * passes)] * batch
+        for i in range(attention_per_split):
             start = START_CHAIN[check] * MEMORY_US if e > s else 0.0
-            report = 2 * L2_US * -(-pages // 128) if check and i < report_first and e > s else 0.0
-            programs.append((start, max(e - s, 0) * head_dim * 2 * 2, report))
+            after = 2 * L2_US * passes if check and not column and i < batch else 0.0
+            programs.append((start, max(e - s, 0) * head_dim * 2 * 2, after))
     total = LAUNCH_US + model_time(programs, slots, cap)
-    if splits > 1:  # the merge: read the partials, then (checked) the head-0 program's report sums
-        total += LAUNCH_US + 2 * MEMORY_US + (L2_US if check else 0.0)
+    if splits > 1:  # the merge: read the partials (and, checked, sum the report counts)
+        total += LAUNCH_US + 2 * MEMORY_US + (L2_US if check and not column else 0.0)
     return total
 
 
@@ -547,23 +557,24 @@ def decode_grids(records: list[dict]) -> list[dict]:
                 with compile_only():
                     if backend == "triton":
                         splits, min_chunk, align = paged_decode.plan_splits(args)
-                        per_split = batch * args.num_kv_heads
+                        # The report column: one program per sequence and split (checked).
+                        per_split = batch * (args.num_kv_heads + 1)
+                        attention = batch * args.num_kv_heads
                         cfg = paged_decode.launch_config(args)
                         tile_bytes = cfg.block_n * args.head_dim * 2 * 2
                         in_flight = (found[True]["kv_buffers"] - 1) * tile_bytes
-                        planned = paged_decode.resident_programs(args, cfg)
+                        planned = cfg.programs_per_sm
                     else:
                         splits, min_chunk, align = cuda_launch.plan_splits(args)
-                        per_split = cuda_launch.decode_blocks_per_split(args)
+                        per_split = attention = cuda_launch.decode_blocks_per_split(args)
                         tile_bytes = cuda_launch.SUB_TILE * args.head_dim * 2 * 2
                         in_flight = CUDA_DECODE_WARPS * (found[True]["kv_buffers"] - 1) * tile_bytes
                         planned = cuda_launch.decode_blocks_per_sm(args.head_dim)
                 programs = per_split * splits
                 waves, tail = grids.grid_waves(programs, slots)
                 bounds = grids.split_bounds(context, splits, align, min_chunk)
-                times = {check: decode_model(backend, check, batch, context, splits, per_split,
-                                             bounds, slots, in_flight, tile_bytes, args.head_dim,
-                                             batch)
+                times = {check: decode_model(backend, check, batch, splits, attention, bounds, slots,
+                                             in_flight, tile_bytes, args.head_dim)
                          for check in (False, True)}
                 copy_us = batch * context * args.num_kv_heads * args.head_dim * 2 * 2 / COPY_BYTES_PER_US
                 rows.append(dict(backend=backend, batch=batch, context=context, splits=splits,
