@@ -204,3 +204,13 @@ def test_decode_grids_fill_the_goal_shapes_once(static, backend):
         assert r["programs"] == r["splits"] * r["batch"] * per_split, r
         assert r["tail"] <= DECODE_TAIL_MAX, r
         assert r["waves"] > 0.5 or r["splits"] == r["most_splits"], r
+
+
+def test_triton_extend_is_one_launch_and_the_check_one_more(static):
+    """The tile map is found by each program (no host-side torch ops); the checked call adds only
+    the page pre-pass."""
+    rows = static[0]["extend_launches"]
+    assert rows and {r["check"] for r in rows} == {False, True}
+    for r in rows:
+        assert r["torch_ops"] == 0, r
+        assert r["kernels"] == (["resolve_pages_kernel"] if r["check"] else []) + ["paged_extend_kernel"], r

@@ -607,6 +607,58 @@ def grids_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- Launches per call --------------------------------------------------------------------------
+
+# Aten ops that launch nothing on a GPU: allocations and views.
+_NO_LAUNCH = {"empty", "empty_like", "new_empty", "empty_strided", "view", "_unsafe_view", "as_strided",
+              "select", "slice", "alias", "detach", "t", "transpose", "expand", "unsqueeze",
+              "squeeze", "reshape", "lift_fresh"}
+
+
+def launches_per_call(configs=TRITON_CONFIGS) -> list[dict]:
+    """Device launches of one Triton extend call (host-side torch ops that would launch a kernel,
+    and Triton kernels), counted while the launcher runs under :func:`compile_only`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvattn.backends import triton as triton_backend
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name not in _NO_LAUNCH:
+                self.names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    rows = []
+    for name, op, *shape in configs:
+        if op != "extend":
+            continue
+        args = _inputs(op, *shape)
+        for check in (False, True):
+            out = args.q.new_empty(args.q.shape)
+            with compile_only() as compiled, Ops() as ops:
+                triton_backend.extend(args, check=check, out=out, lse=None)
+            rows.append(dict(config=name, check=check, torch_ops=len(ops.names),
+                             kernels=[k for k, _ in compiled]))
+    return rows
+
+
+def launches_markdown(rows: list[dict]) -> str:
+    lines = ["## extend launches per call (Triton)", "",
+             "Device launches of one `kvattn.paged_extend` call on the triton backend: host-side torch "
+             "ops that launch a kernel on a GPU (allocations and views launch none), then the Triton "
+             "kernels, counted while the launcher runs.", "",
+             "| config | variant | torch ops | Triton kernels | launches |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {'checked' if r['check'] else 'unchecked'} | {r['torch_ops']} | "
+                     f"{', '.join(r['kernels'])} | {r['torch_ops'] + len(r['kernels'])} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---- Output -----------------------------------------------------------------------------------
 
 COLUMNS = [("registers", "regs"), ("local", "local B"), ("shared", "smem B"), ("kv_buffers", "K/V bufs"),
@@ -642,12 +694,16 @@ def main(argv=None) -> int:
     header = (f"Static sm_90 figures (NOT speed): Triton {triton.__version__}, "
               f"torch {torch.__version__}, CUDA object {obj.name if obj.exists() else 'absent'}")
     decode_grid_rows = decode_grids(records)
+    launch_rows = [] if args.no_triton else launches_per_call(configs)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(dict(header=header, records=records,
-                                                           decode_grids=decode_grid_rows), indent=1))
+                                                           decode_grids=decode_grid_rows,
+                                                           extend_launches=launch_rows), indent=1))
     table = markdown(records, header)
     if decode_grid_rows:
         table += "\n" + grids_markdown(decode_grid_rows)
+    if launch_rows:
+        table += "\n" + launches_markdown(launch_rows)
     if args.markdown:
         pathlib.Path(args.markdown).write_text(table)
     print(table)

@@ -109,8 +109,10 @@ def plan_num_splits(args, align: int, programs_per_sm: int, num_splits: int | No
 
 
 def extend_tile_map(args, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(q_start [B + 1] int32, tile_start [B] int32, grid slots)`` for extend: the query rows of
-    each sequence and the first grid slot of its tiles of ``block_m`` rows, with device ops only.
+    """``(q_start [B + 1] int32, tile_start [B] int32, grid slots)`` for extend (the CUDA
+    launcher's; each Triton extend program computes the same map itself,
+    ``paged_extend.locate_tile``): the query rows of each sequence and the first grid slot of its
+    tiles of ``block_m`` rows, with device ops only.
     Every sequence gets at least one tile (its tile 0 writes the report); ``ceil(total_q / block_m)
     + B`` slots always cover ``sum_b max(1, ceil(q_len_b / block_m))`` because the offsets are
     clamped to ``[0, total_q]`` and non-decreasing; the spare slots write nothing."""
