@@ -222,6 +222,55 @@ def test_split_with_every_page_refused_does_not_disturb_the_merge(backend, num_s
     assert report.reasons.tolist() == [0, 0, 0, int(Violation.FREE), int(Violation.RESERVED)]
 
 
+def test_grid_waves_and_tail():
+    assert grids.grid_waves(896, 924) == (896 / 924, 0.0)  # one wave: no tail
+    waves, tail = grids.grid_waves(1024, 924)  # today's 1.11 waves: the last leaves 45% idle
+    assert waves == 1024 / 924 and tail == pytest.approx(1 - waves / 2)
+    assert grids.grid_waves(1848, 924) == (2.0, 0.0)
+
+
+@pytest.mark.parametrize("per_split, slots, most, splits", [
+    (128, 924, 64, 7),   # batch 16 x 8 KV heads on 7 x 132 slots: 896 programs, one wave
+    (512, 924, 64, 1),   # batch 64: 512, more splits would spill into a second wave
+    (8, 924, 16, 16),    # batch 1 at 4K: the table's chunks of 256 tokens limit it
+    (8, 924, 64, 64),    # and MAX_SPLITS
+    (1000, 924, 64, 5),  # the batch alone overflows a wave: 5.41 waves, 9.8% of their time idle
+    (2000, 924, 1, 1),   # no split to give
+])
+def test_fit_splits(per_split, slots, most, splits):
+    assert grids.fit_splits(per_split, slots, most) == splits
+    waves, tail = grids.grid_waves(per_split * splits, slots)
+    assert tail <= grids.TAIL_MAX or most == 1
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_split_plan_fits_the_slots(monkeypatch, backend):
+    """The planners on an H200's 132 SMs (shapes only): every goal shape's grid fills at most one
+    wave of the resident slots, with chunks of whole pages, at least GPU_MIN_CHUNK long."""
+    if backend == "triton":
+        module = triton_decode_module()
+        slots = 7 * 132
+    else:
+        module = importlib.import_module("kvattn.backends.cuda.launch")
+        slots = 2 * 132
+    monkeypatch.setattr(grids, "device_sms", lambda device: 132)
+    for b, context in itertools.product((1, 16, 64), (4096, 32768)):
+        q = torch.zeros(b, 32, 128, dtype=torch.bfloat16)
+        pool = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+        args = kvattn.layout.validate_decode(
+            q, pool, pool.clone(), torch.zeros(b, context // 16, dtype=torch.int32),
+            torch.full((b,), context, dtype=torch.int32), torch.zeros(4, dtype=torch.int64),
+            torch.ones(b, dtype=torch.int64), validate=False)
+        splits, min_chunk, align = module.plan_splits(args)
+        programs = b * 8 * splits
+        assert min_chunk % align == 0 and align % 16 == 0 and min_chunk >= grids.GPU_MIN_CHUNK
+        assert grids.grid_waves(programs, slots)[1] <= grids.TAIL_MAX, (b, context, splits)
+        assert programs <= slots or splits == 1, (b, context, splits)
+        bounds = grids.split_bounds(context, splits, align, min_chunk)
+        assert bounds[0][0] == 0 and max(e for _, e in bounds) == context
+        assert all(s % align == 0 for s, _ in bounds)
+
+
 # --- Strided pools, out= and return_lse --------------------------------------------------------
 
 def restride(batch, how):

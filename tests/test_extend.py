@@ -190,6 +190,29 @@ def test_triton_small_tiles_match_reference(dtype, page_size, num_heads, num_kv_
 
 
 @needs_triton
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_pre_pass_over_several_page_blocks(causal):
+    """A table wider than a pre-pass program's pages (RESOLVE_PAGES): the blocks' counts add up to
+    the report, and refusals in every block are reported and kept out."""
+    size, blocks = 1, 3
+    wide = TRITON_EXTEND.RESOLVE_PAGES * (blocks - 1) + 37
+    e = Extend.random([3, 2], [wide - 3, 20], page_size=size, dtype=torch.float32, seed=9)
+    table, tags = e.pages.block_table, e.pages.page_tags
+    refused = [5, TRITON_EXTEND.RESOLVE_PAGES + 7, wide - 4]  # one in each block, before the rows
+    tags[int(table[0, refused[0]])] = kvattn.FREE_TAG
+    tags[int(table[0, refused[1]])] = reserved_tag(1)
+    tags[int(table[0, refused[2]])] = written_tag(2, size)
+    out, lse, report = e.launch(causal=causal)
+    ref, ref_lse, ref_report = e.reference(causal=causal)
+    assert_close(out, ref, torch.float32)
+    torch.testing.assert_close(lse.cpu(), ref_lse.cpu(), **LSE_TOL)
+    assert_reports_equal(report, ref_report)
+    assert report.violations.tolist() == [3, 0]
+    assert report.pages_checked.tolist() == [wide, 22]
+    assert torch.nonzero(report.page_reasons[0]).flatten().tolist() == refused
+
+
+@needs_triton
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_all_valid_checked_equals_unchecked(page_size):
     """Scenario 6: with every page valid the check changes no bit of the output."""

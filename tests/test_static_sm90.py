@@ -26,6 +26,10 @@ COMMITTED = ROOT / "benchmarks" / "results" / "static_sm90.md"
 GPU_TRITON = "3.6.0"
 # Checked/unchecked main-loop instructions of decode at page 16.
 DECODE_RATIO_MAX = 1.10
+# The most of the slots' time a goal shape's decode grid may leave idle in its last wave
+# (kvattn.backends.grids.grid_waves).
+DECODE_TAIL_MAX = 0.10
+GOAL_SHAPES = {(b, c) for b in (1, 16, 64) for c in (4096, 8192, 16384, 32768)}
 # The same over fp8 pools: the check's instructions are those of the 16-bit kernel (41-47 per
 # loop at d64), but the unchecked loop is shorter (fp16 queries convert fp8 in one instruction),
 # so the ratio of the smallest CUDA instantiation (d64, 427 -> 474) sits just above 1.10.
@@ -174,3 +178,40 @@ def test_docs_static_summary_matches_committed_table():
         pair = loops[("cuda" if name == "CUDA" else "triton", config)]
         assert (int(unchecked), int(checked)) == (pair[False], pair[True]), (config, pair)
         assert float(ratio) == round(pair[True] / pair[False], 3), config
+
+
+def test_split_planners_never_assume_more_resident_programs_than_compiled(static):
+    """Each decode kernel's grid is fitted to ``planned_per_sm`` programs per SM: more than its
+    registers and shared memory allow, and a grid meant as one wave spills into a second."""
+    planned = [r for r in static[0]["records"] if "planned_per_sm" in r]
+    assert {r["backend"] for r in planned} == backends_of(static[0]["records"])
+    for r in planned:
+        assert r["planned_per_sm"] <= r["resident_per_sm"], r
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_decode_grids_fill_the_goal_shapes_once(static, backend):
+    """At every goal shape the planner's grid fits the resident slots (or leaves at most
+    DECODE_TAIL_MAX of a last wave idle), and a grid of one wave is at least half full unless the
+    table has no more splits to give."""
+    rows = [r for r in static[0]["decode_grids"] if r["backend"] == backend]
+    if not rows and backend not in backends_of(static[0]["records"]):
+        pytest.skip("no CUDA object (nvcc absent)")
+    assert {(r["batch"], r["context"]) for r in rows} == GOAL_SHAPES
+    for r in rows:
+        assert r["planned_per_sm"] <= r["resident_per_sm"], r
+        # 8 KV heads of one chunk of 4 query heads; Triton: and the report's program (checked)
+        per_split = 9 if backend == "triton" else 8
+        assert r["programs"] == r["splits"] * r["batch"] * per_split, r
+        assert r["tail"] <= DECODE_TAIL_MAX, r
+        assert r["waves"] > 0.5 or r["splits"] == r["most_splits"], r
+
+
+def test_triton_extend_is_one_launch_and_the_check_one_more(static):
+    """The tile map is found by each program (no host-side torch ops); the checked call adds only
+    the page pre-pass."""
+    rows = static[0]["extend_launches"]
+    assert rows and {r["check"] for r in rows} == {False, True}
+    for r in rows:
+        assert r["torch_ops"] == 0, r
+        assert r["kernels"] == (["resolve_pages_kernel"] if r["check"] else []) + ["paged_extend_kernel"], r

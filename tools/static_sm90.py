@@ -12,7 +12,10 @@ Per kernel and variant: registers, local memory (must be 0: spills), the real dy
 buffer count and pipelining depth (Triton: from TTGIR), SASS instructions in all and in the main
 loop (the first backward-branch range holding the most global loads), and in that loop the async copies
 (LDGSTS, ``.128`` = 16 bytes), 128-bit global loads, tensor-core instructions (HMMA/HGMMA),
-barriers (BAR) and fences (MEMBAR). **These are static figures, not speed.**
+barriers (BAR) and fences (MEMBAR); in the JSON, the resident programs per SM those registers
+and that shared memory allow. Then the decode grids the split planners choose at the goal shapes
+on an H200, their waves over those resident slots and a model of their bandwidth
+(``decode_grids``). **These are static figures, not speed.**
 
     python tools/static_sm90.py [--json FILE] [--markdown FILE] [--cuda-object build/cuda/kernels.o]
 """
@@ -313,6 +316,17 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads, variant=Non
                                          **switches)
 
 
+def _planned_per_sm(op: str, args) -> int | None:
+    """The resident programs per SM the split planner fits a decode grid to (None for extend)."""
+    from kvattn.backends.triton import paged_decode, paged_mla_decode
+
+    if op == "decode":
+        return paged_decode.launch_config(args).programs_per_sm
+    if op == "mla_decode":
+        return paged_mla_decode.launch_config(args).programs_per_sm
+    return None
+
+
 def triton_records(configs=TRITON_CONFIGS) -> list[dict]:
     from kvattn.backends import triton as triton_backend
 
@@ -324,9 +338,14 @@ def triton_records(configs=TRITON_CONFIGS) -> list[dict]:
             lse = torch.empty(args.q.shape[:2], dtype=torch.float32)
             with compile_only() as compiled:
                 getattr(triton_backend, op)(args, check=check, out=out, lse=lse)
+                planned = _planned_per_sm(op, args)
             for kernel_name, kernel in compiled:
+                extra = dict(planned_per_sm=planned) if kernel_name.startswith("paged_") and planned else {}
+                figures = triton_kernel_figures(kernel)
                 records.append(dict(backend="triton", config=name, op=op, kernel=kernel_name,
-                                    check=check, **triton_kernel_figures(kernel)))
+                                    check=check, **figures, **extra,
+                                    resident_per_sm=resident_per_sm(figures["registers"], figures["shared"],
+                                                                    figures["num_warps"])))
     return records
 
 
@@ -390,14 +409,254 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
                     switches = "window+sinks"
                 config = " ".join(x for x in (op, _CUDA_DTYPES.get(m.group(2), "") if m else "",
                                               f"d{dim}" if dim else "", copies, fp8, switches) if x)
+                extra = {}
+                shared = layout.get("shared_bytes", u.get("SHARED", 0))
+                if kernel.startswith("paged_") and u.get("REG"):
+                    extra["resident_per_sm"] = resident_per_sm(u["REG"], shared, CUDA_DECODE_WARPS)
+                if kernel == "paged_decode_kernel" and dim:
+                    from kvattn.backends.cuda import launch as cuda_launch
+                    extra["planned_per_sm"] = cuda_launch.decode_blocks_per_sm(
+                        dim, fp8=bool(fp8), scores=m.group(7) == "true")
                 records.append(dict(backend="cuda", config=config, op=op, kernel=kernel,
                                     check=bool(m and dim and m.group(5) == "true"),
                                     registers=u.get("REG"),
                                     local=u.get("LOCAL", 0) + u.get("STACK", 0),
-                                    shared=layout.get("shared_bytes", u.get("SHARED", 0)),
-                                    kv_buffers=layout.get("stages"), **sass_figures(insns)))
+                                    shared=shared,
+                                    kv_buffers=layout.get("stages"), **sass_figures(insns), **extra))
     records.sort(key=lambda r: (r["op"], r["kernel"], r["config"], r["check"]))
     return records
+
+
+# ---- Decode grids at the goal shapes ----------------------------------------------------------
+
+# The shapes the goals are stated at: bf16, head dim 128, 32 query heads over 8 KV heads, pages of
+# 16 tokens, a table as wide as the context.
+GOAL_BATCHES = (1, 16, 64)
+GOAL_CONTEXTS = (4096, 8192, 16384, 32768)
+GOAL_CONFIGS = {"triton": "decode bf16 d128 p16 gqa4", "cuda": "decode bf16 d128 16B"}
+# An sm_90 SM: 64K registers allocated per warp in units of 256, 228 KB of shared memory of which
+# each block reserves 1 KB (allocated in units of 128 bytes), at most 32 blocks and 64 warps.
+SM_REGISTERS, SM_SHARED, BLOCK_RESERVED, MAX_BLOCKS, MAX_WARPS = 65536, 233472, 1024, 32, 64
+CUDA_DECODE_WARPS = 4  # csrc/kvattn/tiles.h kThreads: every attention kernel
+# The model's assumptions (a model, NOT a measurement): a device-to-device copy moved about 4.3
+# TB/s on an H200; a load from memory takes about a microsecond under load, one that hits L2 about
+# 0.3; a kernel of a graph starts about a microsecond after the one before it ends.
+COPY_BYTES_PER_US = 4.3e6
+MEMORY_US, L2_US, LAUNCH_US = 1.0, 0.3, 1.0
+# Dependent loads a decode program waits on in every iteration before it can issue the next K/V
+# copy (from the TTGIR of the main loop: the Triton kernel loads the tile's table entry, then its
+# tag, in the iteration that issues its copy; the CUDA kernel resolves them a sub-tile ahead), and
+# before its first K/V copy (the length, the table entry, the tag).
+LOOP_CHAIN = {("triton", False): 1, ("triton", True): 2, ("cuda", False): 0, ("cuda", True): 0}
+START_CHAIN = {False: 3, True: 4}
+
+
+def resident_per_sm(registers: int, shared: int, num_warps: int) -> int:
+    """Blocks of a kernel one sm_90 SM holds at once, from its registers per thread and dynamic
+    shared memory per block."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM_REGISTERS // per_warp // num_warps
+    by_shared = SM_SHARED // (-(-(shared + BLOCK_RESERVED) // 128) * 128)
+    return min(by_registers, by_shared, MAX_BLOCKS, MAX_WARPS // num_warps)
+
+
+def record_residency(record: dict) -> int:
+    return resident_per_sm(record["registers"], record["shared"],
+                           record.get("num_warps") or CUDA_DECODE_WARPS)
+
+
+def _goal_args(batch: int, context: int):
+    """Validated decode arguments of a goal shape: a table ``context / 16`` pages wide over a small
+    pool (the planners read shapes only)."""
+    import kvattn
+
+    page, num_pages = 16, 64
+    q = torch.zeros(batch, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(num_pages, page, 8, 128, dtype=torch.bfloat16)
+    table = torch.zeros(batch, context // page, dtype=torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    return kvattn.layout.validate_decode(q, k, torch.zeros_like(k), table, lens,
+                                         torch.zeros(num_pages, dtype=torch.int64),
+                                         torch.ones(batch, dtype=torch.int64), validate=False)
+
+
+def model_time(programs: list[tuple[float, int, float]], slots: int, cap: float) -> float:
+    """Microseconds for a grid of ``(start us, bytes, end us)`` programs in launch order, ``slots``
+    at once: each waits its start latency, streams its bytes at most at ``cap`` bytes per us,
+    sharing the copy bandwidth equally with the others streaming, then waits its end latency (a
+    model of the waves, NOT speed)."""
+    queue = list(programs)[::-1]
+    running, clock = [], 0.0
+    while queue or running:
+        while queue and len(running) < slots:
+            running.append(list(queue.pop()))
+        streaming = sum(1 for p in running if p[0] <= 0 and p[1] > 0)
+        rate = min(cap, COPY_BYTES_PER_US / streaming) if streaming else 0.0
+        step = min(p[0] if p[0] > 0 else p[1] / rate if p[1] > 0 else p[2] for p in running)
+        for p in running:
+            if p[0] > 0:
+                p[0] -= step
+            elif p[1] > 0:
+                p[1] -= step * rate
+            else:
+                p[2] -= step
+        clock += step
+        running = [p for p in running if p[0] > 1e-9 or p[1] > 1e-3 or p[2] > 1e-9]
+    return clock
+
+
+# How a decode backend writes the report: "column", programs of its own beside the attention
+# programs (the first of each sequence and split in launch order; the Triton kernel), or "after",
+# the first attention program of each sequence and split after its loop (the CUDA kernel).
+REPORT_PROGRAMS = {"triton": "column", "cuda": "after"}
+
+
+def decode_model(backend: str, check: bool, batch: int, splits: int, attention_per_split: int,
+                 bounds, slots: int, in_flight: int, tile_bytes: int, head_dim: int) -> float:
+    """Modelled microseconds of one decode call (the kernel, then the merge when split): programs
+    in launch order (the split is the slowest grid dimension), checked with the report's programs
+    or work as ``REPORT_PROGRAMS`` says: one pass over a split's table entries and tags per 128
+    pages, two dependent loads each, from memory in a program of its own, from L2 after a loop."""
+    chain = LOOP_CHAIN[(backend, check)] * L2_US
+    cap = min(in_flight / MEMORY_US, tile_bytes / chain if chain else float("inf"))
+    column = check and REPORT_PROGRAMS[backend] == "column"
+    programs = []
+    for s, e in bounds:
+        pages = -(-max(e - s, 0) // 16)
+        passes = -(-pages // 128)
+        if column:
+            programs += [(MEMORY_US, 0, 2 * MEMORY_US * passes)] * batch
+        for i in range(attention_per_split):
+            start = START_CHAIN[check] * MEMORY_US if e > s else 0.0
+            after = 2 * L2_US * passes if check and not column and i < batch else 0.0
+            programs.append((start, max(e - s, 0) * head_dim * 2 * 2, after))
+    total = LAUNCH_US + model_time(programs, slots, cap)
+    if splits > 1:  # the merge: read the partials (and, checked, sum the report counts)
+        total += LAUNCH_US + 2 * MEMORY_US + (L2_US if check and not column else 0.0)
+    return total
+
+
+def decode_grids(records: list[dict]) -> list[dict]:
+    """The decode grids the planners choose at the goal shapes on an H200, with the resident
+    programs per SM of the compiled kernels (both variants) in ``records``."""
+    from kvattn.backends import grids
+    from kvattn.backends.cuda import launch as cuda_launch
+    from kvattn.backends.triton import paged_decode
+
+    rows = []
+    for backend, config in GOAL_CONFIGS.items():
+        found = {r["check"]: r for r in records if r["backend"] == backend
+                 and r["kernel"] == "paged_decode_kernel" and r["config"] == config}
+        if len(found) < 2:
+            continue
+        resident = min(record_residency(r) for r in found.values())
+        slots = resident * H200_SMS
+        for batch in GOAL_BATCHES:
+            for context in GOAL_CONTEXTS:
+                args = _goal_args(batch, context)
+                with compile_only():
+                    if backend == "triton":
+                        splits, min_chunk, align = paged_decode.plan_splits(args)
+                        # The report column: one program per sequence and split (checked).
+                        per_split = batch * (args.num_kv_heads + 1)
+                        attention = batch * args.num_kv_heads
+                        cfg = paged_decode.launch_config(args)
+                        tile_bytes = cfg.block_n * args.head_dim * 2 * 2
+                        in_flight = (found[True]["kv_buffers"] - 1) * tile_bytes
+                        planned = cfg.programs_per_sm
+                    else:
+                        splits, min_chunk, align = cuda_launch.plan_splits(args)
+                        per_split = attention = cuda_launch.decode_blocks_per_split(args)
+                        tile_bytes = cuda_launch.SUB_TILE * args.head_dim * 2 * 2
+                        in_flight = CUDA_DECODE_WARPS * (found[True]["kv_buffers"] - 1) * tile_bytes
+                        planned = cuda_launch.decode_blocks_per_sm(args.head_dim)
+                programs = per_split * splits
+                waves, tail = grids.grid_waves(programs, slots)
+                bounds = grids.split_bounds(context, splits, align, min_chunk)
+                times = {check: decode_model(backend, check, batch, splits, attention, bounds, slots,
+                                             in_flight, tile_bytes, args.head_dim)
+                         for check in (False, True)}
+                copy_us = batch * context * args.num_kv_heads * args.head_dim * 2 * 2 / COPY_BYTES_PER_US
+                rows.append(dict(backend=backend, batch=batch, context=context, splits=splits,
+                                 programs=programs, resident_per_sm=resident,
+                                 planned_per_sm=planned, slots=slots, waves=round(waves, 3),
+                                 tail=round(tail, 3), most_splits=min(-(-context // min_chunk), grids.MAX_SPLITS),
+                                 modelled_bandwidth=round(copy_us / times[False], 3),
+                                 modelled_check_cost=round(times[True] / times[False] - 1, 3)))
+    return rows
+
+
+def grids_markdown(rows: list[dict]) -> str:
+    lines = ["## decode grids at the goal shapes", "",
+             "bf16, head dim 128, 32 query / 8 KV heads, pages of 16, a table as wide as the context, "
+             f"on {H200_SMS} SMs. Resident programs per SM from the registers and shared memory of "
+             "both variants above; tail: the share of the slots' time the last, partial wave "
+             "leaves idle (0 for one wave or less). The model (tools/static_sm90.py `decode_model`, "
+             "NOT speed): programs take the slots in launch order, wait their dependent start "
+             "loads, stream their K/V at most at their buffers in flight per loaded latency (and "
+             "one tile per exposed per-iteration load chain), sharing "
+             f"{COPY_BYTES_PER_US / 1e6:g} TB/s of copy bandwidth; then the merge. Unchecked: the "
+             "modelled share of the copy bandwidth; checked: the modelled time over unchecked.", "",
+             "| backend | batch | context | splits | programs | resident/SM | slots | waves | tail "
+             "| model: unchecked % of copy | model: checked cost |", "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | {r['splits']} | "
+                     f"{r['programs']} | {r['resident_per_sm']} | {r['slots']} | {r['waves']:.2f} | "
+                     f"{100 * r['tail']:.0f}% | {100 * r['modelled_bandwidth']:.0f}% | "
+                     f"{100 * r['modelled_check_cost']:+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- Launches per call --------------------------------------------------------------------------
+
+# Aten ops that launch nothing on a GPU: allocations and views.
+_NO_LAUNCH = {"empty", "empty_like", "new_empty", "empty_strided", "view", "_unsafe_view", "as_strided",
+              "select", "slice", "alias", "detach", "t", "transpose", "expand", "unsqueeze",
+              "squeeze", "reshape", "lift_fresh"}
+
+
+def launches_per_call(configs=TRITON_CONFIGS) -> list[dict]:
+    """Device launches of one Triton extend call (host-side torch ops that would launch a kernel,
+    and Triton kernels), counted while the launcher runs under :func:`compile_only`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvattn.backends import triton as triton_backend
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name not in _NO_LAUNCH:
+                self.names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    rows = []
+    for name, op, *shape in configs:
+        if op != "extend":
+            continue
+        args = _inputs(op, *shape)
+        for check in (False, True):
+            out = args.q.new_empty(args.q.shape)
+            with compile_only() as compiled, Ops() as ops:
+                triton_backend.extend(args, check=check, out=out, lse=None)
+            rows.append(dict(config=name, check=check, torch_ops=len(ops.names),
+                             kernels=[k for k, _ in compiled]))
+    return rows
+
+
+def launches_markdown(rows: list[dict]) -> str:
+    lines = ["## extend launches per call (Triton)", "",
+             "Device launches of one `kvattn.paged_extend` call on the triton backend: host-side torch "
+             "ops that launch a kernel on a GPU (allocations and views launch none), then the Triton "
+             "kernels, counted while the launcher runs.", "",
+             "| config | variant | torch ops | Triton kernels | launches |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {'checked' if r['check'] else 'unchecked'} | {r['torch_ops']} | "
+                     f"{', '.join(r['kernels'])} | {r['torch_ops'] + len(r['kernels'])} |")
+    return "\n".join(lines) + "\n"
 
 
 # ---- Output -----------------------------------------------------------------------------------
@@ -434,9 +693,17 @@ def main(argv=None) -> int:
         records += cuda_records(obj)
     header = (f"Static sm_90 figures (NOT speed): Triton {triton.__version__}, "
               f"torch {torch.__version__}, CUDA object {obj.name if obj.exists() else 'absent'}")
+    decode_grid_rows = decode_grids(records)
+    launch_rows = [] if args.no_triton else launches_per_call(configs)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(dict(header=header, records=records), indent=1))
+        pathlib.Path(args.json).write_text(json.dumps(dict(header=header, records=records,
+                                                           decode_grids=decode_grid_rows,
+                                                           extend_launches=launch_rows), indent=1))
     table = markdown(records, header)
+    if decode_grid_rows:
+        table += "\n" + grids_markdown(decode_grid_rows)
+    if launch_rows:
+        table += "\n" + launches_markdown(launch_rows)
     if args.markdown:
         pathlib.Path(args.markdown).write_text(table)
     print(table)

@@ -24,10 +24,15 @@ MAX_HEAD_DIM = 512
 # the decode only.
 SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes"})
 DECODE_SWITCHES = SWITCHES | {"fp8 KV"}
-# Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers) per padded
-# head dim, from the shared memory and registers in benchmarks/results/static_sm90.md: 59 KB and
-# 150-170 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512.
+# Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers, 4 warps a
+# block) per padded head dim, from the registers and shared memory of every instantiation in
+# benchmarks/results/static_sm90.md (tests/test_static_sm90.py holds the planner to them): 59 KB
+# and 150-156 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512. The score switches
+# take d64 to 170-180 registers (two blocks); fp8 pools halve the shared memory, which lets two
+# d256 blocks share an SM.
 DECODE_BLOCKS_PER_SM = {64: 3, 128: 2, 256: 1, 512: 1}
+DECODE_BLOCKS_PER_SM_SWITCHED = {64: 2, 128: 2, 256: 1, 512: 1}
+DECODE_BLOCKS_PER_SM_FP8 = {64: 3, 128: 2, 256: 2, 512: 1}
 SUB_TILE = 16  # tokens a decode warp copies per pipeline stage
 
 
@@ -61,20 +66,39 @@ def _rows_of_16_bytes(args) -> bool:
             and all(s % 16 == 0 for t in pools for s in t.stride()[:3]))
 
 
-def decode_blocks_per_sm(head_dim: int) -> int:
-    """Decode blocks one SM holds at once for this head dim (its padded register tile)."""
-    return DECODE_BLOCKS_PER_SM[next(d for d in sorted(DECODE_BLOCKS_PER_SM) if head_dim <= d)]
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim a decode instantiation is compiled for (csrc/kvattn/tiles.h)."""
+    return next(d for d in sorted(DECODE_BLOCKS_PER_SM) if head_dim <= d)
+
+
+def decode_blocks_per_sm(head_dim: int, fp8: bool = False, scores: bool = False) -> int:
+    """Decode blocks one SM holds at once for this head dim (its padded register tile), over fp8
+    pools and with score switches (kvattn.variants) compiled in."""
+    d = padded_head_dim(head_dim)
+    blocks = DECODE_BLOCKS_PER_SM_FP8[d] if fp8 else DECODE_BLOCKS_PER_SM[d]
+    return min(blocks, DECODE_BLOCKS_PER_SM_SWITCHED[d]) if scores else blocks
+
+
+def decode_blocks_per_split(args: DecodeArgs) -> int:
+    """Blocks of one split (csrc/kvattn/decode.cuh plan_decode): per sequence and KV head, one per
+    chunk of 16 query heads of its GQA group, times two for heads over 256 wide."""
+    group = args.num_heads // args.num_kv_heads
+    d_split = 2 if padded_head_dim(args.head_dim) > 256 else 1
+    return args.batch * args.num_kv_heads * -(-group // 16) * d_split
 
 
 def plan_splits(args: DecodeArgs, num_splits: int | None = None,
                 blocks_per_sm: int | None = None) -> tuple[int, int, int]:
-    """``(num_splits, min_chunk, align)``: :func:`kvattn.backends.grids.plan_num_splits` with chunks
-    of whole pages (and whole 16-token sub-tiles when one of page and sub-tile divides the other);
-    ``blocks_per_sm`` overrides the occupancy target (for tuning)."""
+    """``(num_splits, min_chunk, align)``: :func:`kvattn.backends.grids.plan_num_splits` over the
+    blocks of a split, with chunks of whole pages (and whole 16-token sub-tiles when one of page and
+    sub-tile divides the other); ``blocks_per_sm`` overrides the occupancy target (for tuning)."""
     page = args.page_size
     align = max(page, SUB_TILE) if page % SUB_TILE == 0 or SUB_TILE % page == 0 else page
-    target = blocks_per_sm or decode_blocks_per_sm(args.head_dim)
-    splits, min_chunk = plan_num_splits(args, align, target, num_splits)
+    sw = args.variant
+    scores = any(s in SWITCHES for s in sw.switches())
+    target = blocks_per_sm or decode_blocks_per_sm(args.head_dim, fp8=sw.fp8, scores=scores)
+    splits, min_chunk = plan_num_splits(args, align, target, num_splits,
+                                        programs_per_split=decode_blocks_per_split(args))
     return splits, min_chunk, align
 
 

@@ -16,13 +16,16 @@ import torch
 class DecodeConfig:
     """``block_n`` tokens per tile (a power of two >= 16); tiles of pages at least that long read one
     block-table entry and one tag per tile. ``programs_per_sm``: resident programs the split planner
-    aims for (from registers and shared memory of the compiled kernel, see
-    ``tools/static_sm90.py``)."""
+    fits its grid to (from registers and shared memory of the compiled kernel, see
+    ``tools/static_sm90.py``; never more than the compiled kernel allows, or the grid spills into a
+    second wave); ``max_registers``: registers per thread the kernel is compiled for (ptxas's
+    ``maxnreg``; None: as ptxas chooses)."""
 
     block_n: int = 16
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 7
+    max_registers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,15 +55,21 @@ def large_pages(page_size: int) -> bool:
 # is None, equal, or a predicate that accepts the value. Defaults chosen from sm_90 compiles
 # (tools/static_sm90.py: K/V buffers, registers, shared memory, loop instructions), not timings.
 DECODE_TABLE: list[tuple[tuple, DecodeConfig]] = [
-    # Pages of 16: one scalar page per tile, three K/V buffers in flight; 72 registers (checked)
-    # and 29 KB of shared memory let 7 programs share an SM.
-    ((None, None, None, None), DecodeConfig(block_n=16, num_warps=4, num_stages=4, programs_per_sm=7)),
-    # Longer pages: 32-token tiles halve the per-token loop overhead; 38 KB of shared memory.
-    ((None, None, None, large_pages), DecodeConfig(block_n=32, num_stages=3, programs_per_sm=5)),
+    # Pages of 16 (and 48, 80, ...): one scalar page per tile, three K/V buffers in flight; 29 KB of
+    # shared memory and at most 72 registers let 7 programs share an SM. Unbounded, ptxas gives the
+    # checked kernel 80 registers, and more with variant switches; capped at 72 every variant of
+    # the static table fits, without spills.
+    ((None, None, None, None), DecodeConfig(block_n=16, num_warps=4, num_stages=4, programs_per_sm=7,
+                                            max_registers=72)),
+    # Longer pages: 32-token tiles halve the per-token loop overhead; 38 KB of shared memory, 6
+    # programs.
+    ((None, None, None, large_pages), DecodeConfig(block_n=32, num_stages=3, programs_per_sm=6)),
     # Short pages are resolved per token; the extra indirection needs two more stages for two
     # K/V buffers.
     ((None, None, None, small_pages), DecodeConfig(block_n=16, num_stages=5, programs_per_sm=4)),
-    ((None, None, 256, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=5)),
+    # Head dim 256: 41 KB of shared memory; at most 96 registers (ptxas gives the checked kernel
+    # 106 unbounded) for 5 programs.
+    ((None, None, 256, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=5, max_registers=96)),
     ((None, None, 512, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=2)),
     ((None, torch.float32, None, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=4)),
 ]

@@ -12,11 +12,14 @@ takes an equal, page-aligned share of its sequence's actual length
 (:func:`kvattn.backends.grids.split_chunk`), so every logical page is read and checked by exactly
 one program per KV head.
 
-The report comes out of the main loop: the ``kv_head == 0`` programs compute each page's reason
-from the tag they load for the mask anyway, store it, and count in registers. With one split the
-program writes the final counters; with several, each writes its partial counts and the merge
-kernel, which runs anyway, sums them. Nothing is zeroed by a separate launch and no atomics are
-used; entries of ``page_reasons`` past the sequence are zeroed by the same programs.
+The report has programs of its own: checked, the grid has one more column (index 0 on axis 1) whose
+program for each (sequence, split) reads that split's table entries, tags and expected owners
+(never page memory), and writes their reasons and counts while the attention programs stream K/V,
+so no attention program does report work after its loop. With one split it writes the final
+counters; with several, its partial counts, which a program of its own in the merge grid sums.
+Nothing is zeroed by a separate launch and no atomics are used; entries of ``page_reasons`` past
+the sequence are zeroed by the same programs. The split planner counts the report column in both
+variants, so checked and unchecked launches split alike.
 """
 from __future__ import annotations
 
@@ -78,6 +81,12 @@ def paged_decode_kernel(
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # Checked, column 0 of each (sequence, split) writes the report: its own program, running
+    # beside the attention programs instead of after one of them.
+    reporter = False
+    if CHECK:
+        kv_head -= 1
+        reporter = kv_head < 0
 
     raw_len = tl.load(seq_lens_ptr + b)
     capacity = max_pages * PAGE
@@ -88,93 +97,94 @@ def paged_decode_kernel(
     start += span_lo
     end += span_lo
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    heads = kv_head * GROUP + offs_g  # [BLOCK_G]
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    bt_row = block_table_ptr + b * stride_bt
-    exp_row = expected_ptr + b * stride_eb
-    seq_owner = tl.load(exp_row)  # expected given per sequence: one load for every page
-    reasons_row = page_reasons_ptr + b * max_pages
-    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
-    qk_scale = scale_log2
-    if FP8:
-        # Per-head dequantisation: K's scale folds into the logits, V's into the output.
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    alibi2 = tl.zeros([BLOCK_G], dtype=tl.float32)
-    if ALIBI:
-        alibi2 = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    loop_lo = start
-    if WINDOW:
-        loop_lo = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)  # tiles wholly before: skipped
-    for t0 in range(loop_lo, end, BLOCK_N):
-        page, slot, live = tile_slots(t0, end, offs_n, bt_row, exp_row, stride_ep, seq_owner,
-                                      tags_ptr, num_pages, PAGE, BLOCK_N, CHECK, OWNER_PER_PAGE)
+    if reporter:
+        bt_row = block_table_ptr + b * stride_bt
+        exp_row = expected_ptr + b * stride_eb
+        reasons_row = page_reasons_ptr + b * max_pages
+        store_split_report(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, part_report_ptr,
+                           violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, b, split,
+                           num_splits, num_pages, max_pages, raw_len, seq_len, first_key, start,
+                           end, PAGE, BLOCK_P)
         if WINDOW:
-            live = live & (t0 + offs_n >= first_key)
-        page = page.to(tl.int64)
-        k_rows = k_head + page * stride_kp + slot * stride_ks  # [BLOCK_N]
-        v_rows = v_head + page * stride_vp + slot * stride_vs
-        kv_mask = live[:, None] & d_mask[None, :]
-        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            # And its stripe of the entries before the splits' span (before the window).
+            stripe = tl.cdiv(span_lo // PAGE, num_splits)
+            check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len,
+                        first_key, split * stripe, tl.minimum((split + 1) * stripe, span_lo // PAGE),
+                        PAGE, BLOCK_P)
+    else:
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kv_head * GROUP + offs_g  # [BLOCK_G]
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        bt_row = block_table_ptr + b * stride_bt
+        exp_row = expected_ptr + b * stride_eb
+        seq_owner = tl.load(exp_row)  # expected given per sequence: one load for every page
+        k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+        v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+        qk_scale = scale_log2
         if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        distance = (t0 + offs_n - q_pos).to(tl.float32)[None, :]  # [1, BLOCK_N]
-        s = variant_scores(qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance,
-                           SOFTCAP, ALIBI)
-        s = tl.where(live[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
-
-    if CHECK:
-        if kv_head == 0:
-            store_split_report(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, part_report_ptr,
-                               violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, b, split,
-                               num_splits, num_pages, max_pages, raw_len, seq_len, first_key,
-                               start, end, PAGE, BLOCK_P)
+            # Per-head dequantisation: K's scale folds into the logits, V's into the output.
+            qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        alibi2 = tl.zeros([BLOCK_G], dtype=tl.float32)
+        if ALIBI:
+            alibi2 = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        loop_lo = start
+        if WINDOW:
+            loop_lo = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)  # tiles wholly before: skipped
+        for t0 in range(loop_lo, end, BLOCK_N):
+            page, slot, live = tile_slots(t0, end, offs_n, bt_row, exp_row, stride_ep, seq_owner,
+                                          tags_ptr, num_pages, PAGE, BLOCK_N, CHECK, OWNER_PER_PAGE)
             if WINDOW:
-                # And its stripe of the entries before the splits' span (before the window).
-                stripe = tl.cdiv(span_lo // PAGE, num_splits)
-                check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages,
-                            seq_len, first_key, split * stripe,
-                            tl.minimum((split + 1) * stripe, span_lo // PAGE), PAGE, BLOCK_P)
+                live = live & (t0 + offs_n >= first_key)
+            page = page.to(tl.int64)
+            k_rows = k_head + page * stride_kp + slot * stride_ks  # [BLOCK_N]
+            v_rows = v_head + page * stride_vp + slot * stride_vs
+            kv_mask = live[:, None] & d_mask[None, :]
+            k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            if FP8:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            distance = (t0 + offs_n - q_pos).to(tl.float32)[None, :]  # [1, BLOCK_N]
+            s = variant_scores(qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance,
+                               SOFTCAP, ALIBI)
+            s = tl.where(live[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
-    if FP8:
-        acc = acc * tl.load(v_scale_ptr + kv_head)  # V's scale, once (splits store scaled sums)
-    if SINKS or ALIBI or FP8:
-        # A head whose switch values are invalid (kvattn.variants) reads nothing: from here on its
-        # state is that of a row with nothing read, in this split and in the merge.
-        reads = heads_read(heads, g_mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
-                           SINKS, ALIBI, FP8)
-        acc = tl.where(reads[:, None], acc, 0.0)
-        m_i = tl.where(reads, m_i, float("-inf"))
-        l_i = tl.where(reads, l_i, 0.0)
-    if num_splits == 1:
-        sink2 = tl.zeros([BLOCK_G], dtype=tl.float32)
-        if SINKS:
-            sink2 = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
-        out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-        if RETURN_LSE:
-            l_safe = tl.where(l_i > 0, l_i, 1.0)
-            lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
-            tl.store(lse_ptr + b * NUM_HEADS + heads, lse, mask=g_mask)
-    elif start < end:
-        # Splits past the sequence's end write nothing; the merge reads only the others.
-        row = (b * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]
-        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
-        tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
-        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+        if FP8:
+            acc = acc * tl.load(v_scale_ptr + kv_head)  # V's scale, once (splits store scaled sums)
+        if SINKS or ALIBI or FP8:
+            # A head whose switch values are invalid (kvattn.variants) reads nothing: from here on its
+            # state is that of a row with nothing read, in this split and in the merge.
+            reads = heads_read(heads, g_mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
+                               SINKS, ALIBI, FP8)
+            acc = tl.where(reads[:, None], acc, 0.0)
+            m_i = tl.where(reads, m_i, float("-inf"))
+            l_i = tl.where(reads, l_i, 0.0)
+        if num_splits == 1:
+            sink2 = tl.zeros([BLOCK_G], dtype=tl.float32)
+            if SINKS:
+                sink2 = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
+            out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+            if RETURN_LSE:
+                l_safe = tl.where(l_i > 0, l_i, 1.0)
+                lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
+                tl.store(lse_ptr + b * NUM_HEADS + heads, lse, mask=g_mask)
+        elif start < end:
+            # Splits past the sequence's end write nothing; the merge reads only the others.
+            row = (b * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]
+            tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+            tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
 
 
 @triton.jit
@@ -189,7 +199,8 @@ def merge_splits_kernel(
     """Combine the splits of one (sequence, head) that lie inside the sequence (their sums already
     scaled by an fp8 pool's v_scale); a split with nothing readable (or of a head that reads
     nothing) has m = -inf, l = 0 and weighs 0, and a row where every split is empty gets output 0
-    and lse -inf. The head-0 program of each sequence also sums the splits' report counts."""
+    and lse -inf. Checked, program ``NUM_HEADS`` of each sequence sums the splits' report counts
+    instead, beside the others."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     raw_len = tl.load(seq_lens_ptr + b)
@@ -199,58 +210,59 @@ def merge_splits_kernel(
     _, _, chunk = split_range(seq_len - span_lo, 0, num_splits, min_chunk, ALIGN)
     active = tl.cdiv(seq_len - span_lo, chunk)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    base = (b * NUM_HEADS + head) * num_splits
-
-    m_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, active, BLOCK_S):
-        s = s0 + offs_s
-        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (base + s) * 2, mask=s < active,
-                                          other=float("-inf")))
-    m_top = tl.max(m_max, axis=0)
-    m_ref = tl.where(m_top == float("-inf"), 0.0, m_top)
-    l_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, active, BLOCK_S):
-        s = s0 + offs_s
-        s_mask = s < active
-        m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_mask, other=float("-inf"))
-        w = tl.exp2(m - m_ref)  # [BLOCK_S]
-        l_sum += tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_mask, other=0.0) * w
-        part = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
-                       mask=s_mask[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
-        acc += part * w[:, None]
-    l_total = tl.sum(l_sum, axis=0)
-    l_safe = tl.where(l_total > 0, l_total, 1.0)
-    denominator = l_safe
-    if SINKS:
-        # With nothing read the sink joins no denominator (a sink of -inf would give 0 / 0).
-        denominator = tl.where(l_total > 0,
-                               l_total + tl.exp2(tl.load(sinks_ptr + head) * LOG2E_C - m_ref), 1.0)
-    out = tl.sum(acc, axis=0) / denominator  # [BLOCK_D]
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
-    if RETURN_LSE:
-        lse = tl.where(l_total > 0, (m_ref + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
-        tl.store(lse_ptr + b * NUM_HEADS + head, lse)
-
+    reporter = False
     if CHECK:
-        if head == 0:
-            bad = tl.zeros([BLOCK_S], dtype=tl.int32)
-            read = tl.zeros([BLOCK_S], dtype=tl.int32)
-            bits = tl.zeros([BLOCK_S], dtype=tl.int32)
-            for s0 in range(0, active, BLOCK_S):
-                s = s0 + offs_s
-                part = part_report_ptr + (b * num_splits + s) * REPORT_FIELDS
-                bad += tl.load(part, mask=s < active, other=0)
-                bits = bits | tl.load(part + 1, mask=s < active, other=0)
-                read += tl.load(part + 2, mask=s < active, other=0)
-            beyond = (raw_len > capacity).to(tl.int32)
-            tl.store(beyond_ptr + b, beyond)
-            reasons = tl.reduce(bits, 0, bit_or) | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
-            tl.store(violations_ptr + b, tl.sum(bad, axis=0) + beyond)
-            tl.store(reasons_ptr + b, reasons)
-            tl.store(checked_ptr + b, tl.sum(read, axis=0))
+        reporter = head == NUM_HEADS
+    if reporter:
+        bad = tl.zeros([BLOCK_S], dtype=tl.int32)
+        read = tl.zeros([BLOCK_S], dtype=tl.int32)
+        bits = tl.zeros([BLOCK_S], dtype=tl.int32)
+        for s0 in range(0, active, BLOCK_S):
+            s = s0 + offs_s
+            part = part_report_ptr + (b * num_splits + s) * REPORT_FIELDS
+            bad += tl.load(part, mask=s < active, other=0)
+            bits = bits | tl.load(part + 1, mask=s < active, other=0)
+            read += tl.load(part + 2, mask=s < active, other=0)
+        beyond = (raw_len > capacity).to(tl.int32)
+        tl.store(beyond_ptr + b, beyond)
+        reasons = tl.reduce(bits, 0, bit_or) | tl.where(beyond != 0, V_OUT_OF_RANGE, 0)
+        tl.store(violations_ptr + b, tl.sum(bad, axis=0) + beyond)
+        tl.store(reasons_ptr + b, reasons)
+        tl.store(checked_ptr + b, tl.sum(read, axis=0))
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        base = (b * NUM_HEADS + head) * num_splits
+        m_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+        for s0 in range(0, active, BLOCK_S):
+            s = s0 + offs_s
+            m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (base + s) * 2, mask=s < active,
+                                              other=float("-inf")))
+        m_top = tl.max(m_max, axis=0)
+        m_ref = tl.where(m_top == float("-inf"), 0.0, m_top)
+        l_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, active, BLOCK_S):
+            s = s0 + offs_s
+            s_mask = s < active
+            m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_mask, other=float("-inf"))
+            w = tl.exp2(m - m_ref)  # [BLOCK_S]
+            l_sum += tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_mask, other=0.0) * w
+            part = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
+                           mask=s_mask[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+            acc += part * w[:, None]
+        l_total = tl.sum(l_sum, axis=0)
+        l_safe = tl.where(l_total > 0, l_total, 1.0)
+        denominator = l_safe
+        if SINKS:
+            # With nothing read the sink joins no denominator (a sink of -inf would give 0 / 0).
+            denominator = tl.where(l_total > 0,
+                                   l_total + tl.exp2(tl.load(sinks_ptr + head) * LOG2E_C - m_ref), 1.0)
+        out = tl.sum(acc, axis=0) / denominator  # [BLOCK_D]
+        tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)
+        if RETURN_LSE:
+            lse = tl.where(l_total > 0, (m_ref + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
+            tl.store(lse_ptr + b * NUM_HEADS + head, lse)
 
 
 def interpreted() -> bool:
@@ -274,7 +286,10 @@ def plan_splits(args: DecodeArgs, config: DecodeConfig | None = None,
     """``(num_splits, min_chunk, align)`` of a launch (:func:`kvattn.backends.grids.plan_num_splits`)."""
     config = launch_config(args, config)
     align = split_alignment(args, config)
-    splits, min_chunk = plan_num_splits(args, align, config.programs_per_sm, num_splits)
+    # Per sequence and split: one program per KV head and the report's (checked; counted in both
+    # variants so that they split alike).
+    splits, min_chunk = plan_num_splits(args, align, config.programs_per_sm, num_splits,
+                                        programs_per_split=args.batch * (args.num_kv_heads + 1))
     return splits, min_chunk, align
 
 
@@ -308,7 +323,7 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
                                       (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale))
     switches = dict(WINDOW=sw.windowed, SINKS=sw.sinks is not None, FP8=sw.fp8)
 
-    paged_decode_kernel[(batch, args.num_kv_heads, splits)](
+    paged_decode_kernel[(batch, args.num_kv_heads + int(check), splits)](
         q, k_cache, v_cache, args.block_table, args.seq_lens, args.page_tags, args.expected,
         out, lse_arg, part_acc, part_ml, part_report,
         *report_args, r.page_reasons if r else out,
@@ -324,9 +339,10 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         OWNER_PER_PAGE=args.expected.stride(1) != 0, SOFTCAP=sw.logits_soft_cap > 0,
         ALIBI=sw.alibi_slopes is not None, **switches,
         num_warps=config.num_warps, num_stages=config.num_stages,
+        maxnreg=config.max_registers,
     )
     if splits > 1:
-        merge_splits_kernel[(batch, num_heads)](
+        merge_splits_kernel[(batch, num_heads + int(check))](
             part_acc, part_ml, part_report, args.seq_lens, out, lse_arg, *report_args,
             args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), sw.window_left, sinks,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size,

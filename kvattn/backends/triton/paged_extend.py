@@ -4,23 +4,27 @@ the block table, with the ownership check as a compile-time flag.
 One kernel source; ``CHECK=False`` compiles the check out. Layout: :mod:`kvattn.layout`; semantics:
 :func:`kvattn.paged_extend`; launch configurations: :mod:`.configs`.
 
-The checked launch first runs :func:`resolve_pages_kernel`, one program per sequence, which applies
-the reader's rule (:mod:`.tag_rule`) once to every logical page: it writes the report and an
-*effective table* whose entry packs the physical page and the number of its slots that may be read
-(``page << 32 | readable``; 0 readable for a refused page). The attention kernel then loads one
-entry per token, as the unchecked variant loads one block-table entry per token (keeping its
-page-id range guard), so both variants gather and pipeline K/V the same way and the tag test never
-runs in the inner loop.
+The checked launch first runs :func:`resolve_pages_kernel`, one program per sequence and block of
+``RESOLVE_PAGES`` pages, which applies the reader's rule (:mod:`.tag_rule`) once to every logical
+page: it writes the page reasons, partial counts and an *effective table* whose entry packs the
+physical page and the number of its slots that may be read (``page << 32 | readable``; 0 readable
+for a refused page); the first attention program of each sequence sums the counts into the
+report. The attention kernel loads one entry per token, as the unchecked variant loads one
+block-table entry per token (keeping its page-id range guard), so both variants gather and
+pipeline K/V the same way and the tag test never runs in the inner loop. A call is one launch
+unchecked, two checked: no host-side tile map.
 
 Grid ``(query-tile slots, num_kv_heads * head chunks)``. A tile holds ``BLOCK_M`` rows: ``TOKENS``
 query tokens times the ``HEADS`` query heads of one chunk of a KV head's GQA group (row ``r`` is
 token ``r // HEADS``, head ``r % HEADS``), so each K/V tile is gathered once for the whole group and
 the tensor-core tiles are full even for one-token chunks. Sequence ``b`` gets
-``max(1, ceil(q_len_b / TOKENS))`` consecutive slots; slot ``t`` finds its sequence by counting
-the per-sequence tile starts at or below ``t`` (a device-side prefix sum, so neither the grid nor
-the launch needs ``cu_seqlens_q`` on the host: ``ceil(total_q / TOKENS) + B`` slots depend on
-shapes only, and spare slots do nothing). Causal tiles entirely above the diagonal are not
-visited: a query tile's KV loop stops after its last query's position.
+``max(1, ceil(q_len_b / TOKENS))`` consecutive slots; each program finds the sequence of its slot
+from ``cu_seqlens_q`` itself (:func:`locate_tile`: a device-side scan, so neither the grid nor the
+launch needs ``cu_seqlens_q`` on the host: ``ceil(total_q / TOKENS) + B`` slots depend on shapes
+only, and spare slots do nothing). Programs take the slots in launch order with every head column
+of a slot together, and a causal sequence's tiles longest first (its last query tile, which reads
+the most keys, first). Causal tiles entirely above the diagonal are not visited: a query tile's KV
+loop stops after its last query's position.
 """
 from __future__ import annotations
 
@@ -30,61 +34,130 @@ import triton.language as tl
 
 from ...layout import ExtendArgs
 from ...report import OwnershipReport
-from ..grids import extend_tile_map
 from .configs import ExtendConfig, extend_config
 from .paged_decode import interpreted
 from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
+from .split_report import REPORT_FIELDS
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
 SLOT_BITS = tl.constexpr(32)
+# Pages per pre-pass program: one pass of loads, the table of a sequence spread over programs.
+RESOLVE_PAGES = 256
+
+
+@triton.jit
+def max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def query_rows(cu_seqlens_ptr, b, total_q, BLOCK_B: tl.constexpr):
+    """``(first row, one past the last)`` of sequence ``b``: ``cu_seqlens_q`` clamped to
+    ``[0, total_q]`` and made non-decreasing (kvattn.layout.query_offsets) up to entry ``b + 1``."""
+    row0 = 0
+    row1 = 0
+    for c0 in range(0, b + 2, BLOCK_B):
+        idx = c0 + tl.arange(0, BLOCK_B)
+        cu = tl.load(cu_seqlens_ptr + idx, mask=idx <= b + 1, other=0)
+        cu = tl.minimum(tl.maximum(cu, 0), total_q)
+        row0 = tl.maximum(row0, tl.max(tl.where(idx <= b, cu, 0), axis=0))
+        row1 = tl.maximum(row1, tl.max(cu, axis=0))
+    return row0, row1
+
+
+@triton.jit
+def locate_tile(cu_seqlens_ptr, slot_id, batch, total_q, TOKENS: tl.constexpr,
+                BLOCK_B: tl.constexpr):
+    """``(b, local tile, tiles of b, first row, query rows)`` of grid slot ``slot_id``: the tile map
+    (kvattn.backends.grids.extend_tile_map) computed by each program from ``cu_seqlens_q``, clamped
+    and made non-decreasing as kvattn.layout.query_offsets does. Sequence ``b`` has ``max(1,
+    ceil(q_len / TOKENS))`` consecutive slots; slots past the last sequence's land on it with a
+    local tile past its tiles."""
+    carry_q = 0  # the offsets' running maximum before this chunk
+    carry_t = 0  # tiles of the sequences before this chunk
+    n_started = 0
+    row0 = 0
+    row1 = 0
+    first = 0
+    for c0 in range(0, batch, BLOCK_B):
+        idx = c0 + tl.arange(0, BLOCK_B)
+        m = idx < batch
+        lo = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + idx, mask=m, other=0), 0), total_q)
+        hi = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + idx + 1, mask=m, other=0), 0), total_q)
+        lo = tl.maximum(tl.associative_scan(lo, 0, max_combine), carry_q)  # [BLOCK_B]
+        hi = tl.maximum(hi, lo)
+        tiles = tl.where(m, tl.maximum(tl.cdiv(hi - lo, TOKENS), 1), 0)
+        starts = carry_t + tl.cumsum(tiles, 0) - tiles
+        started = m & (starts <= slot_id)
+        n_started += tl.sum(started.to(tl.int32), axis=0)
+        # Offsets and tile starts grow with b: their largest among the started is b's.
+        row0 = tl.maximum(row0, tl.max(tl.where(started, lo, 0), axis=0))
+        row1 = tl.maximum(row1, tl.max(tl.where(started, hi, 0), axis=0))
+        first = tl.maximum(first, tl.max(tl.where(started, starts, 0), axis=0))
+        carry_q = tl.maximum(carry_q, tl.max(tl.where(m, hi, 0), axis=0))
+        carry_t += tl.sum(tiles, axis=0)
+    q_len = row1 - row0
+    return n_started - 1, slot_id - first, tl.maximum(tl.cdiv(q_len, TOKENS), 1), row0, q_len
 
 
 @triton.jit
 def resolve_pages_kernel(
-    block_table_ptr, seq_lens_ptr, q_start_ptr, tags_ptr, expected_ptr, effective_ptr,
-    violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
-    num_pages, max_pages, stride_bt, stride_eb, stride_ep, window_left,
-    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, WINDOW: tl.constexpr,
+    block_table_ptr, seq_lens_ptr, cu_seqlens_ptr, tags_ptr, expected_ptr, effective_ptr,
+    part_report_ptr, page_reasons_ptr,
+    total_q, num_pages, max_pages, stride_bt, stride_eb, stride_ep, window_left,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    """One sequence: every table entry's reason (0 when accepted or not read), the report's
-    counters, and the effective entry ``page << 32 | readable slots`` of every page it reads.
-    With a sliding window, pages wholly before the first row's window are not read."""
+    """Pages ``[BLOCK_P * k, BLOCK_P * (k + 1))`` of sequence ``b`` (grid ``(B, k)``): each table
+    entry's reason (0 when accepted or not read), the effective entry ``page << 32 | readable
+    slots`` of every page it reads, and the block's counts (refused, OR of reasons, read), which
+    the attention kernel sums into the report. With a sliding window, pages wholly before the first
+    row's window are not read."""
     b = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
     raw_len = tl.load(seq_lens_ptr + b)
-    capacity = max_pages * PAGE
-    seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
+    seq_len = tl.minimum(tl.maximum(raw_len, 0), max_pages * PAGE)
     first_key = 0
     if WINDOW:
-        q_len = tl.load(q_start_ptr + b + 1) - tl.load(q_start_ptr + b)
-        first_key = tl.maximum(raw_len.to(tl.int64) - q_len - window_left, 0)
-    bt_row = block_table_ptr + b * stride_bt
-    exp_row = expected_ptr + b * stride_eb
-    bad = tl.zeros([BLOCK_P], dtype=tl.int32)
-    n_read = tl.zeros([BLOCK_P], dtype=tl.int32)
-    bits = tl.zeros([BLOCK_P], dtype=tl.int32)
-    for p0 in range(0, max_pages, BLOCK_P):
-        logical = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
-        in_table = logical < max_pages
-        slots_read = tl.minimum(tl.maximum(seq_len - logical * PAGE, 0), PAGE)
-        read = in_table & (slots_read > 0) & ((logical + 1) * PAGE > first_key)
-        page = tl.load(bt_row + logical, mask=read, other=0)
-        in_range = (page >= 0) & (page < num_pages)
-        tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
-        owner = tl.load(exp_row + logical * stride_ep, mask=read, other=0)
-        reason = tl.where(read, page_reason(tag, in_range, owner, slots_read), 0)
-        readable = tl.where(read & in_range, readable_len(tag, owner), 0)
-        effective = (tl.where(in_range, page, 0).to(tl.int64) << SLOT_BITS) | readable.to(tl.int64)
-        tl.store(effective_ptr + b * max_pages + logical, effective, mask=in_table)
-        tl.store(page_reasons_ptr + b * max_pages + logical, reason.to(tl.int8), mask=in_table)
-        bad += (reason != 0).to(tl.int32)
-        n_read += read.to(tl.int32)
-        bits = bits | reason
-    # A seq_len past the table: nothing beyond it is read, and it counts once.
+        row0, row1 = query_rows(cu_seqlens_ptr, tl.program_id(0), total_q, BLOCK_B)
+        first_key = tl.maximum(raw_len.to(tl.int64) - (row1 - row0) - window_left, 0)
+    logical = block * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P]
+    in_table = logical < max_pages
+    slots_read = tl.minimum(tl.maximum(seq_len - logical * PAGE, 0), PAGE)
+    read = in_table & (slots_read > 0) & ((logical + 1) * PAGE > first_key)
+    page = tl.load(block_table_ptr + b * stride_bt + logical, mask=read, other=0)
+    in_range = (page >= 0) & (page < num_pages)
+    tag = tl.load(tags_ptr + page, mask=read & in_range, other=0)
+    owner = tl.load(expected_ptr + b * stride_eb + logical * stride_ep, mask=read, other=0)
+    reason = tl.where(read, page_reason(tag, in_range, owner, slots_read), 0)
+    readable = tl.where(read & in_range, readable_len(tag, owner), 0)
+    effective = (tl.where(in_range, page, 0).to(tl.int64) << SLOT_BITS) | readable.to(tl.int64)
+    tl.store(effective_ptr + b * max_pages + logical, effective, mask=in_table)
+    tl.store(page_reasons_ptr + b * max_pages + logical, reason.to(tl.int8), mask=in_table)
+    part = part_report_ptr + (b * tl.num_programs(1) + block) * REPORT_FIELDS
+    tl.store(part, tl.sum((reason != 0).to(tl.int32), axis=0))
+    tl.store(part + 1, tl.reduce(reason, 0, bit_or))
+    tl.store(part + 2, tl.sum(read.to(tl.int32), axis=0))
+
+
+@triton.jit
+def store_report(part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, b,
+                 blocks, raw_len, capacity, BLOCK_K: tl.constexpr):
+    """Sequence ``b``'s counters from the pre-pass's ``blocks`` partial counts; a seq_len past the
+    table counts once more (nothing beyond it is read)."""
+    bad = tl.zeros([BLOCK_K], dtype=tl.int32)
+    read = tl.zeros([BLOCK_K], dtype=tl.int32)
+    bits = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for k0 in range(0, blocks, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        part = part_report_ptr + (b * blocks + k) * REPORT_FIELDS
+        bad += tl.load(part, mask=k < blocks, other=0)
+        bits = bits | tl.load(part + 1, mask=k < blocks, other=0)
+        read += tl.load(part + 2, mask=k < blocks, other=0)
     beyond = (raw_len > capacity).to(tl.int32)
     tl.store(beyond_ptr + b, beyond)
     tl.store(violations_ptr + b, tl.sum(bad, axis=0) + beyond)
     tl.store(reasons_ptr + b, tl.reduce(bits, 0, bit_or) | tl.where(beyond != 0, V_OUT_OF_RANGE, 0))
-    tl.store(checked_ptr + b, tl.sum(n_read, axis=0))
+    tl.store(checked_ptr + b, tl.sum(read, axis=0))
 
 
 @triton.jit
@@ -141,9 +214,9 @@ def tile_scores(q, k, live, tok, q_pos, qk_scale, soft_cap, alibi2, window_left,
 
 @triton.jit
 def paged_extend_kernel(
-    q_ptr, k_ptr, v_ptr, q_start_ptr, tile_start_ptr, block_table_ptr, effective_ptr, seq_lens_ptr,
-    out_ptr, lse_ptr,
-    scale_log2, batch, num_pages, max_pages, num_chunks,
+    q_ptr, k_ptr, v_ptr, cu_seqlens_ptr, block_table_ptr, effective_ptr, seq_lens_ptr,
+    out_ptr, lse_ptr, part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
+    scale_log2, batch, total_q, num_pages, max_pages, num_chunks, page_blocks,
     window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
@@ -153,27 +226,29 @@ def paged_extend_kernel(
     CHECK: tl.constexpr, DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
 ):
-    slot_id = tl.program_id(0)
-    # Axis 1: KV head, head chunk and, for the widest heads, which part of the output dims this
-    # program accumulates (D_SPLIT programs share a tile: each computes the full QK^T, registers
-    # hold only its DV = BLOCK_D / D_SPLIT output columns).
-    d_part = tl.program_id(1) % D_SPLIT
-    kv_head = tl.program_id(1) // D_SPLIT // num_chunks
-    chunk = tl.program_id(1) // D_SPLIT % num_chunks
+    # Programs launch in grid order, axis 0 fastest; read that order slot-major, every column (KV
+    # head, head chunk, output part) of a slot before the next slot, so that a causal sequence's
+    # longest tiles (below) start first on all heads.
+    columns = tl.num_programs(1)
+    launched = tl.program_id(0).to(tl.int64) + tl.program_id(1).to(tl.int64) * tl.num_programs(0)
+    slot_id = (launched // columns).to(tl.int32)
+    column = (launched % columns).to(tl.int32)
+    # The column: KV head, head chunk and, for the widest heads, which part of the output dims
+    # this program accumulates (D_SPLIT programs share a tile: each computes the full QK^T,
+    # registers hold only its DV = BLOCK_D / D_SPLIT output columns).
+    d_part = column % D_SPLIT
+    kv_head = column // D_SPLIT // num_chunks
+    chunk = column // D_SPLIT % num_chunks
 
-    # The sequence of this tile slot: how many sequences' tiles all start at or below it, minus one.
-    # Spare slots past the last tile land on the last sequence with a tile index past its rows.
-    n_started = tl.zeros([BLOCK_B], dtype=tl.int32)
-    for c0 in range(0, batch, BLOCK_B):
-        idx = c0 + tl.arange(0, BLOCK_B)
-        first_tile = tl.load(tile_start_ptr + idx, mask=idx < batch, other=2147483647)
-        n_started += (first_tile <= slot_id).to(tl.int32)
-    b = (tl.sum(n_started, axis=0) - 1).to(tl.int64)
-    tile = slot_id - tl.load(tile_start_ptr + b)
+    b32, local, tiles, row0, q_len = locate_tile(cu_seqlens_ptr, slot_id, batch, total_q, TOKENS,
+                                                 BLOCK_B)
+    b = b32.to(tl.int64)
+    tile = local
+    if CAUSAL:
+        # Longest first: a causal tile reads the keys up to its last row.
+        tile = tl.where(local < tiles, tiles - 1 - local, local)
 
-    row0 = tl.load(q_start_ptr + b)
     # Positions stay int32 (64-bit masks over a tile cost registers); addresses are int64.
-    q_len = tl.load(q_start_ptr + b + 1) - row0
     raw_len = tl.load(seq_lens_ptr + b)
     seq_len = tl.minimum(tl.maximum(raw_len, 0), max_pages * PAGE)
     first_pos = raw_len - q_len  # position of the sequence's first query token
@@ -275,6 +350,11 @@ def paged_extend_kernel(
         # One program of a d_split group writes the LSE (a vector test: the interpreter refuses a
         # vector mask combined with a scalar bool).
         tl.store(lse_ptr + rows * NUM_HEADS + head, lse, mask=row_ok & ((offs_m * 0 + d_part) == 0))
+    if CHECK:
+        if (local == 0) & (column == 0):
+            # The first program of each sequence (every sequence has a tile) writes its counters.
+            store_report(part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, b,
+                         page_blocks, raw_len, max_pages * PAGE, 16)
 
 
 def launch_config(args: ExtendArgs, config: ExtendConfig | None = None) -> ExtendConfig:
@@ -303,28 +383,37 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     block_d = max(16, triton.next_power_of_2(args.head_dim))
     heads, tokens, chunks = row_layout(args, block_m)
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
-    q_start, tile_start, slots = extend_tile_map(args, tokens)
+    # The grid from shapes only: every sequence has at least one tile, so ceil(total_q / tokens) + B
+    # slots cover the tiles; each program finds its own in cu_seqlens_q (spare slots do nothing).
+    slots = triton.cdiv(args.total_q, tokens) + args.batch
     sw = args.variant
     report = None
-    effective = args.block_table  # unused when unchecked
+    effective = part_report = args.block_table  # unused when unchecked
+    page_blocks = triton.cdiv(args.max_pages, RESOLVE_PAGES)
+    report_args = (out,) * 4
     if check:
         report = OwnershipReport.allocate(args.batch, args.max_pages, q.device)
+        report_args = (report.violations, report.reasons, report.pages_checked, report.beyond_table)
         effective = torch.empty(args.batch, args.max_pages, dtype=torch.int64, device=q.device)
-        resolve_pages_kernel[(args.batch,)](
-            args.block_table, args.seq_lens, q_start, args.page_tags, args.expected, effective,
-            report.violations, report.reasons, report.pages_checked, report.beyond_table,
-            report.page_reasons, args.num_pages, args.max_pages, args.block_table.stride(0),
+        part_report = torch.empty(args.batch * page_blocks * REPORT_FIELDS, dtype=torch.int32,
+                                  device=q.device)
+        resolve_pages_kernel[(args.batch, page_blocks)](
+            args.block_table, args.seq_lens, args.cu_seqlens_q, args.page_tags, args.expected,
+            effective, part_report, report.page_reasons,
+            args.total_q, args.num_pages, args.max_pages, args.block_table.stride(0),
             args.expected.stride(0), args.expected.stride(1), sw.window_left,
-            PAGE=args.page_size, BLOCK_P=128, WINDOW=sw.windowed, num_warps=4,
+            PAGE=args.page_size, BLOCK_P=RESOLVE_PAGES, BLOCK_B=128, WINDOW=sw.windowed,
+            num_warps=4,
         )
     # Switch tensors that are off get `out` as a never-read pointer.
     alibi, sinks, k_scale, v_scale = (t if t is not None else out for t in
                                       (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale))
     paged_extend_kernel[(slots, args.num_kv_heads * chunks * config.d_split)](
-        q, k_cache, v_cache, q_start, tile_start, args.block_table, effective, args.seq_lens,
+        q, k_cache, v_cache, args.cu_seqlens_q, args.block_table, effective, args.seq_lens,
         out, lse if lse is not None else out,  # lse unused when not asked
-        args.scale * LOG2E, args.batch, args.num_pages, args.max_pages, chunks,
-        sw.window_left, sw.logits_soft_cap, alibi, sinks, k_scale, v_scale,
+        part_report, *report_args,
+        args.scale * LOG2E, args.batch, args.total_q, args.num_pages, args.max_pages, chunks,
+        page_blocks, sw.window_left, sw.logits_soft_cap, alibi, sinks, k_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         args.block_table.stride(0), out.stride(0), out.stride(1),

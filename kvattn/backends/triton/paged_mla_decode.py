@@ -198,7 +198,7 @@ def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torc
         num_stages=config.num_stages,
     )
     if splits > 1:
-        merge_splits_kernel[(batch, num_heads)](
+        merge_splits_kernel[(batch, num_heads + int(check))](
             part_acc, part_ml, part_report, args.seq_lens, out, lse_arg, *report_args,
             args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), -1, out,
             NUM_HEADS=num_heads, HEAD_DIM=lora, BLOCK_D=block_l, PAGE=args.page_size, ALIGN=align,
