@@ -8,6 +8,7 @@
 #include <climits>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -34,68 +35,74 @@ namespace py = pybind11;
 
 namespace {
 
-template <class T>
-T* pointer(const py::dict& args, const char* key) {
-  if (!args.contains(key)) throw py::key_error(std::string("kvattn binding: missing argument ") + key);
-  return reinterpret_cast<T*>(static_cast<uintptr_t>(args[key].cast<unsigned long long>()));
-}
+// Reads the kernel arguments of csrc/kvattn/params.h's lists by name from the launcher's dict,
+// and notes each name read: a dict with a name no list has is refused (see check_all_read), so a
+// launcher and a kernel cannot disagree silently.
+class Args {
+ public:
+  explicit Args(const py::dict& a, const char* op) : a_(a), op_(op) {}
 
-int64_t integer(const py::dict& args, const char* key) {
-  if (!args.contains(key)) throw py::key_error(std::string("kvattn binding: missing argument ") + key);
-  return args[key].cast<int64_t>();
-}
+  py::handle get(const char* key) {
+    if (!a_.contains(key)) throw py::key_error(std::string("kvattn binding: ") + op_ + ": missing argument " + key);
+    read_.insert(key);
+    return a_[key];
+  }
+  template <class T>
+  T PTR(const char* key) {
+    return reinterpret_cast<T>(static_cast<uintptr_t>(get(key).cast<unsigned long long>()));
+  }
+  template <class T>
+  T I64(const char* key) {
+    return get(key).cast<int64_t>();
+  }
+  template <class T>
+  T I32(const char* key) {
+    const int64_t x = get(key).cast<int64_t>();
+    if (x < INT32_MIN || x > INT32_MAX)
+      throw std::invalid_argument(std::string("kvattn binding: ") + op_ + ": " + key + " is not a 32-bit int: " +
+                                  std::to_string(x));
+    return static_cast<T>(x);
+  }
+  template <class T>
+  T F32(const char* key) {
+    return get(key).cast<float>();
+  }
 
-// The fields the decode and extend parameter structs share (same names, same meaning).
-template <class Params>
-void fill_attention(Params& p, const py::dict& a) {
-  p.q = pointer<const void>(a, "q");
-  p.k = pointer<const void>(a, "k");
-  p.v = pointer<const void>(a, "v");
-  p.block_table = pointer<const int32_t>(a, "block_table");
-  p.seq_lens = pointer<const int32_t>(a, "seq_lens");
-  p.page_tags = pointer<const int64_t>(a, "page_tags");
-  p.expected = pointer<const int64_t>(a, "expected");
-  p.out = pointer<void>(a, "out");
-  p.lse = pointer<float>(a, "lse");
-  p.violations = pointer<int32_t>(a, "violations");
-  p.reasons = pointer<int32_t>(a, "reasons");
-  p.pages_checked = pointer<int32_t>(a, "pages_checked");
-  p.beyond_table = pointer<int32_t>(a, "beyond_table");
-  p.page_reasons = pointer<int8_t>(a, "page_reasons");
-  p.stride_qh = integer(a, "stride_qh");
-  p.stride_kp = integer(a, "stride_kp");
-  p.stride_ks = integer(a, "stride_ks");
-  p.stride_kh = integer(a, "stride_kh");
-  p.stride_vp = integer(a, "stride_vp");
-  p.stride_vs = integer(a, "stride_vs");
-  p.stride_vh = integer(a, "stride_vh");
-  p.stride_bt_b = integer(a, "stride_bt_b");
-  p.stride_bt_p = integer(a, "stride_bt_p");
-  p.stride_sl = integer(a, "stride_sl");
-  p.stride_eb = integer(a, "stride_eb");
-  p.stride_ep = integer(a, "stride_ep");
-  p.stride_oh = integer(a, "stride_oh");
-  p.num_pages = integer(a, "num_pages");
-  p.scale_log2 = a["scale_log2"].cast<float>();
-  p.batch = static_cast<int>(integer(a, "batch"));
-  p.num_heads = static_cast<int>(integer(a, "num_heads"));
-  p.num_kv_heads = static_cast<int>(integer(a, "num_kv_heads"));
-  p.head_dim = static_cast<int>(integer(a, "head_dim"));
-  const int64_t page_size = integer(a, "page_size");
+  void check_all_read() const {
+    std::string unknown;
+    for (const auto& item : a_) {
+      const std::string key = py::str(item.first);
+      if (!read_.count(key)) unknown += (unknown.empty() ? "" : ", ") + key;
+    }
+    if (!unknown.empty())
+      throw py::key_error(std::string("kvattn binding: ") + op_ + ": unknown argument(s) " + unknown +
+                          " (csrc/kvattn/params.h lists the kernel arguments)");
+  }
+
+ private:
+  const py::dict& a_;
+  const char* op_;
+  std::set<std::string> read_;
+};
+
+#define KVATTN_READ_ARG(kind, type, name) p.name = args.kind<type>(#name);
+
+// The fields decode and extend share, and those the binding derives: the page divisor from
+// page_size, the pool type from kv_dtype, the score switches.
+void fill_attention(kvattn::AttentionParams& p, Args& args) {
+  KVATTN_ATTENTION_ARGS(KVATTN_READ_ARG)
+  const int page_size = args.I32<int>("page_size");
   if (page_size < 1 || page_size > 65535) throw std::invalid_argument("page_size must be in [1, 65535]");
-  p.page = kvattn::make_page_div(static_cast<int>(page_size));
-  p.max_pages = static_cast<int>(integer(a, "max_pages"));
-  p.var.window_left = static_cast<int>(integer(a, "window_left"));
-  p.var.soft_cap = a["soft_cap"].cast<float>();
-  p.var.alibi = pointer<const float>(a, "alibi");
-  p.var.sinks = pointer<const float>(a, "sinks");
-  const int64_t kv_dtype = integer(a, "kv_dtype");
+  p.page = kvattn::make_page_div(page_size);
+  p.var.window_left = args.I32<int>("window_left");
+  p.var.soft_cap = args.F32<float>("soft_cap");
+  p.var.alibi = args.PTR<const float*>("alibi");
+  p.var.sinks = args.PTR<const float*>("sinks");
+  const int kv_dtype = args.I32<int>("kv_dtype");
   if (kv_dtype < 0 || kv_dtype > 2)
     throw std::invalid_argument("kv_dtype must be 0 (the query's), 1 (float8_e4m3fn) or 2 (float8_e5m2), got " +
                                 std::to_string(kv_dtype));
   p.kv_type = static_cast<kvattn::KVType>(kv_dtype);
-  p.k_scale = pointer<const float>(a, "k_scale");
-  p.v_scale = pointer<const float>(a, "v_scale");
 }
 
 kvattn::DType dtype_of(int code, const char* op) {
@@ -122,15 +129,10 @@ void launch_or_raise(Launch&& launch) {
 // Returns the launch plan the launcher chose (head chunking, shared memory, splits).
 py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long stream) {
   kvattn::DecodeParams p{};
-  fill_attention(p, a);
-  p.part_acc = pointer<float>(a, "part_acc");
-  p.part_ml = pointer<float>(a, "part_ml");
-  p.part_report = pointer<int32_t>(a, "part_report");
-  p.stride_qb = integer(a, "stride_qb");
-  p.stride_ob = integer(a, "stride_ob");
-  p.num_splits = static_cast<int>(integer(a, "num_splits"));
-  p.align = static_cast<int>(integer(a, "align"));
-  p.min_chunk = static_cast<int>(integer(a, "min_chunk"));
+  Args args(a, "decode");
+  fill_attention(p, args);
+  KVATTN_DECODE_ARGS(KVATTN_READ_ARG)
+  args.check_all_read();
   const kvattn::DType type = dtype_of(dtype, "decode");
   launch_or_raise([&] { return kvattn::paged_decode(p, type, check, reinterpret_cast<void*>(stream)); });
   py::dict plan;
@@ -145,18 +147,11 @@ py::dict decode(const py::dict& a, int dtype, bool check, unsigned long long str
 // Returns the launch plan (tile rows, head chunking, shared memory).
 py::dict extend(const py::dict& a, int dtype, bool check, unsigned long long stream) {
   kvattn::ExtendParams p{};
-  fill_attention(p, a);
-  p.q_start = pointer<const int32_t>(a, "q_start");
-  p.tile_start = pointer<const int32_t>(a, "tile_start");
-  p.effective = pointer<int64_t>(a, "effective");
-  p.stride_qt = integer(a, "stride_qt");
-  p.stride_ot = integer(a, "stride_ot");
-  p.causal = static_cast<int>(integer(a, "causal"));
-  const int64_t slots = integer(a, "num_slots");
-  if (slots < 1 || slots > INT32_MAX) throw std::invalid_argument("extend: num_slots must be in [1, 2**31)");
-  p.num_slots = static_cast<int>(slots);
-  p.heads_per_tile = static_cast<int>(integer(a, "heads_per_tile"));
-  p.tokens_per_tile = static_cast<int>(integer(a, "tokens_per_tile"));
+  Args args(a, "extend");
+  fill_attention(p, args);
+  KVATTN_EXTEND_ARGS(KVATTN_READ_ARG)
+  args.check_all_read();
+  if (p.num_slots < 1) throw std::invalid_argument("extend: num_slots must be in [1, 2**31)");
   const kvattn::DType type = dtype_of(dtype, "extend");
   launch_or_raise([&] { return kvattn::paged_extend(p, type, check, reinterpret_cast<void*>(stream)); });
   py::dict plan;
@@ -172,36 +167,9 @@ py::dict extend(const py::dict& a, int dtype, bool check, unsigned long long str
 
 void write_kv(const py::dict& a, int dtype, unsigned long long stream) {
   kvattn::WriteKVParams p{};
-  p.k = pointer<const void>(a, "k");
-  p.v = pointer<const void>(a, "v");
-  p.k_cache = pointer<void>(a, "k_cache");
-  p.v_cache = pointer<void>(a, "v_cache");
-  p.slot_mapping = pointer<const void>(a, "slot_mapping");
-  p.owners = pointer<const int64_t>(a, "owners");
-  p.page_tags = pointer<int64_t>(a, "page_tags");
-  p.landed = pointer<uint8_t>(a, "landed");
-  p.drop_reasons = pointer<int8_t>(a, "drop_reasons");
-  p.dropped = pointer<unsigned long long>(a, "dropped");
-  p.stride_kt = integer(a, "stride_kt");
-  p.stride_kh = integer(a, "stride_kh");
-  p.stride_kd = integer(a, "stride_kd");
-  p.stride_vt = integer(a, "stride_vt");
-  p.stride_vh = integer(a, "stride_vh");
-  p.stride_vd = integer(a, "stride_vd");
-  p.stride_kp = integer(a, "stride_kp");
-  p.stride_ks = integer(a, "stride_ks");
-  p.stride_kch = integer(a, "stride_kch");
-  p.stride_vp = integer(a, "stride_vp");
-  p.stride_vs = integer(a, "stride_vs");
-  p.stride_vch = integer(a, "stride_vch");
-  p.stride_slot = integer(a, "stride_slot");
-  p.stride_owner = integer(a, "stride_owner");
-  p.num_tokens = integer(a, "num_tokens");
-  p.num_pages = integer(a, "num_pages");
-  p.slot_is_int64 = static_cast<int>(integer(a, "slot_is_int64"));
-  p.page_size = static_cast<int>(integer(a, "page_size"));
-  p.num_kv_heads = static_cast<int>(integer(a, "num_kv_heads"));
-  p.head_dim = static_cast<int>(integer(a, "head_dim"));
+  Args args(a, "write_kv");
+  KVATTN_WRITE_KV_ARGS(KVATTN_READ_ARG)
+  args.check_all_read();
   const kvattn::DType type = dtype_of(dtype, "write_kv");
   launch_or_raise([&] { return kvattn::write_kv(p, type, reinterpret_cast<void*>(stream)); });
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pathlib
+import re
 import shutil
 
 import pytest
@@ -700,3 +701,73 @@ def test_real_module_turns_a_cuda_error_into_an_exception_naming_the_kernel():
     args = batch.args()
     with pytest.raises(RuntimeError, match=r"kvattn: paged_decode_kernel<check=true> failed: .+ \(error \d+\)"):
         launch.decode(real._C, args, check=True, out=torch.empty_like(args.q), lse=None)
+
+
+def param_lists() -> dict[str, list[str]]:
+    """The argument names of csrc/kvattn/params.h's lists, by list (KVATTN_ATTENTION_ARGS, ...)."""
+    text = (ROOT / "csrc" / "kvattn" / "params.h").read_text()
+    lists = {}
+    for name, body in re.findall(r"#define (KVATTN_\w+_ARGS)\(X\)((?:.*\\\n)*.*)", text):
+        body = re.sub(r"/\*.*?\*/", "", body)
+        lists[name] = re.findall(r"X\(\w+, [^,]+, (\w+)\)", body)
+    return lists
+
+
+class Recorder:
+    """A binding that records the argument dict a launcher hands it, then refuses to launch."""
+
+    EXTEND_ROWS = importlib.import_module("kvattn.backends.cuda_sim._sim").EXTEND_ROWS
+
+    def __getattr__(self, op):
+        def record(params, *rest):
+            self.params = params
+            raise StopIteration
+        return record
+
+
+# What the binding reads beyond the lists (csrc/module.cpp fill_attention): derived fields.
+DERIVED = {"page_size", "kv_dtype", "window_left", "soft_cap", "alibi", "sinks"}
+
+
+@pytest.mark.parametrize("op", ["decode", "extend", "write_kv"])
+def test_launchers_pass_exactly_the_arguments_params_h_lists(op):
+    """A launcher's dict names every argument of its kernel's lists and nothing else: params.h's
+    lists declare the structs and drive the binding, so one list is the whole contract."""
+    lists = param_lists()
+    want = {"decode": set(lists["KVATTN_ATTENTION_ARGS"] + lists["KVATTN_DECODE_ARGS"]) | DERIVED,
+            "extend": set(lists["KVATTN_ATTENTION_ARGS"] + lists["KVATTN_EXTEND_ARGS"]) | DERIVED,
+            "write_kv": set(lists["KVATTN_WRITE_KV_ARGS"])}[op]
+    batch = make("cuda_sim", seq_lens=(5, 9))
+    binding = Recorder()
+    with pytest.raises(StopIteration):
+        if op == "decode":
+            launch.decode(binding, batch.args(), check=True, out=torch.empty_like(batch.q), lse=None)
+        elif op == "extend":
+            args = kvattn.layout.validate_extend(
+                batch.q, batch.k_cache, batch.v_cache, torch.tensor([0, 1, 2], dtype=torch.int32),
+                batch.block_table, batch.seq_lens, batch.page_tags, batch.expected)
+            launch.extend(binding, args, check=True, out=torch.empty_like(batch.q), lse=None)
+        else:
+            k = torch.randn(2, batch.k_cache.shape[2], batch.k_cache.shape[3], dtype=F16)
+            launch.write_kv(binding, k, k, batch.k_cache, batch.v_cache,
+                            torch.tensor([0, 1], dtype=torch.int64), batch.page_tags,
+                            torch.ones(2, dtype=torch.int64))
+    assert set(binding.params) == want
+
+
+@pytest.mark.parametrize("change", ["unknown", "missing"])
+def test_the_binding_refuses_an_argument_it_does_not_list(change):
+    """The twin: a dict with a name the lists lack, or without one they have, raises naming it
+    before any launch."""
+    sim = importlib.import_module("kvattn.backends.cuda_sim._sim")
+    batch = make("cuda_sim", seq_lens=(5, 9))
+    binding = Recorder()
+    with pytest.raises(StopIteration):
+        launch.decode(binding, batch.args(), check=True, out=torch.empty_like(batch.q), lse=None)
+    params = dict(binding.params)
+    if change == "unknown":
+        params["stride_qx"] = 1
+    else:
+        del params["stride_kh"]
+    with pytest.raises(KeyError, match="stride_qx" if change == "unknown" else "stride_kh"):
+        sim.decode(params, 1, True, 0)

@@ -194,3 +194,53 @@ def test_every_test_file_is_in_one_lane():
     assert sorted(listed) == files
     markers = (ROOT / "pytest.ini").read_text()
     assert all(f"\n    {lane}:" in markers for lane in conftest.LANES)
+
+
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "num_ctas"}
+
+
+def triton_launches(folder: pathlib.Path = ROOT / "kvattn" / "backends" / "triton") -> list:
+    """``(file, line, kernel, positional args, keywords, parameters)`` of every ``kernel[grid](...)``
+    call of a ``@triton.jit`` function in ``folder``."""
+    trees = {p: ast.parse(p.read_text()) for p in folder.glob("*.py")}
+    kernels = {}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d).endswith("jit") for d in node.decorator_list):
+                kernels[node.name] = [a.arg for a in node.args.args]
+    launches = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in kernels):
+                launches.append((path.name, node.lineno, node.func.value.id, node.args,
+                                 node.keywords, kernels[node.func.value.id]))
+    return launches
+
+
+def launch_problems(launches) -> list[str]:
+    problems = []
+    for file, line, kernel, args, keywords, params in launches:
+        if args:
+            problems.append(f"{file}:{line}: {kernel} launched with positional arguments")
+        unknown = {k.arg for k in keywords if k.arg is not None} - LAUNCH_OPTIONS - set(params)
+        if unknown:
+            problems.append(f"{file}:{line}: {kernel} has no parameter {sorted(unknown)}")
+    return problems
+
+
+def test_triton_kernels_are_launched_by_keyword():
+    """Every Triton launch names its arguments (a swapped positional argument would be silent),
+    and every name is a parameter of the kernel or a launch option."""
+    launches = triton_launches()
+    assert len(launches) >= 8
+    assert launch_problems(launches) == []
+
+
+def test_the_launch_check_sees_positional_and_unknown_arguments(tmp_path):
+    (tmp_path / "k.py").write_text(
+        "import triton\n@triton.jit\ndef kern(x_ptr, n, BLOCK: 'tl.constexpr'):\n    pass\n"
+        "def go(x):\n    kern[(1,)](x, n=1, BLOCK=4)\n    kern[(1,)](x_ptr=x, m=1, BLOCK=4, num_warps=4)\n")
+    assert launch_problems(triton_launches(tmp_path)) == [
+        "k.py:6: kern launched with positional arguments", "k.py:7: kern has no parameter ['m']"]

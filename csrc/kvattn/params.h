@@ -47,101 +47,107 @@ struct ScoreVariant {
   const float* sinks;   // [num_heads] sink logits (natural), or null
 };
 
-struct DecodeParams {
-  const void* q;            // [B, H, D]
-  const void* k;            // [num_pages, page_size, Hkv, D], any strides, last dim contiguous
-  const void* v;
-  const int32_t* block_table;  // [B, max_pages]
-  const int32_t* seq_lens;     // [B]
-  const int64_t* page_tags;    // [num_pages]
-  const int64_t* expected;     // [B, max_pages], stride 0 in dim 1 when given per sequence
-  void* out;                   // [B, H, D]
-  float* lse;                  // [B, H] contiguous, or null
-  float* part_acc;             // [B, H, num_splits, D] when num_splits > 1
-  float* part_ml;              // [B, H, num_splits, 2] (running max in log2 units, sum)
-  int32_t* part_report;        // [B, num_splits, 3] when checked and num_splits > 1
-  int32_t* violations;         // report, [B] each; null when unchecked
-  int32_t* reasons;
-  int32_t* pages_checked;
-  int32_t* beyond_table;
-  int8_t* page_reasons;        // [B, max_pages] contiguous
+// The kernel arguments the Python launchers pass (kvattn/backends/cuda/launch.py), written once:
+// each list declares the fields of its struct below and is what the binding (csrc/module.cpp)
+// reads by name, refusing a missing or an unknown name. X(kind, type, name): kind says how the
+// binding reads the value (PTR an address, I64 an int64, I32 an int, F32 a float). A new argument
+// is one line here and its value in the launcher.
+#define KVATTN_ATTENTION_ARGS(X)                                                                   \
+  X(PTR, const void*, q)             /* decode [B, H, D], extend [total_q, H, D] */                \
+  X(PTR, const void*, k)             /* [num_pages, page_size, Hkv, D], any strides, last dim contiguous */ \
+  X(PTR, const void*, v)                                                                           \
+  X(PTR, const int32_t*, block_table) /* [B, max_pages] */                                         \
+  X(PTR, const int32_t*, seq_lens)   /* [B] (extend: the new tokens included) */                   \
+  X(PTR, const int64_t*, page_tags)  /* [num_pages] */                                             \
+  X(PTR, const int64_t*, expected)   /* [B, max_pages], stride 0 in dim 1 when given per sequence */ \
+  X(PTR, void*, out)                 /* as q */                                                    \
+  X(PTR, float*, lse)                /* [rows, H] contiguous, or null */                          \
+  X(PTR, int32_t*, violations)       /* report, [B] each; null when unchecked */                  \
+  X(PTR, int32_t*, reasons)                                                                        \
+  X(PTR, int32_t*, pages_checked)                                                                  \
+  X(PTR, int32_t*, beyond_table)                                                                   \
+  X(PTR, int8_t*, page_reasons)      /* [B, max_pages] contiguous */                              \
+  /* fp8 pools (kv_type kE4M3/kE5M2): a key element is k[...] * k_scale[kv_head], likewise V; */   \
+  /* [num_kv_heads] float32 each, null with kSame (pools of the query's type). */                 \
+  X(PTR, const float*, k_scale)                                                                    \
+  X(PTR, const float*, v_scale)                                                                    \
+  X(I64, int64_t, stride_qh)                                                                       \
+  X(I64, int64_t, stride_kp) X(I64, int64_t, stride_ks) X(I64, int64_t, stride_kh)               \
+  X(I64, int64_t, stride_vp) X(I64, int64_t, stride_vs) X(I64, int64_t, stride_vh)               \
+  X(I64, int64_t, stride_bt_b) X(I64, int64_t, stride_bt_p) X(I64, int64_t, stride_sl)           \
+  X(I64, int64_t, stride_eb) X(I64, int64_t, stride_ep) X(I64, int64_t, stride_oh)               \
+  X(I64, int64_t, num_pages)                                                                       \
+  X(F32, float, scale_log2)          /* scale * log2(e): the kernels work in base 2 */             \
+  X(I32, int, batch) X(I32, int, num_heads) X(I32, int, num_kv_heads) X(I32, int, head_dim)       \
+  X(I32, int, max_pages)
 
-  int64_t stride_qb, stride_qh;
-  int64_t stride_kp, stride_ks, stride_kh;
-  int64_t stride_vp, stride_vs, stride_vh;
-  int64_t stride_bt_b, stride_bt_p, stride_sl, stride_eb, stride_ep;
-  int64_t stride_ob, stride_oh;
-  int64_t num_pages;
+// Decode's own: split-KV, num_splits programs per (sequence, KV head); each takes an equal share of
+// its sequence's actual length rounded up to `align` (a multiple of the page size and of 16), at
+// least `min_chunk` (kvattn.backends.grids.split_chunk).
+#define KVATTN_DECODE_ARGS(X)                                                                      \
+  X(PTR, float*, part_acc)           /* [B, H, num_splits, D] when num_splits > 1 */              \
+  X(PTR, float*, part_ml)            /* [B, H, num_splits, 2] (running max in log2 units, sum) */  \
+  X(PTR, int32_t*, part_report)      /* [B, num_splits, 3] when checked and num_splits > 1 */     \
+  X(I64, int64_t, stride_qb) X(I64, int64_t, stride_ob)                                           \
+  X(I32, int, num_splits) X(I32, int, align) X(I32, int, min_chunk)
 
-  float scale_log2;  // scale * log2(e): the kernels work in base 2
+#define KVATTN_EXTEND_ARGS(X)                                                                      \
+  X(PTR, const int32_t*, q_start)    /* [B + 1] query row offsets, clamped and non-decreasing */   \
+  X(PTR, const int32_t*, tile_start) /* [B] first grid slot of each sequence's query tiles */      \
+  /* [B, max_pages] (page << 32 | readable slots), written by the checked launch's pre-pass; */    \
+  /* null when unchecked */                                                                        \
+  X(PTR, int64_t*, effective)                                                                      \
+  X(I64, int64_t, stride_qt) X(I64, int64_t, stride_ot)                                           \
+  X(I32, int, causal)                                                                              \
+  X(I32, int, num_slots)             /* grid x: ceil(total_q / tokens_per_tile) + B, from shapes */ \
+  X(I32, int, heads_per_tile)        /* query heads of one GQA chunk in a tile */                  \
+  X(I32, int, tokens_per_tile)       /* query tokens per tile (the launcher's tile map agrees) */
+
+#define KVATTN_WRITE_KV_ARGS(X)                                                                    \
+  X(PTR, const void*, k)             /* [T, Hkv, D], any strides */                               \
+  X(PTR, const void*, v)                                                                           \
+  X(PTR, void*, k_cache)             /* pools as for the readers */                               \
+  X(PTR, void*, v_cache)                                                                           \
+  X(PTR, const void*, slot_mapping)  /* [T] int32 or int64: page * page_size + slot; < 0 padding */ \
+  X(PTR, const int64_t*, owners)     /* [T] (stride 0 for one owner) */                           \
+  X(PTR, int64_t*, page_tags)        /* [num_pages] */                                             \
+  X(PTR, uint8_t*, landed)           /* [T] bool */                                                \
+  X(PTR, int8_t*, drop_reasons)      /* [T] kvattn.WriteDrop flags */                             \
+  X(PTR, unsigned long long*, dropped) /* 0-d, zeroed by the caller */                            \
+  X(I64, int64_t, stride_kt) X(I64, int64_t, stride_kh) X(I64, int64_t, stride_kd)               \
+  X(I64, int64_t, stride_vt) X(I64, int64_t, stride_vh) X(I64, int64_t, stride_vd)               \
+  X(I64, int64_t, stride_kp) X(I64, int64_t, stride_ks) X(I64, int64_t, stride_kch)              \
+  X(I64, int64_t, stride_vp) X(I64, int64_t, stride_vs) X(I64, int64_t, stride_vch)              \
+  X(I64, int64_t, stride_slot) X(I64, int64_t, stride_owner)                                      \
+  X(I64, int64_t, num_tokens) X(I64, int64_t, num_pages)                                          \
+  X(I32, int, slot_is_int64) X(I32, int, page_size) X(I32, int, num_kv_heads) X(I32, int, head_dim)
+
+#define KVATTN_DECLARE_ARG(kind, type, name) type name;
+
+// What decode and extend share. The binding also reads `page_size` (into `page`), `kv_dtype` (into
+// `kv_type`: 0 the query's dtype, 1 float8_e4m3fn, 2 float8_e5m2) and the score switches
+// `window_left`, `soft_cap`, `alibi`, `sinks` (into `var`).
+struct AttentionParams {
+  KVATTN_ATTENTION_ARGS(KVATTN_DECLARE_ARG)
   ScoreVariant var;
-  // fp8 pools (kv_type kE4M3/kE5M2): a key element is k[...] * k_scale[kv_head], likewise V;
-  // [num_kv_heads] float32 each, null with kSame (pools of the query's type).
   KVType kv_type;
-  const float* k_scale;
-  const float* v_scale;
-  int batch, num_heads, num_kv_heads, head_dim;
   PageDiv page;  // page_size, for token -> (logical page, slot)
-  int max_pages;
-  // Split-KV: num_splits programs per (sequence, KV head); each takes an equal share of its
-  // sequence's actual length rounded up to `align` (a multiple of the page size and of 16), at
-  // least `min_chunk` (kvattn.backends.grids.split_chunk).
-  int num_splits, align, min_chunk;
 
-  // Filled by the launcher (plan_decode), not by the caller.
+  // Filled by the launcher (plan_decode, plan_extend), not by the caller.
   int group;       // query heads per KV head
   int num_chunks;  // blocks per KV head: the group in chunks of kWarpRows heads
   int d_split;     // blocks sharing one (KV head, chunk): each accumulates 1/d_split of the head dim
   int vec;         // 1: K/V rows copied by 16-byte cp.async (aligned); 0: element by element
-  int smem_bytes;  // dynamic shared memory of the decode kernel
+  int smem_bytes;  // dynamic shared memory of the kernel
 };
 
-struct ExtendParams {
-  const void* q;               // [total_q, H, D]
-  const void* k;               // pools as in DecodeParams
-  const void* v;
-  const int32_t* q_start;      // [B + 1] query row offsets, clamped and non-decreasing
-  const int32_t* tile_start;   // [B] first grid slot of each sequence's query tiles (tile_start[0] = 0)
-  const int32_t* block_table;  // [B, max_pages]
-  const int32_t* seq_lens;     // [B], the new tokens included
-  const int64_t* page_tags;    // [num_pages]
-  const int64_t* expected;     // [B, max_pages], stride 0 in dim 1 when given per sequence
-  int64_t* effective;          // [B, max_pages] (page << 32 | readable slots), written by the
-                               // checked launch's pre-pass; null when unchecked
-  void* out;                   // [total_q, H, D]
-  float* lse;                  // [total_q, H] contiguous, or null
-  int32_t* violations;         // report, [B] each; null when unchecked
-  int32_t* reasons;
-  int32_t* pages_checked;
-  int32_t* beyond_table;
-  int8_t* page_reasons;        // [B, max_pages] contiguous
+struct DecodeParams : AttentionParams {
+  KVATTN_DECODE_ARGS(KVATTN_DECLARE_ARG)
+};
 
-  int64_t stride_qt, stride_qh;
-  int64_t stride_kp, stride_ks, stride_kh;
-  int64_t stride_vp, stride_vs, stride_vh;
-  int64_t stride_bt_b, stride_bt_p, stride_sl, stride_eb, stride_ep;
-  int64_t stride_ot, stride_oh;
-  int64_t num_pages;
-
-  float scale_log2;  // scale * log2(e)
-  ScoreVariant var;
-  KVType kv_type;  // as in DecodeParams; the extend runs kSame only (fp8 pools are refused)
-  const float* k_scale;
-  const float* v_scale;
-  int batch, num_heads, num_kv_heads, head_dim;
-  PageDiv page;
-  int max_pages;
-  int causal;
-  int num_slots;        // grid x: ceil(total_q / tokens_per_tile) + B, from shapes only
-  int heads_per_tile;   // query heads of one GQA chunk in a tile (row r: token r / heads, head r % heads)
-  int tokens_per_tile;  // query tokens per tile (the launcher's tile map uses the same value)
-
-  // Filled by the launcher (plan_extend), not by the caller.
-  int group;
-  int num_chunks;
-  int d_split;
-  int vec;
-  int smem_bytes;
+// The extend runs kv_type kSame only (fp8 pools are refused).
+struct ExtendParams : AttentionParams {
+  KVATTN_EXTEND_ARGS(KVATTN_DECLARE_ARG)
 };
 
 // Whether a launch needs the VARIANT instantiation (any score switch on).
@@ -156,23 +162,7 @@ struct LaunchResult {
 };
 
 struct WriteKVParams {
-  const void* k;               // [T, Hkv, D], any strides
-  const void* v;
-  void* k_cache;               // pools as in DecodeParams
-  void* v_cache;
-  const void* slot_mapping;    // [T] int32 or int64: page * page_size + slot; negative = padding
-  const int64_t* owners;       // [T] (stride 0 for one owner)
-  int64_t* page_tags;          // [num_pages]
-  uint8_t* landed;             // [T] bool
-  int8_t* drop_reasons;        // [T] kvattn.WriteDrop flags
-  unsigned long long* dropped; // 0-d, zeroed by the caller
-
-  int64_t stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd;
-  int64_t stride_kp, stride_ks, stride_kch, stride_vp, stride_vs, stride_vch;
-  int64_t stride_slot, stride_owner;
-  int64_t num_tokens, num_pages;
-  int slot_is_int64;
-  int page_size, num_kv_heads, head_dim;
+  KVATTN_WRITE_KV_ARGS(KVATTN_DECLARE_ARG)
 };
 
 // Enqueues the decode (and the split merge) on `stream`; never synchronises, never exits.

@@ -107,7 +107,8 @@ def _ptr(t) -> int:
 
 
 def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
-    """The binding's fields shared by decode and extend (csrc/module.cpp ``fill_attention``)."""
+    """The arguments decode and extend share (csrc/kvattn/params.h ``KVATTN_ATTENTION_ARGS``, and
+    those the binding derives: ``page_size``, ``kv_dtype``, the score switches)."""
     q, k, v = args.q, args.k_cache, args.v_cache
     r = report
     return dict(

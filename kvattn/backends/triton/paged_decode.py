@@ -34,7 +34,7 @@ from ...report import OwnershipReport
 from ..grids import plan_num_splits
 from .configs import DecodeConfig, decode_config
 from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
-from .split_report import REPORT_FIELDS, store_split_report
+from .split_report import REPORT_FIELDS, REPORT_PTRS, store_split_report
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, check_pages, tile_slots
 
 MAX_HEAD_DIM = 512
@@ -316,7 +316,8 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     # Unused pointer arguments (report when unchecked, lse when not asked) get `out`: never touched.
     r = report
     lse_arg = lse if lse is not None else out
-    report_args = ((r.violations, r.reasons, r.pages_checked, r.beyond_table) if r else (out,) * 4)
+    report_ptrs = dict(zip(REPORT_PTRS, (r.violations, r.reasons, r.pages_checked, r.beyond_table)
+                           if r else (out,) * 4))
     sw = args.variant
     # Switch tensors that are off get `out` as a never-read pointer.
     alibi, sinks, k_scale, v_scale = (t if t is not None else out for t in
@@ -324,15 +325,18 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     switches = dict(WINDOW=sw.windowed, SINKS=sw.sinks is not None, FP8=sw.fp8)
 
     paged_decode_kernel[(batch, args.num_kv_heads + int(check), splits)](
-        q, k_cache, v_cache, args.block_table, args.seq_lens, args.page_tags, args.expected,
-        out, lse_arg, part_acc, part_ml, part_report,
-        *report_args, r.page_reasons if r else out,
-        args.scale * LOG2E, args.num_pages, args.max_pages, splits, min_chunk,
-        sw.window_left, sw.logits_soft_cap, alibi, sinks, k_scale, v_scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        args.block_table.stride(0), args.expected.stride(0), args.expected.stride(1),
-        out.stride(0), out.stride(1),
+        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, block_table_ptr=args.block_table,
+        seq_lens_ptr=args.seq_lens, tags_ptr=args.page_tags, expected_ptr=args.expected,
+        out_ptr=out, lse_ptr=lse_arg, part_acc_ptr=part_acc, part_ml_ptr=part_ml,
+        part_report_ptr=part_report, **report_ptrs, page_reasons_ptr=r.page_reasons if r else out,
+        scale_log2=args.scale * LOG2E, num_pages=args.num_pages, max_pages=args.max_pages,
+        num_splits=splits, min_chunk=min_chunk, window_left=sw.window_left,
+        soft_cap=sw.logits_soft_cap, alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale, stride_qb=q.stride(0), stride_qh=q.stride(1),
+        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
+        stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        stride_bt=args.block_table.stride(0), stride_eb=args.expected.stride(0),
+        stride_ep=args.expected.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size, BLOCK_N=config.block_n,
         ALIGN=align, BLOCK_P=128, CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
@@ -343,8 +347,11 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     )
     if splits > 1:
         merge_splits_kernel[(batch, num_heads + int(check))](
-            part_acc, part_ml, part_report, args.seq_lens, out, lse_arg, *report_args,
-            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), sw.window_left, sinks,
+            part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_report_ptr=part_report,
+            seq_lens_ptr=args.seq_lens, out_ptr=out, lse_ptr=lse_arg, **report_ptrs,
+            max_pages=args.max_pages, num_splits=splits, min_chunk=min_chunk,
+            stride_ob=out.stride(0), stride_oh=out.stride(1), window_left=sw.window_left,
+            sinks_ptr=sinks,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size,
             ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
             SINKS=sw.sinks is not None, num_warps=4,

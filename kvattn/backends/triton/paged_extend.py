@@ -37,7 +37,7 @@ from ...report import OwnershipReport
 from .configs import ExtendConfig, extend_config
 from .paged_decode import interpreted
 from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
-from .split_report import REPORT_FIELDS
+from .split_report import REPORT_FIELDS, REPORT_PTRS
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
 SLOT_BITS = tl.constexpr(32)
@@ -390,18 +390,22 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     report = None
     effective = part_report = args.block_table  # unused when unchecked
     page_blocks = triton.cdiv(args.max_pages, RESOLVE_PAGES)
-    report_args = (out,) * 4
+    report_ptrs = dict.fromkeys(REPORT_PTRS, out)
     if check:
         report = OwnershipReport.allocate(args.batch, args.max_pages, q.device)
-        report_args = (report.violations, report.reasons, report.pages_checked, report.beyond_table)
+        counts = (report.violations, report.reasons, report.pages_checked, report.beyond_table)
+        report_ptrs = dict(zip(REPORT_PTRS, counts))
         effective = torch.empty(args.batch, args.max_pages, dtype=torch.int64, device=q.device)
         part_report = torch.empty(args.batch * page_blocks * REPORT_FIELDS, dtype=torch.int32,
                                   device=q.device)
         resolve_pages_kernel[(args.batch, page_blocks)](
-            args.block_table, args.seq_lens, args.cu_seqlens_q, args.page_tags, args.expected,
-            effective, part_report, report.page_reasons,
-            args.total_q, args.num_pages, args.max_pages, args.block_table.stride(0),
-            args.expected.stride(0), args.expected.stride(1), sw.window_left,
+            block_table_ptr=args.block_table, seq_lens_ptr=args.seq_lens,
+            cu_seqlens_ptr=args.cu_seqlens_q, tags_ptr=args.page_tags, expected_ptr=args.expected,
+            effective_ptr=effective, part_report_ptr=part_report,
+            page_reasons_ptr=report.page_reasons, total_q=args.total_q, num_pages=args.num_pages,
+            max_pages=args.max_pages, stride_bt=args.block_table.stride(0),
+            stride_eb=args.expected.stride(0), stride_ep=args.expected.stride(1),
+            window_left=sw.window_left,
             PAGE=args.page_size, BLOCK_P=RESOLVE_PAGES, BLOCK_B=128, WINDOW=sw.windowed,
             num_warps=4,
         )
@@ -409,14 +413,17 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     alibi, sinks, k_scale, v_scale = (t if t is not None else out for t in
                                       (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale))
     paged_extend_kernel[(slots, args.num_kv_heads * chunks * config.d_split)](
-        q, k_cache, v_cache, args.cu_seqlens_q, args.block_table, effective, args.seq_lens,
-        out, lse if lse is not None else out,  # lse unused when not asked
-        part_report, *report_args,
-        args.scale * LOG2E, args.batch, args.total_q, args.num_pages, args.max_pages, chunks,
-        page_blocks, sw.window_left, sw.logits_soft_cap, alibi, sinks, k_scale, v_scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        args.block_table.stride(0), out.stride(0), out.stride(1),
+        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, cu_seqlens_ptr=args.cu_seqlens_q,
+        block_table_ptr=args.block_table, effective_ptr=effective, seq_lens_ptr=args.seq_lens,
+        out_ptr=out, lse_ptr=lse if lse is not None else out, part_report_ptr=part_report,
+        **report_ptrs, scale_log2=args.scale * LOG2E, batch=args.batch, total_q=args.total_q,
+        num_pages=args.num_pages, max_pages=args.max_pages, num_chunks=chunks,
+        page_blocks=page_blocks, window_left=sw.window_left, soft_cap=sw.logits_soft_cap,
+        alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale, v_scale_ptr=v_scale,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kp=k_cache.stride(0),
+        stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2), stride_vp=v_cache.stride(0),
+        stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        stride_bt=args.block_table.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
         NUM_HEADS=args.num_heads, GROUP=args.num_heads // args.num_kv_heads, HEADS=heads,
         TOKENS=tokens, HEAD_DIM=args.head_dim, BLOCK_D=block_d, PAGE=args.page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, D_SPLIT=config.d_split, CAUSAL=args.causal,

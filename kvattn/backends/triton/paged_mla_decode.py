@@ -35,7 +35,7 @@ from ..grids import plan_num_splits
 from .configs import MLADecodeConfig, mla_decode_config
 from .paged_decode import interpreted, merge_splits_kernel, split_alignment, split_range
 from .softmax import online_softmax_step, qk_scores
-from .split_report import REPORT_FIELDS, store_split_report
+from .split_report import REPORT_FIELDS, REPORT_PTRS, store_split_report
 from .tag_rule import LOG2E, LOG2E_C, tile_slots
 
 MAX_KV_LORA_RANK = 512
@@ -181,16 +181,19 @@ def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torc
     # Unused pointer arguments (report when unchecked, lse when not asked) get `out`: never touched.
     r = report
     lse_arg = lse if lse is not None else out
-    report_args = ((r.violations, r.reasons, r.pages_checked, r.beyond_table) if r else (out,) * 4)
+    report_ptrs = dict(zip(REPORT_PTRS, (r.violations, r.reasons, r.pages_checked, r.beyond_table)
+                           if r else (out,) * 4))
 
     paged_mla_decode_kernel[(triton.cdiv(num_heads, block_h), batch, splits)](
-        q, kv, args.block_table, args.seq_lens, args.page_tags, args.expected,
-        out, lse_arg, part_acc, part_ml, part_report,
-        *report_args, r.page_reasons if r else out,
-        args.scale * LOG2E, args.num_pages, args.max_pages, splits, min_chunk,
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
-        args.block_table.stride(0), args.expected.stride(0), args.expected.stride(1),
-        out.stride(0), out.stride(1),
+        q_ptr=q, kv_ptr=kv, block_table_ptr=args.block_table, seq_lens_ptr=args.seq_lens,
+        tags_ptr=args.page_tags, expected_ptr=args.expected, out_ptr=out, lse_ptr=lse_arg,
+        part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_report_ptr=part_report, **report_ptrs,
+        page_reasons_ptr=r.page_reasons if r else out, scale_log2=args.scale * LOG2E,
+        num_pages=args.num_pages, max_pages=args.max_pages, num_splits=splits, min_chunk=min_chunk,
+        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kvp=kv.stride(0),
+        stride_kvs=kv.stride(1), stride_bt=args.block_table.stride(0),
+        stride_eb=args.expected.stride(0), stride_ep=args.expected.stride(1),
+        stride_ob=out.stride(0), stride_oh=out.stride(1),
         NUM_HEADS=num_heads, BLOCK_H=block_h, LORA=lora, BLOCK_L=block_l, ROPE=rope,
         BLOCK_R=block_r, PAGE=args.page_size, BLOCK_N=config.block_n, ALIGN=align, BLOCK_P=128,
         CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
@@ -199,8 +202,10 @@ def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torc
     )
     if splits > 1:
         merge_splits_kernel[(batch, num_heads + int(check))](
-            part_acc, part_ml, part_report, args.seq_lens, out, lse_arg, *report_args,
-            args.max_pages, splits, min_chunk, out.stride(0), out.stride(1), -1, out,
+            part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_report_ptr=part_report,
+            seq_lens_ptr=args.seq_lens, out_ptr=out, lse_ptr=lse_arg, **report_ptrs,
+            max_pages=args.max_pages, num_splits=splits, min_chunk=min_chunk,
+            stride_ob=out.stride(0), stride_oh=out.stride(1), window_left=-1, sinks_ptr=out,
             NUM_HEADS=num_heads, HEAD_DIM=lora, BLOCK_D=block_l, PAGE=args.page_size, ALIGN=align,
             BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None, WINDOW=False, SINKS=False,
             num_warps=4,

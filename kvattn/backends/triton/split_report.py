@@ -12,6 +12,8 @@ import triton.language as tl
 from .tag_rule import V_OUT_OF_RANGE, check_pages
 
 REPORT_FIELDS = tl.constexpr(3)  # refused pages, OR of reasons, pages read (per split)
+# The attention kernels' report arguments, by name (their launchers pass them as keywords).
+REPORT_PTRS = ("violations_ptr", "reasons_ptr", "checked_ptr", "beyond_ptr")
 
 
 @triton.jit

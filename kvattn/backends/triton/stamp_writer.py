@@ -110,17 +110,19 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale=No
     stamps = torch.empty(num_tokens, dtype=torch.int64, device=k.device)
     reasons = torch.empty(num_tokens, dtype=torch.int8, device=k.device)
     write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, page_tags, owners, stamps, reasons,
-        k_scale if quant else stamps, v_scale if quant else stamps,
-        num_pages, slot_mapping.stride(0), owners.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_ptr=k, v_ptr=v, k_cache_ptr=k_cache, v_cache_ptr=v_cache, slot_mapping_ptr=slot_mapping,
+        tags_ptr=page_tags, owner_ptr=owners, stamp_ptr=stamps, reasons_ptr=reasons,
+        k_scale_ptr=k_scale if quant else stamps, v_scale_ptr=v_scale if quant else stamps,
+        num_pages=num_pages, stride_slot=slot_mapping.stride(0), stride_owner=owners.stride(0),
+        stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1),
+        stride_cp=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        stride_dp=v_cache.stride(0), stride_ds=v_cache.stride(1), stride_dh=v_cache.stride(2),
         PAGE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         QUANT=quant, MANT=mant, BIAS=bias, MAX_BITS=max_bits,
     )
     block = 256
-    stamp_kernel[(triton.cdiv(num_tokens, block),)](slot_mapping, stamps, page_tags, num_tokens,
-                                                    slot_mapping.stride(0), PAGE=page_size,
-                                                    BLOCK=block)
+    stamp_kernel[(triton.cdiv(num_tokens, block),)](
+        slot_mapping_ptr=slot_mapping, stamp_ptr=stamps, tags_ptr=page_tags, num_tokens=num_tokens,
+        stride_slot=slot_mapping.stride(0), PAGE=page_size, BLOCK=block)
     return stamps != 0, reasons
