@@ -10,8 +10,9 @@ deps:
 # (g++ + pybind11), the CUDA module whenever nvcc is found, GPU or not, since the static sm_90
 # gates of `make test` read it (KVATTN_CUDA_BUILD=0 builds it only where a GPU is visible, as
 # `pip install .` does; KVATTN_SKIP_CUDA_BUILD=1 skips it; KVATTN_CUDA_ARCHS=90 builds sm_90
-# only; KVATTN_NVCC_THREADS=N gives nvcc N threads). The last line printed says what was skipped
-# and why.
+# only; KVATTN_BUILD_JOBS=N runs N compilers at once; KVATTN_CUDA_DTYPES, KVATTN_CUDA_HEAD_DIMS and
+# KVATTN_CUDA_VARIANTS=0 build a subset of csrc/instantiations.py, setup.py's docstring). The last
+# line printed says what was skipped and why.
 KVATTN_CUDA_BUILD ?= 1
 build: deps
 	KVATTN_CUDA_BUILD=$(KVATTN_CUDA_BUILD) $(PYTHON) setup.py build_ext --inplace
@@ -90,9 +91,10 @@ SANITIZE_TESTS ?= tests/test_sanitize.py tests/test_cuda.py tests/test_cuda_exte
 SANITIZE_SELECT ?= cuda_sim or test_cuda or sanitize
 CXX ?= g++
 
-$(SANITIZE_DIR)/_sim.so: $(shell find csrc -name '*.h' -o -name '*.cuh' -o -name '*.cpp') kvattn/tags.py
+$(SANITIZE_DIR)/_sim.so: $(shell find csrc -name '*.h' -o -name '*.cuh' -o -name '*.cpp') csrc/instantiations.py \
+  kvattn/tags.py
 	mkdir -p $(SANITIZE_DIR)
-	$(CXX) $(SANITIZE_FLAGS) -Icsrc -Ibuild/generated \
+	$(CXX) $(SANITIZE_FLAGS) -Icsrc -Ibuild/generated/sim -Ibuild/generated \
 	  -I"$$($(PYTHON) -c 'import pybind11; print(pybind11.get_include())')" \
 	  -I"$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
 	  csrc/sim/module_sim.cpp -o $@

@@ -1,39 +1,56 @@
 """The compiled extensions of kvattn (the package metadata is in pyproject.toml).
 
-- ``kvattn.backends.cuda_sim._sim``: the CUDA kernel sources compiled by the host C++ compiler
-  against the SIMT harness in csrc/sim/ (pybind11, a build requirement), plus two test-only
-  variants with a deliberate defect (``_sim_break_barrier``, ``_sim_break_pages``,
-  ``_sim_break_fragment``) that the tests require to fail. Skipped when no C++ compiler works.
+- ``kvattn.backends.cuda_sim._sim``: the CUDA kernel sources compiled by the host compiler
+  against the SIMT harness in csrc/sim/ (pybind11, a build requirement), every instantiation of
+  the table, plus three test-only variants with a deliberate defect (``_sim_break_barrier``,
+  ``_sim_break_pages``, ``_sim_break_fragment``) that the tests require to fail, compiled with
+  fp16 at head dims up to 64 only (``HARNESS_SUBSET``). Skipped when no C++ compiler works.
 - ``kvattn.backends.cuda._C``: the kernels compiled by nvcc for sm_80 and sm_90, or for the
-  architectures in ``KVATTN_CUDA_ARCHS`` (``90``, ``80,90``, ``9.0``, ``sm_90a``), with ninja when
-  present. The ``-Xptxas -v`` output is kept in build/cuda/ptxas.log and checked for local memory
+  architectures in ``KVATTN_CUDA_ARCHS`` (``90``, ``80,90``, ``9.0``, ``sm_90a``). The kernel
+  instantiations are the table of csrc/instantiations.py: each (op, element type, pool type,
+  head-dim tile) becomes one generated translation unit (build/generated/cuda/<unit>.cu), and ninja,
+  when present, compiles them in parallel (``KVATTN_BUILD_JOBS=N`` jobs; default ninja's own, a few more
+  than the CPUs) beside the dispatch (csrc/cuda/dispatch.cu, no kernel) and the binding. A subset of
+  the table builds faster and refuses the rest at run time, saying which axis is missing (the
+  registry then takes another backend):
+
+  - ``KVATTN_CUDA_DTYPES``: element and pool types from ``fp16,bf16,fp32,e4m3,e5m2`` (fp32: the
+    writer only; e4m3/e5m2: the decode's fp8 pools, for each 16-bit type built); default all;
+  - ``KVATTN_CUDA_HEAD_DIMS``: head-dim tiles from ``64,128,256,512`` (a head_dim runs on the
+    smallest tile that holds it); default all;
+  - ``KVATTN_CUDA_VARIANTS=0``: no score switch (window, soft-cap, ALiBi, sinks); default ``1``.
+
+  The ``-Xptxas -v`` output of every unit is gathered in build/cuda/ptxas.log and checked: every
+  instantiation of the selection once per architecture, none other, and no local memory
   (csrc/ptxas_report.py, summary in build/cuda/resources.json). Built where it can run (an
   NVIDIA GPU visible: ``/dev/nvidiactl``, or ``nvidia-smi -L`` lists one) or where asked for
   (``KVATTN_CUDA_BUILD=1``: a wheel for GPU machines, the static gates of ``make test``); skipped
   when nvcc is not found (PATH, then ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``), on a machine
   without a GPU unless asked for, or with ``KVATTN_SKIP_CUDA_BUILD=1`` (which wins).
-  ``KVATTN_NVCC_THREADS=N`` lets nvcc itself use N threads (``0``: one per CPU; unset or ``1``:
-  one) on the one translation unit: ``--split-compile N`` splits one architecture's optimisation
-  and assembly over N threads, and ``--threads N`` compiles several architectures at once (nvcc
-  ignores it for one). The GPU suite uses it on its 16 cores.
+  ``KVATTN_NVCC_THREADS=N`` lets each nvcc itself use N threads (``0``: one per CPU; unset or
+  ``1``: one): ``--split-compile N`` splits one architecture's optimisation and assembly over N
+  threads, and ``--threads N`` compiles several architectures at once (nvcc ignores it for one);
+  with many units, ninja's jobs are the parallelism that counts.
 - ``KVATTN_SKIP_EXTENSIONS=1`` (tools/ensure_deps.sh uses it for the editable install, then
   ``make build`` runs ``python setup.py build_ext --inplace``), or no pybind11 (a build without
   isolation), builds no extension: the install is pure Python. ``KVATTN_SKIP_HARNESS_BUILD=1``
   builds the CUDA module alone (the GPU suite).
 
 A compile that fails fails the build. The build prints one line saying what it built and what it
-skipped and why (pip shows it with ``-v``), and records the same, with the ptxas figures of the
-CUDA module, in ``kvattn/_build.json`` beside the modules, so an installed wheel carries it
-(format: kvattn/extensions.py; ``python -m kvattn.env`` shows it). The build needs no torch: the
-bindings take raw pointers and never include a torch header.
+skipped and why (pip shows it with ``-v``), and records the same, with the selection and the ptxas
+figures of the CUDA module, in ``kvattn/_build.json`` beside the modules, so an installed wheel
+carries it (format: kvattn/extensions.py; ``python -m kvattn.env`` shows it). The build needs no
+torch: the bindings take raw pointers and never include a torch header.
 
-Sources: the harness modules compile ``csrc/sim/<module>.cpp``; the CUDA module compiles
-``csrc/cuda/kernels.cu`` with nvcc and ``csrc/cuda/module_cuda.cpp`` with the host compiler and
-links them. Everything else reaches them through ``#include``: a new kernel header in csrc/kvattn/
-needs an include, not an edit here. Every file of csrc/ counts as a dependency of every module (so
-setuptools rebuilds the harness when any changes); the CUDA build tracks headers with nvcc's
-depfile under ninja and recompiles everything without it. The tag layout header is generated from
-kvattn/tags.py (csrc/gen_tags_header.py) before any build.
+Sources: the harness modules compile ``csrc/sim/<module>.cpp``; the CUDA module compiles the
+generated units and ``csrc/cuda/dispatch.cu`` with nvcc and ``csrc/cuda/module_cuda.cpp`` with the
+host compiler and links them. Everything else reaches them through ``#include``: a new kernel
+header in csrc/kvattn/ needs an include, a new instantiation a row in csrc/instantiations.py, not
+an edit here. Every file of csrc/ counts as a dependency of every harness module (so setuptools
+rebuilds the harness when any changes); the CUDA build tracks headers with nvcc's depfiles under
+ninja (a decode edit recompiles the decode units only) and recompiles everything without it. The
+generated headers (the tag layout from kvattn/tags.py, csrc/gen_tags_header.py; the source digest;
+each module's instantiation list) are written before any build, and only when they change.
 """
 import os
 import pathlib
@@ -75,6 +92,11 @@ def _import_path(relative: str):
 
 STATUS = _import_path("kvattn/extensions.py")  # the record and its format, shared with kvattn
 VERSION = _import_path("kvattn/version.py").__version__
+TABLE = _import_path("csrc/instantiations.py")  # the kernel instantiations
+# What the test-only harness builds compile: the tests run them at fp16, head_dim 64, no switch.
+HARNESS_SUBSET = TABLE.Selection(dtypes=("fp16",), head_dims=(64,), variants=False)
+# The folder of build/generated/ with each module's instantiation list.
+SELECTION_DIRS = {"_sim": "sim", **{name: "sim-subset" for name in SIM_MODULES if name != "_sim"}}
 
 
 def _pybind11_include():
@@ -146,6 +168,16 @@ def _nvcc_parallel(archs: tuple) -> list:
     return [f"--split-compile={int(raw)}"] + ([f"--threads={int(raw)}"] if len(archs) > 1 else [])
 
 
+def _build_jobs() -> list:
+    """ninja's ``-j`` from ``KVATTN_BUILD_JOBS`` (unset: ninja's default)."""
+    raw = os.environ.get("KVATTN_BUILD_JOBS", "").strip()
+    if not raw:
+        return []
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"KVATTN_BUILD_JOBS: expected a whole number of jobs (1 or more), got {raw!r}")
+    return [f"-j{int(raw)}"]
+
+
 def _nvcc_release(nvcc: str):
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
     m = re.search(r"release (\d+\.\d+)", out)
@@ -173,7 +205,7 @@ class _Outcome:
         if isinstance(error, subprocess.CalledProcessError):
             tool = pathlib.Path(str(error.cmd[0])).name
             reason = (f"{tool} exited with status {error.returncode}: see the compiler output in "
-                      f"the build log and build/cuda/ptxas.log")
+                      f"the build log and build/cuda/obj/*.log")
         else:
             reason = f"{type(error).__name__}: {error}"[:600]
         self.entries[name] = {"status": "failed", "reason": reason}
@@ -183,6 +215,8 @@ class _Outcome:
         for name, e in self.entries.items():
             if e["status"] == "built":
                 archs = f" (sm_{', sm_'.join(e['archs'])})" if "archs" in e else ""
+                if "selection" in e and not e["selection"]["full"]:
+                    archs = archs[:-1] + f"; a subset: {e['selection']['text']})"
                 built.append(_short(name) + archs)
         parts = [f"built {', '.join(built) or 'no extension'}"]
         for status in ("failed", "skipped"):
@@ -212,7 +246,7 @@ class _Outcome:
 
 OUTCOME = _Outcome()
 HEADERS = sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*")
-                 if p.suffix in (".h", ".cuh", ".cpp", ".cu"))
+                 if p.suffix in (".h", ".cuh", ".cpp", ".cu")) + ["csrc/instantiations.py"]
 SIM_FLAGS = ["-std=c++17", "-O2", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-fvisibility=hidden"]
 
 
@@ -235,7 +269,8 @@ def _extensions():
         exts = []
     else:
         exts = [Extension(f"kvattn.backends.cuda_sim.{name}", sources=[f"csrc/sim/{source}"],
-                          include_dirs=[str(CSRC), str(GENERATED), _pybind11_include()],
+                          include_dirs=[str(CSRC), str(GENERATED / SELECTION_DIRS[name]), str(GENERATED),
+                                        _pybind11_include()],
                           depends=HEADERS + ["kvattn/tags.py"], extra_compile_args=SIM_FLAGS,
                           language="c++")
                 for name, source in SIM_MODULES.items()]
@@ -247,6 +282,8 @@ def _extensions():
         OUTCOME.skip(CUDA_EXT, why)
     else:
         _nvcc_parallel(_cuda_archs())  # a malformed KVATTN_CUDA_ARCHS or _NVCC_THREADS fails here
+        TABLE.selection_from_env(os.environ)  # and KVATTN_CUDA_DTYPES, _HEAD_DIMS, _VARIANTS
+        _build_jobs()
         exts.append(Extension(CUDA_EXT, sources=[], depends=HEADERS))
     return exts
 
@@ -271,6 +308,8 @@ class BuildExt(build_ext):
         base = ROOT if into_tree else pathlib.Path(self.build_lib)
         _import_path("csrc/gen_tags_header.py").write_header(GENERATED / "kvattn_tags.h")
         _write_digest_header(GENERATED / "kvattn_sources.h")
+        TABLE.write_generated(GENERATED / "sim", TABLE.Selection(), with_units=False)
+        TABLE.write_generated(GENERATED / "sim-subset", HARNESS_SUBSET, with_units=False)
         try:
             super().run()
         finally:
@@ -313,45 +352,60 @@ class BuildExt(build_ext):
     def _build_cuda(self, ext) -> dict:
         nvcc, _ = _nvcc()
         archs = _cuda_archs()
+        selection = TABLE.selection_from_env(os.environ)
+        rows = TABLE.select(selection)
+        units = TABLE.write_generated(GENERATED / "cuda", selection)  # in table order
         target = pathlib.Path(self.get_ext_fullpath(ext.name)).resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
-        CUDA_BUILD.mkdir(parents=True, exist_ok=True)
-        includes = [f"-I{CSRC}", f"-I{GENERATED}"]
+        objects = CUDA_BUILD / "obj"
+        objects.mkdir(parents=True, exist_ok=True)
+        includes = [f"-I{CSRC}", f"-I{GENERATED / 'cuda'}", f"-I{GENERATED}"]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         nvcc_flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-lineinfo", *gencode,
                       *_nvcc_parallel(archs), *includes]
         cxx = os.environ.get("CXX", "g++")
         cxx_flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-unknown-pragmas", *includes,
                      f"-I{sysconfig.get_paths()['include']}", f"-I{_pybind11_include()}"]
+        # (source, object): the kernel units, the dispatch (nvcc); the binding (host compiler)
+        cuda_sources = [(src, objects / f"{src.stem}.o") for src in [*units, CSRC / "cuda" / "dispatch.cu"]]
+        # ninja starts the heaviest units (widest head dims) first, so the last job to finish is short.
+        tile = {name: max(row.head_dim or 0 for row in members) for name, members in TABLE.units(rows).items()}
+        by_weight = sorted(cuda_sources, key=lambda source: -tile.get(source[0].stem, 0))
+        module_o = objects / "module.o"
         log = CUDA_BUILD / "ptxas.log"
-        kernels_o, module_o = CUDA_BUILD / "kernels.o", CUDA_BUILD / "module.o"
         q = shlex.join
         ninja = shutil.which("ninja")
         if ninja:
-            (CUDA_BUILD / "build.ninja").write_text(
-                f"rule nvcc\n"
-                f"  command = {q([nvcc, *nvcc_flags])} -MD -MF $out.d -c $in -o $out > {log} 2>&1"
-                f" || {{ cat {log}; exit 1; }}\n"
-                f"  depfile = $out.d\n  deps = gcc\n"
-                f"rule cxx\n  command = {q([cxx, *cxx_flags])} -MD -MF $out.d -c $in -o $out\n"
-                f"  depfile = $out.d\n  deps = gcc\n"
-                f"rule link\n  command = {q([nvcc, '-shared'])} $in -o $out\n"
-                f"build {kernels_o}: nvcc {CSRC / 'cuda' / 'kernels.cu'}\n"
-                f"build {module_o}: cxx {CSRC / 'cuda' / 'module_cuda.cpp'}\n"
-                f"build {target}: link {kernels_o} {module_o}\n")
-            subprocess.run([ninja, "-C", str(CUDA_BUILD)], check=True)
+            lines = [f"rule nvcc\n"
+                     f"  command = {q([nvcc, *nvcc_flags])} -MD -MF $out.d -c $in -o $out > $out.log 2>&1"
+                     f" || {{ cat $out.log; exit 1; }}\n"
+                     f"  depfile = $out.d\n  deps = gcc\n  description = nvcc $in\n",
+                     f"rule cxx\n  command = {q([cxx, *cxx_flags])} -MD -MF $out.d -c $in -o $out\n"
+                     f"  depfile = $out.d\n  deps = gcc\n  description = c++ $in\n",
+                     f"rule link\n  command = {q([nvcc, '-shared'])} $in -o $out\n  description = link $out\n"]
+            lines += [f"build {obj}: nvcc {src}\n" for src, obj in by_weight]
+            lines.append(f"build {module_o}: cxx {CSRC / 'cuda' / 'module_cuda.cpp'}\n")
+            lines.append(f"build {target}: link {' '.join(str(o) for _, o in cuda_sources)} {module_o}\n")
+            (CUDA_BUILD / "build.ninja").write_text("".join(lines))
+            subprocess.run([ninja, "-C", str(CUDA_BUILD), *_build_jobs()], check=True)
         else:
-            with open(log, "w") as out:
-                subprocess.run([nvcc, *nvcc_flags, "-c", str(CSRC / "cuda" / "kernels.cu"), "-o", str(kernels_o)],
-                               check=True, stdout=out, stderr=subprocess.STDOUT)
+            for src, obj in by_weight:
+                with open(f"{obj}.log", "w") as out:
+                    subprocess.run([nvcc, *nvcc_flags, "-c", str(src), "-o", str(obj)], check=True, stdout=out,
+                                   stderr=subprocess.STDOUT)
             subprocess.run([cxx, *cxx_flags, "-c", str(CSRC / "cuda" / "module_cuda.cpp"), "-o", str(module_o)],
                            check=True)
-            subprocess.run([nvcc, "-shared", str(kernels_o), str(module_o), "-o", str(target)], check=True)
+            subprocess.run([nvcc, "-shared", *(str(o) for _, o in cuda_sources), str(module_o), "-o", str(target)],
+                           check=True)
+        # One log for the module, in table order (the units' own logs stay beside their objects).
+        log.write_text("".join(pathlib.Path(f"{obj}.log").read_text() for _, obj in cuda_sources))
         report = _import_path("csrc/ptxas_report.py")
-        records = report.check(log, CUDA_BUILD / "resources.json")
+        records = report.check(log, CUDA_BUILD / "resources.json",
+                               expected={(row.signature, f"sm_{a}") for row in rows for a in archs})
         print(report.table(records), flush=True)
         return {"archs": list(archs), "nvcc": _nvcc_release(nvcc), "nvcc_parallel": _nvcc_parallel(archs),
-                "resources": records}
+                "jobs": _build_jobs(), "selection": selection.as_dict(), "instantiations": len(rows),
+                "units": len(units), "resources": records}
 
 
 class BuildPy(build_py):

@@ -4,8 +4,8 @@
 # network). GPU time is scarce, so the steps come in the order that settles the goals first (what
 # the check costs, checked against unchecked), and a run stopped at any minute keeps everything it
 # measured before that minute:
-#    0. second 0: the CUDA module for sm_90 starts building in the background, with nvcc's own
-#       threads (KVATTN_NVCC_THREADS); nothing before step 4 needs it;
+#    0. second 0: the CUDA module for sm_90 starts building in the background, its translation
+#       units compiled in parallel (KVATTN_BUILD_JOBS); nothing before step 4 needs it;
 #    1. device and versions;
 #    2. the headline points, Triton checked and unchecked, CUDA-graph replay, 5 repeats (a spread):
 #       decode at batch 16 and 64 x 8K and 32K and batch 1 x 4K and 32K, extend of a 4K prefill and
@@ -115,21 +115,21 @@ run() {
 skip() { RC[$1]=skipped; step "$1: skipped ($2)"; }
 
 # 0. The CUDA build, in the background from second 0.
-NVCC_THREADS=${SUITE_NVCC_THREADS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}  # 2 cores left to Python
+BUILD_JOBS=${SUITE_BUILD_JOBS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}  # 2 cores left to Python
 build_pid=
 if [ "${SUITE_SKIP_BUILD:-0}" = 1 ]; then
   skip cuda-build "SUITE_SKIP_BUILD=1"
 else
   build_limit=$(cap 300)
-  step "cuda-build: start in the background (sm_90, nvcc threads $NVCC_THREADS, at most $build_limit s; build.log)"
+  step "cuda-build: start in the background (sm_90, $BUILD_JOBS build jobs, at most $build_limit s; build.log)"
   (
     t0=$SECONDS
-    KVATTN_CUDA_BUILD=1 KVATTN_CUDA_ARCHS=90 KVATTN_SKIP_HARNESS_BUILD=1 KVATTN_NVCC_THREADS=$NVCC_THREADS \
+    KVATTN_CUDA_BUILD=1 KVATTN_CUDA_ARCHS=90 KVATTN_SKIP_HARNESS_BUILD=1 KVATTN_BUILD_JOBS=$BUILD_JOBS \
       timeout -k 10 "$build_limit" "$PY" setup.py build_ext --inplace >> "$OUTDIR/build.log" 2>&1
     rc=$?
-    echo "cuda-build: rc=$rc in $(( SECONDS - t0 )) s (nvcc threads $NVCC_THREADS)" >> "$OUTDIR/build.log"
-    printf '{"step": "cuda-build", "rc": %d, "seconds": %d, "nvcc_threads": %d, "started_at_s": %d}\n' \
-      "$rc" $(( SECONDS - t0 )) "$NVCC_THREADS" "$t0" >> "$ROWS"
+    echo "cuda-build: rc=$rc in $(( SECONDS - t0 )) s ($BUILD_JOBS build jobs)" >> "$OUTDIR/build.log"
+    printf '{"step": "cuda-build", "rc": %d, "seconds": %d, "build_jobs": %d, "started_at_s": %d}\n' \
+      "$rc" $(( SECONDS - t0 )) "$BUILD_JOBS" "$t0" >> "$ROWS"
     exit "$rc"
   ) &
   build_pid=$!

@@ -16,6 +16,7 @@
 #include "kvattn/fp8.h"
 #include "kvattn/params.h"
 #include "kvattn/tiles.h"
+#include "kvattn_selection.h"
 #include "kvattn_sources.h"
 #include "kvattn_tags.h"
 
@@ -26,9 +27,6 @@
 
 #ifndef KVATTN_SIM_BREAK
 #define KVATTN_SIM_BREAK 0
-#endif
-#ifndef KVATTN_HALF_ONLY
-#define KVATTN_HALF_ONLY 0
 #endif
 
 namespace py = pybind11;
@@ -271,7 +269,9 @@ PYBIND11_MODULE(KVATTN_MODULE_NAME, m) {
 #endif
   );
   m.attr("BREAK") = py::int_(KVATTN_SIM_BREAK);
-  m.attr("HALF_ONLY") = py::bool_(KVATTN_HALF_ONLY != 0);
+  // The instantiations this module was built with (csrc/instantiations.py Selection.as_dict, plus
+  // their count and the translation units): kvattn/backends/cuda/launch.py not_built reads it.
+  m.attr("SELECTION") = py::module_::import("json").attr("loads")(py::str(KVATTN_SELECTION_JSON));
 #if defined(KVATTN_SIM)
   m.def("harness_selftest", &kvsim::selftest::run, py::arg("mode"), py::arg("threads"),
         "Run a harness self-test kernel; returns (values, error message or '').");

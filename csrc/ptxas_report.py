@@ -1,9 +1,11 @@
 """Registers, shared memory and local memory of every kernel instantiation, from ``nvcc -Xptxas -v``.
 
-setup.py writes the compiler's output to ``build/cuda/ptxas.log`` and calls :func:`check` after each
-CUDA build: it records ``build/cuda/resources.json`` and fails when a decode or extend kernel spills
-or keeps a stack frame (local memory, i.e. a register array the compiler could not keep in registers).
-tests/test_cuda.py runs the same check on the kept log. Standard library only.
+setup.py gathers the compiler's output of every translation unit in ``build/cuda/ptxas.log`` and
+calls :func:`check` after each CUDA build: it records ``build/cuda/resources.json`` and fails when a
+kernel spills or keeps a stack frame (local memory, i.e. a register array the compiler could not
+keep in registers), or when the log does not hold exactly the instantiations the build's selection
+of csrc/instantiations.py lists, once per architecture. tests/test_cuda.py runs the same check on
+the kept log. Standard library only.
 
 Usage: ``python csrc/ptxas_report.py build/cuda/ptxas.log``.
 """
@@ -69,14 +71,23 @@ def local_memory_problems(records: list[dict]) -> list[str]:
             for r in records if r["stack_frame"] or r["spill_stores"] or r["spill_loads"]]
 
 
-def check(log: pathlib.Path, out_json: pathlib.Path | None = None) -> list[dict]:
+def check(log: pathlib.Path, out_json: pathlib.Path | None = None, expected: set | None = None) -> list[dict]:
     """Parse ``log``, write the records to ``out_json``; raise RuntimeError on local memory in any
-    kernel, or when the log lacks a decode or extend kernel (a build that printed nothing proves
-    nothing)."""
+    kernel, and when the log lacks a decode or extend kernel (a build that printed nothing proves
+    nothing) or, given ``expected`` (``{(demangled signature, "sm_90"), ...}``), when it does not
+    hold each of those exactly once and nothing else."""
     records = parse(log.read_text())
     for name in CHECKED_KERNELS:
-        if not any(name in r["kernel"] for r in records):
+        if expected is None and not any(name in r["kernel"] for r in records):
             raise RuntimeError(f"{log}: no {name} entry in the -Xptxas -v output")
+    if expected is not None:
+        found = [(r["kernel"], r["arch"]) for r in records]
+        missing, extra = sorted(expected - set(found)), sorted(set(found) - expected)
+        twice = sorted({k for k in found if found.count(k) > 1})
+        if missing or extra or twice:
+            raise RuntimeError(f"{log}: the instantiations differ from the build's selection: "
+                               f"{len(missing)} missing {missing[:3]}, {len(extra)} not in it {extra[:3]}, "
+                               f"{len(twice)} compiled twice {twice[:3]}")
     if out_json is not None:
         out_json.write_text(json.dumps(records, indent=1) + "\n")
     problems = local_memory_problems(records)

@@ -8,8 +8,9 @@
   nothing is launched. ``KVATTN_BACKEND`` and ``TRITON_INTERPRET`` are shown because they change
   the answers.
 - Extensions: each compiled module built / not built / build failed, and why
-  (:mod:`kvattn.extensions`); for the CUDA module, the static resource figures ptxas reported for
-  every kernel (registers, static shared memory, stack frame, spills).
+  (:mod:`kvattn.extensions`); for the CUDA module, the instantiations it holds (all of
+  csrc/instantiations.py, or the subset it was built with) and the static resource figures ptxas
+  reported for every kernel (registers, static shared memory, stack frame, spills).
 
 Usage: ``python -m kvattn.env [--json]``.
 """
@@ -50,6 +51,8 @@ def info() -> dict:
                        for name, s in statuses.items()},
         "build_summary": extensions.read_record().get("summary"),
         "cuda_resources": cuda_record.get("resources", []) if statuses[CUDA_MODULE].path else [],
+        "cuda_selection": cuda_record.get("selection") if statuses[CUDA_MODULE].path else None,
+        "cuda_units": {k: cuda_record[k] for k in ("instantiations", "units") if k in cuda_record},
     }
 
 
@@ -169,6 +172,17 @@ def _kernel_name(demangled: str) -> str:
     return name.replace("kvattn::", "")
 
 
+def _selection_lines(data: dict) -> list[str]:
+    """What the CUDA module holds of csrc/instantiations.py (a build older than the table: nothing)."""
+    selection, units = data.get("cuda_selection"), data.get("cuda_units") or {}
+    if not selection:
+        return []
+    what = "every instantiation" if selection["full"] else f"a subset ({selection['text']})"
+    count = (f": {units['instantiations']} in {units['units']} translation units"
+             if {"instantiations", "units"} <= set(units) else "")
+    return [f"  {what} of csrc/instantiations.py{count}"]
+
+
 def report(data: dict | None = None, kernels: bool = False) -> str:
     """The text ``python -m kvattn.env`` prints: the CUDA module's resources as one line per
     architecture, or per kernel with ``kernels``."""
@@ -205,6 +219,7 @@ def report(data: dict | None = None, kernels: bool = False) -> str:
     if data["cuda_resources"] and not kernels:
         lines.append("\nCUDA module, static resources (ptxas; `python -m kvattn.env --kernels` "
                      "lists every kernel):")
+        lines += _selection_lines(data)
         for arch in sorted({r["arch"] for r in data["cuda_resources"]}):
             rows = [r for r in data["cuda_resources"] if r["arch"] == arch]
             spilling = sum(r["spill_stores"] + r["spill_loads"] > 0 for r in rows)
@@ -216,6 +231,7 @@ def report(data: dict | None = None, kernels: bool = False) -> str:
     elif data["cuda_resources"]:
         lines.append("\nCUDA module, static resources per kernel (ptxas; registers, static shared "
                      "memory bytes, stack frame bytes, spill bytes):")
+        lines += _selection_lines(data)
         lines.append(f"  {'kernel':<48} {'arch':<6} {'regs':>4} {'smem':>6} {'stack':>5} {'spill':>5}")
         for r in data["cuda_resources"]:
             spill = r["spill_stores"] + r["spill_loads"]

@@ -10,11 +10,17 @@ for ``pip install`` and ``python -m build``. The record (:func:`write_record` wr
                                                 "seconds": 31.2,        # built
                                                 "archs": ["80", "90"], "nvcc": "13.0",
                                                 "nvcc_parallel": ["--split-compile=16"],
+                                                "jobs": ["-j2"],        # ninja's, when set
+                                                "selection": {...},     # of csrc/instantiations.py
+                                                "instantiations": 201, "units": 35,
                                                 "resources": [...]}}}   # the CUDA module
 
-``resources`` holds the static figures ptxas printed for every kernel instantiation and
-architecture (registers, static shared memory, stack frame and spill bytes), as in
-``build/cuda/resources.json`` (csrc/ptxas_report.py parses the ``-Xptxas -v`` log).
+``selection`` is what the CUDA module holds of the instantiation table (``Selection.as_dict`` of
+csrc/instantiations.py: dtypes, head dims, variants, ``full``; the module's ``SELECTION`` too), in
+``units`` generated translation units. ``resources`` holds the static figures ptxas printed for
+every kernel instantiation and architecture (registers, static shared memory, stack frame and
+spill bytes), as in ``build/cuda/resources.json`` (csrc/ptxas_report.py parses the ``-Xptxas -v``
+log).
 
 A module is *built* when it imports, *not built* when there is no file for it (the record says
 why setup.py skipped it, when it did), and *build failed* when its file does not load or the last
@@ -48,8 +54,10 @@ EXTENSIONS = (
     "kvattn.backends.cuda_sim._sim_break_pages",
     "kvattn.backends.cuda_sim._sim_break_fragment",
 )
-# What the modules are compiled from, besides kvattn/tags.py (the tag header is generated from it).
+# What the modules are compiled from, besides kvattn/tags.py (the tag header is generated from it)
+# and the instantiation table (the kernel units and the dispatch's list are generated from it).
 SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")
+TABLE = "csrc/instantiations.py"
 # where a module can be built, when that is not every machine with a C++ compiler
 _WHERE = {"kvattn.backends.cuda._C": " where nvcc is installed"}
 
@@ -76,10 +84,12 @@ class Status:
 
 def source_digest(root: pathlib.Path) -> str:
     """16 hex digits of SHA-256 over what setup.py compiles from the checkout at ``root``: every
-    C++/CUDA file under ``csrc/`` (path and bytes) and ``kvattn/tags.py``."""
+    C++/CUDA file under ``csrc/`` (path and bytes), the instantiation table and ``kvattn/tags.py``.
+    The selection a module was built with (``KVATTN_CUDA_*``) is no source: a subset module is
+    current, and says what it holds (its ``SELECTION``)."""
     files = sorted(p for p in (root / "csrc").rglob("*") if p.suffix in SOURCE_SUFFIXES)
     h = hashlib.sha256()
-    for path in [*files, root / "kvattn" / "tags.py"]:
+    for path in [*files, root / TABLE, root / "kvattn" / "tags.py"]:
         h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 

@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Without a GPU the Triton kernels run under the interpreter; it must be chosen before triton loads.
@@ -33,7 +34,7 @@ LANES = {
                 "test_torch_reader", "test_cuda_graphs", "test_ops"),
     "writers": ("test_writers", "test_writers_layers", "test_fp8_writer", "test_triton_writer",
                 "test_writer_registry", "test_cache"),
-    "backends": ("test_cuda", "test_cuda_extend", "test_cuda_fp8", "test_sanitize",
+    "backends": ("test_cuda", "test_cuda_extend", "test_cuda_fp8", "test_instantiations", "test_sanitize",
                  "test_static_sm90"),
     "robustness": ("test_hardening", "test_fuzz", "test_validation"),
     "integrations": ("test_transformers", "test_transformers_differential",
@@ -48,9 +49,19 @@ _LANE_OF = {module: lane for lane, modules in LANES.items() for module in module
 def pytest_collection_modifyitems(config, items):
     """Each test gets its file's lane marker. Slow tests first: under xdist they then overlap with
     the rest instead of ending the run."""
-    import pytest
     for item in items:
         lane = _LANE_OF.get(item.path.stem)
         if lane is not None:
             item.add_marker(getattr(pytest.mark, lane))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test that needs a kernel instantiation its module was built without (a subset of
+    csrc/instantiations.py: KVATTN_CUDA_DTYPES, _HEAD_DIMS, _VARIANTS) skips, saying which."""
+    from kvattn.backends.cuda.launch import NotBuilt
+    try:
+        return (yield)
+    except NotBuilt as e:
+        pytest.skip(f"not built into this module: {e}")

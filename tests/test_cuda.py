@@ -22,7 +22,7 @@ from kvattn import Violation, backends, tags
 from kvattn.backends import grids
 from kvattn.backends.cuda import launch
 
-from util import Batch, assert_reports_equal, backends_under_test, tolerance
+from util import Batch, assert_reports_equal, backends_under_test, built_cuda_kernels, tolerance
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BACKENDS = ["cuda_sim"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -531,20 +531,16 @@ def nvcc_present() -> bool:
 
 @pytest.mark.skipif(not nvcc_present(), reason="no nvcc: the CUDA module is not built here")
 def test_ptxas_resources_have_no_local_memory():
-    """setup.py keeps the -Xptxas -v output; every decode instantiation is there for sm_80 and
-    sm_90, with registers recorded and no spill or stack frame: pools of the query's type with both
-    copy widths, fp8 pools (e4m3, e5m2) with 16-byte copies only."""
+    """setup.py keeps the -Xptxas -v output; every decode instantiation the build selected from
+    csrc/instantiations.py is there once for each architecture it was built for (sm_80 and sm_90
+    by default), with registers recorded and no spill or stack frame (tests/test_instantiations.py
+    holds the table to the dispatch's axes)."""
     report = _load_ptxas_report()
     log = ROOT / "build" / "cuda" / "ptxas.log"
     assert log.exists(), "build/cuda/ptxas.log missing: build with `python setup.py build_ext --inplace`"
     records = report.check(log)
     decode = [r for r in records if "paged_decode_kernel" in r["kernel"]]
-    assert {(r["kernel"], r["arch"]) for r in decode} == {
-        (f"void kvattn::paged_decode_kernel<{t}, {kv}, {d}, {c}, {v}, {s}>(kvattn::DecodeParams)", arch)
-        for t in ("__half", "__nv_bfloat16") for kv in (t, "kvattn::Fp8E4M3", "kvattn::Fp8E5M2")
-        for d in (64, 128, 256, 512) for c in ("true", "false")
-        for v in (("true", "false") if kv == t else ("true",)) for s in ("true", "false")
-        for arch in ("sm_80", "sm_90")}
+    assert {(r["kernel"], r["arch"]) for r in decode} == built_cuda_kernels("paged_decode_kernel")
     assert all(0 < r["registers"] <= 255 for r in records)
 
 
@@ -717,6 +713,7 @@ class Recorder:
     """A binding that records the argument dict a launcher hands it, then refuses to launch."""
 
     EXTEND_ROWS = importlib.import_module("kvattn.backends.cuda_sim._sim").EXTEND_ROWS
+    SELECTION = importlib.import_module("kvattn.backends.cuda_sim._sim").SELECTION  # the whole table
 
     def __getattr__(self, op):
         def record(params, *rest):

@@ -72,6 +72,10 @@ def test_report_lays_out_versions_backends_extensions_and_resources():
     assert "write_kv on cpu: auto takes torch" in text
     assert ("  sm_90: 2 kernels, at most 128 registers, 1024 bytes of static shared memory, 0 bytes "
             "of stack; 1 kernel(s) spill") in text
+    data["cuda_selection"] = dict(full=False, text="dtypes fp16; head dims 128; variants off")
+    data["cuda_units"] = dict(instantiations=21, units=5)
+    assert ("  a subset (dtypes fp16; head dims 128; variants off) of csrc/instantiations.py: 21 in 5 "
+            "translation units") in env.report(data)
     text = env.report(data, kernels=True)
     assert "CUDA module, static resources per kernel" in text
     row = next(line for line in text.splitlines() if "paged_decode_kernel<__half, true>" in line)
@@ -189,13 +193,15 @@ def test_the_source_digest_follows_every_compiled_file(tmp_path):
     (tmp_path / "csrc" / "kvattn").mkdir(parents=True)
     (tmp_path / "kvattn").mkdir()
     header, tags = tmp_path / "csrc" / "kvattn" / "decode.cuh", tmp_path / "kvattn" / "tags.py"
+    table = tmp_path / "csrc" / "instantiations.py"  # the generated units and the dispatch's list
     header.write_text("// kernel\n")
     tags.write_text("OWNER_SHIFT = 16\n")
+    table.write_text("TABLE = ()\n")
     (tmp_path / "csrc" / "notes.md").write_text("not compiled\n")
     first = extensions.source_digest(tmp_path)
     (tmp_path / "csrc" / "notes.md").write_text("edited\n")
     assert extensions.source_digest(tmp_path) == first
-    for path, text in ((header, "// kernel, edited\n"), (tags, "OWNER_SHIFT = 17\n")):
+    for path, text in ((header, "// kernel, edited\n"), (tags, "OWNER_SHIFT = 17\n"), (table, "TABLE = (1,)\n")):
         path.write_text(text)
         assert extensions.source_digest(tmp_path) != first
         first = extensions.source_digest(tmp_path)

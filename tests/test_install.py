@@ -26,6 +26,8 @@ import time
 
 import pytest
 
+from util import instantiations
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA = "kvattn.backends.cuda._C"
 SIM = "kvattn.backends.cuda_sim._sim"
@@ -80,7 +82,8 @@ def _source_files() -> list[str]:
 def _clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "KVATTN_SKIP_EXTENSIONS", "KVATTN_SKIP_CUDA_BUILD",
-                        "KVATTN_CUDA_BUILD", "KVATTN_CUDA_ARCHS", "KVATTN_BACKEND")}
+                        "KVATTN_CUDA_BUILD", "KVATTN_CUDA_ARCHS", "KVATTN_CUDA_DTYPES",
+                        "KVATTN_CUDA_HEAD_DIMS", "KVATTN_CUDA_VARIANTS", "KVATTN_BACKEND")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
     return env
 
@@ -191,6 +194,9 @@ def _check_installed_modules(python: str, cwd: pathlib.Path) -> None:
         assert {arch for _, arch in kernels} == {"sm_90"}
         assert any("paged_decode_kernel" in k for k, _ in kernels)
         assert any("paged_extend_kernel" in k for k, _ in kernels)
+        # Every row of csrc/instantiations.py, from its generated units, once.
+        assert entries[CUDA]["selection"]["full"]
+        assert len(entries[CUDA]["resources"]) == len(kernels) == len(instantiations().TABLE)
     else:
         assert state == "not built" and skipped in reason, (state, reason)
         assert entries[CUDA]["status"] == "skipped"

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from util import cuda_build_record, instantiations
+
 pytestmark = pytest.mark.host_only
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -75,7 +77,7 @@ def test_checked_and_unchecked_pipeline_alike(static, backend):
     only difference between the variants is the check."""
     records = static[0]["records"]
     if backend not in backends_of(records):
-        pytest.skip("no CUDA object (nvcc absent): build/cuda/kernels.o")
+        pytest.skip("no CUDA module (nvcc absent): kvattn/backends/cuda/_C*.so")
     found = pairs(records, backend)
     assert found
     for key, pair in found.items():
@@ -96,7 +98,7 @@ def test_checked_and_unchecked_pipeline_alike(static, backend):
 def test_kv_loads_are_16_byte_async_copies(static, backend):
     records = static[0]["records"]
     if backend not in backends_of(records):
-        pytest.skip("no CUDA object (nvcc absent)")
+        pytest.skip("no CUDA module (nvcc absent)")
     found = pairs(records, backend)
     # CUDA's element-wise variants serve pools whose rows are not 16-byte aligned, by design.
     vectorised = {key: pair for key, pair in found.items() if "elementwise" not in key[1]}
@@ -110,7 +112,7 @@ def test_kv_loads_are_16_byte_async_copies(static, backend):
 def test_extend_runs_on_tensor_cores(static, backend):
     records = static[0]["records"]
     if backend not in backends_of(records):
-        pytest.skip("no CUDA object (nvcc absent)")
+        pytest.skip("no CUDA module (nvcc absent)")
     extend = [r for r in records if r["backend"] == backend and r["kernel"] == "paged_extend_kernel"]
     assert extend and {r["check"] for r in extend} == {True, False}
     for r in extend:
@@ -145,9 +147,28 @@ def test_committed_table_is_current(static):
     if GPU_TRITON not in data["header"]:
         pytest.skip(f"figures from another Triton than the GPU image's {GPU_TRITON}: {data['header']}")
     if "absent" in data["header"]:
-        pytest.skip("no CUDA object (nvcc absent)")
+        pytest.skip("no CUDA module (nvcc absent)")
+    if "a subset" in data["header"]:
+        pytest.skip(f"the CUDA module holds a subset of csrc/instantiations.py, the committed table all of "
+                    f"it: {data['header']}")
     assert COMMITTED.exists(), "run `make static`"
     assert COMMITTED.read_text() == table, "benchmarks/results/static_sm90.md is stale: run `make static`"
+
+
+def test_cuda_kernels_are_the_tables_rows(static):
+    """The cubins of the CUDA module hold each instantiation of its build's selection of
+    csrc/instantiations.py once (tools/static_sm90.py names them by the table and refuses a kernel
+    it does not list or finds twice)."""
+    records = [r for r in static[0]["records"] if r["backend"] == "cuda"]
+    if not records:
+        pytest.skip("no CUDA module (nvcc absent)")
+    table, record = instantiations(), cuda_build_record()
+    selection = table.Selection(**{k: tuple(v) if isinstance(v, list) else v
+                                   for k, v in record.get("selection", {}).items()
+                                   if k in ("dtypes", "head_dims", "variants")})
+    rows = table.select(selection)
+    assert len({(r["kernel"], r["config"], r["check"]) for r in records}) == len(records) == len(rows)
+    assert sorted((r["kernel"], r["check"]) for r in records) == sorted((row.kernel, bool(row.check)) for row in rows)
 
 
 def test_mla_decode_on_tensor_cores_with_cheap_check_at_page_64(static):

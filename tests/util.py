@@ -2,7 +2,11 @@
 poison in every slot that must not be read, the backends under test, and precision-based tolerances."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import inspect
+import pathlib
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -12,6 +16,33 @@ import kvattn
 from kvattn import backends
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@functools.lru_cache(maxsize=1)
+def instantiations():
+    """csrc/instantiations.py, the CUDA kernel instantiations (setup.py loads it by path too)."""
+    spec = importlib.util.spec_from_file_location("kvattn_instantiations", ROOT / "csrc" / "instantiations.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def cuda_build_record() -> dict:
+    """The last build's record of the CUDA module (kvattn/_build.json), ``{}`` without one."""
+    return kvattn.extensions.read_record().get("extensions", {}).get("kvattn.backends.cuda._C", {})
+
+
+def built_cuda_kernels(kernel: str) -> set:
+    """``{(demangled signature, arch)}`` the last CUDA build compiled of ``kernel``: its recorded
+    selection of csrc/instantiations.py on its recorded architectures."""
+    table, record = instantiations(), cuda_build_record()
+    selection = table.Selection(**{k: tuple(v) if isinstance(v, list) else v
+                                   for k, v in record.get("selection", {}).items()
+                                   if k in ("dtypes", "head_dims", "variants")})
+    return {(row.signature, f"sm_{arch}") for row in table.select(selection) if row.kernel == kernel
+            for arch in record.get("archs", ("80", "90"))}
 
 
 def backends_under_test() -> list[str]:

@@ -5,7 +5,8 @@
   specialises every argument (pointer alignment, integers equal to 1 or divisible by 16) exactly as
   at a launch on the GPU, and the planners see an H200 (132 SMs, arch 90). Run it with the Triton
   the GPU image has (3.6; ``make static`` builds a venv with it) -- figures record the version.
-- **CUDA**: the cubins of the nvcc build (``build/cuda/kernels.o``), read with ``cuobjdump``.
+- **CUDA**: the cubins of the CUDA module (``kvattn/backends/cuda/_C*.so``, every generated unit),
+  read with ``cuobjdump``; each kernel is named by its row of csrc/instantiations.py.
 
 Per kernel and variant: registers, local memory (must be 0: spills), the real dynamic shared memory
 (Triton: from the compiled kernel's metadata; CUDA: from the launcher's plan), the K/V shared-memory
@@ -17,12 +18,14 @@ and that shared memory allow. Then the decode grids the split planners choose at
 on an H200, their waves over those resident slots and a model of their bandwidth
 (``decode_grids``). **These are static figures, not speed.**
 
-    python tools/static_sm90.py [--json FILE] [--markdown FILE] [--cuda-object build/cuda/kernels.o]
+    python tools/static_sm90.py [--json FILE] [--markdown FILE] [--cuda-object kvattn/backends/cuda/_C...so]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import pathlib
@@ -358,15 +361,30 @@ def _demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
 
 
-# kernel<T, D, CHECK, VEC, VARIANT>, and paged_decode_kernel<T, KV, D, CHECK, VEC, VARIANT> with KV
-# the pools' element type (T, or fp8: 16-byte copies only): VEC false is the element-wise copy for
-# pools whose rows are not 16-byte aligned (odd head dims, offset views); VARIANT true compiles in
-# the score switches of kvattn.variants (merge_splits_kernel<T, VARIANT> has only the last).
-_CUDA_KERNEL = re.compile(
-    r"kvattn::(\w+)<(__half|__nv_bfloat16|float)(?:, (__half|__nv_bfloat16|kvattn::Fp8E4M3|kvattn::Fp8E5M2))?"
-    r"(?:, (\d+))?(?:, (true|false))?(?:, (true|false))?(?:, (true|false))?>")
-_CUDA_DTYPES = {"__half": "fp16", "__nv_bfloat16": "bf16", "float": "fp32"}
-_CUDA_FP8 = {"kvattn::Fp8E4M3": "fp8 e4m3", "kvattn::Fp8E5M2": "fp8 e5m2"}
+def _instantiations():
+    """csrc/instantiations.py, the table the CUDA module is generated from (loaded by path)."""
+    spec = importlib.util.spec_from_file_location("kvattn_instantiations", ROOT / "csrc" / "instantiations.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+INSTANTIATIONS = _instantiations()
+CUDA_MODULE = ROOT / "kvattn" / "backends" / "cuda" / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])
+_CUDA_FP8 = {"e4m3": "fp8 e4m3", "e5m2": "fp8 e5m2"}
+
+
+def cuda_config(row) -> str:
+    """How the table names a row of csrc/instantiations.py: op, dtype, head-dim tile, copy width
+    (16B, or elementwise for pools whose rows are not 16-byte aligned: odd head dims, offset views;
+    fp8 pools copy by 16 bytes only and name their format instead), and the score switches of
+    kvattn.variants when compiled in (the merge kernel has only the window and the sinks)."""
+    fp8 = _CUDA_FP8.get(row.pool, "")
+    copies = "" if fp8 or row.vec is None else ("16B" if row.vec else "elementwise")
+    switches = ("window+softcap+sinks+alibi" if row.head_dim else "window+sinks") if row.variant else ""
+    return " ".join(x for x in (row.op, row.dtype or "", f"d{row.head_dim}" if row.head_dim else "", copies,
+                                fp8, switches) if x)
 
 
 def _cuda_layouts() -> dict:
@@ -380,8 +398,10 @@ def _cuda_layouts() -> dict:
 
 
 def cuda_records(obj: pathlib.Path) -> list[dict]:
-    """Figures of every sm_90 kernel in the nvcc object ``obj``."""
+    """Figures of every sm_90 kernel in ``obj`` (the CUDA module, or an nvcc object), each a row
+    of csrc/instantiations.py found once."""
     layouts = _cuda_layouts()
+    table, seen = INSTANTIATIONS.by_name(), set()
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([_tool("cuobjdump"), "--extract-elf", "all", str(obj.resolve())], cwd=tmp,
                        capture_output=True, check=True)
@@ -393,32 +413,25 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
             names = _demangle(list(functions))
             for mangled, insns in functions.items():
                 u = usage.get(mangled, {})
-                m = _CUDA_KERNEL.search(names[mangled])
-                kernel = m.group(1) if m else names[mangled].split("(")[0].split("::")[-1]
-                op = ("decode" if "decode" in kernel or kernel == "merge_splits_kernel"
-                      else "extend" if "extend" in kernel or kernel == "resolve_pages_kernel"
-                      else "write_kv")
-                dim = int(m.group(4)) if m and m.group(4) else None
-                fp8 = _CUDA_FP8.get(m.group(3), "") if m else ""
-                table = op + "_fp8" if fp8 else op
-                layout = layouts.get(table, {}).get(dim, {}) if kernel.startswith("paged_") else {}
-                # fp8 kernels copy by 16 bytes only: the format names them.
-                copies = "" if fp8 else {"true": "16B", "false": "elementwise"}.get(m.group(6) if m else None, "")
-                switches = "window+softcap+sinks+alibi" if m and m.group(7) == "true" else ""
-                if m and not dim and m.group(5) == "true":  # merge_splits_kernel<T, VARIANT>
-                    switches = "window+sinks"
-                config = " ".join(x for x in (op, _CUDA_DTYPES.get(m.group(2), "") if m else "",
-                                              f"d{dim}" if dim else "", copies, fp8, switches) if x)
-                extra = {}
+                name = re.sub(r"^void\s+|\(.*\)$", "", names[mangled])
+                row = table.get(name)
+                if row is None:
+                    raise RuntimeError(f"{obj}: kernel {names[mangled]} is not a row of csrc/instantiations.py")
+                if row in seen:
+                    raise RuntimeError(f"{obj}: kernel {row.name} is compiled twice")
+                seen.add(row)
+                table_key = row.op + "_fp8" if row.pool else row.op
+                layout = layouts.get(table_key, {}).get(row.head_dim, {}) if row.kernel.startswith("paged_") else {}
                 shared = layout.get("shared_bytes", u.get("SHARED", 0))
-                if kernel.startswith("paged_") and u.get("REG"):
+                extra = {}
+                if row.kernel.startswith("paged_") and u.get("REG"):
                     extra["resident_per_sm"] = resident_per_sm(u["REG"], shared, CUDA_DECODE_WARPS)
-                if kernel == "paged_decode_kernel" and dim:
+                if row.kernel == "paged_decode_kernel":
                     from kvattn.backends.cuda import launch as cuda_launch
                     extra["planned_per_sm"] = cuda_launch.decode_blocks_per_sm(
-                        dim, fp8=bool(fp8), scores=m.group(7) == "true")
-                records.append(dict(backend="cuda", config=config, op=op, kernel=kernel,
-                                    check=bool(m and dim and m.group(5) == "true"),
+                        row.head_dim, fp8=bool(row.pool), scores=bool(row.variant))
+                records.append(dict(backend="cuda", config=cuda_config(row), op=row.op, kernel=row.kernel,
+                                    check=bool(row.check),
                                     registers=u.get("REG"),
                                     local=u.get("LOCAL", 0) + u.get("STACK", 0),
                                     shared=shared,
@@ -682,17 +695,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--markdown", help="write the table here")
-    ap.add_argument("--cuda-object", default=str(ROOT / "build" / "cuda" / "kernels.o"))
+    ap.add_argument("--cuda-object", default=str(CUDA_MODULE))
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--only", help="Triton configurations whose name contains this")
     args = ap.parse_args(argv)
     configs = [c for c in TRITON_CONFIGS if args.only is None or args.only in c[0]]
     records = [] if args.no_triton else triton_records(configs)
     obj = pathlib.Path(args.cuda_object)
-    if obj.exists():
-        records += cuda_records(obj)
+    cuda = cuda_records(obj) if obj.exists() else []
+    records += cuda
+    # The CUDA module by its name (not its file's, which carries the interpreter's tag); a build of
+    # a subset of the table (KVATTN_CUDA_DTYPES, _HEAD_DIMS, _VARIANTS) says so.
+    full = len(INSTANTIATIONS.TABLE)
+    cuda_name = ("absent" if not obj.exists() else "_C" if obj == CUDA_MODULE else obj.name) + (
+        f" (a subset: {len(cuda)} of {full} instantiations)" if obj.exists() and len(cuda) < full else "")
     header = (f"Static sm_90 figures (NOT speed): Triton {triton.__version__}, "
-              f"torch {torch.__version__}, CUDA object {obj.name if obj.exists() else 'absent'}")
+              f"torch {torch.__version__}, CUDA module {cuda_name}")
     decode_grid_rows = decode_grids(records)
     launch_rows = [] if args.no_triton else launches_per_call(configs)
     if args.json:

@@ -1,4 +1,4 @@
 // The binding of the CUDA module `kvattn.backends.cuda._C`, compiled by the host compiler and linked
-// with csrc/cuda/kernels.cu (nvcc) by setup.py.
+// with the dispatch (csrc/cuda/dispatch.cu) and the generated kernel units by setup.py.
 #define KVATTN_MODULE_NAME _C
 #include "../module.cpp"

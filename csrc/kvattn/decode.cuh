@@ -1,7 +1,8 @@
 // Paged decode with the ownership check (docs/ownership.md, section 3) as a template parameter,
 // split-KV, and the merge of the splits. One source for nvcc and for the CPU harness
-// (csrc/sim/simt.h); the rule itself is tag_rule.cuh, the tensor-core step attention.cuh, the tile
-// shapes tiles.h.
+// (csrc/sim/simt.h); the rule itself is tag_rule.cuh, the tensor-core step attention.cuh, the K/V
+// copies kv_copy.cuh (the three shared with extend.cuh), the tile shapes tiles.h, the host-side
+// plan plan.h.
 //
 // Grid (B, num_kv_heads * num_chunks * d_split, num_splits), 4 warps. A block serves the query heads
 // of one chunk of a KV head's GQA group (up to 16 heads: the rows of one mma tile) over one split, an
@@ -25,6 +26,8 @@
 #pragma once
 
 #include "attention.cuh"
+#include "kv_copy.cuh"
+#include "launchers.h"
 #include "params.h"
 #include "tag_rule.cuh"
 
@@ -33,7 +36,6 @@
 namespace kvattn {
 
 constexpr int kMergeThreads = 128;
-constexpr int kReportFields = 3;  // refused pages, OR of reasons, pages read
 
 struct SplitRange {
   int64_t start, end, chunk;
@@ -130,36 +132,6 @@ KVATTN_DEVICE uint32_t place_sub_tile(const DecodeParams& p, const TokenVerdict&
     offsets[2 * lane + 1] = v.e.page * p.stride_vp + v.e.slot * p.stride_vs + v_head_off;
   }
   return __ballot_sync(0xffffffffu, lane < kSubTile && ok) & 0xffffu;
-}
-
-// Copy k of thread t, when N threads move N consecutive 16-byte chunks of a tile at a time, moves
-// chunk k * N + t of a tile with kChunks chunks per row. Written so that an unrolled loop folds k
-// away: a constant plus one per-thread term, computed once.
-template <int kChunks, int N>
-struct ChunkMap {
-  static_assert(kChunks % N == 0 || N % kChunks == 0, "chunks per row and threads must divide");
-  static KVATTN_DEVICE int row(int k, int t) {
-    if constexpr (kChunks <= N) return k * (N / kChunks) + t / kChunks;
-    else return k / (kChunks / N);
-  }
-  static KVATTN_DEVICE int col(int k, int t) {
-    if constexpr (kChunks <= N) return t % kChunks;
-    else return (k % (kChunks / N)) * N + t;
-  }
-};
-
-// Moves 16 bytes (8 16-bit or 16 fp8 elements) of a row: by cp.async when rows are 16-byte aligned (VEC), else
-// element by element, stored at once (visible after the warp's next sync). Elements past
-// head_dim and rows not read become zeros; the source of a 0-byte copy is never read.
-template <class T, bool VEC>
-KVATTN_DEVICE void copy_chunk(unsigned char* dst, const T* src, int valid, bool read) {
-  if constexpr (VEC) {
-    cp_async_16(dst, src, read && valid > 0 ? 16 : 0);
-  } else {
-#pragma unroll
-    for (int e = 0; e < static_cast<int>(16 / sizeof(T)); ++e)
-      reinterpret_cast<T*>(dst)[e] = read && e < valid ? src[e] : from_float<T>(0.0f);
-  }
 }
 
 // Copies one sub-tile's K rows (all D) and V rows (this block's DV columns from v_col) into a
@@ -502,114 +474,19 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Decod
   }
 }
 
-// The 16-bit element types of the tensor-core kernels (float32 pools run on the Triton backend).
-template <class T>
-constexpr bool kTensorCoreType = false;
-template <>
-constexpr bool kTensorCoreType<__half> = true;
-template <>
-constexpr bool kTensorCoreType<__nv_bfloat16> = true;
-
-// True when K/V rows can be copied in 16-byte pieces: aligned pools, strides and head_dim in
-// multiples of the `chunk` elements of 16 bytes (8 16-bit, 16 fp8).
-inline bool kv_rows_aligned(const void* k, const void* v, const int64_t (&strides)[6], int head_dim, int chunk = 8) {
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  bool vec = aligned(k) && aligned(v) && head_dim % chunk == 0;
-  for (int64_t s : strides) vec = vec && s % chunk == 0;
-  return vec;
-}
-
-template <class KV>
-constexpr bool kFp8Type = std::is_same<KV, Fp8E4M3>::value || std::is_same<KV, Fp8E5M2>::value;
-
-// Fills the launcher's fields of `p`; returns an error message for arguments the kernels cannot run.
-template <class T, class KV>
-const char* plan_decode(DecodeParams& p) {
-  if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
-  if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
-    return "num_heads must be a positive multiple of num_kv_heads";
-  if (p.page.size < 1 || p.page.size > 1024) return "page_size must be in [1, 1024]";
-  if (p.max_pages < 1 || p.batch < 1) return "empty block table or batch";
-  if (static_cast<int64_t>(p.max_pages) * p.page.size >= (int64_t{1} << 31)) return "table capacity must stay below 2**31 tokens";
-  if (p.align < 1 || p.align % p.page.size || p.min_chunk < p.align || p.min_chunk % p.align)
-    return "align must be a multiple of page_size, min_chunk a multiple of align";
-  if (p.num_splits < 1 || p.num_splits > 65535) return "num_splits must be in [1, 65535]";
-  if (p.num_splits > 1 && (p.part_acc == nullptr || p.part_ml == nullptr)) return "split buffers missing";
-  p.group = p.num_heads / p.num_kv_heads;
-  p.num_chunks = (p.group + kWarpRows - 1) / kWarpRows;
-  const int d = padded_head_dim(p.head_dim);
-  p.d_split = d > 256 ? 2 : 1;
-  if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
-  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
-  constexpr int kb = sizeof(KV);
-  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 16 / kb);
-  if (kFp8Type<KV>) {
-    // The fp8 instantiations copy by cp.async only (kvattn/backends/cuda/launch.py refuses others
-    // first, so they go to the Triton backend).
-    if (!p.vec) return "fp8 pools need 16-byte aligned rows: head_dim and K/V strides multiples of 16 elements";
-    if (p.k_scale == nullptr || p.v_scale == nullptr) return "fp8 pools need k_scale and v_scale";
-  }
-  p.smem_bytes = d == 64    ? DecodeLayout<64, kb>::kTotal
-                 : d == 128 ? DecodeLayout<128, kb>::kTotal
-                 : d == 256 ? DecodeLayout<256, kb>::kTotal
-                            : DecodeLayout<512, kb>::kTotal;
-  return nullptr;
-}
-
+// The launchers of csrc/kvattn/launchers.h; dispatch.cuh picks the instantiation.
 template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT>
-cudaError_t launch_decode_kernel(const DecodeParams& p, cudaStream_t stream) {
+cudaError_t DecodeKernel<T, KV, D, CHECK, VEC, VARIANT>::launch(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_kv_heads * p.num_chunks * p.d_split),
                   static_cast<unsigned>(p.num_splits));
   return launch_kernel(&paged_decode_kernel<T, KV, D, CHECK, VEC, VARIANT>, grid, dim3(kThreads),
                        static_cast<size_t>(p.smem_bytes), stream, p);
 }
 
-template <class T, class KV, bool CHECK, bool VEC, bool VARIANT>
-cudaError_t launch_decode_dim(const DecodeParams& p, cudaStream_t stream) {
-  switch (padded_head_dim(p.head_dim)) {
-    case 64: return launch_decode_kernel<T, KV, 64, CHECK, VEC, VARIANT>(p, stream);
-    case 128: return launch_decode_kernel<T, KV, 128, CHECK, VEC, VARIANT>(p, stream);
-    case 256: return launch_decode_kernel<T, KV, 256, CHECK, VEC, VARIANT>(p, stream);
-    default: return launch_decode_kernel<T, KV, 512, CHECK, VEC, VARIANT>(p, stream);
-  }
-}
-
-// The instantiation of the copy width and the score switches (fp8 pools: 16-byte copies only,
-// plan_decode refuses the others).
-template <class T, class KV, bool CHECK>
-cudaError_t launch_decode_variant(const DecodeParams& p, cudaStream_t stream) {
-  const bool variant = has_variant(p.var);
-  if (kFp8Type<KV> || p.vec)
-    return variant ? launch_decode_dim<T, KV, CHECK, true, true>(p, stream) : launch_decode_dim<T, KV, CHECK, true, false>(p, stream);
-  if constexpr (!kFp8Type<KV>)
-    return variant ? launch_decode_dim<T, KV, CHECK, false, true>(p, stream) : launch_decode_dim<T, KV, CHECK, false, false>(p, stream);
-  return cudaErrorInvalidValue;
-}
-
-template <class T, class KV, bool CHECK>
-LaunchResult launch_decode(DecodeParams& p, cudaStream_t stream) {
-  const char* refused = plan_decode<T, KV>(p);
-  if (refused != nullptr) return {static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", refused};
-  if (CHECK && (p.violations == nullptr || p.reasons == nullptr || p.pages_checked == nullptr ||
-                p.beyond_table == nullptr || p.page_reasons == nullptr ||
-                (p.num_splits > 1 && p.part_report == nullptr)))
-    return {static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", "report buffers missing"};
-  cudaError_t e = launch_decode_variant<T, KV, CHECK>(p, stream);
-  if (e != cudaSuccess) {
-    return {static_cast<int>(e), CHECK ? "paged_decode_kernel<check=true>" : "paged_decode_kernel<check=false>",
-            cudaGetErrorString(e)};
-  }
-  if (p.num_splits > 1) {
-    const dim3 merge_grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
-    DecodeParams merge = p;
-    if (!CHECK) merge.violations = nullptr;
-    e = has_variant(p.var) ? launch_kernel(&merge_splits_kernel<T, true>, merge_grid, dim3(kMergeThreads), 0, stream,
-                                           static_cast<const DecodeParams&>(merge))
-                           : launch_kernel(&merge_splits_kernel<T, false>, merge_grid, dim3(kMergeThreads), 0, stream,
-                                           static_cast<const DecodeParams&>(merge));
-    if (e != cudaSuccess) return {static_cast<int>(e), "merge_splits_kernel", cudaGetErrorString(e)};
-  }
-  return {0, nullptr, nullptr};
+template <class T, bool VARIANT>
+cudaError_t MergeKernel<T, VARIANT>::launch(const DecodeParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
+  return launch_kernel(&merge_splits_kernel<T, VARIANT>, grid, dim3(kMergeThreads), 0, stream, p);
 }
 
 }  // namespace kvattn

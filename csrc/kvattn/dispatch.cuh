@@ -1,14 +1,15 @@
-// The launchers' entry point: picks the instantiation for a dtype and the check flag. Included once
-// by csrc/cuda/kernels.cu (nvcc) and once by csrc/sim/kernels_sim.cpp (host compiler + harness).
+// The launchers' entry point: turns a launch's runtime choices (element type, pool type, check
+// flag, head-dim tile, copy width, score switches) into one kernel instantiation and enqueues it,
+// or refuses one this module was not built with, naming the axis that is missing. The
+// instantiations are the table of csrc/instantiations.py; a build compiles a selection of it
+// (KVATTN_CUDA_DTYPES, KVATTN_CUDA_HEAD_DIMS, KVATTN_CUDA_VARIANTS) and Built<K> (launchers.h, the
+// generated kvattn_built.h) says which. Included once by csrc/cuda/dispatch.cu (nvcc: no kernel
+// is compiled there, the generated units hold them) and once by csrc/sim/kernels_sim.cpp (host
+// compiler + harness, beside the kernels' definitions).
 #pragma once
 
-#include "decode.cuh"
-#include "extend.cuh"
-#include "write_kv.cuh"
-
-#ifndef KVATTN_HALF_ONLY
-#define KVATTN_HALF_ONLY 0  // test builds of the harness compile one dtype to save build time
-#endif
+#include "launchers.h"
+#include "plan.h"
 
 namespace kvattn {
 
@@ -17,25 +18,117 @@ struct TypeTag {
   using type = T;
 };
 
-// Calls launch(TypeTag<T>{}) for the element type of `dtype`; a dtype this module was not built
-// with is refused in the name of `launcher`. The attention kernels run on 16-bit tensor cores:
-// with `tensor_core_only`, float32 is refused (the Triton backend runs it).
+// The 16-bit element types of the tensor-core kernels (float32 pools run on the Triton backend).
+template <class T>
+constexpr bool kTensorCoreType = false;
+template <>
+constexpr bool kTensorCoreType<__half> = true;
+template <>
+constexpr bool kTensorCoreType<__nv_bfloat16> = true;
+
+using DecodeLaunch = cudaError_t (*)(const DecodeParams&, cudaStream_t);
+using ExtendLaunch = cudaError_t (*)(const ExtendParams&, cudaStream_t);
+
+// &K::launch when this module has K, else null (K is then never instantiated here).
+template <class K, class Launch>
+constexpr Launch launcher_of() {
+  if constexpr (Built<K>::value) return &K::launch;
+  else return nullptr;
+}
+
+inline LaunchResult refuse(const char* launcher, const char* why) {
+  return {static_cast<int>(cudaErrorInvalidValue), launcher, why};
+}
+
+#define KVATTN_NOT_BUILT(what) what " not built into this module (it has: " KVATTN_SELECTION ")"
+
+// Why a launch's instantiation is not in this module: the first axis of the build's selection
+// that lacks it (a selection is a product over the axes: csrc/instantiations.py select()).
+inline const char* not_built(DType dtype, KVType pool, int tile, bool variant) {
+  const bool dtype_built = dtype == DType::kFloat16    ? KVATTN_BUILT_DTYPE_FP16
+                           : dtype == DType::kBFloat16 ? KVATTN_BUILT_DTYPE_BF16
+                                                       : KVATTN_BUILT_DTYPE_FP32;
+  if (!dtype_built) return KVATTN_NOT_BUILT("dtype");
+  if ((pool == KVType::kE4M3 && !KVATTN_BUILT_DTYPE_E4M3) || (pool == KVType::kE5M2 && !KVATTN_BUILT_DTYPE_E5M2))
+    return KVATTN_NOT_BUILT("pool dtype");
+  if (tile == 64 && !KVATTN_BUILT_HEAD_DIM_64) return KVATTN_NOT_BUILT("head_dim 1..64 (tile 64)");
+  if (tile == 128 && !KVATTN_BUILT_HEAD_DIM_128) return KVATTN_NOT_BUILT("head_dim 65..128 (tile 128)");
+  if (tile == 256 && !KVATTN_BUILT_HEAD_DIM_256) return KVATTN_NOT_BUILT("head_dim 129..256 (tile 256)");
+  if (tile == 512 && !KVATTN_BUILT_HEAD_DIM_512) return KVATTN_NOT_BUILT("head_dim 257..512 (tile 512)");
+  if (variant && !KVATTN_BUILT_VARIANTS) return KVATTN_NOT_BUILT("score switches (window, soft-cap, ALiBi, sinks)");
+  return KVATTN_NOT_BUILT("instantiation");
+}
+
+// Calls launch(TypeTag<T>{}) for the element type of `dtype`, refused in the name of `launcher`
+// when unknown. The attention kernels run on 16-bit tensor cores: with `tensor_core_only`, float32
+// is refused (the Triton backend runs it).
 template <class Launch>
 LaunchResult by_dtype(DType dtype, const char* launcher, bool tensor_core_only, Launch&& launch) {
   switch (dtype) {
     case DType::kFloat16:
       return launch(TypeTag<__half>{});
-#if !KVATTN_HALF_ONLY
     case DType::kBFloat16:
       return launch(TypeTag<__nv_bfloat16>{});
     case DType::kFloat32:
-      if (tensor_core_only) return {static_cast<int>(cudaErrorInvalidValue), launcher, "float32 is not supported (fp16/bf16 tensor cores)"};
+      if (tensor_core_only) return refuse(launcher, "float32 is not supported (fp16/bf16 tensor cores)");
       return launch(TypeTag<float>{});
-#endif
     default:
       break;
   }
-  return {static_cast<int>(cudaErrorInvalidValue), launcher, "dtype not built into this module"};
+  return refuse(launcher, "unknown dtype");
+}
+
+// ---- decode ----
+
+template <class T, class KV, bool CHECK, bool VEC, bool VARIANT>
+DecodeLaunch decode_of_tile(int tile) {
+  switch (tile) {
+    case 64: return launcher_of<DecodeKernel<T, KV, 64, CHECK, VEC, VARIANT>, DecodeLaunch>();
+    case 128: return launcher_of<DecodeKernel<T, KV, 128, CHECK, VEC, VARIANT>, DecodeLaunch>();
+    case 256: return launcher_of<DecodeKernel<T, KV, 256, CHECK, VEC, VARIANT>, DecodeLaunch>();
+    default: return launcher_of<DecodeKernel<T, KV, 512, CHECK, VEC, VARIANT>, DecodeLaunch>();
+  }
+}
+
+// The instantiation of the copy width and the score switches (fp8 pools: 16-byte copies only,
+// plan_decode refuses the others); null when this module does not have it.
+template <class T, class KV, bool CHECK>
+DecodeLaunch pick_decode(const DecodeParams& p) {
+  const int tile = padded_head_dim(p.head_dim);
+  const bool variant = has_variant(p.var);
+  if (kFp8Type<KV> || p.vec)
+    return variant ? decode_of_tile<T, KV, CHECK, true, true>(tile) : decode_of_tile<T, KV, CHECK, true, false>(tile);
+  if constexpr (!kFp8Type<KV>)
+    return variant ? decode_of_tile<T, KV, CHECK, false, true>(tile) : decode_of_tile<T, KV, CHECK, false, false>(tile);
+  return nullptr;
+}
+
+template <class T, class KV, bool CHECK>
+LaunchResult launch_decode(DecodeParams& p, DType dtype, cudaStream_t stream) {
+  const char* refused = plan_decode<T, KV>(p);
+  if (refused != nullptr) return refuse("paged_decode (launcher)", refused);
+  const bool variant = has_variant(p.var);
+  const DecodeLaunch kernel = pick_decode<T, KV, CHECK>(p);
+  const DecodeLaunch merge = variant ? launcher_of<MergeKernel<T, true>, DecodeLaunch>()
+                                     : launcher_of<MergeKernel<T, false>, DecodeLaunch>();
+  if (kernel == nullptr || (p.num_splits > 1 && merge == nullptr))
+    return refuse("paged_decode (launcher)", not_built(dtype, p.kv_type, padded_head_dim(p.head_dim), variant));
+  if (CHECK && (p.violations == nullptr || p.reasons == nullptr || p.pages_checked == nullptr ||
+                p.beyond_table == nullptr || p.page_reasons == nullptr ||
+                (p.num_splits > 1 && p.part_report == nullptr)))
+    return refuse("paged_decode (launcher)", "report buffers missing");
+  cudaError_t e = kernel(p, stream);
+  if (e != cudaSuccess) {
+    return {static_cast<int>(e), CHECK ? "paged_decode_kernel<check=true>" : "paged_decode_kernel<check=false>",
+            cudaGetErrorString(e)};
+  }
+  if (p.num_splits > 1) {
+    DecodeParams m = p;
+    if (!CHECK) m.violations = nullptr;
+    e = merge(m, stream);
+    if (e != cudaSuccess) return {static_cast<int>(e), "merge_splits_kernel", cudaGetErrorString(e)};
+  }
+  return {0, nullptr, nullptr};
 }
 
 LaunchResult paged_decode(DecodeParams& p, DType dtype, bool check, void* stream) {
@@ -44,36 +137,83 @@ LaunchResult paged_decode(DecodeParams& p, DType dtype, bool check, void* stream
     using T = typename decltype(tag)::type;
     if constexpr (kTensorCoreType<T>) {
       switch (p.kv_type) {
-        case KVType::kSame: return check ? launch_decode<T, T, true>(p, s) : launch_decode<T, T, false>(p, s);
-#if !KVATTN_HALF_ONLY
+        case KVType::kSame:
+          return check ? launch_decode<T, T, true>(p, dtype, s) : launch_decode<T, T, false>(p, dtype, s);
         case KVType::kE4M3:
-          return check ? launch_decode<T, Fp8E4M3, true>(p, s) : launch_decode<T, Fp8E4M3, false>(p, s);
+          return check ? launch_decode<T, Fp8E4M3, true>(p, dtype, s) : launch_decode<T, Fp8E4M3, false>(p, dtype, s);
         case KVType::kE5M2:
-          return check ? launch_decode<T, Fp8E5M2, true>(p, s) : launch_decode<T, Fp8E5M2, false>(p, s);
-#endif
-        default: break;
+          return check ? launch_decode<T, Fp8E5M2, true>(p, dtype, s) : launch_decode<T, Fp8E5M2, false>(p, dtype, s);
+        default:
+          break;
       }
-      return LaunchResult{static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)",
-                          "pool dtype not built into this module"};
+      return refuse("paged_decode (launcher)", "unknown pool dtype");
     }
-    return LaunchResult{static_cast<int>(cudaErrorInvalidValue), "paged_decode (launcher)", "unsupported dtype"};
+    return refuse("paged_decode (launcher)", "unsupported dtype");
   });
+}
+
+// ---- extend ----
+
+template <class T, bool CHECK, bool VEC, bool VARIANT>
+ExtendLaunch extend_of_tile(int tile) {
+  switch (tile) {
+    case 64: return launcher_of<ExtendKernel<T, 64, CHECK, VEC, VARIANT>, ExtendLaunch>();
+    case 128: return launcher_of<ExtendKernel<T, 128, CHECK, VEC, VARIANT>, ExtendLaunch>();
+    case 256: return launcher_of<ExtendKernel<T, 256, CHECK, VEC, VARIANT>, ExtendLaunch>();
+    default: return launcher_of<ExtendKernel<T, 512, CHECK, VEC, VARIANT>, ExtendLaunch>();
+  }
+}
+
+template <class T, bool CHECK>
+ExtendLaunch pick_extend(const ExtendParams& p) {
+  const int tile = padded_head_dim(p.head_dim);
+  const bool variant = has_variant(p.var);
+  if (p.vec) return variant ? extend_of_tile<T, CHECK, true, true>(tile) : extend_of_tile<T, CHECK, true, false>(tile);
+  return variant ? extend_of_tile<T, CHECK, false, true>(tile) : extend_of_tile<T, CHECK, false, false>(tile);
+}
+
+template <class T, bool CHECK>
+LaunchResult launch_extend(ExtendParams& p, DType dtype, cudaStream_t stream) {
+  const char* refused = plan_extend<T>(p);
+  if (refused != nullptr) return refuse("paged_extend (launcher)", refused);
+  const ExtendLaunch kernel = pick_extend<T, CHECK>(p);
+  constexpr bool kResolve = Built<ResolvePagesKernel>::value;  // the checked launch's pre-pass
+  if (kernel == nullptr || (CHECK && !kResolve))
+    return refuse("paged_extend (launcher)",
+                  not_built(dtype, p.kv_type, padded_head_dim(p.head_dim), has_variant(p.var)));
+  if constexpr (CHECK && kResolve) {
+    if (p.violations == nullptr || p.reasons == nullptr || p.pages_checked == nullptr || p.beyond_table == nullptr ||
+        p.page_reasons == nullptr || p.effective == nullptr)
+      return refuse("paged_extend (launcher)", "report buffers missing");
+    const cudaError_t e = ResolvePagesKernel::launch(p, stream);
+    if (e != cudaSuccess) return {static_cast<int>(e), "resolve_pages_kernel", cudaGetErrorString(e)};
+  }
+  const cudaError_t e = kernel(p, stream);
+  if (e != cudaSuccess) {
+    return {static_cast<int>(e), CHECK ? "paged_extend_kernel<check=true>" : "paged_extend_kernel<check=false>",
+            cudaGetErrorString(e)};
+  }
+  return {0, nullptr, nullptr};
 }
 
 LaunchResult paged_extend(ExtendParams& p, DType dtype, bool check, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   return by_dtype(dtype, "paged_extend (launcher)", true, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if constexpr (kTensorCoreType<T>) return check ? launch_extend<T, true>(p, s) : launch_extend<T, false>(p, s);
-    return LaunchResult{static_cast<int>(cudaErrorInvalidValue), "paged_extend (launcher)", "unsupported dtype"};
+    if constexpr (kTensorCoreType<T>)
+      return check ? launch_extend<T, true>(p, dtype, s) : launch_extend<T, false>(p, dtype, s);
+    return refuse("paged_extend (launcher)", "unsupported dtype");
   });
 }
+
+// ---- the writer ----
 
 LaunchResult write_kv(const WriteKVParams& p, DType dtype, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   return by_dtype(dtype, "write_kv (launcher)", false, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return launch_write_kv<T>(p, s);
+    if constexpr (Built<WriteKVKernel<T>>::value) return WriteKVKernel<T>::launch(p, s);
+    else return refuse("write_kv (launcher)", KVATTN_NOT_BUILT("dtype"));
   });
 }
 

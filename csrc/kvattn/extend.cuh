@@ -22,55 +22,13 @@
 // apply the causal mask per element.
 #pragma once
 
-#include "decode.cuh"
+#include "attention.cuh"
+#include "kv_copy.cuh"
+#include "launchers.h"
+#include "params.h"
+#include "tag_rule.cuh"
 
 namespace kvattn {
-
-// The first key any query row of sequence b reads: 0, or with a sliding window the window start of
-// its first row (at position seq_len - q_len).
-KVATTN_DEVICE int64_t extend_first_key(const ExtendParams& p, int64_t b, int32_t raw_len) {
-  if (p.var.window_left < 0) return 0;
-  const int64_t q_len = p.q_start[b + 1] - p.q_start[b];
-  return max64(static_cast<int64_t>(raw_len) - q_len - p.var.window_left, 0);
-}
-
-// One sequence per block: each table entry's reason (0 when accepted or not read), the report's
-// counters and the effective entry page << 32 | readable slots (0 for a page that is not read,
-// including pages wholly before a sliding window).
-__global__ void __launch_bounds__(kThreads, 1) resolve_pages_kernel(const ExtendParams p) {
-  KVATTN_DYNAMIC_SMEM(smem);
-  int32_t* counters = reinterpret_cast<int32_t*>(smem);
-  const int tid = threadIdx.x;
-  const int64_t b = blockIdx.x;
-  const int64_t page_size = p.page.size;
-  const int64_t capacity = static_cast<int64_t>(p.max_pages) * page_size;
-  const int32_t raw_len = p.seq_lens[b * p.stride_sl];
-  const int64_t seq_len = min64(max64(raw_len, 0), capacity);
-  const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
-  const int64_t* exp_row = p.expected + b * p.stride_eb;
-  const int64_t first_key = extend_first_key(p, b, raw_len);
-  if (tid < kReportFields) counters[tid] = 0;
-  __syncthreads();
-  check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, page_size, seq_len, first_key,
-              0, p.max_pages, p.page_reasons + b * p.max_pages, counters, kThreads);
-  for (int64_t i = tid; i < p.max_pages; i += kThreads) {
-    const bool read = seq_len > i * page_size && (i + 1) * page_size > first_key;
-    const int64_t page = read ? bt_row[i * p.stride_bt_p] : 0;
-    const bool in_range = page >= 0 && page < p.num_pages;
-    const int readable = read && in_range ? readable_slots(p.page_tags[page], exp_row[i * p.stride_ep]) : 0;
-    p.effective[b * p.max_pages + i] =
-        (in_range ? page : 0) << 32 | static_cast<int64_t>(min64(readable, page_size));
-  }
-  __syncthreads();
-  if (tid == 0) {
-    // A seq_len past the table: nothing beyond it is read, and it counts once.
-    const int beyond = raw_len > capacity;
-    p.beyond_table[b] = beyond;
-    p.violations[b] = counters[0] + beyond;
-    p.reasons[b] = counters[1] | (beyond ? static_cast<int>(tags::Violation_OUT_OF_RANGE) : 0);
-    p.pages_checked[b] = counters[2];
-  }
-}
 
 // Where key t0 + tid lives (threads tid < kKeys): page (-1 when the key may not be read) and slot.
 // VARIANT: keys before `first` (the first key any row of the block reads, under a sliding window)
@@ -288,76 +246,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   }
 }
 
-// Fills the launcher's fields of `p`; returns an error message for arguments the kernel cannot run.
-template <class T>
-const char* plan_extend(ExtendParams& p) {
-  if (p.kv_type != KVType::kSame) return "fp8 pools: the CUDA extend has no fp8 path (the triton backend runs them)";
-  if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
-  if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
-    return "num_heads must be a positive multiple of num_kv_heads";
-  if (p.page.size < 1 || p.page.size > 1024) return "page_size must be in [1, 1024]";
-  if (p.max_pages < 1 || p.batch < 1) return "empty block table or batch";
-  if (static_cast<int64_t>(p.max_pages) * p.page.size >= (int64_t{1} << 31)) return "table capacity must stay below 2**31 tokens";
-  p.group = p.num_heads / p.num_kv_heads;
-  if (p.heads_per_tile < 1 || p.heads_per_tile > std::min(p.group, kExtendRows) || p.tokens_per_tile < 1 ||
-      p.tokens_per_tile * p.heads_per_tile > kExtendRows)
-    return "tokens_per_tile * heads_per_tile must be at most 64, heads_per_tile at most the GQA group";
-  if (p.num_slots < p.batch) return "num_slots must give every sequence a tile";
-  p.num_chunks = (p.group + p.heads_per_tile - 1) / p.heads_per_tile;
-  const int d = padded_head_dim(p.head_dim);
-  p.d_split = d > 256 ? 2 : 1;
-  if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
-  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
-  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim);
-  p.smem_bytes = d == 64    ? ExtendLayout<64>::kTotal
-                 : d == 128 ? ExtendLayout<128>::kTotal
-                 : d == 256 ? ExtendLayout<256>::kTotal
-                            : ExtendLayout<512>::kTotal;
-  return nullptr;
-}
-
+// The launcher of csrc/kvattn/launchers.h; dispatch.cuh picks the instantiation.
 template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
-cudaError_t launch_extend_kernel(const ExtendParams& p, cudaStream_t stream) {
+cudaError_t ExtendKernel<T, D, CHECK, VEC, VARIANT>::launch(const ExtendParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_slots), static_cast<unsigned>(p.num_kv_heads * p.num_chunks * p.d_split));
   return launch_kernel(&paged_extend_kernel<T, D, CHECK, VEC, VARIANT>, grid, dim3(kThreads),
                        static_cast<size_t>(p.smem_bytes), stream, p);
-}
-
-template <class T, bool CHECK, bool VEC, bool VARIANT>
-cudaError_t launch_extend_dim(const ExtendParams& p, cudaStream_t stream) {
-  switch (padded_head_dim(p.head_dim)) {
-    case 64: return launch_extend_kernel<T, 64, CHECK, VEC, VARIANT>(p, stream);
-    case 128: return launch_extend_kernel<T, 128, CHECK, VEC, VARIANT>(p, stream);
-    case 256: return launch_extend_kernel<T, 256, CHECK, VEC, VARIANT>(p, stream);
-    default: return launch_extend_kernel<T, 512, CHECK, VEC, VARIANT>(p, stream);
-  }
-}
-
-template <class T, bool CHECK>
-cudaError_t launch_extend_variant(const ExtendParams& p, cudaStream_t stream) {
-  const bool variant = has_variant(p.var);
-  if (p.vec) return variant ? launch_extend_dim<T, CHECK, true, true>(p, stream) : launch_extend_dim<T, CHECK, true, false>(p, stream);
-  return variant ? launch_extend_dim<T, CHECK, false, true>(p, stream) : launch_extend_dim<T, CHECK, false, false>(p, stream);
-}
-
-template <class T, bool CHECK>
-LaunchResult launch_extend(ExtendParams& p, cudaStream_t stream) {
-  const char* refused = plan_extend<T>(p);
-  if (refused != nullptr) return {static_cast<int>(cudaErrorInvalidValue), "paged_extend (launcher)", refused};
-  if (CHECK) {
-    if (p.violations == nullptr || p.reasons == nullptr || p.pages_checked == nullptr || p.beyond_table == nullptr ||
-        p.page_reasons == nullptr || p.effective == nullptr)
-      return {static_cast<int>(cudaErrorInvalidValue), "paged_extend (launcher)", "report buffers missing"};
-    const cudaError_t e = launch_kernel(&resolve_pages_kernel, dim3(static_cast<unsigned>(p.batch)), dim3(kThreads),
-                                        16, stream, static_cast<const ExtendParams&>(p));
-    if (e != cudaSuccess) return {static_cast<int>(e), "resolve_pages_kernel", cudaGetErrorString(e)};
-  }
-  const cudaError_t e = launch_extend_variant<T, CHECK>(p, stream);
-  if (e != cudaSuccess) {
-    return {static_cast<int>(e), CHECK ? "paged_extend_kernel<check=true>" : "paged_extend_kernel<check=false>",
-            cudaGetErrorString(e)};
-  }
-  return {0, nullptr, nullptr};
 }
 
 }  // namespace kvattn

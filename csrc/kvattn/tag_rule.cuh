@@ -43,6 +43,8 @@ KVATTN_DEVICE bool held_by(int64_t tag, int64_t owner) {
          (tag >> tags::OWNER_SHIFT) == owner;
 }
 
+constexpr int kReportFields = 3;  // the report's counters: refused pages, OR of reasons, pages read
+
 // The report for logical pages [page_lo, page_hi) of one sequence of seq_len tokens whose queries
 // read keys from first_key on (a sliding window; 0 without one), by the `threads` threads of a
 // block: each page's reason into reasons_row (0 when accepted or not read), and the block's sums

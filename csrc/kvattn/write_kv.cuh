@@ -11,6 +11,7 @@
 
 #include "compat.cuh"
 #include "kvattn_tags.h"
+#include "launchers.h"
 #include "params.h"
 #include "tag_rule.cuh"
 
@@ -87,8 +88,10 @@ __global__ void __launch_bounds__(kWriteThreads) write_kv_copy_kernel(const Writ
   }
 }
 
+// The launcher of csrc/kvattn/launchers.h. write_kv_verdict_kernel is not a template: this header
+// is included by exactly one translation unit of a module.
 template <class T>
-LaunchResult launch_write_kv(const WriteKVParams& p, cudaStream_t stream) {
+LaunchResult WriteKVKernel<T>::launch(const WriteKVParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 0) return {0, nullptr, nullptr};
   if (p.num_tokens > 0x7fffffff) return {static_cast<int>(cudaErrorInvalidValue), "write_kv (launcher)", "too many tokens"};
   const unsigned blocks = static_cast<unsigned>((p.num_tokens + kWriteThreads - 1) / kWriteThreads);

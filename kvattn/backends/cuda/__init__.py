@@ -31,12 +31,12 @@ def _why_not_here(device: torch.device) -> str | None:
 
 def why_not(args: DecodeArgs | ExtendArgs) -> str | None:
     """None if this backend can run ``args`` (decode or extend), else the reason it cannot."""
-    return _why_not_here(args.q.device) or launch.unsupported(args)
+    return _why_not_here(args.q.device) or launch.unsupported(args) or launch.not_built(_C, args)
 
 
 def why_not_write_kv(args: WriteArgs) -> str | None:
     """None if the CUDA writer can run ``args``, else the reason it cannot."""
-    return _why_not_here(args.k_cache.device)
+    return _why_not_here(args.k_cache.device) or launch.not_built_write_kv(_C, args.k_cache.dtype)
 
 
 def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,

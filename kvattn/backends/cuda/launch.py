@@ -34,6 +34,17 @@ DECODE_BLOCKS_PER_SM = {64: 3, 128: 2, 256: 1, 512: 1}
 DECODE_BLOCKS_PER_SM_SWITCHED = {64: 2, 128: 2, 256: 1, 512: 1}
 DECODE_BLOCKS_PER_SM_FP8 = {64: 3, 128: 2, 256: 2, 512: 1}
 SUB_TILE = 16  # tokens a decode warp copies per pipeline stage
+# The axes of a build's selection of the kernel instantiations (csrc/instantiations.py; a module's
+# SELECTION): element types, fp8 pool formats, head-dim tiles (csrc/kvattn/tiles.h).
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+HEAD_DIM_TILES = (64, 128, 256, 512)
+
+
+class NotBuilt(RuntimeError):
+    """The module was built without the kernel instantiation a call needs (a subset of the table,
+    ``KVATTN_CUDA_DTYPES`` / ``_HEAD_DIMS`` / ``_VARIANTS``); the registry's ``why_not`` says so
+    first, so ``backend="auto"`` never meets it."""
 
 
 def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
@@ -57,6 +68,39 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
     if args.batch >= 2 ** 31 or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 32767:
         return f"grid too large (batch {args.batch}, {args.num_heads} heads)"
     return None
+
+
+def not_built(ext, args: DecodeArgs | ExtendArgs) -> str | None:
+    """Why the module ``ext`` lacks the instantiation ``args`` needs, or None: the first axis of
+    its selection (``ext.SELECTION``) without it, as the dispatch (csrc/kvattn/dispatch.cuh)
+    would refuse it. Arguments :func:`unsupported` accepts."""
+    selection = getattr(ext, "SELECTION", None)
+    if selection is None or selection["full"]:
+        return None
+    tile = next(t for t in HEAD_DIM_TILES if args.head_dim <= t)
+    switches = [s for s in args.variant.switches() if s in SWITCHES]
+    fp8 = FP8_NAMES.get(args.k_cache.dtype)
+    if DTYPE_NAMES[args.q.dtype] not in selection["dtypes"]:
+        missing = (f"dtype {DTYPE_NAMES[args.q.dtype]}", "DTYPES")
+    elif fp8 is not None and fp8 not in selection["dtypes"]:
+        missing = (f"pool dtype {fp8}", "DTYPES")
+    elif tile not in selection["head_dims"]:
+        missing = (f"head_dim {args.head_dim} (tile {tile})", "HEAD_DIMS")
+    elif switches and not selection["variants"]:
+        missing = (f"the score switches ({', '.join(switches)})", "VARIANTS")
+    else:
+        return None
+    return (f"{missing[0]} not built into this module (it has: {selection['text']}; "
+            f"KVATTN_CUDA_{missing[1]} builds more)")
+
+
+def not_built_write_kv(ext, dtype: torch.dtype) -> str | None:
+    """Why the module ``ext`` has no writer for caches of ``dtype``, or None."""
+    selection = getattr(ext, "SELECTION", None)
+    if selection is None or selection["full"] or DTYPE_NAMES.get(dtype) in selection["dtypes"]:
+        return None
+    return (f"dtype {DTYPE_NAMES.get(dtype, dtype)} not built into this module (it has: {selection['text']}; "
+            f"KVATTN_CUDA_DTYPES builds more)")
 
 
 def _rows_of_16_bytes(args) -> bool:
@@ -139,6 +183,9 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
     """Enqueue the decode on ``stream`` with the binding ``ext``; writes ``out`` (and ``lse``).
     A CUDA or harness error raises RuntimeError naming the kernel. ``plan``, when given, receives
     the launcher's choices (num_chunks, smem_bytes, num_splits, align, min_chunk)."""
+    missing = not_built(ext, args)
+    if missing:
+        raise NotBuilt(f"paged_decode: {missing}")
     q = args.q
     device = q.device
     splits, min_chunk, align = plan_splits(args, num_splits)
@@ -186,6 +233,9 @@ def extend(ext, args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.
     triton launcher's) is built with device ops, and the grid, ``ceil(total_q / tokens_per_tile) + B``
     slots, from shapes only: no host sync. A CUDA or harness error raises RuntimeError naming the
     kernel; ``plan`` receives the launcher's choices."""
+    missing = not_built(ext, args)
+    if missing:
+        raise NotBuilt(f"paged_extend: {missing}")
     q = args.q
     tokens, heads = extend_tiles(ext, args, tokens_per_tile)
     q_start, tile_start, slots = extend_tile_map(args, tokens)
@@ -213,6 +263,9 @@ def write_kv(ext, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
              stream: int = 0) -> WriteResult:
     """:func:`kvattn.writers.write_kv` on the binding ``ext``; arguments validated there
     (``owners``: int64 ``[T]``, possibly a stride-0 expansion)."""
+    missing = not_built_write_kv(ext, k_cache.dtype)
+    if missing:
+        raise NotBuilt(f"write_kv: {missing}")
     device = k_cache.device
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens = slot_mapping.shape[0]

@@ -1,2 +1,0 @@
-// The CUDA build of the kernels (nvcc); the binding is csrc/module.cpp.
-#include "../kvattn/dispatch.cuh"

@@ -1,0 +1,90 @@
+// What the launchers decide on the host before a kernel is picked (dispatch.cuh): the argument
+// limits, the head chunking, the copy width and the dynamic shared memory of a decode or extend
+// launch. Plain C++ (no kernel), so the dispatch compiles without the kernels' sources.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "fp8.h"
+#include "params.h"
+#include "tiles.h"
+
+namespace kvattn {
+
+// True when K/V rows can be copied in 16-byte pieces: aligned pools, strides and head_dim in
+// multiples of the `chunk` elements of 16 bytes (8 16-bit, 16 fp8).
+inline bool kv_rows_aligned(const void* k, const void* v, const int64_t (&strides)[6], int head_dim, int chunk = 8) {
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  bool vec = aligned(k) && aligned(v) && head_dim % chunk == 0;
+  for (int64_t s : strides) vec = vec && s % chunk == 0;
+  return vec;
+}
+
+template <class KV>
+constexpr bool kFp8Type = std::is_same<KV, Fp8E4M3>::value || std::is_same<KV, Fp8E5M2>::value;
+
+// Fills the launcher's fields of `p`; returns an error message for arguments the kernels cannot run.
+template <class T, class KV>
+const char* plan_decode(DecodeParams& p) {
+  if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
+  if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
+    return "num_heads must be a positive multiple of num_kv_heads";
+  if (p.page.size < 1 || p.page.size > 1024) return "page_size must be in [1, 1024]";
+  if (p.max_pages < 1 || p.batch < 1) return "empty block table or batch";
+  if (static_cast<int64_t>(p.max_pages) * p.page.size >= (int64_t{1} << 31)) return "table capacity must stay below 2**31 tokens";
+  if (p.align < 1 || p.align % p.page.size || p.min_chunk < p.align || p.min_chunk % p.align)
+    return "align must be a multiple of page_size, min_chunk a multiple of align";
+  if (p.num_splits < 1 || p.num_splits > 65535) return "num_splits must be in [1, 65535]";
+  if (p.num_splits > 1 && (p.part_acc == nullptr || p.part_ml == nullptr)) return "split buffers missing";
+  p.group = p.num_heads / p.num_kv_heads;
+  p.num_chunks = (p.group + kWarpRows - 1) / kWarpRows;
+  const int d = padded_head_dim(p.head_dim);
+  p.d_split = d > 256 ? 2 : 1;
+  if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
+  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
+  constexpr int kb = sizeof(KV);
+  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 16 / kb);
+  if (kFp8Type<KV>) {
+    // The fp8 instantiations copy by cp.async only (kvattn/backends/cuda/launch.py refuses others
+    // first, so they go to the Triton backend).
+    if (!p.vec) return "fp8 pools need 16-byte aligned rows: head_dim and K/V strides multiples of 16 elements";
+    if (p.k_scale == nullptr || p.v_scale == nullptr) return "fp8 pools need k_scale and v_scale";
+  }
+  p.smem_bytes = d == 64    ? DecodeLayout<64, kb>::kTotal
+                 : d == 128 ? DecodeLayout<128, kb>::kTotal
+                 : d == 256 ? DecodeLayout<256, kb>::kTotal
+                            : DecodeLayout<512, kb>::kTotal;
+  return nullptr;
+}
+
+// Fills the launcher's fields of `p`; returns an error message for arguments the kernel cannot run.
+template <class T>
+const char* plan_extend(ExtendParams& p) {
+  if (p.kv_type != KVType::kSame) return "fp8 pools: the CUDA extend has no fp8 path (the triton backend runs them)";
+  if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
+  if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
+    return "num_heads must be a positive multiple of num_kv_heads";
+  if (p.page.size < 1 || p.page.size > 1024) return "page_size must be in [1, 1024]";
+  if (p.max_pages < 1 || p.batch < 1) return "empty block table or batch";
+  if (static_cast<int64_t>(p.max_pages) * p.page.size >= (int64_t{1} << 31)) return "table capacity must stay below 2**31 tokens";
+  p.group = p.num_heads / p.num_kv_heads;
+  if (p.heads_per_tile < 1 || p.heads_per_tile > std::min(p.group, kExtendRows) || p.tokens_per_tile < 1 ||
+      p.tokens_per_tile * p.heads_per_tile > kExtendRows)
+    return "tokens_per_tile * heads_per_tile must be at most 64, heads_per_tile at most the GQA group";
+  if (p.num_slots < p.batch) return "num_slots must give every sequence a tile";
+  p.num_chunks = (p.group + p.heads_per_tile - 1) / p.heads_per_tile;
+  const int d = padded_head_dim(p.head_dim);
+  p.d_split = d > 256 ? 2 : 1;
+  if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
+  const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
+  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim);
+  p.smem_bytes = d == 64    ? ExtendLayout<64>::kTotal
+                 : d == 128 ? ExtendLayout<128>::kTotal
+                 : d == 256 ? ExtendLayout<256>::kTotal
+                            : ExtendLayout<512>::kTotal;
+  return nullptr;
+}
+
+}  // namespace kvattn
