@@ -6,7 +6,8 @@ tests/test_vllm.py. One engine per invocation; results go to a JSON file:
 ``KVATTN_VLLM=1`` in the environment runs the engine on kvattn attention, without it on vLLM's own.
 Scenarios: ``main`` (greedy tokens with chunked prefill and prefix caching, then four faults
 injected into vLLM's bookkeeping, each next to a clean run of the same requests), ``same_step``
-(prefix-cache hits on blocks written in the same step), ``produce``
+(prefix-cache hits on blocks written in the same step), ``variants SWITCH`` (a model whose
+attention has a score switch: exact answers, the switch turned off, a fault), ``produce``
 (a prefill instance writing KV files through vLLM's connector, and the incident's substitute),
 ``decode`` (a decode instance loading them).
 
@@ -47,9 +48,10 @@ class Engine:
         self.runner = core.model_executor.driver_worker.worker.model_runner
         self.ids: dict[str, str] = {}  # name -> the engine's request id
 
-    def run(self, schedule, max_steps: int = 400) -> dict:
+    def run(self, schedule, max_steps: int = 400, logprobs: bool = False) -> dict:
         """``schedule``: ``(name, tokens, max_tokens, after)``; ``after`` is None (at once),
-        ``("finished", name)`` or ``("tokens", name, k)``: added once that holds."""
+        ``("finished", name)`` or ``("tokens", name, k)``: added once that holds. With
+        ``logprobs``, each result also has the log-probability of every token it produced."""
         from vllm import SamplingParams
         pending = list(schedule)
         results: dict[str, dict] = {}
@@ -59,7 +61,8 @@ class Engine:
                 name, tokens, max_tokens, after = entry
                 if after is None or (after[0] == "finished" and after[1] in results) or (
                         after[0] == "tokens" and produced.get(after[1], 0) >= after[2]):
-                    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                            logprobs=0 if logprobs else None)
                     self.ids[name] = self.engine.add_request(name, {"prompt_token_ids": tokens},
                                                              params)
                     pending.remove(entry)
@@ -69,9 +72,12 @@ class Engine:
                 name = out.request_id
                 produced[name] = len(out.outputs[0].token_ids)
                 if out.finished:
-                    results[name] = dict(tokens=list(out.outputs[0].token_ids),
-                                         finish_reason=out.outputs[0].finish_reason,
+                    done = out.outputs[0]
+                    results[name] = dict(tokens=list(done.token_ids), finish_reason=done.finish_reason,
                                          cached=out.num_cached_tokens or 0)
+                    if logprobs and done.logprobs is not None:
+                        results[name]["logprobs"] = [lp[t].logprob for t, lp in zip(done.token_ids,
+                                                                                   done.logprobs)]
         return results
 
     def row(self, name: str) -> int | None:
@@ -86,15 +92,15 @@ class Engine:
         return next((n for n, i in self.ids.items() if i == request_id), request_id)
 
 
-def scenario(engine: Engine, schedule, inject) -> dict:
+def scenario(engine: Engine, schedule, inject, logprobs: bool = False) -> dict:
     """A clean run and a faulted run of ``schedule`` (prefix cache reset before each)."""
     engine.llm.reset_prefix_cache()
-    clean = engine.run(schedule)
+    clean = engine.run(schedule, logprobs=logprobs)
     engine.llm.reset_prefix_cache()
     seen = len(engine.failures())
     injected, restore = inject(engine)
     try:
-        faulted = engine.run(schedule)
+        faulted = engine.run(schedule, logprobs=logprobs)
     finally:
         restore()
     failures = [(engine.name_of(r), m) for r, m in engine.failures()[seen:]]
@@ -283,6 +289,45 @@ def same_step_scenario(model: str) -> dict:
     return out
 
 
+# The score switches as vLLM's CPU attention and kvattn's backend both hold them on their impl.
+SWITCH_OFF = {"logits_soft_cap": 0.0, "alibi_slopes": None, "sinks": None}
+
+
+def switches_off(engine: Engine, switch: str):
+    """Every attention layer's ``switch`` turned off (on either attention); returns the restorer."""
+    impls = [m.impl for m in engine.runner.model.modules() if hasattr(getattr(m, "impl", None), switch)]
+    saved = [getattr(impl, switch) for impl in impls]
+    for impl in impls:
+        setattr(impl, switch, SWITCH_OFF[switch])
+    return len(impls), lambda: [setattr(impl, switch, v) for impl, v in zip(impls, saved)]
+
+
+def variants_scenario(model: str, switch: str) -> dict:
+    """A model whose attention has the score switch ``switch``: greedy tokens and their
+    log-probabilities with chunked prefill and prefix caching; the same requests with the switch
+    turned off in every layer (it must change the answer, or the comparison proves nothing); and
+    the foreign block-table fault next to a clean run."""
+    engine = Engine(make_llm(model))
+    schedule = [(f"p{i}", prompt(10 + i, n), 8, None) for i, n in enumerate((17, 40, 75, 130))]
+    schedule.append(("s3", prompt(13, 130)[:64] + prompt(23, 30), 8, ("finished", "p3")))
+    out = {}
+    engine.llm.reset_prefix_cache()
+    out["equality"] = engine.run(schedule, logprobs=True)
+    engine.llm.reset_prefix_cache()
+    layers, restore = switches_off(engine, switch)
+    try:
+        out["switch_off"] = engine.run(schedule, logprobs=True)
+    finally:
+        restore()
+    out["layers_switched"] = layers
+    out["foreign_entry"] = scenario(engine, [("victim", prompt(30, 70), 10, None),
+                                             ("other", prompt(31, 50), 10, None),
+                                             ("third", prompt(32, 20), 10, None)], foreign_entry,
+                                 logprobs=True)
+    out["failures_total"] = len(engine.failures())
+    return out
+
+
 # -- disaggregated prefill through vLLM's KV connector ----------------------------------------
 
 PREFILL_CAPACITY = 128
@@ -351,6 +396,7 @@ if __name__ == "__main__":
     name, model_dir, out_path = sys.argv[1:4]
     extra = sys.argv[4:]
     result = {"main": main_scenario, "produce": produce_scenario, "decode": decode_scenario,
-              "local": local_scenario, "same_step": same_step_scenario}[name](model_dir, *extra)
+              "local": local_scenario, "same_step": same_step_scenario,
+              "variants": variants_scenario}[name](model_dir, *extra)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

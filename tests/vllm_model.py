@@ -2,13 +2,17 @@
 Hugging Face model directory for vLLM: no hub download. Run with the vLLM environment's Python
 (its transformers writes a config that vLLM's reads):
 
-    python tests/vllm_model.py OUT_DIR [--geometry tiny|smollm-135m]
+    python tests/vllm_model.py OUT_DIR [--geometry tiny|smollm-135m] [--family FAMILY]
 
 ``tiny`` is the model of the tests (2 layers, 4 heads over 2 KV heads of 32 dims, a vocabulary of
 the 256 byte tokens plus BOS/EOS). ``smollm-135m`` has the shapes of SmolLM-135M (30 layers,
 9 heads over 3 KV heads of 64, hidden 576, a 49152-token vocabulary), for speed measurements only.
 Weights are drawn with a fixed seed and a wide initialiser (0.2), so greedy tokens vary with the
 context instead of collapsing onto one token.
+
+``--family`` writes, at the tiny shapes, a model of another family whose attention has a score
+switch of kvattn.variants instead (tests/test_vllm_variants.py): ``gemma2`` (logit soft-cap, every
+layer full attention), ``bloom`` (ALiBi) or ``gpt-oss`` (sinks, no sliding window; 4 experts).
 """
 from __future__ import annotations
 
@@ -23,7 +27,11 @@ GEOMETRIES = {
 }
 
 
-def build(out_dir: str, geometry: str = "tiny", max_positions: int = 2048) -> None:
+# The score switch each family's attention layers hand vLLM's attention backend.
+FAMILIES = {"llama": None, "gemma2": "logits_soft_cap", "bloom": "alibi_slopes", "gpt-oss": "sinks"}
+
+
+def build(out_dir: str, geometry: str = "tiny", max_positions: int = 2048, family: str = "llama") -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -39,6 +47,9 @@ def build(out_dir: str, geometry: str = "tiny", max_positions: int = 2048) -> No
                             eos_token="</s>").save_pretrained(out_dir)
     vocab_size = shape.pop("vocab_size", len(vocab))
     torch.manual_seed(0)
+    if family != "llama":
+        _family_model(family, vocab, max_positions).save_pretrained(out_dir)
+        return
     config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=max_positions,
                          tie_word_embeddings=False, initializer_range=0.2,
                          bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"],
@@ -46,9 +57,50 @@ def build(out_dir: str, geometry: str = "tiny", max_positions: int = 2048) -> No
     LlamaForCausalLM(config).save_pretrained(out_dir)
 
 
+def _family_model(family: str, vocab: dict, max_positions: int):
+    import torch
+    import transformers
+
+    tiny = GEOMETRIES["tiny"]
+    common = dict(vocab_size=len(vocab), initializer_range=0.2, bos_token_id=vocab["<s>"],
+                  eos_token_id=vocab["</s>"], torch_dtype="float32")
+    attention = dict(hidden_size=tiny["hidden_size"], num_hidden_layers=tiny["num_hidden_layers"],
+                     num_attention_heads=tiny["num_attention_heads"],
+                     num_key_value_heads=tiny["num_key_value_heads"], head_dim=tiny["head_dim"],
+                     max_position_embeddings=max_positions)
+    full = ["full_attention"] * tiny["num_hidden_layers"]
+    if family == "gemma2":
+        # A cap of the order of the scores, so that capping changes the answer (tied embeddings:
+        # vLLM's Gemma 2 has no separate head). Gemma 2 scales its embeddings by sqrt(hidden):
+        # the narrower initialiser keeps the answers from saturating on one token.
+        common["initializer_range"] = 0.05
+        config = transformers.Gemma2Config(
+            intermediate_size=tiny["intermediate_size"], query_pre_attn_scalar=tiny["head_dim"],
+            attn_logit_softcapping=1.0, final_logit_softcapping=30.0, layer_types=full,
+            tie_word_embeddings=True, **attention, **common)
+        return transformers.Gemma2ForCausalLM(config)
+    if family == "bloom":
+        config = transformers.BloomConfig(hidden_size=tiny["hidden_size"], n_layer=tiny["num_hidden_layers"],
+                                          n_head=tiny["num_attention_heads"], tie_word_embeddings=True,
+                                          **common)
+        return transformers.BloomForCausalLM(config)
+    if family == "gpt-oss":
+        # Unquantised experts of a width vLLM's portable CPU MoE takes (a multiple of 32).
+        config = transformers.GptOssConfig(
+            intermediate_size=tiny["hidden_size"], num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=None, layer_types=full, tie_word_embeddings=False, **attention, **common)
+        model = transformers.GptOssForCausalLM(config)
+        with torch.no_grad():  # initialised to 0: sinks that matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+        return model
+    raise ValueError(f"family: expected one of {', '.join(FAMILIES)}, got {family!r}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
+    parser.add_argument("--family", choices=list(FAMILIES), default="llama")
     args = parser.parse_args()
-    build(args.out_dir, args.geometry)
+    build(args.out_dir, args.geometry, family=args.family)

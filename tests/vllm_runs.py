@@ -55,17 +55,21 @@ class Runs:
 
     @property
     def model(self) -> pathlib.Path:
-        model = self.dir / "model"
+        return self.model_of("llama")
+
+    def model_of(self, family: str) -> pathlib.Path:
+        """The random-weight model of ``family`` (tests/vllm_model.py), written once."""
+        model = self.dir / ("model" if family == "llama" else f"model-{family}")
         if not (model / "config.json").exists():
-            subprocess.run([str(VENV_PY), str(ROOT / "tests" / "vllm_model.py"), str(model)],
+            subprocess.run([str(VENV_PY), str(ROOT / "tests" / "vllm_model.py"), str(model), "--family", family],
                            check=True, capture_output=True, timeout=300)
         return model
 
-    def drive(self, jobs: list[tuple[str, pathlib.Path, bool, tuple]]) -> dict:
+    def drive(self, jobs: list[tuple[str, pathlib.Path, bool, tuple]], family: str = "llama") -> dict:
         """Run ``(key, script, kvattn, args)`` jobs as ``script ARG0 MODEL OUT ARGS...`` (the
-        first argument names the scenario), two at a time (the machine has two cores); returns
-        ``{key: result}``."""
-        model = self.model
+        first argument names the scenario) on the model of ``family``, two at a time (the machine
+        has two cores); returns ``{key: result}``."""
+        model = self.model_of(family)
         results, running = {}, []
         for key, script, kvattn, args in jobs:
             out = self.dir / f"{key}.out.json"

@@ -35,9 +35,10 @@ whose attention is kvattn's, and are documented in ``docs/vllm.md``):
   request's sampled token is withheld and its id travels with the step's output to the scheduler,
   which ends it with ``FINISHED_ERROR`` (``Scheduler.update_from_output``).
 
-Not supported (refused when the engine is set up): more than one KV cache group (hybrid or
-sliding-window models), speculative decoding, quantized (fp8) KV caches, async scheduling
-(vLLM's CPU platform switches it off), cross-layer KV sharing.
+The attention layers' score switches (logit soft-cap, sinks, ALiBi) go to kvattn's kernels
+(kvattn.integrations.vllm_backend). Not supported (refused when the engine is set up): sliding
+windows and more than one KV cache group (hybrid models), speculative decoding, quantized (fp8) KV
+caches, async scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing.
 """
 from __future__ import annotations
 

@@ -54,6 +54,10 @@ class KVAttnBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
     def supports_kv_connector(cls) -> bool:
         return True
 
@@ -105,9 +109,11 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
                  sinks=None) -> None:
+        # Soft-cap, ALiBi and sinks are score switches of kvattn's kernels with vLLM's own
+        # definitions (kvattn.variants); a sliding window needs the ledger to follow the pages
+        # vLLM frees out of the window, which it does not yet.
         unsupported = [name for name, value in (
-            ("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
-            ("logits_soft_cap", logits_soft_cap), ("sinks", sinks),
+            ("sliding_window", sliding_window),
             ("kv_sharing_target_layer_name", kv_sharing_target_layer_name)) if value]
         if attn_type != AttentionType.DECODER:
             unsupported.append(f"attn_type {attn_type!r}")
@@ -116,6 +122,11 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         if unsupported:
             raise integration.IntegrationError("kvattn.integrations.vllm does not support "
                                                + ", ".join(unsupported))
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        self.alibi_slopes = (None if alibi_slopes is None
+                             else torch.tensor(alibi_slopes, dtype=torch.float32))
+        # The layer's parameter, loaded after this constructor: read (as float32) at each call.
+        self.sinks = sinks
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -168,8 +179,11 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         out = output[:n].view(n, self.num_heads, self.head_size)
         k_pages, v_pages = self._pools(kv_cache)
         tags = state.layer_tags(layer.layer_name)
+        sinks = None if self.sinks is None else self.sinks.to(torch.float32)
+        alibi = None if self.alibi_slopes is None else self.alibi_slopes.to(q.device)
         common = dict(scale=self.scale, check=state.check, backend=state.backend, out=out,
-                      validate=False)
+                      validate=False, logits_soft_cap=self.logits_soft_cap, sinks=sinks,
+                      alibi_slopes=alibi)
         if attn_metadata.decode_only:
             _, report = api.paged_decode(q, k_pages, v_pages, batch.block_table,
                                          attn_metadata.seq_lens, tags, batch.expected, **common)

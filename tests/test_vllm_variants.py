@@ -1,0 +1,96 @@
+"""Models whose attention has a score switch, under vLLM 0.32 (the CPU build) with kvattn in place
+of vLLM's CPU attention: a Gemma 2 (logit soft-cap, every layer full attention), a Bloom (ALiBi)
+and a gpt-oss (sinks, no sliding window), random weights at tiny shapes (tests/vllm_model.py).
+
+Each model runs in tests/vllm_driver.py's ``variants`` scenario, once on vLLM's attention and once
+on kvattn's, with chunked prefill and a prefix-cache hit: greedy tokens equal and the sampled
+tokens' log-probabilities within ``LOGPROB_TOL``; the same requests with the switch turned off in
+every layer change the answer on both attentions (so the equality is the switch's, and the switch
+reaches the kernel); and a foreign block-table entry fails only its victim on kvattn and changes
+the victim's tokens on vLLM's.
+"""
+from __future__ import annotations
+
+import pytest
+
+import vllm_runs
+from vllm_runs import ROOT, why_no_vllm
+
+DRIVER = ROOT / "tests" / "vllm_driver.py"
+FAMILIES = {"gemma2": "logits_soft_cap", "bloom": "alibi_slopes", "gpt-oss": "sinks"}
+# Both attentions compute a float32 softmax over the same float32 K/V in a different order: a
+# log-probability differs by a few float32 roundings per layer (~1e-6 relative), far below the
+# change that turning a switch off makes (SWITCH_EFFECT_MIN).
+LOGPROB_TOL = 1e-3
+SWITCH_EFFECT_MIN = 1e-2
+
+pytestmark = pytest.mark.slow
+
+if why_no_vllm():
+    pytest.skip(why_no_vllm(), allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return vllm_runs.Runs()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, runs):
+    name = request.param
+    switch = FAMILIES[name]
+    results = runs.shared(f"variants-{name}", lambda: runs.drive(
+        [(f"{name}-stock", DRIVER, False, ("variants", switch)),
+         (f"{name}-kvattn", DRIVER, True, ("variants", switch))], family=name))
+    return name, results[f"{name}-stock"], results[f"{name}-kvattn"]
+
+
+def _max_gap(a: dict, b: dict) -> float:
+    """The largest difference of the sampled tokens' log-probabilities of the same requests."""
+    assert a.keys() == b.keys()
+    return max(abs(x - y) for name in a for x, y in zip(a[name]["logprobs"], b[name]["logprobs"]))
+
+
+def _same(a: dict, b: dict) -> bool:
+    """The same answers: tokens equal, log-probabilities within LOGPROB_TOL."""
+    return ({n: r["tokens"] for n, r in a.items()} == {n: r["tokens"] for n, r in b.items()}
+            and _max_gap(a, b) < LOGPROB_TOL)
+
+
+def test_kvattn_matches_vllm_attention(family):
+    name, stock, kvattn = family
+    assert kvattn["equality"].keys() == stock["equality"].keys()
+    for request, result in stock["equality"].items():
+        assert result["finish_reason"] == "length", request
+        assert kvattn["equality"][request]["tokens"] == result["tokens"], request
+        assert kvattn["equality"][request]["cached"] == result["cached"], request
+    assert stock["equality"]["s3"]["cached"] == 64  # the prefix-cache hit happened
+    assert _max_gap(kvattn["equality"], stock["equality"]) < LOGPROB_TOL
+    assert kvattn["failures_total"] == 1  # the fault's victim only
+
+
+def test_the_switch_changes_the_answer_on_both_attentions(family):
+    """The twin of the equality: without the switch, both attentions answer otherwise, and alike."""
+    name, stock, kvattn = family
+    for run in (stock, kvattn):
+        assert run["layers_switched"] >= 2, name
+        assert _max_gap(run["switch_off"], run["equality"]) > SWITCH_EFFECT_MIN
+    assert _max_gap(kvattn["switch_off"], stock["switch_off"]) < LOGPROB_TOL
+
+
+def test_a_foreign_entry_fails_only_the_victim_on_kvattn(family):
+    name, stock, kvattn = family
+    real = stock["foreign_entry"]
+    assert real["injected"] and real["failures"] == []
+    # The fault is real on vLLM's attention: the victim's answer moves (its tokens may not, on a
+    # model this small, so its log-probabilities are compared).
+    assert not _same({"v": real["faulted"]["victim"]}, {"v": real["clean"]["victim"]})
+    assert _max_gap({"v": real["faulted"]["victim"]}, {"v": real["clean"]["victim"]}) > SWITCH_EFFECT_MIN
+    run = kvattn["foreign_entry"]
+    assert run["injected"]
+    assert _same(run["clean"], real["clean"])
+    assert run["faulted"]["victim"]["finish_reason"] == "error"
+    (victim, message), = run["failures"]
+    assert victim == "victim" and "OWNER_MISMATCH" in message
+    others = {n: r for n, r in run["faulted"].items() if n != "victim"}
+    assert others and all(r == run["clean"][n] for n, r in others.items())
