@@ -1,13 +1,16 @@
-"""Models whose attention has a score switch, under vLLM 0.32 (the CPU build) with kvattn in place
-of vLLM's CPU attention: a Gemma 2 (logit soft-cap, every layer full attention), a Bloom (ALiBi)
-and a gpt-oss (sinks, no sliding window), random weights at tiny shapes (tests/vllm_model.py).
+"""Models whose attention has a switch of kvattn.variants, under vLLM 0.32 (the CPU build) with
+kvattn in place of vLLM's CPU attention: a Mistral (a sliding window in every layer), a Gemma 2
+(logit soft-cap, every layer full attention), a Bloom (ALiBi) and a gpt-oss (sinks, no sliding
+window), random weights at tiny shapes (tests/vllm_model.py).
 
 Each model runs in tests/vllm_driver.py's ``variants`` scenario, once on vLLM's attention and once
 on kvattn's, with chunked prefill and a prefix-cache hit: greedy tokens equal and the sampled
-tokens' log-probabilities within ``LOGPROB_TOL``; the same requests with the switch turned off in
-every layer change the answer on both attentions (so the equality is the switch's, and the switch
-reaches the kernel); and a foreign block-table entry fails only its victim on kvattn and changes
-the victim's tokens on vLLM's.
+tokens' log-probabilities within ``LOGPROB_TOL``; a foreign block-table entry fails only its
+victim on kvattn and changes the victim's answer on vLLM's. A score switch turned off in every
+layer changes the answer on both attentions (so the equality is the switch's, and the switch
+reaches the kernel). The window's twin: vLLM frees the blocks the window leaves inside a live
+request and hands them out again (a small pool), the ledger follows, and a foreign entry where the
+window has left the victim's first block is neither read nor reported.
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ import vllm_runs
 from vllm_runs import ROOT, why_no_vllm
 
 DRIVER = ROOT / "tests" / "vllm_driver.py"
-FAMILIES = {"gemma2": "logits_soft_cap", "bloom": "alibi_slopes", "gpt-oss": "sinks"}
+FAMILIES = {"mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
+            "gpt-oss": "sinks"}
+SCORES = [name for name in FAMILIES if name != "mistral"]
 # Both attentions compute a float32 softmax over the same float32 K/V in a different order: a
 # log-probability differs by a few float32 roundings per layer (~1e-6 relative), far below the
 # change that turning a switch off makes (SWITCH_EFFECT_MIN).
@@ -35,14 +40,27 @@ def runs():
     return vllm_runs.Runs()
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, runs):
-    name = request.param
+def _results(runs, name):
     switch = FAMILIES[name]
     results = runs.shared(f"variants-{name}", lambda: runs.drive(
         [(f"{name}-stock", DRIVER, False, ("variants", switch)),
          (f"{name}-kvattn", DRIVER, True, ("variants", switch))], family=name))
     return name, results[f"{name}-stock"], results[f"{name}-kvattn"]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, runs):
+    return _results(runs, request.param)
+
+
+@pytest.fixture(scope="module", params=SCORES)
+def score_family(request, runs):
+    return _results(runs, request.param)
+
+
+@pytest.fixture(scope="module")
+def window(runs):
+    return _results(runs, "mistral")
 
 
 def _max_gap(a: dict, b: dict) -> float:
@@ -64,14 +82,14 @@ def test_kvattn_matches_vllm_attention(family):
         assert result["finish_reason"] == "length", request
         assert kvattn["equality"][request]["tokens"] == result["tokens"], request
         assert kvattn["equality"][request]["cached"] == result["cached"], request
-    assert stock["equality"]["s3"]["cached"] == 64  # the prefix-cache hit happened
+    assert stock["equality"]["s3"]["cached"] == (128 if name == "mistral" else 64)  # the hit happened
     assert _max_gap(kvattn["equality"], stock["equality"]) < LOGPROB_TOL
     assert kvattn["failures_total"] == 1  # the fault's victim only
 
 
-def test_the_switch_changes_the_answer_on_both_attentions(family):
+def test_the_switch_changes_the_answer_on_both_attentions(score_family):
     """The twin of the equality: without the switch, both attentions answer otherwise, and alike."""
-    name, stock, kvattn = family
+    name, stock, kvattn = score_family
     for run in (stock, kvattn):
         assert run["layers_switched"] >= 2, name
         assert _max_gap(run["switch_off"], run["equality"]) > SWITCH_EFFECT_MIN
@@ -94,3 +112,21 @@ def test_a_foreign_entry_fails_only_the_victim_on_kvattn(family):
     assert victim == "victim" and "OWNER_MISMATCH" in message
     others = {n: r for n, r in run["faulted"].items() if n != "victim"}
     assert others and all(r == run["clean"][n] for n, r in others.items())
+
+
+def test_the_ledger_follows_the_blocks_the_window_leaves(window):
+    """vLLM freed blocks out of live requests' windows and handed blocks out again from a pool of
+    20; the tokens above are equal all the same."""
+    _, stock, kvattn = window
+    assert kvattn["counts"]["window_freed_blocks"] > 0
+    assert kvattn["counts"]["cached_blocks_reused"] > 0
+    assert stock["counts"] == {}
+
+
+def test_a_foreign_entry_the_window_has_left_is_neither_read_nor_reported(window):
+    """The twin of the foreign entry inside the window (which fails its victim, above)."""
+    _, stock, kvattn = window
+    for run in (stock["before_window"], kvattn["before_window"]):
+        assert run["injected"] and run["failures"] == []
+        assert _same(run["faulted"], run["clean"])
+    assert _same(kvattn["before_window"]["clean"], stock["before_window"]["clean"])

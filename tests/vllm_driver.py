@@ -302,29 +302,52 @@ def switches_off(engine: Engine, switch: str):
     return len(impls), lambda: [setattr(impl, switch, v) for impl, v in zip(impls, saved)]
 
 
+def counts(engine: Engine) -> dict:
+    """What kvattn's ledger followed (empty on vLLM's attention)."""
+    from kvattn.integrations import vllm as integration
+    state = integration.state_for(engine.runner.vllm_config)
+    return dict(state.counts) if state is not None else {}
+
+
 def variants_scenario(model: str, switch: str) -> dict:
-    """A model whose attention has the score switch ``switch``: greedy tokens and their
-    log-probabilities with chunked prefill and prefix caching; the same requests with the switch
-    turned off in every layer (it must change the answer, or the comparison proves nothing); and
-    the foreign block-table fault next to a clean run."""
-    engine = Engine(make_llm(model))
-    schedule = [(f"p{i}", prompt(10 + i, n), 8, None) for i, n in enumerate((17, 40, 75, 130))]
-    schedule.append(("s3", prompt(13, 130)[:64] + prompt(23, 30), 8, ("finished", "p3")))
+    """A model whose attention has the switch ``switch``: greedy tokens and their
+    log-probabilities with chunked prefill and prefix caching; the foreign block-table fault next
+    to a clean run. A score switch is then turned off in every layer (it must change the answer,
+    or the comparison proves nothing). A sliding window runs instead on a pool small enough that
+    the blocks vLLM frees out of the window are handed out again, with decodes long enough that
+    the window moves, and the foreign entry once more where the window has left the victim's
+    first block (nothing reads it: no change, no failure)."""
+    window = switch == "sliding_window"
+    engine = Engine(make_llm(model, **(dict(num_gpu_blocks_override=20) if window else {})))
+    new = 40 if window else 8
+    schedule = [(f"p{i}", prompt(10 + i, n), new, None) for i, n in enumerate((17, 40, 75, 130))]
+    # The prefix hit: 64 tokens once p3 is done; under the window 128 tokens as p3 starts
+    # decoding, while the blocks under the hit's window still serve p3 (vLLM's sliding-window
+    # lookup found no hit here on blocks the window had left), and the blocks before it come as
+    # vLLM's null block.
+    shared = prompt(13, 130)[:128 if window else 64]
+    schedule.append(("s3", shared + prompt(23, 30), new, ("tokens", "p3", 1) if window else ("finished", "p3")))
     out = {}
     engine.llm.reset_prefix_cache()
     out["equality"] = engine.run(schedule, logprobs=True)
-    engine.llm.reset_prefix_cache()
-    layers, restore = switches_off(engine, switch)
-    try:
-        out["switch_off"] = engine.run(schedule, logprobs=True)
-    finally:
-        restore()
-    out["layers_switched"] = layers
+    if not window:
+        engine.llm.reset_prefix_cache()
+        layers, restore = switches_off(engine, switch)
+        try:
+            out["switch_off"] = engine.run(schedule, logprobs=True)
+        finally:
+            restore()
+        out["layers_switched"] = layers
     out["foreign_entry"] = scenario(engine, [("victim", prompt(30, 70), 10, None),
                                              ("other", prompt(31, 50), 10, None),
                                              ("third", prompt(32, 20), 10, None)], foreign_entry,
-                                 logprobs=True)
+                                    logprobs=True)
+    if window:
+        out["before_window"] = scenario(engine, [("victim", prompt(33, 130), 10, None),
+                                                 ("other", prompt(34, 50), 10, None)], foreign_entry,
+                                        logprobs=True)
     out["failures_total"] = len(engine.failures())
+    out["counts"] = counts(engine)
     return out
 
 
@@ -375,7 +398,7 @@ def decode_scenario(model: str, storage: str) -> dict:
     transfer = {"kv_connector": "CheckedExampleConnector",
                 "kv_connector_module_path": "kvattn.integrations.vllm_connector",
                 "kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path": storage}}
-    engine = Engine(make_llm(model, kv_transfer_config=transfer, num_gpu_blocks_override=17,
+    engine = Engine(make_llm(model, kv_transfer_config=transfer, num_gpu_blocks_override=20,
                              enable_prefix_caching=False))
     out = {}
     for i, tokens in enumerate(FILLERS):

@@ -11,7 +11,8 @@ Weights are drawn with a fixed seed and a wide initialiser (0.2), so greedy toke
 context instead of collapsing onto one token.
 
 ``--family`` writes, at the tiny shapes, a model of another family whose attention has a score
-switch of kvattn.variants instead (tests/test_vllm_variants.py): ``gemma2`` (logit soft-cap, every
+switch of kvattn.variants instead (tests/test_vllm_variants.py): ``mistral`` (a sliding window of
+``MISTRAL_WINDOW`` tokens in every layer), ``gemma2`` (logit soft-cap, every
 layer full attention), ``bloom`` (ALiBi) or ``gpt-oss`` (sinks, no sliding window; 4 experts).
 """
 from __future__ import annotations
@@ -28,7 +29,9 @@ GEOMETRIES = {
 
 
 # The score switch each family's attention layers hand vLLM's attention backend.
-FAMILIES = {"llama": None, "gemma2": "logits_soft_cap", "bloom": "alibi_slopes", "gpt-oss": "sinks"}
+FAMILIES = {"llama": None, "mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
+            "gpt-oss": "sinks"}
+MISTRAL_WINDOW = 48  # tokens: the query and the 47 before it
 
 
 def build(out_dir: str, geometry: str = "tiny", max_positions: int = 2048, family: str = "llama") -> None:
@@ -69,6 +72,11 @@ def _family_model(family: str, vocab: dict, max_positions: int):
                      num_key_value_heads=tiny["num_key_value_heads"], head_dim=tiny["head_dim"],
                      max_position_embeddings=max_positions)
     full = ["full_attention"] * tiny["num_hidden_layers"]
+    if family == "mistral":
+        config = transformers.MistralConfig(intermediate_size=tiny["intermediate_size"],
+                                            sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False,
+                                            **attention, **common)
+        return transformers.MistralForCausalLM(config)
     if family == "gemma2":
         # A cap of the order of the scores, so that capping changes the answer (tied embeddings:
         # vLLM's Gemma 2 has no separate head). Gemma 2 scales its embeddings by sqrt(hidden):

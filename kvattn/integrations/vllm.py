@@ -34,11 +34,14 @@ whose attention is kvattn's, and are documented in ``docs/vllm.md``):
   in device memory and read once, after the step (``GPUModelRunner.sample_tokens``); a failed
   request's sampled token is withheld and its id travels with the step's output to the scheduler,
   which ends it with ``FINISHED_ERROR`` (``Scheduler.update_from_output``).
+- **Sliding windows.** vLLM frees the blocks a running request's window has left; the ledger
+  drops its hold on them as vLLM does (``WorkerOwnership._leave_window``). vLLM's null block
+  (``NULL_BLOCK``) is never held, reserved or released.
 
-The attention layers' score switches (logit soft-cap, sinks, ALiBi) go to kvattn's kernels
-(kvattn.integrations.vllm_backend). Not supported (refused when the engine is set up): sliding
-windows and more than one KV cache group (hybrid models), speculative decoding, quantized (fp8) KV
-caches, async scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing.
+The attention layers' switches (sliding window, logit soft-cap, sinks, ALiBi) go to kvattn's
+kernels (kvattn.integrations.vllm_backend). Not supported (refused when the engine is set up):
+more than one KV cache group (hybrid models), speculative decoding, quantized (fp8) KV caches,
+async scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing.
 """
 from __future__ import annotations
 
@@ -61,6 +64,12 @@ BACKEND_ENV = "KVATTN_VLLM_BACKEND"
 BACKEND_PATH = "kvattn.integrations.vllm_backend.KVAttnBackend"
 
 logger = logging.getLogger("kvattn")
+
+
+# vLLM's null block (the block pool's first, never handed to a request): the block-table entry of
+# a position a sliding-window request no longer needs, and of a prefix hit's positions before the
+# window. Never held, reserved or released; its tag stays FREE, so a kernel reading it refuses it.
+NULL_BLOCK = 0
 
 
 class IntegrationError(RuntimeError):
@@ -246,6 +255,7 @@ class WorkerOwnership:
         self.leases: dict[str, _Lease] = {}
         self.holders: Counter = Counter()  # block -> live leases that map it
         self.content: dict[int, tuple[int, bytes]] = {}  # block -> (writer owner, prefix digest)
+        self.window: int | None = None  # the KV cache group's sliding window (tokens), if any
         self.runner = None
         self.batch: StepBatch | None = None
         self.steps = 0
@@ -302,9 +312,12 @@ class WorkerOwnership:
                 tokens = cached.all_token_ids.get(rid) or self._tokens(runner, rid)
                 lease = self._new_lease(rid, block_ids, list(tokens))
                 admitted.append((lease, cached.num_computed_tokens[i]))
-            elif block_ids is not None and rid in self.leases:
-                self._check_groups(block_ids)
+            elif rid in self.leases:
                 lease = self.leases[rid]
+                self._leave_window(lease, cached.num_computed_tokens[i], released)
+                if block_ids is None:
+                    continue
+                self._check_groups(block_ids)
                 fresh = list(block_ids[0])
                 lease.blocks += fresh
                 lease.expected += [lease.owner] * len(fresh)
@@ -324,6 +337,21 @@ class WorkerOwnership:
         if self.prefix_caching:
             self.content.update(writes)
 
+    def _leave_window(self, lease: _Lease, num_computed: int, released: dict[int, list[int]]) -> None:
+        """The blocks vLLM freed from a running request because its window left them, when it
+        scheduled this step: every block wholly before ``num_computed - window + 1`` (vLLM's
+        ``get_num_skipped_tokens``), replaced by the null block as in the scheduler's list. No
+        query of the request reads them again, so the kernels neither read nor check them."""
+        if self.window is None:
+            return
+        skipped = max(0, num_computed - self.window + 1) // self.block_size
+        gone = [i for i in range(min(skipped, len(lease.blocks))) if lease.blocks[i] != NULL_BLOCK]
+        for i in gone:
+            self._drop_hold(lease, lease.blocks[i], released)
+            lease.blocks[i] = NULL_BLOCK
+            lease.expected[i] = 0
+        self.counts["window_freed_blocks"] += len(gone)
+
     def _allocate_tags(self, runner) -> None:
         config = runner.kv_cache_config
         if len(config.kv_cache_groups) != 1:
@@ -331,6 +359,11 @@ class WorkerOwnership:
                 "kvattn.integrations.vllm: models with one KV cache group are supported, got "
                 f"{len(config.kv_cache_groups)} (hybrid or sliding-window layers)")
         self.num_blocks = config.num_blocks
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+        spec = config.kv_cache_groups[0].kv_cache_spec
+        # vLLM's sliding-window manager frees the blocks a request's window has left, inside the
+        # live request (SlidingWindowManager.remove_skipped_blocks); the ledger follows it.
+        self.window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
         device = runner.device
         self.tags = torch.zeros(len(self.layer_rows), config.num_blocks, dtype=torch.int64,
                                 device=device)
@@ -360,6 +393,9 @@ class WorkerOwnership:
         fresh = []
         for i, block in enumerate(lease.blocks):
             owner = None
+            if block == NULL_BLOCK:  # before the window: never read
+                lease.expected.append(0)
+                continue
             if (i + 1) * self.block_size <= num_computed:
                 owner = self._computed_owner(block, lease.keys, i, writes)
             if owner is None:
@@ -393,20 +429,25 @@ class WorkerOwnership:
 
     def _hold(self, blocks) -> None:
         for b in blocks:
-            self.holders[b] += 1
+            if b != NULL_BLOCK:
+                self.holders[b] += 1
+
+    def _drop_hold(self, lease: _Lease, block: int, released: dict[int, list[int]]) -> None:
+        self.holders[block] -= 1
+        if self.holders[block] > 0:
+            return
+        del self.holders[block]
+        # A full block vLLM keeps in its prefix cache stays WRITTEN for a later hit.
+        if not (self.prefix_caching and block in self.content):
+            released.setdefault(lease.owner, []).append(block)
 
     def _end_lease(self, rid, released: dict[int, list[int]]) -> None:
         lease = self.leases.pop(rid, None)
         if lease is None:
             return
         for block in lease.blocks:
-            self.holders[block] -= 1
-            if self.holders[block] > 0:
-                continue
-            del self.holders[block]
-            # A full block vLLM keeps in its prefix cache stays WRITTEN for a later hit.
-            if not (self.prefix_caching and block in self.content):
-                released.setdefault(lease.owner, []).append(block)
+            if block != NULL_BLOCK:
+                self._drop_hold(lease, block, released)
 
     @staticmethod
     def _tokens(runner, rid) -> list[int]:
@@ -433,6 +474,8 @@ class WorkerOwnership:
             if end > len(lease.keys):
                 lease.keys = _prefix_digests(self._tokens(runner, rid), self.block_size, lease.keys)
             for i in range(start // self.block_size, min(end, len(lease.blocks), len(lease.keys))):
+                if lease.blocks[i] == NULL_BLOCK:
+                    continue
                 if i >= len(lease.expected) or lease.expected[i] == lease.owner:
                     writes[lease.blocks[i]] = (lease.owner, lease.keys[i])
         return writes

@@ -58,6 +58,10 @@ class KVAttnBackend(AttentionBackend):
         return True
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
     def supports_kv_connector(cls) -> bool:
         return True
 
@@ -109,12 +113,10 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
                  sinks=None) -> None:
-        # Soft-cap, ALiBi and sinks are score switches of kvattn's kernels with vLLM's own
-        # definitions (kvattn.variants); a sliding window needs the ledger to follow the pages
-        # vLLM frees out of the window, which it does not yet.
-        unsupported = [name for name, value in (
-            ("sliding_window", sliding_window),
-            ("kv_sharing_target_layer_name", kv_sharing_target_layer_name)) if value]
+        # Sliding window, soft-cap, ALiBi and sinks are score switches of kvattn's kernels with
+        # vLLM's own definitions (kvattn.variants): vLLM's window W is the query and the W - 1
+        # keys before it.
+        unsupported = ["kv_sharing_target_layer_name"] if kv_sharing_target_layer_name else []
         if attn_type != AttentionType.DECODER:
             unsupported.append(f"attn_type {attn_type!r}")
         if kv_cache_dtype != "auto":
@@ -122,6 +124,7 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         if unsupported:
             raise integration.IntegrationError("kvattn.integrations.vllm does not support "
                                                + ", ".join(unsupported))
+        self.window_left = sliding_window - 1 if sliding_window else -1
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.alibi_slopes = (None if alibi_slopes is None
                              else torch.tensor(alibi_slopes, dtype=torch.float32))
@@ -182,7 +185,8 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         sinks = None if self.sinks is None else self.sinks.to(torch.float32)
         alibi = None if self.alibi_slopes is None else self.alibi_slopes.to(q.device)
         common = dict(scale=self.scale, check=state.check, backend=state.backend, out=out,
-                      validate=False, logits_soft_cap=self.logits_soft_cap, sinks=sinks,
+                      validate=False, window_left=self.window_left,
+                      logits_soft_cap=self.logits_soft_cap, sinks=sinks,
                       alibi_slopes=alibi)
         if attn_metadata.decode_only:
             _, report = api.paged_decode(q, k_pages, v_pages, batch.block_table,
