@@ -1,7 +1,8 @@
 """Models whose attention has a switch of kvattn.variants, under vLLM 0.32 (the CPU build) with
 kvattn in place of vLLM's CPU attention: a Mistral (a sliding window in every layer), a Gemma 2
-(logit soft-cap, every layer full attention), a Bloom (ALiBi) and a gpt-oss (sinks, no sliding
-window), random weights at tiny shapes (tests/vllm_model.py).
+(logit soft-cap, every layer full attention), a Bloom (ALiBi), a gpt-oss (sinks, no sliding
+window), and a Gemma 2 and a gpt-oss whose window and full layers alternate (two KV cache groups),
+random weights at tiny shapes (tests/vllm_model.py).
 
 Each model runs in tests/vllm_driver.py's ``variants`` scenario, once on vLLM's attention and once
 on kvattn's, with chunked prefill and a prefix-cache hit: greedy tokens equal and the sampled
@@ -21,8 +22,9 @@ from vllm_runs import ROOT, why_no_vllm
 
 DRIVER = ROOT / "tests" / "vllm_driver.py"
 FAMILIES = {"mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
-            "gpt-oss": "sinks"}
-SCORES = [name for name in FAMILIES if name != "mistral"]
+            "gpt-oss": "sinks", "gemma2-hybrid": "sliding_window", "gpt-oss-hybrid": "sliding_window"}
+WINDOWS = [name for name, switch in FAMILIES.items() if switch == "sliding_window"]
+SCORES = [name for name in FAMILIES if name not in WINDOWS]
 # Both attentions compute a float32 softmax over the same float32 K/V in a different order: a
 # log-probability differs by a few float32 roundings per layer (~1e-6 relative), far below the
 # change that turning a switch off makes (SWITCH_EFFECT_MIN).
@@ -58,9 +60,9 @@ def score_family(request, runs):
     return _results(runs, request.param)
 
 
-@pytest.fixture(scope="module")
-def window(runs):
-    return _results(runs, "mistral")
+@pytest.fixture(scope="module", params=WINDOWS)
+def window(request, runs):
+    return _results(runs, request.param)
 
 
 def _max_gap(a: dict, b: dict) -> float:
@@ -82,7 +84,7 @@ def test_kvattn_matches_vllm_attention(family):
         assert result["finish_reason"] == "length", request
         assert kvattn["equality"][request]["tokens"] == result["tokens"], request
         assert kvattn["equality"][request]["cached"] == result["cached"], request
-    assert stock["equality"]["s3"]["cached"] == (128 if name == "mistral" else 64)  # the hit happened
+    assert stock["equality"]["s3"]["cached"] == (128 if name in WINDOWS else 64)  # the hit happened
     assert _max_gap(kvattn["equality"], stock["equality"]) < LOGPROB_TOL
     assert kvattn["failures_total"] == 1  # the fault's victim only
 

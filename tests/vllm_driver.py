@@ -318,7 +318,10 @@ def variants_scenario(model: str, switch: str) -> dict:
     the window moves, and the foreign entry once more where the window has left the victim's
     first block (nothing reads it: no change, no failure)."""
     window = switch == "sliding_window"
-    engine = Engine(make_llm(model, **(dict(num_gpu_blocks_override=20) if window else {})))
+    with open(os.path.join(model, "config.json")) as f:
+        groups = len(set(json.load(f).get("layer_types") or ["one"]))  # vLLM's KV cache groups
+    # 20 blocks a group: a request holds blocks in every group.
+    engine = Engine(make_llm(model, **(dict(num_gpu_blocks_override=20 * groups) if window else {})))
     new = 40 if window else 8
     schedule = [(f"p{i}", prompt(10 + i, n), new, None) for i, n in enumerate((17, 40, 75, 130))]
     # The prefix hit: 64 tokens once p3 is done; under the window 128 tokens as p3 starts

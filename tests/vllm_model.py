@@ -13,7 +13,9 @@ context instead of collapsing onto one token.
 ``--family`` writes, at the tiny shapes, a model of another family whose attention has a score
 switch of kvattn.variants instead (tests/test_vllm_variants.py): ``mistral`` (a sliding window of
 ``MISTRAL_WINDOW`` tokens in every layer), ``gemma2`` (logit soft-cap, every
-layer full attention), ``bloom`` (ALiBi) or ``gpt-oss`` (sinks, no sliding window; 4 experts).
+layer full attention), ``bloom`` (ALiBi) or ``gpt-oss`` (sinks, no sliding window; 4 experts);
+``gemma2-hybrid`` and ``gpt-oss-hybrid`` alternate window and full layers, as the released models
+do (two KV cache groups in vLLM).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ GEOMETRIES = {
 
 # The score switch each family's attention layers hand vLLM's attention backend.
 FAMILIES = {"llama": None, "mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
-            "gpt-oss": "sinks"}
+            "gpt-oss": "sinks", "gemma2-hybrid": "sliding_window", "gpt-oss-hybrid": "sliding_window"}
 MISTRAL_WINDOW = 48  # tokens: the query and the 47 before it
 
 
@@ -72,6 +74,11 @@ def _family_model(family: str, vocab: dict, max_positions: int):
                      num_key_value_heads=tiny["num_key_value_heads"], head_dim=tiny["head_dim"],
                      max_position_embeddings=max_positions)
     full = ["full_attention"] * tiny["num_hidden_layers"]
+    hybrid = family.endswith("-hybrid")
+    family = family.removesuffix("-hybrid")
+    # Window and full layers alternating (window first, as vLLM's gpt-oss places it).
+    windows = (dict(layer_types=["sliding_attention", "full_attention"] * (tiny["num_hidden_layers"] // 2),
+                    sliding_window=MISTRAL_WINDOW) if hybrid else dict(layer_types=full))
     if family == "mistral":
         config = transformers.MistralConfig(intermediate_size=tiny["intermediate_size"],
                                             sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False,
@@ -84,8 +91,8 @@ def _family_model(family: str, vocab: dict, max_positions: int):
         common["initializer_range"] = 0.05
         config = transformers.Gemma2Config(
             intermediate_size=tiny["intermediate_size"], query_pre_attn_scalar=tiny["head_dim"],
-            attn_logit_softcapping=1.0, final_logit_softcapping=30.0, layer_types=full,
-            tie_word_embeddings=True, **attention, **common)
+            attn_logit_softcapping=1.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
+            **windows, **attention, **common)
         return transformers.Gemma2ForCausalLM(config)
     if family == "bloom":
         config = transformers.BloomConfig(hidden_size=tiny["hidden_size"], n_layer=tiny["num_hidden_layers"],
@@ -96,7 +103,8 @@ def _family_model(family: str, vocab: dict, max_positions: int):
         # Unquantised experts of a width vLLM's portable CPU MoE takes (a multiple of 32).
         config = transformers.GptOssConfig(
             intermediate_size=tiny["hidden_size"], num_local_experts=4, num_experts_per_tok=2,
-            sliding_window=None, layer_types=full, tie_word_embeddings=False, **attention, **common)
+            tie_word_embeddings=False, **({} if hybrid else dict(sliding_window=None)), **windows,
+            **attention, **common)
         model = transformers.GptOssForCausalLM(config)
         with torch.no_grad():  # initialised to 0: sinks that matter
             for layer in model.model.layers:

@@ -37,10 +37,12 @@ whose attention is kvattn's, and are documented in ``docs/vllm.md``):
 - **Sliding windows.** vLLM frees the blocks a running request's window has left; the ledger
   drops its hold on them as vLLM does (``WorkerOwnership._leave_window``). vLLM's null block
   (``NULL_BLOCK``) is never held, reserved or released.
+- **KV cache groups** (hybrid models: window and full layers): a lease holds one block list per
+  group, a step builds one batch per group, tags are one row per layer.
 
 The attention layers' switches (sliding window, logit soft-cap, sinks, ALiBi) go to kvattn's
 kernels (kvattn.integrations.vllm_backend). Not supported (refused when the engine is set up):
-more than one KV cache group (hybrid models), speculative decoding, quantized (fp8) KV caches,
+KV cache groups of different block sizes, speculative decoding, quantized (fp8) KV caches,
 async scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing.
 """
 from __future__ import annotations
@@ -221,9 +223,9 @@ class _Lease:
     """A request's hold on blocks, as the worker learned it from the scheduler."""
 
     owner: int
-    blocks: list[int] = field(default_factory=list)
-    expected: list[int] = field(default_factory=list)  # owner per logical block
-    keys: list[bytes] = field(default_factory=list)  # prefix digest per full block
+    blocks: list[list[int]] = field(default_factory=list)  # per KV cache group, per logical block
+    expected: list[list[int]] = field(default_factory=list)  # owner per group and logical block
+    keys: list[bytes] = field(default_factory=list)  # prefix digest per full block (every group)
 
 
 @dataclass
@@ -255,9 +257,12 @@ class WorkerOwnership:
         self.leases: dict[str, _Lease] = {}
         self.holders: Counter = Counter()  # block -> live leases that map it
         self.content: dict[int, tuple[int, bytes]] = {}  # block -> (writer owner, prefix digest)
-        self.window: int | None = None  # the KV cache group's sliding window (tokens), if any
+        # Per KV cache group (vLLM's kv_cache_groups order): its sliding window (tokens) or None;
+        # and each layer's group. One block-id space serves every group.
+        self.windows: list[int | None] = []
+        self.layer_group: dict[str, int] = {}
         self.runner = None
-        self.batch: StepBatch | None = None
+        self.batches: dict[int, StepBatch] = {}  # this step's, per group
         self.steps = 0
         self.pages_checked = 0
         # What the ledger followed, for tests and operators: leases, preemptions,
@@ -287,7 +292,7 @@ class WorkerOwnership:
         is its own, like a hit on an older block.
         """
         self.runner = runner
-        self.batch = None
+        self.batches = {}
         if self.tags is None:
             self._allocate_tags(runner)
         released: dict[int, list[int]] = {}  # owner -> blocks to release
@@ -318,11 +323,12 @@ class WorkerOwnership:
                 if block_ids is None:
                     continue
                 self._check_groups(block_ids)
-                fresh = list(block_ids[0])
-                lease.blocks += fresh
-                lease.expected += [lease.owner] * len(fresh)
-                self._hold(fresh)
-                reserved.append((fresh, lease.owner))
+                for g, ids in enumerate(block_ids):
+                    fresh = list(ids)
+                    lease.blocks[g] += fresh
+                    lease.expected[g] += [lease.owner] * len(fresh)
+                    self._hold(fresh)
+                    reserved.append((fresh, lease.owner))
         writes = self._step_writes(runner, so.num_scheduled_tokens, computed)
         for lease, num_computed in admitted:
             reserved.append((self._resolve_hits(lease, num_computed, writes), lease.owner))
@@ -342,46 +348,50 @@ class WorkerOwnership:
         scheduled this step: every block wholly before ``num_computed - window + 1`` (vLLM's
         ``get_num_skipped_tokens``), replaced by the null block as in the scheduler's list. No
         query of the request reads them again, so the kernels neither read nor check them."""
-        if self.window is None:
-            return
-        skipped = max(0, num_computed - self.window + 1) // self.block_size
-        gone = [i for i in range(min(skipped, len(lease.blocks))) if lease.blocks[i] != NULL_BLOCK]
-        for i in gone:
-            self._drop_hold(lease, lease.blocks[i], released)
-            lease.blocks[i] = NULL_BLOCK
-            lease.expected[i] = 0
-        self.counts["window_freed_blocks"] += len(gone)
+        for window, blocks, expected in zip(self.windows, lease.blocks, lease.expected):
+            if window is None:
+                continue
+            skipped = max(0, num_computed - window + 1) // self.block_size
+            gone = [i for i in range(min(skipped, len(blocks))) if blocks[i] != NULL_BLOCK]
+            for i in gone:
+                self._drop_hold(lease, blocks[i], released)
+                blocks[i] = NULL_BLOCK
+                expected[i] = 0
+            self.counts["window_freed_blocks"] += len(gone)
 
     def _allocate_tags(self, runner) -> None:
         config = runner.kv_cache_config
-        if len(config.kv_cache_groups) != 1:
-            raise IntegrationError(
-                "kvattn.integrations.vllm: models with one KV cache group are supported, got "
-                f"{len(config.kv_cache_groups)} (hybrid or sliding-window layers)")
         self.num_blocks = config.num_blocks
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
-        spec = config.kv_cache_groups[0].kv_cache_spec
         # vLLM's sliding-window manager frees the blocks a request's window has left, inside the
         # live request (SlidingWindowManager.remove_skipped_blocks); the ledger follows it.
-        self.window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        self.windows = [group.kv_cache_spec.sliding_window
+                        if isinstance(group.kv_cache_spec, SlidingWindowSpec) else None
+                        for group in config.kv_cache_groups]
+        self.layer_group = {name: g for g, group in enumerate(config.kv_cache_groups)
+                            for name in group.layer_names}
+        unknown = sorted(set(self.layer_rows) - set(self.layer_group))
+        if unknown:
+            raise IntegrationError(f"kvattn.integrations.vllm: layers {unknown} are in no KV cache group")
         device = runner.device
         self.tags = torch.zeros(len(self.layer_rows), config.num_blocks, dtype=torch.int64,
                                 device=device)
 
-    @staticmethod
-    def _check_groups(block_ids) -> None:
-        if len(block_ids) != 1:
-            raise IntegrationError("kvattn.integrations.vllm: one KV cache group is supported, "
-                                   f"got block ids for {len(block_ids)}")
+    def _check_groups(self, block_ids) -> None:
+        if len(block_ids) != len(self.windows):
+            raise IntegrationError(f"kvattn.integrations.vllm: {len(self.windows)} KV cache groups, got "
+                                   f"block ids for {len(block_ids)}")
 
     def _new_lease(self, rid, block_ids, tokens) -> _Lease:
         """A new owner for ``rid`` holding ``block_ids``; its expected owners are set by
         :meth:`_resolve_hits` once the step's writes are known."""
         self._check_groups(block_ids)
-        lease = _Lease(owner=new_owner_id(), blocks=list(block_ids[0]))
+        lease = _Lease(owner=new_owner_id(), blocks=[list(ids) for ids in block_ids],
+                       expected=[[] for _ in block_ids])
         self.leases[rid] = lease
         lease.keys = _prefix_digests(tokens, self.block_size)
-        self._hold(lease.blocks)
+        for blocks in lease.blocks:
+            self._hold(blocks)
         self.counts["leases"] += 1
         return lease
 
@@ -391,17 +401,18 @@ class WorkerOwnership:
         itself (to reserve). The full blocks the scheduler reports as computed are prefix-cache
         hits (:meth:`_computed_owner`); the rest are the lease's own."""
         fresh = []
-        for i, block in enumerate(lease.blocks):
-            owner = None
-            if block == NULL_BLOCK:  # before the window: never read
-                lease.expected.append(0)
-                continue
-            if (i + 1) * self.block_size <= num_computed:
-                owner = self._computed_owner(block, lease.keys, i, writes)
-            if owner is None:
-                owner = lease.owner
-                fresh.append(block)
-            lease.expected.append(owner)
+        for blocks, expected in zip(lease.blocks, lease.expected):
+            for i, block in enumerate(blocks):
+                owner = None
+                if block == NULL_BLOCK:  # before the window: never read
+                    expected.append(0)
+                    continue
+                if (i + 1) * self.block_size <= num_computed:
+                    owner = self._computed_owner(block, lease.keys, i, writes)
+                if owner is None:
+                    owner = lease.owner
+                    fresh.append(block)
+                expected.append(owner)
         return fresh
 
     def _computed_owner(self, block: int, keys: list[bytes], index: int,
@@ -445,9 +456,10 @@ class WorkerOwnership:
         lease = self.leases.pop(rid, None)
         if lease is None:
             return
-        for block in lease.blocks:
-            if block != NULL_BLOCK:
-                self._drop_hold(lease, block, released)
+        for blocks in lease.blocks:
+            for block in blocks:
+                if block != NULL_BLOCK:
+                    self._drop_hold(lease, block, released)
 
     @staticmethod
     def _tokens(runner, rid) -> list[int]:
@@ -473,20 +485,27 @@ class WorkerOwnership:
             end = (start + count) // self.block_size
             if end > len(lease.keys):
                 lease.keys = _prefix_digests(self._tokens(runner, rid), self.block_size, lease.keys)
-            for i in range(start // self.block_size, min(end, len(lease.blocks), len(lease.keys))):
-                if lease.blocks[i] == NULL_BLOCK:
-                    continue
-                if i >= len(lease.expected) or lease.expected[i] == lease.owner:
-                    writes[lease.blocks[i]] = (lease.owner, lease.keys[i])
+            for blocks, expected in zip(lease.blocks, lease.expected):
+                for i in range(start // self.block_size, min(end, len(blocks), len(lease.keys))):
+                    if blocks[i] == NULL_BLOCK:
+                        continue
+                    if i >= len(expected) or expected[i] == lease.owner:
+                        writes[blocks[i]] = (lease.owner, lease.keys[i])
         return writes
 
     # -- one step's batch ------------------------------------------------------------------------
 
-    def step_batch(self, common) -> StepBatch:
-        """The ownership inputs of this step's attention calls, built once per step on the host
-        from the runner's batch order (``common``: vLLM's CommonAttentionMetadata)."""
-        if self.batch is not None:
-            return self.batch
+    def batch_of(self, layer_name: str) -> StepBatch | None:
+        """This step's batch of the layer's KV cache group (None in a dummy run)."""
+        return self.batches.get(self.layer_group.get(layer_name, 0))
+
+    def step_batch(self, common, layer_name: str) -> StepBatch:
+        """The ownership inputs of this step's attention calls in the KV cache group of
+        ``layer_name``, built once per step and group on the host from the runner's batch order
+        (``common``: vLLM's CommonAttentionMetadata of that group)."""
+        group = self.layer_group.get(layer_name, 0)
+        if group in self.batches:
+            return self.batches[group]
         runner = self.runner
         if runner is None:
             raise IntegrationError("kvattn.integrations.vllm: attention metadata was built outside "
@@ -503,7 +522,7 @@ class WorkerOwnership:
             lease = self.leases.get(rid)
             if lease is None:
                 continue
-            row = lease.expected[:width]
+            row = lease.expected[group][:width]
             expected[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
             owners[b] = lease.owner
         num_slots = common.slot_mapping.shape[0]
@@ -512,7 +531,7 @@ class WorkerOwnership:
         total = int(counts.sum())
         token_owner[:total] = torch.repeat_interleave(owners, counts)
         device = common.block_table_tensor.device
-        self.batch = StepBatch(
+        self.batches[group] = StepBatch(
             req_ids=req_ids,
             block_table=common.block_table_tensor[:num_reqs, :width],
             expected=expected.to(device),
@@ -521,30 +540,35 @@ class WorkerOwnership:
             refused=torch.zeros(num_reqs, dtype=torch.int32, device=device),
             dropped=torch.zeros(num_reqs, dtype=torch.int32, device=device),
         )
-        return self.batch
+        return self.batches[group]
 
     def end_step(self, output) -> None:
         """After the step: fail the requests with refused pages or dropped writes (one read)."""
-        batch, self.batch = self.batch, None
-        if batch is None or not hasattr(output, "req_id_to_index"):
+        batches, self.batches = self.batches, {}
+        if not batches or not hasattr(output, "req_id_to_index"):
             return
         self.steps += 1
-        # One device read for the step: refusals, dropped writes, and every layer's pages_checked.
-        sums = [batch.refused.sum(), batch.dropped.sum()]
+        # One device read for the step: refusals, dropped writes, and every layer's pages_checked,
+        # over every KV cache group.
+        groups = sorted(batches)
+        sums = [t for g in groups for t in (batches[g].refused.sum(), batches[g].dropped.sum())]
         if self.check:
-            sums += [r.pages_checked.sum() for _, r in batch.reports]
+            sums += [r.pages_checked.sum() for g in groups for _, r in batches[g].reports]
         totals = torch.stack([t.to(torch.int64) for t in sums]).tolist()
-        self.counts["refused_pages"] += totals[0]
-        self.counts["dropped_writes"] += totals[1]
-        self.pages_checked += sum(totals[2:])
-        if not (totals[0] or totals[1]):
+        refused, dropped = sum(totals[0:2 * len(groups):2]), sum(totals[1:2 * len(groups):2])
+        self.counts["refused_pages"] += refused
+        self.counts["dropped_writes"] += dropped
+        self.pages_checked += sum(totals[2 * len(groups):])
+        if not (refused or dropped):
             return
-        bad = torch.nonzero((batch.refused > 0) | (batch.dropped > 0)).flatten().tolist()
         failed = {}
-        for row in bad:
-            rid = batch.req_ids[row]
-            message = _error(batch, row)
-            failed[rid] = message
+        for g in groups:  # a request failed in several groups: the first group's message
+            batch = batches[g]
+            for row in torch.nonzero((batch.refused > 0) | (batch.dropped > 0)).flatten().tolist():
+                rid = batch.req_ids[row]
+                if rid not in failed:
+                    failed[rid] = _error(batch, row)
+        for rid, message in failed.items():
             self.failures.append((rid, message))
             logger.error("%s", message)
             index = output.req_id_to_index.get(rid)
@@ -563,8 +587,9 @@ class WorkerOwnership:
             return
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         offsets = slots - blocks * self.block_size
+        group = self.layer_group.get(layer_name, 0)
         page_owner = {b: lease.owner for lease in self.leases.values()
-                      for b, e in zip(lease.blocks, lease.expected) if e == lease.owner}
+                      for b, e in zip(lease.blocks[group], lease.expected[group]) if e == lease.owner}
         lens: dict[int, int] = {}
         for block, offset in zip(blocks.tolist(), offsets.tolist()):
             if offset == lens.get(block, 0):

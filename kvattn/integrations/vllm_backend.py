@@ -89,7 +89,8 @@ class KVAttnMetadataBuilder(AttentionMetadataBuilder[KVAttnMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.state = integration.attach(vllm_config, list(layer_names), kv_cache_spec.block_size,
+        self.layer_names = list(layer_names)
+        self.state = integration.attach(vllm_config, self.layer_names, kv_cache_spec.block_size,
                                         check=True)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -103,7 +104,7 @@ class KVAttnMetadataBuilder(AttentionMetadataBuilder[KVAttnMetadata]):
             seq_lens=common.seq_lens[:num_reqs],
             slot_mapping=common.slot_mapping,
             decode_only=common.max_query_len == 1,
-            batch=self.state.step_batch(common),
+            batch=self.state.step_batch(common, self.layer_names[0]),
         )
 
 
@@ -155,7 +156,7 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         state = self._state()
-        batch = state.batch
+        batch = state.batch_of(layer.layer_name)
         if batch is None:  # a dummy run (profiling, warm-up): no request owns anything
             return
         k_pages, v_pages = self._pools(kv_cache)
