@@ -25,6 +25,7 @@ FAMILIES = {"mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "
             "gpt-oss": "sinks", "gemma2-hybrid": "sliding_window", "gpt-oss-hybrid": "sliding_window"}
 WINDOWS = [name for name, switch in FAMILIES.items() if switch == "sliding_window"]
 SCORES = [name for name in FAMILIES if name not in WINDOWS]
+HYBRIDS = [name for name in FAMILIES if name.endswith("-hybrid")]  # two KV cache groups
 # Both attentions compute a float32 softmax over the same float32 K/V in a different order: a
 # log-probability differs by a few float32 roundings per layer (~1e-6 relative), far below the
 # change that turning a switch off makes (SWITCH_EFFECT_MIN).
@@ -86,7 +87,7 @@ def test_kvattn_matches_vllm_attention(family):
         assert kvattn["equality"][request]["cached"] == result["cached"], request
     assert stock["equality"]["s3"]["cached"] == (128 if name in WINDOWS else 64)  # the hit happened
     assert _max_gap(kvattn["equality"], stock["equality"]) < LOGPROB_TOL
-    assert kvattn["failures_total"] == 1  # the fault's victim only
+    assert kvattn["failures_total"] == (2 if name.endswith("-hybrid") else 1)  # the faults' victims only
 
 
 def test_the_switch_changes_the_answer_on_both_attentions(score_family):
@@ -98,15 +99,13 @@ def test_the_switch_changes_the_answer_on_both_attentions(score_family):
     assert _max_gap(kvattn["switch_off"], stock["switch_off"]) < LOGPROB_TOL
 
 
-def test_a_foreign_entry_fails_only_the_victim_on_kvattn(family):
-    name, stock, kvattn = family
-    real = stock["foreign_entry"]
+def _fails_only_the_victim(real: dict, run: dict) -> None:
+    """``real``: the fault on vLLM's attention, ``run``: on kvattn's."""
     assert real["injected"] and real["failures"] == []
     # The fault is real on vLLM's attention: the victim's answer moves (its tokens may not, on a
     # model this small, so its log-probabilities are compared).
     assert not _same({"v": real["faulted"]["victim"]}, {"v": real["clean"]["victim"]})
     assert _max_gap({"v": real["faulted"]["victim"]}, {"v": real["clean"]["victim"]}) > SWITCH_EFFECT_MIN
-    run = kvattn["foreign_entry"]
     assert run["injected"]
     assert _same(run["clean"], real["clean"])
     assert run["faulted"]["victim"]["finish_reason"] == "error"
@@ -114,6 +113,23 @@ def test_a_foreign_entry_fails_only_the_victim_on_kvattn(family):
     assert victim == "victim" and "OWNER_MISMATCH" in message
     others = {n: r for n, r in run["faulted"].items() if n != "victim"}
     assert others and all(r == run["clean"][n] for n, r in others.items())
+
+
+def test_a_foreign_entry_fails_only_the_victim_on_kvattn(family):
+    """In the table of the first KV cache group (a hybrid's window layers)."""
+    _, stock, kvattn = family
+    _fails_only_the_victim(stock["foreign_entry"], kvattn["foreign_entry"])
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request, runs):
+    return _results(runs, request.param)
+
+
+def test_a_foreign_entry_in_the_full_layers_group_fails_only_the_victim(hybrid):
+    _, stock, kvattn = hybrid
+    _fails_only_the_victim(stock["foreign_entry_full"], kvattn["foreign_entry_full"])
+    assert "layers.1." in kvattn["foreign_entry_full"]["failures"][0][1]  # the full layer refused
 
 
 def test_the_ledger_follows_the_blocks_the_window_leaves(window):

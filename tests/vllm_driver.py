@@ -114,9 +114,10 @@ def patch(obj, name, make):
     return lambda: setattr(obj, name, original)
 
 
-def foreign_entry(engine):
+def foreign_entry(engine, group: int = 0):
     """The victim's block-table entry 0 points at another live request's block 0, from the
-    victim's first decode on (the worker's table, the one the kernel is given)."""
+    victim's first decode on (the worker's table of KV cache group ``group``, the one the kernel
+    is given)."""
     done = []
 
     def make(original):
@@ -126,7 +127,7 @@ def foreign_entry(engine):
             batch = engine.runner.input_batch
             if v is not None and x is not None and (
                     batch.num_computed_tokens_cpu[v] >= batch.num_prompt_tokens[v]):
-                table = batch.block_table[0].block_table.np
+                table = batch.block_table[group].block_table.np
                 table[v, 0] = table[x, 0]
                 done.append(True)
             return result
@@ -345,6 +346,10 @@ def variants_scenario(model: str, switch: str) -> dict:
                                              ("other", prompt(31, 50), 10, None),
                                              ("third", prompt(32, 20), 10, None)], foreign_entry,
                                     logprobs=True)
+    if groups > 1:  # the full-attention layers' group
+        out["foreign_entry_full"] = scenario(engine, [("victim", prompt(30, 70), 10, None),
+                                                      ("other", prompt(31, 50), 10, None)],
+                                             lambda e: foreign_entry(e, group=1), logprobs=True)
     if window:
         out["before_window"] = scenario(engine, [("victim", prompt(33, 130), 10, None),
                                                  ("other", prompt(34, 50), 10, None)], foreign_entry,
