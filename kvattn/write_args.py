@@ -25,13 +25,16 @@ from .tags import OWNER_MAX
 from .variants import FP8_DTYPES, _kv_scale, check_scale_values
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+# How a quantising writer rounds ``x / scale`` to fp8 (:func:`kvattn.write_kv`).
+FP8_ROUNDINGS = ("nearest", "toward_zero")
 
 
 @dataclass
 class WriteArgs:
     """Validated ``write_kv`` inputs; ``owners`` is int64 ``[T]`` (a stride-0 view for one owner).
     ``k_scale``/``v_scale``: ``[num_kv_heads]`` float32 tensors when the writer quantises ``k``/``v``
-    into fp8 pools, else None."""
+    into fp8 pools, else None. ``fp8_rounding``: one of :data:`FP8_ROUNDINGS` (``"nearest"``
+    unless the writer quantises)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -42,6 +45,7 @@ class WriteArgs:
     owners: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    fp8_rounding: str = "nearest"
 
     @property
     def quantises(self) -> bool:
@@ -49,8 +53,12 @@ class WriteArgs:
 
     def switches(self) -> list[str]:
         """The :mod:`kvattn.variants` switches a writer must implement to run these inputs (the
-        registry refuses a backend whose ``WRITE_SWITCHES`` lack one): ``"fp8 KV"`` for fp8 pools."""
-        return ["fp8 KV"] if self.k_cache.dtype in FP8_DTYPES else []
+        registry refuses a backend whose ``WRITE_SWITCHES`` lack one): ``"fp8 KV"`` for fp8 pools,
+        ``"fp8 toward_zero"`` for quantising with that rounding."""
+        switches = ["fp8 KV"] if self.k_cache.dtype in FP8_DTYPES else []
+        if self.fp8_rounding != "nearest":
+            switches.append(f"fp8 {self.fp8_rounding}")
+        return switches
 
     @property
     def num_tokens(self) -> int:
@@ -139,8 +147,23 @@ def write_scales(k_dtype, k_cache, k_scale, v_scale, validate: bool | None
     return scales[0], scales[1]
 
 
+def check_fp8_rounding(fp8_rounding, quantises: bool) -> str:
+    """``fp8_rounding`` is one of :data:`FP8_ROUNDINGS`, and ``"nearest"`` unless the writer
+    quantises (a rounding that nothing rounds is a caller's mistake)."""
+    if not isinstance(fp8_rounding, str):
+        raise TypeError(f"fp8_rounding: expected a str, got {type(fp8_rounding).__name__}")
+    if fp8_rounding not in FP8_ROUNDINGS:
+        raise ValueError(f"fp8_rounding: expected one of {list(FP8_ROUNDINGS)}, "
+                         f"got {fp8_rounding!r}")
+    if fp8_rounding != "nearest" and not quantises:
+        raise ValueError(f"fp8_rounding: expected 'nearest' when the writer does not quantise "
+                         f"(fp8 pools and wider k/v), got {fp8_rounding!r}")
+    return fp8_rounding
+
+
 def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
-                      validate: bool | None = None, k_scale=None, v_scale=None) -> WriteArgs:
+                      validate: bool | None = None, k_scale=None, v_scale=None,
+                      fp8_rounding: str = "nearest") -> WriteArgs:
     """The argument checks of :func:`kvattn.write_kv`; raise ValueError/TypeError naming the
     argument, what was expected and what was got."""
     check_kv_pools(k_cache, v_cache)
@@ -169,4 +192,6 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
     k_scale, v_scale = write_scales(k.dtype, k_cache, k_scale, v_scale, validate)
     check_apart("k_scale", k_scale, written)
     check_apart("v_scale", v_scale, written)
-    return WriteArgs(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale, v_scale)
+    fp8_rounding = check_fp8_rounding(fp8_rounding, k_scale is not None)
+    return WriteArgs(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale, v_scale,
+                     fp8_rounding)

@@ -225,7 +225,7 @@ def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: i
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, page_tags: torch.Tensor, owner, *,
              backend: str = "auto", validate: bool | None = None, k_scale=None,
-             v_scale=None) -> WriteResult:
+             v_scale=None, fp8_rounding: str = "nearest") -> WriteResult:
     """Append new tokens' K/V to their page slots, then stamp the pages (``reshape_and_cache``).
 
     ``k``, ``v``: ``[T, num_kv_heads, head_dim]``, the cache dtype (or, for fp8 pools, float16/
@@ -264,10 +264,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ``[1]`` or ``[num_kv_heads]`` on the pools' device; default 1): the stored element is ``x /
     scale`` computed in float32 (correctly rounded), saturated to the format's largest finite value
     (448 for e4m3, 57344 for e5m2, as vLLM's cache writer does: e4m3fn has no infinity), then
-    rounded to nearest even; NaN is stored as the positive NaN code ``0x7f``. Every writer that
-    quantises stores the same bytes. ``k``/``v`` already in the pools' fp8 dtype are stored as they
-    are (then the scales must be None). Scales with non-fp8 pools raise ``ValueError``. The tags
-    are those of any write.
+    rounded to nearest even; NaN is stored as the positive NaN code ``0x7f``.
+    ``fp8_rounding="toward_zero"`` is vLLM's CPU cache writer's rule instead (so that an engine's
+    cache holds the bytes its own writer would store): the same quotient and saturation, rounded
+    toward zero, a quotient below float32's normal range (``2**-126``) stored as ``+0`` (a larger
+    one that rounds to zero keeps its sign), NaN saturated to the largest finite value. vLLM stores
+    a negative float32-subnormal quotient as ``-0``: the only bytes that differ, both zero (a
+    device's division may flush such a quotient, so the rule cannot depend on it). Every writer
+    that quantises stores the same bytes for a rule. ``k``/``v`` already in the pools' fp8 dtype
+    are stored as they are (then the scales must be None). Scales with non-fp8 pools raise
+    ``ValueError``. The tags are those of any write.
 
     ``backend``: picked by the registry, :mod:`kvattn.backends`, like the readers' (a named backend
     that cannot run the inputs raises ``ValueError`` with its reason). ``"torch"`` composes the
@@ -278,7 +284,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     program per token). All give the same result, except in that race.
     """
     args = validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner,
-                             validate=validate, k_scale=k_scale, v_scale=v_scale)
+                             validate=validate, k_scale=k_scale, v_scale=v_scale,
+                             fp8_rounding=fp8_rounding)
     impl = backends.select(args, backend, op="write_kv")
     if args.num_tokens == 0:
         return WriteResult.empty(k_cache.device)

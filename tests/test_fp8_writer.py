@@ -1,8 +1,9 @@
-"""write_kv into fp8 pools: the stored codes against the rounding rule written out here (nearest
-finite value of a table of every code, ties to the even code), on the torch and Triton writers
-alike; write-then-read round trips against float64 attention over the dequantised values, with
-NaN-filled foreign pages; the writer's refusals with fp8 pools; which writers claim fp8 pools; the
-scales' validation; PagedKVCache with fp8 pools.
+"""write_kv into fp8 pools: the stored codes against the rounding rules written out here (nearest
+finite value of a table of every code, ties to the even code; or the largest magnitude not above
+the quotient's, vLLM's CPU rule), on the torch and Triton writers alike; write-then-read round
+trips against float64 attention over the dequantised values, with NaN-filled foreign pages; the
+writer's refusals with fp8 pools; which writers claim fp8 pools; the scales' validation;
+PagedKVCache with fp8 pools.
 """
 from __future__ import annotations
 
@@ -42,10 +43,14 @@ def code_values(dtype) -> np.ndarray:
     return values
 
 
-def expected_codes(x: torch.Tensor, scale: np.ndarray, dtype) -> np.ndarray:
+def expected_codes(x: torch.Tensor, scale: np.ndarray, dtype, rounding: str = "nearest"
+                   ) -> np.ndarray:
     """The codes the writer must store for ``x`` (any float dtype, ``[..., heads, dim]``) with the
-    per-head ``scale``: the float32 quotient, saturated to the largest finite value, then the
-    nearest code of the same sign, ties to the even code; NaN as 0x7f."""
+    per-head ``scale``: the float32 quotient, saturated to the largest finite value, then
+    ``"nearest"``: the nearest code of the same sign, ties to the even code, NaN as 0x7f;
+    ``"toward_zero"``: the code of the same sign with the largest magnitude not above the
+    quotient's, a quotient below float32's normal range as +0, NaN as the positive largest finite
+    value."""
     values = code_values(dtype)
     finite = np.isfinite(values)
     top = values[finite].max()
@@ -55,10 +60,18 @@ def expected_codes(x: torch.Tensor, scale: np.ndarray, dtype) -> np.ndarray:
     out = np.empty(y.shape, dtype=np.uint8)
     for i, yi in enumerate(y):
         if np.isnan(yi):
-            out[i] = NAN_CODE
+            largest = int(np.argmax(np.where(finite, values, -np.inf)))
+            out[i] = NAN_CODE if rounding == "nearest" else largest
+            continue
+        if rounding == "toward_zero" and abs(yi) < np.finfo(np.float32).tiny:
+            out[i] = 0
             continue
         same_sign = finite & ((codes >> 7) == int(np.signbit(yi)))
         cand = codes[same_sign]
+        if rounding == "toward_zero":
+            below = cand[np.abs(values[cand]) <= abs(float(yi))]
+            out[i] = below[np.argmax(np.abs(values[below]))]
+            continue
         dist = np.abs(values[cand] - float(yi))
         best = cand[dist == dist.min()]
         out[i] = best[best % 2 == 0][0] if len(best) > 1 else best[0]
@@ -100,10 +113,11 @@ def poisoned_pools(num_pages, page, dtype):
     return k.to(DEVICE), k.clone().to(DEVICE)
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
 @pytest.mark.parametrize("writer", WRITERS)
 @pytest.mark.parametrize("src", SOURCES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("fmt", list(FP8))
-def test_stored_codes_follow_the_rounding_rule(fmt, src, writer):
+def test_stored_codes_follow_the_rounding_rule(fmt, src, writer, rounding):
     dtype = FP8[fmt]
     k = as_tokens(probe_values(dtype)).to(src)
     v = k.flip(0).contiguous()
@@ -116,21 +130,24 @@ def test_stored_codes_follow_the_rounding_rule(fmt, src, writer):
     r = kvattn.write_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache,
                         torch.arange(num_tokens, device=DEVICE), tags, 1, backend=writer,
                         k_scale=torch.tensor(k_scale, dtype=torch.float32, device=DEVICE),
-                        v_scale=3.0)
+                        v_scale=3.0, fp8_rounding=rounding)
     assert bool(r.landed.all())
     got_k = k_cache.view(torch.uint8).reshape(-1)[: k.numel()].cpu().numpy()
     got_v = v_cache.view(torch.uint8).reshape(-1)[: v.numel()].cpu().numpy()
-    want_k, want_v = expected_codes(k, k_scale, dtype), expected_codes(v, v_scale, dtype)
+    want_k = expected_codes(k, k_scale, dtype, rounding)
+    want_v = expected_codes(v, v_scale, dtype, rounding)
     bad = np.nonzero(got_k != want_k)[0]
     assert bad.size == 0, (k.reshape(-1)[bad[:5]], got_k[bad[:5]], want_k[bad[:5]])
     np.testing.assert_array_equal(got_v, want_v)
     # Saturation: no finite input became NaN or infinity.
     nonfinite = ~np.isfinite(code_values(dtype)[got_k])
-    assert np.array_equal(nonfinite, np.isnan(k.float().numpy().reshape(-1)))
+    nan_in = np.isnan(k.float().numpy().reshape(-1))
+    assert np.array_equal(nonfinite, nan_in if rounding == "nearest" else np.zeros_like(nan_in))
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
 @pytest.mark.parametrize("fmt", list(FP8))
-def test_torch_and_triton_writers_store_identical_bytes(fmt):
+def test_torch_and_triton_writers_store_identical_bytes(fmt, rounding):
     """On random batches with refusals (torch and Triton decide the same tokens, see
     tests/test_triton_writer.py), the bytes of both pools and the tags agree exactly."""
     dtype = FP8[fmt]
@@ -146,7 +163,7 @@ def test_torch_and_triton_writers_store_identical_bytes(fmt):
         t = tags.clone().to(DEVICE)
         r = kvattn.write_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE), t, 1,
                             backend=writer, k_scale=torch.tensor([0.5, 0.01], device=DEVICE),
-                            v_scale=torch.tensor(2.0, device=DEVICE))
+                            v_scale=torch.tensor(2.0, device=DEVICE), fp8_rounding=rounding)
         results.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8), t,
                         r.drop_reasons))
     for a, b in zip(*results):
@@ -329,6 +346,14 @@ BAD_SCALES = [
     (torch.float8_e5m2, torch.float32, dict(k_scale=torch.ones(2, dtype=torch.float64)), TypeError,
      "k_scale: expected dtype float32, got float64"),
     (torch.float8_e5m2, torch.float32, dict(k_scale="1"), TypeError, "k_scale: expected a float"),
+    (torch.float8_e4m3fn, torch.float16, dict(fp8_rounding="up"), ValueError,
+     r"fp8_rounding: expected one of \['nearest', 'toward_zero'\], got 'up'"),
+    (torch.float8_e4m3fn, torch.float16, dict(fp8_rounding=0), TypeError,
+     "fp8_rounding: expected a str, got int"),
+    (torch.float16, torch.float16, dict(fp8_rounding="toward_zero"), ValueError,
+     "fp8_rounding: expected 'nearest' when the writer does not quantise"),
+    (torch.float8_e4m3fn, torch.float8_e4m3fn, dict(fp8_rounding="toward_zero"), ValueError,
+     "fp8_rounding: expected 'nearest' when the writer does not quantise"),
 ]
 
 
@@ -344,6 +369,23 @@ def test_good_scales_are_accepted_as_per_head_tensors():
         args = write_args(torch.float8_e4m3fn, torch.bfloat16, k_scale=scale, v_scale=scale)
         assert torch.equal(args.k_scale, torch.tensor([0.5, 0.5]))
     assert write_args(torch.float8_e4m3fn, torch.float8_e4m3fn).k_scale is None
+    rounded = write_args(torch.float8_e4m3fn, torch.bfloat16, fp8_rounding="toward_zero")
+    assert rounded.fp8_rounding == "toward_zero"
+    assert rounded.switches() == ["fp8 KV", "fp8 toward_zero"]
+
+
+def test_only_the_quantising_writers_claim_rounding_toward_zero():
+    """torch and Triton claim the rounding; the CUDA writers are refused on fp8 pools first."""
+    args = write_args(torch.float8_e4m3fn, torch.bfloat16, fp8_rounding="toward_zero")
+    for name in ("torch", "triton"):
+        module = kvattn.backends.load(name)[0]
+        if module is not None:
+            assert "fp8 toward_zero" in module.WRITE_SWITCHES
+    reasons = backends.explain(args, "write_kv")
+    assert reasons["torch"] is None
+    sim = kvattn.backends.load("cuda_sim")[0]
+    if sim is not None and sim._sim is not None:
+        assert "fp8" in reasons["cuda_sim"]
 
 
 def test_k_and_v_of_different_dtypes_are_refused():

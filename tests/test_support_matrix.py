@@ -50,10 +50,10 @@ def reader_args(pool_dtype=torch.float16, **variant):
                                       validate=False, **variant)}
 
 
-def writer_args(pool_dtype):
+def writer_args(pool_dtype, **rounding):
     k_cache = torch.zeros(2, PAGE, KV_HEADS, DIM, dtype=pool_dtype)
     k = torch.zeros(1, KV_HEADS, DIM, dtype=torch.float16)
-    scales = dict(k_scale=0.5, v_scale=0.5) if pool_dtype != torch.float16 else {}
+    scales = dict(k_scale=0.5, v_scale=0.5, **rounding) if pool_dtype != torch.float16 else {}
     return {"write_kv": validate_write_kv(k, k, k_cache, k_cache.clone(),
                                           torch.zeros(1, dtype=torch.int64),
                                           torch.zeros(2, dtype=torch.int64), 1, **scales)}
@@ -81,6 +81,9 @@ ROWS = {
     "fp8 e5m2 pools, extend": ("fp8 KV", lambda: [only("extend", E5M2)]),
     "fp8 write (`write_kv` into e4m3/e5m2 pools)": ("fp8 KV",
                                                     lambda: [writer_args(E4M3), writer_args(E5M2)]),
+    "fp8 write rounded toward zero (`fp8_rounding=\"toward_zero\"`, vLLM CPU's rule)": (
+        "fp8 toward_zero", lambda: [writer_args(E4M3, fp8_rounding="toward_zero"),
+                                    writer_args(E5M2, fp8_rounding="toward_zero")]),
 }
 PLAIN = {"decode": lambda: reader_args()["decode"], "extend": lambda: reader_args()["extend"],
          "write_kv": lambda: writer_args(torch.float16)["write_kv"]}

@@ -19,8 +19,11 @@ from .pytorch_attention import decode, extend  # noqa: F401 (this backend's read
 
 NAME = "torch"
 # Switches of kvattn.variants this writer implements (the registry refuses the others).
-WRITE_SWITCHES = frozenset({"fp8 KV"})
+WRITE_SWITCHES = frozenset({"fp8 KV", "fp8 toward_zero"})
 
+# float32's smallest normal: below it a quotient may or may not be flushed to zero by the device's
+# division, so the rounding toward zero stores every such quotient as +0.
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -109,22 +112,32 @@ def atomic_put_rows(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: t
     storage.scatter_reduce_(0, offsets, torch.where(accepted, bits, low).flatten(), reduce="amax")
 
 
-def quantise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def quantise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+             rounding: str = "nearest") -> torch.Tensor:
     """``x`` ``[T, num_kv_heads, head_dim]`` as ``dtype`` (fp8) by the per-head ``scale``, the rule
-    of :func:`kvattn.write_kv`: float32 ``x / scale``, saturated to the largest finite value, NaN as
-    the positive NaN, then torch's round-to-nearest-even cast."""
+    of :func:`kvattn.write_kv`: float32 ``x / scale``, saturated to the largest finite value, then
+    by ``rounding``: ``"nearest"``, torch's round-to-nearest-even cast, NaN as the positive NaN;
+    ``"toward_zero"``, that cast stepped one code toward zero where it rounded away from zero, a
+    quotient below float32's normal range as +0 and NaN as the largest finite value."""
     limit = FP8_MAX[dtype]
     y = (x.float() / scale[None, :, None]).clamp(-limit, limit)
-    # The sign of a NaN quotient depends on the device; one NaN code makes the bytes identical.
-    return y.masked_fill(torch.isnan(y), float("nan")).to(dtype)
+    if rounding == "nearest":
+        # The sign of a NaN quotient depends on the device; one NaN code makes the bytes identical.
+        return y.masked_fill(torch.isnan(y), float("nan")).to(dtype)
+    y = y.nan_to_num(nan=limit)
+    q = y.to(dtype)
+    # fp8 codes are sign and magnitude, so one code down in the magnitude bits is one step
+    # toward zero; a magnitude that rounded up never passes the (representable) limit.
+    codes = q.view(torch.uint8) - (q.float().abs() > y.abs()).to(torch.uint8)
+    return codes.masked_fill(y.abs() < FLOAT32_TINY, 0).view(dtype)
 
 
 def write_kv(args: WriteArgs) -> WriteResult:
     """The writer's steps as PyTorch ops, on validated arguments."""
     k, v, k_cache, v_cache, slot_mapping, page_tags, owners = args.tensors()
     if args.quantises:
-        k = quantise(k, args.k_scale, k_cache.dtype)
-        v = quantise(v, args.v_scale, v_cache.dtype)
+        k = quantise(k, args.k_scale, k_cache.dtype, args.fp8_rounding)
+        v = quantise(v, args.v_scale, v_cache.dtype, args.fp8_rounding)
     num_tokens = slot_mapping.shape[0]
     device = k_cache.device
     page_size = k_cache.shape[1]

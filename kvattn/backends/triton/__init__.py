@@ -15,8 +15,9 @@ from .paged_mla_decode import MAX_KV_LORA_RANK, MAX_ROPE_DIM, mla_decode
 # The switches of kvattn.variants the kernels compile in.
 SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "fp8 KV"})
 
-# The switches of kvattn.variants the stamping writer implements (fp8 pools, quantising on write).
-WRITE_SWITCHES = frozenset({"fp8 KV"})
+# The switches of kvattn.variants the stamping writer implements (fp8 pools, quantising on write
+# with either rounding).
+WRITE_SWITCHES = frozenset({"fp8 KV", "fp8 toward_zero"})
 
 NAME = "triton"
 
@@ -47,7 +48,8 @@ def why_not_write_kv(args: WriteArgs) -> str | None:
 
 def write_kv(args: WriteArgs) -> WriteResult:
     """:mod:`.stamp_writer`'s two launches (arguments accepted by :func:`why_not_write_kv`)."""
-    landed, reasons = stamp_writer.write_kv(*args.tensors(), args.k_scale, args.v_scale)
+    landed, reasons = stamp_writer.write_kv(*args.tensors(), args.k_scale, args.v_scale,
+                                           args.fp8_rounding)
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 

@@ -25,9 +25,12 @@ def fp8_format(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 @triton.jit
-def fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr):
+def fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
+             TOWARD_ZERO: tl.constexpr = False):
     """The fp8 code (uint8) of float32 ``x``: saturated to the largest finite value (``MAX_BITS``,
-    its float32 bit pattern), NaN as the positive NaN 0x7f, else round to nearest even."""
+    its float32 bit pattern), then rounded to nearest even with NaN as the positive NaN 0x7f; or,
+    ``TOWARD_ZERO``, truncated with NaN as the positive largest finite value and a quotient
+    below float32's normal range as +0."""
     u = x.to(tl.int32, bitcast=True)
     sign = (u >> 31) & 1
     a = u & 0x7FFFFFFF
@@ -44,8 +47,14 @@ def fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr):
     v = tl.where(exp == 0, 0, v)
     shift = tl.where(normal, 23 - MANT, tl.minimum(24 - MANT - e_t, 31))
     q = v >> shift
-    rem = v & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
-    bits = tl.where(nan, 0x7F, q | (sign << 7))
+    if TOWARD_ZERO:
+        # The dropped bits are the truncation. A quotient below float32's normal range is +0
+        # whether or not the division flushed it, and NaN, saturated above, the positive maximum.
+        sign = tl.where(nan | (a < 0x800000), 0, sign)
+        bits = q | (sign << 7)
+    else:
+        rem = v & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+        bits = tl.where(nan, 0x7F, q | (sign << 7))
     return bits.to(tl.uint8)

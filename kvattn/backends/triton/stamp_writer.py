@@ -27,6 +27,7 @@ def write_kv_kernel(
     PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
+    TOWARD_ZERO: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     target = tl.load(slot_mapping_ptr + i * stride_slot).to(tl.int64)
@@ -73,8 +74,10 @@ def write_kv_kernel(
         # div_rn: the correctly rounded quotient the torch writer computes (not a fast reciprocal).
         ks = tl.load(k_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)
         vs = tl.load(v_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)
-        k = fp8_bits(tl.math.div_rn(k.to(tl.float32), ks[:, None]), MANT, BIAS, MAX_BITS)
-        v = fp8_bits(tl.math.div_rn(v.to(tl.float32), vs[:, None]), MANT, BIAS, MAX_BITS)
+        k = fp8_bits(tl.math.div_rn(k.to(tl.float32), ks[:, None]), MANT, BIAS, MAX_BITS,
+                     TOWARD_ZERO)
+        v = fp8_bits(tl.math.div_rn(v.to(tl.float32), vs[:, None]), MANT, BIAS, MAX_BITS,
+                     TOWARD_ZERO)
     safe_page = tl.where(landed, page, 0)
     tl.store(k_cache_ptr + safe_page * stride_cp + slot * stride_cs + offs_h[:, None] * stride_ch
              + offs_d[None, :], k, mask=hd_mask)
@@ -92,11 +95,12 @@ def stamp_kernel(slot_mapping_ptr, stamp_ptr, tags_ptr, num_tokens, stride_slot,
     tl.atomic_max(tags_ptr + target // PAGE, stamp, mask=stamp != 0)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale=None, v_scale=None):
+def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale=None, v_scale=None,
+             fp8_rounding="nearest"):
     """Launch both kernels; arguments already validated by :func:`kvattn.writers.write_kv`
     (``owners`` an int64 tensor ``[T]``, possibly a stride-0 expansion; ``slot_mapping`` read
     through its stride, as the other writers do; ``k_scale``/``v_scale`` ``[num_kv_heads]`` float32
-    when quantising into fp8 pools). Returns ``(landed, drop_reasons)``."""
+    and ``fp8_rounding`` when quantising into fp8 pools). Returns ``(landed, drop_reasons)``."""
     import torch
 
     quant = k_scale is not None
@@ -120,6 +124,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale=No
         PAGE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         QUANT=quant, MANT=mant, BIAS=bias, MAX_BITS=max_bits,
+        TOWARD_ZERO=fp8_rounding == "toward_zero",
     )
     block = 256
     stamp_kernel[(triton.cdiv(num_tokens, block),)](
