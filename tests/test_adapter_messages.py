@@ -1,6 +1,7 @@
 """The transformers adapter's ownership error, from the per-layer reports and writer results of one
 forward: summarised per request across layers, the writer's dropped writes (usually the cause)
-before the refused reads. Needs no transformers install: the summary is plain kvattn code."""
+before the refused reads. Needs no transformers install: the summary is plain kvattn code. And the
+vLLM plugin's refusals when an engine is set up (no vLLM install either)."""
 import torch
 
 import kvattn
@@ -51,3 +52,32 @@ def test_adapter_error_without_drops_shows_reads_only():
     assert "writes:" not in reads_only and "in 3 of 3 layer(s)" in reads_only
     writes_only = str(adapter._error(_adapter_batch(3, drop=True, refuse=False), 1))
     assert "reads:" not in writes_only and "3 NOT_HELD dropped write(s)" in writes_only
+
+
+def _vllm_config(cache_dtype="auto", speculative=None):
+    from types import SimpleNamespace
+    return SimpleNamespace(speculative_config=speculative,
+                           cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+                           scheduler_config=SimpleNamespace(async_scheduling=False))
+
+
+def test_vllm_plugin_takes_the_fp8_caches_it_writes():
+    """vLLM's fp8 cache dtypes are accepted when the engine is set up (plain kvattn code: no vLLM
+    install needed)."""
+    from kvattn.integrations import vllm as integration
+    for dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        integration._refuse_unsupported(_vllm_config(dtype))
+
+
+def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
+    """The twin: a cache dtype it does not write, and speculative decoding, are refused with
+    the reason."""
+    import pytest
+
+    from kvattn.integrations import vllm as integration
+    with pytest.raises(integration.IntegrationError,
+                       match=r"KV cache dtype 'fp8_inc' \(use 'auto' or one of 'fp8', 'fp8_e4m3', "
+                             r"'fp8_e5m2'\)"):
+        integration._refuse_unsupported(_vllm_config("fp8_inc"))
+    with pytest.raises(integration.IntegrationError, match="speculative decoding"):
+        integration._refuse_unsupported(_vllm_config(speculative=object()))

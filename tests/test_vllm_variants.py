@@ -1,8 +1,9 @@
 """Models whose attention has a switch of kvattn.variants, under vLLM 0.32 (the CPU build) with
 kvattn in place of vLLM's CPU attention: a Mistral (a sliding window in every layer), a Gemma 2
 (logit soft-cap, every layer full attention), a Bloom (ALiBi), a gpt-oss (sinks, no sliding
-window), and a Gemma 2 and a gpt-oss whose window and full layers alternate (two KV cache groups),
-random weights at tiny shapes (tests/vllm_model.py).
+window), a Gemma 2 and a gpt-oss whose window and full layers alternate (two KV cache groups),
+random weights at tiny shapes (tests/vllm_model.py); and the Llama on fp8 KV caches (e4m3 and
+e5m2, ``--kv-cache-dtype fp8`` / ``fp8_e5m2``).
 
 Each model runs in tests/vllm_driver.py's ``variants`` scenario, once on vLLM's attention and once
 on kvattn's, with chunked prefill and a prefix-cache hit: greedy tokens equal and the sampled
@@ -11,7 +12,9 @@ victim on kvattn and changes the victim's answer on vLLM's. A score switch turne
 layer changes the answer on both attentions (so the equality is the switch's, and the switch
 reaches the kernel). The window's twin: vLLM frees the blocks the window leaves inside a live
 request and hands them out again (a small pool), the ledger follows, and a foreign entry where the
-window has left the victim's first block is neither read nor reported.
+window has left the victim's first block is neither read nor reported. The fp8 caches' twins:
+every KV write kvattn makes is the code vLLM's own writer stores, and the model's own cache dtype
+answers otherwise.
 """
 from __future__ import annotations
 
@@ -22,9 +25,11 @@ from vllm_runs import ROOT, why_no_vllm
 
 DRIVER = ROOT / "tests" / "vllm_driver.py"
 FAMILIES = {"mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
-            "gpt-oss": "sinks", "gemma2-hybrid": "sliding_window", "gpt-oss-hybrid": "sliding_window"}
+            "gpt-oss": "sinks", "gemma2-hybrid": "sliding_window",
+            "gpt-oss-hybrid": "sliding_window", "llama-fp8": "fp8", "llama-fp8-e5m2": "fp8_e5m2"}
 WINDOWS = [name for name, switch in FAMILIES.items() if switch == "sliding_window"]
-SCORES = [name for name in FAMILIES if name not in WINDOWS]
+FP8 = [name for name, switch in FAMILIES.items() if switch.startswith("fp8")]  # vLLM cache dtypes
+SCORES = [name for name in FAMILIES if name not in WINDOWS + FP8]
 HYBRIDS = [name for name in FAMILIES if name.endswith("-hybrid")]  # two KV cache groups
 # Both attentions compute a float32 softmax over the same float32 K/V in a different order: a
 # log-probability differs by a few float32 roundings per layer (~1e-6 relative), far below the
@@ -43,11 +48,16 @@ def runs():
     return vllm_runs.Runs()
 
 
+def _model(name: str) -> str:
+    """The model family of tests/vllm_model.py (an fp8 cache runs the Llama)."""
+    return "llama" if name in FP8 else name
+
+
 def _results(runs, name):
     switch = FAMILIES[name]
     results = runs.shared(f"variants-{name}", lambda: runs.drive(
         [(f"{name}-stock", DRIVER, False, ("variants", switch)),
-         (f"{name}-kvattn", DRIVER, True, ("variants", switch))], family=name))
+         (f"{name}-kvattn", DRIVER, True, ("variants", switch))], family=_model(name)))
     return name, results[f"{name}-stock"], results[f"{name}-kvattn"]
 
 
@@ -148,3 +158,41 @@ def test_a_foreign_entry_the_window_has_left_is_neither_read_nor_reported(window
         assert run["injected"] and run["failures"] == []
         assert _same(run["faulted"], run["clean"])
     assert _same(kvattn["before_window"]["clean"], stock["before_window"]["clean"])
+
+
+@pytest.fixture(scope="module", params=FP8)
+def fp8(request, runs):
+    return _results(runs, request.param)
+
+
+def test_kvattn_stores_vllm_s_own_fp8_codes(fp8):
+    """Every KV write of the kvattn engine, done again by vLLM's CPU cache writer on the same
+    keys, values and scales: the same code in every written element (K laid out token-major by
+    kvattn, dimension-major by vLLM)."""
+    _, stock, kvattn = fp8
+    tally = kvattn["fp8_writes"]
+    assert tally["calls"] > 0 and tally["elements"] > 0
+    assert tally["mismatches"] == 0
+    assert stock["fp8_writes"] == {}
+
+
+def test_the_rounding_agrees_with_vllm_s_writer_on_hard_values(fp8):
+    """Over the float32 range with both signs, zeros, infinities, NaN and values past the
+    format's largest, three source dtypes and three scales: vLLM's writer and kvattn's differ
+    only where kvattn's rule says (a negative float32-subnormal quotient, -0 there, +0 here)."""
+    _, _, kvattn = fp8
+    probe = kvattn["fp8_probe"]
+    assert probe["elements"] > 100_000
+    assert probe["subnormal_sign"] > 0  # the probe reaches the documented case
+    assert probe["mismatches"] == probe["subnormal_sign"]
+
+
+def test_the_fp8_cache_changes_the_answer_on_both_attentions(fp8, runs):
+    """The twin of the equality: the same requests on the model's own dtype answer otherwise (the
+    cache is quantised, and kvattn reads it as such)."""
+    _, stock, kvattn = fp8
+    plain = runs.shared("variants-llama-auto", lambda: runs.drive(
+        [("llama-auto-stock", DRIVER, False, ("variants", "auto"))], family="llama"))
+    wide = plain["llama-auto-stock"]["equality"]
+    for run in (stock, kvattn):
+        assert _max_gap(run["equality"], wide) > SWITCH_EFFECT_MIN

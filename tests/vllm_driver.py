@@ -310,6 +310,98 @@ def counts(engine: Engine) -> dict:
     return dict(state.counts) if state is not None else {}
 
 
+FP8_CACHES = ("fp8", "fp8_e5m2")  # vLLM's --kv-cache-dtype values (fp8 is e4m3)
+
+
+def vllm_rows(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V codes ``[num_blocks, block_size, kv_heads, head_dim]`` of vLLM's CPU fp8 cache
+    ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` uint8 as vLLM's own writer lays them out:
+    per block and head, K dimension-major (for its AVX-512 dot products), then V token-major."""
+    nb, hk, bs, _ = cache.shape
+    halves = cache.reshape(nb, hk, 2, bs * head_dim)
+    k = halves[:, :, 0].reshape(nb, hk, head_dim, bs).permute(0, 3, 1, 2)
+    v = halves[:, :, 1].reshape(nb, hk, bs, head_dim).permute(0, 2, 1, 3)
+    return k, v
+
+
+def compare_fp8_writes(engine: Engine, cache_dtype: str):
+    """On kvattn's attention: every KV write of the engine is also done by vLLM's own CPU cache
+    writer into a scratch cache, and the codes of the written slots compared (kvattn keeps K
+    token-major, so the comparison is per element). Returns the tally and the restorer."""
+    from vllm import _custom_ops as ops
+
+    from kvattn.integrations.vllm_backend import KVAttnImpl
+    tally = {"calls": 0, "elements": 0, "mismatches": 0}
+
+    def make(original):
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            original(self, layer, key, value, kv_cache, slot_mapping)
+            n = slot_mapping.shape[0]
+            live = slot_mapping[:n] >= 0
+            if not bool(live.any()):
+                return
+            nb, hk, bs, _ = kv_cache.shape
+            d = self.head_size
+            scratch = torch.zeros_like(kv_cache)
+            keys, values = scratch.view(nb, hk, bs * 2, d).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key[:n], value[:n], keys, values, slot_mapping[:n],
+                                           "vec", k_scale=layer._k_scale_float,
+                                           v_scale=layer._v_scale_float,
+                                           kv_cache_dtype=cache_dtype)
+            want_k, want_v = vllm_rows(scratch, d)
+            got_k, got_v = (t.view(torch.uint8) for t in self._pools(kv_cache))
+            slots = slot_mapping[:n][live].long()
+            page, slot = slots // bs, slots % bs
+            for got, want in ((got_k, want_k), (got_v, want_v)):
+                tally["elements"] += got[page, slot].numel()
+                tally["mismatches"] += int((got[page, slot] != want[page, slot]).sum())
+            tally["calls"] += 1
+        return do_kv_cache_update
+    return tally, patch(KVAttnImpl, "do_kv_cache_update", make)
+
+
+def probe_fp8_codes(cache_dtype: str) -> dict:
+    """vLLM's CPU cache writer and kvattn's ``write_kv(fp8_rounding="toward_zero")`` on values
+    where a rounding rule is easy to get wrong (magnitudes over the float32 range with both
+    signs, zeros, infinities, NaN, values past the format's largest), in each source dtype and
+    for scales below, at and above 1: the elements compared, those that differ, and of those the
+    ones kvattn's rule documents (a negative float32-subnormal quotient: vLLM -0, kvattn +0)."""
+    import kvattn
+    from vllm import _custom_ops as ops
+    from kvattn.integrations.vllm import FP8_CACHE_DTYPES
+    fmt = FP8_CACHE_DTYPES[cache_dtype]
+    nb, hk, bs, d = 8, 2, BLOCK, 64
+    g = torch.Generator().manual_seed(0)
+    tally = {"elements": 0, "mismatches": 0, "subnormal_sign": 0}
+    for src in (torch.float32, torch.float16, torch.bfloat16):
+        for scale in (0.37, 1.0, 3.1):
+            n = nb * bs
+            mags = torch.exp(torch.empty(n, hk, d).uniform_(-100, 25, generator=g))
+            signs = torch.randint(0, 2, (n, hk, d), generator=g) * 2 - 1
+            x = mags * signs
+            x.view(-1)[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
+                                           1e30, -1e30, 1e-45])
+            x = x.to(src)
+            cache = torch.zeros(nb, hk, bs, 2 * d, dtype=torch.uint8)
+            keys, values = cache.view(nb, hk, bs * 2, d).chunk(2, dim=2)
+            slots = torch.arange(n)
+            ops.cpu_attn_reshape_and_cache(x, x, keys, values, slots, "vec", k_scale=scale,
+                                           v_scale=scale, kv_cache_dtype=cache_dtype)
+            want, _ = vllm_rows(cache, d)
+            pools = torch.zeros(nb, bs, hk, d, dtype=fmt), torch.zeros(nb, bs, hk, d, dtype=fmt)
+            tags = torch.full((nb,), kvattn.reserved_tag(1))
+            kvattn.write_kv(x, x, *pools, slots, tags, 1, k_scale=scale, v_scale=scale,
+                            fp8_rounding="toward_zero")
+            got = pools[0].view(torch.uint8)
+            differ = got.reshape(n, hk, d) != want.reshape(n, hk, d)
+            q = x.float() / torch.tensor(scale)
+            documented = differ & (q < 0) & (q.abs() < torch.finfo(torch.float32).tiny)
+            tally["elements"] += differ.numel()
+            tally["mismatches"] += int(differ.sum())
+            tally["subnormal_sign"] += int(documented.sum())
+    return tally
+
+
 def variants_scenario(model: str, switch: str) -> dict:
     """A model whose attention has the switch ``switch``: greedy tokens and their
     log-probabilities with chunked prefill and prefix caching; the foreign block-table fault next
@@ -317,12 +409,23 @@ def variants_scenario(model: str, switch: str) -> dict:
     or the comparison proves nothing). A sliding window runs instead on a pool small enough that
     the blocks vLLM frees out of the window are handed out again, with decodes long enough that
     the window moves, and the foreign entry once more where the window has left the victim's
-    first block (nothing reads it: no change, no failure)."""
+    first block (nothing reads it: no change, no failure). A ``switch`` that is a vLLM
+    ``--kv-cache-dtype`` (``auto`` or one of ``FP8_CACHES``) runs the model on that cache; on
+    kvattn's attention every KV write into an fp8 cache is compared with vLLM's own writer's
+    codes."""
     window = switch == "sliding_window"
+    fp8 = switch in FP8_CACHES
+    cache = fp8 or switch == "auto"  # a KV cache dtype, not a score switch
     with open(os.path.join(model, "config.json")) as f:
         groups = len(set(json.load(f).get("layer_types") or ["one"]))  # vLLM's KV cache groups
     # 20 blocks a group: a request holds blocks in every group.
-    engine = Engine(make_llm(model, **(dict(num_gpu_blocks_override=20 * groups) if window else {})))
+    engine = Engine(make_llm(model, **(dict(num_gpu_blocks_override=20 * groups) if window else {}),
+                             **(dict(kv_cache_dtype=switch) if cache else {})))
+    from kvattn.integrations import vllm as integration
+    tally, restore_tally = ({}, lambda: None)
+    if fp8 and integration.enabled():
+        tally, restore_tally = compare_fp8_writes(engine, switch)
+    out = {"fp8_probe": probe_fp8_codes(switch) if fp8 and integration.enabled() else {}}
     new = 40 if window else 8
     schedule = [(f"p{i}", prompt(10 + i, n), new, None) for i, n in enumerate((17, 40, 75, 130))]
     # The prefix hit: 64 tokens once p3 is done; under the window 128 tokens as p3 starts
@@ -331,10 +434,11 @@ def variants_scenario(model: str, switch: str) -> dict:
     # vLLM's null block.
     shared = prompt(13, 130)[:128 if window else 64]
     schedule.append(("s3", shared + prompt(23, 30), new, ("tokens", "p3", 1) if window else ("finished", "p3")))
-    out = {}
     engine.llm.reset_prefix_cache()
     out["equality"] = engine.run(schedule, logprobs=True)
-    if not window:
+    restore_tally()
+    out["fp8_writes"] = tally
+    if not (window or cache):
         engine.llm.reset_prefix_cache()
         layers, restore = switches_off(engine, switch)
         try:

@@ -41,9 +41,10 @@ whose attention is kvattn's, and are documented in ``docs/vllm.md``):
   group, a step builds one batch per group, tags are one row per layer.
 
 The attention layers' switches (sliding window, logit soft-cap, sinks, ALiBi) go to kvattn's
-kernels (kvattn.integrations.vllm_backend). Not supported (refused when the engine is set up):
-KV cache groups of different block sizes, speculative decoding, quantized (fp8) KV caches,
-async scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing.
+kernels, and an fp8 KV cache (``FP8_CACHE_DTYPES``) is written with vLLM's scales and rounding and
+read as kvattn's fp8 pools (kvattn.integrations.vllm_backend). Not supported (refused when the
+engine is set up): KV cache groups of different block sizes, speculative decoding, async
+scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing.
 """
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ logger = logging.getLogger("kvattn")
 # a position a sliding-window request no longer needs, and of a prefix hit's positions before the
 # window. Never held, reserved or released; its tag stays FREE, so a kernel reading it refuses it.
 NULL_BLOCK = 0
+
+# vLLM's fp8 KV cache dtypes (``--kv-cache-dtype``) and the format of their bytes ("fp8" is e4m3).
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                    "fp8_e5m2": torch.float8_e5m2}
 
 
 class IntegrationError(RuntimeError):
@@ -210,8 +215,10 @@ def _refuse_unsupported(vllm_config) -> None:
     reasons = []
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding")
-    if vllm_config.cache_config.cache_dtype not in ("auto", None):
-        reasons.append(f"KV cache dtype {vllm_config.cache_config.cache_dtype!r} (use 'auto')")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None, *FP8_CACHE_DTYPES):
+        reasons.append(f"KV cache dtype {cache_dtype!r} (use 'auto' or one of "
+                       f"{', '.join(map(repr, FP8_CACHE_DTYPES))})")
     if vllm_config.scheduler_config.async_scheduling:
         reasons.append("async scheduling")
     if reasons:

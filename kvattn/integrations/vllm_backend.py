@@ -27,7 +27,7 @@ class KVAttnBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *integration.FP8_CACHE_DTYPES]
 
     @staticmethod
     def get_name() -> str:
@@ -120,11 +120,14 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         unsupported = ["kv_sharing_target_layer_name"] if kv_sharing_target_layer_name else []
         if attn_type != AttentionType.DECODER:
             unsupported.append(f"attn_type {attn_type!r}")
-        if kv_cache_dtype != "auto":
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in integration.FP8_CACHE_DTYPES:
             unsupported.append(f"kv_cache_dtype {kv_cache_dtype!r}")
         if unsupported:
             raise integration.IntegrationError("kvattn.integrations.vllm does not support "
                                                + ", ".join(unsupported))
+        # vLLM's CPU cache of an fp8 model is uint8 bytes of this format, one per-tensor scale
+        # per layer (``layer._k_scale_float``); None: the model's dtype.
+        self.fp8 = integration.FP8_CACHE_DTYPES.get(kv_cache_dtype)
         self.window_left = sliding_window - 1 if sliding_window else -1
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.alibi_slopes = (None if alibi_slopes is None
@@ -150,9 +153,18 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
 
     def _pools(self, kv_cache: torch.Tensor):
         """K and V pools as NHD views ``[num_blocks, block_size, kv_heads, head_dim]`` of vLLM's
-        ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` layer cache."""
+        ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` layer cache (its uint8 bytes as the
+        fp8 format for an fp8 cache)."""
         d = self.head_size
+        if self.fp8 is not None:
+            kv_cache = kv_cache.view(self.fp8)
         return kv_cache[..., :d].transpose(1, 2), kv_cache[..., d:].transpose(1, 2)
+
+    def _scales(self, layer) -> dict:
+        """The fp8 cache's dequantisation scales, vLLM's per layer (none for a plain cache)."""
+        if self.fp8 is None:
+            return {}
+        return dict(k_scale=float(layer._k_scale_float), v_scale=float(layer._v_scale_float))
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         state = self._state()
@@ -161,9 +173,12 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
             return
         k_pages, v_pages = self._pools(kv_cache)
         n = slot_mapping.shape[0]
+        # Into an fp8 cache with vLLM's CPU rounding (toward zero): the bytes vLLM's own writer
+        # would store.
+        rounding = {} if self.fp8 is None else dict(fp8_rounding="toward_zero")
         result = write_kv(key[:n], value[:n], k_pages, v_pages, slot_mapping,
                           state.layer_tags(layer.layer_name), batch.token_owner[:n],
-                          validate=False)
+                          validate=False, **self._scales(layer), **rounding)
         rows = batch.token_row.shape[0]
         dropped = (result.drop_reasons[:rows] != 0).to(torch.int32)
         batch.dropped.index_add_(0, batch.token_row, dropped)
@@ -188,7 +203,7 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         common = dict(scale=self.scale, check=state.check, backend=state.backend, out=out,
                       validate=False, window_left=self.window_left,
                       logits_soft_cap=self.logits_soft_cap, sinks=sinks,
-                      alibi_slopes=alibi)
+                      alibi_slopes=alibi, **self._scales(layer))
         if attn_metadata.decode_only:
             _, report = api.paged_decode(q, k_pages, v_pages, batch.block_table,
                                          attn_metadata.seq_lens, tags, batch.expected, **common)
