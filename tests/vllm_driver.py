@@ -458,6 +458,21 @@ def variants_scenario(model: str, switch: str) -> dict:
         out["before_window"] = scenario(engine, [("victim", prompt(33, 130), 10, None),
                                                  ("other", prompt(34, 50), 10, None)], foreign_entry,
                                         logprobs=True)
+        # The other bookkeeping faults, each on a block inside the victim's window when it is
+        # read (the window is 48 tokens; the victims' first blocks are still in it).
+        out["early_free"] = scenario(engine, [("victim", prompt(30, 70), 12, None),
+                                              ("other", prompt(33, 30), 12, None),
+                                              ("newcomer", prompt(34, 45), 8,
+                                               ("tokens", "victim", 2))], early_free, logprobs=True)
+        out["lost_prefill"] = scenario(engine, [("victim", prompt(35, 100), 8, None),
+                                                ("other", prompt(36, 40), 8, None)], lost_prefill,
+                                       logprobs=True)
+        a = prompt(37, 70)
+        out["stale_prefix"] = scenario(engine, [
+            ("writer", a, 4, None),
+            ("overwriter", prompt(38, 20), 6, ("finished", "writer")),
+            ("reader", a[:64] + prompt(39, 20), 8, ("finished", "overwriter"))], stale_prefix,
+            logprobs=True)
     out["failures_total"] = len(engine.failures())
     out["counts"] = counts(engine)
     return out
