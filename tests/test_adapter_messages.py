@@ -54,11 +54,13 @@ def test_adapter_error_without_drops_shows_reads_only():
     assert "reads:" not in writes_only and "3 NOT_HELD dropped write(s)" in writes_only
 
 
-def _vllm_config(cache_dtype="auto", speculative=None):
+def _vllm_config(cache_dtype="auto", speculative=None, multimodal=False, encoder_decoder=False):
     from types import SimpleNamespace
     return SimpleNamespace(speculative_config=speculative,
                            cache_config=SimpleNamespace(cache_dtype=cache_dtype),
-                           scheduler_config=SimpleNamespace(async_scheduling=False))
+                           scheduler_config=SimpleNamespace(async_scheduling=False),
+                           model_config=SimpleNamespace(is_multimodal_model=multimodal,
+                                                        is_encoder_decoder=encoder_decoder))
 
 
 def test_vllm_plugin_takes_the_fp8_caches_it_writes():
@@ -70,8 +72,8 @@ def test_vllm_plugin_takes_the_fp8_caches_it_writes():
 
 
 def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
-    """The twin: a cache dtype it does not write, and speculative decoding, are refused with
-    the reason."""
+    """The twin: a cache dtype it does not write, speculative decoding, multimodal and
+    encoder-decoder models are refused with the reason."""
     import pytest
 
     from kvattn.integrations import vllm as integration
@@ -81,3 +83,7 @@ def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
         integration._refuse_unsupported(_vllm_config("fp8_inc"))
     with pytest.raises(integration.IntegrationError, match="speculative decoding"):
         integration._refuse_unsupported(_vllm_config(speculative=object()))
+    with pytest.raises(integration.IntegrationError, match="multimodal models"):
+        integration._refuse_unsupported(_vllm_config(multimodal=True))
+    with pytest.raises(integration.IntegrationError, match="encoder-decoder models"):
+        integration._refuse_unsupported(_vllm_config(encoder_decoder=True))

@@ -44,7 +44,8 @@ The attention layers' switches (sliding window, logit soft-cap, sinks, ALiBi) go
 kernels, and an fp8 KV cache (``FP8_CACHE_DTYPES``) is written with vLLM's scales and rounding and
 read as kvattn's fp8 pools (kvattn.integrations.vllm_backend). Not supported (refused when the
 engine is set up): KV cache groups of different block sizes, speculative decoding, async
-scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing.
+scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing, multimodal and
+encoder-decoder models.
 """
 from __future__ import annotations
 
@@ -221,6 +222,15 @@ def _refuse_unsupported(vllm_config) -> None:
                        f"{', '.join(map(repr, FP8_CACHE_DTYPES))})")
     if vllm_config.scheduler_config.async_scheduling:
         reasons.append("async scheduling")
+    model = vllm_config.model_config
+    if model.is_multimodal_model:
+        # vLLM's block hashes carry the hashes of the images (or audio) behind placeholder
+        # tokens; the ledger's prefix digests carry token ids only, so they could not prove a
+        # prefix-cache hit holds the reader's own inputs.
+        reasons.append("multimodal models (prefix digests cover token ids, not the media behind "
+                       "placeholder tokens)")
+    if model.is_encoder_decoder:
+        reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
     if reasons:
         raise IntegrationError("kvattn.integrations.vllm does not support " + "; ".join(reasons))
 
