@@ -1,0 +1,105 @@
+"""kvattn.transfer, the checked receive: the sender's attestation follows its tags (written slots
+for the request's owner, nothing for a page it does not hold), the receiver commits a page only by
+an attested length whose digest its own bytes reproduce; every refusal beside its clean twin."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvattn
+from kvattn.transfer import PageAttestation, attest_pages, page_digest, verify_arrived
+
+LAYERS, PAGES, PAGE, HEADS, DIM = 2, 6, 8, 2, 16
+OWNER, OTHER = 7, 9
+
+
+def pools(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (PAGES, PAGE, HEADS, DIM)
+    return ([torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+             for _ in range(LAYERS)],
+            [torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+             for _ in range(LAYERS)])
+
+
+def sender_tags():
+    """Page 0 full and page 1 five slots WRITTEN for OWNER in both layers; page 2 written for
+    OTHER; page 3 RESERVED for OWNER; page 4 FREE; page 5 written 6 slots in layer 0, 3 in 1."""
+    row = torch.tensor([kvattn.written_tag(OWNER, PAGE), kvattn.written_tag(OWNER, 5),
+                        kvattn.written_tag(OTHER, PAGE), kvattn.reserved_tag(OWNER), 0,
+                        kvattn.written_tag(OWNER, 6)])
+    tags = torch.stack([row, row.clone()])
+    tags[1, 5] = kvattn.written_tag(OWNER, 3)
+    return tags
+
+
+def copy_of(k, v):
+    return [t.clone() for t in k], [t.clone() for t in v]
+
+
+def test_the_attestation_follows_the_senders_tags():
+    k, v = pools()
+    got = attest_pages(sender_tags(), OWNER, range(PAGES), k, v)
+    assert [a.valid_len for a in got] == [PAGE, 5, 0, 0, 0, 3]
+    assert got[1].digest == page_digest(k, v, 1, 5)
+    # Per-page owners: page 2 is a prefix hit written by OTHER.
+    hits = attest_pages(sender_tags(), [OWNER, OTHER, OTHER], [0, 2, 1], k, v)
+    assert [a.valid_len for a in hits] == [PAGE, PAGE, 0]
+    # A one-row tag array (one layer) is taken as such.
+    single = attest_pages(sender_tags()[0], OWNER, [5], k[:1], v[:1])
+    assert single[0].valid_len == 6
+
+
+def test_the_digest_covers_only_the_written_slots_of_every_layer():
+    k, v = pools()
+    base = page_digest(k, v, 1, 5)
+    k[1][1, 5:] = 0  # past the written slots: not covered
+    assert page_digest(k, v, 1, 5) == base
+    v[1][1, 4, 0, 0] += 1  # a written slot of layer 1's V
+    assert page_digest(k, v, 1, 5) != base
+    assert page_digest(k, v, 1, 4) != page_digest(k, v, 1, 5)  # the length is part of it
+
+
+def test_bytes_that_arrived_whole_are_committed_by_the_attested_length():
+    k, v = pools()
+    claims = attest_pages(sender_tags(), OWNER, [0, 1], k, v)
+    rk, rv = copy_of(k, v)
+    lens, reasons = verify_arrived(claims, [0, 1], rk, rv)
+    assert lens == [PAGE, 5] and reasons == [None, None]
+
+
+@pytest.mark.parametrize("case", ["torn", "unattested", "bad_length"])
+def test_a_page_that_cannot_be_verified_is_not_committed(case):
+    """The twin: what arrived differs from what was attested, no attestation came, or the
+    attested length cannot be a page's."""
+    k, v = pools()
+    claims: list = attest_pages(sender_tags(), OWNER, [0, 1], k, v)
+    rk, rv = copy_of(k, v)
+    if case == "torn":
+        rk[0][1, 2, 1, 3] = -rk[0][1, 2, 1, 3] - 1
+        want = "digest mismatch"
+    elif case == "unattested":
+        claims[1] = None
+        want = "not attested"
+    else:
+        claims[1] = PageAttestation(PAGE + 1, claims[1].digest)
+        want = f"attested length {PAGE + 1} outside [0, {PAGE}]"
+    lens, reasons = verify_arrived(claims, [0, 1], rk, rv)
+    assert lens == [PAGE, 0] and reasons == [None, want]
+
+
+def test_a_stale_page_of_the_sender_is_attested_as_empty():
+    """A page the sender's list names but the request does not hold (another owner's, or only
+    reserved) comes with length 0: nothing of it is committed."""
+    k, v = pools()
+    claims = attest_pages(sender_tags(), OWNER, [2, 3, 4], k, v)
+    lens, reasons = verify_arrived(claims, [2, 3, 4], *copy_of(k, v))
+    assert lens == [0, 0, 0] and reasons == [None, None, None]
+
+
+def test_attestations_travel_as_json_and_refuse_anything_else():
+    a = PageAttestation(5, "ab" * 16)
+    assert PageAttestation.from_json(a.to_json()) == a
+    for bad in ([5], [True, "ab"], ["5", "ab"], [5, 7], "5,ab", None):
+        with pytest.raises(ValueError, match="attestation: expected"):
+            PageAttestation.from_json(bad)
