@@ -61,7 +61,7 @@ static: build static-env
 # (build/venv-vllm.log). `make vllm-speed` measures kvattn against vLLM's own CPU attention.
 VLLM_VENV := build/venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-vllm-env: $(VLLM_VENV)/.ready
+vllm-env: $(VLLM_VENV)/.ready $(VLLM_VENV)/.nixl
 
 $(VLLM_VENV)/.ready: pyproject.toml
 	@mkdir -p build
@@ -73,6 +73,17 @@ $(VLLM_VENV)/.ready: pyproject.toml
 	  $(VLLM_PY) -c "import vllm, kvattn.integrations.vllm" ) > build/venv-vllm.log 2>&1 \
 	  && touch $@ \
 	  || echo "vllm-env: vLLM not installed (see build/venv-vllm.log); tests/test_vllm.py skips"
+
+# NIXL for tests/test_vllm_nixl.py (vLLM's NixlConnector over UCX on the loopback): the package
+# vLLM imports, `nixl`, is a meta-package requiring both CUDA variants, so it goes in without its
+# dependencies beside `nixl-cu12`, whose UCX runs on CPU memory. About 70 MB; without it the NIXL
+# tests skip and say why.
+$(VLLM_VENV)/.nixl: $(VLLM_VENV)/.ready
+	@( set -e; $(VLLM_PY) -m pip install --disable-pip-version-check nixl-cu12==1.5.1; \
+	  $(VLLM_PY) -m pip install --disable-pip-version-check --no-deps nixl==1.5.1; \
+	  $(VLLM_PY) -c "import nixl._api" ) >> build/venv-vllm.log 2>&1 \
+	  && touch $@ \
+	  || echo "vllm-env: NIXL not installed (see build/venv-vllm.log); tests/test_vllm_nixl.py skips"
 
 vllm-speed: vllm-env
 	$(VLLM_PY) tests/vllm_speed.py

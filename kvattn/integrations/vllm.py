@@ -60,6 +60,7 @@ import torch
 from ..cache import new_owner_id
 from ..report import KVOwnershipError
 from ..tags import Violation, WriteDrop
+from ..transfer import PageAttestation, attest_pages, verify_arrived
 from ..writers import commit_pages, release_pages, reserve_pages
 
 SUPPORTED_VERSIONS = ("0.32.0",)
@@ -288,6 +289,11 @@ class WorkerOwnership:
         # layers), dropped_writes (tokens, summed over layers).
         self.counts: Counter = Counter()
         self.failures: list[tuple[str, str]] = []  # (request id, message), in order
+        # KV a transfer engine delivered for a request the scheduler has not handed the worker
+        # yet: request id -> [(logical block, block, verified length)], committed when its lease
+        # is made (:meth:`receive`).
+        self.arrivals: dict[str, list[tuple[int, int, int]]] = {}
+        self.receive_notes: dict[str, list[str]] = {}  # request id -> blocks not committed, why
 
     def add_layers(self, layer_names: list[str]) -> None:
         for name in layer_names:
@@ -317,6 +323,9 @@ class WorkerOwnership:
         self.counts["preemptions"] += len(preempted)
         for rid in so.finished_req_ids | preempted:
             self._end_lease(rid, released)
+        for rid in so.finished_req_ids:  # a late arrival for an ended request is dropped
+            self.arrivals.pop(rid, None)
+            self.receive_notes.pop(rid, None)
         reserved: list[tuple[list[int], int]] = []
         admitted: list[tuple[_Lease, int]] = []  # leases whose prefix hits are resolved below
         computed = {}
@@ -359,6 +368,9 @@ class WorkerOwnership:
                 reserve_pages(self.tags, blocks, owner)
         if self.prefix_caching:
             self.content.update(writes)
+        for new in so.scheduled_new_reqs:
+            if new.req_id in self.arrivals:
+                self._commit_arrival(new.req_id, self.arrivals.pop(new.req_id))
 
     def _leave_window(self, lease: _Lease, num_computed: int, released: dict[int, list[int]]) -> None:
         """The blocks vLLM freed from a running request because its window left them, when it
@@ -584,7 +596,7 @@ class WorkerOwnership:
             for row in torch.nonzero((batch.refused > 0) | (batch.dropped > 0)).flatten().tolist():
                 rid = batch.req_ids[row]
                 if rid not in failed:
-                    failed[rid] = _error(batch, row)
+                    failed[rid] = _error(batch, row, self.receive_notes.get(rid, []))
         for rid, message in failed.items():
             self.failures.append((rid, message))
             logger.error("%s", message)
@@ -594,6 +606,71 @@ class WorkerOwnership:
         output.kvattn_failed = failed
 
     # -- KV that arrived by another path ------------------------------------------------------
+
+    def _layer_pools(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's K and V pools (kvattn's views of vLLM's cache), in tag-row order."""
+        context = self.runner.compilation_config.static_forward_context
+        k_pools, v_pools = [], []
+        for name in sorted(self.layer_rows, key=self.layer_rows.get):
+            layer = context[name]
+            k, v = layer.impl._pools(layer.kv_cache)
+            k_pools.append(k)
+            v_pools.append(v)
+        return k_pools, v_pools
+
+    def attest(self, rid: str, blocks: list[int]) -> list[list] | None:
+        """The sending side of a transfer: :func:`kvattn.transfer.attest_pages` of the request's
+        ``blocks`` (KV cache group 0) under its lease, as JSON, or None if this worker holds no
+        lease for it (its ledger cannot speak for the pages)."""
+        lease = self.leases.get(rid)
+        if lease is None or self.tags is None:
+            return None
+        # Each block under the owner the lease expects on it (a prefix hit: its writer's).
+        expected = dict(zip(lease.blocks[0], lease.expected[0]))
+        owners = [expected.get(b, 0) for b in blocks]
+        k_pools, v_pools = self._layer_pools()
+        return [a.to_json() for a in attest_pages(self.tags, owners, blocks, k_pools, v_pools)]
+
+    def receive(self, rid: str, first: int, blocks: list[int], attested: list | None) -> list[str]:
+        """The receiving side: a transfer engine reported the bytes of ``blocks`` (KV cache group
+        0, the request's logical blocks ``first, first + 1, ...``) arrived. Each block is verified
+        against the sender's attestation of the block it came from (``attested``, aligned with
+        ``blocks``; None: none came) and remembered by its verified length until the request's
+        lease is made, when it is committed. Returns one line per block that will not be
+        committed, saying why."""
+        claims = [None] * len(blocks)
+        if attested is not None:
+            claims = [PageAttestation.from_json(a) if a is not None else None for a in attested]
+        k_pools, v_pools = self._layer_pools()
+        lens, reasons = verify_arrived(claims, blocks, k_pools, v_pools)
+        self.arrivals[rid] = [(first + j, b, n) for j, (b, n) in enumerate(zip(blocks, lens)) if n]
+        self.counts["received_blocks"] += len(blocks)
+        reasons = [why if why is not None or n else "the sender attests no written slot"
+                   for why, n in zip(reasons, lens)]
+        notes = [f"block {b} (logical {first + j}): {why}"
+                 for j, (b, why) in enumerate(zip(blocks, reasons)) if why is not None]
+        self.counts["received_blocks_refused"] += len(notes)
+        if notes:
+            self.receive_notes[rid] = notes
+        return notes
+
+    def _commit_arrival(self, rid: str, arrived: list[tuple[int, int, int]]) -> None:
+        """Commit a request's verified arrivals into the blocks its new lease reserved for it
+        (a block the lease does not hold as its own at that position stays as it is)."""
+        lease = self.leases[rid]
+        blocks, expected = lease.blocks[0], lease.expected[0]
+        mine = [(i, b, n) for i, b, n in arrived
+                if i < len(blocks) and blocks[i] == b and expected[i] == lease.owner]
+        if not mine:
+            return
+        pages, lens = [b for _, b, _ in mine], [n for _, _, n in mine]
+        for row in self.tags:  # the transfer moved every layer of a block
+            commit_pages(row, pages, lease.owner, lens, self.block_size)
+        self.counts["received_blocks_committed"] += len(mine)
+        if self.prefix_caching:  # a full block vLLM caches after the transfer is a prefix hit later
+            for i, b, n in mine:
+                if n == self.block_size and i < len(lease.keys):
+                    self.content[b] = (lease.owner, lease.keys[i])
 
     def commit_received(self, layer_name: str, slots: torch.Tensor) -> None:
         """A KV connector stored K/V into ``slots`` of ``layer_name`` (the tokens the receiver
@@ -632,10 +709,10 @@ def _prefix_digests(tokens: list[int], block_size: int, known: list[bytes] | Non
     return digests
 
 
-def _error(batch: StepBatch, row: int) -> str:
-    """The failure of one request, summed over the layers of the step: dropped writes first
-    (usually the cause), then refused reads by reason and logical page, with the physical block and
-    the number of layers."""
+def _error(batch: StepBatch, row: int, received: list[str]) -> str:
+    """The failure of one request, summed over the layers of the step: the transferred blocks not
+    committed and why (``received``), dropped writes (usually the cause), then refused reads by
+    reason and logical page, with the physical block and the number of layers."""
     rid = batch.req_ids[row]
     token_rows = batch.token_row
     drops: Counter = Counter()
@@ -656,6 +733,10 @@ def _error(batch: StepBatch, row: int) -> str:
             if layer not in read_layers.setdefault(name, []):
                 read_layers[name].append(layer)
     lines = []
+    if received:
+        more = f"; ... ({len(received) - 8} more)" if len(received) > 8 else ""
+        lines.append(f"received: {len(received)} transferred block(s) not committed: "
+                     f"{'; '.join(received[:8])}{more}")
     if drops:
         counts = ", ".join(f"{n} {name}" for name, n in sorted(drops.items()))
         lines.append(f"writes: {counts} dropped write(s) of its new tokens, in layer(s) "

@@ -1,5 +1,7 @@
-"""vLLM's debug KV connector (``ExampleConnector``: KV moves between a prefill and a decode instance
-through files) with a receiver that accounts for what arrived.
+"""vLLM's KV connectors with a receiver that accounts for what arrived: the debug connector
+(``CheckedExampleConnector``: KV moves between a prefill and a decode instance through files) and
+NIXL (``CheckedNixlConnector``: the decode instance reads the prefill instance's blocks over
+UCX/RDMA, vLLM's production path).
 
 Select it in the decode instance's ``kv_transfer_config``::
 
@@ -23,6 +25,7 @@ import safetensors.torch
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector, ExampleConnectorMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
 from . import vllm as integration
 
@@ -60,3 +63,107 @@ class CheckedExampleConnector(ExampleConnector):
                     kv_cache.device, kv_cache.dtype)
                 if state is not None:
                     state.commit_received(layer_name, slots)
+
+
+ATTESTATION_KEY = "kvattn_pages"
+
+
+class CheckedNixlConnector(NixlPullConnector):
+    """vLLM's ``NixlConnector`` (pull: the decode instance reads the prefill instance's blocks)
+    whose sender attests its pages and whose receiver commits only what it verified.
+
+    Select it on both instances (``KVATTN_VLLM=1`` on both)::
+
+        {"kv_connector": "CheckedNixlConnector",
+         "kv_connector_module_path": "kvattn.integrations.vllm_connector",
+         "kv_role": "kv_producer" | "kv_consumer", "kv_buffer_device": "cpu"}
+
+    The prefill side adds to the request's ``kv_transfer_params`` the attestation of every block
+    it offers (:func:`kvattn.transfer.attest_pages` under the request's lease, key
+    ``ATTESTATION_KEY``): what its own tags say the blocks hold, not its scheduler's token count.
+    The decode side, when NIXL reports a request's reads complete (and not failed), verifies
+    each local block's bytes against the attestation of the block it was read from and commits
+    it by the attested length when the request's lease is made; a block whose read failed, whose
+    bytes differ or that has no attestation stays RESERVED, so a decode over it fails that
+    request only. A remote block list shorter than the local one (a prefill that sent less than
+    it owes) is read into the first local blocks instead of stopping the worker (vLLM asserts
+    there), and the rest stays unread and RESERVED.
+    """
+
+    # -- prefill side (scheduler role) ---------------------------------------------------------
+
+    def request_finished(self, request, block_ids):
+        return self._attested(request, super().request_finished(request, block_ids))
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self._attested(request, super().request_finished_all_groups(request, block_ids))
+
+    def _attested(self, request, result):
+        delay, params = result
+        if params and params.get("do_remote_prefill"):
+            state = integration.state_for(self._vllm_config)
+            blocks = params["remote_block_ids"][0] if params.get("remote_block_ids") else []
+            pages = state.attest(request.request_id, list(blocks)) if state is not None else None
+            params = {**params, ATTESTATION_KEY: pages}
+        return delay, params
+
+    # -- decode side (scheduler role): the attestation goes to the worker with the request -----
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        params = request.kv_transfer_params or {}
+        if num_external_tokens > 0 and params.get("do_remote_prefill"):
+            self._attestations()[request.request_id] = params.get(ATTESTATION_KEY)
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        metadata = super().build_connector_meta(scheduler_output)
+        pending = self._attestations()
+        for req_id, meta in metadata.reqs_to_recv.items():
+            meta.kvattn_pages = pending.pop(req_id, None)
+        return metadata
+
+    def _attestations(self) -> dict:
+        if not hasattr(self, "_kvattn_attestations"):
+            self._kvattn_attestations = {}
+        return self._kvattn_attestations
+
+    # -- decode side (worker role) ---------------------------------------------------------------
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        for req_id, meta in self._connector_metadata.reqs_to_recv.items():
+            if meta.remote is None:
+                continue
+            local = list(meta.local_block_ids)
+            for g, (mine, theirs) in enumerate(zip(local, meta.remote.block_ids)):
+                if len(theirs) < len(mine):
+                    logger.warning("kvattn: request %s: the prefill instance offers %d block(s) "
+                                   "for %d; the rest stay unread", req_id, len(theirs), len(mine))
+                    local[g] = list(mine)[: len(theirs)]
+            meta.local_block_ids = tuple(local)
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids):
+        receiving = dict(self.connector_worker._recving_metadata)
+        results = super().get_transfer_results(finished_req_ids)
+        state = integration.state_for(self._vllm_config)
+        if state is None:
+            return results
+        for req_id in results.finished_recving - results.failed_recving:
+            meta = receiving.get(req_id)
+            if meta is None or meta.remote is None or not meta.local_block_ids:
+                continue
+            local, remote = list(meta.local_block_ids[0]), list(meta.remote.block_ids[0])
+            first = meta.local_num_computed_blocks[0] if meta.local_num_computed_blocks else 0
+            # vLLM reads the last len(local) remote blocks into the local ones (a local prefix
+            # hit covers the first); the attestation is aligned with the remote list.
+            attested = getattr(meta, "kvattn_pages", None)
+            offset = len(remote) - len(local)
+            claims = None
+            if isinstance(attested, list):
+                claims = attested[offset: offset + len(local)] if offset >= 0 else []
+                claims += [None] * (len(local) - len(claims))
+            notes = state.receive(req_id, first, local, claims)
+            if notes:
+                logger.warning("kvattn: request %s: %d received block(s) not committed: %s",
+                               req_id, len(notes), "; ".join(notes[:8]))
+        return results
