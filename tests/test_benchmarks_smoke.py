@@ -236,3 +236,14 @@ def test_the_kernels_for_nsight_compute_run(capsys):
     ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ran")]
     assert [line.split(": ")[1].split()[0] for line in ran] == ["decode-checked", "decode-unchecked",
                                                                "extend-checked"]
+
+
+def test_transfer_digest_benchmark_writes_its_table(tmp_path):
+    """The checked receive's cost script on a tiny pool: both steps timed, labelled as CPU."""
+    from benchmarks import transfer_digest
+    out = tmp_path / "digest.md"
+    transfer_digest.main(["--layers", "2", "--pages", "3", "--page-size", "4", "--kv-heads", "1",
+                          "--head-dim", "8", "--repeats", "1", "--markdown", str(out)])
+    text = out.read_text()
+    assert "not a GPU measurement" in text
+    assert "| sender: `attest_pages`" in text and "| receiver: `verify_arrived`" in text
