@@ -103,3 +103,27 @@ def test_attestations_travel_as_json_and_refuse_anything_else():
     for bad in ([5], [True, "ab"], ["5", "ab"], [5, 7], "5,ab", None):
         with pytest.raises(ValueError, match="attestation: expected"):
             PageAttestation.from_json(bad)
+
+
+def test_without_byte_checks_the_lengths_alone_are_committed():
+    """A deployment that turns the digest off: the sender sends no digests, the receiver commits
+    by the attested lengths (a torn page then goes unnoticed; its stale twin still does not)."""
+    k, v = pools()
+    claims = attest_pages(sender_tags(), OWNER, [0, 2], k, v, digests=False)
+    assert [c.digest for c in claims] == ["", ""]
+    rk, rv = copy_of(k, v)
+    rk[0][0, 0, 0, 0] += 1
+    lens, reasons = verify_arrived(claims, [0, 2], rk, rv, check_bytes=False)
+    assert lens == [PAGE, 0] and reasons == [None, None]
+
+
+def test_a_page_verifies_only_in_its_context():
+    """The sender's context (its digest of the tokens through the page, in vLLM) is part of the
+    digest: the same bytes received where the receiver's context differs (other tokens, another
+    position) are refused; in the same context they are committed."""
+    k, v = pools()
+    claims = attest_pages(sender_tags(), OWNER, [0, 1], k, v, contexts=[b"tokens a", b"tokens b"])
+    ok, _ = verify_arrived(claims, [0, 1], k, v, contexts=[b"tokens a", b"tokens b"])
+    assert ok == [PAGE, 5]
+    lens, reasons = verify_arrived(claims, [0, 1], k, v, contexts=[b"tokens a", b"tokens c"])
+    assert lens == [PAGE, 0] and reasons == [None, "digest mismatch"]

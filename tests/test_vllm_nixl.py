@@ -11,24 +11,32 @@ prefill instance, a 1-token placeholder is prefilled in its place, and the decod
 count: vLLM answers over other users' KV, kvattn fails that request, the padded blocks
 unattested; (b) the placeholder's own one-block list: vLLM's decode engine stops (an assertion in
 its receiver) and the clean request beside it is lost with it, kvattn reads the one block, fails
-the victim only and answers the other. The twin of the checked bytes: one digest of the
-attestation changed on the way fails that request on kvattn and changes nothing on vLLM.
+the victim only and answers the other. The twin of the checked bytes: a block whose
+bytes change on the prefill side after they were attested fails that request on kvattn; vLLM
+answers with other tokens. The
+two instances behind OpenAI servers: the padded placeholder gets a 200 with other tokens from
+vLLM, an error status from kvattn.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
 import vllm_runs
+from vllm_prompts import EARLIER, LONG, SHORT, WARMUPS
 from vllm_runs import ROOT, VENV_PY, why_no_vllm
 
 DRIVER = ROOT / "tests" / "vllm_nixl.py"
 START_S = 600  # bound on a pair of instances, start to finish
+PREFILL_CAPACITY = 128  # the prefill instance's max_model_len, as in tests/vllm_nixl.py
 
 pytestmark = pytest.mark.slow
 
@@ -133,14 +141,16 @@ def test_the_prefill_instance_refuses_the_long_prompt(nixl):
         assert "maximum context length is 128" in nixl[f"prefill-{name}"]["refused"]
 
 
-@pytest.mark.parametrize("case", ["short", "shared"])
+@pytest.mark.parametrize("case", ["short", "shared", "local_hit"])
 def test_a_clean_transfer_answers_as_a_single_instance(nixl, case):
-    """``shared``: its first block a prefix-cache hit on the prefill instance."""
+    """``shared``: its first block a prefix-cache hit on both instances; ``local_hit``: decoded
+    locally, its first block a hit on a block that arrived by the transfer."""
     for name in ("stock", "kvattn"):
         result = nixl[f"decode-{name}"]["results"][case]
         assert result["finish_reason"] == "length" and result["tokens"] == nixl["local"][case]
     kvattn = nixl["decode-kvattn"]
-    assert kvattn["counts"]["received_blocks_committed"] >= 4  # two blocks each
+    # The short prompt's two blocks, the shared one's second (its first was a local hit).
+    assert kvattn["counts"]["received_blocks_committed"] >= 3
     rid = kvattn["results"][case]["request_id"]
     assert not any(r.startswith(rid + "-") for r, _ in kvattn["failures"])
 
@@ -151,9 +161,11 @@ def test_the_sender_attests_what_its_tags_hold(nixl):
     params = nixl["prefill-kvattn"]["params"]
     assert [n for n, _ in params["short"]["kvattn_pages"]] == [32, 28]
     assert [n for n, _ in params["shared"]["kvattn_pages"]] == [32, 30]
-    # The hit is the short request's own block, attested under its writer's owner.
+    # The hit is the short request's own block, attested under its writer's owner (same tokens
+    # through it, so the same digest).
     assert params["shared"]["remote_block_ids"][0][0] == params["short"]["remote_block_ids"][0][0]
     assert params["shared"]["kvattn_pages"][0] == params["short"]["kvattn_pages"][0]
+    assert params["shared"]["kvattn_pages"][1] != params["short"]["kvattn_pages"][1]
     assert [n for n, _ in params["placeholder"]["kvattn_pages"]] == [1]
     assert "kvattn_pages" not in nixl["prefill-stock"]["params"]["short"]
 
@@ -177,15 +189,144 @@ def test_the_incident_fails_only_the_victim_on_kvattn(nixl):
     assert results["beside"]["finish_reason"] == "length"
     assert results["beside"]["tokens"] == local["beside"]
     padded = _failure(kvattn, "padded")
-    assert "9 transferred block(s) not committed" in padded and "not attested" in padded
+    # The list does not line up with the attestation (one block): none of it is committed.
+    assert "10 transferred block(s) not committed" in padded and "not attested" in padded
     assert "RESERVED" in padded
     assert "RESERVED" in _failure(kvattn, "short_list")
 
 
 def test_bytes_that_differ_from_the_attestation_are_not_committed(nixl):
-    """The twin of the clean transfer: the same request with one digest changed on the way."""
+    """The twin of the clean transfer: a request whose second block's K bytes (first layer)
+    changed on the prefill side after they were attested. vLLM reads them without a word (its
+    answer moves); kvattn refuses the block."""
     kvattn, stock, local = nixl["decode-kvattn"], nixl["decode-stock"], nixl["local"]
     assert kvattn["results"]["corrupt"]["finish_reason"] == "error"
     message = _failure(kvattn, "corrupt")
     assert "digest mismatch" in message and "logical 1" in message
-    assert stock["results"]["corrupt"]["tokens"] == local["short"]  # vLLM does not look
+    assert stock["results"]["corrupt"]["finish_reason"] == "length"
+    assert stock["results"]["corrupt"]["tokens"] != local["corrupt"]
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _wait_healthy(base: str, server, log_path) -> None:
+    deadline = time.monotonic() + START_S / 2
+    while True:
+        if server.poll() is not None:
+            pytest.fail("the server exited:\n" + log_path.read_text()[-3000:])
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail("the server did not come up:\n" + log_path.read_text()[-3000:])
+        time.sleep(1)
+
+
+def _serve(model, port: str, side_channel: str, kvattn: bool, role: str, log_path, *extra):
+    """An OpenAI server of vLLM as one instance of the pair (multi-process engine: its own engine
+    core and worker processes), in its own session so that it is stopped whole."""
+    env = vllm_runs.env(kvattn=kvattn)
+    del env["VLLM_ENABLE_V1_MULTIPROCESSING"]
+    # Two servers share the cores: vLLM's CPU worker would pin its OpenMP threads to the same
+    # ones and spin there.
+    env.update(UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+               VLLM_NIXL_SIDE_CHANNEL_PORT=side_channel, VLLM_CPU_OMP_THREADS_BIND="nobind",
+               OMP_WAIT_POLICY="PASSIVE")
+    transfer = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    if kvattn:
+        transfer.update(kv_connector="CheckedNixlConnector",
+                        kv_connector_module_path="kvattn.integrations.vllm_connector")
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [str(VENV_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--host", "127.0.0.1", "--port", port, "--dtype", "float32", "--block-size", "32",
+             "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20),
+             "--kv-transfer-config", json.dumps(transfer), *extra],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(server) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def _over_http(model, work, kvattn: bool) -> dict:
+    """Both instances behind OpenAI servers; the test is the router: prefill requests with
+    ``do_remote_decode``, their ``kv_transfer_params`` (one altered: the padded placeholder) on
+    to the decode server."""
+    ports = free_ports(4)  # HTTP and side channel, per instance
+    logs = {role: work / f"{role}-{'kvattn' if kvattn else 'stock'}.log" for role in ("p", "d")}
+    prefill = _serve(model, ports[0], ports[1], kvattn, "kv_producer", logs["p"],
+                     "--max-model-len", str(PREFILL_CAPACITY), "--num-gpu-blocks-override", "40")
+    decode = _serve(model, ports[2], ports[3], kvattn, "kv_consumer", logs["d"],
+                    "--max-model-len", "512")
+    out: dict = {}
+    try:
+        p_base, d_base = (f"http://127.0.0.1:{port}" for port in (ports[0], ports[2]))
+        _wait_healthy(p_base, prefill, logs["p"])
+        _wait_healthy(d_base, decode, logs["d"])
+        body = dict(model=str(model), temperature=0, return_token_ids=True)
+
+        def prefilled(tokens):
+            status, reply = _post(p_base + "/v1/completions", dict(
+                body, prompt=tokens, max_tokens=1,
+                kv_transfer_params={"do_remote_decode": True}))
+            assert status == 200, reply
+            return reply["kv_transfer_params"]
+
+        def decoded(tokens, params):
+            status, reply = _post(d_base + "/v1/completions", dict(
+                body, prompt=tokens, max_tokens=8, ignore_eos=True, kv_transfer_params=params))
+            return status, reply["choices"][0]["token_ids"] if status == 200 else reply
+
+        earlier = [prefilled(t) for t in EARLIER]
+        for tokens in WARMUPS:  # the handshake (5 s in vLLM) may time out once under load
+            if decoded(tokens, prefilled(tokens))[0] == 200:
+                break
+        out["short"] = decoded(SHORT, prefilled(SHORT))
+        placeholder = prefilled(LONG[:1])
+        others = [b for e in earlier for b in e["remote_block_ids"][0]]
+        padded = dict(placeholder, remote_num_tokens=len(LONG),
+                      remote_block_ids=[placeholder["remote_block_ids"][0] + others[:9]])
+        out["padded"] = decoded(LONG, padded)
+    finally:
+        _stop(decode)
+        _stop(prefill)
+    out["decode_log"] = logs["d"].read_text()
+    return out
+
+
+def test_openai_servers_over_nixl_answer_the_incident_with_an_error(nixl, tmp_path):
+    """Prefill and decode instances behind OpenAI servers (each with its own engine core and
+    worker processes: the attestation travels from the prefill worker to its scheduler with the
+    step's output): the clean transfer gets a single instance's tokens (200) on both attentions;
+    the padded placeholder gets other tokens and a 200 from vLLM's own attention, an error status
+    from kvattn's, with the reasons in the decode server's log."""
+    model = Runs().model
+    stock = _over_http(model, tmp_path, kvattn=False)
+    kvattn = _over_http(model, tmp_path, kvattn=True)
+    local = nixl["local"]
+    for run in (stock, kvattn):
+        assert run["short"] == (200, local["short"])
+    status, tokens = stock["padded"]
+    assert status == 200 and tokens != local["long"]
+    status, reply = kvattn["padded"]
+    assert status >= 400 and "choices" not in reply and "error" in reply, reply
+    log = kvattn["decode_log"]
+    assert "kvattn ownership check failed for request" in log
+    assert "not attested" in log and "RESERVED" in log

@@ -5,20 +5,21 @@ Python:
     python tests/vllm_nixl.py ROLE MODEL_DIR OUT_JSON DIR PREFILL_PORT DECODE_PORT
 
 ``ROLE`` is ``prefill`` or ``decode``. The two meet through files in ``DIR``: the prefill instance
-writes each request's ``kv_transfer_params`` (``params.json``) and serves its blocks until the
-decode instance writes ``done`` (both waits bounded); the test plays the router between them.
-With ``KVATTN_VLLM=1`` both run kvattn's attention and ``CheckedNixlConnector``, without it vLLM's
-own attention and ``NixlConnector``.
+writes what the router hands the decode instance for each case (``cases.json``: the
+``kv_transfer_params``, some altered as below) and serves its blocks until ``done`` appears (both
+waits bounded). With ``KVATTN_VLLM=1`` both run kvattn's attention and ``CheckedNixlConnector``,
+without it vLLM's own attention and ``NixlConnector``.
 
-The cases, after earlier requests have filled the prefill instance's pool with other users' KV:
-``short`` (a prompt the prefill instance holds, transferred whole), ``shared`` (one whose first
-block is a prefix-cache hit on the prefill instance, written by the short request), ``corrupt`` (the same, with
-one digest of the attestation changed on the way: a page whose bytes do not match what the
-sender attests), ``padded`` (the incident: the long prompt does not fit the prefill instance, a
-1-token placeholder is prefilled in its place, and the block list handed to the decode instance is
-padded with the prefill instance's other blocks, still holding earlier requests' KV, under a
-token count of the whole prompt) and ``short_list`` (the placeholder's own one-block list for the
-long prompt, beside a clean request in the same batch).
+The cases, after earlier requests have filled the prefill instance's pool with other users' KV
+(and warm-up transfers made the handshake): ``short`` (a prompt the prefill instance holds,
+transferred whole), ``shared`` (one whose first block is a prefix-cache hit on both instances,
+written by the short request), ``local_hit`` (decoded locally, its first block a hit on the block
+that arrived for the short request), ``corrupt`` (its second block's bytes changed on the prefill
+side after the attestation), ``padded`` (the incident: the long prompt does not fit the prefill
+instance, a 1-token placeholder is prefilled in its place, and the block list handed to the
+decode instance is padded with the prefill instance's other blocks, still holding earlier
+requests' KV, under a token count of the whole prompt) and ``short_list`` (a second long prompt
+with its placeholder's own one-block list, beside a clean request in the same batch).
 """
 from __future__ import annotations
 
@@ -32,12 +33,11 @@ os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", UCX_TLS="tcp,self,sm", UCX
                   VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                   VLLM_NIXL_SIDE_CHANNEL_PORT=PREFILL_PORT if ROLE == "prefill" else DECODE_PORT)
 
-from vllm_prompts import BLOCK, LONG, SHORT, prompt  # noqa: E402
+from vllm_prompts import (BESIDE, BLOCK, CORRUPT, EARLIER, LOCAL_HIT, LONG, LONG2,  # noqa: E402
+                          SHARED, SHORT, WARMUPS)
 
 WAIT_S = 240  # bound on each wait for the other instance
 PREFILL_CAPACITY = 128
-EARLIER = [prompt(70 + i, 100) for i in range(3)]  # other users' requests on the prefill side
-SHARED = SHORT[:BLOCK] + prompt(81, 30)  # shares the short prompt's first block
 
 
 def kvattn_on() -> bool:
@@ -80,17 +80,26 @@ def prefill() -> dict:
         out = llm.generate([{"prompt_token_ids": tokens}], remote, use_tqdm=False)[0]
         return out.kv_transfer_params
     params = {f"earlier{i}": send(p) for i, p in enumerate(EARLIER)}
+    params.update({f"warmup{i}": send(p) for i, p in enumerate(WARMUPS)})
     params["short"] = send(SHORT)
     params["shared"] = send(SHARED)
+    params["corrupt"] = send(CORRUPT)
+    # Its second block's bytes change after the attestation (a torn or misdirected write on the
+    # sender's side): every K of the block in the first layer, negated.
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    layer = runner.compilation_config.static_forward_context["model.layers.0.self_attn.attn"]
+    block, head_dim = params["corrupt"]["remote_block_ids"][0][1], layer.impl.head_size
+    layer.kv_cache[block, ..., :head_dim].neg_()
     try:
         send(LONG)
         refused = ""
     except VLLMValidationError as e:
         refused = str(e).splitlines()[0]
     params["placeholder"] = send(LONG[:1])
-    with open(os.path.join(DIR, "params.json.tmp"), "w") as f:
-        json.dump(params, f)
-    os.replace(os.path.join(DIR, "params.json.tmp"), os.path.join(DIR, "params.json"))
+    params["placeholder2"] = send(LONG2[:1])
+    with open(os.path.join(DIR, "cases.json.tmp"), "w") as f:
+        json.dump(routed(params), f)
+    os.replace(os.path.join(DIR, "cases.json.tmp"), os.path.join(DIR, "cases.json"))
     # Serve the blocks (NIXL reads them from this process) until the decode instance is done.
     wait_for(os.path.join(DIR, "done"))
     return dict(refused=refused, params=params)
@@ -98,18 +107,15 @@ def prefill() -> dict:
 
 def routed(params: dict) -> dict:
     """What the router hands the decode instance for each case."""
-    short = params["short"]
-    corrupt = json.loads(json.dumps(short))
-    if corrupt.get("kvattn_pages"):
-        length, digest = corrupt["kvattn_pages"][1]
-        corrupt["kvattn_pages"][1] = [length, ("0" if digest[0] != "0" else "1") + digest[1:]]
     placeholder = params["placeholder"]
     others = [b for i in range(len(EARLIER)) for b in params[f"earlier{i}"]["remote_block_ids"][0]]
     need = -(-len(LONG) // BLOCK)
     padded = dict(placeholder, remote_num_tokens=len(LONG),
                   remote_block_ids=[placeholder["remote_block_ids"][0] + others[: need - 1]])
-    return dict(short=short, shared=params["shared"], corrupt=corrupt, padded=padded,
-                short_list=placeholder)
+    return dict(short=params["short"], shared=params["shared"], corrupt=params["corrupt"],
+                padded=padded,
+                short_list=params["placeholder2"],
+                warmups=[params[f"warmup{i}"] for i in range(len(WARMUPS))])
 
 
 def decode() -> dict:
@@ -121,10 +127,12 @@ def decode() -> dict:
 
 def _decode() -> dict:
     from vllm import SamplingParams
-    wait_for(os.path.join(DIR, "params.json"))
-    with open(os.path.join(DIR, "params.json")) as f:
-        cases = routed(json.load(f))
-    llm = make_llm("decode")
+    wait_for(os.path.join(DIR, "cases.json"))
+    with open(os.path.join(DIR, "cases.json")) as f:
+        cases = json.load(f)
+    # vLLM's default prefix caching: the shared request's first block and the local one's are
+    # hits on the block that arrived for the short request.
+    llm = make_llm("decode", enable_prefix_caching=True)
     greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
 
     def generate(batch):
@@ -134,12 +142,21 @@ def _decode() -> dict:
         return [dict(tokens=list(o.outputs[0].token_ids), finish_reason=o.outputs[0].finish_reason,
                      request_id=o.request_id) for o in outs]
     results: dict = {}
+    # The first transfer makes the side-channel handshake, which vLLM gives 5 s: on a loaded
+    # machine it may time out and fail that one request, so it is retried on another.
+    for i, (tokens, params) in enumerate(zip(WARMUPS, cases["warmups"])):
+        results["warmups"] = i + 1
+        if generate([(tokens, params)])[0]["finish_reason"] == "length":
+            break
     try:
-        for name, tokens in (("short", SHORT), ("shared", SHARED), ("corrupt", SHORT),
-                             ("padded", LONG)):
-            results[name] = generate([(tokens, cases[name])])[0]
+        for name, tokens, params in (("short", SHORT, cases["short"]),
+                                     ("shared", SHARED, cases["shared"]),
+                                     ("local_hit", LOCAL_HIT, None),
+                                     ("corrupt", CORRUPT, cases["corrupt"]),
+                                     ("padded", LONG, cases["padded"])):
+            results[name] = generate([(tokens, params)])[0]
         # The victim beside a clean request of the same batch (a local prompt, no transfer).
-        victim, clean = generate([(LONG, cases["short_list"]), (prompt(80, 40), None)])
+        victim, clean = generate([(LONG2, cases["short_list"]), (BESIDE, None)])
         results.update(short_list=victim, beside=clean)
     except Exception as e:  # vLLM's own engine may stop on a case; what ran is kept
         results["engine_died"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -158,7 +175,8 @@ def local() -> dict:
     llm = LLM(model=MODEL, dtype="float32", block_size=BLOCK, enforce_eager=True, max_model_len=512,
               kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False, seed=0)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    cases = {"short": SHORT, "shared": SHARED, "long": LONG, "beside": prompt(80, 40)}
+    cases = {"short": SHORT, "shared": SHARED, "local_hit": LOCAL_HIT, "corrupt": CORRUPT,
+             "long": LONG, "beside": BESIDE}
     outs = llm.generate([{"prompt_token_ids": p} for p in cases.values()], greedy, use_tqdm=False)
     return {name: list(o.outputs[0].token_ids) for name, o in zip(cases, outs)}
 

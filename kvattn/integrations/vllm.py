@@ -145,6 +145,9 @@ def _install_hooks() -> None:
         return output
 
     def update_from_output_hook(self, scheduler_output, model_runner_output):
+        attested = getattr(model_runner_output, "kvattn_attested", None)
+        if attested:  # before the connector's request_finished reads it, below
+            _ATTESTED.setdefault(id(self.vllm_config), {}).update(attested)
         outputs = update_from_output(self, scheduler_output, model_runner_output)
         failed = getattr(model_runner_output, "kvattn_failed", None)
         if failed:
@@ -188,6 +191,16 @@ def _finish_failed(scheduler, failed: dict[str, str], outputs: dict) -> None:
 # One state per engine configuration in this process (a worker holds one), keyed by the id of the
 # VllmConfig object the runner and the attention builders share.
 _STATES: dict[int, WorkerOwnership] = {}
+
+
+# The attestations the worker sent with its output, per engine configuration in the scheduler's
+# process and request id, until the connector's request_finished takes them (by block id).
+_ATTESTED: dict[int, dict[str, dict[int, list]]] = {}
+
+
+def take_attestation(vllm_config, rid: str) -> dict[int, list] | None:
+    """The attestation of request ``rid``'s blocks, once (None if the worker sent none)."""
+    return _ATTESTED.get(id(vllm_config), {}).pop(rid, None)
 
 
 def state_for(vllm_config) -> WorkerOwnership | None:
@@ -293,6 +306,11 @@ class WorkerOwnership:
         # yet: request id -> [(logical block, block, verified length)], committed when its lease
         # is made (:meth:`receive`).
         self.arrivals: dict[str, list[tuple[int, int, int]]] = {}
+        # This step's scheduled and already computed tokens per request (begin_step).
+        self.step_tokens: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        transfer = vllm_config.kv_transfer_config
+        extra = (transfer.kv_connector_extra_config or {}) if transfer is not None else {}
+        self.transfer_digests = bool(extra.get("kvattn_check_bytes", True))
         self.receive_notes: dict[str, list[str]] = {}  # request id -> blocks not committed, why
 
     def add_layers(self, layer_names: list[str]) -> None:
@@ -355,7 +373,15 @@ class WorkerOwnership:
                     lease.expected[g] += [lease.owner] * len(fresh)
                     self._hold(fresh)
                     reserved.append((fresh, lease.owner))
+        self.step_tokens = (dict(so.num_scheduled_tokens), computed)
         writes = self._step_writes(runner, so.num_scheduled_tokens, computed)
+        # Full blocks that arrived by a transfer for a request admitted now: a request admitted
+        # later in this step may hit them (vLLM caches them as the receiver is scheduled).
+        for new in so.scheduled_new_reqs:
+            lease = self.leases.get(new.req_id)
+            for i, b, n in self.arrivals.get(new.req_id, []) if self.prefix_caching else []:
+                if n == self.block_size and i < len(lease.keys):
+                    writes[b] = (lease.owner, lease.keys[i])
         for lease, num_computed in admitted:
             reserved.append((self._resolve_hits(lease, num_computed, writes), lease.owner))
         for owner, blocks in released.items():
@@ -438,7 +464,7 @@ class WorkerOwnership:
                     continue
                 if (i + 1) * self.block_size <= num_computed:
                     owner = self._computed_owner(block, lease.keys, i, writes)
-                if owner is None:
+                if owner is None or owner == lease.owner:  # its own: arrived by a transfer
                     owner = lease.owner
                     fresh.append(block)
                 expected.append(owner)
@@ -577,6 +603,9 @@ class WorkerOwnership:
         if not batches or not hasattr(output, "req_id_to_index"):
             return
         self.steps += 1
+        attested = self._attest_prefills()
+        if attested:
+            output.kvattn_attested = attested
         # One device read for the step: refusals, dropped writes, and every layer's pages_checked,
         # over every KV cache group.
         groups = sorted(batches)
@@ -618,35 +647,78 @@ class WorkerOwnership:
             v_pools.append(v)
         return k_pools, v_pools
 
-    def attest(self, rid: str, blocks: list[int]) -> list[list] | None:
-        """The sending side of a transfer: :func:`kvattn.transfer.attest_pages` of the request's
-        ``blocks`` (KV cache group 0) under its lease, as JSON, or None if this worker holds no
-        lease for it (its ledger cannot speak for the pages)."""
-        lease = self.leases.get(rid)
-        if lease is None or self.tags is None:
-            return None
-        # Each block under the owner the lease expects on it (a prefix hit: its writer's).
-        expected = dict(zip(lease.blocks[0], lease.expected[0]))
-        owners = [expected.get(b, 0) for b in blocks]
-        k_pools, v_pools = self._layer_pools()
-        return [a.to_json() for a in attest_pages(self.tags, owners, blocks, k_pools, v_pools)]
+    def _contexts(self, tokens: list[int], indices: list[int], lens: list[int]) -> list[bytes]:
+        """Per logical block ``indices[k]`` holding ``lens[k]`` tokens: the digest of the token
+        prefix through those tokens (the ledger's prefix digest for a full block), the context
+        both sides of a transfer put in a block's digest (:func:`kvattn.transfer.page_digest`)."""
+        keys = _prefix_digests(tokens, self.block_size)
+        out = []
+        for i, n in zip(indices, lens):
+            if n == self.block_size and i < len(keys):
+                out.append(keys[i])
+                continue
+            part = tokens[i * self.block_size: i * self.block_size + n]
+            parent = keys[i - 1] if 0 < i <= len(keys) else b""
+            out.append(hashlib.blake2b(parent + torch.tensor(part, dtype=torch.int64).numpy()
+                                       .tobytes(), digest_size=16).digest())
+        return out
 
-    def receive(self, rid: str, first: int, blocks: list[int], attested: list | None) -> list[str]:
+    def _attest_prefills(self) -> dict[str, dict[int, list]]:
+        """The sending side of a transfer: for each request of this step that is to be decoded
+        elsewhere (``do_remote_decode``) and whose prompt this step completed, the attestation of
+        each of its blocks (KV cache group 0) under the owner its lease expects there (a prefix
+        hit: the writer's), by block id, as JSON (:func:`kvattn.transfer.attest_pages`, contexts
+        from the prompt). It travels to the scheduler with the step's output, where the connector
+        puts it in the request's ``kv_transfer_params``."""
+        out: dict[str, dict[int, list]] = {}
+        scheduled, computed = self.step_tokens
+        for rid, count in scheduled.items():
+            request = self.runner.requests.get(rid) if self.runner is not None else None
+            lease = self.leases.get(rid)
+            extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+            if lease is None or not (extra.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                continue
+            prompt = list(request.prompt_token_ids or ())
+            if computed.get(rid, 0) + count < len(prompt):
+                continue  # a chunk of the prompt: attested when its last chunk runs
+            pairs = [(i, b, o) for i, (b, o) in enumerate(zip(lease.blocks[0], lease.expected[0]))
+                     if b != NULL_BLOCK]
+            indices, blocks, owners = ([x[k] for x in pairs] for k in range(3))
+            k_pools, v_pools = self._layer_pools()
+            digests = self.transfer_digests
+            lens = [a.valid_len for a in attest_pages(self.tags, owners, blocks, k_pools, v_pools,
+                                                      digests=False)]
+            attested = attest_pages(self.tags, owners, blocks, k_pools, v_pools, digests=digests,
+                                    contexts=self._contexts(prompt, indices, lens))
+            out[rid] = {b: a.to_json() for b, a in zip(blocks, attested)}
+        return out
+
+    def receive(self, rid: str, first: int, blocks: list[int], attested: list | None,
+                tokens: list[int], check_bytes: bool = True) -> list[str]:
         """The receiving side: a transfer engine reported the bytes of ``blocks`` (KV cache group
-        0, the request's logical blocks ``first, first + 1, ...``) arrived. Each block is verified
-        against the sender's attestation of the block it came from (``attested``, aligned with
-        ``blocks``; None: none came) and remembered by its verified length until the request's
-        lease is made, when it is committed. Returns one line per block that will not be
-        committed, saying why."""
-        claims = [None] * len(blocks)
-        if attested is not None:
-            claims = [PageAttestation.from_json(a) if a is not None else None for a in attested]
+        0, the request's logical blocks ``first, first + 1, ...``; ``tokens``: its prompt)
+        arrived. Each block is verified against the sender's attestation of the block it came
+        from (``attested``, aligned with ``blocks``; None: none came) in the context of its own
+        tokens, and remembered by its verified length until the request's lease is made, when it
+        is committed. Returns one line per block that will not be committed, saying why."""
+        claims: list[PageAttestation | None] = [None] * len(blocks)
+        malformed = set()
+        for j, value in enumerate(attested or []):
+            if j < len(blocks) and value is not None:
+                try:
+                    claims[j] = PageAttestation.from_json(value)
+                except ValueError:  # from the wire: one bad entry refuses its block only
+                    malformed.add(j)
+        indices = [first + j for j in range(len(blocks))]
+        contexts = self._contexts(tokens, indices, [c.valid_len if c else 0 for c in claims])
         k_pools, v_pools = self._layer_pools()
-        lens, reasons = verify_arrived(claims, blocks, k_pools, v_pools)
+        lens, reasons = verify_arrived(claims, blocks, k_pools, v_pools, check_bytes=check_bytes,
+                                       contexts=contexts)
         self.arrivals[rid] = [(first + j, b, n) for j, (b, n) in enumerate(zip(blocks, lens)) if n]
         self.counts["received_blocks"] += len(blocks)
-        reasons = [why if why is not None or n else "the sender attests no written slot"
-                   for why, n in zip(reasons, lens)]
+        reasons = ["malformed attestation" if j in malformed
+                   else why if why is not None or n else "the sender attests no written slot"
+                   for j, (why, n) in enumerate(zip(reasons, lens))]
         notes = [f"block {b} (logical {first + j}): {why}"
                  for j, (b, why) in enumerate(zip(blocks, reasons)) if why is not None]
         self.counts["received_blocks_refused"] += len(notes)
@@ -665,8 +737,8 @@ class WorkerOwnership:
             return
         pages, lens = [b for _, b, _ in mine], [n for _, _, n in mine]
         for row in self.tags:  # the transfer moved every layer of a block
-            commit_pages(row, pages, lease.owner, lens, self.block_size)
-        self.counts["received_blocks_committed"] += len(mine)
+            result = commit_pages(row, pages, lease.owner, lens, self.block_size)
+        self.counts["received_blocks_committed"] += int(result.landed.sum())
         if self.prefix_caching:  # a full block vLLM caches after the transfer is a prefix hit later
             for i, b, n in mine:
                 if n == self.block_size and i < len(lease.keys):

@@ -3,14 +3,14 @@
 NIXL (``CheckedNixlConnector``: the decode instance reads the prefill instance's blocks over
 UCX/RDMA, vLLM's production path).
 
-Select it in the decode instance's ``kv_transfer_config``::
+Select the debug one in the decode instance's ``kv_transfer_config``::
 
     {"kv_connector": "CheckedExampleConnector",
      "kv_connector_module_path": "kvattn.integrations.vllm_connector",
      "kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path": DIR}}
 
-The sender's side is vLLM's own. On the receiving side each layer's file holds the K/V rows the
-sender actually wrote; the receiver stores those rows, in order, into the first slots the
+Its sender is vLLM's own. On the receiving side each layer's file holds the K/V rows the sender
+actually wrote; the receiver stores those rows, in order, into the first slots the
 scheduler reserved for the request (never more: vLLM's own loader would broadcast a short file over
 every slot), and, when kvattn's attention is active (``KVATTN_VLLM=1``), marks them WRITTEN with
 :func:`kvattn.commit_pages` by the number of rows it stored. The slots the sender claimed but never
@@ -78,17 +78,29 @@ class CheckedNixlConnector(NixlPullConnector):
          "kv_connector_module_path": "kvattn.integrations.vllm_connector",
          "kv_role": "kv_producer" | "kv_consumer", "kv_buffer_device": "cpu"}
 
-    The prefill side adds to the request's ``kv_transfer_params`` the attestation of every block
-    it offers (:func:`kvattn.transfer.attest_pages` under the request's lease, key
-    ``ATTESTATION_KEY``): what its own tags say the blocks hold, not its scheduler's token count.
-    The decode side, when NIXL reports a request's reads complete (and not failed), verifies
-    each local block's bytes against the attestation of the block it was read from and commits
-    it by the attested length when the request's lease is made; a block whose read failed, whose
-    bytes differ or that has no attestation stays RESERVED, so a decode over it fails that
-    request only. A remote block list shorter than the local one (a prefill that sent less than
-    it owes) is read into the first local blocks instead of stopping the worker (vLLM asserts
-    there), and the rest stays unread and RESERVED.
+    The prefill side's worker attests every block of a request it prefilled for remote decode
+    (:func:`kvattn.transfer.attest_pages` under the request's lease, in the context of its
+    prompt: what its own tags say the blocks hold, not its scheduler's token count); the
+    attestation goes to the scheduler with the step's output, and this connector puts it in the
+    request's ``kv_transfer_params`` (key ``ATTESTATION_KEY``, aligned with
+    ``remote_block_ids``). The decode side, when NIXL reports a request's reads complete (and not
+    failed), verifies each local block's bytes against the attestation of the block it was read
+    from, in the context of its own prompt, and commits it by the attested length when the
+    request's lease is made; a block whose read failed, whose bytes or tokens differ, that has no
+    attestation, or whose remote list does not line up with the local blocks stays RESERVED, so a
+    decode over it fails that request only. A remote block list shorter than the local one (a
+    prefill that sent less than it owes) is read into the first blocks it covers instead of
+    stopping the worker (vLLM asserts there), and the rest stays unread and RESERVED. A read that
+    completes after its request ended is dropped.
+
+    ``kv_connector_extra_config={"kvattn_check_bytes": False}`` (on both instances) turns the
+    digests off: the sender attests lengths only and the receiver commits by them, which keeps the
+    ownership half of the check and drops the bytes half (``docs/transfer.md``).
     """
+
+    def _check_bytes(self) -> bool:
+        extra = self._vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        return bool(extra.get("kvattn_check_bytes", True))
 
     # -- prefill side (scheduler role) ---------------------------------------------------------
 
@@ -100,10 +112,10 @@ class CheckedNixlConnector(NixlPullConnector):
 
     def _attested(self, request, result):
         delay, params = result
+        by_block = integration.take_attestation(self._vllm_config, request.request_id)
         if params and params.get("do_remote_prefill"):
-            state = integration.state_for(self._vllm_config)
             blocks = params["remote_block_ids"][0] if params.get("remote_block_ids") else []
-            pages = state.attest(request.request_id, list(blocks)) if state is not None else None
+            pages = None if by_block is None else [by_block.get(b) for b in blocks]
             params = {**params, ATTESTATION_KEY: pages}
         return delay, params
 
@@ -112,57 +124,75 @@ class CheckedNixlConnector(NixlPullConnector):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         params = request.kv_transfer_params or {}
         if num_external_tokens > 0 and params.get("do_remote_prefill"):
-            self._attestations()[request.request_id] = params.get(ATTESTATION_KEY)
+            self._for_worker[request.request_id] = (params.get(ATTESTATION_KEY),
+                                                    list(request.prompt_token_ids or ()))
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
         metadata = super().build_connector_meta(scheduler_output)
-        pending = self._attestations()
         for req_id, meta in metadata.reqs_to_recv.items():
-            meta.kvattn_pages = pending.pop(req_id, None)
+            meta.kvattn_pages, meta.kvattn_tokens = self._for_worker.pop(req_id, (None, []))
+        for req_id in scheduler_output.finished_req_ids:
+            self._for_worker.pop(req_id, None)
         return metadata
 
-    def _attestations(self) -> dict:
-        if not hasattr(self, "_kvattn_attestations"):
-            self._kvattn_attestations = {}
-        return self._kvattn_attestations
+    @property
+    def _for_worker(self) -> dict:
+        """Request id -> (attestation, prompt tokens), from allocation to the worker's metadata."""
+        if "_kvattn_for_worker" not in self.__dict__:
+            self.__dict__["_kvattn_for_worker"] = {}
+        return self.__dict__["_kvattn_for_worker"]
 
     # -- decode side (worker role) ---------------------------------------------------------------
+
+    @property
+    def _receiving(self) -> set:
+        """Requests whose reads this worker started and whose request has not ended."""
+        if "_kvattn_receiving" not in self.__dict__:
+            self.__dict__["_kvattn_receiving"] = set()
+        return self.__dict__["_kvattn_receiving"]
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         for req_id, meta in self._connector_metadata.reqs_to_recv.items():
             if meta.remote is None:
                 continue
+            first = meta.local_num_computed_blocks or (0,) * len(meta.local_block_ids)
             local = list(meta.local_block_ids)
             for g, (mine, theirs) in enumerate(zip(local, meta.remote.block_ids)):
-                if len(theirs) < len(mine):
+                # vLLM reads remote[-len(local):] into the local blocks after a local prefix hit
+                # of first[g] blocks; a list shorter than that would stop its receiver.
+                if len(theirs) < first[g] + len(mine):
                     logger.warning("kvattn: request %s: the prefill instance offers %d block(s) "
-                                   "for %d; the rest stay unread", req_id, len(theirs), len(mine))
-                    local[g] = list(mine)[: len(theirs)]
+                                   "for %d; the rest stay unread", req_id, len(theirs),
+                                   first[g] + len(mine))
+                    local[g] = list(mine)[: max(0, len(theirs) - first[g])]
             meta.local_block_ids = tuple(local)
+            if meta.awaiting_kvs:
+                self._receiving.add(req_id)
         super().start_load_kv(forward_context, **kwargs)
 
     def get_transfer_results(self, finished_req_ids):
         receiving = dict(self.connector_worker._recving_metadata)
         results = super().get_transfer_results(finished_req_ids)
+        self._receiving.difference_update(finished_req_ids)
         state = integration.state_for(self._vllm_config)
         if state is None:
             return results
         for req_id in results.finished_recving - results.failed_recving:
             meta = receiving.get(req_id)
-            if meta is None or meta.remote is None or not meta.local_block_ids:
-                continue
+            if req_id not in self._receiving or meta is None or meta.remote is None:
+                continue  # a late read of an ended request: dropped
+            self._receiving.discard(req_id)
             local, remote = list(meta.local_block_ids[0]), list(meta.remote.block_ids[0])
             first = meta.local_num_computed_blocks[0] if meta.local_num_computed_blocks else 0
-            # vLLM reads the last len(local) remote blocks into the local ones (a local prefix
-            # hit covers the first); the attestation is aligned with the remote list.
             attested = getattr(meta, "kvattn_pages", None)
-            offset = len(remote) - len(local)
-            claims = None
-            if isinstance(attested, list):
-                claims = attested[offset: offset + len(local)] if offset >= 0 else []
-                claims += [None] * (len(local) - len(claims))
-            notes = state.receive(req_id, first, local, claims)
+            # Local block j holds logical block first + j only when the remote list covers the
+            # prompt's blocks exactly (vLLM tail-aligns it otherwise).
+            lined_up = (isinstance(attested, list)
+                        and len(remote) == first + len(local) == len(attested))
+            claims = attested[first:] if lined_up else None
+            notes = state.receive(req_id, first, local, claims, getattr(meta, "kvattn_tokens", []),
+                                  check_bytes=self._check_bytes())
             if notes:
                 logger.warning("kvattn: request %s: %d received block(s) not committed: %s",
                                req_id, len(notes), "; ".join(notes[:8]))
