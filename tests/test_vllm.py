@@ -14,14 +14,9 @@ clean tokens.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -178,16 +173,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
 def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggregated):
     """``vllm serve`` with KVATTN_VLLM=1 (engine core and worker in their own processes) as the
     decode instance: the short prompt gets its text (200), the long one an error, never a 200."""
@@ -212,34 +197,17 @@ def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggre
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 240
-        while True:
-            if server.poll() is not None:
-                pytest.fail("the server exited:\n" + log_path.read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("the server did not come up in 240 s:\n" + log_path.read_text()[-3000:])
-            time.sleep(1)
+        vllm_runs.wait_healthy(base, server, log_path, 240)
         body = dict(model=str(runs.model), max_tokens=8, temperature=0)
-        status, short = _post(base + "/v1/completions", dict(body, prompt=prompts.SHORT))
+        status, short = vllm_runs.post(base + "/v1/completions", dict(body, prompt=prompts.SHORT))
         assert status == 200, short
         local = disaggregated["local"]["short"]["tokens"]
         assert short["choices"][0]["finish_reason"] == "length" and local
-        status, long = _post(base + "/v1/completions", dict(body, prompt=prompts.LONG))
+        status, long = vllm_runs.post(base + "/v1/completions", dict(body, prompt=prompts.LONG))
         assert status >= 400 and "choices" not in long, long
         assert "error" in long
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        vllm_runs.stop_server(server)
     text = log_path.read_text()
     assert "kvattn: ownership-checked attention in place of vLLM's CPU attention" in text
     assert "kvattn ownership check failed for request" in text

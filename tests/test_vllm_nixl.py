@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -207,32 +204,6 @@ def test_bytes_that_differ_from_the_attestation_are_not_committed(nixl):
     assert stock["results"]["corrupt"]["tokens"] != local["corrupt"]
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def _wait_healthy(base: str, server, log_path) -> None:
-    deadline = time.monotonic() + START_S / 2
-    while True:
-        if server.poll() is not None:
-            pytest.fail("the server exited:\n" + log_path.read_text()[-3000:])
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail("the server did not come up:\n" + log_path.read_text()[-3000:])
-        time.sleep(1)
-
-
 def _serve(model, port: str, side_channel: str, kvattn: bool, role: str, log_path, *extra):
     """An OpenAI server of vLLM as one instance of the pair (multi-process engine: its own engine
     core and worker processes), in its own session so that it is stopped whole."""
@@ -256,15 +227,6 @@ def _serve(model, port: str, side_channel: str, kvattn: bool, role: str, log_pat
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _stop(server) -> None:
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-
-
 def _over_http(model, work, kvattn: bool) -> dict:
     """Both instances behind OpenAI servers; the test is the router: prefill requests with
     ``do_remote_decode``, their ``kv_transfer_params`` (one altered: the padded placeholder) on
@@ -278,19 +240,19 @@ def _over_http(model, work, kvattn: bool) -> dict:
     out: dict = {}
     try:
         p_base, d_base = (f"http://127.0.0.1:{port}" for port in (ports[0], ports[2]))
-        _wait_healthy(p_base, prefill, logs["p"])
-        _wait_healthy(d_base, decode, logs["d"])
+        vllm_runs.wait_healthy(p_base, prefill, logs["p"], START_S / 2)
+        vllm_runs.wait_healthy(d_base, decode, logs["d"], START_S / 2)
         body = dict(model=str(model), temperature=0, return_token_ids=True)
 
         def prefilled(tokens):
-            status, reply = _post(p_base + "/v1/completions", dict(
+            status, reply = vllm_runs.post(p_base + "/v1/completions", dict(
                 body, prompt=tokens, max_tokens=1,
                 kv_transfer_params={"do_remote_decode": True}))
             assert status == 200, reply
             return reply["kv_transfer_params"]
 
         def decoded(tokens, params):
-            status, reply = _post(d_base + "/v1/completions", dict(
+            status, reply = vllm_runs.post(d_base + "/v1/completions", dict(
                 body, prompt=tokens, max_tokens=8, ignore_eos=True, kv_transfer_params=params))
             return status, reply["choices"][0]["token_ids"] if status == 200 else reply
 
@@ -305,8 +267,8 @@ def _over_http(model, work, kvattn: bool) -> dict:
                       remote_block_ids=[placeholder["remote_block_ids"][0] + others[:9]])
         out["padded"] = decoded(LONG, padded)
     finally:
-        _stop(decode)
-        _stop(prefill)
+        vllm_runs.stop_server(decode)
+        vllm_runs.stop_server(prefill)
     out["decode_log"] = logs["d"].read_text()
     return out
 

@@ -8,7 +8,11 @@ import fcntl
 import json
 import os
 import pathlib
+import signal
 import subprocess
+import time
+import urllib.error
+import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VENV = ROOT / "build" / "venv-vllm"
@@ -33,6 +37,46 @@ def env(kvattn: bool) -> dict:
     if kvattn:
         out["KVATTN_VLLM"] = "1"
     return out
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` as JSON to an OpenAI server: ``(status, JSON reply)``, error statuses too."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def wait_healthy(base: str, server: subprocess.Popen, log_path, timeout_s: float) -> None:
+    """Until the server at ``base`` answers ``/health``; raises with its log's tail if it exits
+    or does not come up within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError("the server exited:\n" + log_path.read_text()[-3000:])
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not come up in {timeout_s:.0f} s:\n"
+                               + log_path.read_text()[-3000:])
+        time.sleep(1)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Stop a server started in its own session, with every process of it."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 class Runs:

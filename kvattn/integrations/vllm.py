@@ -672,6 +672,7 @@ class WorkerOwnership:
         puts it in the request's ``kv_transfer_params``."""
         out: dict[str, dict[int, list]] = {}
         scheduled, computed = self.step_tokens
+        pools = None
         for rid, count in scheduled.items():
             request = self.runner.requests.get(rid) if self.runner is not None else None
             lease = self.leases.get(rid)
@@ -684,11 +685,12 @@ class WorkerOwnership:
             pairs = [(i, b, o) for i, (b, o) in enumerate(zip(lease.blocks[0], lease.expected[0]))
                      if b != NULL_BLOCK]
             indices, blocks, owners = ([x[k] for x in pairs] for k in range(3))
-            k_pools, v_pools = self._layer_pools()
-            digests = self.transfer_digests
+            k_pools, v_pools = pools = pools or self._layer_pools()
+            # The lengths first: each block's context covers the tokens its tags hold.
             lens = [a.valid_len for a in attest_pages(self.tags, owners, blocks, k_pools, v_pools,
                                                       digests=False)]
-            attested = attest_pages(self.tags, owners, blocks, k_pools, v_pools, digests=digests,
+            attested = attest_pages(self.tags, owners, blocks, k_pools, v_pools,
+                                    digests=self.transfer_digests,
                                     contexts=self._contexts(prompt, indices, lens))
             out[rid] = {b: a.to_json() for b, a in zip(blocks, attested)}
         return out
