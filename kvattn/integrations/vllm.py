@@ -62,6 +62,7 @@ from ..report import KVOwnershipError
 from ..tags import Violation, WriteDrop
 from ..transfer import PageAttestation, attest_pages, verify_arrived
 from ..writers import commit_pages, release_pages, reserve_pages
+from .prefix import prefix_digests as _prefix_digests
 
 SUPPORTED_VERSIONS = ("0.32.0",)
 ENABLE_ENV = "KVATTN_VLLM"
@@ -767,20 +768,6 @@ class WorkerOwnership:
             return
         commit_pages(self.layer_tags(layer_name), pages, torch.tensor([page_owner[b] for b in pages]),
                      [lens[b] for b in pages], self.block_size)
-
-
-def _prefix_digests(tokens: list[int], block_size: int, known: list[bytes] | None = None
-                    ) -> list[bytes]:
-    """Digest of the token prefix through each full block (a hash chain, like vLLM's block
-    hashes); ``known`` digests of the first blocks are kept."""
-    digests = list(known or ())
-    parent = digests[-1] if digests else b""
-    for i in range(len(digests), len(tokens) // block_size):
-        block = tokens[i * block_size:(i + 1) * block_size]
-        parent = hashlib.blake2b(parent + torch.tensor(block, dtype=torch.int64).numpy().tobytes(),
-                                 digest_size=16).digest()
-        digests.append(parent)
-    return digests
 
 
 def _error(batch: StepBatch, row: int, received: list[str]) -> str:
