@@ -1,7 +1,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: deps build test test-fast sanitize demo env bench static static-env vllm-env vllm-speed clean
+.PHONY: deps build test test-fast sanitize demo env bench static static-env vllm-env vllm-speed sglang-env clean
 
 deps:
 	bash tools/ensure_deps.sh
@@ -20,7 +20,7 @@ build: deps
 # Without a GPU the Triton kernels run under the interpreter (tests/conftest.py). The slowest test
 # (tests/test_install.py: `pip install .` into a fresh virtual environment) is marked slow:
 # `$(PYTHON) -m pytest -n 2 -q -m "not slow" tests` leaves it out.
-test: build static-env vllm-env
+test: build static-env vllm-env sglang-env
 	$(PYTHON) -m pytest -n 2 -q tests
 
 # A fast loop for a kernel edit: the readers and writers lanes (tests/conftest.py LANES; about a
@@ -84,6 +84,34 @@ $(VLLM_VENV)/.nixl: $(VLLM_VENV)/.ready
 	  $(VLLM_PY) -c "import nixl._api" ) >> build/venv-vllm.log 2>&1 \
 	  && touch $@ \
 	  || echo "vllm-env: NIXL not installed (see build/venv-vllm.log); tests/test_vllm_nixl.py skips"
+
+# SGLang for tests/test_sglang.py, in its own venv beside $(PYTHON)'s packages (torch, transformers,
+# numpy; a .pth file as for static-env): `pip install sglang` pins a CUDA torch and SGLang's CUDA
+# kernels, so SGLang goes in without dependencies, with the pure-Python modules its attention,
+# memory-pool, scheduler-batch and disaggregation classes import (pinned), then kvattn itself,
+# editable and without extensions, so SGLang's plugin loader finds the entry point. About 330 MB
+# and half a minute; without a registry the tests skip and say why (build/venv-sglang.log).
+SGLANG_VENV := build/venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_PINS := sglang==0.5.23 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
+  apache-tvm-ffi==0.1.15.post2 attrs==26.1.0 certifi==2026.10.19.post1 compressed-tensors==0.20.1 \
+  dill==0.4.1 einops==0.8.2 frozenlist==1.8.0 gguf==0.19.0 ipython==9.18.1 loguru==0.7.3 \
+  msgspec==0.23.0 multidict==7.2.1 openai==3.57.0 orjson==3.13.0 partial-json-parser==0.2.1.1.post7 \
+  propcache==0.5.4 psutil==7.2.2 pybase64==1.5.1 pyzmq==27.3.0 requests==2.34.2 sentencepiece==0.2.3 \
+  sniffio==1.3.1 starlette==1.10.0 traitlets==5.16.1 urllib3==2.8.0 yarl==1.25.1
+sglang-env: $(SGLANG_VENV)/.ready
+
+$(SGLANG_VENV)/.ready: pyproject.toml
+	@mkdir -p build
+	@( set -e; rm -rf $(SGLANG_VENV); $(PYTHON) -m venv $(SGLANG_VENV); \
+	  $(PYTHON) -c "import site, sysconfig; p = sysconfig.get_paths(); \
+	    print('\n'.join(dict.fromkeys([p['purelib'], p['platlib'], *site.getsitepackages()])))" \
+	    > "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvattn-parent.pth"; \
+	  $(SGLANG_PY) -m pip install --disable-pip-version-check --no-deps $(SGLANG_PINS); \
+	  KVATTN_SKIP_EXTENSIONS=1 $(SGLANG_PY) -m pip install --disable-pip-version-check --no-deps -e .; \
+	  $(SGLANG_PY) tests/sglang_driver.py plugin ) > build/venv-sglang.log 2>&1 \
+	  && touch $@ \
+	  || echo "sglang-env: SGLang not installed (see build/venv-sglang.log); tests/test_sglang.py skips"
 
 vllm-speed: vllm-env
 	$(VLLM_PY) tests/vllm_speed.py

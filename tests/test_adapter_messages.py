@@ -1,7 +1,8 @@
 """The transformers adapter's ownership error, from the per-layer reports and writer results of one
 forward: summarised per request across layers, the writer's dropped writes (usually the cause)
 before the refused reads. Needs no transformers install: the summary is plain kvattn code. And the
-vLLM plugin's refusals when an engine is set up (no vLLM install either)."""
+vLLM plugin's refusals when an engine is set up (no vLLM install either), and the SGLang
+backend's version refusal and receive accounting (no SGLang install)."""
 import torch
 
 import kvattn
@@ -87,3 +88,29 @@ def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
         integration._refuse_unsupported(_vllm_config(multimodal=True))
     with pytest.raises(integration.IntegrationError, match="encoder-decoder models"):
         integration._refuse_unsupported(_vllm_config(encoder_decoder=True))
+
+
+def test_sglang_backend_refuses_other_versions_naming_the_tested_one():
+    import pytest
+
+    from kvattn.integrations import sglang
+    sglang.check_version("0.5.23")
+    with pytest.raises(RuntimeError, match=r"SGLang 0\.5\.22 is not supported.*\['0\.5\.23'\]"):
+        sglang.check_version("0.5.22")
+
+
+def test_sglang_receivers_account_for_what_arrived_not_for_success():
+    from types import SimpleNamespace
+
+    from kvattn.integrations import sglang
+
+    class FakeKVReceiver:
+        pass
+
+    class MooncakeKVReceiver:
+        pass
+    assert sglang.received_tokens(FakeKVReceiver())[0] == 0
+    count, how = sglang.received_tokens(MooncakeKVReceiver())
+    assert count == 0 and "reports completion, not what arrived" in how
+    counted = SimpleNamespace(kvattn_received_tokens=lambda: 7)
+    assert sglang.received_tokens(counted) == (7, "SimpleNamespace counted 7 token(s) arrived")

@@ -1,0 +1,552 @@
+"""kvattn as an attention backend of SGLang, loaded through SGLang's plugin entry point.
+
+Usage: install kvattn next to SGLang and start the server with ``--attention-backend kvattn``.
+SGLang loads the ``sglang.srt.plugins`` entry point ``kvattn`` in every process it starts;
+:func:`kvattn.integrations.sglang_backend.register` adds the ``kvattn`` choice to SGLang's
+attention registry and a hook on the decode side's transfer commit that acts only on engines whose
+backend is kvattn's, so an engine that does not ask for it is unchanged. A request whose KV fails
+the ownership check is ended with ``FINISH_ABORT`` (an error status, never an answer), and a
+message naming the check, the layers, pages and reasons is logged (logger ``kvattn``); the other requests of the batch go on.
+
+Tested with SGLang ``SUPPORTED_VERSIONS`` against its own classes (pools, allocators, request
+pool, ``ForwardBatch``, the torch-native backend, the fake disaggregation backend); other versions
+are refused when the backend is asked for, because the hooks below follow private parts of SGLang.
+
+What kvattn follows, and where (all on the instances of the engine whose backend is kvattn's):
+
+- **Pages and tags.** SGLang's MHA pool keeps per layer ``[size + page_size, kv_heads, head_dim]``
+  token slots, K and V apart; slot ``t`` is slot ``t % page_size`` of page ``t // page_size``, so
+  the buffers are kvattn's NHD pools by views. Page 0 is SGLang's padding page (dummy writes); it
+  is never handed to a request and its tag stays FREE. One ``[num_layers, num_pages]`` tag array.
+- **Leases follow the request pool.** ``ReqToTokenPool.alloc`` binds a row of ``req_to_token`` to a
+  request: the row gets a lease (a new owner id) for as long as the request holds it (a retracted
+  request that comes back gets a new one). At each forward the ledger reads the rows of the batch
+  (``req_to_token``, one host read per forward) and compares them with what each lease holds:
+  a page at a position of the request's new tokens is its own (reserved for its owner before the
+  forward writes it); a page at a position SGLang reports as already computed
+  (``extend_prefix_lens``) that the lease does not hold is a radix-cache hit, expected to carry
+  the owner that wrote it only if the writer's token prefix through that page is the reader's own
+  (:mod:`kvattn.integrations.prefix`), else owner 0, which no page carries (fails closed).
+  A row whose slots of one logical page do not lie in one page at their offsets is read as no page
+  (``OUT_OF_RANGE``).
+- **Writes**: the pool's ``set_kv_buffer`` (every write of the engine, the backend's and a model's
+  own) goes through :func:`kvattn.write_kv` at SGLang's slot indices under each token's request
+  owner: a write into a page the request does not hold is dropped.
+- **Release**: when SGLang's allocator frees pages (a finished request's tail, the radix cache's
+  evictions), the ledger releases them owner-scoped; a page the radix cache keeps stays WRITTEN.
+- **Disaggregated decode**: when the decode side's transfer queue commits a finished transfer
+  (``DecodeTransferQueue._commit_transfer_to_req``), the request's pages are reserved for its lease
+  and committed with the number of tokens the receiver accounts for (:func:`received_tokens`):
+  the fake backend moves no bytes, so nothing is committed and its "success" is refused at
+  attention. SGLang 0.5.23's real receivers report completion only; a decode instance on them is
+  refused at setup (they would refuse every transfer).
+- **Failure**: refused pages and dropped writes are summed per request over the layers of a forward
+  in device memory and read once, after the forward; a failed request is aborted.
+
+Not supported (refused at setup, saying why): MLA, hybrid (SWA, linear) and quantized KV pools,
+fp8 KV caches, HND layouts, speculative decoding, encoder-decoder and cross attention, a decode
+instance on a transfer backend other than ``fake``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import api
+from ..cache import new_owner_id
+from ..writers import commit_pages, release_pages, reserve_pages, write_kv
+from .prefix import prefix_digests
+from .vllm import _flags, _names
+
+SUPPORTED_VERSIONS = ("0.5.23",)
+BACKEND_NAME = "kvattn"
+BACKEND_ENV = "KVATTN_SGLANG_BACKEND"  # the kvattn backend the readers and writers use
+
+logger = logging.getLogger("kvattn")
+
+
+class IntegrationError(RuntimeError):
+    """SGLang was configured in a way the integration does not support."""
+
+
+def check_version(version: str | None = None) -> None:
+    """Raise RuntimeError unless the installed SGLang (or ``version``) is a tested one."""
+    if version is None:
+        import sglang
+        version = sglang.__version__
+    if version not in SUPPORTED_VERSIONS:
+        raise RuntimeError(
+            f"kvattn.integrations.sglang: SGLang {version} is not supported; the integration hooks "
+            f"private parts of the engine and was tested with {list(SUPPORTED_VERSIONS)} only. "
+            f"Install one of those, or choose another --attention-backend.")
+
+
+def commit_transfer_hook(original, queue, decode_req, *args, **kwargs):
+    result = original(queue, decode_req, *args, **kwargs)
+    state = _STATES.get(id(queue.scheduler.req_to_token_pool))
+    req = decode_req.req
+    if state is not None and not _aborted(req):
+        state.commit_transfer(req, decode_req.kv_receiver)
+    return result
+
+
+def _aborted(req) -> bool:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    return isinstance(req.finished_reason, FINISH_ABORT) or isinstance(req.to_finish, FINISH_ABORT)
+
+
+def received_tokens(receiver) -> tuple[int, str]:
+    """How many tokens of a transfer ``receiver`` accounts for as arrived, and how it knows.
+
+    A receiver that counts what arrived says so through ``kvattn_received_tokens()``; SGLang's fake
+    receiver moves no bytes (0). Any other receiver reports completion only, which is not an
+    account of bytes: 0 (its pages stay unreadable)."""
+    count = getattr(receiver, "kvattn_received_tokens", None)
+    name = type(receiver).__name__
+    if callable(count):
+        return int(count()), f"{name} counted {int(count())} token(s) arrived"
+    if name == "FakeKVReceiver":
+        return 0, "FakeKVReceiver moves no bytes: 0 tokens arrived"
+    return 0, f"{name} reports completion, not what arrived: 0 tokens accounted for"
+
+
+# One ledger per engine in this process, keyed by the id of its request pool, which the scheduler,
+# the model runner and the disaggregation queues share.
+_STATES: dict[int, SGLangOwnership] = {}
+
+
+def state_for(req_to_token_pool) -> SGLangOwnership | None:
+    return _STATES.get(id(req_to_token_pool))
+
+
+def attach(runner) -> SGLangOwnership:
+    """The ledger of the engine whose model runner is ``runner`` (created and hooked once)."""
+    _refuse_unsupported(runner)
+    state = _STATES.get(id(runner.req_to_token_pool))
+    if state is None or state.req_pool is not runner.req_to_token_pool:
+        state = SGLangOwnership(runner)
+        _STATES[id(runner.req_to_token_pool)] = state
+        logging.getLogger("sglang.kvattn").info(
+            "kvattn: ownership-checked attention (page size %d, kvattn backend %r)",
+            state.page_size, state.backend)
+    return state
+
+
+def _refuse_unsupported(runner) -> None:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    pool = runner.token_to_kv_pool
+    args = runner.server_args
+    reasons = []
+    if type(pool) is not MHATokenToKVPool:
+        reasons.append(f"KV pool {type(pool).__name__} (MHATokenToKVPool only: MLA, hybrid, "
+                       f"quantized and page-major pools are not followed)")
+    elif pool.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"KV cache dtype {pool.dtype} (the model's float dtype only)")
+    elif pool.kv_cache_layout != "nhd":
+        reasons.append(f"KV cache layout {pool.kv_cache_layout!r} ('nhd' only)")
+    elif pool.head_dim != pool.v_head_dim:
+        reasons.append(f"V head dim {pool.v_head_dim} != K head dim {pool.head_dim}")
+    if getattr(args, "speculative_algorithm", None):
+        reasons.append("speculative decoding")
+    if getattr(runner.model_config, "is_encoder_decoder", False):
+        reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
+    mode = str(getattr(args, "disaggregation_mode", "null"))
+    transfer = getattr(args, "disaggregation_transfer_backend", "fake")
+    if mode.endswith("decode") and transfer != "fake":
+        reasons.append(f"a decode instance on transfer backend {transfer!r} (its receivers report "
+                       f"completion, not what arrived, so no transferred page could be committed)")
+    if reasons:
+        raise IntegrationError("kvattn.integrations.sglang does not support " + "; ".join(reasons))
+
+
+@dataclass
+class _Lease:
+    """A request's hold on pages, as the ledger learned it from its row of ``req_to_token``."""
+
+    owner: int
+    req: object  # SGLang's Req, for its token ids and its abort
+    pages: list[int] = field(default_factory=list)  # per logical page
+    expected: list[int] = field(default_factory=list)  # the owner each logical page must carry
+    keys: list[bytes] = field(default_factory=list)  # prefix digest per full page
+
+
+@dataclass
+class ForwardState:
+    """What the attention calls of one forward share, rows in the batch order."""
+
+    rows: list[int]  # req_to_token rows
+    block_table: torch.Tensor  # [B, W] int32 (-1: a page whose slots do not line up)
+    expected: torch.Tensor  # [B, W] int64
+    seq_lens: torch.Tensor  # [B] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    token_owner: torch.Tensor  # [T] int64
+    token_row: torch.Tensor  # [T] int64
+    refused: torch.Tensor  # [B] int32, summed over layers
+    dropped: torch.Tensor  # [B] int32, summed over layers
+    reports: list = field(default_factory=list)  # (layer, OwnershipReport)
+    drops: list = field(default_factory=list)  # (layer, drop_reasons [T])
+
+
+class SGLangOwnership:
+    """kvattn's ledger in one SGLang engine: leases, tags, expected owners, a forward's reports."""
+
+    def __init__(self, runner):
+        self.req_pool = runner.req_to_token_pool
+        self.kv_pool = runner.token_to_kv_pool
+        self.allocator = runner.token_to_kv_pool_allocator
+        self.page_size = int(self.kv_pool.page_size)
+        self.backend = os.environ.get(BACKEND_ENV, "auto")
+        self.check = True
+        self.prefix_caching = not getattr(runner.server_args, "disable_radix_cache", False)
+        slots = self.kv_pool.k_buffer[0].shape[0]
+        self.num_pages = slots // self.page_size
+        self.tags = torch.zeros(self.kv_pool.layer_num, self.num_pages, dtype=torch.int64,
+                                device=self.kv_pool.k_buffer[0].device)
+        self.leases: dict[int, _Lease] = {}  # req_to_token row -> lease
+        self.page_owner: dict[int, int] = {}  # page -> the owner it was last reserved for
+        self.content: dict[int, tuple[int, bytes]] = {}  # full page -> (writer, prefix digest)
+        self.forward: ForwardState | None = None
+        self.counts: Counter = Counter()
+        self.failures: list[tuple[str, str]] = []  # (request id, message)
+        self.receive_notes: dict[int, str] = {}  # row -> what its transfer committed
+        self._hook()
+
+    # -- hooks on the engine's own instances --------------------------------------------------
+
+    def _hook(self) -> None:
+        pool, allocator, kv = self.req_pool, self.allocator, self.kv_pool
+        alloc, free_rows = pool.alloc, getattr(pool, "free_rows", None)
+        free = pool.free
+
+        def alloc_hook(reqs):
+            fresh = [r for r in reqs if not r.kv.holds_kv]
+            rows = alloc(reqs)
+            if rows is not None:
+                for r in fresh:
+                    self._new_lease(r.kv.req_pool_idx, r)
+            return rows
+
+        def free_hook(req):
+            self.leases.pop(req.kv.req_pool_idx, None)
+            return free(req)
+
+        pool.alloc, pool.free = alloc_hook, free_hook
+        if free_rows is not None:
+            def free_rows_hook(indices):
+                for row in indices:
+                    self.leases.pop(int(row), None)
+                return free_rows(indices)
+            pool.free_rows = free_rows_hook
+        # Every path that frees pages ends here: the paged allocator's page ids, or the token
+        # allocator's slots (one slot per page) outside a free group.
+        if hasattr(allocator, "_release_page_ids"):
+            release = allocator._release_page_ids
+
+            def release_hook(*page_ids):
+                self._freed(torch.cat([p.reshape(-1) for p in page_ids]) if page_ids else None)
+                return release(*page_ids)
+            allocator._release_page_ids = release_hook
+        else:
+            token_free = allocator.free
+
+            def token_free_hook(free_index):
+                if allocator.free_group is None:
+                    self._freed(free_index)
+                return token_free(free_index)
+            allocator.free = token_free_hook
+        kv.set_kv_buffer = self.set_kv_buffer
+
+    def _new_lease(self, row: int, req) -> None:
+        self.leases[row] = _Lease(owner=new_owner_id(), req=req)
+        self.receive_notes.pop(row, None)
+        self.counts["leases"] += 1
+
+    def _freed(self, pages) -> None:
+        if pages is None or pages.numel() == 0:
+            return
+        pages = sorted(set(pages.to(torch.int64).cpu().tolist()))
+        known = [p for p in pages if p in self.page_owner]
+        for p in pages:
+            self.content.pop(p, None)
+        if known:
+            owners = torch.tensor([self.page_owner.pop(p) for p in known], dtype=torch.int64)
+            release_pages(self.tags, known, owners.to(self.tags.device))
+        self.counts["released_pages"] += len(known)
+
+    # -- one forward -------------------------------------------------------------------------
+
+    def _tokens(self, lease: _Lease) -> list[int]:
+        req = lease.req
+        return list(req.origin_input_ids) + list(req.output_ids)
+
+    def _table(self, rows: list[int], seq_lens: list[int]) -> torch.Tensor:
+        """kvattn's block table of ``rows`` read off ``req_to_token``: the page of each logical
+        page's first slot, or -1 where the slots of a logical page (within the sequence) are not
+        that page's slots in order."""
+        P = self.page_size
+        width = max(1, -(-max(seq_lens, default=1) // P))
+        req_to_token = self.req_pool.req_to_token
+        index = torch.tensor(rows, dtype=torch.int64, device=req_to_token.device)
+        cols = min(width * P, req_to_token.shape[1])
+        slots = torch.full((len(rows), width * P), -1, dtype=torch.int64,
+                           device=req_to_token.device)
+        slots[:, :cols] = req_to_token[index, :cols].to(torch.int64)
+        slots = slots.view(len(rows), width, P)  # [B, W, P]
+        pages = torch.div(slots[:, :, 0], P, rounding_mode="floor")  # [B, W]
+        lens = torch.tensor(seq_lens, dtype=torch.int64, device=slots.device)
+        pos = torch.arange(width * P, device=slots.device).view(1, width, P)
+        inside = pos < lens.view(-1, 1, 1)
+        aligned = slots == pages.unsqueeze(-1) * P + torch.arange(P, device=slots.device)
+        good = (aligned | ~inside).all(-1) & (pages >= 0) & (pages < self.num_pages)
+        return torch.where(good, pages, -1).to(torch.int32)
+
+    def begin_forward(self, fb) -> None:
+        """The ownership inputs of this forward (``fb``: SGLang's ForwardBatch), resolved on the
+        host: each lease's pages against its row, hits against the pages' writers."""
+        rows = [int(r) for r in fb.req_pool_indices.tolist()]
+        seq_lens = [int(n) for n in (fb.seq_lens_cpu if fb.seq_lens_cpu is not None
+                                     else fb.seq_lens).tolist()]
+        if fb.forward_mode.is_decode():
+            q_lens = [1] * len(rows)
+        else:
+            q_lens = [int(n) for n in fb.extend_seq_lens_cpu]
+        table = self._table(rows, seq_lens)
+        pages = table.cpu().tolist()
+        width = table.shape[1]
+        expected = torch.zeros(len(rows), width, dtype=torch.int64)
+        owners = torch.zeros(len(rows), dtype=torch.int64)
+        reserve: dict[int, list[int]] = {}
+        for b, row in enumerate(rows):
+            lease = self.leases.get(row)
+            if lease is None:  # padding rows, or a row no lease holds: nothing is readable
+                continue
+            owners[b] = lease.owner
+            computed = seq_lens[b] - q_lens[b]
+            self._sync(lease, pages[b][: -(-seq_lens[b] // self.page_size)], computed,
+                       seq_lens[b], reserve)
+            expected[b, : len(lease.expected)] = torch.tensor(lease.expected[:width])
+        for owner, mine in reserve.items():
+            reserve_pages(self.tags, mine, owner)
+        device = fb.seq_lens.device
+        counts = torch.tensor(q_lens, dtype=torch.int64)
+        cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(counts, 0)
+        self.forward = ForwardState(
+            rows=rows, block_table=table.to(device), expected=expected.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            cu_seqlens_q=cu.to(device),
+            token_owner=torch.repeat_interleave(owners, counts).to(device),
+            token_row=torch.repeat_interleave(torch.arange(len(rows)), counts).to(device),
+            refused=torch.zeros(len(rows), dtype=torch.int32, device=device),
+            dropped=torch.zeros(len(rows), dtype=torch.int32, device=device))
+
+    def _sync(self, lease: _Lease, pages: list[int], computed: int, seq_len: int,
+              reserve: dict[int, list[int]]) -> None:
+        """Bring ``lease`` up to its row's ``pages`` (a forward over ``seq_len`` tokens whose first
+        ``computed`` are already in the cache): a page at a position of its new tokens is its own
+        (reserved unless it holds it); a page of computed tokens it does not hold is a hit
+        (:meth:`_hit_owner`)."""
+        P = self.page_size
+        tokens = self._tokens(lease)
+        if self.prefix_caching and len(lease.keys) < len(tokens) // P:
+            lease.keys = prefix_digests(tokens, P, lease.keys)
+        del lease.pages[len(pages):], lease.expected[len(pages):]
+        for i, page in enumerate(pages):
+            if i < len(lease.pages) and lease.pages[i] == page:
+                continue
+            if (i + 1) * P <= computed:
+                owner = self._hit_owner(page, lease.keys, i)
+            elif i * P < computed:  # part of a page it does not hold was computed: no proof
+                owner = 0
+            else:
+                owner = lease.owner
+                if page >= 0:
+                    reserve.setdefault(owner, []).append(page)
+                    self.page_owner[page] = owner
+                    self.content.pop(page, None)
+            if i < len(lease.pages):
+                lease.pages[i], lease.expected[i] = page, owner
+            else:
+                lease.pages.append(page)
+                lease.expected.append(owner)
+        if self.prefix_caching:  # full pages it writes now: what a later hit on them must hold
+            for i in range(computed // P, min(seq_len // P, len(pages), len(lease.keys))):
+                if lease.expected[i] == lease.owner and pages[i] >= 0:
+                    self.content[pages[i]] = (lease.owner, lease.keys[i])
+
+    def _hit_owner(self, page: int, keys: list[bytes], index: int) -> int:
+        written = self.content.get(page)
+        if written is not None and index < len(keys) and written[1] == keys[index]:
+            self.counts["prefix_hit_pages"] += 1
+            return written[0]
+        self.counts["unproven_hit_pages"] += 1
+        return 0
+
+    # -- the pool's writes and the backend's reads --------------------------------------------
+
+    def pools(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s K and V buffers as kvattn's NHD pools ``[pages, P, H, D]``."""
+        local = layer_id - self.kv_pool.start_layer
+        n = self.num_pages * self.page_size
+        k, v = self.kv_pool.k_buffer[local], self.kv_pool.v_buffer[local]
+        return (k[:n].view(self.num_pages, self.page_size, *k.shape[1:]),
+                v[:n].view(self.num_pages, self.page_size, *v.shape[1:]))
+
+    def layer_tags(self, layer_id: int) -> torch.Tensor:
+        return self.tags[layer_id - self.kv_pool.start_layer]
+
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None,
+                      layer_id_override=None, dcp_kv_mask=None) -> None:
+        """In place of the pool's ``set_kv_buffer``: kvattn's append and stamp, under the owner of
+        each token's request in this forward."""
+        from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
+        forward = self.forward
+        if forward is None:
+            raise IntegrationError("kvattn.integrations.sglang: KV written outside a forward; no "
+                                   "request owns it")
+        if k_scale is not None or v_scale is not None or dcp_kv_mask is not None:
+            raise IntegrationError("kvattn.integrations.sglang: scaled or masked KV writes are "
+                                   "not supported")
+        loc, _, _ = unwrap_write_loc(loc_info)
+        if loc.shape[0] != forward.token_owner.shape[0]:
+            raise IntegrationError(f"kvattn.integrations.sglang: {loc.shape[0]} KV slots written "
+                                   f"for a forward of {forward.token_owner.shape[0]} tokens")
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        k_pages, v_pages = self.pools(layer_id)
+        heads, dim = k_pages.shape[2], k_pages.shape[3]
+        result = write_kv(cache_k.reshape(-1, heads, dim).to(k_pages.dtype),
+                          cache_v.reshape(-1, heads, v_pages.shape[3]).to(v_pages.dtype),
+                          k_pages, v_pages, loc, self.layer_tags(layer_id), forward.token_owner,
+                          backend=self.backend, validate=False)
+        forward.dropped.index_add_(0, forward.token_row, (result.drop_reasons != 0).to(torch.int32))
+        forward.drops.append((f"layer {layer_id}", result.drop_reasons))
+
+    def attend(self, q, layer, out, decode: bool) -> None:
+        """Layer ``layer``'s attention of this forward into ``out`` ([T, Hq, Dv])."""
+        forward = self.forward
+        k_pages, v_pages = self.pools(layer.layer_id)
+        window = layer.sliding_window_size
+        common = dict(scale=float(layer.scaling), check=self.check, backend=self.backend, out=out,
+                      validate=False, logits_soft_cap=float(layer.logit_cap or 0.0),
+                      window_left=window if window is not None and window > -1 else -1)
+        tags = self.layer_tags(layer.layer_id)
+        if decode:
+            _, report = api.paged_decode(q, k_pages, v_pages, forward.block_table,
+                                         forward.seq_lens, tags, forward.expected, **common)
+        else:
+            _, report = api.paged_extend(q, k_pages, v_pages, forward.cu_seqlens_q,
+                                         forward.block_table, forward.seq_lens, tags,
+                                         forward.expected, causal=True, **common)
+        if report is not None:
+            forward.refused += report.violations
+            forward.reports.append((f"layer {layer.layer_id}", report))
+
+    def end_forward(self) -> dict[str, str]:
+        """After the forward: abort the requests with refused pages or dropped writes (one read);
+        returns their messages by request id."""
+        forward, self.forward = self.forward, None
+        if forward is None or not forward.rows:
+            return {}
+        totals = torch.stack([forward.refused.sum(), forward.dropped.sum()]).tolist()
+        self.counts["refused_pages"] += totals[0]
+        self.counts["dropped_writes"] += totals[1]
+        if not any(totals):
+            return {}
+        from http import HTTPStatus
+
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        failed = {}
+        bad = torch.nonzero((forward.refused > 0) | (forward.dropped > 0)).flatten().tolist()
+        for b in bad:
+            lease = self.leases.get(forward.rows[b])
+            if lease is None:
+                continue
+            message = _error(forward, b, lease.req.rid, self.receive_notes.get(forward.rows[b]))
+            failed[lease.req.rid] = message
+            self.failures.append((lease.req.rid, message))
+            logger.error("%s", message)
+            lease.req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR,
+                                               "KVOwnershipError")
+        return failed
+
+    # -- KV that arrived by a transfer --------------------------------------------------------
+
+    def commit_transfer(self, req, receiver) -> None:
+        """The decode side: ``req``'s transfer finished. Its pages (its row, through its prompt)
+        are reserved for its lease and committed with the tokens ``receiver`` accounts for, from
+        the first position no local prefix hit covers."""
+        row = req.kv.req_pool_idx
+        lease = self.leases.get(row)
+        if lease is None:
+            return
+        count, how = received_tokens(receiver)
+        total = len(req.origin_input_ids)
+        table = self._table([row], [total])
+        pages = table[0, : -(-total // self.page_size)].cpu().tolist()
+        reserve: dict[int, list[int]] = {}
+        prefix = getattr(req, "prefix_indices", None)  # the decode side's own radix-cache hit
+        computed = min(0 if prefix is None else len(prefix), total)
+        self._sync(lease, pages, computed, computed, reserve)
+        for owner, mine in reserve.items():
+            reserve_pages(self.tags, mine, owner)
+        P = self.page_size
+        end = min(total, computed + max(0, count))
+        commit, lens = [], []
+        for i, page in enumerate(pages):
+            n = min(P, end - i * P)
+            if n > 0 and page >= 0 and lease.expected[i] == lease.owner and i * P >= computed:
+                commit.append(page)
+                lens.append(n)
+        for row_tags in self.tags if commit else ():  # a transfer moves every layer of a page
+            commit_pages(row_tags, commit, lease.owner, lens, P)
+        if self.prefix_caching:  # a full page that arrived is a prefix hit's content later
+            full = {page for page, n in zip(commit, lens) if n == P}
+            for i, page in enumerate(pages):
+                if page in full and i < len(lease.keys):
+                    self.content[page] = (lease.owner, lease.keys[i])
+        self.counts["received_tokens"] += end - computed
+        self.receive_notes[row] = (f"transfer of {total - computed} token(s): {how}; "
+                                   f"{len(commit)} page(s) committed")
+
+
+def _error(forward: ForwardState, row: int, rid: str, received: str | None) -> str:
+    """The failure of one request, summed over the layers of the forward."""
+    drops: Counter = Counter()
+    drop_layers = []
+    for layer, reasons in forward.drops:
+        from ..tags import WriteDrop
+        mine = reasons[forward.token_row == row]
+        dropped = mine[mine != 0].tolist()
+        if dropped:
+            drop_layers.append(layer)
+        drops.update(_flags(WriteDrop(int(r))) for r in dropped)
+    reads: dict[str, Counter] = {}
+    read_layers: dict[str, list] = {}
+    table = forward.block_table[row].tolist()
+    for layer, report in forward.reports:
+        for page, reason in report.refusals().get(row, []):
+            name = _flags(reason)
+            reads.setdefault(name, Counter())[page] += 1
+            if layer not in read_layers.setdefault(name, []):
+                read_layers[name].append(layer)
+    lines = [f"received: {received}"] if received else []
+    if drops:
+        counts = ", ".join(f"{n} {name}" for name, n in sorted(drops.items()))
+        lines.append(f"writes: {counts} dropped write(s) of its new tokens, in layer(s) "
+                     f"{_names(drop_layers)}")
+    for name, pages in sorted(reads.items()):
+        shown = [("past the table" if p < 0 else f"{p} (page {table[p]})") for p in sorted(pages)]
+        more = f", ... ({len(shown) - 8} more)" if len(shown) > 8 else ""
+        lines.append(f"reads: {name} on logical page(s) {', '.join(shown[:8])}{more}, in "
+                     f"{max(pages.values())} of {len(forward.reports)} layer(s): "
+                     f"{_names(read_layers[name])}")
+    return (f"kvattn ownership check failed for request {rid!r}: its KV pages could not be proven "
+            "to hold its own tokens, so the request was stopped.\n" + "\n".join(lines))
+
+
+__all__ = ["BACKEND_NAME", "SUPPORTED_VERSIONS", "IntegrationError", "SGLangOwnership", "attach",
+           "check_version", "commit_transfer_hook", "received_tokens", "state_for"]

@@ -1,0 +1,98 @@
+"""The SGLang attention backend that ``--attention-backend kvattn`` selects, and the plugin entry
+point that registers it (:func:`register`): SGLang's MHA pool read by views, KV written
+through the pool's ``set_kv_buffer`` (which the ledger routes to :func:`kvattn.write_kv`),
+attention by :func:`kvattn.paged_extend` / :func:`kvattn.paged_decode` on the block table the
+ledger reads off ``req_to_token``, checked against the owners of
+:class:`kvattn.integrations.sglang.SGLangOwnership`.
+
+Imported by SGLang's plugin loader (the ``sglang.srt.plugins`` entry point), so only where SGLang
+is installed.
+"""
+from __future__ import annotations
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from . import sglang as integration
+
+
+class KVAttnSGLangBackend(AttentionBackend):
+    """Decoder attention over SGLang's token pool, ownership-checked by kvattn."""
+
+    def __init__(self, model_runner):
+        super().__init__()
+        self.device = model_runner.device
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.state = integration.attach(model_runner)
+        forward = model_runner.forward
+
+        def forward_hook(*args, **kwargs):
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.state.end_forward()
+        # The scheduler reads the requests' state after the runner's forward: a request failed
+        # here is aborted before its token is processed.
+        model_runner.forward = forward_hook
+
+    def init_forward_metadata(self, forward_batch):
+        self.state.begin_forward(forward_batch)
+
+    def _refuse(self, layer) -> None:
+        if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+            raise integration.IntegrationError(
+                f"kvattn.integrations.sglang supports decoder self-attention only, got layer "
+                f"{layer.layer_id} of type {layer.attn_type}")
+
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, decode: bool):
+        self._refuse(layer)
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        self.state.attend(q, layer, out, decode)
+        return out.view(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, decode=False)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, decode=True)
+
+    def support_triton(self):
+        return False
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point; SGLang calls it in every process it starts.
+
+    Adds ``kvattn`` to SGLang's attention backends and to the ``--attention-backend`` choices, and
+    the hook that commits a disaggregated decode's transfers (it acts only on engines whose backend
+    is kvattn's). A version of SGLang other than a tested one is refused when ``kvattn`` is
+    selected, with the reason, so that installing kvattn breaks no other backend. Idempotent.
+    """
+    from sglang.srt.layers.attention.attention_registry import (ATTENTION_BACKENDS,
+                                                                 register_attention_backend)
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    name = integration.BACKEND_NAME
+    if name not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([name])
+    if name in ATTENTION_BACKENDS:
+        return
+    register_attention_backend(name)(create_backend)
+    import sglang.srt.disaggregation.decode  # noqa: F401  (the hook's target must be importable)
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    HookRegistry.register("sglang.srt.disaggregation.decode.DecodeTransferQueue."
+                          "_commit_transfer_to_req", integration.commit_transfer_hook,
+                          HookType.AROUND)
+
+
+def create_backend(runner):
+    """SGLang's factory for ``--attention-backend kvattn``."""
+    integration.check_version()
+    return KVAttnSGLangBackend(runner)
+
+
+__all__ = ["KVAttnSGLangBackend", "create_backend", "register"]

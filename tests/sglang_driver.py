@@ -1,0 +1,368 @@
+"""Scenarios of kvattn's SGLang backend against SGLang 0.5.23's own classes, run in SGLang's
+environment (``make sglang-env``: build/venv-sglang) by tests/test_sglang.py, which reads the JSON
+this prints.
+
+SGLang's engine does not run on this CPU (its CPU path needs sgl-kernel's CPU build), so an
+``Engine`` here plays the scheduler's part with SGLang's real pieces: ``MHATokenToKVPool``,
+``ReqToTokenPool``, the token and paged allocators (``alloc``, ``alloc_extend``,
+``alloc_decode``, ``free``), ``Req``, ``ForwardBatch`` filled as ``ForwardBatch.init_new`` fills it
+for extend, mixed and decode batches, ``RadixAttention`` layers, ``TorchNativeAttnBackend`` and
+the fake disaggregation receiver. Each layer's q, k, v are a fixed function of the request's
+tokens and positions, so two engines (one on SGLang's torch-native attention, one on kvattn's)
+given the same steps compute the same attention unless a check refuses a page.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import sys
+import types
+from types import SimpleNamespace
+
+
+def _stand_in_torchvision() -> None:
+    """``sglang.srt.configs`` imports ``torchvision.transforms`` for image models; the index's
+    torchvision is a CUDA build that fails to load beside CPU torch, and no test reads images.
+    transformers is imported first so that it sees no torchvision."""
+    import transformers.utils.import_utils  # noqa: F401
+    tv, tr, fn = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms",
+                                               "torchvision.transforms.functional"))
+    tv.__path__, tr.__path__ = [], []
+
+    class InterpolationMode(enum.Enum):
+        NEAREST = "nearest"
+        BILINEAR = "bilinear"
+        BICUBIC = "bicubic"
+    fn.InterpolationMode = tr.InterpolationMode = InterpolationMode
+    tv.transforms, tr.functional = tr, fn
+    sys.modules.update({m.__name__: m for m in (tv, tr, fn)})
+
+
+_stand_in_torchvision()
+
+import torch  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.fake.conn import FakeKVReceiver  # noqa: E402
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from kvattn.integrations import sglang as integration  # noqa: E402
+from kvattn.integrations import sglang_backend  # noqa: E402
+
+DTYPE = torch.float32
+LAYERS = 2
+
+
+class Engine:
+    """One engine's pools, allocator, requests and layers, on ``kind`` attention."""
+
+    def __init__(self, kind: str, page_size: int, heads: int = 4, kv_heads: int = 2,
+                 head_dim: int = 16, size: int = 512, radix: bool = True):
+        self.P = page_size
+        self.pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=DTYPE,
+                                     head_num=kv_heads, head_dim=head_dim, layer_num=LAYERS,
+                                     device="cpu", enable_memory_saver=False)
+        self.req_pool = ReqToTokenPool(size=16, max_context_len=256, device="cpu",
+                                       enable_memory_saver=False)
+        if page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(size, DTYPE, "cpu", self.pool, need_sort=False)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(size, page_size, DTYPE, "cpu", self.pool,
+                                                         need_sort=False)
+        self.layers = [RadixAttention(num_heads=heads, head_dim=head_dim, scaling=head_dim ** -0.5,
+                                      num_kv_heads=kv_heads, layer_id=i) for i in range(LAYERS)]
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.runner = SimpleNamespace(
+            device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool,
+            token_to_kv_pool_allocator=self.allocator, page_size=page_size,
+            server_args=SimpleNamespace(speculative_algorithm=None, disaggregation_mode="null",
+                                        disaggregation_transfer_backend="fake",
+                                        disable_radix_cache=not radix),
+            model_config=SimpleNamespace(is_encoder_decoder=False), forward=self._model)
+        if kind == "kvattn":
+            self.backend = sglang_backend.create_backend(self.runner)
+            self.state = integration.state_for(self.req_pool)
+        else:
+            self.backend = TorchNativeAttnBackend(self.runner)
+            self.state = None
+        self.reqs: dict[str, Req] = {}
+        self.lens: dict[str, int] = {}  # tokens in the cache per request
+        self.outputs: list[dict[str, list]] = []  # per forward: rid -> last layer's output rows
+
+    # -- the scheduler's part ---------------------------------------------------------------
+
+    def admit(self, rid: str, tokens: list[int], prefix_slots: list[int] | None = None) -> Req:
+        """A new request holding a row; ``prefix_slots``: the slots a radix-cache match gave it
+        for its first tokens (what ``match_prefix`` returns as ``prefix_indices``)."""
+        req = Req(rid, "", list(tokens), SamplingParams(max_new_tokens=16))
+        self.req_pool.alloc([req])
+        prefix = list(prefix_slots or [])
+        if prefix:
+            self.req_pool.write((req.kv.req_pool_idx, slice(0, len(prefix))),
+                                torch.tensor(prefix, dtype=torch.int32))
+        req.prefix_indices = torch.tensor(prefix, dtype=torch.int64)
+        self.reqs[rid], self.lens[rid] = req, len(prefix)
+        return req
+
+    def slots(self, rid: str) -> list[int]:
+        req = self.reqs[rid]
+        return self.req_pool.req_to_token[req.kv.req_pool_idx, : self.lens[rid]].tolist()
+
+    def _alloc(self, rids, news) -> torch.Tensor:
+        rows = [self.reqs[r].kv.req_pool_idx for r in rids]
+        prefix = [self.lens[r] for r in rids]
+        seq = [p + n for p, n in zip(prefix, news)]
+        if self.P == 1:
+            out = self.allocator.alloc(sum(news))
+        else:
+            last = torch.tensor([int(self.req_pool.req_to_token[row, p - 1]) if p else -1
+                                 for row, p in zip(rows, prefix)], dtype=torch.int64)
+            pl, sl = torch.tensor(prefix, dtype=torch.int64), torch.tensor(seq, dtype=torch.int64)
+            out = self.allocator.alloc_extend(pl, pl, sl, sl, last, sum(news))
+        start = 0
+        for row, p, n in zip(rows, prefix, news):
+            self.req_pool.write((row, slice(p, p + n)), out[start:start + n].to(torch.int32))
+            start += n
+        return out
+
+    def step(self, work: dict[str, int]) -> dict[str, list]:
+        """One forward: request -> new tokens this step (1 after its prompt: a decode). All rows
+        with one token and nothing else is a decode batch; else an extend (mixed if some decode)."""
+        rids, news = list(work), list(work.values())
+        decode = all(n == 1 and self.lens[r] >= len(self.reqs[r].origin_input_ids)
+                     for r, n in work.items())
+        for r, n in work.items():  # a decode feeds the token sampled last
+            req = self.reqs[r]
+            while self.lens[r] + n > len(req.origin_input_ids) + len(req.output_ids):
+                req.output_ids.append(100 + len(req.output_ids))
+        out = self._alloc(rids, news)
+        prefix = [self.lens[r] for r in rids]
+        seq = [p + n for p, n in zip(prefix, news)]
+        ids = [t for r, p, s in zip(rids, prefix, seq) for t in self._tokens(r)[p:s]]
+        positions = [i for p, s in zip(prefix, seq) for i in range(p, s)]
+        mode = ForwardMode.DECODE if decode else (
+            ForwardMode.MIXED if any(n == 1 for n in news) else ForwardMode.EXTEND)
+        fb = ForwardBatch(
+            forward_mode=mode, batch_size=len(rids), input_ids=torch.tensor(ids),
+            req_pool_indices=torch.tensor([self.reqs[r].kv.req_pool_idx for r in rids]),
+            seq_lens=torch.tensor(seq, dtype=torch.int32), out_cache_loc=out,
+            seq_lens_sum=sum(seq), seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
+            positions=torch.tensor(positions))
+        if not decode:
+            fb.extend_seq_lens = torch.tensor(news, dtype=torch.int32)
+            fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32)
+            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = news, prefix
+            fb.extend_num_tokens = sum(news)
+            fb.extend_start_loc = torch.cumsum(torch.tensor([0] + news[:-1]), 0)
+        fb.kvattn_rids = rids
+        result = self.runner.forward(fb)
+        for r, s in zip(rids, seq):
+            self.lens[r] = s
+        self.outputs.append(result)
+        return result
+
+    def _tokens(self, rid: str) -> list[int]:
+        req = self.reqs[rid]
+        return list(req.origin_input_ids) + list(req.output_ids)
+
+    def _qkv(self, fb, layer: int):
+        """Each token's q, k, v: a fixed function of (token id, position, layer)."""
+        out = []
+        for heads in (self.heads, self.kv_heads, self.kv_heads):
+            vals = [torch.randn(heads * self.head_dim, generator=torch.Generator().manual_seed(
+                        (int(t) * 7919 + int(p) * 104729 + layer * 15485863 + heads) % (2 ** 31)))
+                    for t, p in zip(fb.input_ids.tolist(), fb.positions.tolist())]
+            out.append(torch.stack(vals).to(DTYPE))
+        q, k, v = out
+        return q, k.view(-1, self.kv_heads, self.head_dim), v.view(-1, self.kv_heads, self.head_dim)
+
+    def _transfer(self, req, slots: torch.Tensor) -> None:
+        """What a transport does: the prompt's K/V bytes written into ``slots`` of every layer's
+        buffers directly (no ``set_kv_buffer``), as the prefill side computed them."""
+        n = len(req.origin_input_ids)
+        fb = SimpleNamespace(input_ids=torch.tensor(list(req.origin_input_ids)),
+                             positions=torch.arange(n))
+        for layer in self.layers:
+            _, k, v = self._qkv(fb, layer.layer_id)
+            self.pool.k_buffer[layer.layer_id][slots] = k
+            self.pool.v_buffer[layer.layer_id][slots] = v
+
+    def _model(self, fb):
+        self.backend.init_forward_metadata(fb)
+        o = None
+        for layer in self.layers:
+            q, k, v = self._qkv(fb, layer.layer_id)
+            o = self.backend.forward(q, k, v, layer, fb)
+        starts = [0]
+        n = [1] * fb.batch_size if fb.forward_mode.is_decode() else fb.extend_seq_lens_cpu
+        for x in n:
+            starts.append(starts[-1] + x)
+        return {r: o[a:b].tolist() for r, a, b in zip(fb.kvattn_rids, starts, starts[1:])}
+
+    def finish(self, rid: str, keep_pages: int = 0) -> None:
+        """The request ends: the radix cache keeps its first ``keep_pages`` full pages (their
+        slots stay mapped in the tree), the allocator frees the rest, the row is freed."""
+        slots = self.slots(rid)
+        kept = keep_pages * self.P
+        self.allocator.free(torch.tensor(slots[kept:], dtype=torch.int64))
+        self.req_pool.free(self.reqs[rid])
+
+    def evict(self, slots: list[int]) -> None:
+        """The radix cache evicts pages it holds (or, the bug, pages a request still maps)."""
+        self.allocator.free(torch.tensor(slots, dtype=torch.int64))
+
+    def aborted(self, rid: str) -> str | None:
+        req = self.reqs[rid]
+        return req.to_finish.message if isinstance(req.to_finish, FINISH_ABORT) else None
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max((torch.tensor(a[r]) - torch.tensor(b[r])).abs().max().item() for r in a)
+
+
+def equality(page_size: int) -> dict:
+    """Extend with a radix-cache prefix, chunked prefill, mixed and decode batches, GQA, on both
+    attentions: the largest output gap per forward, and what kvattn refused."""
+    P = page_size
+    runs = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, P)
+        a = list(range(1, 2 * max(P, 8) + 6))
+        e.admit("a", a)
+        e.step({"a": len(a) - 5})  # a chunk of the prompt
+        e.step({"a": 5})  # the rest
+        e.step({"a": 1})
+        full = (len(a) // P) * P
+        e.admit("b", a[:full] + [77, 78, 79], prefix_slots=e.slots("a")[:full])  # a radix hit
+        e.admit("c", [9, 8, 7, 6, 5])
+        e.step({"b": 3, "c": 5, "a": 1})  # mixed: two extends and a decode
+        for _ in range(P + 2):  # decodes across a page boundary
+            e.step({"a": 1, "b": 1, "c": 1})
+        runs[kind] = e
+    stock, mine = runs["torch_native"], runs["kvattn"]
+    gaps = [_diff(s, m) for s, m in zip(stock.outputs, mine.outputs)]
+    return dict(gaps=gaps, counts=dict(mine.state.counts),
+                aborted={r: mine.aborted(r) for r in mine.reqs})
+
+
+def incident(page_size: int, received: int | None) -> dict:
+    """The incident through SGLang's classes: tenant A's KV sits in pages that are freed and
+    preallocated for request B on a decode instance; B's KV never arrives (the fake receiver:
+    ``received`` None; or a receiver accounting ``received`` tokens), the receiver reports success,
+    B decodes beside a clean request C. ``received="all"``: the clean twin, B's KV arrived."""
+    P = page_size
+    out = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, P)
+        secret = list(range(500, 500 + 3 * P + 2))
+        e.admit("A", secret)
+        e.step({"A": len(secret)})
+        a_slots = e.slots("A")
+        e.finish("A")
+        e.admit("C", [3, 1, 4, 1, 5])
+        e.step({"C": 5})
+        prompt = list(range(40, 40 + 3 * P + 2))
+        b = e.admit("B", prompt)
+        pre = e._alloc(["B"], [len(prompt)])  # the decode side's preallocation
+        e.lens["B"] = len(prompt)
+        count = received
+        if received == "all":  # a transport that wrote B's KV into its pages, and counted it
+            e._transfer(b, pre)
+            count = len(prompt)
+        if count is None:
+            receiver = FakeKVReceiver(mgr=None, bootstrap_addr="fake")
+            receiver.init(0)
+            receiver.send_metadata(pre.tolist())
+        else:
+            receiver = SimpleNamespace(kvattn_received_tokens=lambda: count)
+        success = count is not None or receiver.poll() == KVPoll.Success
+        if kind == "kvattn":  # the hook around DecodeTransferQueue._commit_transfer_to_req
+            queue = SimpleNamespace(scheduler=SimpleNamespace(req_to_token_pool=e.req_pool))
+            integration.commit_transfer_hook(lambda q, d: None, queue,
+                                              SimpleNamespace(req=b, kv_receiver=receiver))
+        b.output_ids.append(7)  # the first token, from the prefill side's metadata
+        result = e.step({"B": 1, "C": 1})
+        b_pages = {s // P for s in e.slots("B")[: len(prompt)]}
+        reused = sorted(b_pages & {s // P for s in a_slots})
+        out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("B", "C")},
+                         receiver_success=success, reused_pages=reused,
+                         counts=dict(e.state.counts) if e.state else {})
+        if kind == "torch_native":
+            # What B's output would be over A's KV at those slots and B's one token: proof that
+            # the stock read is A's data.
+            out["a_slots"] = a_slots
+    stock, mine = out["torch_native"], out["kvattn"]
+    out["c_gap"] = _diff({"C": stock["result"]["C"]}, {"C": mine["result"]["C"]})
+    out["b_gap"] = _diff({"B": stock["result"]["B"]}, {"B": mine["result"]["B"]})
+    out["b_kvattn_norm"] = torch.tensor(mine["result"]["B"]).abs().max().item()
+    return out
+
+
+def stale_prefix(page_size: int, fault: bool) -> dict:
+    """A radix-cache hit: W's prompt pages stay in the tree after W ends, R's prompt starts with
+    the same tokens and reads them. With ``fault``, the pages are evicted while the tree still maps
+    them, reused and rewritten by X, and R hits the stale slots."""
+    P = page_size
+    out = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, P)
+        shared = list(range(10, 10 + 2 * P))
+        e.admit("W", shared + [1, 2, 3])
+        e.step({"W": len(shared) + 3})
+        w_slots = e.slots("W")[: 2 * P]
+        e.finish("W", keep_pages=2)
+        if fault:
+            e.evict(w_slots)
+            e.admit("X", list(range(900, 900 + 2 * P)))
+            e.step({"X": 2 * P})
+        e.admit("R", shared + [4, 5], prefix_slots=w_slots)
+        e.admit("D", [8, 8, 8])
+        result = e.step({"R": 2, "D": 3})
+        out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("R", "D")},
+                         counts=dict(e.state.counts) if e.state else {},
+                         x_reused=fault and bool(set(e.slots("X")) & set(w_slots)))
+    out["r_gap"] = _diff({"R": out["torch_native"]["result"]["R"]},
+                         {"R": out["kvattn"]["result"]["R"]})
+    out["d_gap"] = _diff({"D": out["torch_native"]["result"]["D"]},
+                         {"D": out["kvattn"]["result"]["D"]})
+    return out
+
+
+def plugin() -> dict:
+    """The entry point through SGLang's own plugin loader, and the CLI choice it adds."""
+    import argparse
+
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+    before = "kvattn" in ATTENTION_BACKENDS
+    load_plugins()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--attention-backend", "kvattn"])
+    from importlib.metadata import entry_points
+    eps = [f"{ep.name}={ep.value}" for ep in entry_points(group="sglang.srt.plugins")]
+    return dict(before=before, after="kvattn" in ATTENTION_BACKENDS,
+                factory=ATTENTION_BACKENDS.get("kvattn").__qualname__,
+                parsed=args.attention_backend, entry_points=eps)
+
+
+SCENARIOS = {
+    "equality-1": lambda: equality(1), "equality-16": lambda: equality(16),
+    "incident-16": lambda: incident(16, None), "incident-1": lambda: incident(1, None),
+    "placeholder-16": lambda: incident(16, 1), "transfer-16": lambda: incident(16, "all"),
+    "prefix-clean-16": lambda: stale_prefix(16, False),
+    "prefix-stale-16": lambda: stale_prefix(16, True),
+    "prefix-stale-1": lambda: stale_prefix(1, True),
+    "plugin": plugin,
+}
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(SCENARIOS)
+    print(json.dumps({n: SCENARIOS[n]() for n in names}))

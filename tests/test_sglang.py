@@ -1,0 +1,130 @@
+"""kvattn's SGLang backend against SGLang 0.5.23's own classes (``make sglang-env``:
+build/venv-sglang; tests/sglang_driver.py runs the scenarios there, once per test run, and these
+tests read its JSON). SGLang's engine does not run on a CPU without sgl-kernel's CPU build: the
+driver plays the scheduler's part with SGLang's pools, allocators, request pool, ``Req``,
+``ForwardBatch``, layers, torch-native backend and fake disaggregation receiver.
+
+Outputs are compared with SGLang's torch-native attention at float32: both compute a float32
+softmax over the same K/V (kvattn's online softmax in another order), so they agree to a few
+float32 ulps of the O(1) outputs; 1e-5 leaves a margin of 20x over the largest gap seen (4.8e-7),
+and a refused or foreign page moves an output by more than 0.1.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from vllm_runs import ROOT, Runs
+
+VENV = ROOT / "build" / "venv-sglang"
+DRIVER = ROOT / "tests" / "sglang_driver.py"
+TOL = 1e-5
+
+
+def why_no_sglang() -> str | None:
+    if (VENV / ".ready").exists():
+        return None
+    log = ROOT / "build" / "venv-sglang.log"
+    tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
+    return ("SGLang is not installed in build/venv-sglang (make sglang-env)"
+            + (": " + " | ".join(tail) if tail else ""))
+
+
+if why_no_sglang():
+    pytest.skip(why_no_sglang(), allow_module_level=True)
+
+
+def _drive() -> dict:
+    done = subprocess.run([str(VENV / "bin" / "python"), str(DRIVER)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError("tests/sglang_driver.py failed:\n" + done.stderr[-4000:])
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return Runs().shared("sglang-scenarios", _drive)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_kvattn_equals_torch_native_on_sglang_pools(runs, page_size):
+    """Chunked prefill, a radix-cache hit, a mixed batch (two extends and a decode), decodes
+    across a page boundary, GQA (4 query heads on 2 KV heads), two layers."""
+    r = runs[f"equality-{page_size}"]
+    assert len(r["gaps"]) == page_size + 6
+    assert max(r["gaps"]) < TOL
+    assert r["aborted"] == {"a": None, "b": None, "c": None}
+    assert r["counts"]["refused_pages"] == 0 and r["counts"]["dropped_writes"] == 0
+    # The hit is proven page by page: every full page of the shared prompt (one token per page
+    # at page size 1).
+    assert r["counts"]["prefix_hit_pages"] == (21 if page_size == 1 else 2)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_incident_fake_receiver_success_is_refused(runs, page_size):
+    r = runs[f"incident-{page_size}"]
+    stock, mine = r["torch_native"], r["kvattn"]
+    assert stock["receiver_success"] and mine["receiver_success"]
+    assert stock["aborted"]["B"] is None  # SGLang's attention answers
+    assert r["b_gap"] > 0.1
+    message = mine["aborted"]["B"]
+    assert "FakeKVReceiver moves no bytes: 0 tokens arrived; 0 page(s) committed" in message
+    assert "reads: RESERVED on logical page(s) 0 (page " in message
+    pages = 4 if page_size == 16 else 5  # B's prompt: 3 * 16 + 2 tokens, or 5 at page size 1
+    assert mine["counts"]["refused_pages"] == pages * 2  # every page, in both layers
+    assert mine["aborted"]["C"] is None and r["c_gap"] < TOL
+    if page_size == 16:
+        # A's freed pages were preallocated for B: SGLang's attention reads A's KV.
+        assert stock["reused_pages"] == mine["reused_pages"] == [2, 3, 4]
+        assert r["b_kvattn_norm"] == 0.0  # nothing of B's is readable: output 0
+
+
+def test_transfer_that_arrived_and_was_counted_reads_clean(runs):
+    """The incident's clean twin: the transport wrote B's KV into the preallocated pages and
+    counted every token; B decodes as on SGLang's attention."""
+    r = runs["transfer-16"]
+    assert r["kvattn"]["aborted"] == {"B": None, "C": None}
+    assert r["kvattn"]["counts"]["received_tokens"] == 50
+    assert r["kvattn"]["counts"]["refused_pages"] == 0
+    assert r["b_gap"] < TOL and r["c_gap"] < TOL
+
+
+def test_placeholder_one_token_commits_one_slot(runs):
+    r = runs["placeholder-16"]
+    message = r["kvattn"]["aborted"]["B"]
+    assert "counted 1 token(s) arrived; 1 page(s) committed" in message
+    assert "UNWRITTEN on logical page(s) 0 (page 2)" in message
+    assert "RESERVED on logical page(s) 1 (page 3), 2 (page 4), 3 (page 5)" in message
+    assert r["torch_native"]["aborted"]["B"] is None and r["b_gap"] > 0.1
+    assert r["kvattn"]["aborted"]["C"] is None and r["c_gap"] < TOL
+
+
+def test_radix_hit_on_unchanged_pages_reads_them(runs):
+    r = runs["prefix-clean-16"]
+    assert r["kvattn"]["aborted"] == {"R": None, "D": None}
+    assert r["kvattn"]["counts"]["prefix_hit_pages"] == 2
+    assert r["kvattn"]["counts"]["refused_pages"] == 0
+    assert r["r_gap"] < TOL and r["d_gap"] < TOL
+
+
+@pytest.mark.parametrize("page_size,reason", [(16, "OWNER_MISMATCH"), (1, "FREE")])
+def test_radix_hit_on_changed_pages_fails_closed(runs, page_size, reason):
+    """The tree still maps pages the allocator freed: at page size 16 they were reused and
+    rewritten by another request (SGLang's attention reads its KV), at page size 1 they are free."""
+    r = runs[f"prefix-stale-{page_size}"]
+    assert r["torch_native"]["aborted"]["R"] is None and r["r_gap"] > 0.1
+    assert r["torch_native"]["x_reused"] == (page_size == 16)
+    message = r["kvattn"]["aborted"]["R"]
+    assert f"reads: {reason} on logical page(s) 0 (page " in message
+    assert r["kvattn"]["counts"]["unproven_hit_pages"] == 2
+    assert r["kvattn"]["aborted"]["D"] is None and r["d_gap"] < TOL
+
+
+def test_plugin_registers_through_sglang_entry_points(runs):
+    r = runs["plugin"]
+    assert "kvattn=kvattn.integrations.sglang_backend:register" in r["entry_points"]
+    assert not r["before"] and r["after"] and r["factory"] == "create_backend"
+    assert r["parsed"] == "kvattn"
