@@ -4,8 +4,8 @@ this prints.
 
 SGLang's engine does not run on this CPU (its CPU path needs sgl-kernel's CPU build), so an
 ``Engine`` here plays the scheduler's part with SGLang's real pieces: ``MHATokenToKVPool``,
-``ReqToTokenPool``, the token and paged allocators (``alloc``, ``alloc_extend``,
-``alloc_decode``, ``free``), ``Req``, ``ForwardBatch`` filled as ``ForwardBatch.init_new`` fills it
+``ReqToTokenPool``, the token and paged allocators (``alloc``, ``alloc_extend``, ``free``),
+``RadixCache`` (``insert``, ``match_prefix``, ``evict``), ``Req``, ``ForwardBatch`` filled as ``ForwardBatch.init_new`` fills it
 for extend, mixed and decode batches, ``RadixAttention`` layers, ``TorchNativeAttnBackend`` and
 the fake disaggregation receiver. Each layer's q, k, v are a fixed function of the request's
 tokens and positions, so two engines (one on SGLang's torch-native attention, one on kvattn's)
@@ -46,6 +46,10 @@ from sglang.srt.disaggregation.fake.conn import FakeKVReceiver  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InsertParams,  # noqa: E402
+                                                    MatchPrefixParams)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
@@ -91,6 +95,9 @@ class Engine:
         else:
             self.backend = TorchNativeAttnBackend(self.runner)
             self.state = None
+        self.tree = RadixCache(CacheInitParams(disable=not radix, req_to_token_pool=self.req_pool,
+                                               token_to_kv_pool_allocator=self.allocator,
+                                               page_size=page_size))
         self.reqs: dict[str, Req] = {}
         self.lens: dict[str, int] = {}  # tokens in the cache per request
         self.outputs: list[dict[str, list]] = []  # per forward: rid -> last layer's output rows
@@ -109,6 +116,20 @@ class Engine:
         req.prefix_indices = torch.tensor(prefix, dtype=torch.int64)
         self.reqs[rid], self.lens[rid] = req, len(prefix)
         return req
+
+    def cache(self, rid: str) -> int:
+        """Insert the request's computed tokens into the radix tree (page-aligned), with their
+        slots, as ``cache_unfinished_req`` / ``cache_finished_req`` do; returns how many the tree
+        holds."""
+        tokens = self._tokens(rid)[: self.lens[rid]]
+        self.tree.insert(InsertParams(key=RadixKey(tokens),
+                                      value=torch.tensor(self.slots(rid), dtype=torch.int64)))
+        return len(tokens) // self.P * self.P
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """The slots of the longest cached prefix of ``tokens`` (``match_prefix``)."""
+        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
+        return self.tree.path_device_indices(m.last_device_node)[: m.device_prefix_len].tolist()
 
     def slots(self, rid: str) -> list[int]:
         req = self.reqs[rid]
@@ -205,21 +226,24 @@ class Engine:
             starts.append(starts[-1] + x)
         return {r: o[a:b].tolist() for r, a, b in zip(fb.kvattn_rids, starts, starts[1:])}
 
-    def finish(self, rid: str, keep_pages: int = 0) -> None:
-        """The request ends: the radix cache keeps its first ``keep_pages`` full pages (their
-        slots stay mapped in the tree), the allocator frees the rest, the row is freed."""
+    def finish(self, rid: str, kept: int = 0) -> None:
+        """The request ends: the radix tree keeps its first ``kept`` slots, the allocator frees
+        the rest, the row is freed."""
         slots = self.slots(rid)
-        kept = keep_pages * self.P
         self.allocator.free(torch.tensor(slots[kept:], dtype=torch.int64))
         self.req_pool.free(self.reqs[rid])
 
-    def evict(self, slots: list[int]) -> None:
-        """The radix cache evicts pages it holds (or, the bug, pages a request still maps)."""
-        self.allocator.free(torch.tensor(slots, dtype=torch.int64))
-
     def aborted(self, rid: str) -> str | None:
+        """The abort message SGLang's own finish logic gives the request (None: not aborted)."""
         req = self.reqs[rid]
-        return req.to_finish.message if isinstance(req.to_finish, FINISH_ABORT) else None
+        if req.to_finish is not None:
+            req.update_finish_state()  # what the scheduler does with the step's result
+        reason = req.finished_reason
+        return reason.message if isinstance(reason, FINISH_ABORT) else None
+
+    def status(self, rid: str):
+        reason = self.reqs[rid].finished_reason
+        return None if reason is None else reason.to_json()
 
 
 def _diff(a: dict, b: dict) -> float:
@@ -238,16 +262,18 @@ def equality(page_size: int) -> dict:
         e.step({"a": len(a) - 5})  # a chunk of the prompt
         e.step({"a": 5})  # the rest
         e.step({"a": 1})
-        full = (len(a) // P) * P
-        e.admit("b", a[:full] + [77, 78, 79], prefix_slots=e.slots("a")[:full])  # a radix hit
+        e.cache("a")  # the running request's tokens in the tree
+        b = a[:-5] + [77, 78, 79]
+        hit = e.match(b)
+        e.admit("b", b, prefix_slots=hit)
         e.admit("c", [9, 8, 7, 6, 5])
-        e.step({"b": 3, "c": 5, "a": 1})  # mixed: two extends and a decode
+        e.step({"b": len(b) - len(hit), "c": 5, "a": 1})  # mixed: two extends and a decode
         for _ in range(P + 2):  # decodes across a page boundary
             e.step({"a": 1, "b": 1, "c": 1})
         runs[kind] = e
     stock, mine = runs["torch_native"], runs["kvattn"]
     gaps = [_diff(s, m) for s, m in zip(stock.outputs, mine.outputs)]
-    return dict(gaps=gaps, counts=dict(mine.state.counts),
+    return dict(gaps=gaps, counts=dict(mine.state.counts), hit=len(hit),
                 aborted={r: mine.aborted(r) for r in mine.reqs})
 
 
@@ -291,7 +317,7 @@ def incident(page_size: int, received: int | None) -> dict:
         b_pages = {s // P for s in e.slots("B")[: len(prompt)]}
         reused = sorted(b_pages & {s // P for s in a_slots})
         out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("B", "C")},
-                         receiver_success=success, reused_pages=reused,
+                         finish=e.status("B"), receiver_success=success, reused_pages=reused,
                          counts=dict(e.state.counts) if e.state else {})
         if kind == "torch_native":
             # What B's output would be over A's KV at those slots and B's one token: proof that
@@ -305,9 +331,10 @@ def incident(page_size: int, received: int | None) -> dict:
 
 
 def stale_prefix(page_size: int, fault: bool) -> dict:
-    """A radix-cache hit: W's prompt pages stay in the tree after W ends, R's prompt starts with
-    the same tokens and reads them. With ``fault``, the pages are evicted while the tree still maps
-    them, reused and rewritten by X, and R hits the stale slots."""
+    """A radix-cache hit through SGLang's RadixCache: W's prompt pages stay in the tree after W
+    ends, R's prompt starts with the same tokens and matches them. With ``fault``, the match is
+    not locked, the tree evicts the pages before R runs (at page size 16 X reuses and rewrites
+    them), and R reads the slots it matched."""
     P = page_size
     out = {}
     for kind in ("torch_native", "kvattn"):
@@ -316,16 +343,18 @@ def stale_prefix(page_size: int, fault: bool) -> dict:
         e.admit("W", shared + [1, 2, 3])
         e.step({"W": len(shared) + 3})
         w_slots = e.slots("W")[: 2 * P]
-        e.finish("W", keep_pages=2)
-        if fault:
-            e.evict(w_slots)
+        e.finish("W", kept=e.cache("W"))
+        hit = e.match(shared + [4, 5])
+        if fault:  # the match was not locked (inc_lock_ref): the tree evicts what it holds
+            e.tree.evict(EvictParams(num_tokens=10 ** 6))
             e.admit("X", list(range(900, 900 + 2 * P)))
             e.step({"X": 2 * P})
-        e.admit("R", shared + [4, 5], prefix_slots=w_slots)
+        e.admit("R", shared + [4, 5], prefix_slots=hit)
         e.admit("D", [8, 8, 8])
         result = e.step({"R": 2, "D": 3})
         out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("R", "D")},
-                         counts=dict(e.state.counts) if e.state else {},
+                         counts=dict(e.state.counts) if e.state else {}, hit=len(hit),
+                         hit_is_w=hit == w_slots,
                          x_reused=fault and bool(set(e.slots("X")) & set(w_slots)))
     out["r_gap"] = _diff({"R": out["torch_native"]["result"]["R"]},
                          {"R": out["kvattn"]["result"]["R"]})
@@ -348,7 +377,9 @@ def plugin() -> dict:
     args = parser.parse_args(["--model-path", "m", "--attention-backend", "kvattn"])
     from importlib.metadata import entry_points
     eps = [f"{ep.name}={ep.value}" for ep in entry_points(group="sglang.srt.plugins")]
-    return dict(before=before, after="kvattn" in ATTENTION_BACKENDS,
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+    hooked = getattr(DecodeTransferQueue._commit_transfer_to_req, "__wrapped__", None) is not None
+    return dict(before=before, after="kvattn" in ATTENTION_BACKENDS, commit_hooked=hooked,
                 factory=ATTENTION_BACKENDS.get("kvattn").__qualname__,
                 parsed=args.attention_backend, entry_points=eps)
 

@@ -58,9 +58,10 @@ def test_kvattn_equals_torch_native_on_sglang_pools(runs, page_size):
     assert max(r["gaps"]) < TOL
     assert r["aborted"] == {"a": None, "b": None, "c": None}
     assert r["counts"]["refused_pages"] == 0 and r["counts"]["dropped_writes"] == 0
-    # The hit is proven page by page: every full page of the shared prompt (one token per page
-    # at page size 1).
-    assert r["counts"]["prefix_hit_pages"] == (21 if page_size == 1 else 2)
+    # The radix tree's match is proven page by page: every page of it (a token per page at page
+    # size 1).
+    assert r["hit"] == (16 if page_size == 1 else 32)
+    assert r["counts"]["prefix_hit_pages"] == r["hit"] // page_size
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -71,6 +72,8 @@ def test_incident_fake_receiver_success_is_refused(runs, page_size):
     assert stock["aborted"]["B"] is None  # SGLang's attention answers
     assert r["b_gap"] > 0.1
     message = mine["aborted"]["B"]
+    assert mine["finish"]["type"] == "abort" and mine["finish"]["status_code"] == 500
+    assert stock["finish"] is None
     assert "FakeKVReceiver moves no bytes: 0 tokens arrived; 0 page(s) committed" in message
     assert "reads: RESERVED on logical page(s) 0 (page " in message
     pages = 4 if page_size == 16 else 5  # B's prompt: 3 * 16 + 2 tokens, or 5 at page size 1
@@ -104,6 +107,7 @@ def test_placeholder_one_token_commits_one_slot(runs):
 
 def test_radix_hit_on_unchanged_pages_reads_them(runs):
     r = runs["prefix-clean-16"]
+    assert r["kvattn"]["hit"] == 32 and r["kvattn"]["hit_is_w"]
     assert r["kvattn"]["aborted"] == {"R": None, "D": None}
     assert r["kvattn"]["counts"]["prefix_hit_pages"] == 2
     assert r["kvattn"]["counts"]["refused_pages"] == 0
@@ -112,9 +116,11 @@ def test_radix_hit_on_unchanged_pages_reads_them(runs):
 
 @pytest.mark.parametrize("page_size,reason", [(16, "OWNER_MISMATCH"), (1, "FREE")])
 def test_radix_hit_on_changed_pages_fails_closed(runs, page_size, reason):
-    """The tree still maps pages the allocator freed: at page size 16 they were reused and
-    rewritten by another request (SGLang's attention reads its KV), at page size 1 they are free."""
+    """R's match was not locked and the tree evicted its pages before R ran: at page size 16 they
+    were reused and rewritten by another request (SGLang's attention reads its KV), at page size 1
+    they are free."""
     r = runs[f"prefix-stale-{page_size}"]
+    assert r["kvattn"]["hit"] == 2 * page_size and r["kvattn"]["hit_is_w"]
     assert r["torch_native"]["aborted"]["R"] is None and r["r_gap"] > 0.1
     assert r["torch_native"]["x_reused"] == (page_size == 16)
     message = r["kvattn"]["aborted"]["R"]
@@ -128,3 +134,4 @@ def test_plugin_registers_through_sglang_entry_points(runs):
     assert "kvattn=kvattn.integrations.sglang_backend:register" in r["entry_points"]
     assert not r["before"] and r["after"] and r["factory"] == "create_backend"
     assert r["parsed"] == "kvattn"
+    assert r["commit_hooked"]  # HookRegistry wrapped DecodeTransferQueue._commit_transfer_to_req
