@@ -5,16 +5,17 @@ this prints.
 SGLang's engine does not run on this CPU (its CPU path needs sgl-kernel's CPU build), so an
 ``Engine`` here plays the scheduler's part with SGLang's real pieces: ``MHATokenToKVPool``,
 ``ReqToTokenPool``, the token and paged allocators (``alloc``, ``alloc_extend``, ``free``),
-``RadixCache`` (``insert``, ``match_prefix``, ``evict``), ``Req``, ``ForwardBatch`` filled as ``ForwardBatch.init_new`` fills it
-for extend, mixed and decode batches, ``RadixAttention`` layers, ``TorchNativeAttnBackend`` and
-the fake disaggregation receiver. Each layer's q, k, v are a fixed function of the request's
-tokens and positions, so two engines (one on SGLang's torch-native attention, one on kvattn's)
+``UnifiedRadixCache`` (``insert``, ``match_prefix``, ``evict``), ``Req``, ``ForwardBatch``
+filled as ``ForwardBatch.init_new`` fills it for extend, mixed and decode batches,
+``RadixAttention`` layers, ``TorchNativeAttnBackend`` and the fake disaggregation receiver.
+Each layer's q, k, v are a fixed function of the request's tokens and positions, so two engines (one on SGLang's torch-native attention, one on kvattn's)
 given the same steps compute the same attention unless a check refuses a page.
 """
 from __future__ import annotations
 
 import enum
 import json
+from array import array
 import sys
 import types
 from types import SimpleNamespace
@@ -49,7 +50,11 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InsertParams,  # noqa: E402
                                                     MatchPrefixParams)
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.model_executor.forward_context import (ForwardContext,  # noqa: E402
+                                                       set_forward_context)
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
@@ -67,8 +72,11 @@ class Engine:
     """One engine's pools, allocator, requests and layers, on ``kind`` attention."""
 
     def __init__(self, kind: str, page_size: int, heads: int = 4, kv_heads: int = 2,
-                 head_dim: int = 16, size: int = 512, radix: bool = True):
+                 head_dim: int = 16, size: int = 512, radix: bool = True, overlap: bool = False):
         self.P = page_size
+        # Overlap scheduling: a decode forward runs before the previous step's result is
+        # processed, so the token it feeds is not yet in the request's output_ids.
+        self.overlap = overlap
         self.pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=DTYPE,
                                      head_num=kv_heads, head_dim=head_dim, layer_num=LAYERS,
                                      device="cpu", enable_memory_saver=False)
@@ -87,7 +95,8 @@ class Engine:
             token_to_kv_pool_allocator=self.allocator, page_size=page_size,
             server_args=SimpleNamespace(speculative_algorithm=None, disaggregation_mode="null",
                                         disaggregation_transfer_backend="fake",
-                                        disable_radix_cache=not radix),
+                                        disable_radix_cache=not radix, disable_cuda_graph=True,
+                                        enable_dp_attention=False),
             model_config=SimpleNamespace(is_encoder_decoder=False), forward=self._model)
         if kind == "kvattn":
             self.backend = sglang_backend.create_backend(self.runner)
@@ -95,11 +104,15 @@ class Engine:
         else:
             self.backend = TorchNativeAttnBackend(self.runner)
             self.state = None
-        self.tree = RadixCache(CacheInitParams(disable=not radix, req_to_token_pool=self.req_pool,
-                                               token_to_kv_pool_allocator=self.allocator,
-                                               page_size=page_size))
+        # SGLang's default prefix cache (registry.default_radix_cache_factory), full KV only.
+        params = CacheInitParams(disable=not radix, req_to_token_pool=self.req_pool,
+                                 token_to_kv_pool_allocator=self.allocator, page_size=page_size)
+        params.tree_components = (ComponentType.FULL,)
+        self.tree = UnifiedRadixCache(params)
         self.reqs: dict[str, Req] = {}
         self.lens: dict[str, int] = {}  # tokens in the cache per request
+        self.fed: dict[str, list[int]] = {}  # token ids fed to forwards (prompt, then decodes)
+        self.inserted: dict[str, int] = {}  # tokens each request put in the radix tree
         self.outputs: list[dict[str, list]] = []  # per forward: rid -> last layer's output rows
 
     # -- the scheduler's part ---------------------------------------------------------------
@@ -114,7 +127,7 @@ class Engine:
             self.req_pool.write((req.kv.req_pool_idx, slice(0, len(prefix))),
                                 torch.tensor(prefix, dtype=torch.int32))
         req.prefix_indices = torch.tensor(prefix, dtype=torch.int64)
-        self.reqs[rid], self.lens[rid] = req, len(prefix)
+        self.reqs[rid], self.lens[rid], self.fed[rid] = req, len(prefix), list(tokens)
         return req
 
     def cache(self, rid: str) -> int:
@@ -122,14 +135,19 @@ class Engine:
         slots, as ``cache_unfinished_req`` / ``cache_finished_req`` do; returns how many the tree
         holds."""
         tokens = self._tokens(rid)[: self.lens[rid]]
-        self.tree.insert(InsertParams(key=RadixKey(tokens),
-                                      value=torch.tensor(self.slots(rid), dtype=torch.int64)))
-        return len(tokens) // self.P * self.P
+        done = self.inserted.get(rid, 0)  # what it inserted before: not a duplicate to free
+        self.tree.insert(InsertParams(key=RadixKey(array("q", tokens)),
+                                      value=torch.tensor(self.slots(rid), dtype=torch.int64),
+                                      prev_prefix_len=done, inserted_len=done))
+        self.inserted[rid] = len(tokens) // self.P * self.P
+        return self.inserted[rid]
 
     def match(self, tokens: list[int]) -> list[int]:
         """The slots of the longest cached prefix of ``tokens`` (``match_prefix``)."""
-        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
-        return self.tree.path_device_indices(m.last_device_node)[: m.device_prefix_len].tolist()
+        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        path = self.tree.tree_core.collect_full_device_indices(m.last_device_node,
+                                                               self.tree.root_node_handle(None))
+        return path[: m.device_prefix_len].tolist()
 
     def slots(self, rid: str) -> list[int]:
         req = self.reqs[rid]
@@ -158,10 +176,14 @@ class Engine:
         rids, news = list(work), list(work.values())
         decode = all(n == 1 and self.lens[r] >= len(self.reqs[r].origin_input_ids)
                      for r, n in work.items())
+        sampled = {}
         for r, n in work.items():  # a decode feeds the token sampled last
-            req = self.reqs[r]
-            while self.lens[r] + n > len(req.origin_input_ids) + len(req.output_ids):
-                req.output_ids.append(100 + len(req.output_ids))
+            while self.lens[r] + n > len(self.fed[r]):
+                self.fed[r].append(100 + len(self.fed[r]))
+                sampled.setdefault(r, []).append(self.fed[r][-1])
+        if not self.overlap:
+            for r, ids in sampled.items():
+                self.reqs[r].output_ids.extend(ids)
         out = self._alloc(rids, news)
         prefix = [self.lens[r] for r in rids]
         seq = [p + n for p, n in zip(prefix, news)]
@@ -185,12 +207,14 @@ class Engine:
         result = self.runner.forward(fb)
         for r, s in zip(rids, seq):
             self.lens[r] = s
+        if self.overlap:  # the previous step's result is processed now
+            for r, ids in sampled.items():
+                self.reqs[r].output_ids.extend(ids)
         self.outputs.append(result)
         return result
 
     def _tokens(self, rid: str) -> list[int]:
-        req = self.reqs[rid]
-        return list(req.origin_input_ids) + list(req.output_ids)
+        return self.fed[rid]
 
     def _qkv(self, fb, layer: int):
         """Each token's q, k, v: a fixed function of (token id, position, layer)."""
@@ -236,8 +260,10 @@ class Engine:
     def aborted(self, rid: str) -> str | None:
         """The abort message SGLang's own finish logic gives the request (None: not aborted)."""
         req = self.reqs[rid]
-        if req.to_finish is not None:
-            req.update_finish_state()  # what the scheduler does with the step's result
+        if req.discard_output_reason is not None and req.finished_reason is None:
+            # What the scheduler's result processing does with it (the forward's output dropped).
+            req.to_finish = req.discard_output_reason
+            req.update_finish_state(0)
         reason = req.finished_reason
         return reason.message if isinstance(reason, FINISH_ABORT) else None
 
@@ -250,13 +276,15 @@ def _diff(a: dict, b: dict) -> float:
     return max((torch.tensor(a[r]) - torch.tensor(b[r])).abs().max().item() for r in a)
 
 
-def equality(page_size: int) -> dict:
-    """Extend with a radix-cache prefix, chunked prefill, mixed and decode batches, GQA, on both
-    attentions: the largest output gap per forward, and what kvattn refused."""
+def equality(page_size: int, overlap: bool = False) -> dict:
+    """Extend with a radix-cache prefix, chunked prefill, mixed and decode batches, GQA, then a
+    second turn whose prompt is the first request's prompt and decoded tokens (a radix hit on
+    pages filled by decodes), on both attentions: the largest output gap per forward, and what
+    kvattn refused."""
     P = page_size
     runs = {}
     for kind in ("torch_native", "kvattn"):
-        e = Engine(kind, P)
+        e = Engine(kind, P, overlap=overlap)
         a = list(range(1, 2 * max(P, 8) + 6))
         e.admit("a", a)
         e.step({"a": len(a) - 5})  # a chunk of the prompt
@@ -270,10 +298,15 @@ def equality(page_size: int) -> dict:
         e.step({"b": len(b) - len(hit), "c": 5, "a": 1})  # mixed: two extends and a decode
         for _ in range(P + 2):  # decodes across a page boundary
             e.step({"a": 1, "b": 1, "c": 1})
+        e.cache("a")
+        turn = e._tokens("a")[: e.lens["a"]] + [61, 62]
+        turn_hit = e.match(turn)
+        e.admit("t", turn, prefix_slots=turn_hit)
+        e.step({"t": len(turn) - len(turn_hit), "a": 1})
         runs[kind] = e
     stock, mine = runs["torch_native"], runs["kvattn"]
     gaps = [_diff(s, m) for s, m in zip(stock.outputs, mine.outputs)]
-    return dict(gaps=gaps, counts=dict(mine.state.counts), hit=len(hit),
+    return dict(gaps=gaps, counts=dict(mine.state.counts), hit=len(hit), turn_hit=len(turn_hit),
                 aborted={r: mine.aborted(r) for r in mine.reqs})
 
 
@@ -331,7 +364,7 @@ def incident(page_size: int, received: int | None) -> dict:
 
 
 def stale_prefix(page_size: int, fault: bool) -> dict:
-    """A radix-cache hit through SGLang's RadixCache: W's prompt pages stay in the tree after W
+    """A radix-cache hit through SGLang's radix tree: W's prompt pages stay in the tree after W
     ends, R's prompt starts with the same tokens and matches them. With ``fault``, the match is
     not locked, the tree evicts the pages before R runs (at page size 16 X reuses and rewrites
     them), and R reads the slots it matched."""
@@ -377,15 +410,41 @@ def plugin() -> dict:
     args = parser.parse_args(["--model-path", "m", "--attention-backend", "kvattn"])
     from importlib.metadata import entry_points
     eps = [f"{ep.name}={ep.value}" for ep in entry_points(group="sglang.srt.plugins")]
+    from sglang.srt.beam_search.coordinator import BeamCoordinator
     from sglang.srt.disaggregation.decode import DecodeTransferQueue
-    hooked = getattr(DecodeTransferQueue._commit_transfer_to_req, "__wrapped__", None) is not None
-    return dict(before=before, after="kvattn" in ATTENTION_BACKENDS, commit_hooked=hooked,
+    from sglang.srt.models import utils as model_utils
+    hooked = [hasattr(f, "__wrapped__") for f in (DecodeTransferQueue._commit_transfer_to_req,
+                                                  BeamCoordinator.validate_and_init,
+                                                  model_utils.enable_fused_set_kv_buffer)]
+    from sglang.srt.models import qwen3_moe  # a model that writes K/V from its rotary kernel
+    late = qwen3_moe.enable_fused_set_kv_buffer is model_utils.enable_fused_set_kv_buffer
+    return dict(before=before, after="kvattn" in ATTENTION_BACKENDS, hooked=hooked,
+                late_import_hooked=late,
                 factory=ATTENTION_BACKENDS.get("kvattn").__qualname__,
                 parsed=args.attention_backend, entry_points=eps)
 
 
+def guards() -> dict:
+    """kvattn's hooks on one engine of each kind: around ``enable_fused_set_kv_buffer`` under
+    SGLang's forward context (off for a kvattn engine's pool whatever the platform would choose),
+    around ``BeamCoordinator.validate_and_init`` (a refusal for a kvattn engine)."""
+    out = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, 16)
+        set_forward_context(ForwardContext(attn_backend=e.backend))
+        fused = integration.fused_write_hook(lambda fb: True, None)
+        set_forward_context(None)
+        coordinator = SimpleNamespace(tree_cache=e.tree)
+        beam = integration.beam_hook(lambda c, r: None, coordinator, None)
+        out[kind] = dict(fused=fused, beam=beam)
+    return out
+
+
 SCENARIOS = {
     "equality-1": lambda: equality(1), "equality-16": lambda: equality(16),
+    "overlap-1": lambda: equality(1, overlap=True),
+    "overlap-16": lambda: equality(16, overlap=True),
+    "guards": guards,
     "incident-16": lambda: incident(16, None), "incident-1": lambda: incident(1, None),
     "placeholder-16": lambda: incident(16, 1), "transfer-16": lambda: incident(16, "all"),
     "prefix-clean-16": lambda: stale_prefix(16, False),

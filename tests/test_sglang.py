@@ -49,19 +49,32 @@ def runs() -> dict:
     return Runs().shared("sglang-scenarios", _drive)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["eager", "overlap"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_kvattn_equals_torch_native_on_sglang_pools(runs, page_size):
+def test_kvattn_equals_torch_native_on_sglang_pools(runs, page_size, overlap):
     """Chunked prefill, a radix-cache hit, a mixed batch (two extends and a decode), decodes
-    across a page boundary, GQA (4 query heads on 2 KV heads), two layers."""
-    r = runs[f"equality-{page_size}"]
-    assert len(r["gaps"]) == page_size + 6
+    across a page boundary, then a second turn whose prompt is the first request's tokens (a hit
+    on pages its decodes filled), GQA (4 query heads on 2 KV heads), two layers. Under overlap
+    scheduling the forward runs before the previous token reaches the request's output_ids."""
+    r = runs[f"{'overlap' if overlap else 'equality'}-{page_size}"]
+    assert len(r["gaps"]) == page_size + 7
     assert max(r["gaps"]) < TOL
-    assert r["aborted"] == {"a": None, "b": None, "c": None}
+    assert r["aborted"] == {"a": None, "b": None, "c": None, "t": None}
     assert r["counts"]["refused_pages"] == 0 and r["counts"]["dropped_writes"] == 0
-    # The radix tree's match is proven page by page: every page of it (a token per page at page
-    # size 1).
-    assert r["hit"] == (16 if page_size == 1 else 32)
-    assert r["counts"]["prefix_hit_pages"] == r["hit"] // page_size
+    # SGLang's radix tree matched these; kvattn proved each page of them (a token per page at
+    # page size 1), the decode-filled ones of the second turn included.
+    assert (r["hit"], r["turn_hit"]) == ((16, 26) if page_size == 1 else (32, 48))
+    assert r["counts"]["prefix_hit_pages"] == (r["hit"] + r["turn_hit"]) // page_size
+
+
+def test_fused_rotary_kv_writes_are_off_and_beams_refused_under_kvattn(runs):
+    """Models that store K/V from their rotary kernel (past set_kv_buffer) ask
+    enable_fused_set_kv_buffer: under a kvattn engine the hook answers no. A beam request's
+    member rows would hold no lease: refused with the reason (None lets it through)."""
+    g = runs["guards"]
+    assert g["torch_native"] == {"fused": True, "beam": None}
+    assert g["kvattn"]["fused"] is False
+    assert "not supported with --attention-backend kvattn" in g["kvattn"]["beam"]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -134,4 +147,6 @@ def test_plugin_registers_through_sglang_entry_points(runs):
     assert "kvattn=kvattn.integrations.sglang_backend:register" in r["entry_points"]
     assert not r["before"] and r["after"] and r["factory"] == "create_backend"
     assert r["parsed"] == "kvattn"
-    assert r["commit_hooked"]  # HookRegistry wrapped DecodeTransferQueue._commit_transfer_to_req
+    # HookRegistry wrapped the transfer commit, the beam check and the fused-write switch; a model
+    # module imported afterwards binds the wrapped switch.
+    assert r["hooked"] == [True, True, True] and r["late_import_hooked"]

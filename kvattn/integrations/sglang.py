@@ -1,12 +1,13 @@
 """kvattn as an attention backend of SGLang, loaded through SGLang's plugin entry point.
 
-Usage: install kvattn next to SGLang and start the server with ``--attention-backend kvattn``.
-SGLang loads the ``sglang.srt.plugins`` entry point ``kvattn`` in every process it starts;
-:func:`kvattn.integrations.sglang_backend.register` adds the ``kvattn`` choice to SGLang's
-attention registry and a hook on the decode side's transfer commit that acts only on engines whose
-backend is kvattn's, so an engine that does not ask for it is unchanged. A request whose KV fails
-the ownership check is ended with ``FINISH_ABORT`` (an error status, never an answer), and a
-message naming the check, the layers, pages and reasons is logged (logger ``kvattn``); the other requests of the batch go on.
+Usage: install kvattn next to SGLang and start the server with ``--attention-backend kvattn
+--disable-cuda-graph``. SGLang loads the ``sglang.srt.plugins`` entry point ``kvattn`` in every
+process it starts; :func:`kvattn.integrations.sglang_backend.register` adds the ``kvattn`` choice
+to SGLang's attention registry and hooks that act only on engines whose backend is kvattn's, so an
+engine that does not ask for it is unchanged. A request whose KV fails the ownership check is
+ended with ``FINISH_ABORT`` (an error status, never an answer), and a message naming the check,
+the layers, pages and reasons is logged (logger ``kvattn``); the other requests of the batch go
+on.
 
 Tested with SGLang ``SUPPORTED_VERSIONS`` against its own classes (pools, allocators, request
 pool, ``ForwardBatch``, the torch-native backend, the fake disaggregation backend); other versions
@@ -27,11 +28,14 @@ What kvattn follows, and where (all on the instances of the engine whose backend
   (``extend_prefix_lens``) that the lease does not hold is a radix-cache hit, expected to carry
   the owner that wrote it only if the writer's token prefix through that page is the reader's own
   (:mod:`kvattn.integrations.prefix`), else owner 0, which no page carries (fails closed).
+  The token ids behind the digests are the forwards' own input ids (under overlap scheduling a
+  request's ``output_ids`` lag its forward by a token).
   A row whose slots of one logical page do not lie in one page at their offsets is read as no page
   (``OUT_OF_RANGE``).
 - **Writes**: the pool's ``set_kv_buffer`` (every write of the engine, the backend's and a model's
   own) goes through :func:`kvattn.write_kv` at SGLang's slot indices under each token's request
-  owner: a write into a page the request does not hold is dropped.
+  owner: a write into a page the request does not hold is dropped. Models whose rotary kernel
+  would store K/V itself (``enable_fused_set_kv_buffer``) write through the pool instead.
 - **Release**: when SGLang's allocator frees pages (a finished request's tail, the radix cache's
   evictions), the ledger releases them owner-scoped; a page the radix cache keeps stays WRITTEN.
 - **Disaggregated decode**: when the decode side's transfer queue commits a finished transfer
@@ -41,11 +45,14 @@ What kvattn follows, and where (all on the instances of the engine whose backend
   attention. SGLang 0.5.23's real receivers report completion only; a decode instance on them is
   refused at setup (they would refuse every transfer).
 - **Failure**: refused pages and dropped writes are summed per request over the layers of a forward
-  in device memory and read once, after the forward; a failed request is aborted.
+  in device memory and read once, after the forward; a failed request gets SGLang's own
+  ``discard_output_reason`` (a ``FINISH_ABORT``, status 500): the forward's output is dropped, the
+  request finishes with the error, and its KV is not put in the radix cache.
 
 Not supported (refused at setup, saying why): MLA, hybrid (SWA, linear) and quantized KV pools,
-fp8 KV caches, HND layouts, speculative decoding, encoder-decoder and cross attention, a decode
-instance on a transfer backend other than ``fake``.
+fp8 KV caches, HND layouts, speculative decoding, CUDA graphs (``--disable-cuda-graph``), DP
+attention, encoder-decoder and cross attention, a decode instance on a transfer backend other than
+``fake``; beam-search requests are refused one by one.
 """
 from __future__ import annotations
 
@@ -92,6 +99,31 @@ def commit_transfer_hook(original, queue, decode_req, *args, **kwargs):
     if state is not None and not _aborted(req):
         state.commit_transfer(req, decode_req.kv_receiver)
     return result
+
+
+def _kvattn_pool(pool) -> bool:
+    return any(state.kv_pool is pool for state in _STATES.values())
+
+
+def fused_write_hook(original, *args, **kwargs):
+    """Around ``sglang.srt.models.utils.enable_fused_set_kv_buffer``: models whose rotary kernel
+    can store K/V itself (Qwen3-MoE, gpt-oss, ...) do so past ``set_kv_buffer``, and their pages
+    would never be stamped; under kvattn they write through the pool instead."""
+    from sglang.srt.model_executor.forward_context import (get_token_to_kv_pool,
+                                                           has_forward_context)
+    if has_forward_context() and _kvattn_pool(get_token_to_kv_pool()):
+        return False
+    return original(*args, **kwargs)
+
+
+def beam_hook(original, coordinator, req, *args, **kwargs):
+    """Around ``BeamCoordinator.validate_and_init``: a beam request's member rows are taken
+    without a request (``alloc_rows``), so no lease could hold their pages; refused, saying why."""
+    pool = getattr(getattr(coordinator, "tree_cache", None), "req_to_token_pool", None)
+    if pool is not None and state_for(pool) is not None:
+        return ("Beam search is not supported with --attention-backend kvattn (its member rows "
+                "are taken without a request, so no ownership lease covers their pages).")
+    return original(coordinator, req, *args, **kwargs)
 
 
 def _aborted(req) -> bool:
@@ -152,6 +184,11 @@ def _refuse_unsupported(runner) -> None:
         reasons.append(f"V head dim {pool.v_head_dim} != K head dim {pool.head_dim}")
     if getattr(args, "speculative_algorithm", None):
         reasons.append("speculative decoding")
+    if not getattr(args, "disable_cuda_graph", False):
+        reasons.append("CUDA graphs (start with --disable-cuda-graph: the ledger resolves each "
+                       "forward on the host, which a replayed graph skips)")
+    if getattr(args, "enable_dp_attention", False):
+        reasons.append("DP attention (padded idle batches)")
     if getattr(runner.model_config, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
     mode = str(getattr(args, "disaggregation_mode", "null"))
@@ -172,6 +209,7 @@ class _Lease:
     pages: list[int] = field(default_factory=list)  # per logical page
     expected: list[int] = field(default_factory=list)  # the owner each logical page must carry
     keys: list[bytes] = field(default_factory=list)  # prefix digest per full page
+    tokens: list[int] = field(default_factory=list)  # the token ids its forwards put in the cache
 
 
 @dataclass
@@ -228,6 +266,10 @@ class SGLangOwnership:
             if rows is not None:
                 for r in fresh:
                     self._new_lease(r.kv.req_pool_idx, r)
+                for r in reqs:  # a row a streaming session lends its next turn: same KV, new Req
+                    lease = self.leases.get(r.kv.req_pool_idx)
+                    if lease is not None:
+                        lease.req = r
             return rows
 
         def free_hook(req):
@@ -279,9 +321,17 @@ class SGLangOwnership:
 
     # -- one forward -------------------------------------------------------------------------
 
-    def _tokens(self, lease: _Lease) -> list[int]:
-        req = lease.req
-        return list(req.origin_input_ids) + list(req.output_ids)
+    def _tokens(self, lease: _Lease, computed: int, new: list[int]) -> list[int]:
+        """The token ids in the cache after this forward: the lease's own record, completed from
+        the request for a prefix it did not compute (a radix hit, a resumed request), then this
+        forward's ``new`` ids at positions ``computed ..``. Under overlap scheduling the request's
+        ``output_ids`` lag the forward by a token; the forward's own input ids do not."""
+        known = lease.tokens[:computed]
+        if len(known) < computed:
+            req = lease.req
+            known += (list(req.origin_input_ids) + list(req.output_ids))[len(known):computed]
+        lease.tokens = known + new
+        return lease.tokens
 
     def _table(self, rows: list[int], seq_lens: list[int]) -> torch.Tensor:
         """kvattn's block table of ``rows`` read off ``req_to_token``: the page of each logical
@@ -316,6 +366,10 @@ class SGLangOwnership:
             q_lens = [int(n) for n in fb.extend_seq_lens_cpu]
         table = self._table(rows, seq_lens)
         pages = table.cpu().tolist()
+        ids = fb.input_ids.tolist()
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
         width = table.shape[1]
         expected = torch.zeros(len(rows), width, dtype=torch.int64)
         owners = torch.zeros(len(rows), dtype=torch.int64)
@@ -326,7 +380,8 @@ class SGLangOwnership:
                 continue
             owners[b] = lease.owner
             computed = seq_lens[b] - q_lens[b]
-            self._sync(lease, pages[b][: -(-seq_lens[b] // self.page_size)], computed,
+            tokens = self._tokens(lease, computed, ids[starts[b]:starts[b + 1]])
+            self._sync(lease, tokens, pages[b][: -(-seq_lens[b] // self.page_size)], computed,
                        seq_lens[b], reserve)
             expected[b, : len(lease.expected)] = torch.tensor(lease.expected[:width])
         for owner, mine in reserve.items():
@@ -344,14 +399,14 @@ class SGLangOwnership:
             refused=torch.zeros(len(rows), dtype=torch.int32, device=device),
             dropped=torch.zeros(len(rows), dtype=torch.int32, device=device))
 
-    def _sync(self, lease: _Lease, pages: list[int], computed: int, seq_len: int,
-              reserve: dict[int, list[int]]) -> None:
+    def _sync(self, lease: _Lease, tokens: list[int], pages: list[int], computed: int,
+              seq_len: int, reserve: dict[int, list[int]]) -> None:
         """Bring ``lease`` up to its row's ``pages`` (a forward over ``seq_len`` tokens whose first
         ``computed`` are already in the cache): a page at a position of its new tokens is its own
         (reserved unless it holds it); a page of computed tokens it does not hold is a hit
         (:meth:`_hit_owner`)."""
         P = self.page_size
-        tokens = self._tokens(lease)
+        del lease.keys[len(tokens) // P:]
         if self.prefix_caching and len(lease.keys) < len(tokens) // P:
             lease.keys = prefix_digests(tokens, P, lease.keys)
         del lease.pages[len(pages):], lease.expected[len(pages):]
@@ -469,8 +524,12 @@ class SGLangOwnership:
             failed[lease.req.rid] = message
             self.failures.append((lease.req.rid, message))
             logger.error("%s", message)
-            lease.req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR,
-                                               "KVOwnershipError")
+            # SGLang's own path for a forward that ran on KV that never landed: the forward's
+            # output is dropped, the request finishes with the reason (an error status), and its
+            # KV is not put in the radix cache.
+            lease.req.discard_output_reason = FINISH_ABORT(
+                message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVOwnershipError")
+            lease.req.skip_radix_cache_insert = True
         return failed
 
     # -- KV that arrived by a transfer --------------------------------------------------------
@@ -490,7 +549,8 @@ class SGLangOwnership:
         reserve: dict[int, list[int]] = {}
         prefix = getattr(req, "prefix_indices", None)  # the decode side's own radix-cache hit
         computed = min(0 if prefix is None else len(prefix), total)
-        self._sync(lease, pages, computed, computed, reserve)
+        tokens = self._tokens(lease, computed, list(req.origin_input_ids)[computed:total])
+        self._sync(lease, tokens, pages, computed, computed, reserve)
         for owner, mine in reserve.items():
             reserve_pages(self.tags, mine, owner)
         P = self.page_size
@@ -549,4 +609,5 @@ def _error(forward: ForwardState, row: int, rid: str, received: str | None) -> s
 
 
 __all__ = ["BACKEND_NAME", "SUPPORTED_VERSIONS", "IntegrationError", "SGLangOwnership", "attach",
-           "check_version", "commit_transfer_hook", "received_tokens", "state_for"]
+           "beam_hook", "check_version", "commit_transfer_hook", "fused_write_hook",
+           "received_tokens", "state_for"]

@@ -69,9 +69,11 @@ def register() -> None:
     """The ``sglang.srt.plugins`` entry point; SGLang calls it in every process it starts.
 
     Adds ``kvattn`` to SGLang's attention backends and to the ``--attention-backend`` choices, and
-    the hook that commits a disaggregated decode's transfers (it acts only on engines whose backend
-    is kvattn's). A version of SGLang other than a tested one is refused when ``kvattn`` is
-    selected, with the reason, so that installing kvattn breaks no other backend. Idempotent.
+    three hooks that act only on engines whose backend is kvattn's: the decode side's transfer
+    commit, models' fused rotary-and-KV writes (which would bypass the pool's ``set_kv_buffer``)
+    turned off, beam requests refused. A version of SGLang other than a tested one is refused when
+    ``kvattn`` is selected, with the reason, so that installing kvattn breaks no other backend.
+    Idempotent.
     """
     from sglang.srt.layers.attention.attention_registry import (ATTENTION_BACKENDS,
                                                                  register_attention_backend)
@@ -82,11 +84,19 @@ def register() -> None:
     if name in ATTENTION_BACKENDS:
         return
     register_attention_backend(name)(create_backend)
-    import sglang.srt.disaggregation.decode  # noqa: F401  (the hook's target must be importable)
+    # The hooks' targets must be imported for HookRegistry to find them; each hook acts only on
+    # an engine whose backend is kvattn's.
+    import sglang.srt.beam_search.coordinator  # noqa: F401
+    import sglang.srt.disaggregation.decode  # noqa: F401
+    import sglang.srt.models.utils  # noqa: F401
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    HookRegistry.register("sglang.srt.disaggregation.decode.DecodeTransferQueue."
-                          "_commit_transfer_to_req", integration.commit_transfer_hook,
-                          HookType.AROUND)
+    for target, hook in (
+            ("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+             integration.commit_transfer_hook),
+            ("sglang.srt.models.utils.enable_fused_set_kv_buffer", integration.fused_write_hook),
+            ("sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init",
+             integration.beam_hook)):
+        HookRegistry.register(target, hook, HookType.AROUND)
 
 
 def create_backend(runner):
