@@ -396,6 +396,37 @@ def stale_prefix(page_size: int, fault: bool) -> dict:
     return out
 
 
+def session(page_size: int, fault: bool) -> dict:
+    """A streaming session: the next turn is a new Req on the same row (``try_match_prefix`` sets
+    ``req.kv = slot.kv``, and ``ReqToTokenPool.alloc`` sees a row it holds). With ``fault`` the
+    first page of the row is freed under it and taken and written by X before the turn runs."""
+    P = page_size
+    out = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, P)
+        first = list(range(20, 20 + P + 3))
+        e.admit("s1", first)
+        e.step({"s1": len(first)})
+        e.step({"s1": 1})
+        history = e._tokens("s1")[: e.lens["s1"]]
+        turn = history + [71, 72, 73]
+        nxt = Req("s2", "", list(turn), SamplingParams(max_new_tokens=16))
+        nxt.kv = e.reqs["s1"].kv
+        nxt.kv.kv_allocated_len = e.lens["s1"]  # the scheduler's account of the row's KV
+        e.req_pool.alloc([nxt])
+        e.reqs["s2"], e.lens["s2"], e.fed["s2"] = nxt, e.lens["s1"], list(turn)
+        if fault:
+            e.allocator.free(torch.tensor(e.slots("s1")[:P], dtype=torch.int64))
+            e.admit("X", list(range(900, 900 + P)))
+            e.step({"X": P})
+        result = e.step({"s2": 3})
+        out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("s1", "s2")},
+                         counts=dict(e.state.counts) if e.state else {})
+    out["gap"] = _diff({"s2": out["torch_native"]["result"]["s2"]},
+                       {"s2": out["kvattn"]["result"]["s2"]})
+    return out
+
+
 def plugin() -> dict:
     """The entry point through SGLang's own plugin loader, and the CLI choice it adds."""
     import argparse
@@ -445,6 +476,7 @@ SCENARIOS = {
     "overlap-1": lambda: equality(1, overlap=True),
     "overlap-16": lambda: equality(16, overlap=True),
     "guards": guards,
+    "session-clean-16": lambda: session(16, False), "session-fault-16": lambda: session(16, True),
     "incident-16": lambda: incident(16, None), "incident-1": lambda: incident(1, None),
     "placeholder-16": lambda: incident(16, 1), "transfer-16": lambda: incident(16, "all"),
     "prefix-clean-16": lambda: stale_prefix(16, False),

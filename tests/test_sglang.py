@@ -150,3 +150,21 @@ def test_plugin_registers_through_sglang_entry_points(runs):
     # HookRegistry wrapped the transfer commit, the beam check and the fused-write switch; a model
     # module imported afterwards binds the wrapped switch.
     assert r["hooked"] == [True, True, True] and r["late_import_hooked"]
+
+
+def test_streaming_session_turn_keeps_the_row_lease(runs):
+    """A session's next turn is a new Req on the same row: its own pages read clean (one lease
+    for both turns), within tolerance of SGLang's attention."""
+    r = runs["session-clean-16"]
+    assert r["kvattn"]["aborted"] == {"s1": None, "s2": None}
+    assert r["kvattn"]["counts"]["leases"] == 1 and r["kvattn"]["counts"]["refused_pages"] == 0
+    assert r["gap"] < TOL
+
+
+def test_streaming_session_fault_aborts_the_live_turn(runs):
+    """The row's first page freed under the session and rewritten by X: SGLang's attention reads
+    X's KV; kvattn aborts the turn that reads it (the new Req), not the finished first turn."""
+    r = runs["session-fault-16"]
+    assert r["torch_native"]["aborted"]["s2"] is None and r["gap"] > 0.1
+    assert r["kvattn"]["aborted"]["s1"] is None
+    assert "reads: OWNER_MISMATCH on logical page(s) 0 (page 1)" in r["kvattn"]["aborted"]["s2"]
