@@ -227,11 +227,18 @@ class Engine:
         q, k, v = out
         return q, k.view(-1, self.kv_heads, self.head_dim), v.view(-1, self.kv_heads, self.head_dim)
 
+    def poison(self, slots: list[int]) -> None:
+        """NaN in every layer's K and V at ``slots``: bytes that must never be read."""
+        for layer in self.layers:
+            self.pool.k_buffer[layer.layer_id][slots] = float("nan")
+            self.pool.v_buffer[layer.layer_id][slots] = float("nan")
+
     def _transfer(self, req, slots: torch.Tensor) -> None:
-        """What a transport does: the prompt's K/V bytes written into ``slots`` of every layer's
-        buffers directly (no ``set_kv_buffer``), as the prefill side computed them."""
-        n = len(req.origin_input_ids)
-        fb = SimpleNamespace(input_ids=torch.tensor(list(req.origin_input_ids)),
+        """What a transport does: the prompt's K/V bytes (its first ``len(slots)`` tokens) written
+        into ``slots`` of every layer's buffers directly (no ``set_kv_buffer``), as the prefill side
+        computed them."""
+        n = len(slots)
+        fb = SimpleNamespace(input_ids=torch.tensor(list(req.origin_input_ids)[:n]),
                              positions=torch.arange(n))
         for layer in self.layers:
             _, k, v = self._qkv(fb, layer.layer_id)
@@ -324,16 +331,17 @@ def incident(page_size: int, received: int | None) -> dict:
         e.step({"A": len(secret)})
         a_slots = e.slots("A")
         e.finish("A")
+        if kind == "kvattn":  # A's bytes stay in the freed pages; under kvattn, as NaN
+            e.poison(a_slots)
         e.admit("C", [3, 1, 4, 1, 5])
         e.step({"C": 5})
         prompt = list(range(40, 40 + 3 * P + 2))
         b = e.admit("B", prompt)
         pre = e._alloc(["B"], [len(prompt)])  # the decode side's preallocation
         e.lens["B"] = len(prompt)
-        count = received
-        if received == "all":  # a transport that wrote B's KV into its pages, and counted it
-            e._transfer(b, pre)
-            count = len(prompt)
+        count = len(prompt) if received == "all" else received
+        if count:  # a transport that wrote that much of B's KV into its pages, and counted it
+            e._transfer(b, pre[:count])
         if count is None:
             receiver = FakeKVReceiver(mgr=None, bootstrap_addr="fake")
             receiver.init(0)
@@ -360,6 +368,7 @@ def incident(page_size: int, received: int | None) -> dict:
     out["c_gap"] = _diff({"C": stock["result"]["C"]}, {"C": mine["result"]["C"]})
     out["b_gap"] = _diff({"B": stock["result"]["B"]}, {"B": mine["result"]["B"]})
     out["b_kvattn_norm"] = torch.tensor(mine["result"]["B"]).abs().max().item()
+    out["b_kvattn_finite"] = bool(torch.tensor(mine["result"]["B"]).isfinite().all())
     return out
 
 
@@ -380,6 +389,8 @@ def stale_prefix(page_size: int, fault: bool) -> dict:
         hit = e.match(shared + [4, 5])
         if fault:  # the match was not locked (inc_lock_ref): the tree evicts what it holds
             e.tree.evict(EvictParams(num_tokens=10 ** 6))
+            if kind == "kvattn":  # what X does not overwrite must not be read either
+                e.poison(w_slots)
             e.admit("X", list(range(900, 900 + 2 * P)))
             e.step({"X": 2 * P})
         e.admit("R", shared + [4, 5], prefix_slots=hit)
@@ -389,6 +400,7 @@ def stale_prefix(page_size: int, fault: bool) -> dict:
                          counts=dict(e.state.counts) if e.state else {}, hit=len(hit),
                          hit_is_w=hit == w_slots,
                          x_reused=fault and bool(set(e.slots("X")) & set(w_slots)))
+    out["r_kvattn_finite"] = bool(torch.tensor(out["kvattn"]["result"]["R"]).isfinite().all())
     out["r_gap"] = _diff({"R": out["torch_native"]["result"]["R"]},
                          {"R": out["kvattn"]["result"]["R"]})
     out["d_gap"] = _diff({"D": out["torch_native"]["result"]["D"]},

@@ -16,24 +16,14 @@ import subprocess
 
 import pytest
 
-from vllm_runs import ROOT, Runs
+from vllm_runs import ROOT, Runs, why_not_ready
 
 VENV = ROOT / "build" / "venv-sglang"
 DRIVER = ROOT / "tests" / "sglang_driver.py"
 TOL = 1e-5
 
-
-def why_no_sglang() -> str | None:
-    if (VENV / ".ready").exists():
-        return None
-    log = ROOT / "build" / "venv-sglang.log"
-    tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
-    return ("SGLang is not installed in build/venv-sglang (make sglang-env)"
-            + (": " + " | ".join(tail) if tail else ""))
-
-
-if why_no_sglang():
-    pytest.skip(why_no_sglang(), allow_module_level=True)
+if why_not_ready("SGLang", "venv-sglang", "sglang-env"):
+    pytest.skip(why_not_ready("SGLang", "venv-sglang", "sglang-env"), allow_module_level=True)
 
 
 def _drive() -> dict:
@@ -92,6 +82,7 @@ def test_incident_fake_receiver_success_is_refused(runs, page_size):
     pages = 4 if page_size == 16 else 5  # B's prompt: 3 * 16 + 2 tokens, or 5 at page size 1
     assert mine["counts"]["refused_pages"] == pages * 2  # every page, in both layers
     assert mine["aborted"]["C"] is None and r["c_gap"] < TOL
+    assert r["b_kvattn_finite"]  # A's freed bytes are NaN under kvattn: none reached an output
     if page_size == 16:
         # A's freed pages were preallocated for B: SGLang's attention reads A's KV.
         assert stock["reused_pages"] == mine["reused_pages"] == [2, 3, 4]
@@ -116,6 +107,7 @@ def test_placeholder_one_token_commits_one_slot(runs):
     assert "RESERVED on logical page(s) 1 (page 3), 2 (page 4), 3 (page 5)" in message
     assert r["torch_native"]["aborted"]["B"] is None and r["b_gap"] > 0.1
     assert r["kvattn"]["aborted"]["C"] is None and r["c_gap"] < TOL
+    assert r["b_kvattn_finite"]  # the NaN of A's bytes past the one committed slot is not read
 
 
 def test_radix_hit_on_unchanged_pages_reads_them(runs):
@@ -138,6 +130,7 @@ def test_radix_hit_on_changed_pages_fails_closed(runs, page_size, reason):
     assert r["torch_native"]["x_reused"] == (page_size == 16)
     message = r["kvattn"]["aborted"]["R"]
     assert f"reads: {reason} on logical page(s) 0 (page " in message
+    assert r["r_kvattn_finite"]  # the evicted pages are NaN under kvattn where X did not write
     assert r["kvattn"]["counts"]["unproven_hit_pages"] == 2
     assert r["kvattn"]["aborted"]["D"] is None and r["d_gap"] < TOL
 

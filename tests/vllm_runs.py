@@ -1,7 +1,7 @@
 """What the vLLM test files share (tests/test_vllm.py, tests/test_vllm_differential.py): vLLM's
 own environment (``make vllm-env``: build/venv-vllm), the test model, and engine processes run in
 that environment whose JSON results are computed once per test run and shared by the xdist
-workers."""
+workers. tests/test_sglang.py shares the environment check and the once-per-run results."""
 from __future__ import annotations
 
 import fcntl
@@ -19,14 +19,19 @@ VENV = ROOT / "build" / "venv-vllm"
 VENV_PY = VENV / "bin" / "python"
 
 
-def why_no_vllm() -> str | None:
-    """None when vLLM's environment is ready, else why not (the tail of its install log)."""
-    if (VENV / ".ready").exists():
+def why_not_ready(engine: str, venv: str, target: str) -> str | None:
+    """None when an engine's environment (build/``venv``, made by ``make target``) is ready, else
+    why not (the tail of its install log)."""
+    if (ROOT / "build" / venv / ".ready").exists():
         return None
-    log = ROOT / "build" / "venv-vllm.log"
+    log = ROOT / "build" / f"{venv}.log"
     tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
-    return ("vLLM is not installed in build/venv-vllm (make vllm-env)"
+    return (f"{engine} is not installed in build/{venv} (make {target})"
             + (": " + " | ".join(tail) if tail else ""))
+
+
+def why_no_vllm() -> str | None:
+    return why_not_ready("vLLM", "venv-vllm", "vllm-env")
 
 
 def env(kvattn: bool) -> dict:

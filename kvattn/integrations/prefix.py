@@ -13,9 +13,11 @@ def prefix_digests(tokens, page_size: int, known: list[bytes] | None = None) -> 
     ``known`` digests of the first pages are kept."""
     digests = list(known or ())
     parent = digests[-1] if digests else b""
-    tokens = torch.as_tensor(list(tokens), dtype=torch.int64)
-    for i in range(len(digests), tokens.numel() // page_size):
-        block = tokens[i * page_size:(i + 1) * page_size]
+    first, end = len(digests), len(tokens) // page_size
+    # Only the pages not digested yet are read: a decode step adds at most one.
+    new = torch.as_tensor(list(tokens[first * page_size:end * page_size]), dtype=torch.int64)
+    for i in range(end - first):
+        block = new[i * page_size:(i + 1) * page_size]
         parent = hashlib.blake2b(parent + block.numpy().tobytes(), digest_size=16).digest()
         digests.append(parent)
     return digests

@@ -67,7 +67,7 @@ from .. import api
 from ..cache import new_owner_id
 from ..writers import commit_pages, release_pages, reserve_pages, write_kv
 from .prefix import prefix_digests
-from .vllm import _flags, _names
+from .messages import failure_message
 
 SUPPORTED_VERSIONS = ("0.5.23",)
 BACKEND_NAME = "kvattn"
@@ -326,12 +326,13 @@ class SGLangOwnership:
         the request for a prefix it did not compute (a radix hit, a resumed request), then this
         forward's ``new`` ids at positions ``computed ..``. Under overlap scheduling the request's
         ``output_ids`` lag the forward by a token; the forward's own input ids do not."""
-        known = lease.tokens[:computed]
-        if len(known) < computed:
+        tokens = lease.tokens  # kept in place: a decode step appends one id
+        del tokens[computed:]
+        if len(tokens) < computed:
             req = lease.req
-            known += (list(req.origin_input_ids) + list(req.output_ids))[len(known):computed]
-        lease.tokens = known + new
-        return lease.tokens
+            tokens += (list(req.origin_input_ids) + list(req.output_ids))[len(tokens):computed]
+        tokens += new
+        return tokens
 
     def _table(self, rows: list[int], seq_lens: list[int]) -> torch.Tensor:
         """kvattn's block table of ``rows`` read off ``req_to_token``: the page of each logical
@@ -410,8 +411,13 @@ class SGLangOwnership:
         if self.prefix_caching and len(lease.keys) < len(tokens) // P:
             lease.keys = prefix_digests(tokens, P, lease.keys)
         del lease.pages[len(pages):], lease.expected[len(pages):]
-        for i, page in enumerate(pages):
-            if i < len(lease.pages) and lease.pages[i] == page:
+        # A row usually changes only past what the lease held (one compare, in C); SGLang rewrites
+        # earlier entries when the radix cache dedups a chunk, and then every entry is compared.
+        held = len(lease.pages)
+        start = held if pages[:held] == lease.pages else 0
+        for i in range(start, len(pages)):
+            page = pages[i]
+            if i < held and lease.pages[i] == page:
                 continue
             if (i + 1) * P <= computed:
                 owner = self._hit_owner(page, lease.keys, i)
@@ -575,37 +581,9 @@ class SGLangOwnership:
 
 def _error(forward: ForwardState, row: int, rid: str, received: str | None) -> str:
     """The failure of one request, summed over the layers of the forward."""
-    drops: Counter = Counter()
-    drop_layers = []
-    for layer, reasons in forward.drops:
-        from ..tags import WriteDrop
-        mine = reasons[forward.token_row == row]
-        dropped = mine[mine != 0].tolist()
-        if dropped:
-            drop_layers.append(layer)
-        drops.update(_flags(WriteDrop(int(r))) for r in dropped)
-    reads: dict[str, Counter] = {}
-    read_layers: dict[str, list] = {}
-    table = forward.block_table[row].tolist()
-    for layer, report in forward.reports:
-        for page, reason in report.refusals().get(row, []):
-            name = _flags(reason)
-            reads.setdefault(name, Counter())[page] += 1
-            if layer not in read_layers.setdefault(name, []):
-                read_layers[name].append(layer)
-    lines = [f"received: {received}"] if received else []
-    if drops:
-        counts = ", ".join(f"{n} {name}" for name, n in sorted(drops.items()))
-        lines.append(f"writes: {counts} dropped write(s) of its new tokens, in layer(s) "
-                     f"{_names(drop_layers)}")
-    for name, pages in sorted(reads.items()):
-        shown = [("past the table" if p < 0 else f"{p} (page {table[p]})") for p in sorted(pages)]
-        more = f", ... ({len(shown) - 8} more)" if len(shown) > 8 else ""
-        lines.append(f"reads: {name} on logical page(s) {', '.join(shown[:8])}{more}, in "
-                     f"{max(pages.values())} of {len(forward.reports)} layer(s): "
-                     f"{_names(read_layers[name])}")
-    return (f"kvattn ownership check failed for request {rid!r}: its KV pages could not be proven "
-            "to hold its own tokens, so the request was stopped.\n" + "\n".join(lines))
+    return failure_message(rid, row, forward.token_row, forward.drops, forward.reports,
+                           forward.block_table[row].tolist(),
+                           [f"received: {received}"] if received else [])
 
 
 __all__ = ["BACKEND_NAME", "SUPPORTED_VERSIONS", "IntegrationError", "SGLangOwnership", "attach",

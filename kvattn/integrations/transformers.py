@@ -69,6 +69,7 @@ from ..cache import new_owner_id
 from ..report import KVOwnershipError
 from ..tags import WriteDrop
 from ..writers import release_pages, reserve_pages, write_kv
+from .messages import flags as _flags
 
 SUPPORTED_VERSIONS = ("5.24.0",)
 ATTENTION_NAMES = ("sdpa", "paged|eager", "flash_attention_2", "flash_attention_3",
@@ -401,10 +402,6 @@ def _all_full_attention(original):
             return groups
         return {FULL_ATTENTION: sorted(i for layers in groups.values() for i in layers)}
     return group_layers_by_attn_type
-
-
-def _flags(value) -> str:
-    return "|".join(f.name for f in type(value) if f and f in value) or "NONE"
 
 
 def _state_of(obj) -> _State | None:

@@ -59,9 +59,10 @@ import torch
 
 from ..cache import new_owner_id
 from ..report import KVOwnershipError
-from ..tags import Violation, WriteDrop
+from ..tags import Violation
 from ..transfer import PageAttestation, attest_pages, verify_arrived
 from ..writers import commit_pages, release_pages, reserve_pages
+from .messages import failure_message
 from .prefix import prefix_digests as _prefix_digests
 
 SUPPORTED_VERSIONS = ("0.32.0",)
@@ -771,53 +772,15 @@ class WorkerOwnership:
 
 
 def _error(batch: StepBatch, row: int, received: list[str]) -> str:
-    """The failure of one request, summed over the layers of the step: the transferred blocks not
-    committed and why (``received``), dropped writes (usually the cause), then refused reads by
-    reason and logical page, with the physical block and the number of layers."""
-    rid = batch.req_ids[row]
-    token_rows = batch.token_row
-    drops: Counter = Counter()
-    drop_layers = []
-    for layer, reasons in batch.drops:
-        mine = reasons[: token_rows.shape[0]][token_rows == row]
-        dropped = mine[mine != 0].tolist()
-        if dropped:
-            drop_layers.append(layer)
-        drops.update(_flags(WriteDrop(int(r))) for r in dropped)
-    reads: dict[str, Counter] = {}
-    read_layers: dict[str, list] = {}
-    table = batch.block_table[row].tolist()
-    for layer, report in batch.reports:
-        for page, reason in report.refusals().get(row, []):
-            name = _flags(reason)
-            reads.setdefault(name, Counter())[page] += 1
-            if layer not in read_layers.setdefault(name, []):
-                read_layers[name].append(layer)
+    """The failure of one request, summed over the layers of the step (``received``: the
+    transferred blocks not committed and why)."""
     lines = []
     if received:
         more = f"; ... ({len(received) - 8} more)" if len(received) > 8 else ""
         lines.append(f"received: {len(received)} transferred block(s) not committed: "
                      f"{'; '.join(received[:8])}{more}")
-    if drops:
-        counts = ", ".join(f"{n} {name}" for name, n in sorted(drops.items()))
-        lines.append(f"writes: {counts} dropped write(s) of its new tokens, in layer(s) "
-                     f"{_names(drop_layers)}")
-    for name, pages in sorted(reads.items()):
-        shown = [("past the table" if p < 0 else f"{p} (block {table[p]})") for p in sorted(pages)]
-        more = f", ... ({len(shown) - 8} more)" if len(shown) > 8 else ""
-        lines.append(f"reads: {name} on logical page(s) {', '.join(shown[:8])}{more}, in "
-                     f"{max(pages.values())} of {len(batch.reports)} layer(s): "
-                     f"{_names(read_layers[name])}")
-    return (f"kvattn ownership check failed for request {rid!r}: its KV pages could not be proven "
-            "to hold its own tokens, so the request was stopped.\n" + "\n".join(lines))
-
-
-def _names(layers: list) -> str:
-    return ", ".join(layers[:4]) + (f", ... ({len(layers) - 4} more)" if len(layers) > 4 else "")
-
-
-def _flags(value) -> str:
-    return "|".join(f.name for f in type(value) if f and f in value) or "NONE"
+    return failure_message(batch.req_ids[row], row, batch.token_row, batch.drops, batch.reports,
+                           batch.block_table[row].tolist(), lines, unit="block")
 
 
 __all__ = ["SUPPORTED_VERSIONS", "ENABLE_ENV", "IntegrationError", "KVOwnershipError",
