@@ -70,7 +70,8 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  backend: str = "auto", out: torch.Tensor | None = None,
                  return_lse: bool = False, validate: bool | None = None, window_left: int = -1,
                  logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None):
+                 alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None,
+                 custom_mask: torch.Tensor | None = None):
     """Ownership-checked paged attention for a ragged batch of new query tokens (chunked prefill,
     prefill over a cached prefix).
 
@@ -120,6 +121,9 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             variants of :mod:`kvattn.variants`, as in :func:`paged_decode`. With a sliding window
             each row reads its own window; the pages checked (and reported) are those holding a key
             some row of the sequence reads.
+        custom_mask: 1-D bool, FlashInfer's layout: per sequence a row-major ``[q_len_b,
+            seq_lens[b]]`` block of which keys each query row may read (tree attention for
+            speculative decoding), ANDed with every other mask; see :mod:`kvattn.variants`.
 
     Returns:
         ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``; ``report`` is an
@@ -133,7 +137,8 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
                            expected, scale=scale, causal=causal, out=out, validate=validate,
                            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                           alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale)
+                           alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
+                           custom_mask=custom_mask)
     return _run("extend", args, backend, check, on_violation, out, return_lse)
 
 

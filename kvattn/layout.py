@@ -42,7 +42,7 @@ and pointers, so they run on every device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -353,15 +353,18 @@ class ExtendArgs(_PagedShapes):
 
 
 def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                    *, scale=None, causal=True, out=None, validate=None, **variant) -> ExtendArgs:
+                    *, scale=None, causal=True, out=None, validate=None, custom_mask=None,
+                    **variant) -> ExtendArgs:
     """Check every extend input against the layout above (``q``/``out`` are ``[total_q,
     num_heads, head_dim]`` here, ``cu_seqlens_q`` ``[B + 1]`` int32); raise ValueError/TypeError
     naming the argument, what was expected and what was got.
 
     Value checks (with ``validate``, default on CPU tensors): those of decode, plus
     ``cu_seqlens_q`` starting at 0, non-decreasing and ending at ``total_q``, and, when causal,
-    every sequence holding at least its query tokens (``seq_lens[b] >= q_len_b``). Skipped, the
-    kernels fail closed: see :func:`kvattn.paged_extend`. ``variant``: as in :func:`validate_decode`.
+    every sequence holding at least its query tokens (``seq_lens[b] >= q_len_b``), and a
+    ``custom_mask`` as long as its blocks (:func:`check_mask_length`). Skipped, the kernels fail
+    closed: see :func:`kvattn.paged_extend`. ``variant``: as in :func:`validate_decode`;
+    ``custom_mask``: :mod:`kvattn.variants`, extend only.
     """
     _check_query_and_pools(q, k_cache, v_cache)
     switches = check_variant(q, k_cache, **variant)
@@ -386,6 +389,10 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
         check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0], causal)
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], max_pages)
         check_values(switches)
+    if custom_mask is not None:
+        switches = with_custom_mask(switches, custom_mask, cu_seqlens_q, seq_lens, q.shape[0])
+        if validate:
+            check_mask_length(custom_mask, cu_seqlens_q, seq_lens, q.shape[0])
     return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
                       scale, causal, rows_covered=bool(validate), variant=switches)
 
@@ -424,6 +431,31 @@ def query_offsets(cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
     belongs to one sequence only, and rows outside every sequence (before ``offsets[0]`` or from
     ``offsets[-1]`` on) are not written by the kernels."""
     return torch.cummax(cu_seqlens_q.long().clamp(0, total_q), dim=0).values
+
+
+def with_custom_mask(variant: Variant, custom_mask, cu_seqlens_q, seq_lens,
+                     total_q: int) -> Variant:
+    """``variant`` with ``custom_mask`` (:mod:`kvattn.variants`) and the start of each sequence's
+    block (``mask_start`` ``[B]`` int64: the running sum of ``q_len_b * max(seq_lens[b], 0)`` over
+    the offsets of :func:`query_offsets`; device ops, no synchronisation)."""
+    check_tensor("custom_mask", custom_mask, ndim=1, dtypes=(torch.bool,),
+                 device=cu_seqlens_q.device)
+    check_last_dim_contiguous("custom_mask", custom_mask)
+    offsets = query_offsets(cu_seqlens_q, total_q)
+    sizes = (offsets[1:] - offsets[:-1]) * seq_lens.long().clamp(min=0)
+    start = torch.cumsum(sizes, 0) - sizes
+    return replace(variant, custom_mask=custom_mask, mask_start=start)
+
+
+def check_mask_length(custom_mask, cu_seqlens_q, seq_lens, total_q: int) -> None:
+    """A ``custom_mask`` holds exactly its blocks, ``sum_b q_len_b * seq_lens[b]`` elements, for
+    lengths and offsets that passed their own checks (host-side: synchronises on a device
+    tensor)."""
+    offsets = query_offsets(cu_seqlens_q, total_q).cpu()
+    need = int(((offsets[1:] - offsets[:-1]) * seq_lens.cpu().long().clamp(min=0)).sum())
+    if custom_mask.numel() != need:
+        _fail("custom_mask", f"{need} elements (the sum over sequences of q_len * seq_len)",
+              f"{custom_mask.numel()}")
 
 
 MAX_SPLITS_GRID = 65535  # the grid dimension the decode kernels put their splits on

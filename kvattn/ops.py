@@ -86,13 +86,14 @@ def _paged_extend_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      validate: bool | None, window_left: int, logits_soft_cap: float,
                      sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                     custom_mask: torch.Tensor | None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     out, lse, report = api.paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens,
                                         page_tags, expected, scale=scale, causal=causal, check=check,
                                         backend=backend, return_lse=True, validate=validate,
                                         window_left=window_left, logits_soft_cap=logits_soft_cap,
                                         sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale,
-                                        v_scale=v_scale)
+                                        v_scale=v_scale, custom_mask=custom_mask)
     counts, page_reasons = _report_tensors(report, block_table.shape[0], block_table.shape[1],
                                            q.device)
     return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
@@ -159,7 +160,8 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
                            expected, scale=scale, causal=causal, validate=False, **variant)
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_extend(
         q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, args.scale,
-        causal, check, backend, return_lse, validate, *_variant_args(args.variant))
+        causal, check, backend, return_lse, validate, *_variant_args(args.variant),
+        args.variant.custom_mask)
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 

@@ -223,11 +223,27 @@ def extend_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
         rows_allowed = allowed[b][None, :].expand(hi - lo, -1)  # [q_len, N]
         if a.causal:
             rows_allowed = rows_allowed & (key_pos[None, :] <= q_pos[:, None])
+        if sw.custom_mask is not None:
+            rows_allowed = rows_allowed & mask_block(sw, b, torch.arange(hi - lo, device=q.device),
+                                                     key_pos, seq_len)
         n = rows_allowed.shape[1]
         out[lo:hi], lse[lo:hi] = attend(a.q[lo:hi], k[b].expand(hi - lo, n, -1, -1),
                                         v[b].expand(hi - lo, n, -1, -1), rows_allowed, a.scale,
                                         compute_dtype, q_pos=q_pos, causal=a.causal, variant=sw)
     return (out, lse, report) if return_lse else (out, report)
+
+
+def mask_block(sw: Variant, b: int, rows: torch.Tensor, keys: torch.Tensor,
+               seq_len: int) -> torch.Tensor:
+    """``[len(rows), len(keys)]`` bool: entries ``[rows, keys]`` of sequence ``b``'s block of
+    ``custom_mask`` (:mod:`kvattn.variants`; ``rows``: query rows within the sequence, ``keys``:
+    key positions); keys outside ``[0, seq_len)`` and entries past the mask's end are False."""
+    mask, width = sw.custom_mask, max(seq_len, 0)
+    index = int(sw.mask_start[b]) + rows[:, None] * width + keys[None, :]
+    inside = (index < mask.numel()) & (keys >= 0)[None, :] & (keys < width)[None, :]
+    if mask.numel() == 0:
+        return inside
+    return inside & mask[index.clamp(0, mask.numel() - 1)]
 
 
 def paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *, kv_lora_rank=512,

@@ -34,8 +34,24 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     or per-head scales). :func:`kvattn.write_kv` divides by the same scales when it quantises. The
     tags are unchanged. A scale lies in ``[2**-126, 2**126]``.
 
-Order of operations on a score: scale, soft-cap, ALiBi, then the masks (window, causality, length,
-ownership) set refused and masked scores to -inf.
+``custom_mask`` (1-D bool tensor, default None; :func:`kvattn.paged_extend` only)
+    FlashInfer's ``custom_mask``: per sequence ``b`` a row-major ``[q_len_b, seq_lens[b]]`` block,
+    the blocks concatenated in batch order (``b``'s starts at the sum of ``q_len * seq_len`` of the
+    sequences before it; computed on the device, no synchronisation). Query row ``j`` of ``b``
+    reads key ``n`` only where its block holds True at ``[j, n]``. The mask is one more mask: it is
+    ANDed with causality (when ``causal``), the window, the length and the reader's rule, so it only
+    removes keys, and ``causal=False`` makes it the only position mask (FlashInfer's custom mode,
+    which ignores causality). Tree attention, the verify step of speculative decoding: the draft
+    tokens are the last ``q_len`` tokens and row ``j`` holds True on the prefix, on ``j`` and on
+    ``j``'s ancestors in the draft tree. Pages are checked and reported as without a mask (one
+    whose keys the mask removes from every row is still checked and may still be refused). A key
+    the mask removes from every query row of its sequence is never loaded, so it may hold anything
+    (a key some row reads is read: a NaN in it may reach that row's tile-mates as 0 * NaN, as a
+    key past a row's causal position does). Entries past the tensor's end (a mask shorter than its
+    blocks, possible only unvalidated: :func:`kvattn.layout.check_mask_length`) read as False.
+
+Order of operations on a score: scale, soft-cap, ALiBi, then the masks (custom mask, window,
+causality, length, ownership) set refused and masked scores to -inf.
 
 Values (docs/ownership.md section 8). A float cap or scale outside its range always raises
 ``ValueError`` naming it. The values of the tensors (sinks, slopes, scale tensors) are checked as
@@ -88,7 +104,9 @@ def slope_ok(x):
 @dataclass(frozen=True, eq=False)
 class Variant:
     """The validated switches of one call (see the module docstring). ``k_scale``/``v_scale`` are
-    ``[num_kv_heads]`` float32 tensors on the query's device when the pools are fp8, else None."""
+    ``[num_kv_heads]`` float32 tensors on the query's device when the pools are fp8, else None.
+    ``mask_start`` ``[B]`` int64: where each sequence's block of ``custom_mask`` starts (set with
+    it, by :func:`kvattn.layout.with_custom_mask`)."""
 
     window_left: int = -1
     logits_soft_cap: float = 0.0
@@ -96,6 +114,8 @@ class Variant:
     alibi_slopes: torch.Tensor | None = None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    custom_mask: torch.Tensor | None = None
+    mask_start: torch.Tensor | None = None
 
     @property
     def windowed(self) -> bool:
@@ -125,7 +145,7 @@ class Variant:
         """Names of the switches that are on (for the backends' refusal reasons)."""
         on = [("window_left", self.windowed), ("logits_soft_cap", self.logits_soft_cap > 0),
               ("sinks", self.sinks is not None), ("alibi_slopes", self.alibi_slopes is not None),
-              ("fp8 KV", self.fp8)]
+              ("fp8 KV", self.fp8), ("custom_mask", self.custom_mask is not None)]
         return [name for name, active in on if active]
 
 

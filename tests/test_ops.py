@@ -33,8 +33,21 @@ def _extend_inputs():
 
 
 # The op's variant arguments with every switch off: window_left, logits_soft_cap, sinks,
-# alibi_slopes, k_scale, v_scale.
+# alibi_slopes, k_scale, v_scale; the extend's also custom_mask.
 PLAIN = (-1, 0.0, None, None, None, None)
+PLAIN_EXTEND = PLAIN + (None,)
+
+
+def _tree_mask(inputs) -> torch.Tensor:
+    """A mask over the extend inputs' blocks that removes each sequence's first key from its rows
+    but the last (so it changes the answer)."""
+    q, cu, lens = inputs[0], inputs[3].tolist(), inputs[5].tolist()
+    blocks = []
+    for b, n in enumerate(lens):
+        block = torch.ones(cu[b + 1] - cu[b], n, dtype=torch.bool)
+        block[:-1, 0] = False
+        blocks.append(block.flatten())
+    return torch.cat(blocks).to(q.device)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -44,8 +57,12 @@ def test_opcheck_paged_decode(backend):
 
 
 def test_opcheck_paged_extend():
+    inputs = _extend_inputs()
     torch.library.opcheck(torch.ops.kvattn.paged_extend.default,
-                          _extend_inputs() + (None, True, True, "reference", False, None) + PLAIN)
+                          inputs + (None, True, True, "reference", False, None) + PLAIN_EXTEND)
+    torch.library.opcheck(torch.ops.kvattn.paged_extend.default,
+                          inputs + (None, True, True, "reference", False, None) + PLAIN
+                          + (_tree_mask(inputs),))
 
 
 def test_opcheck_write_kv():
@@ -81,6 +98,13 @@ def test_extend_and_write_ops_equal_direct_calls():
     ref_out, ref_report = kvattn.paged_extend(*inputs, backend="reference")
     assert torch.equal(out, ref_out)
     assert_reports_equal(report, ref_report)
+    # The custom mask reaches the op (its twin: the same call without it answers otherwise).
+    mask = _tree_mask(inputs)
+    masked, masked_report = ops.paged_extend(*inputs, backend="reference", custom_mask=mask)
+    direct = kvattn.paged_extend(*inputs, backend="reference", custom_mask=mask)[0]
+    assert torch.equal(masked, direct)
+    assert (masked - out).abs().max() > 1e-3
+    assert_reports_equal(masked_report, ref_report)
 
     results = []
     for write in (ops.write_kv, kvattn.write_kv):

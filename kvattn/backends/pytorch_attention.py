@@ -225,7 +225,16 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
             window = _window_mask(sw, q_pos, kp)
             if window is not None:
                 mask = mask & window
-            o, l = _attend(q, k[:, k0:k1], v[:, k0:k1], mask, q_pos, kp, sw, a.causal)
+            if sw.custom_mask is not None:
+                rows = torch.arange(t0, t1, device=device)
+                mask = mask & reference.mask_block(sw, b, rows, kp[0], seq_len)[None]
+            kt, vt = k[:, k0:k1], v[:, k0:k1]
+            if sw.custom_mask is not None:
+                # Keys no row of the tile reads are not read at all: whatever they hold stays out
+                # of the products (as the kernels never load a key no row of theirs reads).
+                unread = ~mask.any(dim=1)[..., None, None]  # [1, N, 1, 1]
+                kt, vt = kt.masked_fill(unread, 0), vt.masked_fill(unread, 0)
+            o, l = _attend(q, kt, vt, mask, q_pos, kp, sw, a.causal)
             out[r0 + t0:r0 + t1] = o[:, 0].permute(2, 0, 1, 3).reshape(t1 - t0, a.num_heads,
                                                                         a.head_dim).to(out.dtype)
             if lse is not None:
