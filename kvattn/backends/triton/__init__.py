@@ -13,7 +13,8 @@ from .paged_extend import extend
 from .paged_mla_decode import MAX_KV_LORA_RANK, MAX_ROPE_DIM, mla_decode
 
 # The switches of kvattn.variants the kernels compile in.
-SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "fp8 KV"})
+SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "fp8 KV",
+                      "custom_mask"})
 
 # The switches of kvattn.variants the stamping writer implements (fp8 pools, quantising on write
 # with either rounding).

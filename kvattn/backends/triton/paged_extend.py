@@ -25,8 +25,14 @@ only, and spare slots do nothing). Programs take the slots in launch order with 
 of a slot together, and a causal sequence's tiles longest first (its last query tile, which reads
 the most keys, first). Causal tiles entirely above the diagonal are not visited: a query tile's KV
 loop stops after its last query's position.
+
+With a custom mask (``CUSTOM``, :mod:`kvattn.variants`), each KV tile loads the mask's entries of
+its rows and keys ``[BLOCK_M, BLOCK_N]`` before K/V: a key no row of the tile reads is not loaded,
+and the scores are masked per element.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -43,6 +49,7 @@ from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, reada
 SLOT_BITS = tl.constexpr(32)
 # Pages per pre-pass program: one pass of loads, the table of a sequence spread over programs.
 RESOLVE_PAGES = 256
+CUSTOM_MASK_BLOCK_N = 32  # key tiles under a custom mask (launch_config)
 
 
 @triton.jit
@@ -162,12 +169,18 @@ def store_report(part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyo
 
 @triton.jit
 def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, stride_kp,
-                 stride_ks, stride_vp, stride_vs, offs_n, offs_d, offs_dv, HEAD_DIM: tl.constexpr,
-                 PAGE: tl.constexpr, CHECK: tl.constexpr, WINDOW: tl.constexpr):
+                 stride_ks, stride_vp, stride_vs, offs_n, offs_d, offs_dv, mask_ptr, mask_row,
+                 mask_numel, token_ok, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                 CHECK: tl.constexpr, WINDOW: tl.constexpr, CUSTOM: tl.constexpr,
+                 TOKENS: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr):
     """K ``[BLOCK_N, BLOCK_D]`` and V ``[BLOCK_N, DV]`` (this program's slice of the head dim) of
-    keys ``t0 + offs_n``, and the mask of those that may be read: below ``kv_hi`` (and, WINDOW, at
-    or after ``kv_lo``), in the pool and (checked) among the page's readable slots. One table entry
-    per key in both variants: the effective entry (checked) or the block-table entry."""
+    keys ``t0 + offs_n``, the mask of those that may be read: below ``kv_hi`` (and, WINDOW, at or
+    after ``kv_lo``), in the pool and (checked) among the page's readable slots, and (CUSTOM) the
+    custom mask's entries of the tile's rows ``[BLOCK_M, BLOCK_N]``, loaded once per query token
+    (``mask_row`` ``[TOKENS]``: where each token's entries start; ``token_ok``: the tokens of the
+    sequence; past ``mask_numel`` entries read as False) and repeated for its ``HEADS`` rows. One
+    table entry per key in both variants: the effective entry (checked) or the block-table entry.
+    A key the custom mask removes from every row of the tile is not loaded."""
     tok = t0 + offs_n  # [BLOCK_N]
     logical = tok // PAGE
     slot = tok % PAGE
@@ -183,20 +196,30 @@ def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, s
     else:
         page = tl.load(bt_row + logical, mask=live, other=0).to(tl.int64)  # [BLOCK_N]
         live = live & (page >= 0) & (page < num_pages)
+    allowed = live[None, :]
+    if CUSTOM:
+        idx = mask_row[:, None] + tok[None, :]  # [TOKENS, BLOCK_N] int64
+        by_token = tl.load(mask_ptr + idx, mask=token_ok[:, None] & live[None, :]
+                           & (idx < mask_numel), other=0) != 0
+        live = live & (tl.max(by_token.to(tl.int32), axis=0) > 0)
+        # Row r is token r // HEADS (row_layout: TOKENS * HEADS == BLOCK_M under a custom mask).
+        allowed = tl.reshape(tl.broadcast_to(by_token[:, None, :], (TOKENS, HEADS, tok.shape[0])),
+                             (BLOCK_M, tok.shape[0]))
     k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
                 mask=live[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_dv[None, :],
                 mask=live[:, None] & (offs_dv < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, DV]
-    return k, v, live
+    return k, v, live, allowed
 
 
 @triton.jit
-def tile_scores(q, k, live, tok, q_pos, qk_scale, soft_cap, alibi2, window_left,
+def tile_scores(q, k, live, allowed, tok, q_pos, qk_scale, soft_cap, alibi2, window_left,
                 DIAGONAL: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_FP32: tl.constexpr):
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_FP32: tl.constexpr,
+                CUSTOM: tl.constexpr):
     """Base-2 logits [BLOCK_M, BLOCK_N] of one KV tile (keys ``tok``) for rows at ``q_pos``, -inf
-    where a key may not be read (``live``), lies after the row (DIAGONAL tiles) or before its
-    window."""
+    where a key may not be read (``live``), the custom mask removes it from the row (``allowed``,
+    CUSTOM), it lies after the row (DIAGONAL tiles) or before its window."""
     distance = 0.0
     if ALIBI:
         distance = (tok[None, :] - q_pos[:, None]).to(tl.float32)  # [BLOCK_M, BLOCK_N]
@@ -205,6 +228,8 @@ def tile_scores(q, k, live, tok, q_pos, qk_scale, soft_cap, alibi2, window_left,
     s = variant_scores(qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance, SOFTCAP,
                        ALIBI)
     visible = live[None, :]
+    if CUSTOM:
+        visible = visible & allowed
     if DIAGONAL:
         visible = visible & (tok[None, :] <= q_pos[:, None])
     if WINDOW:
@@ -218,6 +243,7 @@ def paged_extend_kernel(
     out_ptr, lse_ptr, part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
     scale_log2, batch, total_q, num_pages, max_pages, num_chunks, page_blocks,
     window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
+    mask_ptr, mask_start_ptr, mask_numel,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
@@ -225,6 +251,7 @@ def paged_extend_kernel(
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, D_SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
     CHECK: tl.constexpr, DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
+    CUSTOM: tl.constexpr,
 ):
     # Programs launch in grid order, axis 0 fastest; read that order slot-major, every column (KV
     # head, head chunk, output part) of a slot before the next slot, so that a causal sequence's
@@ -278,6 +305,16 @@ def paged_extend_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
+    mask_row = rows  # unused unless CUSTOM
+    token_ok = row_ok
+    if CUSTOM:
+        # Row j of the sequence's [q_len, seq_len] block of the custom mask (kvattn.variants), for
+        # each query token of the tile.
+        width = tl.maximum(raw_len, 0).to(tl.int64)
+        token = m0 + tl.arange(0, TOKENS)  # [TOKENS]
+        token_ok = token < q_len
+        mask_row = tl.load(mask_start_ptr + b) + token.to(tl.int64) * width
+
     bt_row = block_table_ptr + b * stride_bt
     eff_row = effective_ptr + b * max_pages
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
@@ -309,24 +346,30 @@ def paged_extend_kernel(
         kv_lo = first_key // BLOCK_N * BLOCK_N
         diagonal = tl.maximum(diagonal, kv_lo)
     for t0 in range(kv_lo, diagonal, BLOCK_N):
-        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi, num_pages,
-                                  stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
-                                  offs_dv, HEAD_DIM, PAGE, CHECK, WINDOW)
+        k, v, live, allowed = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi,
+                                           num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
+                                           offs_n, offs_d, offs_dv, mask_ptr, mask_row, mask_numel,
+                                           token_ok, HEAD_DIM, PAGE, CHECK, WINDOW, CUSTOM, TOKENS,
+                                           HEADS, BLOCK_M)
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tile_scores(q, k, live, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2, window_left,
-                        False, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32)  # [BLOCK_M, BLOCK_N]
+        s = tile_scores(q, k, live, allowed, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2,
+                        window_left, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32,
+                        CUSTOM)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
     for t0 in range(diagonal, kv_hi, BLOCK_N):
-        k, v, live = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi, num_pages,
-                                  stride_kp, stride_ks, stride_vp, stride_vs, offs_n, offs_d,
-                                  offs_dv, HEAD_DIM, PAGE, CHECK, WINDOW)
+        k, v, live, allowed = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi,
+                                           num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
+                                           offs_n, offs_d, offs_dv, mask_ptr, mask_row, mask_numel,
+                                           token_ok, HEAD_DIM, PAGE, CHECK, WINDOW, CUSTOM, TOKENS,
+                                           HEADS, BLOCK_M)
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tile_scores(q, k, live, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2, window_left,
-                        CAUSAL, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32)  # [BLOCK_M, BLOCK_N]
+        s = tile_scores(q, k, live, allowed, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2,
+                        window_left, CAUSAL, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32,
+                        CUSTOM)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -359,14 +402,25 @@ def paged_extend_kernel(
 
 def launch_config(args: ExtendArgs, config: ExtendConfig | None = None) -> ExtendConfig:
     """The configuration a launch uses: ``config`` or the table's entry (:mod:`.configs`)."""
-    return config or extend_config(args.q.device, args.q.dtype, args.head_dim, args.page_size)
+    if config is not None:
+        return config
+    config = extend_config(args.q.device, args.q.dtype, args.head_dim, args.page_size)
+    if args.variant.custom_mask is not None:
+        # The mask's [BLOCK_M, BLOCK_N] entries beside the scores: 64-key tiles spill at d128
+        # (tools/static_sm90.py), 32-key tiles do not.
+        config = replace(config, block_n=min(config.block_n, CUSTOM_MASK_BLOCK_N))
+    return config
 
 
 def row_layout(args: ExtendArgs, block_m: int) -> tuple[int, int, int]:
     """``(heads, tokens, head chunks)`` of a tile of ``block_m`` rows: the GQA group's heads first
-    (in chunks of at most ``block_m``), the remaining rows for query tokens."""
+    (in chunks of at most ``block_m``), the remaining rows for query tokens. Under a custom mask
+    the heads are a power of two (a group of 3 takes 4 rows per token, one idle), so the tile is
+    ``tokens x heads`` exactly and a token's mask entries repeat over its rows by a reshape."""
     group = args.num_heads // args.num_kv_heads
     heads = min(group, block_m)
+    if args.variant.custom_mask is not None:
+        heads = triton.next_power_of_2(heads)
     return heads, block_m // heads, -(-group // heads)
 
 
@@ -410,8 +464,13 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
             num_warps=4,
         )
     # Switch tensors that are off get `out` as a never-read pointer.
-    alibi, sinks, k_scale, v_scale = (t if t is not None else out for t in
-                                      (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale))
+    alibi, sinks, k_scale, v_scale, mask_start = (
+        t if t is not None else out
+        for t in (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale, sw.mask_start))
+    custom = sw.custom_mask is not None
+    # A bool tensor as bytes: one load per entry; an empty mask (every entry past its end) is
+    # never dereferenced.
+    mask = sw.custom_mask.view(torch.uint8) if custom and sw.custom_mask.numel() else out
     paged_extend_kernel[(slots, args.num_kv_heads * chunks * config.d_split)](
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, cu_seqlens_ptr=args.cu_seqlens_q,
         block_table_ptr=args.block_table, effective_ptr=effective, seq_lens_ptr=args.seq_lens,
@@ -420,6 +479,8 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         num_pages=args.num_pages, max_pages=args.max_pages, num_chunks=chunks,
         page_blocks=page_blocks, window_left=sw.window_left, soft_cap=sw.logits_soft_cap,
         alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale, v_scale_ptr=v_scale,
+        mask_ptr=mask, mask_start_ptr=mask_start,
+        mask_numel=sw.custom_mask.numel() if custom else 0,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kp=k_cache.stride(0),
         stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2), stride_vp=v_cache.stride(0),
         stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
@@ -429,7 +490,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, D_SPLIT=config.d_split, CAUSAL=args.causal,
         CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
         SOFTCAP=sw.logits_soft_cap > 0, ALIBI=sw.alibi_slopes is not None,
-        SINKS=sw.sinks is not None, FP8=sw.fp8,
+        SINKS=sw.sinks is not None, FP8=sw.fp8, CUSTOM=custom,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return report
