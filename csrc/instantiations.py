@@ -50,7 +50,7 @@ class Row:
     """One kernel instantiation. ``None``: the kernel has no such template argument. ``pool``: the
     K/V element type when it differs from ``dtype`` (fp8); ``vec``: 16-byte cp.async copies (False:
     element by element, for rows that are not 16-byte aligned); ``variant``: the score switches
-    of kvattn.variants compiled in (window, soft-cap, ALiBi, sinks)."""
+    of kvattn.variants compiled in (window, soft-cap, ALiBi, sinks; the extend's custom mask)."""
 
     kernel: str
     dtype: str | None = None

@@ -148,6 +148,11 @@ py::dict extend(const py::dict& a, int dtype, bool check, unsigned long long str
   Args args(a, "extend");
   fill_attention(p, args);
   KVATTN_EXTEND_ARGS(KVATTN_READ_ARG)
+  p.var.custom_mask = args.PTR<const uint8_t*>("custom_mask");
+  p.var.mask_start = args.PTR<const int64_t*>("mask_start");
+  p.var.mask_numel = args.I64<int64_t>("mask_numel");
+  if (p.var.custom_mask != nullptr && (p.var.mask_start == nullptr || p.var.mask_numel < 1))
+    throw std::invalid_argument("extend: a custom_mask needs mask_start and mask_numel >= 1");
   args.check_all_read();
   if (p.num_slots < 1) throw std::invalid_argument("extend: num_slots must be in [1, 2**31)");
   const kvattn::DType type = dtype_of(dtype, "extend");

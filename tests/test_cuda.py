@@ -722,8 +722,10 @@ class Recorder:
         return record
 
 
-# What the binding reads beyond the lists (csrc/module.cpp fill_attention): derived fields.
+# What the binding reads beyond the lists (csrc/module.cpp fill_attention): derived fields; and the
+# extend's custom mask (csrc/module.cpp extend).
 DERIVED = {"page_size", "kv_dtype", "window_left", "soft_cap", "alibi", "sinks"}
+EXTEND_DERIVED = {"custom_mask", "mask_start", "mask_numel"}
 
 
 @pytest.mark.parametrize("op", ["decode", "extend", "write_kv"])
@@ -732,7 +734,8 @@ def test_launchers_pass_exactly_the_arguments_params_h_lists(op):
     lists declare the structs and drive the binding, so one list is the whole contract."""
     lists = param_lists()
     want = {"decode": set(lists["KVATTN_ATTENTION_ARGS"] + lists["KVATTN_DECODE_ARGS"]) | DERIVED,
-            "extend": set(lists["KVATTN_ATTENTION_ARGS"] + lists["KVATTN_EXTEND_ARGS"]) | DERIVED,
+            "extend": set(lists["KVATTN_ATTENTION_ARGS"] + lists["KVATTN_EXTEND_ARGS"]) | DERIVED
+            | EXTEND_DERIVED,
             "write_kv": set(lists["KVATTN_WRITE_KV_ARGS"])}[op]
     batch = make("cuda_sim", seq_lens=(5, 9))
     binding = Recorder()

@@ -144,7 +144,8 @@ def test_a_subset_module_refuses_what_it_lacks(case, axis, monkeypatch):
         launch.decode(subset, args, check=True, out=out, lse=None, num_splits=2)
     monkeypatch.setattr(launch, "not_built", lambda ext, args: None)
     binding = {"dtype bf16": "dtype", "head_dim 65 (tile 128)": "head_dim 65..128 (tile 128)",
-               "the score switches (sinks)": "score switches (window, soft-cap, ALiBi, sinks)"}[axis]
+               "the score switches (sinks)":
+               "score switches (window, soft-cap, ALiBi, sinks, custom mask)"}[axis]
     with pytest.raises(RuntimeError, match=re.escape(f"{binding} not built into this module (it has: dtypes "
                                                      f"fp16; head dims 64; variants off)")):
         launch.decode(subset, args, check=True, out=out, lse=None, num_splits=2)

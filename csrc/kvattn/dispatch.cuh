@@ -55,7 +55,7 @@ inline const char* not_built(DType dtype, KVType pool, int tile, bool variant) {
   if (tile == 128 && !KVATTN_BUILT_HEAD_DIM_128) return KVATTN_NOT_BUILT("head_dim 65..128 (tile 128)");
   if (tile == 256 && !KVATTN_BUILT_HEAD_DIM_256) return KVATTN_NOT_BUILT("head_dim 129..256 (tile 256)");
   if (tile == 512 && !KVATTN_BUILT_HEAD_DIM_512) return KVATTN_NOT_BUILT("head_dim 257..512 (tile 512)");
-  if (variant && !KVATTN_BUILT_VARIANTS) return KVATTN_NOT_BUILT("score switches (window, soft-cap, ALiBi, sinks)");
+  if (variant && !KVATTN_BUILT_VARIANTS) return KVATTN_NOT_BUILT("score switches (window, soft-cap, ALiBi, sinks, custom mask)");
   return KVATTN_NOT_BUILT("instantiation");
 }
 

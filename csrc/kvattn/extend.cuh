@@ -19,7 +19,10 @@
 // spare ones write nothing. Key tiles are double-buffered by cp.async (zero-fill for keys that may
 // not be read); each key's page entry is loaded one tile ahead of its copy. Causal tiles wholly
 // after the block's last query position are never visited, and only tiles that cross the diagonal
-// apply the causal mask per element.
+// apply the causal mask per element. With a custom mask (kvattn.variants; VARIANT instantiations),
+// each key entry also carries which of the block's query tokens read the key, one bit per token
+// read from the mask's bytes when the entry is loaded and kept in shared memory beside it: a key
+// no token of the block reads is not copied, and the score loop masks each row by its bit.
 #pragma once
 
 #include "attention.cuh"
@@ -30,16 +33,37 @@
 
 namespace kvattn {
 
-// Where key t0 + tid lives (threads tid < kKeys): page (-1 when the key may not be read) and slot.
-// VARIANT: keys before `first` (the first key any row of the block reads, under a sliding window)
-// are not read either: masked by scores alone, whatever they hold would still reach the other rows
-// as 0 * NaN.
+// The block's view of the custom mask (kvattn.variants): the entries of its first query token start
+// at `row0`, those of each next token `width` further; `tokens` tokens. Inactive without a mask.
+struct MaskRows {
+  bool active;
+  int64_t row0, width;
+  int tokens;
+};
+
+// Which of the block's query tokens read key t under the custom mask: bit i for token i of the
+// block (at most kExtendRows = 64 tokens); entries past the mask's end read as false.
+KVATTN_DEVICE uint64_t mask_row_bits(const ScoreVariant& v, const MaskRows& m, int64_t t) {
+  uint64_t bits = 0;
+  for (int i = 0; i < m.tokens; ++i) {
+    const int64_t idx = m.row0 + i * m.width + t;
+    if (idx < v.mask_numel && v.custom_mask[idx]) bits |= uint64_t{1} << i;
+  }
+  return bits;
+}
+
+// Where key t0 + tid lives (threads tid < kKeys): page (-1 when the key may not be read) and slot;
+// `rows`: the custom mask's bits of the key (mask_row_bits), when it has one. VARIANT: keys before
+// `first` (the first key any row of the block reads, under a sliding window), and keys the custom
+// mask removes from every row of the block, are not read either: masked by scores alone, whatever
+// they hold would still reach the other rows as 0 * NaN.
 template <bool CHECK, bool VARIANT>
 KVATTN_DEVICE int2 load_key_entry(const ExtendParams& p, const int32_t* bt_row, const int64_t* eff_row, int64_t t0,
-                                  int64_t first, int64_t kv_hi, int keys) {
+                                  int64_t first, int64_t kv_hi, int keys, const MaskRows& mask, uint64_t& rows) {
   const int tid = threadIdx.x;
   int2 entry = make_int2(-1, 0);
   const int64_t t = t0 + tid;
+  rows = 0;
   if (tid < keys && t < kv_hi && (!VARIANT || t >= first)) {
     const int64_t logical = page_of(p.page, t);
     const int slot = static_cast<int>(t - logical * p.page.size);
@@ -49,6 +73,10 @@ KVATTN_DEVICE int2 load_key_entry(const ExtendParams& p, const int32_t* bt_row, 
     } else {
       const int32_t page = bt_row[logical * p.stride_bt_p];
       if (page >= 0 && page < p.num_pages) entry = make_int2(page, slot);
+    }
+    if (VARIANT && mask.active && entry.x >= 0) {
+      rows = mask_row_bits(p.var, mask, t);
+      if (rows == 0) entry = make_int2(-1, 0);
     }
   }
   return entry;
@@ -101,11 +129,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   const bool windowed = VARIANT && p.var.window_left >= 0;
   const int64_t first_key = windowed ? max64(first_pos + m0 - p.var.window_left, 0) : 0;
   const int64_t j0 = windowed ? min64(first_key / NK, n_tiles) : 0;
+  const bool custom = VARIANT && p.var.custom_mask != nullptr;
+  const int64_t mask_width = max64(raw_len, 0);
+  const MaskRows mask_rows{custom, custom ? p.var.mask_start[b] + m0 * mask_width : 0, mask_width,
+                           static_cast<int>(max64(min64(TOK, q_len - m0), 0))};
 
   unsigned char* q_rows = smem;
   unsigned char* tiles = smem + L::kQBytes;
   int2* keys = reinterpret_cast<int2*>(tiles + L::kStages * L::kTileBytes);
   uint32_t* masks = reinterpret_cast<uint32_t*>(keys + L::kKeySlots * NK);
+  // After L::kTotal, with a custom mask only (plan_extend adds it to the launch's shared memory).
+  uint64_t* key_rows = reinterpret_cast<uint64_t*>(smem + L::kTotal);
 
   // Row r of the block: token m0 + r / H, head kv_head * group + chunk * H + r % H; rows past the
   // sequence's queries, past the group or past TOK * H read q = 0 and are never stored.
@@ -122,13 +156,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   }
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* eff_row = CHECK ? p.effective + b * p.max_pages : nullptr;
-  int2 entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, j0 * NK, first_key, kv_hi, NK);
+  uint64_t entry_rows;
+  int2 entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, j0 * NK, first_key, kv_hi, NK, mask_rows, entry_rows);
 
   // Stores the key entries of tile j (loaded one tile earlier) and their mask: keys 32w .. 32w + 31
   // by warp w.
   auto store_keys = [&](int64_t j) {
     const int ks = static_cast<int>(j % L::kKeySlots);
     if (tid < NK) keys[ks * NK + tid] = entry;
+    if (custom && tid < NK) key_rows[ks * NK + tid] = entry_rows;
     const unsigned bits = __ballot_sync(0xffffffffu, tid < NK && entry.x >= 0);
     if (lane == 0 && warp < NK / 32) masks[ks * 2 + warp] = bits;
   };
@@ -165,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   };
 
   store_keys(j0);
-  entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, (j0 + 1) * NK, first_key, kv_hi, NK);
+  entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, (j0 + 1) * NK, first_key, kv_hi, NK, mask_rows, entry_rows);
   __syncthreads();
   if (j0 < n_tiles) copy_tile(j0);
   cp_async_commit();
@@ -175,7 +211,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   att.init();
   const int g = lane / 4, t = lane % 4;
   int64_t q_pos[2];  // positions of this lane's rows g and g + 8
-  for (int r = 0; r < 2; ++r) q_pos[r] = first_pos + row_token(warp * kWarpRows + g + 8 * r);
+  int row_bit[2];    // their tokens within the block: the bit of the custom mask's key rows
+  for (int r = 0; r < 2; ++r) {
+    row_bit[r] = (warp * kWarpRows + g + 8 * r) / H;
+    q_pos[r] = first_pos + row_token(warp * kWarpRows + g + 8 * r);
+  }
   float alibi2[2] = {0.0f, 0.0f};  // ALiBi slopes (base 2) of those rows
   if (VARIANT && p.var.alibi != nullptr) {
     for (int r = 0; r < 2; ++r) {
@@ -186,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
 
   for (int64_t j = j0; j < n_tiles; ++j) {
     store_keys(j + 1);  // entries of tile j + 1, loaded during tile j - 1
-    entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, (j + 2) * NK, first_key, kv_hi, NK);
+    entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, (j + 2) * NK, first_key, kv_hi, NK, mask_rows, entry_rows);
     __syncthreads();  // tile j + 1's entries visible; every warp is done with tile j - 1's buffer
     if (j + 1 < n_tiles) copy_tile(j + 1);
     cp_async_commit();
@@ -215,6 +255,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
         }
         s[n][c] = visible ? x : -INFINITY;
       }
+    if (custom) {
+      // A pass of its own under a block-uniform branch: without a mask it costs one branch a tile.
+      const uint64_t* tile_rows = key_rows + ks * NK;
+#pragma unroll
+      for (int n = 0; n < NK / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (!((tile_rows[n * 8 + 2 * t + c % 2] >> row_bit[c / 2]) & 1u)) s[n][c] = -INFINITY;
+    }
     att.template softmax_step<NK>(s);
     att.template accumulate<NK>(s, k_rows + NK * L::kRowK, dsteps);
   }

@@ -39,12 +39,18 @@ KVATTN_PARAMS_FN int64_t page_of(const PageDiv& d, int64_t n) {
 }
 
 // The score switches of kvattn.variants (the kernels' VARIANT instantiations read them; the plain
-// ones compile them out): sliding window, logit soft-cap, ALiBi slopes, attention sinks.
+// ones compile them out): sliding window, logit soft-cap, ALiBi slopes, attention sinks, and the
+// extend's custom mask.
 struct ScoreVariant {
   int window_left;      // keys from position q_pos - window_left on; -1: no window
   float soft_cap;       // cap * tanh(x / cap) of the natural logit x; 0: off
   const float* alibi;   // [num_heads] slopes, or null
   const float* sinks;   // [num_heads] sink logits (natural), or null
+  // Extend only: [mask_numel] bool, per sequence b a row-major [q_len_b, max(seq_len_b, 0)] block
+  // from mask_start[b] on; entries past mask_numel read as false. Null: no custom mask.
+  const uint8_t* custom_mask;
+  const int64_t* mask_start;  // [B]
+  int64_t mask_numel;
 };
 
 // The kernel arguments the Python launchers pass (kvattn/backends/cuda/launch.py), written once:
@@ -145,14 +151,16 @@ struct DecodeParams : AttentionParams {
   KVATTN_DECODE_ARGS(KVATTN_DECLARE_ARG)
 };
 
-// The extend runs kv_type kSame only (fp8 pools are refused).
+// The extend runs kv_type kSame only (fp8 pools are refused). The binding reads the custom mask's
+// fields of `var` (`custom_mask`, `mask_start`, `mask_numel`) for the extend only.
 struct ExtendParams : AttentionParams {
   KVATTN_EXTEND_ARGS(KVATTN_DECLARE_ARG)
 };
 
 // Whether a launch needs the VARIANT instantiation (any score switch on).
 inline bool has_variant(const ScoreVariant& v) {
-  return v.window_left >= 0 || v.soft_cap > 0.0f || v.alibi != nullptr || v.sinks != nullptr;
+  return v.window_left >= 0 || v.soft_cap > 0.0f || v.alibi != nullptr || v.sinks != nullptr ||
+         v.custom_mask != nullptr;
 }
 
 struct LaunchResult {

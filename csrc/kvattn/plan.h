@@ -84,6 +84,9 @@ const char* plan_extend(ExtendParams& p) {
                  : d == 128 ? ExtendLayout<128>::kTotal
                  : d == 256 ? ExtendLayout<256>::kTotal
                             : ExtendLayout<512>::kTotal;
+  // A block's tokens (at most kExtendRows = 64) index the bits of the custom mask's key rows.
+  if (p.var.custom_mask != nullptr)
+    p.smem_bytes += d <= 128 ? ExtendLayout<128>::kRowBitsBytes : ExtendLayout<512>::kRowBitsBytes;
   return nullptr;
 }
 

@@ -81,6 +81,8 @@ struct ExtendLayout {
   static constexpr int kKeyBytes = kKeySlots * kKeys * 8;  // per key: page (-1: not read) and slot
   static constexpr int kMaskBytes = kKeySlots * 8;
   static constexpr int kTotal = kQBytes + kStages * kTileBytes + kKeyBytes + kMaskBytes;
+  // With a custom mask, after kTotal: per key entry, which of the block's query tokens read it.
+  static constexpr int kRowBitsBytes = kKeySlots * kKeys * 8;
 };
 
 }  // namespace kvattn

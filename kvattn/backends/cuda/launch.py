@@ -20,9 +20,9 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 512
-# The switches of kvattn.variants the kernels compile in: the score switches in both, fp8 pools in
-# the decode only.
-SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes"})
+# The switches of kvattn.variants the kernels compile in: the score switches in both (the custom
+# mask exists for the extend only), fp8 pools in the decode only.
+SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "custom_mask"})
 DECODE_SWITCHES = SWITCHES | {"fp8 KV"}
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers, 4 warps a
 # block) per padded head dim, from the registers and shared memory of every instantiation in
@@ -246,8 +246,16 @@ def extend(ext, args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.
     if lse is not None and not lse.is_contiguous():
         raise ValueError(f"lse: expected a contiguous tensor, got strides {lse.stride()}")
 
+    mask = args.variant.custom_mask
+    if mask is not None:
+        # One byte per entry; an empty mask (every entry past its end, so none readable) as one
+        # False entry, since a null mask means none.
+        mask = mask.view(torch.uint8) if mask.numel() else torch.zeros(1, dtype=torch.uint8,
+                                                                       device=q.device)
     params = dict(
         _attention_params(args, out, lse, report),
+        custom_mask=_ptr(mask), mask_start=_ptr(args.variant.mask_start),
+        mask_numel=0 if mask is None else mask.numel(),
         q_start=_ptr(q_start), tile_start=_ptr(tile_start), effective=_ptr(effective),
         stride_qt=q.stride(0), stride_ot=out.stride(0), causal=int(args.causal), num_slots=slots,
         heads_per_tile=heads, tokens_per_tile=tokens,
