@@ -50,6 +50,14 @@ def reader_args(pool_dtype=torch.float16, **variant):
                                       validate=False, **variant)}
 
 
+def extend_args(**variant):
+    """The extend probe alone, for a switch decode does not take."""
+    args = reader_args()["extend"]
+    return {"extend": kvattn.layout.validate_extend(
+        args.q, args.k_cache, args.v_cache, args.cu_seqlens_q, args.block_table, args.seq_lens,
+        args.page_tags, args.expected, validate=False, **variant)}
+
+
 def writer_args(pool_dtype, **rounding):
     k_cache = torch.zeros(2, PAGE, KV_HEADS, DIM, dtype=pool_dtype)
     k = torch.zeros(1, KV_HEADS, DIM, dtype=torch.float16)
@@ -75,6 +83,8 @@ ROWS = {
     "attention sinks (`sinks`)": ("sinks", lambda: [reader_args(sinks=torch.zeros(HEADS))]),
     "ALiBi (`alibi_slopes`)": ("alibi_slopes",
                                lambda: [reader_args(alibi_slopes=torch.ones(HEADS))]),
+    "custom mask / tree attention, extend (`custom_mask`)": ("custom_mask", lambda: [extend_args(
+        custom_mask=torch.ones(1, dtype=torch.bool))]),
     "fp8 e4m3 pools, decode (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [only("decode", E4M3)]),
     "fp8 e5m2 pools, decode (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [only("decode", E5M2)]),
     "fp8 e4m3 pools, extend": ("fp8 KV", lambda: [only("extend", E4M3)]),
