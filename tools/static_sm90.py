@@ -122,15 +122,16 @@ def loops(insns) -> list[tuple[int, int]]:
 
 
 def sass_figures(insns) -> dict:
-    """Instruction counts of a function and of its main loop: the loop with the most global loads
-    and async copies, the first in the code on a tie (extend's loop over key tiles before the
-    diagonal comes before the causal one)."""
+    """Instruction counts of a function and of its main loop: among the loops with tensor-core
+    instructions if any has them, the one with the most global loads and async copies, the first
+    in the code on a tie (extend's loop over key tiles before the diagonal comes before the causal
+    one). A small loop of plain loads (the extend's report of a sequence) is never the main one."""
     figures = {"sass": len(insns), **{f"all_{k}": v for k, v in _counts(insns).items()}}
     best = None
     for lo, hi in sorted(loops(insns)):
         body = [i for i in insns if lo <= i[0] <= hi]
         c = _counts(body)
-        key = c["ldg"] + c["ldgsts"]
+        key = (c["mma"] > 0, c["ldg"] + c["ldgsts"])
         if best is None or key > best[0]:
             best = (key, body, c)
     if best is None:
@@ -267,6 +268,7 @@ TRITON_CONFIGS = [
     ("extend bf16 d128 p16 gqa4 window+softcap+sinks+alibi", "extend", torch.bfloat16, 128, 16,
      32, 8, "scores"),
     ("extend bf16 d128 p16 gqa4 fp8-e4m3 KV", "extend", torch.bfloat16, 128, 16, 32, 8, "fp8"),
+    ("extend bf16 d128 p16 gqa4 custom_mask", "extend", torch.bfloat16, 128, 16, 32, 8, "mask"),
 ]
 
 # MLA decode (head_dim: the latent row, kv_lora_rank 512 + rope_dim 64; one latent head).
@@ -282,7 +284,8 @@ TRITON_CONFIGS += [
 
 
 def _variant(name: str | None, num_heads: int) -> dict:
-    """The switches of a configuration: every score switch at once, or fp8 pools with scales."""
+    """The switches of a configuration: every score switch at once, fp8 pools with scales, or a
+    custom mask (added by :func:`_inputs`, which knows the lengths)."""
     if name == "scores":
         return dict(window_left=4095, logits_soft_cap=30.0, sinks=torch.zeros(num_heads),
                     alibi_slopes=torch.ones(num_heads))
@@ -315,6 +318,8 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads, variant=Non
                                              **switches)
     q = torch.zeros(batch * 77, num_heads, head_dim, dtype=dtype)
     cu = torch.arange(0, batch + 1, dtype=torch.int32) * 77
+    if variant == "mask":
+        switches = dict(custom_mask=torch.ones(batch * 77 * 100, dtype=torch.bool))
     return kvattn.layout.validate_extend(q, k, v, cu, table, lens, tags, expected, validate=False,
                                          **switches)
 
@@ -379,10 +384,14 @@ def cuda_config(row) -> str:
     """How the table names a row of csrc/instantiations.py: op, dtype, head-dim tile, copy width
     (16B, or elementwise for pools whose rows are not 16-byte aligned: odd head dims, offset views;
     fp8 pools copy by 16 bytes only and name their format instead), and the score switches of
-    kvattn.variants when compiled in (the merge kernel has only the window and the sinks)."""
+    kvattn.variants when compiled in (the merge kernel has only the window and the sinks, the
+    decode no custom mask)."""
     fp8 = _CUDA_FP8.get(row.pool, "")
     copies = "" if fp8 or row.vec is None else ("16B" if row.vec else "elementwise")
-    switches = ("window+softcap+sinks+alibi" if row.head_dim else "window+sinks") if row.variant else ""
+    switches = ""
+    if row.variant:
+        switches = {"extend": "window+softcap+sinks+alibi+mask", "decode": "window+softcap+sinks+alibi"}
+        switches = switches[row.op] if row.head_dim else "window+sinks"
     return " ".join(x for x in (row.op, row.dtype or "", f"d{row.head_dim}" if row.head_dim else "", copies,
                                 fp8, switches) if x)
 
