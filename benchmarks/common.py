@@ -49,6 +49,24 @@ VARIANTS = {
 }
 
 
+# The extend's own variants: their switch depends on the point's shape. "tree": the verify step of
+# tree speculative decoding, a custom mask (kvattn.variants) over a binary tree of the chunk's
+# draft tokens (node j's parent (j - 1) // 2), each reading the prefix, itself and its ancestors.
+EXTEND_VARIANTS = ("tree",)
+
+
+def tree_mask_rows(prefix: int, chunk: int) -> torch.Tensor:
+    """``[chunk, prefix + chunk]`` bool: one sequence's block of the "tree" variant's mask."""
+    rows = torch.zeros(chunk, prefix + chunk, dtype=torch.bool)
+    rows[:, :prefix] = True
+    for j in range(chunk):
+        node = j
+        while node >= 0:
+            rows[j, prefix + node] = True
+            node = (node - 1) // 2 if node else -1
+    return rows
+
+
 def variant_kwargs(name: str, num_heads: int, device: torch.device) -> dict:
     """The switches of variant ``name`` as kvattn takes them, tensors on ``device``."""
     if name not in VARIANTS:
@@ -251,9 +269,11 @@ class ExtendPoint:
         return self.batch * self.chunk
 
     def pool_point(self) -> Point:
-        """The decode point whose pool an extend call reads: same sequences, same pages."""
+        """The decode point whose pool an extend call reads: same sequences, same pages (a plain
+        pool under the extend's own variants)."""
+        pool_variant = "plain" if self.variant in EXTEND_VARIANTS else self.variant
         return Point(self.batch, self.context, self.page_size, self.num_heads, self.num_kv_heads,
-                     self.head_dim, self.dtype, self.variant)
+                     self.head_dim, self.dtype, pool_variant)
 
     @property
     def pages_checked(self) -> int:
@@ -266,6 +286,9 @@ class ExtendPoint:
         ``prefix + j + 1`` keys, 2 FLOPs per element for QK^T and 2 for PV; masked-out work a kernel
         may still do is not counted."""
         pairs = self.chunk * self.prefix + self.chunk * (self.chunk + 1) // 2
+        if self.variant == "tree":  # a draft token meets the prefix, itself and its ancestors
+            pairs = self.chunk * self.prefix + sum((j + 1).bit_length() for j in range(self.chunk))
+            return 4 * self.batch * self.num_heads * self.head_dim * pairs
         window = VARIANTS[self.variant][0]
         if window >= 0:  # row j meets at most window_left + 1 keys
             pairs = sum(min(self.prefix + j + 1, window + 1) for j in range(self.chunk))
@@ -298,9 +321,13 @@ class ExtendInputs:
     def pool_bytes(self) -> int:
         return self.pool.pool_bytes()
 
+    custom_mask: torch.Tensor | None = None  # the "tree" variant's, for every sequence
+
     @property
     def variant(self) -> dict:
-        return self.pool.variant
+        if self.custom_mask is None:
+            return self.pool.variant
+        return dict(self.pool.variant, custom_mask=self.custom_mask)
 
     def args(self, i: int) -> tuple:
         d = self.pool
@@ -362,7 +389,10 @@ def make_extend_inputs(p: ExtendPoint, device: torch.device, sets: int, seed: in
     q = torch.randn(p.q_tokens, p.num_heads, p.head_dim, generator=gen, device=device,
                     dtype=DTYPES[p.dtype])
     cu = torch.arange(p.batch + 1, dtype=torch.int32, device=device) * p.chunk
-    return ExtendInputs(p, pool, q, cu)
+    mask = None
+    if p.variant == "tree":
+        mask = tree_mask_rows(p.prefix, p.chunk).flatten().repeat(p.batch).to(device)
+    return ExtendInputs(p, pool, q, cu, mask)
 
 
 def reference_output(inp: DecodeInputs, i: int, rows: int) -> torch.Tensor:
@@ -399,8 +429,14 @@ def extend_reference(inp: ExtendInputs, i: int, picks: list[tuple[int, int]]) ->
     rows = torch.tensor([b * p.chunk + j for b, j in picks], device=dev)
     lens = torch.tensor([p.prefix + j + 1 for _, j in picks], dtype=torch.int32, device=dev)
     cu = torch.arange(len(picks) + 1, dtype=torch.int32, device=dev)
+    variant = inp.variant
+    if inp.custom_mask is not None:
+        # Row j alone reads its block's row up to its own position.
+        block = tree_mask_rows(p.prefix, p.chunk)
+        variant = dict(variant, custom_mask=torch.cat([block[j, :p.prefix + j + 1]
+                                                       for _, j in picks]).to(dev))
     out, report = kvattn.reference.paged_extend(q[rows], k, v, cu, table[seqs].contiguous(), lens,
-                                                tags, expected[seqs], scale=inp.scale, **inp.variant)
+                                                tags, expected[seqs], scale=inp.scale, **variant)
     if int(report.violations.sum()) != 0:
         raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
                            f"({report.summary()})")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .common import (VARIANTS, Device, ExtendPoint, TimingConfig, bandwidth_columns, bytes_moved,
+from .common import (EXTEND_VARIANTS, VARIANTS, Device, ExtendPoint, TimingConfig,
+                     bandwidth_columns, bytes_moved,
                      check_and_measure, check_provider, extend_check_rows, extend_reference,
                      make_extend_inputs, matmul_rate, rotation_sets)
 from .decode import estimate_point_seconds
@@ -39,8 +40,8 @@ def _grid(batches, chunks, prefixes, pages=(16,), heads=((32, 8),), dims=(128,),
 
 def variant_points(batch: int, chunk: int, prefix: int) -> list[ExtendPoint]:
     """One point per attention variant (checked vs unchecked on the same kernel switch)."""
-    return [ExtendPoint(batch, chunk, prefix, 16, 32, 8, 128, "bf16", v) for v in VARIANTS
-            if v != "plain"]
+    return [ExtendPoint(batch, chunk, prefix, 16, 32, 8, 128, "bf16", v)
+            for v in (*VARIANTS, *EXTEND_VARIANTS) if v != "plain"]
 
 
 def preset_points(name: str) -> list[ExtendPoint]:
@@ -54,7 +55,8 @@ def preset_points(name: str) -> list[ExtendPoint]:
         return [ExtendPoint(1, 16, 0, 16, 4, 2, 32, "fp16"), ExtendPoint(2, 24, 40, 16, 8, 2, 32, "fp16"),
                 ExtendPoint(1, 8, 20, 1, 4, 4, 32, "bf16"), ExtendPoint(2, 40, 24, 64, 4, 2, 32, "fp16"),
                 # A window shorter than the prefix: the pages before it neither read nor counted.
-                ExtendPoint(1, 8, 150, 16, 4, 2, 16, "fp16", "window128")]
+                ExtendPoint(1, 8, 150, 16, 4, 2, 16, "fp16", "window128"),
+                ExtendPoint(2, 7, 30, 16, 4, 2, 16, "fp16", "tree")]
     if name == "gpu-suite":
         return (_grid([8], [2048], [8192]) + _grid([8], [512], [32768]) + _grid([1], [4096], [0])
                 + _grid([32], [128], [4096]) + _grid([8], [2048], [8192], dtypes=("fp16",))

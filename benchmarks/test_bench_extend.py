@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import common, extend, providers
-from benchmarks.common import VARIANTS, Device, ExtendPoint
+from benchmarks.common import EXTEND_VARIANTS, VARIANTS, Device, ExtendPoint
 
 DEVICE = Device.current()
 # Every attention variant, checked and unchecked, after the plain points.
@@ -19,7 +19,7 @@ POINTS = ([ExtendPoint(8, 2048, 8192, 16, 32, 8, 128, "bf16"), ExtendPoint(1, 40
            ExtendPoint(32, 128, 4096, 16, 32, 8, 128, "bf16")] + extend.variant_points(8, 512, 32768)
           if DEVICE.is_gpu else [ExtendPoint(1, 8, 12, 16, 4, 2, 32, "fp16")]
           + [ExtendPoint(1, 8, 150 if v.startswith("window") else 12, 16, 4, 2, 32, "fp16", v)
-             for v in VARIANTS if v != "plain"])
+             for v in (*VARIANTS, *EXTEND_VARIANTS) if v != "plain"])
 PROVIDERS = providers.all_providers("extend")
 
 
