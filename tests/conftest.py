@@ -39,8 +39,8 @@ LANES = {
     "robustness": ("test_hardening", "test_fuzz", "test_validation"),
     "integrations": ("test_transformers", "test_transformers_differential",
                      "test_transformers_variants", "test_adapter_messages", "test_vllm",
-                     "test_vllm_differential", "test_vllm_variants", "test_vllm_nixl",
-                     "test_sglang"),
+                     "test_vllm_differential", "test_vllm_variants", "test_vllm_spec",
+                     "test_vllm_nixl", "test_sglang"),
     "repository": ("test_repository", "test_readme", "test_support_matrix", "test_env",
                    "test_demo", "test_install", "test_gpu_suite", "test_benchmarks_smoke"),
 }

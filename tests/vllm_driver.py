@@ -7,7 +7,8 @@ tests/test_vllm.py. One engine per invocation; results go to a JSON file:
 Scenarios: ``main`` (greedy tokens with chunked prefill and prefix caching, then four faults
 injected into vLLM's bookkeeping, each next to a clean run of the same requests), ``same_step``
 (prefix-cache hits on blocks written in the same step), ``variants SWITCH`` (a model whose
-attention has a score switch: exact answers, the switch turned off, a fault), ``produce``
+attention has a score switch: exact answers, the switch turned off, a fault), ``spec``
+(speculative decoding with vLLM's n-gram proposer: tokens, its counters, a fault), ``produce``
 (a prefill instance writing KV files through vLLM's connector, and the incident's substitute),
 ``decode`` (a decode instance loading them).
 
@@ -542,11 +543,53 @@ def local_scenario(model: str) -> dict:
     return engine.run([("short", SHORT, 8, None), ("long", LONG, 8, None)])
 
 
+# vLLM's n-gram proposer: up to 3 draft tokens a step, from the longest match of the last 1-4
+# tokens earlier in the request's own tokens.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 1}
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens) so far."""
+    return {m.name.split("spec_decode_")[1]: m.value for m in llm.get_metrics()
+            if "spec_decode_num" in m.name and hasattr(m, "value")}
+
+
+def spec_scenario(model: str) -> dict:
+    """Speculative decoding with the n-gram proposer: each decode step of a request verifies its
+    draft tokens in one causal extend over its own KV, writes KV for every draft, and vLLM rolls
+    back past the first rejected one (those slots are rewritten by the next step). Chunked
+    prefill and prefix caching on, a prompt that repeats itself (so drafts are found and some
+    accepted), a later request hitting its cached blocks, a next turn hitting blocks of the
+    answer; then a foreign table entry next to a clean run, under speculation."""
+    llm = make_llm(model, disable_log_stats=False, speculative_config=NGRAM)
+    engine = Engine(llm)
+    loop = (prompt(40, 12) * 6)[:70]
+    # A long answer fills five blocks, each ending at an accepted draft or at a step's first
+    # token as the acceptance falls.
+    schedule = [("loop", loop, 160, None), ("p1", prompt(41, 37), 48, None),
+                ("p2", prompt(42, 90), 40, None),
+                ("shared", loop[:64] + prompt(43, 9), 32, ("finished", "loop"))]
+    llm.reset_prefix_cache()
+    out: dict = {"equality": engine.run(schedule, logprobs=True), "spec": spec_counters(llm)}
+    # The next turn of "loop": its prompt is the first's and its answer, so it hits the blocks
+    # that accepted drafts filled.
+    second = loop + out["equality"]["loop"]["tokens"] + prompt(44, 7)
+    out["second_turn"] = engine.run([("second", second, 16, None)], logprobs=True)
+    out["foreign_entry"] = scenario(engine, [("victim", prompt(30, 70), 24, None),
+                                             ("other", prompt(31, 50), 24, None),
+                                             ("third", prompt(32, 20), 24, None)], foreign_entry)
+    out["spec_total"] = spec_counters(llm)
+    out["counts"] = counts(engine)
+    out["failures_total"] = len(engine.failures())
+    return out
+
+
 if __name__ == "__main__":
     name, model_dir, out_path = sys.argv[1:4]
     extra = sys.argv[4:]
     result = {"main": main_scenario, "produce": produce_scenario, "decode": decode_scenario,
               "local": local_scenario, "same_step": same_step_scenario,
-              "variants": variants_scenario}[name](model_dir, *extra)
+              "variants": variants_scenario, "spec": spec_scenario}[name](model_dir, *extra)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

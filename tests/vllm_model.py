@@ -15,7 +15,9 @@ switch of kvattn.variants instead (tests/test_vllm_variants.py): ``mistral`` (a 
 ``MISTRAL_WINDOW`` tokens in every layer), ``gemma2`` (logit soft-cap, every
 layer full attention), ``bloom`` (ALiBi) or ``gpt-oss`` (sinks, no sliding window; 4 experts);
 ``gemma2-hybrid`` and ``gpt-oss-hybrid`` alternate window and full layers, as the released models
-do (two KV cache groups in vLLM).
+do (two KV cache groups in vLLM). ``llama-narrow`` is the tiny Llama drawn with a narrow
+initialiser (0.02): its greedy answers settle into short loops, so vLLM's n-gram proposer finds
+drafts that are accepted (tests/test_vllm_spec.py).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ GEOMETRIES = {
 
 
 # The score switch each family's attention layers hand vLLM's attention backend.
-FAMILIES = {"llama": None, "mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
+FAMILIES = {"llama": None, "llama-narrow": None, "mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
             "gpt-oss": "sinks", "gemma2-hybrid": "sliding_window", "gpt-oss-hybrid": "sliding_window"}
 MISTRAL_WINDOW = 48  # tokens: the query and the 47 before it
 
@@ -52,11 +54,12 @@ def build(out_dir: str, geometry: str = "tiny", max_positions: int = 2048, famil
                             eos_token="</s>").save_pretrained(out_dir)
     vocab_size = shape.pop("vocab_size", len(vocab))
     torch.manual_seed(0)
-    if family != "llama":
+    if family not in ("llama", "llama-narrow"):
         _family_model(family, vocab, max_positions).save_pretrained(out_dir)
         return
     config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=max_positions,
-                         tie_word_embeddings=False, initializer_range=0.2,
+                         tie_word_embeddings=False,
+                         initializer_range=0.02 if family == "llama-narrow" else 0.2,
                          bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"],
                          torch_dtype="float32", **shape)
     LlamaForCausalLM(config).save_pretrained(out_dir)

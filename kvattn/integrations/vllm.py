@@ -42,8 +42,11 @@ whose attention is kvattn's, and are documented in ``docs/vllm.md``):
 
 The attention layers' switches (sliding window, logit soft-cap, sinks, ALiBi) go to kvattn's
 kernels, and an fp8 KV cache (``FP8_CACHE_DTYPES``) is written with vLLM's scales and rounding and
-read as kvattn's fp8 pools (kvattn.integrations.vllm_backend). Not supported (refused when the
-engine is set up): KV cache groups of different block sizes, speculative decoding, async
+read as kvattn's fp8 pools (kvattn.integrations.vllm_backend). Speculative decoding with the
+n-gram proposer runs: each step's draft tokens are scheduled tokens of the request (their KV
+written under its owner, read by one causal extend), and what vLLM rolls back is rewritten by the
+request itself. Not supported (refused when the engine is set up): KV cache groups of different
+block sizes, speculative decoding with other proposers (a draft model, tree drafts), async
 scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing, multimodal and
 encoder-decoder models.
 """
@@ -66,6 +69,8 @@ from .messages import failure_message
 from .prefix import prefix_digests as _prefix_digests
 
 SUPPORTED_VERSIONS = ("0.32.0",)
+# Proposers whose draft tokens the verify step reads as a causal extend of the request's own KV.
+SPECULATIVE_METHODS = ("ngram",)
 ENABLE_ENV = "KVATTN_VLLM"
 BACKEND_ENV = "KVATTN_VLLM_BACKEND"
 BACKEND_PATH = "kvattn.integrations.vllm_backend.KVAttnBackend"
@@ -230,8 +235,13 @@ def attach(vllm_config, layer_names: list[str], block_size: int, check: bool) ->
 
 def _refuse_unsupported(vllm_config) -> None:
     reasons = []
-    if vllm_config.speculative_config is not None:
-        reasons.append("speculative decoding")
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.method not in SPECULATIVE_METHODS:
+        # A draft model runs attention layers of its own (with drafting metadata), and a tree
+        # proposal is verified under a tree mask by vLLM's tree attention backend: neither is
+        # followed here. The n-gram proposer's chain is verified by a causal extend.
+        reasons.append(f"speculative decoding with method {spec.method!r} (supported: "
+                       f"{', '.join(map(repr, SPECULATIVE_METHODS))}, which need no draft model)")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None, *FP8_CACHE_DTYPES):
         reasons.append(f"KV cache dtype {cache_dtype!r} (use 'auto' or one of "
@@ -259,6 +269,8 @@ class _Lease:
     blocks: list[list[int]] = field(default_factory=list)  # per KV cache group, per logical block
     expected: list[list[int]] = field(default_factory=list)  # owner per group and logical block
     keys: list[bytes] = field(default_factory=list)  # prefix digest per full block (every group)
+    # Logical blocks before this one are in the ledger's content (or are hits): _step_writes.
+    recorded: int | None = None
 
 
 @dataclass
@@ -530,7 +542,13 @@ class WorkerOwnership:
         """Full blocks this step writes under their lease's own owner, with their prefix digest
         (what a prefix-cache hit on them must hold): block -> (owner, digest). Blocks past a
         lease's computed tokens are its own, including those of a lease admitted in this step
-        whose hits are not resolved yet."""
+        whose hits are not resolved yet.
+
+        A block is recorded once its tokens are known (its digest needs them): in the step that
+        writes its last token, or, when draft tokens of speculative decoding filled it, in the
+        step after vLLM accepted them (the drafts are not the request's tokens until then; a
+        rejected draft's slot is rewritten before its block is full). Each lease records from
+        where it stopped (``recorded``), so no block is skipped."""
         writes: dict[int, tuple[int, bytes]] = {}
         if not self.prefix_caching:
             return writes
@@ -542,12 +560,15 @@ class WorkerOwnership:
             end = (start + count) // self.block_size
             if end > len(lease.keys):
                 lease.keys = _prefix_digests(self._tokens(runner, rid), self.block_size, lease.keys)
+            first = start // self.block_size if lease.recorded is None else lease.recorded
+            last = min(end, len(lease.keys))
             for blocks, expected in zip(lease.blocks, lease.expected):
-                for i in range(start // self.block_size, min(end, len(blocks), len(lease.keys))):
+                for i in range(first, min(last, len(blocks))):
                     if blocks[i] == NULL_BLOCK:
                         continue
                     if i >= len(expected) or expected[i] == lease.owner:
                         writes[blocks[i]] = (lease.owner, lease.keys[i])
+            lease.recorded = max(first, last)
         return writes
 
     # -- one step's batch ------------------------------------------------------------------------
