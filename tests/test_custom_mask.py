@@ -1,6 +1,6 @@
 """The extend's custom mask (kvattn.variants ``custom_mask``: FlashInfer's layout, tree attention
-for speculative decoding) on every backend that claims it, against :func:`dense_masked`, the
-definition written out here one query row at a time in float64.
+for speculative decoding) on every backend that claims it, against the float64
+definition of tests/test_variants.py (:func:`dense`, with the mask's blocks).
 
 Every slot a row must not use holds NaN: foreign pages (refused, and reported as without a mask),
 the unwritten tails of pages, and keys the mask removes from every row of their sequence (never
@@ -8,8 +8,6 @@ loaded). A mask only removes keys: one that selects a refused page's keys still 
 it, and an all-True mask is the call without one.
 """
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from test_extend import Extend
 from test_scenarios import SENTINEL_V
 from test_variant_scenarios import SCENARIOS
 from test_variant_scenarios import inputs as scenario_inputs
-from test_variants import DIM, HEADS, KV_HEADS, claims, plant_foreign_page, tokens
+from test_variants import DIM, HEADS, KV_HEADS, claims, dense, plant_foreign_page, tokens
 from util import (DEVICE, LSE_TOLERANCE, assert_reports_equal, backends_under_test, launcher,
                   tolerance)
 
@@ -43,35 +41,6 @@ def tree_rows(prefix: int, parents: list[int]) -> torch.Tensor:
 def flatten(blocks: list[torch.Tensor]) -> torch.Tensor:
     """FlashInfer's layout: the ``[q_len, seq_len]`` blocks row-major, one after the other."""
     return torch.cat([b.flatten() for b in blocks]).to(DEVICE)
-
-
-def dense_masked(q, cu, seqs, blocks, scale, *, causal=True, window_left=-1):
-    """Attention from the definition, float64: row ``j`` of sequence ``b`` (at position ``len(k) -
-    q_len + j``) reads key ``t`` where ``ok[t]`` (not on a refused page), ``blocks[b][j, t]``,
-    and, if asked, ``t <= pos`` and ``t >= pos - window_left``. A row reading nothing gets 0 and
-    lse -inf."""
-    total_q, num_heads, head_dim = q.shape
-    out = torch.zeros(total_q, num_heads, head_dim, dtype=torch.float64)
-    lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float64)
-    starts = cu.cpu().tolist()
-    for b, (k, v, ok) in enumerate(seqs):
-        group = num_heads // k.shape[1]
-        q_len = starts[b + 1] - starts[b]
-        for j in range(q_len):
-            pos = len(k) - q_len + j
-            keys = [t for t in range(len(k)) if ok[t] and bool(blocks[b][j, t])
-                    and (not causal or t <= pos) and (window_left < 0 or t >= pos - window_left)]
-            if not keys:
-                continue
-            row = starts[b] + j
-            for h in range(num_heads):
-                scores = [scale * float(q[row, h].cpu().double() @ k[t, h // group]) for t in keys]
-                m = max(scores)
-                weights = [math.exp(s - m) for s in scores]
-                lse[row, h] = m + math.log(sum(weights))
-                acc = sum(w * v[t, h // group] for w, t in zip(weights, keys))
-                out[row, h] = acc / sum(weights)
-    return out, lse
 
 
 def poison_unread(ext: Extend, blocks: list[torch.Tensor]) -> int:
@@ -127,7 +96,7 @@ def test_tree_masks_match_the_definition(page):
     names = claims(args, "extend")
     assert {"reference", "torch"} <= set(names)
     seqs = [tokens(ext.pages, b) for b in range(4)]
-    want_out, want_lse = dense_masked(ext.q, ext.cu, seqs, blocks, DIM ** -0.5)
+    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM ** -0.5, blocks=blocks)
     unmasked = ext.run("reference")[1]
     for backend in names:
         out, lse, report = ext.run(backend, return_lse=True, custom_mask=mask)
@@ -142,7 +111,7 @@ def test_a_tree_mask_changes_the_answer():
     with it (siblings read each other), so a backend ignoring the mask would fail there."""
     ext, blocks = tree_batch()
     seqs = [tokens(ext.pages, b) for b in range(4)]
-    want_out, _ = dense_masked(ext.q, ext.cu, seqs, blocks, DIM ** -0.5)
+    want_out, _ = dense(ext.q, ext.cu, seqs, DIM ** -0.5, blocks=blocks)
     out = ext.run("reference")[0]
     assert (out.cpu().double() - want_out).abs().max() > 0.1
 
@@ -157,8 +126,8 @@ def test_random_masks_with_the_other_masks(density, causal, window_left):
     kwargs = dict(causal=causal, window_left=window_left, custom_mask=mask)
     args = kvattn.layout.validate_extend(*ext.inputs(), **kwargs)
     seqs = [tokens(ext.pages, b) for b in range(4)]
-    want_out, want_lse = dense_masked(ext.q, ext.cu, seqs, blocks, DIM ** -0.5, causal=causal,
-                                      window_left=window_left)
+    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM ** -0.5, blocks=blocks, causal=causal,
+                               window_left=window_left)
     plain = ext.run("reference", causal=causal, window_left=window_left)[1]
     for backend in claims(args, "extend"):
         out, lse, report = ext.run(backend, return_lse=True, **kwargs)
@@ -254,8 +223,8 @@ def test_kernels_across_query_and_key_tiles():
     plant_foreign_page(ext.pages, 0, 30)  # tokens 120-123: some rows select them
     mask = flatten(blocks)
     args = kvattn.layout.validate_extend(*ext.inputs(), custom_mask=mask)
-    want_out, want_lse = dense_masked(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(2)],
-                                      blocks, DIM ** -0.5)
+    want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(2)],
+                               DIM ** -0.5, blocks=blocks)
     ref = ext.run("reference")[1]
     launches = {"triton": dict(block_m=16, block_n=16), "cuda_sim": dict(tokens_per_tile=3)}
     ran = 0
@@ -338,8 +307,8 @@ def test_groups_and_head_dims_of_the_kernels(num_heads, num_kv_heads, head_dim):
     plant_foreign_page(ext.pages, 1, 3)
     mask = flatten(blocks)
     args = kvattn.layout.validate_extend(*ext.inputs(), custom_mask=mask)
-    want_out, want_lse = dense_masked(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(3)],
-                                      blocks, head_dim ** -0.5)
+    want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(3)],
+                               head_dim ** -0.5, blocks=blocks)
     plain = ext.run("reference")[1]
     for backend in claims(args, "extend"):
         out, lse, report = ext.run(backend, return_lse=True, custom_mask=mask)

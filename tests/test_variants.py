@@ -54,9 +54,12 @@ def tokens(pages: Batch, b: int, k_scale=None, v_scale=None):
     return k, v, ok
 
 
-def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=None, sinks=None):
+def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=None, sinks=None,
+          blocks=None):
     """Attention from the definitions, float64, one row and head at a time. ``seqs``: per sequence
-    ``(k, v, ok)`` as from :func:`tokens`. Row ``j`` of sequence ``b`` sits at ``len(k) - q_len + j``."""
+    ``(k, v, ok)`` as from :func:`tokens`. Row ``j`` of sequence ``b`` sits at ``len(k) - q_len + j``.
+    ``blocks``: per sequence a ``[q_len, len(k)]`` bool custom mask (row ``j`` reads key ``t`` only
+    where ``blocks[b][j, t]``)."""
     total_q, num_heads, head_dim = q.shape
     out = torch.zeros(total_q, num_heads, head_dim, dtype=torch.float64)
     lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float64)
@@ -67,7 +70,8 @@ def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=No
         for j in range(q_len):
             pos = len(k) - q_len + j
             keys = [t for t in range(len(k)) if ok[t] and (not causal or t <= pos)
-                    and (window_left < 0 or t >= pos - window_left)]
+                    and (window_left < 0 or t >= pos - window_left)
+                    and (blocks is None or bool(blocks[b][j, t]))]
             if not keys:
                 continue
             row = starts[b] + j
