@@ -21,9 +21,9 @@ if tuple(int(p) for p in _torch.__version__.split(".")[:2]) < MIN_TORCH:
     raise ImportError(f"kvattn needs PyTorch >= 2.4, found {_torch.__version__}")
 
 from . import reference  # noqa: E402
-from .api import paged_decode, paged_extend, paged_mla_decode  # noqa: E402
+from .api import paged_decode, paged_extend, paged_mla_decode, paged_mla_extend  # noqa: E402
 from .cache import Lease, PagedKVCache  # noqa: E402
-from .layout import DecodeArgs, ExtendArgs, MLADecodeArgs  # noqa: E402
+from .layout import DecodeArgs, ExtendArgs, MLADecodeArgs, MLAExtendArgs  # noqa: E402
 from .report import KVOwnershipError, OwnershipReport, WriteResult  # noqa: E402
 from .tags import (FREE_TAG, Violation, WriteDrop, describe_tag, reserved_tag, tag_owner,  # noqa: E402
                    tag_state, tag_valid_len, written_tag)
@@ -44,5 +44,5 @@ __all__ = [
     "info", "paged_decode", "paged_extend", "reassign_pages", "reference", "release_pages",
     "reserve_pages", "reserved_tag", "tag_owner", "tag_state", "tag_valid_len", "write_kv",
     "written_tag",
-    "MLADecodeArgs", "paged_mla_decode",
+    "MLADecodeArgs", "MLAExtendArgs", "paged_mla_decode", "paged_mla_extend",
 ]

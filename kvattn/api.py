@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .layout import validate_decode, validate_extend, validate_mla_decode
+from .layout import validate_decode, validate_extend, validate_mla_decode, validate_mla_extend
 from .report import OwnershipReport
 
 
@@ -152,15 +152,18 @@ def check_mode(check, on_violation) -> None:
                          "got 'raise'")
 
 
-def _run(op: str, args, backend: str, check: bool, on_violation: str, out, return_lse: bool):
-    """Pick the backend for ``op``, allocate what the caller did not give, launch, report."""
+def _run(op: str, args, backend: str, check: bool, on_violation: str, out, return_lse: bool,
+         out_dim: int | None = None):
+    """Pick the backend for ``op``, allocate what the caller did not give, launch, report.
+    ``out_dim``: the output's last dim when it is not ``q``'s (MLA: ``kv_lora_rank``)."""
     impl = backends.select(args, backend, op=op)
     q = args.q
     # Unvalidated extend offsets may leave rows no sequence covers, which no kernel writes: what
     # kvattn allocates is then filled first, so no stale memory of the allocator comes back.
-    uncovered = op == "extend" and not args.rows_covered
+    uncovered = op in ("extend", "mla_extend") and not args.rows_covered
     if out is None:
-        out = torch.zeros_like(q) if uncovered else torch.empty_like(q)
+        shape = (*q.shape[:2], q.shape[2] if out_dim is None else out_dim)
+        out = (q.new_zeros if uncovered else q.new_empty)(shape)
     lse = None
     if return_lse:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -224,13 +227,61 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     args = validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
                                kv_lora_rank=kv_lora_rank, scale=scale, out=out, validate=validate,
                                num_splits=num_splits)
-    impl = backends.select(args, backend, op="mla_decode")
-    if out is None:
-        out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
-    lse = None
-    if return_lse:
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    report: OwnershipReport | None = impl.mla_decode(args, check=check, out=out, lse=lse)
-    if on_violation == "raise":
-        report.raise_if_any()
-    return (out, lse, report) if return_lse else (out, report)
+    return _run("mla_decode", args, backend, check, on_violation, out, return_lse, kv_lora_rank)
+
+
+def paged_mla_extend(q: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, page_tags: torch.Tensor,
+                     expected: torch.Tensor, *, kv_lora_rank: int = 512,
+                     scale: float | None = None, causal: bool = True, check: bool = True,
+                     on_violation: str = "report", backend: str = "auto",
+                     out: torch.Tensor | None = None, return_lse: bool = False,
+                     validate: bool | None = None):
+    """Ownership-checked paged MLA attention for a ragged batch of new query tokens (chunked
+    prefill, prefill over a cached prefix, the verify step of speculative decoding) on DeepSeek
+    V2/V3's latent cache, with absorbed queries as in :func:`paged_mla_decode` (FlashInfer's MLA
+    attention with ``qo_len > 1``).
+
+    The latent layout is :class:`kvattn.layout.MLADecodeArgs`'s and the rows those of
+    :func:`paged_extend` (:class:`kvattn.layout.MLAExtendArgs`): sequence ``b`` owns query rows
+    ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]``, the last ``q_len_b`` of its ``seq_lens[b]``
+    tokens, whose latent rows are already in the pages; row ``j`` sits at position ``seq_lens[b] -
+    q_len_b + j`` and, with ``causal``, reads the latent rows up to its own. Every query head reads
+    the one latent row per token, all of it as the key and its first ``kv_lora_rank`` dims as the
+    value. The reader's rule, the masking, the report (equal to decode's for the same
+    ``seq_lens``: each page counted once per sequence) and the handling of malformed lengths and
+    offsets are :func:`paged_extend`'s. A row with nothing readable gets output 0 and lse -inf.
+
+    Args:
+        q: ``[total_q, num_heads, kv_lora_rank + rope_dim]``: absorbed no-PE queries, then RoPE.
+        kv_cache: ``[num_pages, page_size, 1, kv_lora_rank + rope_dim]`` latent pool (may be a
+            strided view; never copied).
+        cu_seqlens_q: ``[B + 1]`` int32 row offsets of the sequences in ``q``.
+        block_table: ``[B, max_pages]`` int32 logical-to-physical page map.
+        seq_lens: ``[B]`` int32 tokens per sequence, the new ones included.
+        page_tags: ``[num_pages]`` int64 page tags.
+        expected: ``[B]`` or ``[B, max_pages]`` int64 owner ids the pages must carry.
+        kv_lora_rank: the value dims at the front of each latent row (default 512).
+        scale: logit scale; default ``(kv_lora_rank + rope_dim) ** -0.5``.
+        causal: mask keys after each query's position (default True).
+        check: False runs the unchecked variant (same kernel, check compiled out, no report).
+        on_violation: ``"report"`` or ``"raise"`` (synchronises; raises
+            :class:`kvattn.KVOwnershipError` after writing the output).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``; see :mod:`kvattn.backends`.
+        out: optional ``[total_q, num_heads, kv_lora_rank]`` output buffer (dtype of ``q``).
+        return_lse: also return the ``[total_q, num_heads]`` float32 natural-log LSE.
+        validate: run the value checks (default: only on CPU tensors, where they cost no sync).
+
+    Returns:
+        ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``; ``report`` is an
+        :class:`kvattn.OwnershipReport` in device memory, None when ``check=False``.
+
+    Raises:
+        ValueError, TypeError: malformed inputs, naming the argument, the expected and the actual.
+        KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
+    """
+    check_mode(check, on_violation)
+    args = validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
+                               expected, kv_lora_rank=kv_lora_rank, scale=scale, causal=causal,
+                               out=out, validate=validate)
+    return _run("mla_extend", args, backend, check, on_violation, out, return_lse, kv_lora_rank)

@@ -2,11 +2,11 @@
 
 - Versions: Python, kvattn, torch (and the CUDA it was built for), triton, nvcc (on this machine and
   the one the CUDA module was built with), the NVIDIA driver, the GPUs.
-- Backends: for each op (``decode``, ``extend``, ``write_kv``, ``mla_decode``) and each device (the
-  CPU, and the first GPU when there is one), the backend ``backend="auto"`` takes for a small probe input, and
-  for every backend whether it accepts that input or why it refuses. Only the registry is asked:
-  nothing is launched. ``KVATTN_BACKEND`` and ``TRITON_INTERPRET`` are shown because they change
-  the answers.
+- Backends: for each op (``decode``, ``extend``, ``write_kv``, ``mla_decode``, ``mla_extend``)
+  and each device (the CPU, and the first GPU when there is one), the backend ``backend="auto"``
+  takes for a small probe input, and for every backend whether it accepts that input or why it
+  refuses. Only the registry is asked: nothing is launched. ``KVATTN_BACKEND`` and
+  ``TRITON_INTERPRET`` are shown because they change the answers.
 - Extensions: each compiled module built / not built / build failed, and why
   (:mod:`kvattn.extensions`); for the CUDA module, the instantiations it holds (all of
   csrc/instantiations.py, or the subset it was built with) and the static resource figures ptxas
@@ -29,7 +29,7 @@ import subprocess
 import torch
 
 from . import backends, extensions
-from .layout import validate_decode, validate_extend, validate_mla_decode
+from .layout import validate_decode, validate_extend, validate_mla_decode, validate_mla_extend
 from .version import __version__
 from .write_args import validate_write_kv
 
@@ -85,6 +85,9 @@ def _probe_args(device: str) -> dict:
         "mla_decode": validate_mla_decode(q, k_cache[:, :, :1], block_table, seq_lens, page_tags,
                                           expected, kv_lora_rank=3 * p["head_dim"] // 4,
                                           validate=False),
+        "mla_extend": validate_mla_extend(q, k_cache[:, :, :1], cu_seqlens_q, block_table,
+                                          seq_lens, page_tags, expected,
+                                          kv_lora_rank=3 * p["head_dim"] // 4, validate=False),
     }
 
 

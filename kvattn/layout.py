@@ -368,13 +368,8 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     """
     _check_query_and_pools(q, k_cache, v_cache)
     switches = check_variant(q, k_cache, **variant)
-    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
-    batch, max_pages = block_table.shape
-    if batch < 1:
-        _fail("block_table", "shape (B >= 1, max_pages >= 1)", f"{tuple(block_table.shape)}")
-    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=q.device)
-    check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
-    check_last_dim_contiguous("cu_seqlens_q", cu_seqlens_q)
+    batch = _check_ragged_rows(cu_seqlens_q, block_table, q.device)
+    max_pages = block_table.shape[1]
     inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
                   block_table=block_table, seq_lens=seq_lens, page_tags=page_tags,
                   expected=expected)
@@ -395,6 +390,18 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
             check_mask_length(custom_mask, cu_seqlens_q, seq_lens, q.shape[0])
     return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
                       scale, causal, rows_covered=bool(validate), variant=switches)
+
+
+def _check_ragged_rows(cu_seqlens_q, block_table, device) -> int:
+    """The block table's batch and ``cu_seqlens_q`` ``[B + 1]`` int32 against it; returns B."""
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+    batch = block_table.shape[0]
+    if batch < 1:
+        _fail("block_table", "shape (B >= 1, max_pages >= 1)", f"{tuple(block_table.shape)}")
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,), device=device)
+    check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    check_last_dim_contiguous("cu_seqlens_q", cu_seqlens_q)
+    return batch
 
 
 def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int, causal: bool = True) -> None:
@@ -461,8 +468,21 @@ def check_mask_length(custom_mask, cu_seqlens_q, seq_lens, total_q: int) -> None
 MAX_SPLITS_GRID = 65535  # the grid dimension the decode kernels put their splits on
 
 
+class _LatentShapes(_PagedShapes):
+    """Sizes of a latent (MLA) call: the one latent pool serves as the key pool."""
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """The latent pool as the key pool (the registry reads the device of ``k_cache``)."""
+        return self.kv_cache
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim - self.kv_lora_rank
+
+
 @dataclass
-class MLADecodeArgs(_PagedShapes):
+class MLADecodeArgs(_LatentShapes):
     """Validated MLA paged-decode inputs (multi-head latent attention, DeepSeek V2/V3 style, with
     the queries already absorbed into the latent space as FlashMLA and vLLM's MLA backends take
     them). ``expected`` is 2-D as in :class:`DecodeArgs`.
@@ -489,14 +509,54 @@ class MLADecodeArgs(_PagedShapes):
     kv_lora_rank: int
     num_splits: int | None = None
 
-    @property
-    def k_cache(self) -> torch.Tensor:
-        """The latent pool as the key pool (the registry reads the device of ``k_cache``)."""
-        return self.kv_cache
+
+@dataclass
+class MLAExtendArgs(_LatentShapes):
+    """Validated MLA extend inputs: the latent layout of :class:`MLADecodeArgs` with the ragged
+    query rows of :class:`ExtendArgs` (``q`` ``[total_q, num_heads, kv_lora_rank + rope_dim]``,
+    ``out`` ``[total_q, num_heads, kv_lora_rank]``, ``lse`` ``[total_q, num_heads]``; sequence
+    ``b`` owns rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]``, the last ``q_len_b`` of its
+    ``seq_lens[b]`` tokens, whose latent rows are already in the pages). ``rows_covered`` as in
+    :class:`ExtendArgs`."""
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    page_tags: torch.Tensor
+    expected: torch.Tensor
+    scale: float
+    kv_lora_rank: int
+    causal: bool
+    rows_covered: bool = False
 
     @property
-    def rope_dim(self) -> int:
-        return self.head_dim - self.kv_lora_rank
+    def total_q(self) -> int:
+        return self.q.shape[0]
+
+    def as_extend(self) -> ExtendArgs:
+        """The same call as a plain extend over one KV head whose key and value rows are both the
+        whole latent row (the output's first ``kv_lora_rank`` dims are then MLA's output)."""
+        return ExtendArgs(self.q, self.kv_cache, self.kv_cache, self.cu_seqlens_q,
+                          self.block_table, self.seq_lens, self.page_tags, self.expected,
+                          self.scale, self.causal, self.rows_covered)
+
+
+def _check_latent_query(q, kv_lora_rank, rows: str | None) -> None:
+    """``q`` ``[rows, num_heads, kv_lora_rank + rope_dim]`` and ``kv_lora_rank`` within it
+    (``rows``: what dim 0 must hold, for the message; None: any count, as extend's rows)."""
+    check_tensor("q", q, ndim=3, dtypes=KV_DTYPES)
+    if rows is not None and q.shape[0] < 1:
+        _fail("q", rows, f"shape {tuple(q.shape)}")
+    if q.shape[1] < 1:
+        _fail("q", "at least one head (dim 1)", f"shape {tuple(q.shape)}")
+    if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int):
+        raise TypeError(f"kv_lora_rank: expected an int, got {type(kv_lora_rank).__name__}")
+    if not 1 <= kv_lora_rank <= q.shape[2]:
+        _fail("kv_lora_rank", f"an int in [1, {q.shape[2]}] (q's dim 2 = kv_lora_rank + rope_dim)",
+              kv_lora_rank)
+    check_last_dim_contiguous("q", q)
 
 
 def _check_latent_pool(kv_cache, q) -> None:
@@ -517,6 +577,16 @@ def _check_latent_pool(kv_cache, q) -> None:
     check_distinct_elements("kv_cache", kv_cache)
 
 
+def _check_latent_out(out, q, kv_lora_rank: int, inputs: dict) -> None:
+    if out is None:
+        return
+    check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
+    check_shape("out", out, (*q.shape[:2], kv_lora_rank))
+    check_last_dim_contiguous("out", out)
+    check_distinct_elements("out", out)
+    check_apart("out", out, inputs)
+
+
 def validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *,
                         kv_lora_rank=512, scale=None, out=None, validate=None,
                         num_splits=None) -> MLADecodeArgs:
@@ -524,36 +594,47 @@ def validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
     paged layout above; raise ValueError/TypeError naming the argument, what was expected and what
     was got. ``scale`` defaults to ``(kv_lora_rank + rope_dim) ** -0.5`` (FlashMLA's default;
     DeepSeek models pass their own). Value checks as for decode."""
-    check_tensor("q", q, ndim=3, dtypes=KV_DTYPES)
-    batch, num_heads, dim = q.shape
-    if batch < 1:
-        _fail("q", "a batch of at least one sequence", f"shape {tuple(q.shape)}")
-    if num_heads < 1:
-        _fail("q", "at least one head (dim 1)", f"shape {tuple(q.shape)}")
-    if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int):
-        raise TypeError(f"kv_lora_rank: expected an int, got {type(kv_lora_rank).__name__}")
-    if not 1 <= kv_lora_rank <= dim:
-        _fail("kv_lora_rank", f"an int in [1, {dim}] (q's dim 2 = kv_lora_rank + rope_dim)",
-              kv_lora_rank)
-    check_last_dim_contiguous("q", q)
+    _check_latent_query(q, kv_lora_rank, "a batch of at least one sequence")
     _check_latent_pool(kv_cache, q)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= MAX_SPLITS_GRID):
         _fail("num_splits", f"None or an int in [1, {MAX_SPLITS_GRID}]", repr(num_splits))
     inputs = dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
                   page_tags=page_tags, expected=expected)
-    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
+    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, q.shape[0],
                                     kv_cache.shape[0], q.device)
     scale = _check_scale_and_out(scale, None, q, inputs)
-    if out is not None:
-        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
-        check_shape("out", out, (batch, num_heads, kv_lora_rank))
-        check_last_dim_contiguous("out", out)
-        check_distinct_elements("out", out)
-        check_apart("out", out, inputs)
+    _check_latent_out(out, q, kv_lora_rank, inputs)
     if validate is None:
         validate = q.device.type == "cpu"
     if validate:
         check_lengths_and_owners(seq_lens, expected, kv_cache.shape[1], block_table.shape[1])
     return MLADecodeArgs(q, kv_cache, block_table, seq_lens, page_tags, expected, scale,
                          kv_lora_rank, num_splits)
+
+
+def validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
+                        kv_lora_rank=512, scale=None, causal=True, out=None,
+                        validate=None) -> MLAExtendArgs:
+    """Check every MLA extend input against :class:`MLAExtendArgs` (the latent layout, the ragged
+    rows of extend); raise ValueError/TypeError naming the argument, what was expected and what
+    was got. ``scale`` as in :func:`validate_mla_decode`; value checks those of
+    :func:`validate_extend`."""
+    _check_latent_query(q, kv_lora_rank, None)
+    _check_latent_pool(kv_cache, q)
+    batch = _check_ragged_rows(cu_seqlens_q, block_table, q.device)
+    inputs = dict(q=q, kv_cache=kv_cache, cu_seqlens_q=cu_seqlens_q, block_table=block_table,
+                  seq_lens=seq_lens, page_tags=page_tags, expected=expected)
+    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
+                                    kv_cache.shape[0], q.device)
+    scale = _check_scale_and_out(scale, None, q, inputs)
+    _check_latent_out(out, q, kv_lora_rank, inputs)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if validate is None:
+        validate = q.device.type == "cpu"
+    if validate:
+        check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0], causal)
+        check_lengths_and_owners(seq_lens, expected, kv_cache.shape[1], block_table.shape[1])
+    return MLAExtendArgs(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
+                         scale, kv_lora_rank, causal, rows_covered=bool(validate))

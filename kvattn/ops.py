@@ -7,8 +7,8 @@ Registered ops (``torch.library.custom_op``, each with a fake implementation for
   ``violations``, ``reasons``, ``pages_checked`` and ``beyond_table``; ``page_reasons`` is
   ``[B, max_pages]`` int8. ``lse`` is empty (``[0]``) unless asked for. With ``check=False`` the
   report tensors are zeros and the wrappers below return ``None`` for the report.
-- ``kvattn::paged_mla_decode``: the MLA decode, with the same four results (``out`` ``[B,
-  num_heads, kv_lora_rank]``).
+- ``kvattn::paged_mla_decode`` and ``kvattn::paged_mla_extend``: the MLA decode and extend, with
+  the same four results (``out`` ``[rows, num_heads, kv_lora_rank]``).
 - ``kvattn::write_kv``: mutates ``k_cache``, ``v_cache`` and ``page_tags``; returns ``(landed,
   drop_reasons, dropped)`` as in :class:`kvattn.WriteResult`.
 
@@ -30,7 +30,7 @@ import torch
 from . import api, writers
 from .api import check_mode
 from .layout import (check_kv_pools, check_tensor, validate_decode, validate_extend,
-                     validate_mla_decode)
+                     validate_mla_decode, validate_mla_extend)
 from .report import OwnershipReport
 from .tags import OWNER_MAX
 from .write_args import write_scales
@@ -227,4 +227,44 @@ def paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *,
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 
-__all__ = ["paged_decode", "paged_extend", "paged_mla_decode", "write_kv"]
+@torch.library.custom_op("kvattn::paged_mla_extend", mutates_args=())
+def _paged_mla_extend_op(q: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         block_table: torch.Tensor, seq_lens: torch.Tensor, page_tags: torch.Tensor,
+                         expected: torch.Tensor, kv_lora_rank: int, scale: float | None,
+                         causal: bool, check: bool, backend: str, return_lse: bool,
+                         validate: bool | None,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, report = api.paged_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens,
+                                            page_tags, expected, kv_lora_rank=kv_lora_rank,
+                                            scale=scale, causal=causal, check=check,
+                                            backend=backend, return_lse=True, validate=validate)
+    counts, page_reasons = _report_tensors(report, block_table.shape[0], block_table.shape[1],
+                                           q.device)
+    return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
+
+
+@_paged_mla_extend_op.register_fake
+def _(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, kv_lora_rank, scale,
+      causal, check, backend, return_lse, validate):
+    batch, max_pages = block_table.shape
+    lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
+    return (q.new_empty(q.shape[0], q.shape[1], kv_lora_rank), lse,
+            q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
+
+
+def paged_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
+                     kv_lora_rank=512, scale=None, causal=True, check=True, on_violation="report",
+                     backend="auto", return_lse=False, validate=None):
+    """:func:`kvattn.paged_mla_extend` through the ``kvattn::paged_mla_extend`` custom op (no
+    ``out=``)."""
+    check_mode(check, on_violation)
+    args = validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
+                               expected, kv_lora_rank=kv_lora_rank, scale=scale, causal=causal,
+                               validate=False)
+    out, lse, counts, page_reasons = torch.ops.kvattn.paged_mla_extend(
+        q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, kv_lora_rank,
+        args.scale, causal, check, backend, return_lse, validate)
+    return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
+
+
+__all__ = ["paged_decode", "paged_extend", "paged_mla_decode", "paged_mla_extend", "write_kv"]

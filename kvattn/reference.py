@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import query_offsets, validate_decode, validate_extend, validate_mla_decode
+from .layout import (query_offsets, validate_decode, validate_extend, validate_mla_decode,
+                     validate_mla_extend)
 from .report import OwnershipReport
 from .tags import (STATE_WRITTEN, Violation, page_reason, tag_owner, tag_state, tag_valid_len,
                    valid_owner)
@@ -265,5 +266,29 @@ def paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *,
     # Attention with the whole latent row as the value: the first kv_lora_rank output dims are
     # exactly those of the value part, the rest is dropped.
     out, lse = attend(a.q, latent, latent, allowed.flatten(1), a.scale, compute_dtype)
+    out = out[..., :a.kv_lora_rank].contiguous()
+    return (out, lse, report) if return_lse else (out, report)
+
+
+def paged_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
+                     kv_lora_rank=512, scale=None, causal=True, check=True, return_lse=False,
+                     compute_dtype=torch.float32):
+    """Reference MLA paged extend. Arguments and layout as :func:`kvattn.paged_mla_extend`
+    (:class:`kvattn.layout.MLAExtendArgs`): :func:`paged_extend` over the one latent head, the
+    whole latent row as key and value, of whose output the first ``kv_lora_rank`` dims are kept.
+    The rows, their positions, the causal rule, the reader's rule and the report are
+    :func:`paged_extend`'s.
+
+    Returns ``(out, report)`` or ``(out, lse, report)``; ``out`` ``[total_q, num_heads,
+    kv_lora_rank]`` in ``compute_dtype``, ``report`` None when ``check=False``.
+    """
+    a = validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
+                            kv_lora_rank=kv_lora_rank, scale=scale, causal=causal, validate=False)
+    return mla_extend_args(a, check, return_lse, compute_dtype)
+
+
+def mla_extend_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
+    """:func:`paged_mla_extend` on validated arguments (:class:`kvattn.layout.MLAExtendArgs`)."""
+    out, lse, report = extend_args(a.as_extend(), check, True, compute_dtype)
     out = out[..., :a.kv_lora_rank].contiguous()
     return (out, lse, report) if return_lse else (out, report)

@@ -2,7 +2,7 @@
 
 A backend is a module with ``NAME``, one launcher per op it implements, named after the op
 (``decode(args, *, check, out, lse)``, ``extend(args, *, check, out, lse)``, ``write_kv(args)``,
-``mla_decode(args, *, check, out, lse)``),
+``mla_decode(args, *, check, out, lse)``, ``mla_extend(args, *, check, out, lse)``),
 and ``why_not(args) -> str | None`` (None: it can run these inputs), or ``why_not_<op>(args)`` for
 an op whose inputs it judges apart. A writer names the switches of its inputs it implements in
 ``WRITE_SWITCHES`` (today ``"fp8 KV"``: writing into fp8 pools, quantising on the way); the registry
@@ -10,7 +10,8 @@ refuses a writer whose set lacks a switch the inputs need
 (:meth:`kvattn.write_args.WriteArgs.switches`), after the backend's own reasons (the readers'
 switches are judged by each backend's ``why_not``). ``args`` is the op's validated record:
 :class:`kvattn.layout.DecodeArgs`, :class:`~kvattn.layout.ExtendArgs`,
-:class:`kvattn.write_args.WriteArgs` or :class:`~kvattn.layout.MLADecodeArgs`. A backend
+:class:`kvattn.write_args.WriteArgs`, :class:`~kvattn.layout.MLADecodeArgs` or
+:class:`~kvattn.layout.MLAExtendArgs`. A backend
 without a launcher for an op refuses that op.
 
 ``backend="auto"`` takes the first backend of :func:`auto_order` (``AUTO_ORDER[op]``, or
@@ -39,12 +40,13 @@ _BACKENDS = {
     "torch": "kvattn.backends.pytorch",
     "cuda_sim": "kvattn.backends.cuda_sim",
 }
-OPS = ("decode", "extend", "write_kv", "mla_decode")
+OPS = ("decode", "extend", "write_kv", "mla_decode", "mla_extend")
 AUTO_ORDER = {
     "decode": ("cuda", "triton", "reference"),
     "extend": ("cuda", "triton", "reference"),
     "write_kv": ("cuda", "triton", "torch"),
     "mla_decode": ("triton", "reference"),
+    "mla_extend": ("triton", "reference"),
 }
 # The Triton interpreter would run the writer as one program per token; the PyTorch ops compute
 # the same result in a few tensor ops.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from ..layout import DecodeArgs, ExtendArgs, MLADecodeArgs, query_offsets
+from ..layout import DecodeArgs, ExtendArgs, MLADecodeArgs, MLAExtendArgs, query_offsets
 from ..report import OwnershipReport
 
 NAME = "reference"
@@ -26,9 +26,17 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
 
 def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
            lse: torch.Tensor | None) -> OwnershipReport | None:
-    result = reference.extend_args(args, check, return_lse=True)
-    # Like the kernels, write only the rows some sequence covers (all of them when cu_seqlens_q is
-    # well formed); the oracle syncs anyway.
+    return _covered_rows(args, reference.extend_args(args, check, return_lse=True), out, lse)
+
+
+def mla_extend(args: MLAExtendArgs, *, check: bool, out: torch.Tensor,
+               lse: torch.Tensor | None) -> OwnershipReport | None:
+    return _covered_rows(args, reference.mla_extend_args(args, check, return_lse=True), out, lse)
+
+
+def _covered_rows(args, result, out, lse) -> OwnershipReport | None:
+    """Copy an extend's ``(out, lse, report)``. Like the kernels, write only the rows some sequence
+    covers (all of them when cu_seqlens_q is well formed); the oracle syncs anyway."""
     offsets = query_offsets(args.cu_seqlens_q, args.total_q)
     lo, hi = int(offsets[0]), int(offsets[-1])
     out[lo:hi].copy_(result[0][lo:hi])
