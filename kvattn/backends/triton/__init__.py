@@ -1,5 +1,5 @@
 """The Triton backend: one module per kernel (``paged_decode``, ``paged_extend``,
-``paged_mla_decode``, ``stamp_writer``), the reader's rule they share (``tag_rule``), and this
+``paged_mla_decode``, ``paged_mla_extend``, ``stamp_writer``), the reader's rule they share (``tag_rule``), and this
 facade for the registry."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from . import stamp_writer
 from .paged_decode import MAX_HEAD_DIM, decode, interpreted
 from .paged_extend import extend
 from .paged_mla_decode import MAX_KV_LORA_RANK, MAX_ROPE_DIM, mla_decode
+from .paged_mla_extend import mla_extend
 
 # The switches of kvattn.variants the kernels compile in.
 SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "fp8 KV",
@@ -55,7 +56,8 @@ def write_kv(args: WriteArgs) -> WriteResult:
 
 
 def why_not_mla_decode(args) -> str | None:
-    """None if the MLA decode kernel can run ``args`` (:class:`kvattn.layout.MLADecodeArgs`)."""
+    """None if the MLA kernels can run ``args`` (:class:`kvattn.layout.MLADecodeArgs` or
+    :class:`~kvattn.layout.MLAExtendArgs`): the latent and RoPE parts within the kernels' tiles."""
     reason = _why_not_here(args.q.device)
     if reason is None and args.kv_lora_rank > MAX_KV_LORA_RANK:
         return f"kv_lora_rank {args.kv_lora_rank} > {MAX_KV_LORA_RANK}"
@@ -64,5 +66,7 @@ def why_not_mla_decode(args) -> str | None:
     return reason
 
 
-__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "mla_decode", "why_not",
-           "why_not_mla_decode", "why_not_write_kv", "write_kv"]
+why_not_mla_extend = why_not_mla_decode
+
+__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "mla_decode", "mla_extend", "why_not",
+           "why_not_mla_decode", "why_not_mla_extend", "why_not_write_kv", "write_kv"]

@@ -161,3 +161,37 @@ def mla_decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, p
     rope_dim``), with ``overrides`` (fields of MLADecodeConfig)."""
     config = _lookup(MLA_DECODE_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size))
     return replace(config, **overrides) if overrides else config
+
+
+@dataclass(frozen=True)
+class MLAExtendConfig:
+    """MLA extend: tiles of ``block_m`` rows (query tokens x query heads, every head reading the one
+    latent head) and ``block_n`` latent rows; the ``[block_m, kv_lora_rank]`` float32 accumulator
+    and the query tile stay in registers across the loop."""
+
+    block_m: int = 32
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# (arch, dtype, kv_lora_rank + rope_dim rounded up to a power of two, page_size) -> config, matched
+# as DECODE_TABLE. Defaults chosen from sm_90 compiles of the 512 + 64 latent (tools/static_sm90.py:
+# K/V buffers, registers, shared memory, loop instructions), not timings.
+MLA_EXTEND_TABLE: list[tuple[tuple, MLAExtendConfig]] = [
+    # Pages a multiple of 32: two latent buffers (110 KB of shared memory), about 160 registers.
+    # 64-row tiles (wgmma's M) spill at 8 warps.
+    ((None, None, None, None), MLAExtendConfig()),
+    # Other pages are resolved per key: five stages keep two buffers; about 230 registers.
+    ((None, None, None, lambda page: page % 32 != 0), MLAExtendConfig(num_stages=5)),
+    # Exact fp32 products ("ieee") take four times the registers of a 16-bit tensor-core tile.
+    ((None, torch.float32, None, None), MLAExtendConfig(block_m=16, block_n=16)),
+]
+
+
+def mla_extend_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int,
+                      **overrides) -> MLAExtendConfig:
+    """The table's MLA extend config for these inputs (``head_dim``: ``kv_lora_rank +
+    rope_dim``), with ``overrides`` (fields of MLAExtendConfig)."""
+    config = _lookup(MLA_EXTEND_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size))
+    return replace(config, **overrides) if overrides else config

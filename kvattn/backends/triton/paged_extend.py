@@ -168,6 +168,44 @@ def store_report(part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyo
 
 
 @triton.jit
+def key_entries(bt_row, eff_row, tok, kv_lo, kv_hi, num_pages, PAGE: tl.constexpr,
+                CHECK: tl.constexpr, WINDOW: tl.constexpr, TILE_PAGE: tl.constexpr = False):
+    """``(page int64, slot, live)`` of keys ``tok`` [BLOCK_N]: live where below ``kv_hi`` (and,
+    WINDOW, at or after ``kv_lo``), in the pool and (checked) among the page's readable slots. One
+    table entry per key in both variants: the effective entry (checked) or the block-table entry
+    with its range guard (unchecked); TILE_PAGE (the tile lies inside one page: ``PAGE`` a
+    multiple of the tile, ``tok`` starting on a tile boundary) loads one entry for the tile, and
+    ``page`` is a scalar."""
+    logical = tok // PAGE
+    slot = tok % PAGE
+    live = tok < kv_hi
+    if WINDOW:
+        # Keys before every row's window are not loaded: masked by scores alone, whatever they
+        # hold would still reach the other rows as 0 * NaN.
+        live = live & (tok >= kv_lo)
+    if TILE_PAGE:
+        # The tile starts below kv_hi (the callers' loops), so its one entry is inside the table.
+        logical = tl.min(logical, axis=0)
+        if CHECK:
+            entry = tl.load(eff_row + logical)
+            page = entry >> SLOT_BITS
+            live = live & (slot < (entry & 0xFFFFFFFF).to(tl.int32))
+        else:
+            page = tl.load(bt_row + logical).to(tl.int64)
+            # A select: the interpreter refuses a vector mask combined with a scalar bool.
+            live = tl.where((page >= 0) & (page < num_pages), live, False)
+    else:
+        if CHECK:
+            entry = tl.load(eff_row + logical, mask=live, other=0)  # [BLOCK_N]
+            page = entry >> SLOT_BITS
+            live = live & (slot < (entry & 0xFFFFFFFF).to(tl.int32))
+        else:
+            page = tl.load(bt_row + logical, mask=live, other=0).to(tl.int64)  # [BLOCK_N]
+            live = live & (page >= 0) & (page < num_pages)
+    return page, slot, live
+
+
+@triton.jit
 def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, stride_kp,
                  stride_ks, stride_vp, stride_vs, offs_n, offs_d, offs_dv, mask_ptr, mask_row,
                  mask_numel, token_ok, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -182,20 +220,8 @@ def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, s
     table entry per key in both variants: the effective entry (checked) or the block-table entry.
     A key the custom mask removes from every row of the tile is not loaded."""
     tok = t0 + offs_n  # [BLOCK_N]
-    logical = tok // PAGE
-    slot = tok % PAGE
-    live = tok < kv_hi
-    if WINDOW:
-        # Keys before every row's window are not loaded: masked by scores alone, whatever they
-        # hold would still reach the other rows as 0 * NaN.
-        live = live & (tok >= kv_lo)
-    if CHECK:
-        entry = tl.load(eff_row + logical, mask=live, other=0)  # [BLOCK_N]
-        page = entry >> SLOT_BITS
-        live = live & (slot < (entry & 0xFFFFFFFF).to(tl.int32))
-    else:
-        page = tl.load(bt_row + logical, mask=live, other=0).to(tl.int64)  # [BLOCK_N]
-        live = live & (page >= 0) & (page < num_pages)
+    page, slot, live = key_entries(bt_row, eff_row, tok, kv_lo, kv_hi, num_pages, PAGE, CHECK,
+                                   WINDOW)
     allowed = live[None, :]
     if CUSTOM:
         idx = mask_row[:, None] + tok[None, :]  # [TOKENS, BLOCK_N] int64
@@ -424,6 +450,35 @@ def row_layout(args: ExtendArgs, block_m: int) -> tuple[int, int, int]:
     return heads, block_m // heads, -(-group // heads)
 
 
+def resolve_pages(args, check: bool, out: torch.Tensor, window_left: int = -1):
+    """The checked launch's pre-pass (:func:`resolve_pages_kernel`) for extend-shaped ``args``
+    (ragged rows over a block table: :class:`kvattn.layout.ExtendArgs` or
+    :class:`~kvattn.layout.MLAExtendArgs`). Returns ``(report, effective table, partial counts,
+    page blocks, report pointers)``; unchecked, nothing is launched and the pointers the kernel
+    never reads are ``out`` and the block table."""
+    page_blocks = triton.cdiv(args.max_pages, RESOLVE_PAGES)
+    if not check:
+        return None, args.block_table, args.block_table, page_blocks, dict.fromkeys(REPORT_PTRS, out)
+    device = args.q.device
+    report = OwnershipReport.allocate(args.batch, args.max_pages, device)
+    counts = (report.violations, report.reasons, report.pages_checked, report.beyond_table)
+    effective = torch.empty(args.batch, args.max_pages, dtype=torch.int64, device=device)
+    part_report = torch.empty(args.batch * page_blocks * REPORT_FIELDS, dtype=torch.int32,
+                              device=device)
+    resolve_pages_kernel[(args.batch, page_blocks)](
+        block_table_ptr=args.block_table, seq_lens_ptr=args.seq_lens,
+        cu_seqlens_ptr=args.cu_seqlens_q, tags_ptr=args.page_tags, expected_ptr=args.expected,
+        effective_ptr=effective, part_report_ptr=part_report,
+        page_reasons_ptr=report.page_reasons, total_q=args.total_q, num_pages=args.num_pages,
+        max_pages=args.max_pages, stride_bt=args.block_table.stride(0),
+        stride_eb=args.expected.stride(0), stride_ep=args.expected.stride(1),
+        window_left=window_left,
+        PAGE=args.page_size, BLOCK_P=RESOLVE_PAGES, BLOCK_B=128, WINDOW=window_left >= 0,
+        num_warps=4,
+    )
+    return report, effective, part_report, page_blocks, dict(zip(REPORT_PTRS, counts))
+
+
 def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
            block_m: int | None = None, block_n: int | None = None,
            config: ExtendConfig | None = None) -> OwnershipReport | None:
@@ -441,28 +496,8 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     # slots cover the tiles; each program finds its own in cu_seqlens_q (spare slots do nothing).
     slots = triton.cdiv(args.total_q, tokens) + args.batch
     sw = args.variant
-    report = None
-    effective = part_report = args.block_table  # unused when unchecked
-    page_blocks = triton.cdiv(args.max_pages, RESOLVE_PAGES)
-    report_ptrs = dict.fromkeys(REPORT_PTRS, out)
-    if check:
-        report = OwnershipReport.allocate(args.batch, args.max_pages, q.device)
-        counts = (report.violations, report.reasons, report.pages_checked, report.beyond_table)
-        report_ptrs = dict(zip(REPORT_PTRS, counts))
-        effective = torch.empty(args.batch, args.max_pages, dtype=torch.int64, device=q.device)
-        part_report = torch.empty(args.batch * page_blocks * REPORT_FIELDS, dtype=torch.int32,
-                                  device=q.device)
-        resolve_pages_kernel[(args.batch, page_blocks)](
-            block_table_ptr=args.block_table, seq_lens_ptr=args.seq_lens,
-            cu_seqlens_ptr=args.cu_seqlens_q, tags_ptr=args.page_tags, expected_ptr=args.expected,
-            effective_ptr=effective, part_report_ptr=part_report,
-            page_reasons_ptr=report.page_reasons, total_q=args.total_q, num_pages=args.num_pages,
-            max_pages=args.max_pages, stride_bt=args.block_table.stride(0),
-            stride_eb=args.expected.stride(0), stride_ep=args.expected.stride(1),
-            window_left=sw.window_left,
-            PAGE=args.page_size, BLOCK_P=RESOLVE_PAGES, BLOCK_B=128, WINDOW=sw.windowed,
-            num_warps=4,
-        )
+    report, effective, part_report, page_blocks, report_ptrs = resolve_pages(
+        args, check, out, sw.window_left)
     # Switch tensors that are off get `out` as a never-read pointer.
     alibi, sinks, k_scale, v_scale, mask_start = (
         t if t is not None else out
