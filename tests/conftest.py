@@ -30,8 +30,9 @@ settings.load_profile("kvattn")
 LANES = {
     "contract": ("test_reference", "test_scenarios", "test_variant_scenarios", "test_report_written",
                  "test_traces", "test_exactness"),
-    "readers": ("test_decode", "test_extend", "test_mla", "test_shapes", "test_variants",
-                "test_custom_mask", "test_torch_reader", "test_cuda_graphs", "test_ops"),
+    "readers": ("test_decode", "test_extend", "test_mla", "test_mla_extend", "test_shapes",
+                "test_variants", "test_custom_mask", "test_torch_reader", "test_cuda_graphs",
+                "test_ops"),
     "writers": ("test_writers", "test_writers_layers", "test_fp8_writer", "test_triton_writer",
                 "test_writer_registry", "test_cache", "test_transfer"),
     "backends": ("test_cuda", "test_cuda_extend", "test_cuda_fp8", "test_instantiations", "test_sanitize",

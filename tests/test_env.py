@@ -23,7 +23,7 @@ def test_info_says_which_backend_accepts_which_op_and_why_the_others_refuse():
     json.dumps(data)  # plain data
     assert data["versions"]["torch"] and data["versions"]["python"] and data["versions"]["kvattn"]
     cpu = data["backends"]["cpu"]
-    assert set(cpu) == {"decode", "extend", "write_kv", "mla_decode"}
+    assert set(cpu) == {"decode", "extend", "write_kv", "mla_decode", "mla_extend"}
     for op, entry in cpu.items():
         assert set(entry["reasons"]) == set(backends.names()), op
         assert entry["reasons"]["cuda"], "CPU tensors never run on the cuda backend"
@@ -39,6 +39,8 @@ def test_info_says_which_backend_accepts_which_op_and_why_the_others_refuse():
     assert cpu["decode"]["order"].index("torch") < cpu["decode"]["order"].index("reference")
     assert cpu["mla_decode"]["auto"] == ("triton" if interpreted() else "reference")
     assert cpu["mla_decode"]["reasons"]["torch"] == "no mla_decode kernel"
+    assert cpu["mla_extend"]["auto"] == ("triton" if interpreted() else "reference")
+    assert cpu["mla_extend"]["reasons"]["cuda"] and cpu["mla_extend"]["reasons"]["reference"] is None
     if not interpreted():
         assert "TRITON_INTERPRET=1" in cpu["decode"]["reasons"]["triton"]
 

@@ -1,7 +1,9 @@
 """MLA paged decode (:func:`kvattn.paged_mla_decode`): the Triton kernel against the reference, both
 against MLA attention written from its definition here, token by token; the peers' geometry (a
 512 + 64 latent, pages of 64 tokens); splits; the ownership scenarios of docs/ownership.md section
-6 on the latent cache; validation errors; the registry and the custom op.
+6 on the latent cache, also through the MLA extend kernel with one query row per sequence (the
+decode it equals; :mod:`test_mla_extend` holds the extend's own properties); validation errors; the
+registry and the custom op.
 
 Pools come from :class:`MLABatch`: pages drawn from a random permutation of an oversized pool, NaN
 in every slot a reader must not use, so a wrong address or mask shows as NaN or a large error.
@@ -23,6 +25,9 @@ from util import DEVICE, LSE_TOLERANCE, assert_reports_equal, raises, tolerance
 
 SENTINEL = 100.0
 BACKENDS = ["reference", "triton"]
+# The scenarios also run through the MLA extend kernel, one query row per sequence (MLABatch.decode).
+EXTEND = "extend:"
+SCENARIO_BACKENDS = BACKENDS + [EXTEND + "triton"]
 
 
 @dataclasses.dataclass
@@ -70,6 +75,14 @@ class MLABatch:
                 self.expected)
 
     def decode(self, backend, **kwargs):
+        """The decode on ``backend``; ``"extend:NAME"`` runs it as the MLA extend it equals (one
+        query row per sequence) on backend NAME, so the scenarios hold the extend kernel too."""
+        if backend.startswith(EXTEND):
+            kwargs.pop("num_splits", None)
+            cu = torch.arange(self.q.shape[0] + 1, dtype=torch.int32, device=DEVICE)
+            return kvattn.paged_mla_extend(self.q, self.kv_cache, cu, *self.inputs()[2:],
+                                           kv_lora_rank=self.kv_lora_rank,
+                                           backend=backend[len(EXTEND):], **kwargs)
         return kvattn.paged_mla_decode(*self.inputs(), kv_lora_rank=self.kv_lora_rank,
                                        backend=backend, **kwargs)
 
@@ -78,39 +91,51 @@ class MLABatch:
                                                  compute_dtype=torch.float64, **kwargs)
 
 
+def readable_latent(batch: MLABatch, b: int, check: bool = True) -> list:
+    """``[(t, row)]``: the latent rows of sequence ``b`` a reader may use, from the definition:
+    token ``t`` lies in slot ``t % P`` of page ``block_table[b, t // P]`` and counts when that page
+    is in the pool and (checked) its tag is WRITTEN for the expected owner with the slot below its
+    valid_len."""
+    kv, table, lens, tags, expected = (t.cpu() for t in batch.inputs()[1:])
+    page = kv.shape[1]
+    rows = []
+    for t in range(int(lens[b])):
+        p = int(table[b, t // page])
+        if not 0 <= p < kv.shape[0]:
+            continue
+        owner = int(expected[b] if expected.dim() == 1 else expected[b, t // page])
+        tag = int(tags[p])
+        if check and (kvattn.tag_state(tag) != STATE_WRITTEN or kvattn.tag_owner(tag) != owner
+                      or t % page >= kvattn.tag_valid_len(tag)):
+            continue
+        rows.append((t, kv[p, t % page, 0].double()))
+    return rows
+
+
+def latent_attention(query: torch.Tensor, keys: list, lora: int, scale: float):
+    """``(out [lora], lse)`` of one head's query over latent rows, in float64: logits are the
+    query dotted with each whole row, scaled; the output the softmax-weighted sum of the rows'
+    first ``lora`` entries. ``(0, -inf)`` over no rows."""
+    if not keys:
+        return torch.zeros(lora, dtype=torch.float64), float("-inf")
+    logits = [scale * float(query.double() @ k) for k in keys]
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    total = sum(weights)
+    return sum(w * k[:lora] for w, k in zip(weights, keys)) / total, top + math.log(total)
+
+
 def mla_formula(batch: MLABatch, *, scale=None, check=True):
-    """MLA decode from its definition, in float64, one token at a time: token ``t`` of sequence
-    ``b`` lies in slot ``t % P`` of page ``block_table[b, t // P]`` and counts when that page is in
-    the pool and (checked) its tag is WRITTEN for the expected owner with the slot below its
-    valid_len. Each head's logits are its query dotted with the token's whole latent row, scaled;
-    its output is the softmax-weighted sum of the rows' first ``kv_lora_rank`` entries."""
-    q, kv, table, lens, tags, expected = (t.cpu() for t in batch.inputs())
-    lora, page = batch.kv_lora_rank, kv.shape[1]
+    """MLA decode from its definition, in float64, one token at a time (:func:`readable_latent`,
+    :func:`latent_attention`)."""
+    q, lora = batch.q.cpu(), batch.kv_lora_rank
     scale = q.shape[2] ** -0.5 if scale is None else scale
     out = torch.zeros(q.shape[0], q.shape[1], lora, dtype=torch.float64)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
     for b in range(q.shape[0]):
-        rows = []
-        for t in range(int(lens[b])):
-            p = int(table[b, t // page])
-            if not 0 <= p < kv.shape[0]:
-                continue
-            owner = int(expected[b] if expected.dim() == 1 else expected[b, t // page])
-            tag = int(tags[p])
-            if check and (kvattn.tag_state(tag) != STATE_WRITTEN or kvattn.tag_owner(tag) != owner
-                          or t % page >= kvattn.tag_valid_len(tag)):
-                continue
-            rows.append(kv[p, t % page, 0].double())
-        if not rows:
-            continue
-        keys = torch.stack(rows)  # [N, lora + rope]
+        keys = [row for _, row in readable_latent(batch, b, check)]
         for h in range(q.shape[1]):
-            logits = [scale * float(q[b, h].double() @ k) for k in keys]
-            top = max(logits)
-            weights = [math.exp(x - top) for x in logits]
-            total = sum(weights)
-            out[b, h] = sum(w * k[:lora] for w, k in zip(weights, keys)) / total
-            lse[b, h] = top + math.log(total)
+            out[b, h], lse[b, h] = latent_attention(q[b, h], keys, lora, scale)
     return out, lse
 
 
@@ -279,7 +304,7 @@ def page(request):
     return request.param
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=SCENARIO_BACKENDS)
 def backend(request):
     return request.param
 
@@ -328,7 +353,7 @@ def test_incident_replay_checked_refuses_and_reports(backend, page):
     check_incident(*incident(page=page), backend)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SCENARIO_BACKENDS)
 def test_incident_replay_checked_at_512_plus_64_page_64(backend):
     check_incident(*incident(lora=512, rope=64, page=64, heads=16), backend)
 

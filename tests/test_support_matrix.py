@@ -2,7 +2,7 @@
 compared with :func:`kvattn.backends.explain` on a small probe input with that variant.
 
 "yes": the backend accepts the probe; "no": it refuses it with a reason naming the switch; "—": it
-has no launcher for the op. A backend refused for this machine (no GPU, an extension not built)
+has no launcher for the op (the MLA rows are ops, not switches: "—" or "yes"). A backend refused for this machine (no GPU, an extension not built)
 cannot answer for its kernels here: the CUDA backend's machine check is set aside (its kernel
 claims, :func:`kvattn.backends.cuda.launch.unsupported` and the writer switches, are the same code
 on any machine), and a backend that still refuses the plain probe is skipped, not trusted.
@@ -17,7 +17,8 @@ import torch
 
 import kvattn
 from kvattn import backends
-from kvattn.layout import validate_decode, validate_extend
+from kvattn.layout import (validate_decode, validate_extend, validate_mla_decode,
+                           validate_mla_extend)
 from kvattn.write_args import validate_write_kv
 
 TABLE = os.path.join(os.path.dirname(__file__), "..", "docs", "backends.md")
@@ -95,8 +96,30 @@ ROWS = {
         "fp8 toward_zero", lambda: [writer_args(E4M3, fp8_rounding="toward_zero"),
                                     writer_args(E5M2, fp8_rounding="toward_zero")]),
 }
+
+
+def latent_args():
+    """The probes of the MLA ops: a 48 + 16 latent pool, one page."""
+    kv = torch.zeros(2, PAGE, 1, DIM, dtype=torch.float16)
+    q = torch.zeros(1, HEADS, DIM, dtype=torch.float16)
+    index = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+             torch.zeros(2, dtype=torch.int64), torch.ones(1, dtype=torch.int64))
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    return {"mla_decode": validate_mla_decode(q, kv, *index, kv_lora_rank=48, validate=False),
+            "mla_extend": validate_mla_extend(q, kv, cu, *index, kv_lora_rank=48,
+                                              validate=False)}
+
+
+ROWS.update({
+    "MLA decode (`paged_mla_decode`, latent cache)": (
+        "mla_decode", lambda: [{"mla_decode": latent_args()["mla_decode"]}]),
+    "MLA extend (`paged_mla_extend`, several query rows per sequence)": (
+        "mla_extend", lambda: [{"mla_extend": latent_args()["mla_extend"]}]),
+})
 PLAIN = {"decode": lambda: reader_args()["decode"], "extend": lambda: reader_args()["extend"],
-         "write_kv": lambda: writer_args(torch.float16)["write_kv"]}
+         "write_kv": lambda: writer_args(torch.float16)["write_kv"],
+         "mla_decode": lambda: latent_args()["mla_decode"],
+         "mla_extend": lambda: latent_args()["mla_extend"]}
 
 
 @pytest.fixture
