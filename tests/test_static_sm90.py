@@ -171,11 +171,12 @@ def test_cuda_kernels_are_the_tables_rows(static):
     assert sorted((r["kernel"], r["check"]) for r in records) == sorted((row.kernel, bool(row.check)) for row in rows)
 
 
-def test_mla_decode_on_tensor_cores_with_cheap_check_at_page_64(static):
-    """The MLA kernel's products run on tensor cores (16-bit latents) and, at FlashMLA's page of 64
-    (one scalar tag test per tile), the check adds at most DECODE_RATIO_MAX to its main loop."""
-    found = {c: p for (k, c), p in pairs(static[0]["records"], "triton").items()
-             if k == "paged_mla_decode_kernel"}
+@pytest.mark.parametrize("kernel", ["paged_mla_decode_kernel", "paged_mla_extend_kernel"])
+def test_mla_on_tensor_cores_with_cheap_check_at_page_64(static, kernel):
+    """The MLA kernels' products run on tensor cores (16-bit latents) and, at FlashMLA's page of 64
+    (one scalar tag test or table entry per tile), the check adds at most DECODE_RATIO_MAX to the
+    main loop."""
+    found = {c: p for (k, c), p in pairs(static[0]["records"], "triton").items() if k == kernel}
     assert any(" p64 " in c for c in found) and any(" p1 " in c for c in found)
     for config, pair in found.items():
         for r in pair.values():

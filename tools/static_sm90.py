@@ -123,15 +123,17 @@ def loops(insns) -> list[tuple[int, int]]:
 
 def sass_figures(insns) -> dict:
     """Instruction counts of a function and of its main loop: among the loops with tensor-core
-    instructions if any has them, the one with the most global loads and async copies, the first
-    in the code on a tie (extend's loop over key tiles before the diagonal comes before the causal
-    one). A small loop of plain loads (the extend's report of a sequence) is never the main one."""
+    instructions if any has them, then among those with async copies, the one with the most
+    global loads and async copies, the first in the code on a tie (extend's loop over key tiles
+    before the diagonal comes before the causal one). A small loop of plain loads (the extend's
+    report of a sequence) is never the main one, also in fp32 kernels, which have no tensor-core
+    instructions."""
     figures = {"sass": len(insns), **{f"all_{k}": v for k, v in _counts(insns).items()}}
     best = None
     for lo, hi in sorted(loops(insns)):
         body = [i for i in insns if lo <= i[0] <= hi]
         c = _counts(body)
-        key = (c["mma"] > 0, c["ldg"] + c["ldgsts"])
+        key = (c["mma"] > 0, c["ldgsts"] > 0, c["ldg"] + c["ldgsts"])
         if best is None or key > best[0]:
             best = (key, body, c)
     if best is None:
@@ -271,7 +273,8 @@ TRITON_CONFIGS = [
     ("extend bf16 d128 p16 gqa4 custom_mask", "extend", torch.bfloat16, 128, 16, 32, 8, "mask"),
 ]
 
-# MLA decode (head_dim: the latent row, kv_lora_rank 512 + rope_dim 64; one latent head).
+# MLA decode and extend (head_dim: the latent row, kv_lora_rank 512 + rope_dim 64; one latent
+# head).
 MLA_LORA = 512
 TRITON_CONFIGS += [
     ("mla_decode bf16 512+64 p64 h16", "mla_decode", torch.bfloat16, 576, 64, 16, 1),
@@ -280,6 +283,10 @@ TRITON_CONFIGS += [
     ("mla_decode bf16 512+64 p16 h16", "mla_decode", torch.bfloat16, 576, 16, 16, 1),
     ("mla_decode bf16 512+64 p1 h16", "mla_decode", torch.bfloat16, 576, 1, 16, 1),
     ("mla_decode fp32 512+64 p64 h16", "mla_decode", torch.float32, 576, 64, 16, 1),
+    ("mla_extend bf16 512+64 p64 h16", "mla_extend", torch.bfloat16, 576, 64, 16, 1),
+    ("mla_extend bf16 512+64 p64 h128", "mla_extend", torch.bfloat16, 576, 64, 128, 1),
+    ("mla_extend bf16 512+64 p1 h16", "mla_extend", torch.bfloat16, 576, 1, 16, 1),
+    ("mla_extend fp32 512+64 p64 h16", "mla_extend", torch.float32, 576, 64, 16, 1),
 ]
 
 
@@ -311,6 +318,11 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads, variant=Non
     if op == "mla_decode":
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
         return kvattn.layout.validate_mla_decode(q, k, table, lens, tags, expected,
+                                                 kv_lora_rank=MLA_LORA, validate=False)
+    if op == "mla_extend":
+        q = torch.zeros(batch * 77, num_heads, head_dim, dtype=dtype)
+        cu = torch.arange(0, batch + 1, dtype=torch.int32) * 77
+        return kvattn.layout.validate_mla_extend(q, k, cu, table, lens, tags, expected,
                                                  kv_lora_rank=MLA_LORA, validate=False)
     if op == "decode":
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
