@@ -681,8 +681,10 @@ def spread_pct(values: list[float]) -> float:
 
 @dataclass(frozen=True)
 class MLAPoint:
-    """One MLA decode problem: ``batch`` sequences of ``context`` tokens, ``num_heads`` query heads
-    reading one latent row of ``kv_lora_rank + rope_dim`` dims per token."""
+    """One MLA problem: ``batch`` sequences of ``context`` tokens, ``num_heads`` query heads
+    reading one latent row of ``kv_lora_rank + rope_dim`` dims per token; ``q_len`` new query rows
+    per sequence, its last tokens (1: decode, :func:`kvattn.paged_mla_decode`; more: the causal
+    MLA extend, :func:`kvattn.paged_mla_extend`, as in speculative verify or chunked prefill)."""
 
     batch: int
     context: int
@@ -691,6 +693,7 @@ class MLAPoint:
     kv_lora_rank: int
     rope_dim: int
     dtype: str
+    q_len: int = 1
 
     @property
     def pages_per_seq(self) -> int:
@@ -709,19 +712,20 @@ class MLAPoint:
         return self.batch * self.pages_per_seq * self.page_size * self.head_dim * self.elt
 
     def label(self) -> str:
-        return (f"B{self.batch}_ctx{self.context}_p{self.page_size}_h{self.num_heads}_"
+        rows = f"_q{self.q_len}" if self.q_len > 1 else ""
+        return (f"B{self.batch}_ctx{self.context}{rows}_p{self.page_size}_h{self.num_heads}_"
                 f"mla{self.kv_lora_rank}+{self.rope_dim}_{self.dtype}")
 
 
 def mla_bytes_moved(p: MLAPoint, checked: bool) -> dict[str, int]:
-    """The fewest bytes an MLA decode call must move, by part: each latent row read once (the
-    kernel's re-reads of a row for further head blocks come from L2 and are not counted), Q
-    (``kv_lora_rank + rope_dim`` dims) read and O (``kv_lora_rank``) written once, and the index
-    and report bytes of :func:`bytes_moved`."""
+    """The fewest bytes an MLA call must move, by part: each latent row read once (the kernel's
+    re-reads of a row for further head blocks and query tiles come from L2 and are not counted),
+    each query row's Q (``kv_lora_rank + rope_dim`` dims) read and O (``kv_lora_rank``) written
+    once, and the index and report bytes of :func:`bytes_moved`."""
     pages = p.batch * p.pages_per_seq
     parts = {
         "kv": p.batch * p.context * p.head_dim * p.elt,
-        "qo": p.batch * p.num_heads * (p.head_dim + p.kv_lora_rank) * p.elt,
+        "qo": p.batch * p.q_len * p.num_heads * (p.head_dim + p.kv_lora_rank) * p.elt,
         "table": pages * 4 + p.batch * 4,
         "tags": (pages * 8 + p.batch * 8 + pages * 1 + 4 * p.batch * 4) if checked else 0,
     }
@@ -741,6 +745,7 @@ class MLAInputs:
     seq_lens: torch.Tensor
     expected: list[torch.Tensor]
     scale: float
+    cu_seqlens_q: torch.Tensor
 
     @property
     def sets(self) -> int:
@@ -749,27 +754,51 @@ class MLAInputs:
     def pool_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
-    def args(self, i: int) -> tuple:
-        return (self.q, self.kv_cache, self.tables[i], self.seq_lens, self.page_tags,
-                self.expected[i])
+    def validated(self, i: int = 0):
+        """Set ``i``'s call as the registry judges it (unvalidated values, as on a GPU)."""
+        p = self.point
+        if p.q_len == 1:
+            return kvattn.layout.validate_mla_decode(*self._args(i), kv_lora_rank=p.kv_lora_rank,
+                                                     scale=self.scale, validate=False)
+        return kvattn.layout.validate_mla_extend(*self._args(i), kv_lora_rank=p.kv_lora_rank,
+                                                 scale=self.scale, validate=False)
+
+    def call(self, i: int, rows: int | None = None, **kwargs):
+        """Set ``i``'s call (``kwargs``: backend, check, out, ...): the MLA decode, or the MLA
+        extend when the point has several query rows; ``rows``: the first sequences only."""
+        p = self.point
+        fn = kvattn.paged_mla_decode if p.q_len == 1 else kvattn.paged_mla_extend
+        return fn(*self._args(i, rows), kv_lora_rank=p.kv_lora_rank, scale=self.scale, **kwargs)
+
+    def _args(self, i: int, rows: int | None = None) -> tuple:
+        rows = self.point.batch if rows is None else rows
+        q, cu = self.q[:rows * self.point.q_len], self.cu_seqlens_q[:rows + 1]
+        index = (self.tables[i][:rows], self.seq_lens[:rows], self.page_tags,
+                 self.expected[i][:rows])
+        if self.point.q_len == 1:
+            return (q, self.kv_cache, *index)
+        return (q, self.kv_cache, cu, *index)
 
 
 def make_mla_inputs(p: MLAPoint, device: torch.device, sets: int, seed: int = 0) -> MLAInputs:
     """The decode pool of :func:`make_decode_inputs` (rotation sets, permuted pages, NaN in every
     slot no sequence reads, committed tags) with one latent pool ``[num_pages, page_size, 1,
-    kv_lora_rank + rope_dim]``; the scale is FlashMLA's default, ``head_dim ** -0.5``."""
+    kv_lora_rank + rope_dim]``, and ``q_len`` query rows per sequence; the scale is FlashMLA's
+    default, ``head_dim ** -0.5``."""
     decode_point = Point(p.batch, p.context, p.page_size, p.num_heads, 1, p.head_dim, p.dtype)
     d = make_decode_inputs(decode_point, device, sets, seed)
-    return MLAInputs(p, d.q, d.k_cache, d.page_tags, d.tables, d.seq_lens, d.expected, d.scale)
+    q = d.q
+    if p.q_len > 1:
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+        q = torch.randn(p.batch * p.q_len, p.num_heads, p.head_dim, generator=gen, device=device,
+                        dtype=DTYPES[p.dtype])
+    cu = torch.arange(p.batch + 1, dtype=torch.int32, device=device) * p.q_len
+    return MLAInputs(p, q, d.k_cache, d.page_tags, d.tables, d.seq_lens, d.expected, d.scale, cu)
 
 
 def mla_reference_output(inp: MLAInputs, i: int, rows: int) -> torch.Tensor:
-    """float32 reference for the first ``rows`` sequences of set ``i``."""
-    q, kv, table, lens, tags, expected = inp.args(i)
-    out, report = kvattn.reference.paged_mla_decode(q[:rows], kv, table[:rows], lens[:rows], tags,
-                                                    expected[:rows],
-                                                    kv_lora_rank=inp.point.kv_lora_rank,
-                                                    scale=inp.scale)
+    """float32 reference for the first ``rows`` sequences of set ``i`` (their query rows)."""
+    out, report = inp.call(i, rows, backend="reference")
     if int(report.violations.sum()) != 0:
         raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
                            f"({report.summary()})")

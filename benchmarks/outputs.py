@@ -280,7 +280,7 @@ def write_extend_outputs(run_dir: Path, meta: dict, rows: list[dict], log_lines:
                       (lambda: plot_extend_run(run_dir, meta, rows)) if plots else None)
 
 
-MLA_COLUMNS = ["provider", "mode", "status", "batch", "context", "page_size", "num_heads",
+MLA_COLUMNS = ["provider", "mode", "status", "batch", "context", "q_len", "page_size", "num_heads",
                "kv_lora_rank", "rope_dim", "dtype", "median_ms", "spread_pct", "repeats",
                "kv_bytes", "other_bytes", "total_bytes", "tbps", "pct_copy_bw",
                "ratio_vs_unchecked", "ratio_min", "ratio_max", "max_abs_err", "sets", "pool_bytes",
@@ -288,7 +288,8 @@ MLA_COLUMNS = ["provider", "mode", "status", "batch", "context", "page_size", "n
 
 
 def _mla_point(r: dict) -> str:
-    return (f"B={r['batch']} ctx={r['context']} page={r['page_size']} heads={r['num_heads']} "
+    rows = f" q_len={r['q_len']}" if r.get("q_len", 1) > 1 else ""
+    return (f"B={r['batch']} ctx={r['context']}{rows} page={r['page_size']} heads={r['num_heads']} "
             f"latent={r['kv_lora_rank']}+{r['rope_dim']} {r['dtype']}")
 
 
@@ -304,7 +305,7 @@ def evaluate_mla_targets(meta: dict, rows: list[dict]) -> list[str]:
 
 def mla_summary_markdown(meta: dict, rows: list[dict]) -> str:
     return _summary(meta, evaluate_mla_targets(meta, rows), [
-        ("MLA decode", rows,
+        ("MLA decode and extend", rows,
          ["point", "provider", "mode", "median {unit}", "spread %", "TB/s", "% copy",
           "checked/unchecked (range)", "max err"],
          lambda r, scale: [_mla_point(r), *_timing_cells(r, scale), f"{r['tbps']:.3g}",

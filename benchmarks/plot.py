@@ -89,7 +89,8 @@ def plot_extend_run(run_dir: Path, meta: dict, extend: list[dict]) -> list[Path]
 
 
 def _mla_key(r: dict) -> str:
-    return (f"{r['provider']} {r['mode']} B={r['batch']} p{r['page_size']} h{r['num_heads']} "
+    rows = f" q{r['q_len']}" if r.get("q_len", 1) > 1 else ""
+    return (f"{r['provider']} {r['mode']} B={r['batch']}{rows} p{r['page_size']} h{r['num_heads']} "
             f"mla{r['kv_lora_rank']}+{r['rope_dim']} {r['dtype']}")
 
 

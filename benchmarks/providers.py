@@ -313,19 +313,19 @@ def select(names: list[str] | None, op: str = "decode") -> list[Provider]:
     return [p for p in providers if p.name in names]
 
 
+def _mla_op(inp: MLAInputs) -> str:
+    return "mla_decode" if inp.point.q_len == 1 else "mla_extend"
+
+
 def _mla_kvattn(backend: str, check: bool) -> Provider:
     def why_not(inp: MLAInputs) -> str | None:
-        args = kvattn.layout.validate_mla_decode(*inp.args(0), kv_lora_rank=inp.point.kv_lora_rank,
-                                                 scale=inp.scale, validate=False)
-        return backends.explain(args, op="mla_decode")[backend]
+        return backends.explain(inp.validated(), op=_mla_op(inp))[backend]
 
     def build(inp: MLAInputs):
-        p = inp.point
-        out = inp.q.new_empty(p.batch, p.num_heads, p.kv_lora_rank)
+        out = inp.q.new_empty(*inp.q.shape[:2], inp.point.kv_lora_rank)
 
         def run(i: int):
-            return kvattn.paged_mla_decode(*inp.args(i), kv_lora_rank=p.kv_lora_rank,
-                                           scale=inp.scale, check=check, backend=backend, out=out)
+            return inp.call(i, check=check, backend=backend, out=out)
         return run, out
 
     variant = "checked" if check else "unchecked"
@@ -333,6 +333,8 @@ def _mla_kvattn(backend: str, check: bool) -> Provider:
 
 
 def _mla_sdpa_why_not(inp: MLAInputs) -> str | None:
+    if inp.point.q_len > 1:
+        return "decode points only (one query row per sequence)"
     return _gather_why_not(inp, 3 * inp.point.kv_set_bytes())
 
 
@@ -353,18 +355,16 @@ def _mla_sdpa_build(inp: MLAInputs):
 
 
 def _mla_reference_build(inp: MLAInputs):
-    p = inp.point
-    out = inp.q.new_empty(p.batch, p.num_heads, p.kv_lora_rank)
+    out = inp.q.new_empty(*inp.q.shape[:2], inp.point.kv_lora_rank)
 
     def run(i: int):
-        return kvattn.paged_mla_decode(*inp.args(i), kv_lora_rank=p.kv_lora_rank, scale=inp.scale,
-                                       backend="reference", out=out)
+        return inp.call(i, backend="reference", out=out)
     return run, out
 
 
 def mla_providers() -> list[Provider]:
-    """The MLA decode providers: kvattn's Triton kernel checked and unchecked, SDPA over gathered
-    latent rows, the reference (CPU)."""
+    """The MLA providers: kvattn's Triton kernel checked and unchecked (decode, or extend for points
+    with several query rows), SDPA over gathered latent rows (decode), the reference (CPU)."""
     return [
         _mla_kvattn("triton", True), _mla_kvattn("triton", False),
         Provider("torch-sdpa-gather", "torch-sdpa-gather", False, _mla_sdpa_why_not,

@@ -2,6 +2,7 @@
 provider before timing it, refuse a wrong one, and write their files labelled as not a GPU
 measurement."""
 import csv
+import dataclasses
 import importlib.util
 import json
 
@@ -133,6 +134,42 @@ def test_mla_run_point_times_checked_providers_and_pairs_the_ratio():
     assert unchecked["kv_bytes"] == 2 * 40 * 48 * 2 and unchecked["other_bytes"] == 2 * 4 * 80 * 2 + 6 * 4 + 2 * 4
     assert checked["total_bytes"] - unchecked["total_bytes"] == 8 * 6 + 8 * 2 + 6 + 16 * 2
     assert checked["ratio_min"] <= checked["ratio_vs_unchecked"] <= checked["ratio_max"]
+
+
+TINY_MLA_EXTEND = dataclasses.replace(TINY_MLA, q_len=3)
+
+
+@CPU_ONLY
+def test_mla_extend_point_runs_the_extend_and_skips_the_decode_only_peer():
+    """A point with 3 query rows per sequence times kvattn's MLA extend (checked against the
+    extend reference row by row) and refuses SDPA-over-gathered-rows, which is decode only."""
+    chosen = providers.select(["kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"],
+                              op="mla_decode")
+    rows = mla.run_point(TINY_MLA_EXTEND, chosen, _cpu(),
+                         TimingConfig(cpu_runs=1, repeats=1, graphs=False), copy_tbps=1.0, log=print)
+    status = {r["provider"]: r["status"] for r in rows}
+    assert status["kvattn-triton-checked"] == status["kvattn-triton-unchecked"] == "ok"
+    assert "decode points only" in status["torch-sdpa-gather"]
+    unchecked = next(r for r in rows if r["provider"] == "kvattn-triton-unchecked")
+    assert unchecked["other_bytes"] == 2 * 3 * 4 * 80 * 2 + 6 * 4 + 2 * 4  # q and o of every row
+
+
+@CPU_ONLY
+def test_mla_extend_point_refuses_rows_from_the_wrong_positions():
+    """The twin: decode's answer (every row reading the whole sequence) is not the extend's."""
+    def build(inp):
+        out = inp.q.new_empty(*inp.q.shape[:2], 32)
+
+        def run(i):
+            full, report = inp.call(i, causal=False, backend="reference")
+            out.copy_(full)
+            return out, report
+        return run, out
+
+    wrong = providers.Provider("wrong", "wrong", True, lambda inp: None, build)
+    rows = mla.run_point(TINY_MLA_EXTEND, [wrong], _cpu(),
+                         TimingConfig(cpu_runs=1, repeats=1, graphs=False), copy_tbps=1.0, log=print)
+    assert len(rows) == 1 and rows[0]["status"].startswith("failed: AssertionError")
 
 
 @CPU_ONLY
