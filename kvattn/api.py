@@ -71,7 +71,7 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  return_lse: bool = False, validate: bool | None = None, window_left: int = -1,
                  logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
                  alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None,
-                 custom_mask: torch.Tensor | None = None):
+                 custom_mask: torch.Tensor | None = None, window_right: int = -1):
     """Ownership-checked paged attention for a ragged batch of new query tokens (chunked prefill,
     prefill over a cached prefix).
 
@@ -124,6 +124,9 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         custom_mask: 1-D bool, FlashInfer's layout: per sequence a row-major ``[q_len_b,
             seq_lens[b]]`` block of which keys each query row may read (tree attention for
             speculative decoding), ANDed with every other mask; see :mod:`kvattn.variants`.
+        window_right: the window's right edge (FlashAttention's two-sided local attention, for
+            ``causal=False``): each row reads keys up to ``window_right`` after its position; -1
+            (default) is no edge. Pages checked are unchanged; see :mod:`kvattn.variants`.
 
     Returns:
         ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``; ``report`` is an
@@ -138,7 +141,7 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            expected, scale=scale, causal=causal, out=out, validate=validate,
                            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
                            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                           custom_mask=custom_mask)
+                           custom_mask=custom_mask, window_right=window_right)
     return _run("extend", args, backend, check, on_violation, out, return_lse)
 
 

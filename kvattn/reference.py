@@ -117,6 +117,8 @@ def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos
     key_pos = torch.arange(k.shape[1], device=q.device)
     if variant.windowed:
         allowed = allowed & (key_pos[None, :] >= q_pos[:, None] - variant.window_left)
+    if variant.right_windowed:
+        allowed = allowed & (key_pos[None, :] <= q_pos[:, None] + variant.window_right)
     # Disallowed slots may hold NaN (poisoned or foreign pages): zero them before any arithmetic.
     k = torch.where(allowed[..., None, None], k, 0).to(compute_dtype)
     v = torch.where(allowed[..., None, None], v, 0).to(compute_dtype)

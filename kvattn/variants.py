@@ -14,6 +14,14 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     key any query of the sequence reads is not counted in ``pages_checked`` and never refused; a page
     straddling the window edge is checked like any page read (its ``valid_len`` must cover the slots
     read, so its head may be stale).
+``window_right`` (int, default -1: off; :func:`kvattn.paged_extend` only)
+    The window's right edge (FlashAttention's two-sided local attention, ``window_size=(left,
+    right)``): the query reads keys ``j <= q_pos + window_right`` only. It matters without
+    causality (with it, ``j <= q_pos`` already holds: any ``window_right >= 0`` changes nothing,
+    and FlashAttention's causal local ``(left, 0)`` is ``window_left = left``); ``window_left`` may
+    stay -1 (one-sided on the right). It never changes which pages are checked: the new tokens are
+    the last ones, so the sequence's last row sits at ``seq_len - 1`` and reads through the last
+    key whatever the right edge. Keys after every row's right edge are not loaded.
 ``logits_soft_cap`` (float, default 0: off)
     ``s = cap * tanh(s / cap)`` before the softmax (Gemma 2, Grok), as FlashInfer and vLLM define it.
     A cap is 0 or in ``[2**-126, 2**126]`` (the normal float32 range, as for ``scale``).
@@ -50,8 +58,8 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     key past a row's causal position does). Entries past the tensor's end (a mask shorter than its
     blocks, possible only unvalidated: :func:`kvattn.layout.check_mask_length`) read as False.
 
-Order of operations on a score: scale, soft-cap, ALiBi, then the masks (custom mask, window,
-causality, length, ownership) set refused and masked scores to -inf.
+Order of operations on a score: scale, soft-cap, ALiBi, then the masks (custom mask, window on
+either side, causality, length, ownership) set refused and masked scores to -inf.
 
 Values (docs/ownership.md section 8). A float cap or scale outside its range always raises
 ``ValueError`` naming it. The values of the tensors (sinks, slopes, scale tensors) are checked as
@@ -116,10 +124,15 @@ class Variant:
     v_scale: torch.Tensor | None = None
     custom_mask: torch.Tensor | None = None
     mask_start: torch.Tensor | None = None
+    window_right: int = -1
 
     @property
     def windowed(self) -> bool:
         return self.window_left >= 0
+
+    @property
+    def right_windowed(self) -> bool:
+        return self.window_right >= 0
 
     @property
     def fp8(self) -> bool:
@@ -143,7 +156,8 @@ class Variant:
 
     def switches(self) -> list[str]:
         """Names of the switches that are on (for the backends' refusal reasons)."""
-        on = [("window_left", self.windowed), ("logits_soft_cap", self.logits_soft_cap > 0),
+        on = [("window_left", self.windowed), ("window_right", self.right_windowed),
+              ("logits_soft_cap", self.logits_soft_cap > 0),
               ("sinks", self.sinks is not None), ("alibi_slopes", self.alibi_slopes is not None),
               ("fp8 KV", self.fp8), ("custom_mask", self.custom_mask is not None)]
         return [name for name, active in on if active]
@@ -193,13 +207,15 @@ def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q")
 
 
 def check_variant(q: torch.Tensor, k_cache: torch.Tensor, *, window_left=-1, logits_soft_cap=0.0,
-                  sinks=None, alibi_slopes=None, k_scale=None, v_scale=None) -> Variant:
+                  sinks=None, alibi_slopes=None, k_scale=None, v_scale=None,
+                  window_right=-1) -> Variant:
     """Validate the switches of a decode or extend call against ``q`` ``[rows, num_heads, D]`` and
-    the pools; returns :data:`PLAIN` when none is on."""
-    if isinstance(window_left, bool) or not isinstance(window_left, int):
-        raise TypeError(f"window_left: expected an int, got {type(window_left).__name__}")
-    if window_left < -1 or window_left >= 2 ** 31 - 1:
-        _fail("window_left", "-1 (no window) or a key count in [0, 2**31 - 1)", window_left)
+    the pools (``window_right``: extend only); returns :data:`PLAIN` when none is on."""
+    for name, edge in (("window_left", window_left), ("window_right", window_right)):
+        if isinstance(edge, bool) or not isinstance(edge, int):
+            raise TypeError(f"{name}: expected an int, got {type(edge).__name__}")
+        if edge < -1 or edge >= 2 ** 31 - 1:
+            _fail(name, "-1 (no window) or a key count in [0, 2**31 - 1)", edge)
     if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
         raise TypeError(f"logits_soft_cap: expected a float, got {type(logits_soft_cap).__name__}")
     if logits_soft_cap != 0 and not MIN_SCALE <= logits_soft_cap <= MAX_SCALE:  # False for NaN
@@ -215,7 +231,8 @@ def check_variant(q: torch.Tensor, k_cache: torch.Tensor, *, window_left=-1, log
               f"a scale with {str(k_cache.dtype).replace('torch.', '')} pools")
     ks = _kv_scale("k_scale", k_scale, num_kv_heads, q.device) if fp8 else None
     vs = _kv_scale("v_scale", v_scale, num_kv_heads, q.device) if fp8 else None
-    variant = Variant(window_left, float(logits_soft_cap), sinks, alibi_slopes, ks, vs)
+    variant = Variant(window_left, float(logits_soft_cap), sinks, alibi_slopes, ks, vs,
+                      window_right=window_right)
     return PLAIN if not variant.switches() else variant
 
 

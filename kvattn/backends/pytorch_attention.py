@@ -104,10 +104,15 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
 
 
 def _window_mask(variant: Variant, q_pos, key_pos):
-    """``[S, T, N]`` True where a key lies inside the query's sliding window (None without one)."""
-    if not variant.windowed:
-        return None
-    return key_pos[:, None, :] >= q_pos[:, :, None] - variant.window_left
+    """``[S, T, N]`` True where a key lies inside the query's window, on either side (None
+    without one)."""
+    mask = None
+    if variant.windowed:
+        mask = key_pos[:, None, :] >= q_pos[:, :, None] - variant.window_left
+    if variant.right_windowed:
+        right = key_pos[:, None, :] <= q_pos[:, :, None] + variant.window_right
+        mask = right if mask is None else mask & right
+    return mask
 
 
 def _buckets(counts: list[int], rows: list[int]) -> list[list[int]]:
@@ -207,9 +212,12 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
             t1 = min(q_len, t0 + tile)
             first, last = seq_len - q_len + t0, seq_len - q_len + t1 - 1
             # Keys this tile can read: causal rows stop at their own position, windowed rows
-            # start at their window; the rest of the gathered keys stay untouched.
+            # start at their window and stop at its right edge; the rest of the gathered keys
+            # stay untouched.
             k0 = max(0, first - sw.window_left - lo[b] * page) if sw.windowed else 0
             k1 = min(key_pos.numel(), last + 1 - lo[b] * page) if a.causal else key_pos.numel()
+            if sw.right_windowed:
+                k1 = max(0, min(k1, last + sw.window_right + 1 - lo[b] * page))
             q = a.q[r0 + t0:r0 + t1].float() * a.scale  # [T, H, D]
             q = q.view(t1 - t0, a.num_kv_heads, g, a.head_dim).permute(1, 2, 0, 3)[:, None]
             if k1 <= k0:
