@@ -14,8 +14,8 @@ from .paged_mla_decode import MAX_KV_LORA_RANK, MAX_ROPE_DIM, mla_decode
 from .paged_mla_extend import mla_extend
 
 # The switches of kvattn.variants the kernels compile in.
-SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "fp8 KV",
-                      "custom_mask"})
+SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap", "sinks", "alibi_slopes",
+                      "fp8 KV", "custom_mask"})
 
 # The switches of kvattn.variants the stamping writer implements (fp8 pools, quantising on write
 # with either rounding).

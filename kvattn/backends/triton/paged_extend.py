@@ -240,12 +240,13 @@ def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, s
 
 @triton.jit
 def tile_scores(q, k, live, allowed, tok, q_pos, qk_scale, soft_cap, alibi2, window_left,
-                DIAGONAL: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                right_edge, DIAGONAL: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_FP32: tl.constexpr,
-                CUSTOM: tl.constexpr):
+                CUSTOM: tl.constexpr, RIGHT: tl.constexpr):
     """Base-2 logits [BLOCK_M, BLOCK_N] of one KV tile (keys ``tok``) for rows at ``q_pos``, -inf
     where a key may not be read (``live``), the custom mask removes it from the row (``allowed``,
-    CUSTOM), it lies after the row (DIAGONAL tiles) or before its window."""
+    CUSTOM), it lies after the row (DIAGONAL tiles), before its window or (RIGHT) after the
+    window's right edge, ``right_edge`` [BLOCK_M]."""
     distance = 0.0
     if ALIBI:
         distance = (tok[None, :] - q_pos[:, None]).to(tl.float32)  # [BLOCK_M, BLOCK_N]
@@ -260,6 +261,8 @@ def tile_scores(q, k, live, allowed, tok, q_pos, qk_scale, soft_cap, alibi2, win
         visible = visible & (tok[None, :] <= q_pos[:, None])
     if WINDOW:
         visible = visible & (tok[None, :] >= q_pos[:, None] - window_left)
+    if RIGHT:
+        visible = visible & (tok[None, :] <= right_edge[:, None])
     return tl.where(visible, s, float("-inf"))
 
 
@@ -268,7 +271,7 @@ def paged_extend_kernel(
     q_ptr, k_ptr, v_ptr, cu_seqlens_ptr, block_table_ptr, effective_ptr, seq_lens_ptr,
     out_ptr, lse_ptr, part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
     scale_log2, batch, total_q, num_pages, max_pages, num_chunks, page_blocks,
-    window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
+    window_left, window_right, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     mask_ptr, mask_start_ptr, mask_numel,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
@@ -277,7 +280,7 @@ def paged_extend_kernel(
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, D_SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
     CHECK: tl.constexpr, DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
-    CUSTOM: tl.constexpr,
+    CUSTOM: tl.constexpr, RIGHT: tl.constexpr,
 ):
     # Programs launch in grid order, axis 0 fastest; read that order slot-major, every column (KV
     # head, head chunk, output part) of a slot before the next slot, so that a causal sequence's
@@ -315,6 +318,11 @@ def paged_extend_kernel(
         kv_hi = tl.where((m0 < q_len) & (q_len <= raw_len), kv_hi, 0)
     else:
         kv_hi = tl.where(m0 < q_len, kv_hi, 0)  # more queries than keys: each reads them all
+    if RIGHT:
+        # Keys after every row's right edge are not loaded: the tile stops after its last row's
+        # (in 64 bits: the edge may lie past the int32 range).
+        last_edge = (first_pos + tl.minimum(m0 + TOKENS, q_len) - 1).to(tl.int64) + window_right
+        kv_hi = tl.maximum(tl.minimum(kv_hi.to(tl.int64), last_edge + 1), 0).to(tl.int32)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -327,6 +335,9 @@ def paged_extend_kernel(
     head = kv_head * GROUP + chunk * HEADS + offs_m % HEADS  # [BLOCK_M] query head of each row
     row_ok = (offs_m < TOKENS * HEADS) & (q_idx < q_len) & (chunk * HEADS + offs_m % HEADS < GROUP)
     q_pos = first_pos + q_idx
+    right_edge = q_pos  # unused unless RIGHT
+    if RIGHT:
+        right_edge = tl.minimum(q_pos.to(tl.int64) + window_right, 2 ** 31 - 1).to(tl.int32)
     rows = (row0 + q_idx).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -381,8 +392,8 @@ def paged_extend_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tile_scores(q, k, live, allowed, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2,
-                        window_left, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32,
-                        CUSTOM)  # [BLOCK_M, BLOCK_N]
+                        window_left, right_edge, False, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                        DOT_FP32, CUSTOM, RIGHT)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
     for t0 in range(diagonal, kv_hi, BLOCK_N):
         k, v, live, allowed = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi,
@@ -394,8 +405,8 @@ def paged_extend_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tile_scores(q, k, live, allowed, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2,
-                        window_left, CAUSAL, CAUSAL, WINDOW, SOFTCAP, ALIBI, DOT_FP32,
-                        CUSTOM)  # [BLOCK_M, BLOCK_N]
+                        window_left, right_edge, CAUSAL, CAUSAL, WINDOW, SOFTCAP, ALIBI,
+                        DOT_FP32, CUSTOM, RIGHT)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -512,7 +523,8 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         out_ptr=out, lse_ptr=lse if lse is not None else out, part_report_ptr=part_report,
         **report_ptrs, scale_log2=args.scale * LOG2E, batch=args.batch, total_q=args.total_q,
         num_pages=args.num_pages, max_pages=args.max_pages, num_chunks=chunks,
-        page_blocks=page_blocks, window_left=sw.window_left, soft_cap=sw.logits_soft_cap,
+        page_blocks=page_blocks, window_left=sw.window_left, window_right=sw.window_right,
+        soft_cap=sw.logits_soft_cap,
         alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale, v_scale_ptr=v_scale,
         mask_ptr=mask, mask_start_ptr=mask_start,
         mask_numel=sw.custom_mask.numel() if custom else 0,
@@ -525,7 +537,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, D_SPLIT=config.d_split, CAUSAL=args.causal,
         CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
         SOFTCAP=sw.logits_soft_cap > 0, ALIBI=sw.alibi_slopes is not None,
-        SINKS=sw.sinks is not None, FP8=sw.fp8, CUSTOM=custom,
+        SINKS=sw.sinks is not None, FP8=sw.fp8, CUSTOM=custom, RIGHT=sw.right_windowed,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return report
