@@ -93,6 +93,7 @@ void fill_attention(kvattn::AttentionParams& p, Args& args) {
   if (page_size < 1 || page_size > 65535) throw std::invalid_argument("page_size must be in [1, 65535]");
   p.page = kvattn::make_page_div(page_size);
   p.var.window_left = args.I32<int>("window_left");
+  p.var.window_right = args.I32<int>("window_right");
   p.var.soft_cap = args.F32<float>("soft_cap");
   p.var.alibi = args.PTR<const float*>("alibi");
   p.var.sinks = args.PTR<const float*>("sinks");

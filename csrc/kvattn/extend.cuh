@@ -122,6 +122,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   if (p.causal) kv_hi = min64(kv_hi, first_pos + min64(m0 + TOK, q_len));
   // Without causality a sequence may have more queries than keys: each row reads them all.
   if (m0 >= q_len || (p.causal && q_len > raw_len)) kv_hi = 0;
+  // Keys after every row's right window edge are not copied: the block stops after its last row's.
+  const bool right_edged = VARIANT && p.var.window_right >= 0;
+  if (right_edged) kv_hi = min64(kv_hi, max64(first_pos + min64(m0 + TOK, q_len) + p.var.window_right, 0));
   const int64_t n_tiles = (kv_hi + NK - 1) / NK;
   // Key tiles from here on may hold keys after the block's first query position: causal mask.
   const int64_t diagonal = p.causal ? max64(first_pos + m0 + 1, 0) / NK * NK : kv_hi;
@@ -250,6 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
         float x = s[n][c] * p.scale_log2;
         if (VARIANT) {
           if (windowed) visible = visible && t0 + key >= q_pos[c / 2] - p.var.window_left;
+          if (right_edged) visible = visible && t0 + key <= q_pos[c / 2] + p.var.window_right;
           const float distance = static_cast<float>(t0 + key - q_pos[c / 2]);
           x = variant_score(x, p.var, alibi2[c / 2], p.causal ? distance : -fabsf(distance));
         }

@@ -40,9 +40,10 @@ KVATTN_PARAMS_FN int64_t page_of(const PageDiv& d, int64_t n) {
 
 // The score switches of kvattn.variants (the kernels' VARIANT instantiations read them; the plain
 // ones compile them out): sliding window, logit soft-cap, ALiBi slopes, attention sinks, and the
-// extend's custom mask.
+// extend's custom mask and right window edge.
 struct ScoreVariant {
   int window_left;      // keys from position q_pos - window_left on; -1: no window
+  int window_right;     // extend only: keys up to position q_pos + window_right; -1: no edge
   float soft_cap;       // cap * tanh(x / cap) of the natural logit x; 0: off
   const float* alibi;   // [num_heads] slopes, or null
   const float* sinks;   // [num_heads] sink logits (natural), or null
@@ -132,7 +133,7 @@ struct ScoreVariant {
 
 // What decode and extend share. The binding also reads `page_size` (into `page`), `kv_dtype` (into
 // `kv_type`: 0 the query's dtype, 1 float8_e4m3fn, 2 float8_e5m2) and the score switches
-// `window_left`, `soft_cap`, `alibi`, `sinks` (into `var`).
+// `window_left`, `window_right`, `soft_cap`, `alibi`, `sinks` (into `var`).
 struct AttentionParams {
   KVATTN_ATTENTION_ARGS(KVATTN_DECLARE_ARG)
   ScoreVariant var;
@@ -159,8 +160,8 @@ struct ExtendParams : AttentionParams {
 
 // Whether a launch needs the VARIANT instantiation (any score switch on).
 inline bool has_variant(const ScoreVariant& v) {
-  return v.window_left >= 0 || v.soft_cap > 0.0f || v.alibi != nullptr || v.sinks != nullptr ||
-         v.custom_mask != nullptr;
+  return v.window_left >= 0 || v.window_right >= 0 || v.soft_cap > 0.0f || v.alibi != nullptr ||
+         v.sinks != nullptr || v.custom_mask != nullptr;
 }
 
 struct LaunchResult {

@@ -22,7 +22,8 @@ TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 512
 # The switches of kvattn.variants the kernels compile in: the score switches in both (the custom
 # mask exists for the extend only), fp8 pools in the decode only.
-SWITCHES = frozenset({"window_left", "logits_soft_cap", "sinks", "alibi_slopes", "custom_mask"})
+SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap", "sinks", "alibi_slopes",
+                      "custom_mask"})
 DECODE_SWITCHES = SWITCHES | {"fp8 KV"}
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers, 4 warps a
 # block) per padded head dim, from the registers and shared memory of every instantiation in
@@ -170,7 +171,8 @@ def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
         num_pages=args.num_pages, scale_log2=args.scale * LOG2E, batch=args.batch,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
         page_size=args.page_size, max_pages=args.max_pages,
-        window_left=args.variant.window_left, soft_cap=args.variant.logits_soft_cap,
+        window_left=args.variant.window_left, window_right=args.variant.window_right,
+        soft_cap=args.variant.logits_soft_cap,
         alibi=_ptr(args.variant.alibi_slopes), sinks=_ptr(args.variant.sinks),
         kv_dtype=FP8_CODES.get(k.dtype, 0), k_scale=_ptr(args.variant.k_scale),
         v_scale=_ptr(args.variant.v_scale),
