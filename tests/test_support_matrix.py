@@ -79,6 +79,8 @@ def only(op: str, pool_dtype) -> dict:
 # Row label -> (the switch a refusal must name, probes: one {op: args} per input the row covers).
 ROWS = {
     "sliding window (`window_left`)": ("window_left", lambda: [reader_args(window_left=3)]),
+    "two-sided window, extend (`window_right`)": ("window_right",
+                                                  lambda: [extend_args(window_right=3)]),
     "logit soft-cap (`logits_soft_cap`)": ("logits_soft_cap",
                                            lambda: [reader_args(logits_soft_cap=30.0)]),
     "attention sinks (`sinks`)": ("sinks", lambda: [reader_args(sinks=torch.zeros(HEADS))]),

@@ -1,7 +1,8 @@
-"""The attention variants of kvattn.variants (sliding window, logit soft-cap, attention sinks, ALiBi,
-fp8 KV) on every backend that claims them: against the reference and against :func:`dense`, the
-definitions written out here one query row at a time in float64, with NaN-filled foreign pages
-planted where a sequence reads them (and, for the window, where it does not).
+"""The attention variants of kvattn.variants (sliding window on one side or two, logit soft-cap,
+attention sinks, ALiBi, fp8 KV) on every backend that claims them: against the reference and
+against :func:`dense`, the definitions written out here one query row at a time in float64, with
+NaN-filled foreign pages planted where a sequence reads them (and, for the window, where it does
+not).
 
 Peer grids where they exist: windows 64/128/256 and soft-caps 30/50 (vLLM's and FlashInfer's
 tests), fp8 e4m3/e5m2 with per-tensor and per-head scales.
@@ -55,11 +56,12 @@ def tokens(pages: Batch, b: int, k_scale=None, v_scale=None):
 
 
 def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=None, sinks=None,
-          blocks=None):
+          blocks=None, window_right=-1):
     """Attention from the definitions, float64, one row and head at a time. ``seqs``: per sequence
     ``(k, v, ok)`` as from :func:`tokens`. Row ``j`` of sequence ``b`` sits at ``len(k) - q_len + j``.
     ``blocks``: per sequence a ``[q_len, len(k)]`` bool custom mask (row ``j`` reads key ``t`` only
-    where ``blocks[b][j, t]``)."""
+    where ``blocks[b][j, t]``); ``window_right``: row ``j`` reads keys ``t <= pos + window_right``
+    only (when >= 0)."""
     total_q, num_heads, head_dim = q.shape
     out = torch.zeros(total_q, num_heads, head_dim, dtype=torch.float64)
     lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float64)
@@ -71,6 +73,7 @@ def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=No
             pos = len(k) - q_len + j
             keys = [t for t in range(len(k)) if ok[t] and (not causal or t <= pos)
                     and (window_left < 0 or t >= pos - window_left)
+                    and (window_right < 0 or t <= pos + window_right)
                     and (blocks is None or bool(blocks[b][j, t]))]
             if not keys:
                 continue
@@ -327,6 +330,84 @@ def test_extend_window_far_into_a_long_sequence(causal):
         assert report.page_reasons[0].tolist()[3] == 0
         # Window of the first row: keys 180 .. 229, pages 22 .. 28.
         assert report.pages_checked.tolist() == [7, 1]
+
+
+# --- two-sided windows (window_right, extend) ---------------------------------------------------
+
+# (window_left, window_right): two-sided, right edge only, the row alone, FlashAttention's causal
+# local (left, 0), and an edge past every key.
+TWO_SIDED = [(5, 2), (-1, 3), (0, 0), (4, 0), (-1, 2 ** 31 - 2)]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("left,right", TWO_SIDED, ids=[f"l{l}-r{r}" for l, r in TWO_SIDED])
+def test_two_sided_window_matches_the_definition(left, right, causal):
+    """Rows read keys in ``[pos - left, pos + right]`` on every backend claiming the switch;
+    causal rows also stop at their own position (the edge changes nothing there). The pages
+    checked and reported are those without the edge: the last row reads through the last key."""
+    page = 4
+    ext = Extend.random([1, 7, 3, 2, 9], [page - 1, 0, 2 * page + 1, 3 * page, 2], num_heads=HEADS,
+                        num_kv_heads=KV_HEADS, head_dim=DIM, page_size=page, pool_factor=2, seed=9)
+    plant_foreign_page(ext.pages, 3, 2)
+    plant_foreign_page(ext.pages, 1, 0)  # under sequence 1's first rows
+    args = kvattn.layout.validate_extend(*ext.inputs(), causal=causal, window_left=left,
+                                         window_right=right)
+    names = claims(args, "extend")
+    assert set(names) == set(backends_under_test())
+    seqs = [tokens(ext.pages, b) for b in range(5)]
+    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM ** -0.5, causal=causal, window_left=left,
+                               window_right=right)
+    without = ext.reference(causal=causal, window_left=left)[2]
+    for backend in names:
+        out, lse, report = ext.run(backend, causal=causal, return_lse=True, window_left=left,
+                                   window_right=right)
+        assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
+        assert_reports_equal(report, without)
+    if causal:
+        plain, plain_lse, _ = ext.run("reference", causal=True, return_lse=True, window_left=left)
+        torch.testing.assert_close(ext.run("reference", causal=True, window_left=left,
+                                           window_right=right)[0], plain, atol=0, rtol=0)
+
+
+def test_the_right_edge_removes_keys():
+    """The twin: without causality an edge of 2 changes the rows that had later keys (all but the
+    last three of a 7-row chunk over no prefix) and leaves the last three as they were."""
+    ext = Extend.random([7], [0], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                        page_size=4, seed=9)
+    full = ext.run("reference", causal=False)[0]
+    edged = ext.run("reference", causal=False, window_right=2)[0]
+    moved = (edged - full).abs().flatten(1).amax(dim=1)
+    assert (moved[:4] > 1e-3).all() and (moved[4:] == 0).all()
+
+
+@pytest.mark.parametrize("left,right", [(6, 3), (-1, 5)])
+def test_triton_extend_small_tiles_stop_after_the_right_edge(left, right):
+    """16-row, 16-key tiles, non-causal rows: a query tile's key loop stops after its last row's
+    edge, the edge tile masked per element."""
+    if "triton" not in backends_under_test():
+        pytest.skip("triton cannot run here")
+    module = __import__("kvattn.backends.triton.paged_extend", fromlist=["extend"])
+    ext = Extend.random([40, 3], [20, 29], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                        page_size=4, pool_factor=2, seed=12)
+    plant_foreign_page(ext.pages, 0, 12)  # tokens 48-51: read by sequence 0's later rows
+    sw = dict(window_left=left, window_right=right)
+    args = kvattn.layout.validate_extend(*ext.inputs(), causal=False, **sw)
+    want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(2)],
+                               DIM ** -0.5, causal=False, **sw)
+    out = torch.empty_like(ext.q)
+    lse = torch.empty(ext.q.shape[:2], dtype=torch.float32, device=DEVICE)
+    report = module.extend(args, check=True, out=out, lse=lse, block_m=16, block_n=16)
+    assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
+    assert_reports_equal(report, ext.reference(causal=False, **sw)[2])
+    assert report.violations.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("bad,error", [(-2, ValueError), (2 ** 31 - 1, ValueError),
+                                       (True, TypeError), (1.0, TypeError)])
+def test_window_right_is_validated(bad, error):
+    ext = Extend.random([2], [3], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, page_size=4)
+    with pytest.raises(error, match="window_right"):
+        ext.run("reference", causal=False, window_right=bad)
 
 
 # --- sliding window: what is read and what is reported -------------------------------------------
