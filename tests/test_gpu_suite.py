@@ -108,7 +108,7 @@ def _leaves_at_most_8_files_and_packs_every_run(out, runs):
     summary = (out / "summary.md").read_text()
     assert "NOT a GPU measurement" in summary
     assert summary.count("<!-- ") == len(folders)  # each run's summary, appended as it ended
-    assert "## MLA decode (NOT a GPU measurement)" in summary and "# Tuning sweep" in summary
+    assert "## MLA decode and extend (NOT a GPU measurement)" in summary and "# Tuning sweep" in summary
     assert "# FlexAttention against kvattn" in summary
 
 

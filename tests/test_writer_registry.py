@@ -80,5 +80,5 @@ def test_kvattn_backend_forces_the_writer_only_where_that_backend_has_one(monkey
 
 def test_an_unknown_op_is_refused():
     args = validate_write_kv(*_write_inputs(), 5)
-    with pytest.raises(ValueError, match=r"op: expected one of \['decode', 'extend', 'write_kv', 'mla_decode'\], got 'prefill'"):
+    with pytest.raises(ValueError, match=r"op: expected one of \['decode', 'extend', 'write_kv', 'mla_decode', 'mla_extend'\], got 'prefill'"):
         backends.select(args, "auto", op="prefill")
