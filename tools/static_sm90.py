@@ -271,6 +271,8 @@ TRITON_CONFIGS = [
      32, 8, "scores"),
     ("extend bf16 d128 p16 gqa4 fp8-e4m3 KV", "extend", torch.bfloat16, 128, 16, 32, 8, "fp8"),
     ("extend bf16 d128 p16 gqa4 custom_mask", "extend", torch.bfloat16, 128, 16, 32, 8, "mask"),
+    ("extend bf16 d128 p16 gqa4 two-sided window", "extend", torch.bfloat16, 128, 16, 32, 8,
+     "two-sided"),
 ]
 
 # MLA decode and extend (head_dim: the latent row, kv_lora_rank 512 + rope_dim 64; one latent
@@ -291,13 +293,15 @@ TRITON_CONFIGS += [
 
 
 def _variant(name: str | None, num_heads: int) -> dict:
-    """The switches of a configuration: every score switch at once, fp8 pools with scales, or a
-    custom mask (added by :func:`_inputs`, which knows the lengths)."""
+    """The switches of a configuration: every score switch at once, fp8 pools with scales, a window
+    on both sides, or a custom mask (added by :func:`_inputs`, which knows the lengths)."""
     if name == "scores":
         return dict(window_left=4095, logits_soft_cap=30.0, sinks=torch.zeros(num_heads),
                     alibi_slopes=torch.ones(num_heads))
     if name == "fp8":
         return dict(k_scale=0.5, v_scale=0.5)
+    if name == "two-sided":
+        return dict(window_left=4095, window_right=4095)
     return {}
 
 
@@ -397,12 +401,13 @@ def cuda_config(row) -> str:
     (16B, or elementwise for pools whose rows are not 16-byte aligned: odd head dims, offset views;
     fp8 pools copy by 16 bytes only and name their format instead), and the score switches of
     kvattn.variants when compiled in (the merge kernel has only the window and the sinks, the
-    decode no custom mask)."""
+    decode neither the custom mask nor the window's right edge)."""
     fp8 = _CUDA_FP8.get(row.pool, "")
     copies = "" if fp8 or row.vec is None else ("16B" if row.vec else "elementwise")
     switches = ""
     if row.variant:
-        switches = {"extend": "window+softcap+sinks+alibi+mask", "decode": "window+softcap+sinks+alibi"}
+        switches = {"extend": "two-sided window+softcap+sinks+alibi+mask",
+                    "decode": "window+softcap+sinks+alibi"}
         switches = switches[row.op] if row.head_dim else "window+sinks"
     return " ".join(x for x in (row.op, row.dtype or "", f"d{row.head_dim}" if row.head_dim else "", copies,
                                 fp8, switches) if x)
