@@ -41,7 +41,7 @@ def preset_points(name: str) -> list[MLAPoint]:
     keeps the points that matter most."""
     if name == "cpu-tiny":
         return [MLAPoint(1, 40, 16, 4, 64, 16, "fp16"), MLAPoint(2, 100, 64, 16, 512, 64, "bf16"),
-                MLAPoint(2, 70, 64, 16, 512, 64, "bf16", q_len=3)]
+                MLAPoint(1, 40, 16, 4, 64, 16, "fp16", q_len=3)]
     if name == "gpu-suite":
         return (_grid([64], [4096]) + _grid([16], [8192, 32768]) + _grid([1], [8192])
                 + _grid([64], [4096], q_lens=(4,)) + _grid([4], [4096], q_lens=(512,))
