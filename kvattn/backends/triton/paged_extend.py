@@ -108,6 +108,36 @@ def locate_tile(cu_seqlens_ptr, slot_id, batch, total_q, TOKENS: tl.constexpr,
 
 
 @triton.jit
+def query_tile(cu_seqlens_ptr, seq_lens_ptr, slot_id, batch, total_q, max_pages,
+               TOKENS: tl.constexpr, PAGE: tl.constexpr, BLOCK_B: tl.constexpr,
+               CAUSAL: tl.constexpr):
+    """The query tile of grid slot ``slot_id`` and the keys it reads: ``(b, local tile, first row,
+    q_len, raw seq_len, first query position, first token of the tile, kv_hi)``. A causal
+    sequence's tiles are taken longest first (its last query tile, which reads the most keys,
+    from local tile 0). ``kv_hi``: one past the last key the tile reads; 0 for spare slots and,
+    when causal, for a sequence holding fewer tokens than it has queries (malformed: it fails
+    closed and reads nothing). Positions stay int32 (64-bit masks over a tile cost registers)."""
+    b32, local, tiles, row0, q_len = locate_tile(cu_seqlens_ptr, slot_id, batch, total_q, TOKENS,
+                                                 BLOCK_B)
+    b = b32.to(tl.int64)
+    tile = local
+    if CAUSAL:
+        tile = tl.where(local < tiles, tiles - 1 - local, local)
+    raw_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.minimum(tl.maximum(raw_len, 0), max_pages * PAGE)
+    first_pos = raw_len - q_len  # position of the sequence's first query token
+    m0 = tile * TOKENS
+    kv_hi = seq_len
+    if CAUSAL:
+        kv_hi = tl.minimum(kv_hi, first_pos + tl.minimum(m0 + TOKENS, q_len))
+    if CAUSAL:
+        kv_hi = tl.where((m0 < q_len) & (q_len <= raw_len), kv_hi, 0)
+    else:
+        kv_hi = tl.where(m0 < q_len, kv_hi, 0)  # more queries than keys: each reads them all
+    return b, local, row0, q_len, raw_len, first_pos, m0, kv_hi
+
+
+@triton.jit
 def resolve_pages_kernel(
     block_table_ptr, seq_lens_ptr, cu_seqlens_ptr, tags_ptr, expected_ptr, effective_ptr,
     part_report_ptr, page_reasons_ptr,
@@ -296,28 +326,9 @@ def paged_extend_kernel(
     kv_head = column // D_SPLIT // num_chunks
     chunk = column // D_SPLIT % num_chunks
 
-    b32, local, tiles, row0, q_len = locate_tile(cu_seqlens_ptr, slot_id, batch, total_q, TOKENS,
-                                                 BLOCK_B)
-    b = b32.to(tl.int64)
-    tile = local
-    if CAUSAL:
-        # Longest first: a causal tile reads the keys up to its last row.
-        tile = tl.where(local < tiles, tiles - 1 - local, local)
-
-    # Positions stay int32 (64-bit masks over a tile cost registers); addresses are int64.
-    raw_len = tl.load(seq_lens_ptr + b)
-    seq_len = tl.minimum(tl.maximum(raw_len, 0), max_pages * PAGE)
-    first_pos = raw_len - q_len  # position of the sequence's first query token
-    m0 = tile * TOKENS
-    # One past the last key this tile reads; 0 for spare slots and, when causal, for a sequence
-    # holding fewer tokens than it has queries (malformed: it fails closed and reads nothing).
-    kv_hi = seq_len
-    if CAUSAL:
-        kv_hi = tl.minimum(kv_hi, first_pos + tl.minimum(m0 + TOKENS, q_len))
-    if CAUSAL:
-        kv_hi = tl.where((m0 < q_len) & (q_len <= raw_len), kv_hi, 0)
-    else:
-        kv_hi = tl.where(m0 < q_len, kv_hi, 0)  # more queries than keys: each reads them all
+    b, local, row0, q_len, raw_len, first_pos, m0, kv_hi = query_tile(
+        cu_seqlens_ptr, seq_lens_ptr, slot_id, batch, total_q, max_pages, TOKENS, PAGE, BLOCK_B,
+        CAUSAL)
     if RIGHT:
         # Keys after every row's right edge are not loaded: the tile stops after its last row's
         # (in 64 bits: the edge may lie past the int32 range).

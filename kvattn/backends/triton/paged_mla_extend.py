@@ -14,8 +14,9 @@ rope^T``, then ``p @ latent``). Layout: :class:`kvattn.layout.MLAExtendArgs`; se
 Grid ``(query-tile slots, head chunks)``. A tile holds ``BLOCK_M`` rows: ``TOKENS`` query tokens
 times ``HEADS`` query heads (row ``r`` is token ``r // HEADS``, head ``r % HEADS``), every head
 reading the one latent head, so each latent tile serves all the tile's rows. Slots, their lookup
-in ``cu_seqlens_q`` (:func:`.paged_extend.locate_tile`), the longest-first order of a causal
-sequence's tiles and the stop after a tile's last query position are the extend kernel's.
+in ``cu_seqlens_q``, the longest-first order of a causal sequence's tiles and the keys a tile
+reads (to its last query position; none for a malformed sequence) are the extend kernel's
+(:func:`.paged_extend.query_tile`).
 
 Unlike the extend kernel, one loop over key tiles with the causal mask applied per element on
 every tile: split into the extend's two loops (unmasked tiles, then the diagonal), each loop got
@@ -34,7 +35,7 @@ from ...layout import MLAExtendArgs
 from ...report import OwnershipReport
 from .configs import MLAExtendConfig, mla_extend_config
 from .paged_decode import interpreted
-from .paged_extend import key_entries, locate_tile, resolve_pages, store_report
+from .paged_extend import key_entries, query_tile, resolve_pages, store_report
 from .softmax import online_softmax_step, qk_scores
 from .tag_rule import LOG2E, LOG2E_C
 
@@ -83,25 +84,9 @@ def paged_mla_extend_kernel(
     slot_id = (launched // columns).to(tl.int32)
     chunk = (launched % columns).to(tl.int32)
 
-    b32, local, tiles, row0, q_len = locate_tile(cu_seqlens_ptr, slot_id, batch, total_q, TOKENS,
-                                                 BLOCK_B)
-    b = b32.to(tl.int64)
-    tile = local
-    if CAUSAL:
-        tile = tl.where(local < tiles, tiles - 1 - local, local)  # longest first
-
-    raw_len = tl.load(seq_lens_ptr + b)
-    seq_len = tl.minimum(tl.maximum(raw_len, 0), max_pages * PAGE)
-    first_pos = raw_len - q_len  # position of the sequence's first query token
-    m0 = tile * TOKENS
-    # One past the last key this tile reads; 0 for spare slots and, causal, for a sequence holding
-    # fewer tokens than it has queries (it fails closed), as in paged_extend.
-    kv_hi = seq_len
-    if CAUSAL:
-        kv_hi = tl.minimum(kv_hi, first_pos + tl.minimum(m0 + TOKENS, q_len))
-        kv_hi = tl.where((m0 < q_len) & (q_len <= raw_len), kv_hi, 0)
-    else:
-        kv_hi = tl.where(m0 < q_len, kv_hi, 0)
+    b, local, row0, q_len, raw_len, first_pos, m0, kv_hi = query_tile(
+        cu_seqlens_ptr, seq_lens_ptr, slot_id, batch, total_q, max_pages, TOKENS, PAGE, BLOCK_B,
+        CAUSAL)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
