@@ -74,6 +74,16 @@ class MLABatch:
         return (self.q, self.kv_cache, self.block_table, self.seq_lens, self.page_tags,
                 self.expected)
 
+    def as_layer_view(self) -> None:
+        """The latent pool becomes a per-layer view of a larger buffer (rows two pools apart, NaN
+        between them) and ``expected`` is given per block-table entry."""
+        n, page, _, dim = self.kv_cache.shape
+        layers = torch.full((n, page, 2, dim), float("nan"), dtype=self.kv_cache.dtype,
+                            device=DEVICE)
+        layers[:, :, 1:2] = self.kv_cache
+        self.kv_cache = layers[:, :, 1:2]
+        self.expected = self.expected[:, None].expand(-1, self.block_table.shape[1]).contiguous()
+
     def decode(self, backend, **kwargs):
         """The decode on ``backend``; ``"extend:NAME"`` runs it as the MLA extend it equals (one
         query row per sequence) on backend NAME, so the scenarios hold the extend kernel too."""
@@ -231,11 +241,7 @@ def test_strided_pool_view_out_buffer_and_per_entry_expected():
     """The latent pool as a per-layer view of a larger buffer (rows two pools apart), the output
     into a caller's buffer, ``expected`` given per block-table entry."""
     batch = MLABatch.random(seq_lens=[6, 11], page_size=4, num_heads=3)
-    n, page, _, dim = batch.kv_cache.shape
-    layers = torch.full((n, page, 2, dim), float("nan"), dtype=batch.kv_cache.dtype, device=DEVICE)
-    layers[:, :, 1:2] = batch.kv_cache
-    batch.kv_cache = layers[:, :, 1:2]
-    batch.expected = batch.expected[:, None].expand(-1, batch.block_table.shape[1]).contiguous()
+    batch.as_layer_view()
     out_buf = torch.full((2, 3, 32), float("nan"), dtype=batch.q.dtype, device=DEVICE)
     for backend in BACKENDS:
         out, report = batch.decode(backend, out=out_buf)

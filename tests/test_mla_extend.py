@@ -207,12 +207,7 @@ def test_bf16_rows_follow_their_peaked_key():
 
 def test_strided_pool_view_out_buffer_and_per_entry_expected():
     batch = ExtendBatch.random(seq_lens=[6, 11], q_lens=[2, 5], page_size=4, num_heads=3)
-    pools = batch.pools
-    n, page, _, dim = pools.kv_cache.shape
-    layers = torch.full((n, page, 2, dim), float("nan"), dtype=pools.kv_cache.dtype, device=DEVICE)
-    layers[:, :, 1:2] = pools.kv_cache
-    pools.kv_cache = layers[:, :, 1:2]
-    pools.expected = pools.expected[:, None].expand(-1, pools.block_table.shape[1]).contiguous()
+    batch.pools.as_layer_view()
     out_buf = torch.full((7, 3, 32), float("nan"), dtype=batch.q.dtype, device=DEVICE)
     for backend in BACKENDS:
         out, report = batch.run(backend, out=out_buf)

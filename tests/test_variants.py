@@ -223,24 +223,30 @@ def test_decode_variants_across_splits(case, num_splits):
     assert ref.violations.tolist() == [1, 0, 0, 0]
 
 
+def small_tile_extend(ext: Extend, causal: bool, **switches):
+    """``(out, lse, report)`` of the Triton extend launcher with 16-row, 16-key tiles."""
+    if "triton" not in backends_under_test():
+        pytest.skip("triton cannot run here")
+    module = __import__("kvattn.backends.triton.paged_extend", fromlist=["extend"])
+    args = kvattn.layout.validate_extend(*ext.inputs(), causal=causal, **switches)
+    out = torch.empty_like(ext.q)
+    lse = torch.empty(ext.q.shape[:2], dtype=torch.float32, device=DEVICE)
+    report = module.extend(args, check=True, out=out, lse=lse, block_m=16, block_n=16)
+    return out, lse, report
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("case", ["window", "all"])
 def test_triton_extend_small_tiles_skip_tiles_before_the_window(case, causal):
     """16-row, 16-key tiles over 60-token sequences: whole key tiles before a query tile's window
     are skipped and the edge tiles masked per element."""
-    if "triton" not in backends_under_test():
-        pytest.skip("triton cannot run here")
-    module = __import__("kvattn.backends.triton.paged_extend", fromlist=["extend"])
     ours, theirs = CASES[case]
     ext = Extend.random([20, 3], [40, 29], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
                         page_size=4, pool_factor=2, seed=11)
     plant_foreign_page(ext.pages, 1, 7)  # tokens 28-31: in the window of sequence 1's rows
-    args = kvattn.layout.validate_extend(*ext.inputs(), causal=causal, **ours)
     want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(2)],
                                DIM ** -0.5, causal=causal, **theirs)
-    out = torch.empty_like(ext.q)
-    lse = torch.empty(ext.q.shape[:2], dtype=torch.float32, device=DEVICE)
-    report = module.extend(args, check=True, out=out, lse=lse, block_m=16, block_n=16)
+    out, lse, report = small_tile_extend(ext, causal, **ours)
     assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
     assert_reports_equal(report, ext.reference(causal=causal, **ours)[2])
     assert report.violations.tolist() == [0, 1]
@@ -384,19 +390,13 @@ def test_the_right_edge_removes_keys():
 def test_triton_extend_small_tiles_stop_after_the_right_edge(left, right):
     """16-row, 16-key tiles, non-causal rows: a query tile's key loop stops after its last row's
     edge, the edge tile masked per element."""
-    if "triton" not in backends_under_test():
-        pytest.skip("triton cannot run here")
-    module = __import__("kvattn.backends.triton.paged_extend", fromlist=["extend"])
     ext = Extend.random([40, 3], [20, 29], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
                         page_size=4, pool_factor=2, seed=12)
     plant_foreign_page(ext.pages, 0, 12)  # tokens 48-51: read by sequence 0's later rows
     sw = dict(window_left=left, window_right=right)
-    args = kvattn.layout.validate_extend(*ext.inputs(), causal=False, **sw)
     want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(2)],
                                DIM ** -0.5, causal=False, **sw)
-    out = torch.empty_like(ext.q)
-    lse = torch.empty(ext.q.shape[:2], dtype=torch.float32, device=DEVICE)
-    report = module.extend(args, check=True, out=out, lse=lse, block_m=16, block_n=16)
+    out, lse, report = small_tile_extend(ext, False, **sw)
     assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
     assert_reports_equal(report, ext.reference(causal=False, **sw)[2])
     assert report.violations.tolist() == [1, 0]
