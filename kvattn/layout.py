@@ -285,8 +285,8 @@ def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expec
     :mod:`kvattn.variants` (``variant``: its keyword arguments); raise ValueError/TypeError naming
     the argument, what was expected and what was got. Returns the inputs in canonical form."""
     _check_query_and_pools(q, k_cache, v_cache)
-    switches = check_variant(q, k_cache, **variant)
     batch = q.shape[0]
+    switches = check_variant(q, k_cache, batch, **variant)
     if batch < 1:
         _fail("q", "a batch of at least one sequence", f"shape {tuple(q.shape)}")
     inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
@@ -367,8 +367,8 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     ``custom_mask``: :mod:`kvattn.variants`, extend only.
     """
     _check_query_and_pools(q, k_cache, v_cache)
-    switches = check_variant(q, k_cache, **variant)
     batch = _check_ragged_rows(cu_seqlens_q, block_table, q.device)
+    switches = check_variant(q, k_cache, batch, **variant)
     max_pages = block_table.shape[1]
     inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
                   block_table=block_table, seq_lens=seq_lens, page_tags=page_tags,

@@ -94,12 +94,13 @@ def readable_slots(a, check: bool, first_key=None):
 
 def gather_pages(a, pool, scale):
     """``[B, max_pages * page_size, Hkv, D]``: a pool read through the block table (entries outside
-    the pool read page 0; the caller masks them), dequantised by ``scale`` ``[Hkv]`` when fp8."""
+    the pool read page 0; the caller masks them), dequantised by ``scale`` ``[Hkv]`` or ``[B,
+    Hkv]`` when fp8."""
     pages = a.block_table.long().clamp(0, a.num_pages - 1)
     x = pool[pages].flatten(1, 2)
     if scale is None:
         return x
-    return x.float() * scale[:, None]
+    return x.float() * scale.view(-1, 1, scale.shape[-1], 1)
 
 
 def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos=None,
@@ -107,7 +108,8 @@ def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos
     """Softmax attention of ``q`` ``[B, H, D]`` over ``k``/``v`` ``[B, N, Hkv, D]`` where ``allowed``
     ``[B, N]``; GQA by head groups. ``q_pos`` ``[B]``: each query's position (key ``n`` sits at
     position ``n``), needed by the window and ALiBi of ``variant`` (:mod:`kvattn.variants`), which
-    ``causal`` selects the ALiBi form of. Returns ``out`` ``[B, H, D]`` and ``lse`` ``[B, H]`` (over
+    ``causal`` selects the ALiBi form of (its per-sequence values, if any, one row per query row).
+    Returns ``out`` ``[B, H, D]`` and ``lse`` ``[B, H]`` (over
     the keys: sinks join only the output's denominator) in ``compute_dtype``; a row with nothing
     allowed, and a head with an invalid switch value (:meth:`kvattn.variants.Variant.heads_read`),
     gets output 0 and lse -inf."""
@@ -131,8 +133,9 @@ def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos
         distance = (key_pos[None, :] - q_pos[:, None]).to(compute_dtype)  # [B, N]
         if not causal:
             distance = -distance.abs()
-        slopes = variant.alibi_slopes.to(compute_dtype).view(num_kv_heads, group)
-        logits = logits + slopes[None, :, :, None] * distance[:, None, None, :]
+        # [1 or B, Hkv, G]: per-sequence slopes, when given so, are per query row here.
+        slopes = variant.alibi_slopes.to(compute_dtype).view(-1, num_kv_heads, group)
+        logits = logits + slopes[..., None] * distance[:, None, None, :]
     logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G], -inf where nothing is allowed
     probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0)[..., None])
@@ -145,7 +148,7 @@ def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos
         out = out * share[..., None]
     reads = variant.heads_read(num_heads)
     if reads is not None:
-        reads = reads.view(1, num_kv_heads, group)
+        reads = reads.view(-1, num_kv_heads, group)
         out = torch.where(reads[..., None], out, 0)
         lse = torch.where(reads, lse, float("-inf"))
     return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
@@ -232,7 +235,8 @@ def extend_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
         n = rows_allowed.shape[1]
         out[lo:hi], lse[lo:hi] = attend(a.q[lo:hi], k[b].expand(hi - lo, n, -1, -1),
                                         v[b].expand(hi - lo, n, -1, -1), rows_allowed, a.scale,
-                                        compute_dtype, q_pos=q_pos, causal=a.causal, variant=sw)
+                                        compute_dtype, q_pos=q_pos, causal=a.causal,
+                                        variant=sw.of_sequences(torch.tensor([b], device=q.device)))
     return (out, lse, report) if return_lse else (out, report)
 
 

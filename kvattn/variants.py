@@ -31,16 +31,22 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     covers the keys only, so results over key ranges still merge as without sinks, and a row with
     nothing readable still gives output 0 and lse -inf. A sink of -inf is no sink for its head;
     NaN and +inf are invalid.
-``alibi_slopes`` (``[num_heads]`` float32 tensor, default None)
+``alibi_slopes`` (float32 tensor ``[num_heads]`` or ``[batch, num_heads]``, default None)
     ``s += slope * (j - q_pos)`` for causal attention and decode (vLLM's paged attention), and
-    ``s -= slope * |j - q_pos|`` without causality (FlashAttention's ALiBi). A slope is finite with
-    ``|slope| <= 2**32`` (:data:`ALIBI_SLOPE_MAX`).
-``k_scale``, ``v_scale`` (float or float32 tensor ``[]``, ``[1]`` or ``[num_kv_heads]``; default 1)
+    ``s -= slope * |j - q_pos|`` without causality (FlashAttention's ALiBi). One slope per query
+    head, or, ``[batch, num_heads]`` (FlashAttention's per-sequence slopes), one per sequence and
+    head: sequence ``b`` uses row ``b``. A slope is finite with ``|slope| <= 2**32``
+    (:data:`ALIBI_SLOPE_MAX`).
+``k_scale``, ``v_scale`` (float, or float32 tensor ``[]``, ``[1]``, ``[num_kv_heads]`` or
+``[batch, num_kv_heads]``; default 1)
     Only with fp8 pools (``float8_e4m3fn`` or ``float8_e5m2`` ``k_cache``/``v_cache``, while ``q``
     stays float16/bfloat16/float32 and sets the output dtype): a key element is
     ``k_cache[...] * k_scale[kv_head]`` in float32, likewise V (vLLM's and FlashInfer's per-tensor
-    or per-head scales). :func:`kvattn.write_kv` divides by the same scales when it quantises. The
-    tags are unchanged. A scale lies in ``[2**-126, 2**126]``.
+    or per-head scales). ``[batch, num_kv_heads]`` is FlashAttention 3's per-sequence
+    ``k_descale``/``v_descale``: sequence ``b`` reads its keys with ``k_scale[b, kv_head]``. The
+    readers only: :func:`kvattn.write_kv` divides by a per-tensor or per-head scale when it
+    quantises (a pool's page holds one scale whichever sequence reads it). The tags are unchanged.
+    A scale lies in ``[2**-126, 2**126]``.
 
 ``custom_mask`` (1-D bool tensor, default None; :func:`kvattn.paged_extend` only)
     FlashInfer's ``custom_mask``: per sequence ``b`` a row-major ``[q_len_b, seq_lens[b]]`` block,
@@ -73,7 +79,7 @@ values are not an ownership matter). The kernels state the same rule next to a p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -112,7 +118,9 @@ def slope_ok(x):
 @dataclass(frozen=True, eq=False)
 class Variant:
     """The validated switches of one call (see the module docstring). ``k_scale``/``v_scale`` are
-    ``[num_kv_heads]`` float32 tensors on the query's device when the pools are fp8, else None.
+    ``[num_kv_heads]`` float32 tensors on the query's device when the pools are fp8, else None, or
+    both ``[batch, num_kv_heads]`` when either was given per sequence; ``alibi_slopes``
+    ``[num_heads]`` or ``[batch, num_heads]``.
     ``mask_start`` ``[B]`` int64: where each sequence's block of ``custom_mask`` starts (set with
     it, by :func:`kvattn.layout.with_custom_mask`)."""
 
@@ -138,10 +146,29 @@ class Variant:
     def fp8(self) -> bool:
         return self.k_scale is not None
 
+    @property
+    def alibi_stride(self) -> int:
+        """Elements between two sequences' slopes: 0 when every sequence shares one set."""
+        return _seq_stride(self.alibi_slopes)
+
+    @property
+    def scale_stride(self) -> int:
+        """Elements between two sequences' KV scales: 0 when every sequence shares them."""
+        return _seq_stride(self.k_scale)
+
+    def of_sequences(self, seqs: torch.Tensor) -> Variant:
+        """The switches of sequences ``seqs`` (``[S]`` int64 indices) as a call over just those:
+        per-sequence slopes and scales keep their rows ``seqs``, the rest is shared."""
+        pick = {name: getattr(self, name).index_select(0, seqs)
+                for name in ("alibi_slopes", "k_scale", "v_scale")
+                if getattr(self, name) is not None and getattr(self, name).dim() == 2}
+        return replace(self, **pick) if pick else self
+
     def heads_read(self, num_heads: int) -> torch.Tensor | None:
-        """``[num_heads]`` bool: False for a query head that reads nothing because its sink or
-        slope, or a scale of its KV head, is invalid (the module docstring's rule for unvalidated
-        values); None when no switch carries per-head values."""
+        """``[num_heads]`` bool, or ``[batch, num_heads]`` when a switch is per sequence: False
+        for a query head that reads nothing because its sink or slope, or a scale of its KV head,
+        is invalid (the module docstring's rule for unvalidated values); None when no switch
+        carries per-head values."""
         ok = None
         if self.sinks is not None:
             ok = sink_ok(self.sinks)
@@ -150,7 +177,7 @@ class Variant:
             ok = slopes if ok is None else ok & slopes
         if self.fp8:
             kv = scale_ok(self.k_scale) & scale_ok(self.v_scale)
-            kv = kv.repeat_interleave(num_heads // kv.numel())
+            kv = kv.repeat_interleave(num_heads // kv.shape[-1], dim=-1)
             ok = kv if ok is None else ok & kv
         return ok
 
@@ -166,26 +193,39 @@ class Variant:
 PLAIN = Variant()
 
 
+def _seq_stride(t: torch.Tensor | None) -> int:
+    return t.shape[1] if t is not None and t.dim() == 2 else 0
+
+
 def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def _per_head(name: str, t, num_heads: int, device) -> torch.Tensor | None:
+def _per_head(name: str, t, num_heads: int, device, batch: int | None = None
+              ) -> torch.Tensor | None:
+    """A ``[num_heads]`` float32 tensor on ``device``, or with ``batch`` also ``[batch,
+    num_heads]`` (one row per sequence)."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     if t.dtype != torch.float32:
         raise TypeError(f"{name}: expected dtype float32, got {str(t.dtype).replace('torch.', '')}")
-    if tuple(t.shape) != (num_heads,):
-        _fail(name, f"shape ({num_heads},) (one value per query head)", f"{tuple(t.shape)}")
+    shapes = [(num_heads,)] + ([(batch, num_heads)] if batch is not None else [])
+    if tuple(t.shape) not in shapes:
+        what = (f"shape ({num_heads},) (one value per query head)" if batch is None else
+                f"shape ({num_heads},) or ({batch}, {num_heads}) (per query head, or per "
+                "sequence and query head)")
+        _fail(name, what, f"{tuple(t.shape)}")
     if t.device != device:
         _fail(name, f"a tensor on {device} (the device of q)", f"one on {t.device}")
     return t.contiguous()
 
 
-def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q") -> torch.Tensor:
-    """A per-tensor or per-head dequantisation scale as a ``[num_kv_heads]`` float32 tensor
+def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q",
+              batch: int | None = None) -> torch.Tensor:
+    """A per-tensor or per-head dequantisation scale as a ``[num_kv_heads]`` float32 tensor, or,
+    with ``batch`` (the readers), a per-sequence one ``[batch, num_kv_heads]`` as given
     (``device_of``: the argument whose device the scale must be on, for the message)."""
     if value is None:
         value = 1.0
@@ -201,16 +241,20 @@ def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q")
         _fail(name, f"a tensor on {device} (the device of {device_of})", f"one on {value.device}")
     if value.numel() == 1 and value.dim() <= 1:
         return value.reshape(1).expand(num_kv_heads).contiguous()
-    if tuple(value.shape) != (num_kv_heads,):
-        _fail(name, f"shape (), (1,) or ({num_kv_heads},)", f"{tuple(value.shape)}")
-    return value.contiguous()
+    if tuple(value.shape) == (num_kv_heads,) or (
+            batch is not None and tuple(value.shape) == (batch, num_kv_heads)):
+        return value.contiguous()
+    shapes = f"(), (1,) or ({num_kv_heads},)" if batch is None else (
+        f"(), (1,), ({num_kv_heads},) or ({batch}, {num_kv_heads})")
+    _fail(name, f"shape {shapes}", f"{tuple(value.shape)}")
 
 
-def check_variant(q: torch.Tensor, k_cache: torch.Tensor, *, window_left=-1, logits_soft_cap=0.0,
-                  sinks=None, alibi_slopes=None, k_scale=None, v_scale=None,
+def check_variant(q: torch.Tensor, k_cache: torch.Tensor, batch: int, *, window_left=-1,
+                  logits_soft_cap=0.0, sinks=None, alibi_slopes=None, k_scale=None, v_scale=None,
                   window_right=-1) -> Variant:
-    """Validate the switches of a decode or extend call against ``q`` ``[rows, num_heads, D]`` and
-    the pools (``window_right``: extend only); returns :data:`PLAIN` when none is on."""
+    """Validate the switches of a decode or extend call of ``batch`` sequences against ``q``
+    ``[rows, num_heads, D]`` and the pools (``window_right``: extend only); returns
+    :data:`PLAIN` when none is on."""
     for name, edge in (("window_left", window_left), ("window_right", window_right)):
         if isinstance(edge, bool) or not isinstance(edge, int):
             raise TypeError(f"{name}: expected an int, got {type(edge).__name__}")
@@ -223,22 +267,25 @@ def check_variant(q: torch.Tensor, k_cache: torch.Tensor, *, window_left=-1, log
               repr(logits_soft_cap))
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     sinks = _per_head("sinks", sinks, num_heads, q.device)
-    alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads, q.device)
+    alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads, q.device, batch)
     fp8 = k_cache.dtype in FP8_DTYPES
     if not fp8 and (k_scale is not None or v_scale is not None):
         _fail("k_scale" if k_scale is not None else "v_scale",
               "None with float16/bfloat16/float32 pools (scales dequantise fp8 pools)",
               f"a scale with {str(k_cache.dtype).replace('torch.', '')} pools")
-    ks = _kv_scale("k_scale", k_scale, num_kv_heads, q.device) if fp8 else None
-    vs = _kv_scale("v_scale", v_scale, num_kv_heads, q.device) if fp8 else None
+    ks = _kv_scale("k_scale", k_scale, num_kv_heads, q.device, batch=batch) if fp8 else None
+    vs = _kv_scale("v_scale", v_scale, num_kv_heads, q.device, batch=batch) if fp8 else None
+    if fp8 and ks.dim() != vs.dim():
+        # The kernels read both with one stride per sequence.
+        ks, vs = (s.expand(batch, num_kv_heads).contiguous() for s in (ks, vs))
     variant = Variant(window_left, float(logits_soft_cap), sinks, alibi_slopes, ks, vs,
                       window_right=window_right)
     return PLAIN if not variant.switches() else variant
 
 
 def check_scale_values(name: str, scale: torch.Tensor) -> None:
-    """Every element of a ``[num_kv_heads]`` scale tensor valid (:func:`scale_ok`); host-side:
-    synchronises on a device tensor."""
+    """Every element of a ``[num_kv_heads]`` (or ``[batch, num_kv_heads]``) scale tensor valid
+    (:func:`scale_ok`); host-side: synchronises on a device tensor."""
     _check_each(name, scale, scale_ok, "positive finite scales in [2**-126, 2**126]", "KV head")
 
 
@@ -257,7 +304,8 @@ def check_values(variant: Variant) -> None:
 
 def _check_each(name: str, t: torch.Tensor, ok, expected: str, unit: str) -> None:
     values = t.detach().cpu()
-    bad = torch.nonzero(~ok(values)).flatten()
+    bad = torch.nonzero(~ok(values))
     if bad.numel():
-        i = int(bad[0])
-        _fail(name, expected, f"{float(values[i])!r} for {unit} {i}")
+        at = tuple(int(i) for i in bad[0])
+        where = f"{unit} {at[-1]}" if len(at) == 1 else f"sequence {at[0]}, {unit} {at[1]}"
+        _fail(name, expected, f"{float(values[at])!r} for {where}")

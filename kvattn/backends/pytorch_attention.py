@@ -43,7 +43,7 @@ def _gather(a, pool: torch.Tensor, scale, pages: torch.Tensor, allowed: torch.Te
     x = pool.index_select(0, pages.flatten())  # a copy, whole pages at a time
     x = x.view(pages.shape[0], -1, a.num_kv_heads, a.head_dim).float()
     if scale is not None:
-        x = x * scale.view(1, 1, -1, 1)
+        x = x * scale.view(-1, 1, a.num_kv_heads, 1)  # [Hkv], or [S, Hkv] per sequence
     # Usually only the tail of the last page is masked: zero those slots, not the whole copy.
     seq, slot = torch.nonzero(~allowed, as_tuple=True)
     if seq.numel():
@@ -66,7 +66,8 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
     are positions in the sequence. The score transforms are those of
     :func:`kvattn.reference.attend`, in its order. Returns ``out`` ``[Hkv, S, G, T, D]`` and ``lse``
     ``[Hkv, S, G, T]``; a row with nothing in ``mask``, and a head that reads nothing
-    (:meth:`kvattn.variants.Variant.heads_read`), gets output 0 and lse -inf."""
+    (:meth:`kvattn.variants.Variant.heads_read`), gets output 0 and lse -inf. ``variant``'s
+    per-sequence values, if any, are those of the ``S`` sequences."""
     hkv, s, g, t, d = q.shape
     n = k.shape[1]
     logits = q.new_empty(hkv, s, g * t, n)
@@ -79,7 +80,7 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
         distance = (key_pos[:, None, :] - q_pos[:, :, None]).float()  # [S, T, N]
         if not causal:
             distance = -distance.abs()
-        slopes = variant.alibi_slopes.float().view(hkv, 1, g, 1, 1)
+        slopes = _by_kv_head(variant.alibi_slopes.float(), hkv, g)[..., None, None]
         logits = logits + slopes * distance[None, :, None]
     logits = logits.masked_fill(~mask[None, :, None], float("-inf"))
     top = logits.amax(dim=-1, keepdim=True)
@@ -97,10 +98,15 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
         out = out * share[..., None]
     reads = variant.heads_read(hkv * g)
     if reads is not None:
-        reads = reads.view(hkv, 1, g, 1)
+        reads = _by_kv_head(reads, hkv, g)[..., None]
         out = torch.where(reads[..., None], out, 0)
         lse = torch.where(reads, lse, float("-inf"))
     return out, lse
+
+
+def _by_kv_head(x: torch.Tensor, hkv: int, g: int) -> torch.Tensor:
+    """``[Hkv, 1 or S, G]``: per-head values ``[H]`` or per-sequence ones ``[S, H]``."""
+    return x.view(-1, hkv, g).transpose(0, 1)
 
 
 def _window_mask(variant: Variant, q_pos, key_pos):
@@ -167,11 +173,12 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
             # ones, so whatever they hold never enters a product.
             ok &= window[:, 0]
         mask = ok[:, None, :]
-        k = _gather(a, a.k_cache, sw.k_scale, pages, ok)
-        v = _gather(a, a.v_cache, sw.v_scale, pages, ok)
+        variant = sw.of_sequences(rows)
+        k = _gather(a, a.k_cache, variant.k_scale, pages, ok)
+        v = _gather(a, a.v_cache, variant.v_scale, pages, ok)
         q = a.q.index_select(0, rows).float() * a.scale
         q = q.view(len(group), a.num_kv_heads, g, 1, a.head_dim).transpose(0, 1)
-        o, l = _attend(q, k, v, mask, q_pos, key_pos, sw, causal=True)
+        o, l = _attend(q, k, v, mask, q_pos, key_pos, variant, causal=True)
         o = o.transpose(0, 1).reshape(len(group), a.num_heads, a.head_dim)
         out.index_copy_(0, rows, o.to(out.dtype))
         if lse is not None:
@@ -205,8 +212,9 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
         pages = a.block_table[b].long().index_select(0, logical).clamp(0, a.num_pages - 1)[None]
         key_pos = torch.arange(lo[b] * page, hi[b] * page, device=device)
         ok = allowed[b, lo[b] * page:hi[b] * page][None]  # [1, N]
-        k = _gather(a, a.k_cache, sw.k_scale, pages, ok)  # [1, N, Hkv, D]
-        v = _gather(a, a.v_cache, sw.v_scale, pages, ok)
+        variant = sw.of_sequences(torch.tensor([b], device=device))
+        k = _gather(a, a.k_cache, variant.k_scale, pages, ok)  # [1, N, Hkv, D]
+        v = _gather(a, a.v_cache, variant.v_scale, pages, ok)
         tile = max(1, min(q_len, TILE_ELEMENTS // (a.num_heads * key_pos.numel())))
         for t0 in range(0, q_len, tile):
             t1 = min(q_len, t0 + tile)
@@ -242,7 +250,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
                 # of the products (as the kernels never load a key no row of theirs reads).
                 unread = ~mask.any(dim=1)[..., None, None]  # [1, N, 1, 1]
                 kt, vt = kt.masked_fill(unread, 0), vt.masked_fill(unread, 0)
-            o, l = _attend(q, kt, vt, mask, q_pos, kp, sw, a.causal)
+            o, l = _attend(q, kt, vt, mask, q_pos, kp, variant, a.causal)
             out[r0 + t0:r0 + t1] = o[:, 0].permute(2, 0, 1, 3).reshape(t1 - t0, a.num_heads,
                                                                         a.head_dim).to(out.dtype)
             if lse is not None:
