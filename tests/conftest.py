@@ -31,7 +31,7 @@ LANES = {
     "contract": ("test_reference", "test_scenarios", "test_variant_scenarios", "test_report_written",
                  "test_traces", "test_exactness"),
     "readers": ("test_decode", "test_extend", "test_mla", "test_mla_extend", "test_shapes",
-                "test_variants", "test_custom_mask", "test_torch_reader", "test_cuda_graphs",
+                "test_variants", "test_per_sequence", "test_custom_mask", "test_torch_reader", "test_cuda_graphs",
                 "test_ops"),
     "writers": ("test_writers", "test_writers_layers", "test_fp8_writer", "test_triton_writer",
                 "test_writer_registry", "test_cache", "test_transfer"),

@@ -71,9 +71,11 @@ def writer_args(pool_dtype, **rounding):
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def only(op: str, pool_dtype) -> dict:
-    """The probe of one reader op on fp8 pools (the CUDA kernels differ between decode and extend)."""
-    return {op: reader_args(pool_dtype, k_scale=0.5)[op]}
+def only(op: str, pool_dtype, per_sequence: bool = False) -> dict:
+    """The probe of one reader op on fp8 pools (the CUDA kernels differ between decode and
+    extend), scaled per tensor or per sequence (the probes hold one)."""
+    scale = torch.full((1, KV_HEADS), 0.5) if per_sequence else 0.5
+    return {op: reader_args(pool_dtype, k_scale=scale)[op]}
 
 
 # Row label -> (the switch a refusal must name, probes: one {op: args} per input the row covers).
@@ -86,12 +88,18 @@ ROWS = {
     "attention sinks (`sinks`)": ("sinks", lambda: [reader_args(sinks=torch.zeros(HEADS))]),
     "ALiBi (`alibi_slopes`)": ("alibi_slopes",
                                lambda: [reader_args(alibi_slopes=torch.ones(HEADS))]),
+    "per-sequence ALiBi (`alibi_slopes` `[batch, num_heads]`)": (
+        "alibi_slopes", lambda: [reader_args(alibi_slopes=torch.ones(1, HEADS))]),
     "custom mask / tree attention, extend (`custom_mask`)": ("custom_mask", lambda: [extend_args(
         custom_mask=torch.ones(1, dtype=torch.bool))]),
     "fp8 e4m3 pools, decode (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [only("decode", E4M3)]),
     "fp8 e5m2 pools, decode (`k_scale`, `v_scale`)": ("fp8 KV", lambda: [only("decode", E5M2)]),
+    "fp8 pools, per-sequence scales, decode (`k_scale` `[batch, num_kv_heads]`)": (
+        "fp8 KV", lambda: [only("decode", E4M3, per_sequence=True)]),
     "fp8 e4m3 pools, extend": ("fp8 KV", lambda: [only("extend", E4M3)]),
     "fp8 e5m2 pools, extend": ("fp8 KV", lambda: [only("extend", E5M2)]),
+    "fp8 pools, per-sequence scales, extend": (
+        "fp8 KV", lambda: [only("extend", E4M3, per_sequence=True)]),
     "fp8 write (`write_kv` into e4m3/e5m2 pools)": ("fp8 KV",
                                                     lambda: [writer_args(E4M3), writer_args(E5M2)]),
     "fp8 write rounded toward zero (`fp8_rounding=\"toward_zero\"`, vLLM CPU's rule)": (

@@ -18,6 +18,18 @@ from util import DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
 HEADS = 4
 
 
+def per_sequence_slopes(batch: int, kv_heads: int) -> dict:
+    g = torch.Generator().manual_seed(2)
+    return dict(alibi_slopes=(torch.rand(batch, HEADS, generator=g) - 0.25).to(DEVICE))
+
+
+def per_sequence_scales(batch: int, kv_heads: int) -> dict:
+    """Around the "fp8" switch's scales, so the sentinels keep dominating."""
+    g = torch.Generator().manual_seed(3)
+    k, v = (1 + 0.25 * torch.rand(2, batch, kv_heads, generator=g)).to(DEVICE)
+    return dict(k_scale=0.5 * k, v_scale=0.25 * v)
+
+
 def switches():
     g = torch.Generator().manual_seed(1)
     return {
@@ -26,6 +38,9 @@ def switches():
         "sinks": dict(sinks=(torch.rand(HEADS, generator=g) * 2).to(DEVICE)),
         "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEVICE)),
         "fp8": dict(k_scale=0.5, v_scale=0.25),
+        # Per sequence (kvattn.variants): one row per sequence of the scenario, each different.
+        "alibi-per-seq": per_sequence_slopes,
+        "fp8-per-seq": per_sequence_scales,
     }
 
 
@@ -87,9 +102,11 @@ def test_scenario_under_each_switch(scenario, switch):
     batch = SCENARIOS[scenario]()
     plain = kvattn.paged_decode(*inputs(batch), backend="reference")[1]
     assert plain.any(), "the scenario refuses something"
-    if switch == "fp8":
+    if switch.startswith("fp8"):
         batch = as_fp8(batch)
     kwargs = SWITCHES[switch]
+    if callable(kwargs):
+        kwargs = kwargs(batch.q.shape[0], batch.k_cache.shape[2])
     ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
         *inputs(batch), return_lse=True, compute_dtype=torch.float64, **kwargs)
     assert_reports_equal(ref_report, plain)

@@ -59,6 +59,7 @@ def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=No
           blocks=None, window_right=-1):
     """Attention from the definitions, float64, one row and head at a time. ``seqs``: per sequence
     ``(k, v, ok)`` as from :func:`tokens`. Row ``j`` of sequence ``b`` sits at ``len(k) - q_len + j``.
+    ``slopes``: ``[H]``, or ``[B, H]`` (sequence ``b`` uses row ``b``).
     ``blocks``: per sequence a ``[q_len, len(k)]`` bool custom mask (row ``j`` reads key ``t`` only
     where ``blocks[b][j, t]``); ``window_right``: row ``j`` reads keys ``t <= pos + window_right``
     only (when >= 0)."""
@@ -69,6 +70,7 @@ def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=No
     for b, (k, v, ok) in enumerate(seqs):
         group = num_heads // k.shape[1]
         q_len = starts[b + 1] - starts[b]
+        seq_slopes = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
         for j in range(q_len):
             pos = len(k) - q_len + j
             keys = [t for t in range(len(k)) if ok[t] and (not causal or t <= pos)
@@ -86,7 +88,7 @@ def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=No
                         s = cap * math.tanh(s / cap)
                     if slopes is not None:
                         d = t - pos
-                        s += float(slopes[h]) * (d if causal else -abs(d))
+                        s += float(seq_slopes[h]) * (d if causal else -abs(d))
                     scores.append(s)
                 m = max(scores)
                 weights = [math.exp(s - m) for s in scores]
