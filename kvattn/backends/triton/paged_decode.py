@@ -69,8 +69,8 @@ def paged_decode_kernel(
     out_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, part_report_ptr,
     violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
     scale_log2, num_pages, max_pages, num_splits, min_chunk,
-    window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, alibi_stride,
+    scale_stride, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_eb, stride_ep, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -125,6 +125,10 @@ def paged_decode_kernel(
         seq_owner = tl.load(exp_row)  # expected given per sequence: one load for every page
         k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
         v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+        # This sequence's slopes and scales (strides 0 when every sequence shares them).
+        alibi_ptr += b * alibi_stride
+        k_scale_ptr += b * scale_stride
+        v_scale_ptr += b * scale_stride
         qk_scale = scale_log2
         if FP8:
             # Per-head dequantisation: K's scale folds into the logits, V's into the output.
@@ -332,7 +336,8 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         scale_log2=args.scale * LOG2E, num_pages=args.num_pages, max_pages=args.max_pages,
         num_splits=splits, min_chunk=min_chunk, window_left=sw.window_left,
         soft_cap=sw.logits_soft_cap, alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale,
-        v_scale_ptr=v_scale, stride_qb=q.stride(0), stride_qh=q.stride(1),
+        v_scale_ptr=v_scale, alibi_stride=sw.alibi_stride, scale_stride=sw.scale_stride,
+        stride_qb=q.stride(0), stride_qh=q.stride(1),
         stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
         stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
         stride_bt=args.block_table.stride(0), stride_eb=args.expected.stride(0),

@@ -302,7 +302,7 @@ def paged_extend_kernel(
     out_ptr, lse_ptr, part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
     scale_log2, batch, total_q, num_pages, max_pages, num_chunks, page_blocks,
     window_left, window_right, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    mask_ptr, mask_start_ptr, mask_numel,
+    alibi_stride, scale_stride, mask_ptr, mask_start_ptr, mask_numel,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
@@ -367,6 +367,10 @@ def paged_extend_kernel(
     eff_row = effective_ptr + b * max_pages
     k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    # This sequence's slopes and scales (strides 0 when every sequence shares them).
+    alibi_ptr += b * alibi_stride
+    k_scale_ptr += b * scale_stride
+    v_scale_ptr += b * scale_stride
 
     qk_scale = scale_log2
     if FP8:
@@ -537,7 +541,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         page_blocks=page_blocks, window_left=sw.window_left, window_right=sw.window_right,
         soft_cap=sw.logits_soft_cap,
         alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale, v_scale_ptr=v_scale,
-        mask_ptr=mask, mask_start_ptr=mask_start,
+        alibi_stride=sw.alibi_stride, scale_stride=sw.scale_stride, mask_ptr=mask, mask_start_ptr=mask_start,
         mask_numel=sw.custom_mask.numel() if custom else 0,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kp=k_cache.stride(0),
         stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2), stride_vp=v_cache.stride(0),
