@@ -96,6 +96,7 @@ void fill_attention(kvattn::AttentionParams& p, Args& args) {
   p.var.window_right = args.I32<int>("window_right");
   p.var.soft_cap = args.F32<float>("soft_cap");
   p.var.alibi = args.PTR<const float*>("alibi");
+  p.var.alibi_stride = args.I64<int64_t>("alibi_stride");
   p.var.sinks = args.PTR<const float*>("sinks");
   const int kv_dtype = args.I32<int>("kv_dtype");
   if (kv_dtype < 0 || kv_dtype > 2)

@@ -724,7 +724,8 @@ class Recorder:
 
 # What the binding reads beyond the lists (csrc/module.cpp fill_attention): derived fields; and the
 # extend's custom mask (csrc/module.cpp extend).
-DERIVED = {"page_size", "kv_dtype", "window_left", "window_right", "soft_cap", "alibi", "sinks"}
+DERIVED = {"page_size", "kv_dtype", "window_left", "window_right", "soft_cap", "alibi", "alibi_stride",
+           "sinks"}
 EXTEND_DERIVED = {"custom_mask", "mask_start", "mask_numel"}
 
 

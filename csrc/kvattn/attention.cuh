@@ -270,17 +270,23 @@ constexpr float kScaleMin = 0x1p-126f, kScaleMax = 0x1p126f, kSlopeMax = 0x1p32f
 
 KVATTN_DEVICE bool scale_ok(float x) { return x >= kScaleMin && x <= kScaleMax; }  // false for NaN
 
-// Whether query head `head` (of KV head `kv_head`) reads anything: false when its sink is NaN or
-// +inf, its ALiBi slope is not within kSlopeMax, or (FP8) a scale of its KV head is out of range.
-// The rule is kvattn/variants.py's (Variant.heads_read): such a head gets output 0 and lse -inf.
-// Tested once per row after the key loop, from values the kernel reads anyway.
+// The ALiBi slopes of sequence b ([num_heads]); null without ALiBi.
+KVATTN_DEVICE const float* seq_slopes(const ScoreVariant& v, int64_t b) {
+  return v.alibi != nullptr ? v.alibi + b * v.alibi_stride : nullptr;
+}
+
+// Whether query head `head` (of KV head `kv_head`) of sequence b reads anything: false when its
+// sink is NaN or +inf, its ALiBi slope is not within kSlopeMax, or (FP8) a scale of its KV head
+// (`k_scale`, `v_scale`: the sequence's) is out of range. The rule is kvattn/variants.py's
+// (Variant.heads_read): such a head gets output 0 and lse -inf. Tested once per row after the
+// key loop, from values the kernel reads anyway.
 template <bool VARIANT, bool FP8>
-KVATTN_DEVICE bool head_reads(const ScoreVariant& v, const float* k_scale, const float* v_scale, int head,
-                              int kv_head) {
+KVATTN_DEVICE bool head_reads(const ScoreVariant& v, int64_t b, const float* k_scale, const float* v_scale,
+                              int head, int kv_head) {
   bool ok = true;
   if (VARIANT) {
     if (v.sinks != nullptr) ok = ok && v.sinks[head] < INFINITY;
-    if (v.alibi != nullptr) ok = ok && fabsf(v.alibi[head]) <= kSlopeMax;
+    if (v.alibi != nullptr) ok = ok && fabsf(seq_slopes(v, b)[head]) <= kSlopeMax;
   }
   if (FP8) ok = ok && scale_ok(k_scale[kv_head]) && scale_ok(v_scale[kv_head]);
   return ok;

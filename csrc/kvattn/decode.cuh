@@ -275,7 +275,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int mine = n_sub > warp ? (n_sub - warp + kWarps - 1) / kWarps : 0;
   const int64_t seq_owner = exp_row[0];
   const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh;
-  const float score_scale = kFp8 ? p.scale_log2 * p.k_scale[kv_head] : p.scale_log2;
+  // This sequence's fp8 scales, re-read from the parameters where used: a pointer held across
+  // the key loop costs registers (a block fewer per SM for some head dims).
+  const float score_scale = kFp8 ? p.scale_log2 * p.k_scale[b * p.scale_stride + kv_head] : p.scale_log2;
 
   // The resolve pipeline (fetch_entry -> fetch_verdict -> place_sub_tile), one step per iteration;
   // sub-tiles at or past the end resolve to an empty mask without loading anything.
@@ -288,9 +290,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   // ALiBi slopes (base 2) of this lane's rows g and g + 8.
   float alibi2[2] = {0.0f, 0.0f};
   if (VARIANT && p.var.alibi != nullptr) {
+    const float* slopes = seq_slopes(p.var, b);
     for (int r = 0; r < 2; ++r) {
       const int row = lane / 4 + 8 * r;
-      alibi2[r] = row < heads ? p.var.alibi[head0 + row] * (1.0f / kLn2) : 0.0f;
+      alibi2[r] = row < heads ? slopes[head0 + row] * (1.0f / kLn2) : 0.0f;
     }
   }
 #pragma unroll
@@ -330,7 +333,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   float* w_out = reinterpret_cast<float*>(stages);
   float* w_ml = w_out + kWarpRows * DV;
   const int g = lane / 4, t = lane % 4;
-  const float out_scale = kFp8 ? p.v_scale[kv_head] : 1.0f;
+  const float* k_scale = kFp8 ? p.k_scale + b * p.scale_stride : nullptr;
+  const float* v_scale = kFp8 ? p.v_scale + b * p.scale_stride : nullptr;
+  const float out_scale = kFp8 ? v_scale[kv_head] : 1.0f;
 #pragma unroll
   for (int j = 0; j < DV / 8; ++j)
 #pragma unroll
@@ -365,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     // Only an empty row (l == 0), or a head that reads nothing (head_reads), gets the 0 / -inf
     // convention; a NaN read from a page that passed the check propagates, as in the reference.
     // Blocks of a head split write their columns; the first writes the row's statistics.
-    const bool reads = head_reads<VARIANT, kFp8>(p.var, p.k_scale, p.v_scale, head0 + r, kv_head);
+    const bool reads = head_reads<VARIANT, kFp8>(p.var, b, k_scale, v_scale, head0 + r, kv_head);
     if (p.num_splits == 1) {
       const float denominator = VARIANT ? with_sink(l, m_ref, p.var.sinks, head0 + r) : l;
       static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + v_col + d] =

@@ -221,9 +221,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   }
   float alibi2[2] = {0.0f, 0.0f};  // ALiBi slopes (base 2) of those rows
   if (VARIANT && p.var.alibi != nullptr) {
+    const float* slopes = seq_slopes(p.var, b);
     for (int r = 0; r < 2; ++r) {
       const int row = warp * kWarpRows + g + 8 * r;
-      alibi2[r] = row_ok(row) ? p.var.alibi[kv_head * p.group + row_head(row)] * (1.0f / kLn2) : 0.0f;
+      alibi2[r] = row_ok(row) ? slopes[kv_head * p.group + row_head(row)] * (1.0f / kLn2) : 0.0f;
     }
   }
 
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   for (int r = 0; r < 2; ++r) {
     const int row = warp * kWarpRows + g + 8 * r;
     if (!row_ok(row)) continue;
-    const bool reads = head_reads<VARIANT, false>(p.var, nullptr, nullptr, kv_head * p.group + row_head(row), kv_head);
+    const bool reads = head_reads<VARIANT, false>(p.var, b, nullptr, nullptr, kv_head * p.group + row_head(row), kv_head);
     const float l = reads ? att.l[r] : 0.0f;
     const float denominator = VARIANT ? with_sink(l, att.m[r], p.var.sinks, kv_head * p.group + row_head(row)) : l;
     T* out_row = out + (row0 + row_token(row)) * p.stride_ot + (kv_head * p.group + row_head(row)) * p.stride_oh;

@@ -45,7 +45,8 @@ struct ScoreVariant {
   int window_left;      // keys from position q_pos - window_left on; -1: no window
   int window_right;     // extend only: keys up to position q_pos + window_right; -1: no edge
   float soft_cap;       // cap * tanh(x / cap) of the natural logit x; 0: off
-  const float* alibi;   // [num_heads] slopes, or null
+  const float* alibi;   // [num_heads] slopes, or per sequence b from alibi + b * alibi_stride; or null
+  int64_t alibi_stride; // 0: one set of slopes for every sequence
   const float* sinks;   // [num_heads] sink logits (natural), or null
   // Extend only: [mask_numel] bool, per sequence b a row-major [q_len_b, max(seq_len_b, 0)] block
   // from mask_start[b] on; entries past mask_numel read as false. Null: no custom mask.
@@ -75,9 +76,11 @@ struct ScoreVariant {
   X(PTR, int32_t*, beyond_table)                                                                   \
   X(PTR, int8_t*, page_reasons)      /* [B, max_pages] contiguous */                              \
   /* fp8 pools (kv_type kE4M3/kE5M2): a key element is k[...] * k_scale[kv_head], likewise V; */   \
-  /* [num_kv_heads] float32 each, null with kSame (pools of the query's type). */                 \
+  /* [num_kv_heads] float32 each (sequence b's from k_scale + b * scale_stride), null with kSame */ \
+  /* (pools of the query's type). scale_stride 0: one set for every sequence. */                  \
   X(PTR, const float*, k_scale)                                                                    \
   X(PTR, const float*, v_scale)                                                                    \
+  X(I64, int64_t, scale_stride)                                                                    \
   X(I64, int64_t, stride_qh)                                                                       \
   X(I64, int64_t, stride_kp) X(I64, int64_t, stride_ks) X(I64, int64_t, stride_kh)               \
   X(I64, int64_t, stride_vp) X(I64, int64_t, stride_vs) X(I64, int64_t, stride_vh)               \
@@ -133,7 +136,7 @@ struct ScoreVariant {
 
 // What decode and extend share. The binding also reads `page_size` (into `page`), `kv_dtype` (into
 // `kv_type`: 0 the query's dtype, 1 float8_e4m3fn, 2 float8_e5m2) and the score switches
-// `window_left`, `window_right`, `soft_cap`, `alibi`, `sinks` (into `var`).
+// `window_left`, `window_right`, `soft_cap`, `alibi`, `alibi_stride`, `sinks` (into `var`).
 struct AttentionParams {
   KVATTN_ATTENTION_ARGS(KVATTN_DECLARE_ARG)
   ScoreVariant var;

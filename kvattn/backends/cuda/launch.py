@@ -173,9 +173,10 @@ def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
         page_size=args.page_size, max_pages=args.max_pages,
         window_left=args.variant.window_left, window_right=args.variant.window_right,
         soft_cap=args.variant.logits_soft_cap,
-        alibi=_ptr(args.variant.alibi_slopes), sinks=_ptr(args.variant.sinks),
-        kv_dtype=FP8_CODES.get(k.dtype, 0), k_scale=_ptr(args.variant.k_scale),
-        v_scale=_ptr(args.variant.v_scale),
+        alibi=_ptr(args.variant.alibi_slopes), alibi_stride=args.variant.alibi_stride,
+        sinks=_ptr(args.variant.sinks), kv_dtype=FP8_CODES.get(k.dtype, 0),
+        k_scale=_ptr(args.variant.k_scale), v_scale=_ptr(args.variant.v_scale),
+        scale_stride=args.variant.scale_stride,
     )
 
 
