@@ -273,6 +273,10 @@ TRITON_CONFIGS = [
     ("extend bf16 d128 p16 gqa4 custom_mask", "extend", torch.bfloat16, 128, 16, 32, 8, "mask"),
     ("extend bf16 d128 p16 gqa4 two-sided window", "extend", torch.bfloat16, 128, 16, 32, 8,
      "two-sided"),
+    ("decode bf16 d128 p16 gqa4 fp8-e4m3 KV per-seq scales+alibi", "decode", torch.bfloat16,
+     128, 16, 32, 8, "per-seq"),
+    ("extend bf16 d128 p16 gqa4 fp8-e4m3 KV per-seq scales+alibi", "extend", torch.bfloat16,
+     128, 16, 32, 8, "per-seq"),
 ]
 
 # MLA decode and extend (head_dim: the latent row, kv_lora_rank 512 + rope_dim 64; one latent
@@ -292,14 +296,18 @@ TRITON_CONFIGS += [
 ]
 
 
-def _variant(name: str | None, num_heads: int) -> dict:
-    """The switches of a configuration: every score switch at once, fp8 pools with scales, a window
-    on both sides, or a custom mask (added by :func:`_inputs`, which knows the lengths)."""
+def _variant(name: str | None, num_heads: int, num_kv_heads: int, batch: int) -> dict:
+    """The switches of a configuration: every score switch at once, fp8 pools with scales (per
+    tensor, or per sequence with per-sequence ALiBi slopes), a window on both sides, or a custom
+    mask (added by :func:`_inputs`, which knows the lengths)."""
     if name == "scores":
         return dict(window_left=4095, logits_soft_cap=30.0, sinks=torch.zeros(num_heads),
                     alibi_slopes=torch.ones(num_heads))
     if name == "fp8":
         return dict(k_scale=0.5, v_scale=0.5)
+    if name == "per-seq":
+        return dict(k_scale=torch.ones(batch, num_kv_heads), v_scale=torch.ones(batch, num_kv_heads),
+                    alibi_slopes=torch.ones(batch, num_heads))
     if name == "two-sided":
         return dict(window_left=4095, window_right=4095)
     return {}
@@ -311,8 +319,8 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads, variant=Non
     import kvattn
 
     batch, num_pages, max_pages = 4, 1001, 257
-    switches = _variant(variant, num_heads)
-    pool_dtype = torch.float8_e4m3fn if variant == "fp8" else dtype
+    switches = _variant(variant, num_heads, num_kv_heads, batch)
+    pool_dtype = torch.float8_e4m3fn if variant in ("fp8", "per-seq") else dtype
     k = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=pool_dtype)
     v = torch.zeros_like(k)
     tags = torch.zeros(num_pages, dtype=torch.int64)
