@@ -35,17 +35,32 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MAX_ABS_ERR = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 6e-2}
 REPO = Path(__file__).resolve().parent.parent
 # The attention variants the sweeps time (kvattn/variants.py), checked and unchecked alike: name ->
-# (window_left, the switch's keyword arguments for H query heads). Peers run "plain" only.
+# (window_left, the switch's keyword arguments for H query heads, Hkv KV heads and B sequences).
+# Peers run "plain" only.
 FP8_SCALE = 1 / 16  # randn values / 1/16 stay well inside e4m3's +-448
+def _bloom_slopes(h: int) -> torch.Tensor:
+    """BLOOM's slopes: 2 ** (-8 (i + 1) / H)."""
+    return 2.0 ** (-8.0 * torch.arange(1, h + 1) / h)
+
+
+def _per_sequence(values: torch.Tensor, b: int) -> torch.Tensor:
+    """``[b, *values.shape]``: sequence i's row ``values * (1 + i / b)``, each its own."""
+    return values * (1 + torch.arange(b).view(-1, *[1] * values.dim()) / b)
+
+
 VARIANTS = {
-    "plain": (-1, lambda h: {}),
-    "window128": (128, lambda h: dict(window_left=128)),
-    "window256": (256, lambda h: dict(window_left=256)),
-    "softcap30": (-1, lambda h: dict(logits_soft_cap=30.0)),
-    "sinks": (-1, lambda h: dict(sinks=torch.linspace(-1.0, 1.0, h))),
-    # BLOOM's slopes: 2 ** (-8 (i + 1) / H).
-    "alibi": (-1, lambda h: dict(alibi_slopes=2.0 ** (-8.0 * torch.arange(1, h + 1) / h))),
-    "fp8-e4m3": (-1, lambda h: dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)),
+    "plain": (-1, lambda h, hk, b: {}),
+    "window128": (128, lambda h, hk, b: dict(window_left=128)),
+    "window256": (256, lambda h, hk, b: dict(window_left=256)),
+    "softcap30": (-1, lambda h, hk, b: dict(logits_soft_cap=30.0)),
+    "sinks": (-1, lambda h, hk, b: dict(sinks=torch.linspace(-1.0, 1.0, h))),
+    "alibi": (-1, lambda h, hk, b: dict(alibi_slopes=_bloom_slopes(h))),
+    "alibi-per-seq": (-1, lambda h, hk, b: dict(alibi_slopes=_per_sequence(_bloom_slopes(h), b))),
+    "fp8-e4m3": (-1, lambda h, hk, b: dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)),
+    # FlashAttention 3's k_descale/v_descale [B, Hkv] over the same pool.
+    "fp8-e4m3-per-seq": (-1, lambda h, hk, b: dict(
+        k_scale=_per_sequence(torch.full((hk,), FP8_SCALE), b),
+        v_scale=_per_sequence(torch.full((hk,), FP8_SCALE), b))),
 }
 
 
@@ -67,11 +82,13 @@ def tree_mask_rows(prefix: int, chunk: int) -> torch.Tensor:
     return rows
 
 
-def variant_kwargs(name: str, num_heads: int, device: torch.device) -> dict:
-    """The switches of variant ``name`` as kvattn takes them, tensors on ``device``."""
+def variant_kwargs(name: str, num_heads: int, device: torch.device, num_kv_heads: int = 1,
+                   batch: int = 1) -> dict:
+    """The switches of variant ``name`` as kvattn takes them for ``batch`` sequences, tensors on
+    ``device``."""
     if name not in VARIANTS:
         raise ValueError(f"variant: expected one of {list(VARIANTS)}, got {name!r}")
-    kwargs = VARIANTS[name][1](num_heads)
+    kwargs = VARIANTS[name][1](num_heads, num_kv_heads, batch)
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
@@ -375,10 +392,12 @@ def make_decode_inputs(p: Point, device: torch.device, sets: int, seed: int = 0)
         expected.append(owners)
     q = torch.randn(p.batch, p.num_heads, p.head_dim, generator=gen, device=device, dtype=dtype)
     seq_lens = torch.full((p.batch,), p.context, dtype=torch.int32, device=device)
-    variant = variant_kwargs(p.variant, p.num_heads, device)
-    if "k_scale" in variant:  # fp8 pools hold the values divided by the scale (NaN stays NaN)
-        k_cache = (k_cache.float() / variant["k_scale"]).to(torch.float8_e4m3fn)
-        v_cache = (v_cache.float() / variant["v_scale"]).to(torch.float8_e4m3fn)
+    variant = variant_kwargs(p.variant, p.num_heads, device, p.num_kv_heads, p.batch)
+    if "k_scale" in variant:
+        # fp8 pools hold the values divided by FP8_SCALE (NaN stays NaN); per-sequence scales
+        # read them back at up to twice that, still within range.
+        k_cache = (k_cache.float() / FP8_SCALE).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / FP8_SCALE).to(torch.float8_e4m3fn)
     return DecodeInputs(p, q, k_cache, v_cache, page_tags, tables, seq_lens, expected,
                         p.head_dim ** -0.5, variant)
 
