@@ -236,7 +236,7 @@ def extend_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
         out[lo:hi], lse[lo:hi] = attend(a.q[lo:hi], k[b].expand(hi - lo, n, -1, -1),
                                         v[b].expand(hi - lo, n, -1, -1), rows_allowed, a.scale,
                                         compute_dtype, q_pos=q_pos, causal=a.causal,
-                                        variant=sw.of_sequences(torch.tensor([b], device=q.device)))
+                                        variant=sw.of_sequences(b))
     return (out, lse, report) if return_lse else (out, report)
 
 

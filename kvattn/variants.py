@@ -46,7 +46,9 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     ``k_descale``/``v_descale``: sequence ``b`` reads its keys with ``k_scale[b, kv_head]``. The
     readers only: :func:`kvattn.write_kv` divides by a per-tensor or per-head scale when it
     quantises (a pool's page holds one scale whichever sequence reads it). The tags are unchanged.
-    A scale lies in ``[2**-126, 2**126]``.
+    A scale lies in ``[2**-126, 2**126]``. Per-sequence scales over pages that several sequences
+    read (a shared prefix) dequantise the same bytes by each reader's own row: the rows must agree
+    on such pages for the readers to agree on their keys.
 
 ``custom_mask`` (1-D bool tensor, default None; :func:`kvattn.paged_extend` only)
     FlashInfer's ``custom_mask``: per sequence ``b`` a row-major ``[q_len_b, seq_lens[b]]`` block,
@@ -70,10 +72,11 @@ either side, causality, length, ownership) set refused and masked scores to -inf
 Values (docs/ownership.md section 8). A float cap or scale outside its range always raises
 ``ValueError`` naming it. The values of the tensors (sinks, slopes, scale tensors) are checked as
 the lengths are (:mod:`kvattn.layout`): on CPU tensors or with ``validate=True``, by
-:func:`check_values`, with a ``ValueError`` naming the argument and the head. Unvalidated (a GPU's
-default path) they are not read on the host and every backend applies one rule instead
-(:meth:`Variant.heads_read`): a query head whose sink or slope is invalid, or whose KV head's
-``k_scale`` or ``v_scale`` is, reads nothing (output 0, lse -inf); the report is unchanged (the
+:func:`check_values`, with a ``ValueError`` naming the argument and the head (and the sequence,
+for per-sequence values). Unvalidated (a GPU's default path) they are not read on the host and
+every backend applies one rule instead (:meth:`Variant.heads_read`): a query head whose sink or
+slope is invalid, or whose KV head's ``k_scale`` or ``v_scale`` is, reads nothing in the sequences
+those values belong to (all of them for shared values) (output 0, lse -inf); the report is unchanged (the
 values are not an ownership matter). The kernels state the same rule next to a pointer here.
 """
 from __future__ import annotations
@@ -122,7 +125,9 @@ class Variant:
     both ``[batch, num_kv_heads]`` when either was given per sequence; ``alibi_slopes``
     ``[num_heads]`` or ``[batch, num_heads]``.
     ``mask_start`` ``[B]`` int64: where each sequence's block of ``custom_mask`` starts (set with
-    it, by :func:`kvattn.layout.with_custom_mask`)."""
+    it, by :func:`kvattn.layout.with_custom_mask`). ``widened``: the scale given per tensor or per
+    head and widened to ``[batch, num_kv_heads]`` beside a per-sequence one (its value errors then
+    name the KV head alone), or ``""``."""
 
     window_left: int = -1
     logits_soft_cap: float = 0.0
@@ -133,6 +138,14 @@ class Variant:
     custom_mask: torch.Tensor | None = None
     mask_start: torch.Tensor | None = None
     window_right: int = -1
+    widened: str = ""
+
+    def __post_init__(self):
+        if self.k_scale is not None and self.k_scale.dim() != self.v_scale.dim():
+            # The kernels read both scales with one per-sequence stride.
+            raise ValueError("k_scale, v_scale: expected the same form (both per sequence or "
+                             f"neither), got shapes {tuple(self.k_scale.shape)} and "
+                             f"{tuple(self.v_scale.shape)}")
 
     @property
     def windowed(self) -> bool:
@@ -156,12 +169,15 @@ class Variant:
         """Elements between two sequences' KV scales: 0 when every sequence shares them."""
         return _seq_stride(self.k_scale)
 
-    def of_sequences(self, seqs: torch.Tensor) -> Variant:
-        """The switches of sequences ``seqs`` (``[S]`` int64 indices) as a call over just those:
-        per-sequence slopes and scales keep their rows ``seqs``, the rest is shared."""
-        pick = {name: getattr(self, name).index_select(0, seqs)
+    def of_sequences(self, seqs: torch.Tensor | int) -> Variant:
+        """The switches of sequences ``seqs`` (``[S]`` int64 indices, or one index) as a call
+        over just those: per-sequence slopes and scales keep their rows ``seqs``, the rest is
+        shared."""
+        def rows(t):
+            return t[seqs:seqs + 1] if isinstance(seqs, int) else t.index_select(0, seqs)
+        pick = {name: rows(getattr(self, name))
                 for name in ("alibi_slopes", "k_scale", "v_scale")
-                if getattr(self, name) is not None and getattr(self, name).dim() == 2}
+                if _seq_stride(getattr(self, name))}
         return replace(self, **pick) if pick else self
 
     def heads_read(self, num_heads: int) -> torch.Tensor | None:
@@ -246,6 +262,8 @@ def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q",
         return value.contiguous()
     shapes = f"(), (1,) or ({num_kv_heads},)" if batch is None else (
         f"(), (1,), ({num_kv_heads},) or ({batch}, {num_kv_heads})")
+    if batch is None and value.dim() == 2:
+        shapes += " (per-sequence scales are for the readers: a page holds one scale)"
     _fail(name, f"shape {shapes}", f"{tuple(value.shape)}")
 
 
@@ -275,11 +293,13 @@ def check_variant(q: torch.Tensor, k_cache: torch.Tensor, batch: int, *, window_
               f"a scale with {str(k_cache.dtype).replace('torch.', '')} pools")
     ks = _kv_scale("k_scale", k_scale, num_kv_heads, q.device, batch=batch) if fp8 else None
     vs = _kv_scale("v_scale", v_scale, num_kv_heads, q.device, batch=batch) if fp8 else None
+    widened = ""
     if fp8 and ks.dim() != vs.dim():
         # The kernels read both with one stride per sequence.
+        widened = "k_scale" if ks.dim() == 1 else "v_scale"
         ks, vs = (s.expand(batch, num_kv_heads).contiguous() for s in (ks, vs))
     variant = Variant(window_left, float(logits_soft_cap), sinks, alibi_slopes, ks, vs,
-                      window_right=window_right)
+                      window_right=window_right, widened=widened)
     return PLAIN if not variant.switches() else variant
 
 
@@ -298,8 +318,9 @@ def check_values(variant: Variant) -> None:
         _check_each("alibi_slopes", variant.alibi_slopes, slope_ok,
                     "finite slopes with |slope| <= 2**32", "head")
     if variant.fp8:
-        check_scale_values("k_scale", variant.k_scale)
-        check_scale_values("v_scale", variant.v_scale)
+        for name in ("k_scale", "v_scale"):
+            scale = getattr(variant, name)
+            check_scale_values(name, scale[0] if variant.widened == name else scale)
 
 
 def _check_each(name: str, t: torch.Tensor, ok, expected: str, unit: str) -> None:

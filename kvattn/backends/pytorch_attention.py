@@ -43,7 +43,7 @@ def _gather(a, pool: torch.Tensor, scale, pages: torch.Tensor, allowed: torch.Te
     x = pool.index_select(0, pages.flatten())  # a copy, whole pages at a time
     x = x.view(pages.shape[0], -1, a.num_kv_heads, a.head_dim).float()
     if scale is not None:
-        x = x * scale.view(-1, 1, a.num_kv_heads, 1)  # [Hkv], or [S, Hkv] per sequence
+        x = x * scale.view(-1, 1, a.num_kv_heads, 1)  # per head, or per gathered sequence
     # Usually only the tail of the last page is masked: zero those slots, not the whole copy.
     seq, slot = torch.nonzero(~allowed, as_tuple=True)
     if seq.numel():
@@ -212,7 +212,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
         pages = a.block_table[b].long().index_select(0, logical).clamp(0, a.num_pages - 1)[None]
         key_pos = torch.arange(lo[b] * page, hi[b] * page, device=device)
         ok = allowed[b, lo[b] * page:hi[b] * page][None]  # [1, N]
-        variant = sw.of_sequences(torch.tensor([b], device=device))
+        variant = sw.of_sequences(b)
         k = _gather(a, a.k_cache, variant.k_scale, pages, ok)  # [1, N, Hkv, D]
         v = _gather(a, a.v_cache, variant.v_scale, pages, ok)
         tile = max(1, min(q_len, TILE_ELEMENTS // (a.num_heads * key_pos.numel())))
