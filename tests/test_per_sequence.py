@@ -97,11 +97,24 @@ def test_equal_rows_are_the_per_head_call(op):
         assert_reports_equal(got[2], want[2])
 
 
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_equal_scale_rows_are_the_per_head_call(op):
+    """The same twin for fp8 scales: rows all equal to one ``[num_kv_heads]`` pair."""
+    x = as_fp8(decode_batch(4) if op == "decode" else extend_batch(), op)
+    shared = dict(k_scale=K_SCALES[2].to(DEVICE), v_scale=V_SCALES[2].to(DEVICE))
+    rows = {k: v.expand(4, KV_HEADS).contiguous() for k, v in shared.items()}
+    for backend in fp8_readers(op, x, **rows):
+        want = run(op, x, backend, **shared)
+        got = run(op, x, backend, **rows)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), backend
+        assert_reports_equal(got[2], want[2])
+
+
 # --- fp8 scales [batch, num_kv_heads] -------------------------------------------------------------
 
-# Which scale is per sequence: both, or K's only (V per tensor: the readers take both with one
-# stride, so the per-tensor one is widened).
-SCALE_FORMS = ["both", "k-only"]
+# Which scale is per sequence: both, K's only (V per tensor) or V's only (K per head); the readers
+# take both with one stride, so the other one is widened.
+SCALE_FORMS = ["both", "k-only", "v-only"]
 
 
 def scales_of(form: str):
@@ -109,7 +122,10 @@ def scales_of(form: str):
     ks, vs = K_SCALES.to(DEVICE), V_SCALES.to(DEVICE)
     if form == "both":
         return (ks, vs), (ks.cpu(), vs.cpu())
-    return (ks, 0.25), (ks.cpu(), torch.full((4, KV_HEADS), 0.25))
+    if form == "k-only":
+        return (ks, 0.25), (ks.cpu(), torch.full((4, KV_HEADS), 0.25))
+    head = torch.tensor([0.0625, 0.25])
+    return (head.to(DEVICE), vs), (head.expand(4, KV_HEADS), vs.cpu())
 
 
 @pytest.mark.parametrize("form", SCALE_FORMS)
@@ -162,8 +178,7 @@ def test_split_decode_reads_each_sequence_s_values(num_splits):
                                slopes=slopes)
     args = kvattn.layout.validate_decode(*inputs(pages), **switches)
     kernels = [n for n in claims(args, "decode") if n in SPLIT_READERS]
-    if not kernels:
-        pytest.skip("no split-KV backend claims fp8 pools with ALiBi here")
+    assert kernels, "every split-KV backend reads fp8 pools with ALiBi"
     for backend in kernels:
         out = torch.empty_like(pages.q)
         lse = torch.empty(pages.q.shape[:2], dtype=torch.float32, device=DEVICE)
@@ -195,6 +210,16 @@ def as_fp8(x, op: str):
     return x
 
 
+def fp8_readers(op: str, x, **scales) -> list[str]:
+    """The backends under test that claim ``x`` over fp8 pools with ``scales``."""
+    pages = x if op == "decode" else x.pages
+    args = (kvattn.layout.validate_decode(*inputs(pages), validate=False, **scales) if op == "decode"
+            else kvattn.layout.validate_extend(*x.inputs(), validate=False, **scales))
+    names = [n for n in READERS if n in claims(args, op)]
+    assert "reference" in names and len(names) >= 2
+    return names
+
+
 @pytest.mark.parametrize("op", ["decode", "extend"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, 2.0 ** 33])
 def test_invalid_per_sequence_slope_is_refused_on_the_host(op, bad):
@@ -202,7 +227,7 @@ def test_invalid_per_sequence_slope_is_refused_on_the_host(op, bad):
     slopes[1, 2] = bad
     for backend in READERS:
         with raises(ValueError, "alibi_slopes", "sequence 1, head 2"):
-            run(op, clean_batch(op), backend, alibi_slopes=slopes)
+            run(op, clean_batch(op), backend, validate=True, alibi_slopes=slopes.to(DEVICE))
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
@@ -211,7 +236,7 @@ def test_unvalidated_invalid_slope_silences_only_its_sequence(op, bad):
     """Sequence 1's head 2 reads nothing (0, lse -inf); head 2 of sequence 0, the other heads and
     the report are those of valid slopes, on every backend."""
     x = clean_batch(op)
-    valid = SLOPES[:2].clone()
+    valid = SLOPES[:2].clone().to(DEVICE)
     slopes = valid.clone()
     slopes[1, 2] = bad
     want = run(op, x, "reference", validate=False, alibi_slopes=slopes)
@@ -231,10 +256,22 @@ def test_invalid_per_sequence_scale_is_refused_on_the_host(op):
     x = as_fp8(clean_batch(op), op)
     k_scale = K_SCALES[:2].clone()
     k_scale[0, 1] = 0.0
-    args_of = dict(k_scale=k_scale, v_scale=V_SCALES[:2])
+    scales = dict(k_scale=k_scale.to(DEVICE), v_scale=V_SCALES[:2].to(DEVICE))
     for backend in READERS:
         with raises(ValueError, "k_scale", "sequence 0, KV head 1"):
-            run(op, x, backend, **args_of)
+            run(op, x, backend, validate=True, **scales)
+
+
+def test_a_widened_scale_s_error_names_its_kv_head_only():
+    """A per-head ``v_scale`` beside a per-sequence ``k_scale`` is widened for the kernels; its
+    error still speaks of the tensor as given."""
+    x = as_fp8(clean_batch("decode"), "decode")
+    v_scale = torch.tensor([0.25, math.inf], device=DEVICE)
+    with pytest.raises(ValueError) as info:
+        run("decode", x, "reference", validate=True, k_scale=K_SCALES[:2].to(DEVICE),
+            v_scale=v_scale)
+    message = str(info.value)
+    assert "v_scale" in message and "for KV head 1" in message and "sequence" not in message
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
@@ -243,7 +280,7 @@ def test_unvalidated_invalid_scale_silences_only_its_sequence(op, name):
     """Sequence 0's KV head 1 (query heads 2 and 3) reads nothing; sequence 1 and KV head 0 are
     as with valid scales, on every backend that reads fp8 pools."""
     x = as_fp8(clean_batch(op), op)
-    valid = dict(k_scale=K_SCALES[:2].clone(), v_scale=V_SCALES[:2].clone())
+    valid = dict(k_scale=K_SCALES[:2].to(DEVICE), v_scale=V_SCALES[:2].to(DEVICE))
     scales = {k: v.clone() for k, v in valid.items()}
     scales[name][0, 1] = math.nan
     want = run(op, x, "reference", validate=False, **scales)
@@ -254,12 +291,7 @@ def test_unvalidated_invalid_scale_silences_only_its_sequence(op, name):
     torch.testing.assert_close(want[0][kept], twin[0][kept])
     assert torch.isfinite(want[1][rows_of(op, 1)]).all()
     assert_reports_equal(want[2], twin[2])
-    pages = x if op == "decode" else x.pages
-    names = [n for n in READERS if n in claims(
-        kvattn.layout.validate_decode(*inputs(pages), validate=False, **scales) if op == "decode"
-        else kvattn.layout.validate_extend(*x.inputs(), validate=False, **scales), op)]
-    assert "reference" in names and len(names) >= 2
-    for backend in names:
+    for backend in fp8_readers(op, x, **scales):
         assert_agrees(run(op, x, backend, validate=False, **scales), want)
 
 
@@ -267,19 +299,41 @@ def test_unvalidated_invalid_scale_silences_only_its_sequence(op, name):
 
 @pytest.mark.parametrize("change,words", [
     (dict(alibi_slopes=torch.zeros(5, HEADS)), ["alibi_slopes", f"(4, {HEADS})", f"(5, {HEADS})"]),
-    (dict(alibi_slopes=torch.zeros(4, HEADS + 1)), ["alibi_slopes", f"({HEADS},)"]),
+    (dict(alibi_slopes=torch.zeros(4, HEADS + 1)), ["alibi_slopes", f"({HEADS},)",
+                                                    f"(4, {HEADS + 1})"]),
     (dict(alibi_slopes=torch.zeros(4, HEADS, 1)), ["alibi_slopes", f"(4, {HEADS}, 1)"]),
     (dict(k_scale=torch.ones(3, KV_HEADS)), ["k_scale", f"(4, {KV_HEADS})", f"(3, {KV_HEADS})"]),
-    (dict(v_scale=torch.ones(4, KV_HEADS + 1)), ["v_scale", f"({KV_HEADS},)"]),
+    (dict(v_scale=torch.ones(4, KV_HEADS + 1)), ["v_scale", f"({KV_HEADS},)",
+                                                 f"(4, {KV_HEADS + 1})"]),
 ])
-def test_per_sequence_shapes_are_named(change, words):
-    pages = decode_batch(4)
+@pytest.mark.parametrize("op", ["decode", "extend"])
+def test_per_sequence_shapes_are_named(op, change, words):
+    """The batch is the sequences' count: decode's rows, extend's ``cu_seqlens_q`` entries (11
+    query rows over 4 sequences)."""
+    x = decode_batch(4) if op == "decode" else extend_batch()
     if "alibi_slopes" not in change:
-        to_fp8(pages, torch.float8_e4m3fn)
+        as_fp8(x, op)
+    change = {k: v.to(DEVICE) for k, v in change.items()}
     with pytest.raises(ValueError) as info:
-        kvattn.paged_decode(*inputs(pages), backend="reference", **change)
+        run(op, x, "reference", **change)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_extend_per_sequence_rows_are_not_per_query_row():
+    """Extend's per-sequence values have one row per sequence, not per query row."""
+    ext = extend_batch()
+    assert ext.q.shape[0] == 11
+    with raises(ValueError, "alibi_slopes", f"(4, {HEADS})", f"(11, {HEADS})"):
+        run("extend", ext, "reference", alibi_slopes=torch.zeros(11, HEADS, device=DEVICE))
+    run("extend", ext, "reference", alibi_slopes=SLOPES.to(DEVICE))
+
+
+def test_a_variant_holds_both_scales_in_one_form():
+    """The kernels read K's and V's scales with one stride: a Variant with one per sequence and
+    the other per head is refused where it is built."""
+    with raises(ValueError, "k_scale, v_scale", "(4, 2)", "(2,)"):
+        kvattn.variants.Variant(k_scale=torch.ones(4, 2), v_scale=torch.ones(2))
 
 
 def test_the_writer_takes_no_per_sequence_scale():
@@ -291,9 +345,12 @@ def test_the_writer_takes_no_per_sequence_scale():
     kvattn.reserve_pages(tags, [1], 1)
     k = torch.randn(2, KV_HEADS, DIM, generator=torch.Generator().manual_seed(0)).half()
     mapping = torch.tensor([4, 5])
-    with raises(ValueError, "k_scale", f"({KV_HEADS},)", f"(2, {KV_HEADS})"):
-        kvattn.write_kv(k, k, k_cache, v_cache, mapping, tags, 1, k_scale=K_SCALES[:2],
+    with raises(ValueError, "k_scale", f"({KV_HEADS},)", f"(3, {KV_HEADS})", "for the readers"):
+        kvattn.write_kv(k, k, k_cache, v_cache, mapping, tags, 1, k_scale=K_SCALES[:3],
                         v_scale=0.5)
+    with raises(ValueError, "v_scale", f"(3, {KV_HEADS})"):
+        kvattn.write_kv(k, k, k_cache, v_cache, mapping, tags, 1, k_scale=0.5,
+                        v_scale=V_SCALES[:3])
     result = kvattn.write_kv(k, k, k_cache, v_cache, mapping, tags, 1, k_scale=K_SCALES[0],
                              v_scale=0.5)
     assert result.landed.tolist() == [True, True]

@@ -19,6 +19,7 @@ HEADS = 4
 
 
 def per_sequence_slopes(batch: int, kv_heads: int) -> dict:
+    """One row of slopes per sequence, of both signs (the switches take the scenario's shape)."""
     g = torch.Generator().manual_seed(2)
     return dict(alibi_slopes=(torch.rand(batch, HEADS, generator=g) - 0.25).to(DEVICE))
 
