@@ -34,10 +34,9 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # times max|v| (randn values, |v| <= ~5), as in tests/util.py.
 MAX_ABS_ERR = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 6e-2}
 REPO = Path(__file__).resolve().parent.parent
-# The attention variants the sweeps time (kvattn/variants.py), checked and unchecked alike: name ->
-# (window_left, the switch's keyword arguments for H query heads, Hkv KV heads and B sequences).
-# Peers run "plain" only.
 FP8_SCALE = 1 / 16  # randn values / 1/16 stay well inside e4m3's +-448
+
+
 def _bloom_slopes(h: int) -> torch.Tensor:
     """BLOOM's slopes: 2 ** (-8 (i + 1) / H)."""
     return 2.0 ** (-8.0 * torch.arange(1, h + 1) / h)
@@ -48,6 +47,9 @@ def _per_sequence(values: torch.Tensor, b: int) -> torch.Tensor:
     return values * (1 + torch.arange(b).view(-1, *[1] * values.dim()) / b)
 
 
+# The attention variants the sweeps time (kvattn/variants.py), checked and unchecked alike: name ->
+# (window_left, the switch's keyword arguments for H query heads, Hkv KV heads and B sequences).
+# Peers run "plain" only.
 VARIANTS = {
     "plain": (-1, lambda h, hk, b: {}),
     "window128": (128, lambda h, hk, b: dict(window_left=128)),
