@@ -50,37 +50,49 @@ def extend_batch(seed=0) -> Extend:
     return ext
 
 
+def assert_every_claim_matches(op: str, x, want_out, want_lse, **kwargs) -> None:
+    """Every backend claiming ``x`` with ``kwargs`` (at least one beside the reference) gives the
+    definition's output and refuses sequence 3's foreign page alone."""
+    pages = x if op == "decode" else x.pages
+    args = (kvattn.layout.validate_decode(*inputs(pages), **kwargs) if op == "decode"
+            else kvattn.layout.validate_extend(*x.inputs(), **kwargs))
+    names = claims(args, op)
+    assert "reference" in names and len(names) >= 2
+    for backend in names:
+        out, lse, report = run(op, x, backend, **kwargs)
+        assert_matches(out, lse, want_out, want_lse, pages.q.dtype)
+        assert report.violations.tolist() == [0, 0, 0, 1]
+
+
+def assert_equal_rows_agree(op: str, x, names, shared: dict, rows: dict) -> None:
+    """Backends ``names`` give the per-sequence call ``rows`` exactly the output and report of
+    the shared call ``shared``."""
+    for backend in names:
+        want = run(op, x, backend, **shared)
+        got = run(op, x, backend, **rows)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), backend
+        assert_reports_equal(got[2], want[2])
+
+
 # --- ALiBi [batch, num_heads] ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("page", [4, 5])
 def test_decode_per_sequence_slopes_match_the_definition(page):
     pages = decode_batch(page)
     slopes = SLOPES.to(DEVICE)
-    args = kvattn.layout.validate_decode(*inputs(pages), alibi_slopes=slopes)
     want_out, want_lse = dense(pages.q, decode_rows(pages), per_seq_tokens(pages), DIM ** -0.5,
                                slopes=slopes)
-    names = claims(args, "decode")
-    assert "reference" in names and len(names) >= 2
-    for backend in names:
-        out, lse, report = kvattn.paged_decode(*inputs(pages), backend=backend, return_lse=True,
-                                               alibi_slopes=slopes)
-        assert_matches(out, lse, want_out, want_lse, pages.q.dtype)
-        assert report.violations.tolist() == [0, 0, 0, 1]
+    assert_every_claim_matches("decode", pages, want_out, want_lse, alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_extend_per_sequence_slopes_match_the_definition(causal):
     ext = extend_batch()
     slopes = SLOPES.to(DEVICE)
-    args = kvattn.layout.validate_extend(*ext.inputs(), causal=causal, alibi_slopes=slopes)
     want_out, want_lse = dense(ext.q, ext.cu, per_seq_tokens(ext.pages), DIM ** -0.5,
                                causal=causal, slopes=slopes)
-    names = claims(args, "extend")
-    assert "reference" in names and len(names) >= 2
-    for backend in names:
-        out, lse, report = ext.run(backend, causal=causal, return_lse=True, alibi_slopes=slopes)
-        assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
-        assert report.violations.tolist() == [0, 0, 0, 1]
+    assert_every_claim_matches("extend", ext, want_out, want_lse, causal=causal,
+                               alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
@@ -89,12 +101,8 @@ def test_equal_rows_are_the_per_head_call(op):
     ``[num_heads]`` set give that call's output and report, bit for bit, on every backend."""
     x = decode_batch(4) if op == "decode" else extend_batch()
     shared = SLOPES[1].to(DEVICE)
-    rows = shared.expand(4, HEADS).contiguous()
-    for backend in READERS:
-        want = run(op, x, backend, alibi_slopes=shared)
-        got = run(op, x, backend, alibi_slopes=rows)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), backend
-        assert_reports_equal(got[2], want[2])
+    assert_equal_rows_agree(op, x, READERS, dict(alibi_slopes=shared),
+                            dict(alibi_slopes=shared.expand(4, HEADS).contiguous()))
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
@@ -103,11 +111,7 @@ def test_equal_scale_rows_are_the_per_head_call(op):
     x = as_fp8(decode_batch(4) if op == "decode" else extend_batch(), op)
     shared = dict(k_scale=K_SCALES[2].to(DEVICE), v_scale=V_SCALES[2].to(DEVICE))
     rows = {k: v.expand(4, KV_HEADS).contiguous() for k, v in shared.items()}
-    for backend in fp8_readers(op, x, **rows):
-        want = run(op, x, backend, **shared)
-        got = run(op, x, backend, **rows)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), backend
-        assert_reports_equal(got[2], want[2])
+    assert_equal_rows_agree(op, x, fp8_readers(op, x, **rows), shared, rows)
 
 
 # --- fp8 scales [batch, num_kv_heads] -------------------------------------------------------------
@@ -137,13 +141,8 @@ def test_decode_per_sequence_scales_match_the_definition(fmt, form):
                                DIM ** -0.5)
     args = kvattn.layout.validate_decode(*inputs(pages), k_scale=k_scale, v_scale=v_scale)
     assert tuple(args.variant.v_scale.shape) == (4, KV_HEADS)
-    names = claims(args, "decode")
-    assert "reference" in names and len(names) >= 2
-    for backend in names:
-        out, lse, report = kvattn.paged_decode(*inputs(pages), backend=backend, return_lse=True,
-                                               k_scale=k_scale, v_scale=v_scale)
-        assert_matches(out, lse, want_out, want_lse, pages.q.dtype)
-        assert report.violations.tolist() == [0, 0, 0, 1]
+    assert_every_claim_matches("decode", pages, want_out, want_lse, k_scale=k_scale,
+                               v_scale=v_scale)
 
 
 @pytest.mark.parametrize("form", SCALE_FORMS)
@@ -153,13 +152,8 @@ def test_extend_per_sequence_scales_match_the_definition(fmt, form):
     to_fp8(ext.pages, FP8[fmt])
     (k_scale, v_scale), (ks, vs) = scales_of(form)
     want_out, want_lse = dense(ext.q, ext.cu, per_seq_tokens(ext.pages, ks, vs), DIM ** -0.5)
-    args = kvattn.layout.validate_extend(*ext.inputs(), k_scale=k_scale, v_scale=v_scale)
-    names = claims(args, "extend")
-    assert "reference" in names and len(names) >= 2
-    for backend in names:
-        out, lse, report = ext.run(backend, return_lse=True, k_scale=k_scale, v_scale=v_scale)
-        assert_matches(out, lse, want_out, want_lse, ext.q.dtype)
-        assert report.violations.tolist() == [0, 0, 0, 1]
+    assert_every_claim_matches("extend", ext, want_out, want_lse, k_scale=k_scale,
+                               v_scale=v_scale)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
