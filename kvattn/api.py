@@ -27,7 +27,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     Args:
         q: ``[B, num_heads, head_dim]`` query of the new token.
-        k_cache, v_cache: the page pools (may be strided views; never copied).
+        k_cache, v_cache: the page pools (may be strided views; never copied); ``v_cache`` may
+            have a head dim of its own, ``head_dim_v``, which is the output's.
         block_table: ``[B, max_pages]`` int32 logical-to-physical page map.
         seq_lens: ``[B]`` int32 tokens per sequence, the new token's K/V included.
         page_tags: ``[num_pages]`` int64 page tags.
@@ -39,7 +40,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"torch"``, ``"reference"`` (or
             ``"cuda_sim"`` on CPU tensors); see :mod:`kvattn.backends` (``KVATTN_BACKEND``
             overrides ``"auto"``).
-        out: optional ``[B, num_heads, head_dim]`` output buffer (dtype of ``q``).
+        out: optional ``[B, num_heads, head_dim_v]`` output buffer (dtype of ``q``).
         return_lse: also return the ``[B, num_heads]`` float32 natural-log LSE.
         validate: run the value checks of :mod:`kvattn.layout` (default: only when the tensors are
             on the CPU, where they cost no device synchronisation).
@@ -60,7 +61,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            scale=scale, out=out, validate=validate, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
                            k_scale=k_scale, v_scale=v_scale)
-    return _run("decode", args, backend, check, on_violation, out, return_lse)
+    return _run("decode", args, backend, check, on_violation, out, return_lse, args.head_dim_v)
 
 
 def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -100,7 +101,8 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     Args:
         q: ``[total_q, num_heads, head_dim]`` queries of the new tokens, sequence by sequence.
-        k_cache, v_cache: the page pools (:mod:`kvattn.layout`; may be strided views; never copied).
+        k_cache, v_cache: the page pools (:mod:`kvattn.layout`; may be strided views; never
+            copied); ``v_cache`` may have a head dim of its own, ``head_dim_v``, the output's.
         cu_seqlens_q: ``[B + 1]`` int32 row offsets of the sequences in ``q``.
         block_table: ``[B, max_pages]`` int32 logical-to-physical page map.
         seq_lens: ``[B]`` int32 tokens per sequence, the new ones included.
@@ -114,7 +116,7 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             :class:`kvattn.KVOwnershipError` after writing the output).
         backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"torch"``, ``"reference"`` (or
             ``"cuda_sim"`` on CPU tensors); see :mod:`kvattn.backends`.
-        out: optional ``[total_q, num_heads, head_dim]`` output buffer (dtype of ``q``).
+        out: optional ``[total_q, num_heads, head_dim_v]`` output buffer (dtype of ``q``).
         return_lse: also return the ``[total_q, num_heads]`` float32 natural-log LSE.
         validate: run the value checks (default: only on CPU tensors, where they cost no sync).
         window_left, logits_soft_cap, sinks, alibi_slopes, k_scale, v_scale: the attention
@@ -142,7 +144,7 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
                            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
                            custom_mask=custom_mask, window_right=window_right)
-    return _run("extend", args, backend, check, on_violation, out, return_lse)
+    return _run("extend", args, backend, check, on_violation, out, return_lse, args.head_dim_v)
 
 
 def check_mode(check, on_violation) -> None:
@@ -158,7 +160,8 @@ def check_mode(check, on_violation) -> None:
 def _run(op: str, args, backend: str, check: bool, on_violation: str, out, return_lse: bool,
          out_dim: int | None = None):
     """Pick the backend for ``op``, allocate what the caller did not give, launch, report.
-    ``out_dim``: the output's last dim when it is not ``q``'s (MLA: ``kv_lora_rank``)."""
+    ``out_dim``: the output's last dim when it is not ``q``'s (V's head dim; MLA's
+    ``kv_lora_rank``)."""
     impl = backends.select(args, backend, op=op)
     q = args.q
     # Unvalidated extend offsets may leave rows no sequence covers, which no kernel writes: what

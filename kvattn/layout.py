@@ -3,7 +3,8 @@
 Paged KV layout (every docstring in kvattn points here)
 -------------------------------------------------------
 ``k_cache``, ``v_cache``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD), separate K and V
-    pools of one dtype: that of ``q`` (float16, bfloat16 or float32), or fp8 (``float8_e4m3fn``,
+    pools of one dtype (``v_cache`` may have a head dim of its own, ``head_dim_v``: DeepSeek's
+    192-dim keys with 128-dim values, FlashAttention 3's ``dv``; the rest of its shape is K's): that of ``q`` (float16, bfloat16 or float32), or fp8 (``float8_e4m3fn``,
     ``float8_e5m2``) dequantised by ``k_scale``/``v_scale`` (:mod:`kvattn.variants`). ``page_size`` is any size from 1 to 1024
     (powers of two take the kernels' fast paths; ``valid_len`` stays exact at every size).
     Only the last dimension must be contiguous: the pools may be strided views into a larger buffer,
@@ -21,8 +22,9 @@ Paged KV layout (every docstring in kvattn points here)
 ``expected``: ``[B]`` or ``[B, max_pages]`` int64 owner ids; the owner each logical page must carry
     (``[B]`` broadcasts over the pages; ``[B, max_pages]`` lets a sequence read prefix pages written
     under another lease). Entries for pages a sequence does not read are ignored.
-``q`` / ``out``: ``[B, num_heads, head_dim]``, last dimension contiguous; ``num_heads`` is a multiple
-    of ``num_kv_heads`` (GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+``q``: ``[B, num_heads, head_dim]``, ``out``: ``[B, num_heads, head_dim_v]``, last dimensions
+    contiguous; ``num_heads`` is a multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV
+    head ``h // (num_heads // num_kv_heads)``).
 ``lse``: ``[B, num_heads]`` float32, natural-log sum of exp of the scaled logits; ``-inf`` for a
     sequence with no readable slot (whose output is 0).
 
@@ -63,6 +65,11 @@ class _PagedShapes:
     @property
     def head_dim(self) -> int:
         return self.q.shape[2]
+
+    @property
+    def head_dim_v(self) -> int:
+        """The value pool's head dim: that of ``out`` (``head_dim`` unless V has its own)."""
+        return self.v_cache.shape[3]
 
     @property
     def num_pages(self) -> int:
@@ -180,10 +187,12 @@ def is_page_size(page_size) -> bool:
     return 1 <= page_size <= MAX_PAGE_SIZE
 
 
-def check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim) -> None:
-    """The geometry of a pool given as ints (:class:`kvattn.PagedKVCache`)."""
+def check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim, *,
+                        head_dim_name: str = "head_dim") -> None:
+    """The geometry of a pool given as ints (:class:`kvattn.PagedKVCache`; ``head_dim_name``
+    names the head dim in messages: ``head_dim_v`` for the value pool's own)."""
     for name, value in (("num_pages", num_pages), ("page_size", page_size),
-                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+                        ("num_kv_heads", num_kv_heads), (head_dim_name, head_dim)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if value < 1:
@@ -196,7 +205,9 @@ def check_kv_pools(k_cache, v_cache, device=None) -> None:
     """Shape, dtype and stride checks of the two pools (the layout above)."""
     check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES + FP8_DTYPES, device=device)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_DTYPES + FP8_DTYPES, device=device)
-    check_shape("v_cache", v_cache, k_cache.shape)
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]) or v_cache.shape[3] < 1:
+        _fail("v_cache", f"shape ({', '.join(map(str, k_cache.shape[:3]))}, head_dim_v >= 1) "
+              "(pages, slots and heads of k_cache)", f"{tuple(v_cache.shape)}")
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}")
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
@@ -262,9 +273,11 @@ def _check_index_tensors(block_table, seq_lens, page_tags, expected, batch: int,
     return expected
 
 
-def _check_scale_and_out(scale, out, q, inputs: dict) -> float:
-    """``scale`` (resolved) and ``out``; ``inputs`` are the tensors the call reads, which ``out``
-    must not overlap (the output would land in a page its tag still certifies, or in the tags)."""
+def _check_scale_and_out(scale, out, q, inputs: dict, out_dim: int | None = None) -> float:
+    """``scale`` (resolved, by default from q's head dim) and ``out`` (``q``'s rows and heads,
+    ``out_dim`` wide: V's head dim; None: q's); ``inputs`` are the tensors the call reads, which
+    ``out`` must not overlap (the output would land in a page its tag still certifies, or in the
+    tags)."""
     if scale is None:
         scale = q.shape[2] ** -0.5
     elif (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -272,7 +285,7 @@ def _check_scale_and_out(scale, out, q, inputs: dict) -> float:
         _fail("scale", "a positive finite float in [2**-126, 2**126] or None", repr(scale))
     if out is not None:
         check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
-        check_shape("out", out, q.shape)
+        check_shape("out", out, (*q.shape[:2], q.shape[2] if out_dim is None else out_dim))
         check_last_dim_contiguous("out", out)
         check_distinct_elements("out", out)
         check_apart("out", out, inputs)
@@ -293,7 +306,7 @@ def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expec
                   seq_lens=seq_lens, page_tags=page_tags, expected=expected)
     expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
                                     k_cache.shape[0], q.device)
-    scale = _check_scale_and_out(scale, out, q, inputs)
+    scale = _check_scale_and_out(scale, out, q, inputs, v_cache.shape[3])
     if validate is None:
         validate = q.device.type == "cpu"
     if validate:
@@ -355,9 +368,9 @@ class ExtendArgs(_PagedShapes):
 def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
                     *, scale=None, causal=True, out=None, validate=None, custom_mask=None,
                     **variant) -> ExtendArgs:
-    """Check every extend input against the layout above (``q``/``out`` are ``[total_q,
-    num_heads, head_dim]`` here, ``cu_seqlens_q`` ``[B + 1]`` int32); raise ValueError/TypeError
-    naming the argument, what was expected and what was got.
+    """Check every extend input against the layout above (``q`` is ``[total_q, num_heads,
+    head_dim]`` here, ``out`` ``[total_q, num_heads, head_dim_v]``, ``cu_seqlens_q`` ``[B + 1]``
+    int32); raise ValueError/TypeError naming the argument, what was expected and what was got.
 
     Value checks (with ``validate``, default on CPU tensors): those of decode, plus
     ``cu_seqlens_q`` starting at 0, non-decreasing and ending at ``total_q``, and, when causal,
@@ -375,7 +388,7 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
                   expected=expected)
     expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
                                     k_cache.shape[0], q.device)
-    scale = _check_scale_and_out(scale, out, q, inputs)
+    scale = _check_scale_and_out(scale, out, q, inputs, v_cache.shape[3])
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     if validate is None:

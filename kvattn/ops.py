@@ -74,8 +74,8 @@ def _(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale, ch
       return_lse, validate, *variant):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
-    return (torch.empty_like(q), lse, q.new_empty(4, batch, dtype=torch.int32),
-            q.new_empty(batch, max_pages, dtype=torch.int8))
+    return (q.new_empty(*q.shape[:2], v_cache.shape[3]), lse,
+            q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
 
 
 @torch.library.custom_op("kvattn::paged_extend", mutates_args=())
@@ -104,8 +104,8 @@ def _(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expec
       check, backend, return_lse, validate, *variant):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
-    return (torch.empty_like(q), lse, q.new_empty(4, batch, dtype=torch.int32),
-            q.new_empty(batch, max_pages, dtype=torch.int8))
+    return (q.new_empty(*q.shape[:2], v_cache.shape[3]), lse,
+            q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
 
 
 @torch.library.custom_op("kvattn::write_kv", mutates_args=("k_cache", "v_cache", "page_tags"))

@@ -105,11 +105,11 @@ def gather_pages(a, pool, scale):
 
 def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos=None,
            causal: bool = True, variant: Variant = PLAIN):
-    """Softmax attention of ``q`` ``[B, H, D]`` over ``k``/``v`` ``[B, N, Hkv, D]`` where ``allowed``
-    ``[B, N]``; GQA by head groups. ``q_pos`` ``[B]``: each query's position (key ``n`` sits at
+    """Softmax attention of ``q`` ``[B, H, D]`` over ``k`` ``[B, N, Hkv, D]`` and ``v`` ``[B, N, Hkv,
+    Dv]`` where ``allowed`` ``[B, N]``; GQA by head groups. ``q_pos`` ``[B]``: each query's position (key ``n`` sits at
     position ``n``), needed by the window and ALiBi of ``variant`` (:mod:`kvattn.variants`), which
     ``causal`` selects the ALiBi form of (its per-sequence values, if any, one row per query row).
-    Returns ``out`` ``[B, H, D]`` and ``lse`` ``[B, H]`` (over
+    Returns ``out`` ``[B, H, Dv]`` and ``lse`` ``[B, H]`` (over
     the keys: sinks join only the output's denominator) in ``compute_dtype``; a row with nothing
     allowed, and a head with an invalid switch value (:meth:`kvattn.variants.Variant.heads_read`),
     gets output 0 and lse -inf."""
@@ -151,7 +151,7 @@ def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos
         reads = reads.view(-1, num_kv_heads, group)
         out = torch.where(reads[..., None], out, 0)
         lse = torch.where(reads, lse, float("-inf"))
-    return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+    return out.reshape(batch, num_heads, v.shape[-1]), lse.reshape(batch, num_heads)
 
 
 def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *, scale=None,
@@ -196,8 +196,8 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
     ``seq_len`` keys. Rows outside every sequence (possible only when
     ``cu_seqlens_q`` fails validation) come out 0 here; the kernels leave them unwritten.
 
-    Returns ``(out, report)`` or ``(out, lse, report)``, ``out`` ``[total_q, num_heads, head_dim]``
-    in ``compute_dtype``, ``lse`` ``[total_q, num_heads]``; ``report`` is None when unchecked.
+    Returns ``(out, report)`` or ``(out, lse, report)``, ``out`` ``[total_q, num_heads,
+    head_dim_v]`` in ``compute_dtype``, ``lse`` ``[total_q, num_heads]``; ``report`` is None when unchecked.
     With a sliding window the pages checked are those holding a key some row reads.
     """
     a = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
@@ -216,7 +216,7 @@ def extend_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
     v = gather_pages(a, a.v_cache, sw.v_scale)
     q = a.q
 
-    out = torch.zeros(a.total_q, a.num_heads, a.head_dim, dtype=compute_dtype, device=q.device)
+    out = torch.zeros(a.total_q, a.num_heads, a.head_dim_v, dtype=compute_dtype, device=q.device)
     lse = torch.full((a.total_q, a.num_heads), float("-inf"), dtype=compute_dtype, device=q.device)
     starts = offsets.tolist()
     key_pos = torch.arange(allowed.shape[1], device=q.device)

@@ -3,7 +3,7 @@ registry and the writer backends receive, as :class:`kvattn.layout.DecodeArgs` i
 and the owner-id checks every writer shares.
 
 The pools and tags follow :mod:`kvattn.layout`; the new tokens' ``k``/``v`` are ``[T, num_kv_heads,
-head_dim]`` in the cache dtype (fp8 pools also take float16/bfloat16/float32 tokens, which the writer
+head_dim]`` (``v``: ``head_dim_v``, its pool's) in the cache dtype (fp8 pools also take float16/bfloat16/float32 tokens, which the writer
 quantises by ``k_scale``/``v_scale``: :func:`kvattn.write_kv`), ``slot_mapping`` ``[T]`` int32/int64 (``page * page_size + slot``,
 negative = padding, any stride), the owners one int64 per token.
 
@@ -67,6 +67,10 @@ class WriteArgs:
     @property
     def head_dim(self) -> int:
         return self.k_cache.shape[3]
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.v_cache.shape[3]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """``(k, v, k_cache, v_cache, slot_mapping, page_tags, owners)``, the launchers' order."""
@@ -176,10 +180,10 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
     dtypes = (k_cache.dtype,) + (KV_DTYPES if k_cache.dtype in FP8_DTYPES else ())
     check_tensor("k", k, ndim=3, dtypes=dtypes, device=device)
     check_tensor("v", v, ndim=3, dtypes=(k.dtype,), device=device)
-    for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != (num_tokens, num_kv_heads, head_dim):
-            raise ValueError(f"{name}: expected shape ({num_tokens}, {num_kv_heads}, {head_dim}) "
-                             f"(tokens of slot_mapping, heads and head_dim of the cache), "
+    for name, t, dim in (("k", k, head_dim), ("v", v, v_cache.shape[3])):
+        if tuple(t.shape) != (num_tokens, num_kv_heads, dim):
+            raise ValueError(f"{name}: expected shape ({num_tokens}, {num_kv_heads}, {dim}) "
+                             f"(tokens of slot_mapping, heads and head dim of its pool), "
                              f"got {tuple(t.shape)}")
         check_last_dim_contiguous(name, t)
     owners = owner_ids(owner, num_tokens, device, validate=validate)

@@ -228,8 +228,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              v_scale=None, fp8_rounding: str = "nearest") -> WriteResult:
     """Append new tokens' K/V to their page slots, then stamp the pages (``reshape_and_cache``).
 
-    ``k``, ``v``: ``[T, num_kv_heads, head_dim]``, the cache dtype (or, for fp8 pools, float16/
-    bfloat16/float32 to quantise: see ``k_scale``). ``slot_mapping``: ``[T]`` int32/
+    ``k``, ``v``: ``[T, num_kv_heads, head_dim]`` (``v``: the head dim of ``v_cache``), the cache
+    dtype (or, for fp8 pools, float16/bfloat16/float32 to quantise: see ``k_scale``). ``slot_mapping``: ``[T]`` int32/
     int64 (any stride), ``page * page_size + slot`` per token; a negative entry is padding and is
     skipped without being counted. ``owner``: the writer's lease id, an int or an int64 tensor ``[T]`` (one per
     token). Pools and tags as in :mod:`kvattn.layout`.

@@ -37,11 +37,11 @@ def _page_ranges(a, first_key: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 def _gather(a, pool: torch.Tensor, scale, pages: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """``[S, C * P, Hkv, D]`` float32: logical pages ``pages`` ``[S, C]`` (indices already in the
+    """``[S, C * P, Hkv, D]`` float32 (``D``: the pool's head dim): logical pages ``pages`` ``[S, C]`` (indices already in the
     pool) dequantised by ``scale`` when fp8, zero wherever ``allowed`` ``[S, C * P]`` is False:
     refused and foreign slots may hold NaN, which must not reach any product."""
     x = pool.index_select(0, pages.flatten())  # a copy, whole pages at a time
-    x = x.view(pages.shape[0], -1, a.num_kv_heads, a.head_dim).float()
+    x = x.view(pages.shape[0], -1, a.num_kv_heads, pool.shape[3]).float()
     if scale is not None:
         x = x * scale.view(-1, 1, a.num_kv_heads, 1)  # per head, or per gathered sequence
     # Usually only the tail of the last page is masked: zero those slots, not the whole copy.
@@ -61,10 +61,10 @@ def _per_kv_head(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.T
 
 
 def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
-    """Softmax attention of ``q`` ``[Hkv, S, G, T, D]`` (float32, already scaled) over ``k``/``v``
-    ``[S, N, Hkv, D]`` where ``mask`` ``[S, T, N]``; ``q_pos`` ``[S, T]`` and ``key_pos`` ``[S, N]``
-    are positions in the sequence. The score transforms are those of
-    :func:`kvattn.reference.attend`, in its order. Returns ``out`` ``[Hkv, S, G, T, D]`` and ``lse``
+    """Softmax attention of ``q`` ``[Hkv, S, G, T, D]`` (float32, already scaled) over ``k`` ``[S, N,
+    Hkv, D]`` and ``v`` ``[S, N, Hkv, Dv]`` where ``mask`` ``[S, T, N]``; ``q_pos`` ``[S, T]`` and
+    ``key_pos`` ``[S, N]`` are positions in the sequence. The score transforms are those of
+    :func:`kvattn.reference.attend`, in its order. Returns ``out`` ``[Hkv, S, G, T, Dv]`` and ``lse``
     ``[Hkv, S, G, T]``; a row with nothing in ``mask``, and a head that reads nothing
     (:meth:`kvattn.variants.Variant.heads_read`), gets output 0 and lse -inf. ``variant``'s
     per-sequence values, if any, are those of the ``S`` sequences."""
@@ -88,8 +88,9 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
     probs = torch.exp(logits - top)
     denom = probs.sum(dim=-1)  # [Hkv, S, G, T], 0 where nothing is allowed
     lse = top.squeeze(-1) + torch.log(denom)
-    out = _per_kv_head(probs.view(hkv, s, g * t, n), v, q.new_empty(hkv, s, g * t, d))
-    out = out.view(hkv, s, g, t, d)
+    dv = v.shape[3]
+    out = _per_kv_head(probs.view(hkv, s, g * t, n), v, q.new_empty(hkv, s, g * t, dv))
+    out = out.view(hkv, s, g, t, dv)
     out = out / denom.masked_fill(denom == 0, 1)[..., None]
     if variant.sinks is not None:
         # As the reference: the sink's share of the denominator is sigmoid(lse - sink), 1 for -inf.
@@ -179,7 +180,7 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
         q = a.q.index_select(0, rows).float() * a.scale
         q = q.view(len(group), a.num_kv_heads, g, 1, a.head_dim).transpose(0, 1)
         o, l = _attend(q, k, v, mask, q_pos, key_pos, variant, causal=True)
-        o = o.transpose(0, 1).reshape(len(group), a.num_heads, a.head_dim)
+        o = o.transpose(0, 1).reshape(len(group), a.num_heads, a.head_dim_v)
         out.index_copy_(0, rows, o.to(out.dtype))
         if lse is not None:
             lse.index_copy_(0, rows, l.transpose(0, 1).reshape(len(group), a.num_heads))
@@ -252,7 +253,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
                 kt, vt = kt.masked_fill(unread, 0), vt.masked_fill(unread, 0)
             o, l = _attend(q, kt, vt, mask, q_pos, kp, variant, a.causal)
             out[r0 + t0:r0 + t1] = o[:, 0].permute(2, 0, 1, 3).reshape(t1 - t0, a.num_heads,
-                                                                        a.head_dim).to(out.dtype)
+                                                                        a.head_dim_v).to(out.dtype)
             if lse is not None:
                 lse[r0 + t0:r0 + t1] = l[:, 0].permute(2, 0, 1).reshape(t1 - t0, a.num_heads)
     return report
