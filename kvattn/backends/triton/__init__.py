@@ -37,6 +37,8 @@ def why_not(args) -> str | None:
     reason = _why_not_here(args.q.device)
     if reason is None and args.head_dim > MAX_HEAD_DIM:
         return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
+    if reason is None and args.head_dim_v > MAX_HEAD_DIM:
+        return f"V head dim {args.head_dim_v} > {MAX_HEAD_DIM}"
     unsupported = [s for s in args.variant.switches() if s not in SWITCHES]
     if reason is None and unsupported:
         return f"no kernel for {', '.join(unsupported)}"

@@ -1,5 +1,6 @@
 """Launch configurations of the Triton kernels: one table per kernel, keyed by
-``(arch, dtype, head_dim, page_size)``, with overrides for tuning sweeps.
+``(arch, dtype, head_dim, page_size)`` (decode: and V's head dim, when it has its own), with
+overrides for tuning sweeps.
 
 A key matches an entry when every field of the entry is None (any) or equal; the most specific
 entry wins (most non-None fields, then the later entry). The values are defaults until a recorded
@@ -52,7 +53,8 @@ def large_pages(page_size: int) -> bool:
 
 
 # (arch, dtype, head_dim rounded up to a power of two, page_size) -> config. A field matches when it
-# is None, equal, or a predicate that accepts the value. Defaults chosen from sm_90 compiles
+# is None, equal, or a predicate that accepts the value; decode keys carry a fifth, V's head dim
+# rounded up, which only the entries that name it read. Defaults chosen from sm_90 compiles
 # (tools/static_sm90.py: K/V buffers, registers, shared memory, loop instructions), not timings.
 DECODE_TABLE: list[tuple[tuple, DecodeConfig]] = [
     # Pages of 16 (and 48, 80, ...): one scalar page per tile, three K/V buffers in flight; 29 KB of
@@ -72,6 +74,12 @@ DECODE_TABLE: list[tuple[tuple, DecodeConfig]] = [
     ((None, None, 256, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=5, max_registers=96)),
     ((None, None, 512, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=2)),
     ((None, torch.float32, None, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=4)),
+    # Keys of 256 (192 rounded up) with values of 128, V's own head dim (5th field; the entries
+    # above match any): capped at 96 registers ptxas schedules the checked loop 10% longer than
+    # the unchecked (332 / 301 instructions, DeepSeek's 192 / 128), at 80 as long as d256's gap
+    # (322 / 301); 80 registers and 33 KB of shared memory fit 6 programs.
+    ((None, None, 256, None, 128), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=6,
+                                                max_registers=80)),
 ]
 
 EXTEND_TABLE: list[tuple[tuple, ExtendConfig]] = [
@@ -106,9 +114,11 @@ def _arch(device: torch.device) -> int | None:
 
 
 def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int,
-                  **overrides) -> DecodeConfig:
-    """The table's decode config for these inputs, with ``overrides`` (fields of DecodeConfig)."""
-    config = _lookup(DECODE_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size))
+                  head_dim_v: int | None = None, **overrides) -> DecodeConfig:
+    """The table's decode config for these inputs (``head_dim_v``: V's head dim, default
+    ``head_dim``), with ``overrides`` (fields of DecodeConfig)."""
+    dv = _pow2(head_dim if head_dim_v is None else head_dim_v)
+    config = _lookup(DECODE_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size, dv))
     return replace(config, **overrides) if overrides else config
 
 

@@ -73,7 +73,8 @@ def paged_decode_kernel(
     scale_stride, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_eb, stride_ep, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, CHECK: tl.constexpr, DOT_FP32: tl.constexpr,
     RETURN_LSE: tl.constexpr, OWNER_PER_PAGE: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
@@ -114,10 +115,12 @@ def paged_decode_kernel(
     else:
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)  # V's head dim, the output's
         offs_n = tl.arange(0, BLOCK_N)
         heads = kv_head * GROUP + offs_g  # [BLOCK_G]
         g_mask = offs_g < GROUP
         d_mask = offs_d < HEAD_DIM
+        dv_mask = offs_dv < HEAD_DIM_V
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
         bt_row = block_table_ptr + b * stride_bt
@@ -138,7 +141,7 @@ def paged_decode_kernel(
             alibi2 = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
         loop_lo = start
         if WINDOW:
             loop_lo = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)  # tiles wholly before: skipped
@@ -150,9 +153,10 @@ def paged_decode_kernel(
             page = page.to(tl.int64)
             k_rows = k_head + page * stride_kp + slot * stride_ks  # [BLOCK_N]
             v_rows = v_head + page * stride_vp + slot * stride_vs
-            kv_mask = live[:, None] & d_mask[None, :]
-            k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            k = tl.load(k_rows[:, None] + offs_d[None, :], mask=live[:, None] & d_mask[None, :],
+                        other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=live[:, None] & dv_mask[None, :],
+                        other=0.0)  # [BLOCK_N, BLOCK_DV]
             if FP8:
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
@@ -177,8 +181,8 @@ def paged_decode_kernel(
             if SINKS:
                 sink2 = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
             out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
-            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & dv_mask[None, :])
             if RETURN_LSE:
                 l_safe = tl.where(l_i > 0, l_i, 1.0)
                 lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
@@ -186,7 +190,7 @@ def paged_decode_kernel(
         elif start < end:
             # Splits past the sequence's end write nothing; the merge reads only the others.
             row = (b * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]
-            tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+            tl.store(part_acc_ptr + row[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=g_mask[:, None])
             tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
             tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
 
@@ -275,7 +279,8 @@ def interpreted() -> bool:
 
 def launch_config(args: DecodeArgs, config: DecodeConfig | None = None) -> DecodeConfig:
     """The configuration a launch uses: ``config`` or the table's entry (:mod:`.configs`)."""
-    return config or decode_config(args.q.device, args.q.dtype, args.head_dim, args.page_size)
+    return config or decode_config(args.q.device, args.q.dtype, args.head_dim, args.page_size,
+                                   args.head_dim_v)
 
 
 def split_alignment(args: DecodeArgs, config: DecodeConfig) -> int:
@@ -309,10 +314,11 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     config = launch_config(args, config)
     splits, min_chunk, align = plan_splits(args, config, num_splits)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(args.head_dim_v))
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
     report = OwnershipReport.allocate(batch, args.max_pages, q.device) if check else None
     if splits > 1:
-        part_acc = torch.empty(batch * num_heads * splits * block_d, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(batch * num_heads * splits * block_dv, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=q.device)
         part_report = torch.empty(batch * splits * REPORT_FIELDS, dtype=torch.int32, device=q.device)
     else:
@@ -343,8 +349,8 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         stride_bt=args.block_table.stride(0), stride_eb=args.expected.stride(0),
         stride_ep=args.expected.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size, BLOCK_N=config.block_n,
-        ALIGN=align, BLOCK_P=128, CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=args.head_dim_v, BLOCK_DV=block_dv,
+        PAGE=args.page_size, BLOCK_N=config.block_n, ALIGN=align, BLOCK_P=128, CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
         OWNER_PER_PAGE=args.expected.stride(1) != 0, SOFTCAP=sw.logits_soft_cap > 0,
         ALIBI=sw.alibi_slopes is not None, **switches,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -357,7 +363,7 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
             max_pages=args.max_pages, num_splits=splits, min_chunk=min_chunk,
             stride_ob=out.stride(0), stride_oh=out.stride(1), window_left=sw.window_left,
             sinks_ptr=sinks,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=args.page_size,
+            NUM_HEADS=num_heads, HEAD_DIM=args.head_dim_v, BLOCK_D=block_dv, PAGE=args.page_size,
             ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
             SINKS=sw.sinks is not None, num_warps=4,
         )

@@ -238,10 +238,11 @@ def key_entries(bt_row, eff_row, tok, kv_lo, kv_hi, num_pages, PAGE: tl.constexp
 @triton.jit
 def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, stride_kp,
                  stride_ks, stride_vp, stride_vs, offs_n, offs_d, offs_dv, mask_ptr, mask_row,
-                 mask_numel, token_ok, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                 CHECK: tl.constexpr, WINDOW: tl.constexpr, CUSTOM: tl.constexpr,
-                 TOKENS: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """K ``[BLOCK_N, BLOCK_D]`` and V ``[BLOCK_N, DV]`` (this program's slice of the head dim) of
+                 mask_numel, token_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 PAGE: tl.constexpr, CHECK: tl.constexpr, WINDOW: tl.constexpr,
+                 CUSTOM: tl.constexpr, TOKENS: tl.constexpr, HEADS: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """K ``[BLOCK_N, BLOCK_D]`` and V ``[BLOCK_N, DV]`` (this program's slice of V's head dim) of
     keys ``t0 + offs_n``, the mask of those that may be read: below ``kv_hi`` (and, WINDOW, at or
     after ``kv_lo``), in the pool and (checked) among the page's readable slots, and (CUSTOM) the
     custom mask's entries of the tile's rows ``[BLOCK_M, BLOCK_N]``, loaded once per query token
@@ -264,7 +265,7 @@ def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, s
     k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
                 mask=live[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
     v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_dv[None, :],
-                mask=live[:, None] & (offs_dv < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, DV]
+                mask=live[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)  # [BLOCK_N, DV]
     return k, v, live, allowed
 
 
@@ -306,8 +307,9 @@ def paged_extend_kernel(
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, D_SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    D_SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
     CHECK: tl.constexpr, DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
     CUSTOM: tl.constexpr, RIGHT: tl.constexpr,
@@ -321,7 +323,7 @@ def paged_extend_kernel(
     column = (launched % columns).to(tl.int32)
     # The column: KV head, head chunk and, for the widest heads, which part of the output dims
     # this program accumulates (D_SPLIT programs share a tile: each computes the full QK^T,
-    # registers hold only its DV = BLOCK_D / D_SPLIT output columns).
+    # registers hold only its DV = BLOCK_DV / D_SPLIT output columns; V's head dim is the output's).
     d_part = column % D_SPLIT
     kv_head = column // D_SPLIT // num_chunks
     chunk = column // D_SPLIT % num_chunks
@@ -338,7 +340,7 @@ def paged_extend_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    DV: tl.constexpr = BLOCK_D // D_SPLIT
+    DV: tl.constexpr = BLOCK_DV // D_SPLIT
     offs_dv = d_part * DV + tl.arange(0, DV)
     d_mask = offs_d < HEAD_DIM
     # Rows past the sequence's queries or the group read q = 0 and are never stored.
@@ -401,8 +403,8 @@ def paged_extend_kernel(
         k, v, live, allowed = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi,
                                            num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
                                            offs_n, offs_d, offs_dv, mask_ptr, mask_row, mask_numel,
-                                           token_ok, HEAD_DIM, PAGE, CHECK, WINDOW, CUSTOM, TOKENS,
-                                           HEADS, BLOCK_M)
+                                           token_ok, HEAD_DIM, HEAD_DIM_V, PAGE, CHECK, WINDOW,
+                                           CUSTOM, TOKENS, HEADS, BLOCK_M)
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -414,8 +416,8 @@ def paged_extend_kernel(
         k, v, live, allowed = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi,
                                            num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
                                            offs_n, offs_d, offs_dv, mask_ptr, mask_row, mask_numel,
-                                           token_ok, HEAD_DIM, PAGE, CHECK, WINDOW, CUSTOM, TOKENS,
-                                           HEADS, BLOCK_M)
+                                           token_ok, HEAD_DIM, HEAD_DIM_V, PAGE, CHECK, WINDOW,
+                                           CUSTOM, TOKENS, HEADS, BLOCK_M)
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -439,7 +441,7 @@ def paged_extend_kernel(
     out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DIM)[None, :])
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
     if RETURN_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
         # One program of a d_split group writes the LSE (a vector test: the interpreter refuses a
@@ -456,7 +458,9 @@ def launch_config(args: ExtendArgs, config: ExtendConfig | None = None) -> Exten
     """The configuration a launch uses: ``config`` or the table's entry (:mod:`.configs`)."""
     if config is not None:
         return config
-    config = extend_config(args.q.device, args.q.dtype, args.head_dim, args.page_size)
+    # Keyed by the wider head: the query and K tiles, or V's accumulator, bound the registers.
+    config = extend_config(args.q.device, args.q.dtype, max(args.head_dim, args.head_dim_v),
+                           args.page_size)
     if args.variant.custom_mask is not None:
         # The mask's [BLOCK_M, BLOCK_N] entries beside the scores: 64-key tiles spill at d128
         # (tools/static_sm90.py), 32-key tiles do not.
@@ -516,6 +520,9 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     block_m = block_m or config.block_m
     block_n = block_n or config.block_n
     block_d = max(16, triton.next_power_of_2(args.head_dim))
+    block_dv = max(16, triton.next_power_of_2(args.head_dim_v))
+    # Each part of a split output keeps at least 16 columns (a tensor-core tile's N).
+    d_split = min(config.d_split, block_dv // 16)
     heads, tokens, chunks = row_layout(args, block_m)
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
     # The grid from shapes only: every sequence has at least one tile, so ceil(total_q / tokens) + B
@@ -532,7 +539,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     # A bool tensor as bytes: one load per entry; an empty mask (every entry past its end) is
     # never dereferenced.
     mask = sw.custom_mask.view(torch.uint8) if custom and sw.custom_mask.numel() else out
-    paged_extend_kernel[(slots, args.num_kv_heads * chunks * config.d_split)](
+    paged_extend_kernel[(slots, args.num_kv_heads * chunks * d_split)](
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, cu_seqlens_ptr=args.cu_seqlens_q,
         block_table_ptr=args.block_table, effective_ptr=effective, seq_lens_ptr=args.seq_lens,
         out_ptr=out, lse_ptr=lse if lse is not None else out, part_report_ptr=part_report,
@@ -548,8 +555,9 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
         stride_bt=args.block_table.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
         NUM_HEADS=args.num_heads, GROUP=args.num_heads // args.num_kv_heads, HEADS=heads,
-        TOKENS=tokens, HEAD_DIM=args.head_dim, BLOCK_D=block_d, PAGE=args.page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, D_SPLIT=config.d_split, CAUSAL=args.causal,
+        TOKENS=tokens, HEAD_DIM=args.head_dim, BLOCK_D=block_d, HEAD_DIM_V=args.head_dim_v,
+        BLOCK_DV=block_dv, PAGE=args.page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64,
+        D_SPLIT=d_split, CAUSAL=args.causal,
         CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
         SOFTCAP=sw.logits_soft_cap > 0, ALIBI=sw.alibi_slopes is not None,
         SINKS=sw.sinks is not None, FP8=sw.fp8, CUSTOM=custom, RIGHT=sw.right_windowed,

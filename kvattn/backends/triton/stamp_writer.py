@@ -25,7 +25,7 @@ def write_kv_kernel(
     num_pages, stride_slot, stride_owner, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cp, stride_cs, stride_ch, stride_dp, stride_ds, stride_dh,
     PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     QUANT: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
     TOWARD_ZERO: tl.constexpr,
 ):
@@ -64,12 +64,13 @@ def write_kv_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     # A refused token has no heads to move (a scalar bool cannot join a vector mask directly).
     num_heads = tl.where(landed, NUM_KV_HEADS, 0)
     hd_mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
-    row = offs_h[:, None] * stride_kh + offs_d[None, :]  # [BLOCK_H, BLOCK_D]
-    k = tl.load(k_ptr + i * stride_kt + row, mask=hd_mask)
-    v = tl.load(v_ptr + i * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=hd_mask)
+    hdv_mask = (offs_h[:, None] < num_heads) & (offs_dv[None, :] < HEAD_DIM_V)  # [BLOCK_H, BLOCK_DV]
+    k = tl.load(k_ptr + i * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=hd_mask)
+    v = tl.load(v_ptr + i * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :], mask=hdv_mask)
     if QUANT:
         # div_rn: the correctly rounded quotient the torch writer computes (not a fast reciprocal).
         ks = tl.load(k_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)
@@ -82,7 +83,7 @@ def write_kv_kernel(
     tl.store(k_cache_ptr + safe_page * stride_cp + slot * stride_cs + offs_h[:, None] * stride_ch
              + offs_d[None, :], k, mask=hd_mask)
     tl.store(v_cache_ptr + safe_page * stride_dp + slot * stride_ds + offs_h[:, None] * stride_dh
-             + offs_d[None, :], v, mask=hd_mask)
+             + offs_dv[None, :], v, mask=hdv_mask)
 
 
 @triton.jit
@@ -121,8 +122,9 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale=No
         stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1),
         stride_cp=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
         stride_dp=v_cache.stride(0), stride_ds=v_cache.stride(1), stride_dh=v_cache.stride(2),
-        PAGE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        PAGE=page_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_V=v_cache.shape[3],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_DV=triton.next_power_of_2(v_cache.shape[3]),
         QUANT=quant, MANT=mant, BIAS=bias, MAX_BITS=max_bits,
         TOWARD_ZERO=fp8_rounding == "toward_zero",
     )
