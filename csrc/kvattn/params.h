@@ -130,7 +130,8 @@ struct ScoreVariant {
   X(I64, int64_t, stride_vp) X(I64, int64_t, stride_vs) X(I64, int64_t, stride_vch)              \
   X(I64, int64_t, stride_slot) X(I64, int64_t, stride_owner)                                      \
   X(I64, int64_t, num_tokens) X(I64, int64_t, num_pages)                                          \
-  X(I32, int, slot_is_int64) X(I32, int, page_size) X(I32, int, num_kv_heads) X(I32, int, head_dim)
+  X(I32, int, slot_is_int64) X(I32, int, page_size) X(I32, int, num_kv_heads) X(I32, int, head_dim) \
+  X(I32, int, head_dim_v)  /* V's head dim (the pools' dim 3 may differ) */
 
 #define KVATTN_DECLARE_ARG(kind, type, name) type name;
 

@@ -76,6 +76,10 @@ __global__ void __launch_bounds__(kWriteThreads) write_kv_copy_kernel(const Writ
     const int h = i / p.head_dim;
     const int d = i % p.head_dim;
     k_dst[h * p.stride_kch + d] = k[h * p.stride_kh + d * p.stride_kd];
+  }
+  for (int i = threadIdx.x; i < p.num_kv_heads * p.head_dim_v; i += kWriteThreads) {
+    const int h = i / p.head_dim_v;
+    const int d = i % p.head_dim_v;
     v_dst[h * p.stride_vch + d] = v[h * p.stride_vh + d * p.stride_vd];
   }
   __threadfence();

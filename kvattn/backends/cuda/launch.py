@@ -55,6 +55,9 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
                 "fp16/bf16 on tensor cores; the triton backend runs float32)")
     if args.head_dim > MAX_HEAD_DIM:
         return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
+    if args.head_dim_v != args.head_dim:
+        return (f"V head dim {args.head_dim_v} != K head dim {args.head_dim} (the CUDA kernels "
+                "stage K and V rows of one width; the triton backend runs it)")
     switches = DECODE_SWITCHES if isinstance(args, DecodeArgs) else SWITCHES
     missing = [s for s in args.variant.switches() if s not in switches]
     if missing:
@@ -296,6 +299,7 @@ def write_kv(ext, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         stride_slot=slot_mapping.stride(0), stride_owner=owners.stride(0),
         num_tokens=num_tokens, num_pages=num_pages, slot_is_int64=int(slot_mapping.dtype == torch.int64),
         page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        head_dim_v=v_cache.shape[3],
     )
     ext.write_kv(params, DTYPE_CODES[k_cache.dtype], stream)
     return WriteResult(landed, drop_reasons, dropped)
