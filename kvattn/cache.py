@@ -78,6 +78,8 @@ class PagedKVCache:
             ``[num_kv_heads]`` on ``device``; default 1), else ``ValueError``.
         layout: ``"NHD"`` or ``"HND"``: the byte order of the pool buffers. Either way
             ``k_cache``/``v_cache`` are NHD-shaped views (HND ones are transposed views).
+        head_dim_v: the value pool's own head dim (an int >= 1; default ``head_dim``), that of
+            the outputs of :meth:`decode`/:meth:`prefill` and of the ``v`` they append.
 
     Every method that takes a lease refuses (ValueError) one this cache did not issue, and token
     counts must be non-negative ints.
@@ -85,18 +87,22 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float16, device=None, layout: str = "NHD",
-                 k_scale=None, v_scale=None):
+                 k_scale=None, v_scale=None, head_dim_v: int | None = None):
         check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim)
+        if head_dim_v is None:
+            head_dim_v = head_dim
+        check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim_v,
+                            head_dim_name="head_dim_v")
         if dtype not in KV_DTYPES + FP8_DTYPES:
             raise TypeError(f"dtype: expected one of {KV_DTYPES + FP8_DTYPES}, got {dtype}")
         if layout == "NHD":
-            shape = (num_pages, page_size, num_kv_heads, head_dim)
-            self.k_cache = torch.empty(shape, dtype=dtype, device=device)
-            self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+            shape = (num_pages, page_size, num_kv_heads)
+            self.k_cache = torch.empty(*shape, head_dim, dtype=dtype, device=device)
+            self.v_cache = torch.empty(*shape, head_dim_v, dtype=dtype, device=device)
         elif layout == "HND":
-            shape = (num_pages, num_kv_heads, page_size, head_dim)
-            self.k_cache = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
-            self.v_cache = torch.empty(shape, dtype=dtype, device=device).transpose(1, 2)
+            shape = (num_pages, num_kv_heads, page_size)
+            self.k_cache = torch.empty(*shape, head_dim, dtype=dtype, device=device).transpose(1, 2)
+            self.v_cache = torch.empty(*shape, head_dim_v, dtype=dtype, device=device).transpose(1, 2)
         else:
             raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
         self.page_size = page_size
@@ -182,10 +188,11 @@ class PagedKVCache:
         return (pages * self.page_size + tokens % self.page_size).to(self.device)
 
     def append(self, lease: Lease, k: torch.Tensor, v: torch.Tensor) -> WriteResult:
-        """Write ``k``/``v`` ``[T, num_kv_heads, head_dim]`` after the lease's tokens, growing it as
-        needed, and stamp the pages. Tokens refused by the writer are counted in the result; the
-        lease's ``num_tokens`` advances all the same (it is the host's view of the sequence), so
-        readers find the refused slots unwritten and report them."""
+        """Write ``k``/``v`` ``[T, num_kv_heads, head_dim]`` (``v``: ``head_dim_v``) after the
+        lease's tokens, growing it as needed, and stamp the pages. Tokens refused by the writer
+        are counted in the result; the lease's ``num_tokens`` advances all the same (it is the
+        host's view of the sequence), so readers find the refused slots unwritten and report
+        them."""
         self._check_live(lease)
         count = k.shape[0]
         self.grow(lease, lease.num_tokens + count)
@@ -255,7 +262,8 @@ class PagedKVCache:
         its tokens, then :func:`kvattn.paged_extend` of its queries over all its pages (a shared
         prefix included, checked against the owner that wrote it).
 
-        ``q`` ``[total_q, num_heads, head_dim]``, ``k``/``v`` ``[total_q, num_kv_heads, head_dim]``:
+        ``q`` ``[total_q, num_heads, head_dim]``, ``k``/``v`` ``[total_q, num_kv_heads, head_dim]``
+        (``v``: ``head_dim_v``):
         the new tokens of ``leases[0]``, then of ``leases[1]``, ...; ``q_lens``: how many belong to
         each lease (host ints: the chunk schedule is host bookkeeping). A token the writer refuses
         leaves its slot unwritten, so the attention refuses it and the report shows it.
