@@ -37,17 +37,18 @@ def matrix() -> tuple[list[str], dict[str, dict[str, str]]]:
     return names, {row[0]: dict(zip(names, row[1:])) for row in rows}
 
 
-def reader_args(pool_dtype=torch.float16, **variant):
+def reader_args(pool_dtype=torch.float16, head_dim_v=DIM, **variant):
     k_cache = torch.zeros(2, PAGE, KV_HEADS, DIM, dtype=pool_dtype)
+    v_cache = torch.zeros(2, PAGE, KV_HEADS, head_dim_v, dtype=pool_dtype)
     tags = torch.zeros(2, dtype=torch.int64)
     table = torch.zeros(1, 1, dtype=torch.int32)
     lens = torch.ones(1, dtype=torch.int32)
     owners = torch.ones(1, dtype=torch.int64)
     q = torch.zeros(1, HEADS, DIM, dtype=torch.float16)
     cu = torch.tensor([0, 1], dtype=torch.int32)
-    return {"decode": validate_decode(q, k_cache, k_cache.clone(), table, lens, tags, owners,
+    return {"decode": validate_decode(q, k_cache, v_cache, table, lens, tags, owners,
                                       validate=False, **variant),
-            "extend": validate_extend(q, k_cache, k_cache.clone(), cu, table, lens, tags, owners,
+            "extend": validate_extend(q, k_cache, v_cache, cu, table, lens, tags, owners,
                                       validate=False, **variant)}
 
 
@@ -59,11 +60,13 @@ def extend_args(**variant):
         args.page_tags, args.expected, validate=False, **variant)}
 
 
-def writer_args(pool_dtype, **rounding):
+def writer_args(pool_dtype, head_dim_v=DIM, **rounding):
     k_cache = torch.zeros(2, PAGE, KV_HEADS, DIM, dtype=pool_dtype)
+    v_cache = torch.zeros(2, PAGE, KV_HEADS, head_dim_v, dtype=pool_dtype)
     k = torch.zeros(1, KV_HEADS, DIM, dtype=torch.float16)
+    v = torch.zeros(1, KV_HEADS, head_dim_v, dtype=torch.float16)
     scales = dict(k_scale=0.5, v_scale=0.5, **rounding) if pool_dtype != torch.float16 else {}
-    return {"write_kv": validate_write_kv(k, k, k_cache, k_cache.clone(),
+    return {"write_kv": validate_write_kv(k, v, k_cache, v_cache,
                                           torch.zeros(1, dtype=torch.int64),
                                           torch.zeros(2, dtype=torch.int64), 1, **scales)}
 
@@ -105,6 +108,10 @@ ROWS = {
     "fp8 write rounded toward zero (`fp8_rounding=\"toward_zero\"`, vLLM CPU's rule)": (
         "fp8 toward_zero", lambda: [writer_args(E4M3, fp8_rounding="toward_zero"),
                                     writer_args(E5M2, fp8_rounding="toward_zero")]),
+    "V head dim of its own (`v_cache` `[..., head_dim_v]`)": (
+        "V head dim", lambda: [reader_args(head_dim_v=DIM // 2), reader_args(head_dim_v=2 * DIM)]),
+    "write V rows of their own head dim": ("V head dim",
+                                           lambda: [writer_args(torch.float16, DIM // 2)]),
 }
 
 

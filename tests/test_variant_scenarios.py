@@ -42,6 +42,9 @@ def switches():
         # Per sequence (kvattn.variants): one row per sequence of the scenario, each different.
         "alibi-per-seq": per_sequence_slopes,
         "fp8-per-seq": per_sequence_scales,
+        # V's own head dim (kvattn.layout): the pools change (POOLS), no keyword does.
+        "v-narrow": {},
+        "v-wide": {},
     }
 
 
@@ -54,6 +57,21 @@ def as_fp8(batch: Batch) -> Batch:
     batch.k_cache = (batch.k_cache.float() * 2).to(torch.float8_e4m3fn)
     batch.v_cache = (batch.v_cache.float() * 4).to(torch.float8_e4m3fn)
     return batch
+
+
+def with_v(batch: Batch, v_cache: torch.Tensor) -> Batch:
+    batch.v_cache = v_cache
+    return batch
+
+
+# Switches that change the pools: fp8 codes, or a value pool of another head dim than K's (its
+# first half, a strided view; or every column twice), NaN and sentinels staying where they were.
+POOLS = {
+    "fp8": as_fp8,
+    "fp8-per-seq": as_fp8,
+    "v-narrow": lambda b: with_v(b, b.v_cache[..., :b.v_cache.shape[3] // 2]),
+    "v-wide": lambda b: with_v(b, torch.cat([b.v_cache, b.v_cache], dim=3)),
+}
 
 
 def incident_batch() -> Batch:
@@ -103,8 +121,8 @@ def test_scenario_under_each_switch(scenario, switch):
     batch = SCENARIOS[scenario]()
     plain = kvattn.paged_decode(*inputs(batch), backend="reference")[1]
     assert plain.any(), "the scenario refuses something"
-    if switch.startswith("fp8"):
-        batch = as_fp8(batch)
+    if switch in POOLS:
+        batch = POOLS[switch](batch)
     kwargs = SWITCHES[switch]
     if callable(kwargs):
         kwargs = kwargs(batch.q.shape[0], batch.k_cache.shape[2])

@@ -62,9 +62,9 @@ def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=No
     ``slopes``: ``[H]``, or ``[B, H]`` (sequence ``b`` uses row ``b``).
     ``blocks``: per sequence a ``[q_len, len(k)]`` bool custom mask (row ``j`` reads key ``t`` only
     where ``blocks[b][j, t]``); ``window_right``: row ``j`` reads keys ``t <= pos + window_right``
-    only (when >= 0)."""
-    total_q, num_heads, head_dim = q.shape
-    out = torch.zeros(total_q, num_heads, head_dim, dtype=torch.float64)
+    only (when >= 0). The output is as wide as V."""
+    total_q, num_heads, _ = q.shape
+    out = torch.zeros(total_q, num_heads, seqs[0][1].shape[-1], dtype=torch.float64)
     lse = torch.full((total_q, num_heads), float("-inf"), dtype=torch.float64)
     starts = cu.cpu().tolist()
     for b, (k, v, ok) in enumerate(seqs):

@@ -97,21 +97,26 @@ class Batch:
     @classmethod
     def random(cls, *, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                page_size: int, seq_lens, dtype=torch.float16, pool_factor: int = 3,
-               extra_pages: int = 0, layout: str = "NHD", seed: int = 0, device=DEVICE) -> "Batch":
+               extra_pages: int = 0, layout: str = "NHD", seed: int = 0, device=DEVICE,
+               head_dim_v: int | None = None) -> "Batch":
         """Sequence ``b`` owns ``ceil(seq_lens[b] / page_size)`` (+ ``extra_pages``) physical pages
         drawn from a random permutation of a pool ``pool_factor`` times larger than needed. Its
         pages are WRITTEN for owner ``b + 1`` with ``valid_len`` covering exactly its tokens; the
-        tail of its last page, every unused page and every unused table entry hold NaN / FREE."""
+        tail of its last page, every unused page and every unused table entry hold NaN / FREE.
+        ``head_dim_v``: V's own head dim (default ``head_dim``)."""
         g = torch.Generator().manual_seed(seed)
         seq_lens = [int(s) for s in seq_lens]
         pages_per_seq = [-(-s // page_size) + extra_pages for s in seq_lens]
         max_pages = max(1, max(pages_per_seq))
         num_pages = max(4, pool_factor * sum(pages_per_seq))
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         shape = (num_pages, page_size, num_kv_heads, head_dim)
+        shape_v = (num_pages, page_size, num_kv_heads, head_dim_v)
         if layout == "HND":
             shape = (num_pages, num_kv_heads, page_size, head_dim)
+            shape_v = (num_pages, num_kv_heads, page_size, head_dim_v)
         k = torch.full(shape, float("nan"), dtype=dtype)
-        v = torch.full(shape, float("nan"), dtype=dtype)
+        v = torch.full(shape_v, float("nan"), dtype=dtype)
         if layout == "HND":
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         tags = torch.zeros(num_pages, dtype=torch.int64)
@@ -123,7 +128,7 @@ class Batch:
             for i, p in enumerate(pages):
                 filled = min(page_size, max(0, length - i * page_size))
                 k[p, :filled] = torch.randn(filled, num_kv_heads, head_dim, generator=g).to(dtype)
-                v[p, :filled] = torch.randn(filled, num_kv_heads, head_dim, generator=g).to(dtype)
+                v[p, :filled] = torch.randn(filled, num_kv_heads, head_dim_v, generator=g).to(dtype)
                 tags[p] = kvattn.written_tag(b + 1, filled) if filled else kvattn.reserved_tag(b + 1)
         q = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
         expected = torch.arange(1, batch + 1, dtype=torch.int64)
