@@ -277,6 +277,9 @@ TRITON_CONFIGS = [
      128, 16, 32, 8, "per-seq"),
     ("extend bf16 d128 p16 gqa4 fp8-e4m3 KV per-seq scales+alibi", "extend", torch.bfloat16,
      128, 16, 32, 8, "per-seq"),
+    # DeepSeek's non-absorbed attention: 192-dim queries and keys, 128-dim values.
+    ("decode bf16 dk192 dv128 p16 gqa4", "decode", torch.bfloat16, 192, 16, 32, 8, "dv128"),
+    ("extend bf16 dk192 dv128 p16 gqa4", "extend", torch.bfloat16, 192, 16, 32, 8, "dv128"),
 ]
 
 # MLA decode and extend (head_dim: the latent row, kv_lora_rank 512 + rope_dim 64; one latent
@@ -299,7 +302,8 @@ TRITON_CONFIGS += [
 def _variant(name: str | None, num_heads: int, num_kv_heads: int, batch: int) -> dict:
     """The switches of a configuration: every score switch at once, fp8 pools with scales (per
     tensor, or per sequence with per-sequence ALiBi slopes), a window on both sides, or a custom
-    mask (added by :func:`_inputs`, which knows the lengths)."""
+    mask (added by :func:`_inputs`, which knows the lengths); "dv128" is a value pool of its own
+    head dim, 128 (also :func:`_inputs`)."""
     if name == "scores":
         return dict(window_left=4095, logits_soft_cap=30.0, sinks=torch.zeros(num_heads),
                     alibi_slopes=torch.ones(num_heads))
@@ -322,7 +326,7 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads, variant=Non
     switches = _variant(variant, num_heads, num_kv_heads, batch)
     pool_dtype = torch.float8_e4m3fn if variant in ("fp8", "per-seq") else dtype
     k = torch.zeros(num_pages, page_size, num_kv_heads, head_dim, dtype=pool_dtype)
-    v = torch.zeros_like(k)
+    v = torch.zeros_like(k) if variant != "dv128" else k[..., :128].clone()
     tags = torch.zeros(num_pages, dtype=torch.int64)
     table = torch.zeros(batch, max_pages, dtype=torch.int32)
     lens = torch.full((batch,), 100, dtype=torch.int32)
@@ -366,7 +370,8 @@ def triton_records(configs=TRITON_CONFIGS) -> list[dict]:
     for name, op, *shape in configs:
         args = _inputs(op, *shape)
         for check in (False, True):
-            out = args.q.new_empty(*args.q.shape[:2], getattr(args, "kv_lora_rank", args.head_dim))
+            width = args.kv_lora_rank if op.startswith("mla") else args.head_dim_v
+            out = args.q.new_empty(*args.q.shape[:2], width)
             lse = torch.empty(args.q.shape[:2], dtype=torch.float32)
             with compile_only() as compiled:
                 getattr(triton_backend, op)(args, check=check, out=out, lse=lse)
