@@ -416,12 +416,20 @@ def make_extend_inputs(p: ExtendPoint, device: torch.device, sets: int, seed: in
     return ExtendInputs(p, pool, q, cu, mask)
 
 
+def of_sequences(variant: dict, seqs) -> dict:
+    """``variant``'s switches for the sequences ``seqs`` (an index or a slice) alone: the rows of
+    its per-sequence values (``[B, ...]``: 2-D), the rest as they are."""
+    return {k: v[seqs] if isinstance(v, torch.Tensor) and v.dim() == 2 else v
+            for k, v in variant.items()}
+
+
 def reference_output(inp: DecodeInputs, i: int, rows: int) -> torch.Tensor:
     """float32 reference for the first ``rows`` sequences of set ``i`` (sequences are independent,
     so a slice keeps the check cheap at long context)."""
     q, k, v, table, lens, tags, expected = inp.args(i)
     out, report = kvattn.reference.paged_decode(q[:rows], k, v, table[:rows], lens[:rows], tags,
-                                                expected[:rows], scale=inp.scale, **inp.variant)
+                                                expected[:rows], scale=inp.scale,
+                                                **of_sequences(inp.variant, slice(0, rows)))
     if int(report.violations.sum()) != 0:
         raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
                            f"({report.summary()})")
@@ -450,7 +458,7 @@ def extend_reference(inp: ExtendInputs, i: int, picks: list[tuple[int, int]]) ->
     rows = torch.tensor([b * p.chunk + j for b, j in picks], device=dev)
     lens = torch.tensor([p.prefix + j + 1 for _, j in picks], dtype=torch.int32, device=dev)
     cu = torch.arange(len(picks) + 1, dtype=torch.int32, device=dev)
-    variant = inp.variant
+    variant = of_sequences(inp.variant, seqs)
     if inp.custom_mask is not None:
         # Row j alone reads its block's row up to its own position.
         block = tree_mask_rows(p.prefix, p.chunk)
