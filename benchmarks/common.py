@@ -106,6 +106,11 @@ class Point:
     head_dim: int
     dtype: str
     variant: str = "plain"
+    head_dim_v: int | None = None  # V's own head dim (kvattn.layout), None: head_dim
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def pages_per_seq(self) -> int:
@@ -135,13 +140,18 @@ class Point:
 
     def kv_set_bytes(self) -> int:
         """Bytes of K and V one rotation set occupies in the pool (whole pages)."""
-        return 2 * self.batch * self.pages_per_seq * self.page_size * self.num_kv_heads * \
-            self.head_dim * self.kv_elt
+        return self.batch * self.pages_per_seq * self.page_size * self.num_kv_heads * \
+            (self.head_dim + self.dv) * self.kv_elt
 
     def label(self) -> str:
         suffix = "" if self.variant == "plain" else f"_{self.variant}"
         return (f"B{self.batch}_ctx{self.context}_p{self.page_size}_h{self.num_heads}x"
-                f"{self.num_kv_heads}_d{self.head_dim}_{self.dtype}{suffix}")
+                f"{self.num_kv_heads}_{dims_label(self)}_{self.dtype}{suffix}")
+
+
+def dims_label(p) -> str:
+    """``d128``, or ``d192x128`` for a V head dim of its own."""
+    return f"d{p.head_dim}" + ("" if p.head_dim_v is None else f"x{p.head_dim_v}")
 
 
 def bytes_moved(p: Point, checked: bool, q_tokens: int | None = None) -> dict[str, int]:
@@ -162,8 +172,8 @@ def bytes_moved(p: Point, checked: bool, q_tokens: int | None = None) -> dict[st
     rows = p.batch if q_tokens is None else q_tokens
     offsets = 0 if q_tokens is None else (p.batch + 1) * 4
     parts = {
-        "kv": 2 * tokens * p.num_kv_heads * p.head_dim * p.kv_elt,
-        "qo": 2 * rows * p.num_heads * p.head_dim * p.elt,
+        "kv": tokens * p.num_kv_heads * (p.head_dim + p.dv) * p.kv_elt,
+        "qo": rows * p.num_heads * (p.head_dim + p.dv) * p.elt,  # q as wide as K, out as V
         "table": pages * 4 + p.batch * 4 + offsets,  # block table + seq_lens (+ cu_seqlens_q)
         "tags": (pages * 8 + p.batch * 8 + pages * 1 + 4 * p.batch * 4) if checked else 0,
     }
@@ -258,6 +268,10 @@ class DecodeInputs:
         return (self.q, self.k_cache, self.v_cache, self.tables[i], self.seq_lens, self.page_tags,
                 self.expected[i])
 
+    def new_out(self) -> torch.Tensor:
+        """An output buffer: ``q``'s rows and heads, V's head dim."""
+        return self.q.new_empty(*self.q.shape[:2], self.v_cache.shape[3])
+
 
 @dataclass(frozen=True)
 class ExtendPoint:
@@ -274,6 +288,7 @@ class ExtendPoint:
     head_dim: int
     dtype: str
     variant: str = "plain"
+    head_dim_v: int | None = None  # V's own head dim, None: head_dim
 
     @property
     def context(self) -> int:
@@ -292,7 +307,7 @@ class ExtendPoint:
         pool under the extend's own variants)."""
         pool_variant = "plain" if self.variant in EXTEND_VARIANTS else self.variant
         return Point(self.batch, self.context, self.page_size, self.num_heads, self.num_kv_heads,
-                     self.head_dim, self.dtype, pool_variant)
+                     self.head_dim, self.dtype, pool_variant, self.head_dim_v)
 
     @property
     def pages_checked(self) -> int:
@@ -302,21 +317,22 @@ class ExtendPoint:
 
     def flops(self) -> int:
         """Causal-aware: query row ``j`` of a chunk (position ``prefix + j``) meets
-        ``prefix + j + 1`` keys, 2 FLOPs per element for QK^T and 2 for PV; masked-out work a kernel
-        may still do is not counted."""
+        ``prefix + j + 1`` keys, 2 FLOPs per element for QK^T (K's head dim) and 2 for PV (V's);
+        masked-out work a kernel may still do is not counted."""
+        per_pair = 2 * self.batch * self.num_heads * (self.head_dim + self.pool_point().dv)
         pairs = self.chunk * self.prefix + self.chunk * (self.chunk + 1) // 2
         if self.variant == "tree":  # a draft token meets the prefix, itself and its ancestors
             pairs = self.chunk * self.prefix + sum((j + 1).bit_length() for j in range(self.chunk))
-            return 4 * self.batch * self.num_heads * self.head_dim * pairs
+            return per_pair * pairs
         window = VARIANTS[self.variant][0]
         if window >= 0:  # row j meets at most window_left + 1 keys
             pairs = sum(min(self.prefix + j + 1, window + 1) for j in range(self.chunk))
-        return 4 * self.batch * self.num_heads * self.head_dim * pairs
+        return per_pair * pairs
 
     def label(self) -> str:
         suffix = "" if self.variant == "plain" else f"_{self.variant}"
         return (f"B{self.batch}_q{self.chunk}_pre{self.prefix}_p{self.page_size}_h{self.num_heads}x"
-                f"{self.num_kv_heads}_d{self.head_dim}_{self.dtype}{suffix}")
+                f"{self.num_kv_heads}_{dims_label(self)}_{self.dtype}{suffix}")
 
 
 @dataclass
@@ -336,6 +352,10 @@ class ExtendInputs:
     @property
     def scale(self) -> float:
         return self.pool.scale
+
+    def new_out(self) -> torch.Tensor:
+        """An output buffer: ``q``'s rows and heads, V's head dim."""
+        return self.q.new_empty(*self.q.shape[:2], self.pool.v_cache.shape[3])
 
     def pool_bytes(self) -> int:
         return self.pool.pool_bytes()
@@ -369,7 +389,7 @@ def make_decode_inputs(p: Point, device: torch.device, sets: int, seed: int = 0)
     num_pages = sets * per_set + max(1, int(SLACK_PAGES * sets * per_set))
     shape = (num_pages, p.page_size, p.num_kv_heads, p.head_dim)
     k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    v_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    v_cache = torch.randn(*shape[:3], p.dv, generator=gen, device=device, dtype=dtype)
     page_tags = torch.zeros(num_pages, dtype=torch.int64, device=device)
     perm = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)
     # Unused pages and the unread tail of every last page hold NaN: reading them shows in the output.

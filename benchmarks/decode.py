@@ -35,10 +35,12 @@ def _grid(batches, contexts, pages=(16,), heads=((32, 8),), dims=(128,), dtypes=
 
 
 def variant_points(batch: int, context: int, **shape) -> list[Point]:
-    """One point per attention variant (checked vs unchecked on the same kernel switch)."""
+    """One point per attention variant (checked vs unchecked on the same kernel switch), and one
+    with a V head dim of its own (DeepSeek's 192-dim keys, 128-dim values)."""
     base = dict(page_size=16, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bf16")
     base.update(shape)
-    return [Point(batch, context, variant=v, **base) for v in VARIANTS if v != "plain"]
+    return ([Point(batch, context, variant=v, **base) for v in VARIANTS if v != "plain"]
+            + [Point(batch, context, **dict(base, head_dim=192, head_dim_v=128))])
 
 
 def preset_points(name: str) -> list[Point]:
@@ -53,7 +55,8 @@ def preset_points(name: str) -> list[Point]:
                 Point(1, 48, 16, 4, 4, 32, "bf16"), Point(1, 40, 1, 8, 2, 32, "fp16"),
                 # A window at a context past it (pages before the window neither read nor counted);
                 # the other variants' CPU cases are in benchmarks/test_bench_decode.py.
-                Point(1, 160, 16, 4, 2, 16, "fp16", "window128")]
+                Point(1, 160, 16, 4, 2, 16, "fp16", "window128"),
+                Point(1, 40, 16, 4, 2, 32, "fp16", head_dim_v=16)]
     if name == "gpu-suite":
         return (_grid([16, 64], [8192, 32768])
                 + _grid([16], [4096, 131072]) + _grid([1], [4096, 32768]) + _grid([16], [1024])

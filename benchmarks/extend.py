@@ -39,9 +39,12 @@ def _grid(batches, chunks, prefixes, pages=(16,), heads=((32, 8),), dims=(128,),
 
 
 def variant_points(batch: int, chunk: int, prefix: int) -> list[ExtendPoint]:
-    """One point per attention variant (checked vs unchecked on the same kernel switch)."""
-    return [ExtendPoint(batch, chunk, prefix, 16, 32, 8, 128, "bf16", v)
-            for v in (*VARIANTS, *EXTEND_VARIANTS) if v != "plain"]
+    """One point per attention variant (checked vs unchecked on the same kernel switch), and one
+    with a V head dim of its own (DeepSeek's non-absorbed prefill: 192-dim keys, 128-dim
+    values)."""
+    return ([ExtendPoint(batch, chunk, prefix, 16, 32, 8, 128, "bf16", v)
+             for v in (*VARIANTS, *EXTEND_VARIANTS) if v != "plain"]
+            + [ExtendPoint(batch, chunk, prefix, 16, 32, 8, 192, "bf16", head_dim_v=128)])
 
 
 def preset_points(name: str) -> list[ExtendPoint]:
@@ -56,7 +59,8 @@ def preset_points(name: str) -> list[ExtendPoint]:
                 ExtendPoint(1, 8, 20, 1, 4, 4, 32, "bf16"), ExtendPoint(2, 40, 24, 64, 4, 2, 32, "fp16"),
                 # A window shorter than the prefix: the pages before it neither read nor counted.
                 ExtendPoint(1, 8, 150, 16, 4, 2, 16, "fp16", "window128"),
-                ExtendPoint(2, 7, 30, 16, 4, 2, 16, "fp16", "tree")]
+                ExtendPoint(2, 7, 30, 16, 4, 2, 16, "fp16", "tree"),
+                ExtendPoint(2, 8, 20, 16, 4, 2, 32, "fp16", head_dim_v=16)]
     if name == "gpu-suite":
         return (_grid([8], [2048], [8192]) + _grid([8], [512], [32768]) + _grid([1], [4096], [0])
                 + _grid([32], [128], [4096]) + _grid([8], [2048], [8192], dtypes=("fp16",))

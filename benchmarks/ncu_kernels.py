@@ -26,7 +26,7 @@ def calls(gpu: bool) -> list[tuple[str, object]]:
     e = ExtendPoint(1, 512, 8192, 16, 32, 8, 128, "bf16") if gpu else ExtendPoint(1, 16, 32, 16, 4, 2, 32, "fp16")
     d_inp = make_decode_inputs(p, dev, 1, seed=1)
     e_inp = make_extend_inputs(e, dev, 1, seed=2)
-    d_out, e_out = torch.empty_like(d_inp.q), torch.empty_like(e_inp.q)
+    d_out, e_out = d_inp.new_out(), e_inp.new_out()
 
     def decode(check):
         return lambda: kvattn.paged_decode(*d_inp.args(0), scale=d_inp.scale, check=check,

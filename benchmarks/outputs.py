@@ -6,7 +6,7 @@ import csv
 import json
 from pathlib import Path
 
-from .plot import plot_extend_run, plot_mla_run, plot_run
+from .plot import plot_extend_run, plot_mla_run, plot_run, row_dims
 
 # Targets (benchmark figures on an H200, never test assertions).
 CHECK_TOL_LONG = 0.01  # checked within 1% of unchecked at context >= LONG_CONTEXT
@@ -23,12 +23,14 @@ PEER = "flex-paged"  # the peer kvattn's decode must be ahead of
 TARGET_MODE = "graph"
 
 DECODE_COLUMNS = ["provider", "mode", "status", "batch", "context", "page_size", "num_heads",
-                  "num_kv_heads", "head_dim", "dtype", "variant", "median_ms", "spread_pct", "repeats",
+                  "num_kv_heads", "head_dim", "head_dim_v", "dtype", "variant", "median_ms", "spread_pct",
+                  "repeats",
                   "kv_bytes", "other_bytes", "total_bytes", "tbps", "pct_copy_bw",
                   "ratio_vs_unchecked", "ratio_min", "ratio_max", "max_abs_err", "sets",
                   "pool_bytes", "times_ms"]
 EXTEND_COLUMNS = ["provider", "mode", "status", "batch", "chunk", "prefix", "context", "page_size",
-                  "num_heads", "num_kv_heads", "head_dim", "dtype", "variant", "median_ms", "spread_pct",
+                  "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "dtype", "variant", "median_ms",
+                  "spread_pct",
                   "repeats", "flops", "tflops", "kv_bytes", "other_bytes", "total_bytes", "tbps",
                   "pct_copy_bw", "ratio_vs_unchecked", "ratio_min", "ratio_max", "max_abs_err",
                   "rows_checked", "sets", "pool_bytes", "times_ms"]
@@ -140,7 +142,7 @@ def evaluate_targets(meta: dict, decode: list[dict], writer: list[dict]) -> list
 
 def _point(r: dict) -> str:
     return (f"B={r['batch']} ctx={r['context']} page={r['page_size']} "
-            f"heads={r['num_heads']}/{r['num_kv_heads']} d={r['head_dim']} {r['dtype']}")
+            f"heads={r['num_heads']}/{r['num_kv_heads']} d={row_dims(r)} {r['dtype']}")
 
 
 def _header_lines(meta: dict) -> list[str]:
@@ -238,7 +240,7 @@ def write_outputs(run_dir: Path, meta: dict, decode: list[dict], writer: list[di
 
 def _extend_point(r: dict) -> str:
     return (f"B={r['batch']} chunk={r['chunk']} prefix={r['prefix']} page={r['page_size']} "
-            f"heads={r['num_heads']}/{r['num_kv_heads']} d={r['head_dim']} {r['dtype']}")
+            f"heads={r['num_heads']}/{r['num_kv_heads']} d={row_dims(r)} {r['dtype']}")
 
 
 def evaluate_extend_targets(meta: dict, rows: list[dict]) -> list[str]:

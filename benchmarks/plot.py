@@ -23,14 +23,20 @@ def _series(rows: list[dict], value, key) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(v) for k, v in series.items()}
 
 
+def row_dims(r: dict) -> str:
+    """A row's head dim, ``192/128`` when V has its own (rows of older runs lack the column)."""
+    dv = r.get("head_dim_v")
+    return f"{r['head_dim']}" + (f"/{dv}" if dv not in (None, "") else "")
+
+
 def _decode_key(r: dict) -> str:
     return (f"{r['provider']} {r['mode']} B={r['batch']} p{r['page_size']} "
-            f"h{r['num_heads']}/{r['num_kv_heads']} d{r['head_dim']} {r['dtype']}")
+            f"h{r['num_heads']}/{r['num_kv_heads']} d{row_dims(r)} {r['dtype']}")
 
 
 def _extend_key(r: dict) -> str:
     return (f"{r['provider']} {r['mode']} B={r['batch']} chunk={r['chunk']} p{r['page_size']} "
-            f"h{r['num_heads']}/{r['num_kv_heads']} d{r['head_dim']} {r['dtype']}")
+            f"h{r['num_heads']}/{r['num_kv_heads']} d{row_dims(r)} {r['dtype']}")
 
 
 def _overhead(r: dict) -> float | None:

@@ -42,7 +42,7 @@ def _kvattn(backend: str, check: bool, op: str) -> Provider:
         return backends.explain(args, op=op)[backend]
 
     def build(inp: DecodeInputs | ExtendInputs):
-        out = torch.empty_like(inp.q)
+        out = inp.new_out()
 
         def run(i: int):
             return call(*inp.args(i), scale=inp.scale, check=check, backend=backend, out=out,
@@ -210,7 +210,7 @@ def _reference_build(op: str):
     call = _OPS[op][1]
 
     def build(inp: DecodeInputs | ExtendInputs):
-        out = torch.empty_like(inp.q)
+        out = inp.new_out()
 
         def run(i: int):
             return call(*inp.args(i), scale=inp.scale, backend="reference", out=out, **inp.variant)
@@ -271,11 +271,14 @@ def _flashinfer_extend_build(inp: ExtendInputs):
 
 
 def _plain_only(why_not):
-    """A peer's ``why_not`` that also refuses the attention variants (the peers run as plain
-    attention here; the variant rows compare kvattn checked with kvattn unchecked)."""
+    """A peer's ``why_not`` that also refuses the attention variants and a V head dim of its own
+    (the peers run as plain attention here; those rows compare kvattn checked with kvattn
+    unchecked)."""
     def refuse(inp):
         if inp.variant:
             return f"plain attention only in this harness (variant {inp.point.variant})"
+        if getattr(inp.point, "head_dim_v", None) is not None:
+            return "one head dim for K and V only in this harness"
         return why_not(inp)
     return refuse
 

@@ -14,12 +14,13 @@ from benchmarks import common, decode, providers
 from benchmarks.common import VARIANTS, Device, Point
 
 DEVICE = Device.current()
-# Every attention variant, checked and unchecked, after the plain points.
+# Every attention variant and a V head dim of its own, checked and unchecked, after the plain
+# points.
 POINTS = ([Point(16, 8192, 16, 32, 8, 128, "bf16"), Point(64, 32768, 16, 32, 8, 128, "bf16"),
            Point(1, 32768, 16, 32, 8, 128, "bf16")] + decode.variant_points(16, 32768)
           if DEVICE.is_gpu else [Point(1, 40, 16, 4, 2, 32, "fp16")]
           + [Point(1, 160 if v.startswith("window") else 40, 16, 4, 2, 32, "fp16", v)
-             for v in VARIANTS if v != "plain"])
+             for v in VARIANTS if v != "plain"] + [Point(1, 40, 16, 4, 2, 32, "fp16", head_dim_v=16)])
 PROVIDERS = providers.all_providers()
 
 

@@ -14,12 +14,14 @@ from benchmarks import common, extend, providers
 from benchmarks.common import EXTEND_VARIANTS, VARIANTS, Device, ExtendPoint
 
 DEVICE = Device.current()
-# Every attention variant, checked and unchecked, after the plain points.
+# Every attention variant and a V head dim of its own, checked and unchecked, after the plain
+# points.
 POINTS = ([ExtendPoint(8, 2048, 8192, 16, 32, 8, 128, "bf16"), ExtendPoint(1, 4096, 0, 16, 32, 8, 128, "bf16"),
            ExtendPoint(32, 128, 4096, 16, 32, 8, 128, "bf16")] + extend.variant_points(8, 512, 32768)
           if DEVICE.is_gpu else [ExtendPoint(1, 8, 12, 16, 4, 2, 32, "fp16")]
           + [ExtendPoint(1, 8, 150 if v.startswith("window") else 12, 16, 4, 2, 32, "fp16", v)
-             for v in (*VARIANTS, *EXTEND_VARIANTS) if v != "plain"])
+             for v in (*VARIANTS, *EXTEND_VARIANTS) if v != "plain"]
+          + [ExtendPoint(1, 8, 12, 16, 4, 2, 32, "fp16", head_dim_v=16)])
 PROVIDERS = providers.all_providers("extend")
 
 

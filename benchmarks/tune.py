@@ -233,7 +233,7 @@ def tune_triton_decode(p: Point, device: Device, out: Writer, deadline: float, h
         if splits is None:
             splits = paged_decode.plan_splits(args[0], config)[0]
         for check in (True, False):
-            out_buf = torch.empty_like(inp.q)
+            out_buf = inp.new_out()
 
             def call(i, config=config, check=check, splits=splits):
                 return triton_backend.decode(args[i], check=check, out=out_buf, lse=None, config=config,
@@ -271,7 +271,7 @@ def tune_cuda_decode(p: Point, device: Device, out: Writer, deadline: float, har
     def pair(candidate):
         rule, splits = candidate
         for check in (True, False):
-            out_buf = torch.empty_like(inp.q)
+            out_buf = inp.new_out()
 
             def call(i, check=check, splits=splits):
                 return cuda.decode(args[i], check=check, out=out_buf, lse=None, num_splits=splits)
@@ -298,7 +298,7 @@ def tune_triton_extend(p: ExtendPoint, device: Device, out: Writer, deadline: fl
     def pair(candidate):
         rule, config = candidate
         for check in (True, False):
-            out_buf = torch.empty_like(inp.q)
+            out_buf = inp.new_out()
 
             def call(i, config=config, check=check):
                 return triton_backend.extend(args[i], check=check, out=out_buf, lse=None, config=config)
