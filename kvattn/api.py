@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .layout import validate_decode, validate_extend, validate_mla_decode, validate_mla_extend
+from .layout import (output_dtype, validate_decode, validate_extend, validate_mla_decode,
+                     validate_mla_extend)
 from .report import OwnershipReport
 
 
@@ -15,7 +16,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor | None = None, return_lse: bool = False,
                  validate: bool | None = None, window_left: int = -1,
                  logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None):
+                 alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None,
+                 q_scale=None):
     """Ownership-checked paged attention for one new query token per sequence.
 
     Shapes, dtypes and the paged layout are defined once in :mod:`kvattn.layout`; the tag format in
@@ -26,7 +28,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     sequence with nothing readable gets output 0 and lse -inf.
 
     Args:
-        q: ``[B, num_heads, head_dim]`` query of the new token.
+        q: ``[B, num_heads, head_dim]`` query of the new token (fp8 over fp8 pools with
+            ``q_scale``).
         k_cache, v_cache: the page pools (may be strided views; never copied); ``v_cache`` may
             have a head dim of its own, ``head_dim_v``, which is the output's.
         block_table: ``[B, max_pages]`` int32 logical-to-physical page map.
@@ -40,13 +43,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"torch"``, ``"reference"`` (or
             ``"cuda_sim"`` on CPU tensors); see :mod:`kvattn.backends` (``KVATTN_BACKEND``
             overrides ``"auto"``).
-        out: optional ``[B, num_heads, head_dim_v]`` output buffer (dtype of ``q``).
+        out: optional ``[B, num_heads, head_dim_v]`` output buffer (dtype of ``q``; for an fp8
+            ``q`` bfloat16, float16 or float32, bfloat16 when allocated here).
         return_lse: also return the ``[B, num_heads]`` float32 natural-log LSE.
         validate: run the value checks of :mod:`kvattn.layout` (default: only when the tensors are
             on the CPU, where they cost no device synchronisation).
-        window_left, logits_soft_cap, sinks, alibi_slopes, k_scale, v_scale: the attention
-            variants (sliding window, soft-cap, attention sinks, ALiBi, fp8 KV dequantisation),
-            defined in :mod:`kvattn.variants`; all off by default.
+        window_left, logits_soft_cap, sinks, alibi_slopes, k_scale, v_scale, q_scale: the
+            attention variants (sliding window, soft-cap, attention sinks, ALiBi, fp8 KV and query
+            dequantisation), defined in :mod:`kvattn.variants`; all off by default.
 
     Returns:
         ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``. ``report`` is an
@@ -60,7 +64,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
                            scale=scale, out=out, validate=validate, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
-                           k_scale=k_scale, v_scale=v_scale)
+                           k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
     return _run("decode", args, backend, check, on_violation, out, return_lse, args.head_dim_v)
 
 
@@ -72,7 +76,7 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  return_lse: bool = False, validate: bool | None = None, window_left: int = -1,
                  logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
                  alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None,
-                 custom_mask: torch.Tensor | None = None, window_right: int = -1):
+                 custom_mask: torch.Tensor | None = None, window_right: int = -1, q_scale=None):
     """Ownership-checked paged attention for a ragged batch of new query tokens (chunked prefill,
     prefill over a cached prefix).
 
@@ -100,7 +104,8 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``seq_lens`` past the table count as in decode.
 
     Args:
-        q: ``[total_q, num_heads, head_dim]`` queries of the new tokens, sequence by sequence.
+        q: ``[total_q, num_heads, head_dim]`` queries of the new tokens, sequence by sequence
+            (fp8 over fp8 pools with ``q_scale``).
         k_cache, v_cache: the page pools (:mod:`kvattn.layout`; may be strided views; never
             copied); ``v_cache`` may have a head dim of its own, ``head_dim_v``, the output's.
         cu_seqlens_q: ``[B + 1]`` int32 row offsets of the sequences in ``q``.
@@ -116,13 +121,14 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             :class:`kvattn.KVOwnershipError` after writing the output).
         backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"torch"``, ``"reference"`` (or
             ``"cuda_sim"`` on CPU tensors); see :mod:`kvattn.backends`.
-        out: optional ``[total_q, num_heads, head_dim_v]`` output buffer (dtype of ``q``).
+        out: optional ``[total_q, num_heads, head_dim_v]`` output buffer (dtype of ``q``; for an
+            fp8 ``q`` as in :func:`paged_decode`).
         return_lse: also return the ``[total_q, num_heads]`` float32 natural-log LSE.
         validate: run the value checks (default: only on CPU tensors, where they cost no sync).
-        window_left, logits_soft_cap, sinks, alibi_slopes, k_scale, v_scale: the attention
-            variants of :mod:`kvattn.variants`, as in :func:`paged_decode`. With a sliding window
-            each row reads its own window; the pages checked (and reported) are those holding a key
-            some row of the sequence reads.
+        window_left, logits_soft_cap, sinks, alibi_slopes, k_scale, v_scale, q_scale: the
+            attention variants of :mod:`kvattn.variants`, as in :func:`paged_decode`. With a
+            sliding window each row reads its own window; the pages checked (and reported) are
+            those holding a key some row of the sequence reads.
         custom_mask: 1-D bool, FlashInfer's layout: per sequence a row-major ``[q_len_b,
             seq_lens[b]]`` block of which keys each query row may read (tree attention for
             speculative decoding), ANDed with every other mask; see :mod:`kvattn.variants`.
@@ -143,7 +149,7 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            expected, scale=scale, causal=causal, out=out, validate=validate,
                            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
                            alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                           custom_mask=custom_mask, window_right=window_right)
+                           custom_mask=custom_mask, window_right=window_right, q_scale=q_scale)
     return _run("extend", args, backend, check, on_violation, out, return_lse, args.head_dim_v)
 
 
@@ -169,7 +175,8 @@ def _run(op: str, args, backend: str, check: bool, on_violation: str, out, retur
     uncovered = op in ("extend", "mla_extend") and not args.rows_covered
     if out is None:
         shape = (*q.shape[:2], q.shape[2] if out_dim is None else out_dim)
-        out = (q.new_zeros if uncovered else q.new_empty)(shape)
+        out = (torch.zeros if uncovered else torch.empty)(shape, dtype=output_dtype(q),
+                                                           device=q.device)
     lse = None
     if return_lse:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)

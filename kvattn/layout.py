@@ -4,9 +4,11 @@ Paged KV layout (every docstring in kvattn points here)
 -------------------------------------------------------
 ``k_cache``, ``v_cache``: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD), separate K and V
     pools of one dtype (``v_cache`` may have a head dim of its own, ``head_dim_v``: DeepSeek's
-    192-dim keys with 128-dim values, FlashAttention 3's ``dv``; the rest of its shape is K's): that of ``q`` (float16, bfloat16 or float32), or fp8 (``float8_e4m3fn``,
-    ``float8_e5m2``) dequantised by ``k_scale``/``v_scale`` (:mod:`kvattn.variants`). ``page_size`` is any size from 1 to 1024
-    (powers of two take the kernels' fast paths; ``valid_len`` stays exact at every size).
+    192-dim keys with 128-dim values, FlashAttention 3's ``dv``; the rest of its shape is K's):
+    that of ``q`` (float16, bfloat16 or float32), or fp8 (``float8_e4m3fn``, ``float8_e5m2``)
+    dequantised by ``k_scale``/``v_scale`` (:mod:`kvattn.variants`). ``page_size`` is any size
+    from 1 to 1024 (powers of two take the kernels' fast paths; ``valid_len`` stays exact at every
+    size).
     Only the last dimension must be contiguous: the pools may be strided views into a larger buffer,
     as engines hand out per-layer views of one flat allocation. A head-major (HND) buffer
     ``[num_pages, num_kv_heads, page_size, head_dim]`` is passed as ``buf.transpose(1, 2)``: the
@@ -23,7 +25,8 @@ Paged KV layout (every docstring in kvattn points here)
     (``[B]`` broadcasts over the pages; ``[B, max_pages]`` lets a sequence read prefix pages written
     under another lease). Entries for pages a sequence does not read are ignored.
 ``q``: ``[B, num_heads, head_dim]``, ``out``: ``[B, num_heads, head_dim_v]``, last dimensions
-    contiguous; ``num_heads`` is a multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV
+    contiguous; ``q`` may be fp8 over fp8 pools (dequantised by ``q_scale``), ``out`` is then
+    bfloat16, float16 or float32 (:func:`output_dtype`: bfloat16 when kvattn allocates it); ``num_heads`` is a multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV
     head ``h // (num_heads // num_kv_heads)``).
 ``lse``: ``[B, num_heads]`` float32, natural-log sum of exp of the scaled logits; ``-inf`` for a
     sequence with no readable slot (whose output is 0).
@@ -232,14 +235,23 @@ def check_page_tags(page_tags, num_pages: int, device=None) -> None:
         _fail("page_tags", "a contiguous tensor", f"stride {page_tags.stride()}")
 
 
+def output_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype of the output kvattn allocates for ``q``: ``q``'s, bfloat16 for an fp8 ``q``
+    (FlashAttention 3's, whose fp8 attention returns bfloat16)."""
+    return torch.bfloat16 if q.dtype in FP8_DTYPES else q.dtype
+
+
 def _check_query_and_pools(q, k_cache, v_cache) -> None:
     """``q`` (``[rows, num_heads, head_dim]``) against the pools: dtype, head_dim, GQA grouping."""
-    check_tensor("q", q, ndim=3, dtypes=KV_DTYPES)
+    check_tensor("q", q, ndim=3, dtypes=KV_DTYPES + FP8_DTYPES)
     if q.shape[1] < 1:
         _fail("q", "at least one head (dim 1)", f"shape {tuple(q.shape)}")
     if q.shape[2] < 1:
         _fail("q", "head_dim (dim 2) >= 1", f"shape {tuple(q.shape)}")
     check_kv_pools(k_cache, v_cache, q.device)
+    if q.dtype in FP8_DTYPES and k_cache.dtype not in FP8_DTYPES:
+        raise TypeError(f"k_cache: expected an fp8 dtype (an fp8 q reads fp8 pools), got "
+                        f"{k_cache.dtype}")
     if k_cache.dtype != q.dtype and k_cache.dtype not in FP8_DTYPES:
         raise TypeError(f"k_cache: expected dtype {q.dtype} (that of q) or an fp8 dtype, got "
                         f"{k_cache.dtype}")
@@ -284,7 +296,8 @@ def _check_scale_and_out(scale, out, q, inputs: dict, out_dim: int | None = None
           or not MIN_SCALE <= scale <= MAX_SCALE):  # False for NaN; exact for ints of any size
         _fail("scale", "a positive finite float in [2**-126, 2**126] or None", repr(scale))
     if out is not None:
-        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
+        dtypes = KV_DTYPES if q.dtype in FP8_DTYPES else (q.dtype,)
+        check_tensor("out", out, ndim=3, dtypes=dtypes, device=q.device)
         check_shape("out", out, (*q.shape[:2], q.shape[2] if out_dim is None else out_dim))
         check_last_dim_contiguous("out", out)
         check_distinct_elements("out", out)

@@ -40,7 +40,7 @@ and ``s = scale * q . k_j`` the score of key ``j``:
 ``k_scale``, ``v_scale`` (float, or float32 tensor ``[]``, ``[1]``, ``[num_kv_heads]`` or
 ``[batch, num_kv_heads]``; default 1)
     Only with fp8 pools (``float8_e4m3fn`` or ``float8_e5m2`` ``k_cache``/``v_cache``, while ``q``
-    stays float16/bfloat16/float32 and sets the output dtype): a key element is
+    is float16/bfloat16/float32 and sets the output dtype, or fp8: ``q_scale``): a key element is
     ``k_cache[...] * k_scale[kv_head]`` in float32, likewise V (vLLM's and FlashInfer's per-tensor
     or per-head scales). ``[batch, num_kv_heads]`` is FlashAttention 3's per-sequence
     ``k_descale``/``v_descale``: sequence ``b`` reads its keys with ``k_scale[b, kv_head]``. The
@@ -49,6 +49,17 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     A scale lies in ``[2**-126, 2**126]``. Per-sequence scales over pages that several sequences
     read (a shared prefix) dequantise the same bytes by each reader's own row: the rows must agree
     on such pages for the readers to agree on their keys.
+``q_scale`` (float, or float32 tensor ``[]``, ``[1]``, ``[num_kv_heads]`` or ``[batch,
+num_kv_heads]``; default 1; only with an fp8 ``q``)
+    fp8 queries (FlashAttention 3's ``q_descale``, vLLM's fp8 attention): ``q`` is
+    ``float8_e4m3fn`` or ``float8_e5m2`` over fp8 pools (either format each), a query element is
+    ``q[...] * q_scale[kv_head]`` (the scale of the KV head its query head reads, as FA3 indexes
+    ``q_descale [batch, num_kv_heads]``), and the output is bfloat16 unless the caller's ``out``
+    says float16 or float32 (:func:`kvattn.layout.output_dtype`). The kernels upcast the query
+    codes to bfloat16 exactly (every e4m3 and e5m2 value is a bfloat16) and fold ``q_scale`` into
+    the logit scale, so an fp8 query costs the same dot products as a bfloat16 one. Range and
+    forms as ``k_scale``; given in a form other than the KV scales' (per sequence against per head),
+    the shared ones are widened to ``[batch, num_kv_heads]`` (one stride serves all three).
 
 ``custom_mask`` (1-D bool tensor, default None; :func:`kvattn.paged_extend` only)
     FlashInfer's ``custom_mask``: per sequence ``b`` a row-major ``[q_len_b, seq_lens[b]]`` block,
@@ -75,9 +86,10 @@ the lengths are (:mod:`kvattn.layout`): on CPU tensors or with ``validate=True``
 :func:`check_values`, with a ``ValueError`` naming the argument and the head (and the sequence,
 for per-sequence values). Unvalidated (a GPU's default path) they are not read on the host and
 every backend applies one rule instead (:meth:`Variant.heads_read`): a query head whose sink or
-slope is invalid, or whose KV head's ``k_scale`` or ``v_scale`` is, reads nothing in the sequences
-those values belong to (all of them for shared values) (output 0, lse -inf); the report is unchanged (the
-values are not an ownership matter). The kernels state the same rule next to a pointer here.
+slope is invalid, or whose KV head's ``k_scale``, ``v_scale`` or ``q_scale`` is, reads nothing in
+the sequences those values belong to (all of them for shared values) (output 0, lse -inf); the
+report is unchanged (the values are not an ownership matter). The kernels state the same rule next
+to a pointer here.
 """
 from __future__ import annotations
 
@@ -127,7 +139,8 @@ class Variant:
     ``mask_start`` ``[B]`` int64: where each sequence's block of ``custom_mask`` starts (set with
     it, by :func:`kvattn.layout.with_custom_mask`). ``widened``: the scale given per tensor or per
     head and widened to ``[batch, num_kv_heads]`` beside a per-sequence one (its value errors then
-    name the KV head alone), or ``""``."""
+    name the KV head alone), so ``widened`` holds the names of the scales so widened.
+    ``q_scale`` ``[num_kv_heads]`` or ``[batch, num_kv_heads]`` with an fp8 ``q``, else None."""
 
     window_left: int = -1
     logits_soft_cap: float = 0.0
@@ -138,14 +151,19 @@ class Variant:
     custom_mask: torch.Tensor | None = None
     mask_start: torch.Tensor | None = None
     window_right: int = -1
-    widened: str = ""
+    widened: tuple[str, ...] = ()
+    q_scale: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.k_scale is not None and self.k_scale.dim() != self.v_scale.dim():
-            # The kernels read both scales with one per-sequence stride.
-            raise ValueError("k_scale, v_scale: expected the same form (both per sequence or "
-                             f"neither), got shapes {tuple(self.k_scale.shape)} and "
-                             f"{tuple(self.v_scale.shape)}")
+        given = {name: t for name, t in self._scales().items() if t is not None}
+        if len({t.dim() for t in given.values()}) > 1:
+            # The kernels read every scale with one per-sequence stride.
+            raise ValueError(f"{', '.join(given)}: expected the same form (all per sequence or "
+                             "none), got shapes "
+                             + ", ".join(str(tuple(t.shape)) for t in given.values()))
+
+    def _scales(self) -> dict:
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale, "q_scale": self.q_scale}
 
     @property
     def windowed(self) -> bool:
@@ -160,13 +178,18 @@ class Variant:
         return self.k_scale is not None
 
     @property
+    def q_fp8(self) -> bool:
+        return self.q_scale is not None
+
+    @property
     def alibi_stride(self) -> int:
         """Elements between two sequences' slopes: 0 when every sequence shares one set."""
         return _seq_stride(self.alibi_slopes)
 
     @property
     def scale_stride(self) -> int:
-        """Elements between two sequences' KV scales: 0 when every sequence shares them."""
+        """Elements between two sequences' KV (and query) scales: 0 when every sequence shares
+        them."""
         return _seq_stride(self.k_scale)
 
     def of_sequences(self, seqs: torch.Tensor | int) -> Variant:
@@ -176,14 +199,14 @@ class Variant:
         def rows(t):
             return t[seqs:seqs + 1] if isinstance(seqs, int) else t.index_select(0, seqs)
         pick = {name: rows(getattr(self, name))
-                for name in ("alibi_slopes", "k_scale", "v_scale")
+                for name in ("alibi_slopes", "k_scale", "v_scale", "q_scale")
                 if _seq_stride(getattr(self, name))}
         return replace(self, **pick) if pick else self
 
     def heads_read(self, num_heads: int) -> torch.Tensor | None:
         """``[num_heads]`` bool, or ``[batch, num_heads]`` when a switch is per sequence: False
-        for a query head that reads nothing because its sink or slope, or a scale of its KV head,
-        is invalid (the module docstring's rule for unvalidated values); None when no switch
+        for a query head that reads nothing because its sink or slope, or a scale of its KV head
+        (``k_scale``, ``v_scale``, ``q_scale``), is invalid (the module docstring's rule for unvalidated values); None when no switch
         carries per-head values."""
         ok = None
         if self.sinks is not None:
@@ -193,6 +216,8 @@ class Variant:
             ok = slopes if ok is None else ok & slopes
         if self.fp8:
             kv = scale_ok(self.k_scale) & scale_ok(self.v_scale)
+            if self.q_fp8:
+                kv = kv & scale_ok(self.q_scale)
             kv = kv.repeat_interleave(num_heads // kv.shape[-1], dim=-1)
             ok = kv if ok is None else ok & kv
         return ok
@@ -202,7 +227,8 @@ class Variant:
         on = [("window_left", self.windowed), ("window_right", self.right_windowed),
               ("logits_soft_cap", self.logits_soft_cap > 0),
               ("sinks", self.sinks is not None), ("alibi_slopes", self.alibi_slopes is not None),
-              ("fp8 KV", self.fp8), ("custom_mask", self.custom_mask is not None)]
+              ("fp8 KV", self.fp8), ("fp8 queries", self.q_fp8),
+              ("custom_mask", self.custom_mask is not None)]
         return [name for name, active in on if active]
 
 
@@ -269,10 +295,10 @@ def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q",
 
 def check_variant(q: torch.Tensor, k_cache: torch.Tensor, batch: int, *, window_left=-1,
                   logits_soft_cap=0.0, sinks=None, alibi_slopes=None, k_scale=None, v_scale=None,
-                  window_right=-1) -> Variant:
+                  window_right=-1, q_scale=None) -> Variant:
     """Validate the switches of a decode or extend call of ``batch`` sequences against ``q``
-    ``[rows, num_heads, D]`` and the pools (``window_right``: extend only); returns
-    :data:`PLAIN` when none is on."""
+    ``[rows, num_heads, D]`` and the pools (``window_right``: extend only; ``q`` fp8 only with fp8
+    pools, checked by :mod:`kvattn.layout`); returns :data:`PLAIN` when none is on."""
     for name, edge in (("window_left", window_left), ("window_right", window_right)):
         if isinstance(edge, bool) or not isinstance(edge, int):
             raise TypeError(f"{name}: expected an int, got {type(edge).__name__}")
@@ -291,15 +317,21 @@ def check_variant(q: torch.Tensor, k_cache: torch.Tensor, batch: int, *, window_
         _fail("k_scale" if k_scale is not None else "v_scale",
               "None with float16/bfloat16/float32 pools (scales dequantise fp8 pools)",
               f"a scale with {str(k_cache.dtype).replace('torch.', '')} pools")
-    ks = _kv_scale("k_scale", k_scale, num_kv_heads, q.device, batch=batch) if fp8 else None
-    vs = _kv_scale("v_scale", v_scale, num_kv_heads, q.device, batch=batch) if fp8 else None
-    widened = ""
-    if fp8 and ks.dim() != vs.dim():
-        # The kernels read both with one stride per sequence.
-        widened = "k_scale" if ks.dim() == 1 else "v_scale"
-        ks, vs = (s.expand(batch, num_kv_heads).contiguous() for s in (ks, vs))
-    variant = Variant(window_left, float(logits_soft_cap), sinks, alibi_slopes, ks, vs,
-                      window_right=window_right, widened=widened)
+    q_fp8 = q.dtype in FP8_DTYPES
+    if not q_fp8 and q_scale is not None:
+        _fail("q_scale", "None with a float16/bfloat16/float32 q (it dequantises an fp8 q)",
+              f"a scale with a {str(q.dtype).replace('torch.', '')} q")
+    given = {name: _kv_scale(name, value, num_kv_heads, q.device, batch=batch)
+             for name, value, on in (("k_scale", k_scale, fp8), ("v_scale", v_scale, fp8),
+                                     ("q_scale", q_scale, q_fp8)) if on}
+    widened = ()
+    if len({t.dim() for t in given.values()}) > 1:
+        # The kernels read every scale with one stride per sequence.
+        widened = tuple(name for name, t in given.items() if t.dim() == 1)
+        given = {name: t.expand(batch, num_kv_heads).contiguous() for name, t in given.items()}
+    variant = Variant(window_left, float(logits_soft_cap), sinks, alibi_slopes,
+                      given.get("k_scale"), given.get("v_scale"), window_right=window_right,
+                      widened=widened, q_scale=given.get("q_scale"))
     return PLAIN if not variant.switches() else variant
 
 
@@ -311,16 +343,15 @@ def check_scale_values(name: str, scale: torch.Tensor) -> None:
 
 def check_values(variant: Variant) -> None:
     """The value checks of the switches' tensors (host-side: synchronises on device tensors): sinks
-    finite or -inf, slopes within ALIBI_SLOPE_MAX, fp8 scales in range."""
+    finite or -inf, slopes within ALIBI_SLOPE_MAX, fp8 scales (KV and query) in range."""
     if variant.sinks is not None:
         _check_each("sinks", variant.sinks, sink_ok, "finite sink logits or -inf (no sink)", "head")
     if variant.alibi_slopes is not None:
         _check_each("alibi_slopes", variant.alibi_slopes, slope_ok,
                     "finite slopes with |slope| <= 2**32", "head")
-    if variant.fp8:
-        for name in ("k_scale", "v_scale"):
-            scale = getattr(variant, name)
-            check_scale_values(name, scale[0] if variant.widened == name else scale)
+    for name, scale in variant._scales().items():
+        if scale is not None:
+            check_scale_values(name, scale[0] if name in variant.widened else scale)
 
 
 def _check_each(name: str, t: torch.Tensor, ok, expected: str, unit: str) -> None:
