@@ -125,6 +125,9 @@ def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos
     k = torch.where(allowed[..., None, None], k, 0).to(compute_dtype)
     v = torch.where(allowed[..., None, None], v, 0).to(compute_dtype)
     qg = q.to(compute_dtype).view(batch, num_kv_heads, group, head_dim)
+    if variant.q_fp8:
+        # [1 or B, Hkv, 1, 1]: each query head takes the scale of the KV head it reads.
+        qg = qg * variant.q_scale.to(compute_dtype).view(-1, num_kv_heads, 1, 1)
     logits = torch.einsum("bkgd,bnkd->bkgn", qg, k) * scale  # [B, Hkv, G, N]
     if variant.logits_soft_cap > 0:
         cap = variant.logits_soft_cap

@@ -105,6 +105,17 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
     return out, lse
 
 
+def _queries(a, q: torch.Tensor, variant: Variant) -> torch.Tensor:
+    """``q`` ``[S, H, D]`` in float32, scaled by the logit scale and, for an fp8 ``q``, by each
+    KV head's ``q_scale`` (``variant``'s rows are those of the ``S`` sequences, or shared)."""
+    q = q.float() * a.scale
+    if variant.q_fp8:
+        g = a.num_heads // a.num_kv_heads
+        q = (q.view(q.shape[0], a.num_kv_heads, g, -1)
+             * variant.q_scale.view(-1, a.num_kv_heads, 1, 1)).view(q.shape)
+    return q
+
+
 def _by_kv_head(x: torch.Tensor, hkv: int, g: int) -> torch.Tensor:
     """``[Hkv, 1 or S, G]``: per-head values ``[H]`` or per-sequence ones ``[S, H]``."""
     return x.view(-1, hkv, g).transpose(0, 1)
@@ -177,7 +188,7 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
         variant = sw.of_sequences(rows)
         k = _gather(a, a.k_cache, variant.k_scale, pages, ok)
         v = _gather(a, a.v_cache, variant.v_scale, pages, ok)
-        q = a.q.index_select(0, rows).float() * a.scale
+        q = _queries(a, a.q.index_select(0, rows), variant)
         q = q.view(len(group), a.num_kv_heads, g, 1, a.head_dim).transpose(0, 1)
         o, l = _attend(q, k, v, mask, q_pos, key_pos, variant, causal=True)
         o = o.transpose(0, 1).reshape(len(group), a.num_heads, a.head_dim_v)
@@ -227,7 +238,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
             k1 = min(key_pos.numel(), last + 1 - lo[b] * page) if a.causal else key_pos.numel()
             if sw.right_windowed:
                 k1 = max(0, min(k1, last + sw.window_right + 1 - lo[b] * page))
-            q = a.q[r0 + t0:r0 + t1].float() * a.scale  # [T, H, D]
+            q = _queries(a, a.q[r0 + t0:r0 + t1], variant)  # [T, H, D]
             q = q.view(t1 - t0, a.num_kv_heads, g, a.head_dim).permute(1, 2, 0, 3)[:, None]
             if k1 <= k0:
                 out[r0 + t0:r0 + t1] = 0
