@@ -15,7 +15,7 @@ from .paged_mla_extend import mla_extend
 
 # The switches of kvattn.variants the kernels compile in.
 SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap", "sinks", "alibi_slopes",
-                      "fp8 KV", "custom_mask"})
+                      "fp8 KV", "fp8 queries", "custom_mask"})
 
 # The switches of kvattn.variants the stamping writer implements (fp8 pools, quantising on write
 # with either rounding).

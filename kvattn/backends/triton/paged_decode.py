@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ...layout import DecodeArgs
+from ...variants import FP8_DTYPES
 from ...report import OwnershipReport
 from ..grids import plan_num_splits
 from .configs import DecodeConfig, decode_config
@@ -69,8 +70,8 @@ def paged_decode_kernel(
     out_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, part_report_ptr,
     violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
     scale_log2, num_pages, max_pages, num_splits, min_chunk,
-    window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, alibi_stride,
-    scale_stride, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, q_scale_ptr,
+    alibi_stride, scale_stride, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_eb, stride_ep, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -78,6 +79,7 @@ def paged_decode_kernel(
     ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, CHECK: tl.constexpr, DOT_FP32: tl.constexpr,
     RETURN_LSE: tl.constexpr, OWNER_PER_PAGE: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
+    Q_FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -123,6 +125,8 @@ def paged_decode_kernel(
         dv_mask = offs_dv < HEAD_DIM_V
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        if Q_FP8:
+            q = q.to(tl.bfloat16)  # exact: every e4m3 and e5m2 value is a bfloat16
         bt_row = block_table_ptr + b * stride_bt
         exp_row = expected_ptr + b * stride_eb
         seq_owner = tl.load(exp_row)  # expected given per sequence: one load for every page
@@ -132,10 +136,13 @@ def paged_decode_kernel(
         alibi_ptr += b * alibi_stride
         k_scale_ptr += b * scale_stride
         v_scale_ptr += b * scale_stride
+        q_scale_ptr += b * scale_stride
         qk_scale = scale_log2
         if FP8:
             # Per-head dequantisation: K's scale folds into the logits, V's into the output.
             qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        if Q_FP8:
+            qk_scale = qk_scale * tl.load(q_scale_ptr + kv_head)  # and the query's
         alibi2 = tl.zeros([BLOCK_G], dtype=tl.float32)
         if ALIBI:
             alibi2 = tl.load(alibi_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
@@ -172,7 +179,7 @@ def paged_decode_kernel(
             # A head whose switch values are invalid (kvattn.variants) reads nothing: from here on its
             # state is that of a row with nothing read, in this split and in the merge.
             reads = heads_read(heads, g_mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
-                               SINKS, ALIBI, FP8)
+                               q_scale_ptr, SINKS, ALIBI, FP8, Q_FP8)
             acc = tl.where(reads[:, None], acc, 0.0)
             m_i = tl.where(reads, m_i, float("-inf"))
             l_i = tl.where(reads, l_i, 0.0)
@@ -277,9 +284,22 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype of the kernels' dot operands: ``q``'s, bfloat16 for fp8 queries (upcast on
+    load, exactly; the fp8 pools' tiles are upcast to it too)."""
+    return torch.bfloat16 if q.dtype in FP8_DTYPES else q.dtype
+
+
+def dots_in_fp32(q: torch.Tensor) -> bool:
+    """DOT_FP32 of the kernels (:func:`.softmax.qk_scores`): float32 operands, and bfloat16 ones
+    under the interpreter."""
+    dtype = compute_dtype(q)
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreted())
+
+
 def launch_config(args: DecodeArgs, config: DecodeConfig | None = None) -> DecodeConfig:
     """The configuration a launch uses: ``config`` or the table's entry (:mod:`.configs`)."""
-    return config or decode_config(args.q.device, args.q.dtype, args.head_dim, args.page_size,
+    return config or decode_config(args.q.device, compute_dtype(args.q), args.head_dim, args.page_size,
                                    args.head_dim_v)
 
 
@@ -315,7 +335,7 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     splits, min_chunk, align = plan_splits(args, config, num_splits)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(args.head_dim_v))
-    dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
+    dot_fp32 = dots_in_fp32(q)
     report = OwnershipReport.allocate(batch, args.max_pages, q.device) if check else None
     if splits > 1:
         part_acc = torch.empty(batch * num_heads * splits * block_dv, dtype=torch.float32, device=q.device)
@@ -330,9 +350,10 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
                            if r else (out,) * 4))
     sw = args.variant
     # Switch tensors that are off get `out` as a never-read pointer.
-    alibi, sinks, k_scale, v_scale = (t if t is not None else out for t in
-                                      (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale))
-    switches = dict(WINDOW=sw.windowed, SINKS=sw.sinks is not None, FP8=sw.fp8)
+    alibi, sinks, k_scale, v_scale, q_scale = (
+        t if t is not None else out
+        for t in (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale, sw.q_scale))
+    switches = dict(WINDOW=sw.windowed, SINKS=sw.sinks is not None, FP8=sw.fp8, Q_FP8=sw.q_fp8)
 
     paged_decode_kernel[(batch, args.num_kv_heads + int(check), splits)](
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, block_table_ptr=args.block_table,
@@ -342,7 +363,7 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         scale_log2=args.scale * LOG2E, num_pages=args.num_pages, max_pages=args.max_pages,
         num_splits=splits, min_chunk=min_chunk, window_left=sw.window_left,
         soft_cap=sw.logits_soft_cap, alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale,
-        v_scale_ptr=v_scale, alibi_stride=sw.alibi_stride, scale_stride=sw.scale_stride,
+        v_scale_ptr=v_scale, q_scale_ptr=q_scale, alibi_stride=sw.alibi_stride, scale_stride=sw.scale_stride,
         stride_qb=q.stride(0), stride_qh=q.stride(1),
         stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
         stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),

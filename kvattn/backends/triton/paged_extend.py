@@ -41,7 +41,7 @@ import triton.language as tl
 from ...layout import ExtendArgs
 from ...report import OwnershipReport
 from .configs import ExtendConfig, extend_config
-from .paged_decode import interpreted
+from .paged_decode import compute_dtype, dots_in_fp32
 from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
 from .split_report import REPORT_FIELDS, REPORT_PTRS
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
@@ -303,7 +303,7 @@ def paged_extend_kernel(
     out_ptr, lse_ptr, part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
     scale_log2, batch, total_q, num_pages, max_pages, num_chunks, page_blocks,
     window_left, window_right, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    alibi_stride, scale_stride, mask_ptr, mask_start_ptr, mask_numel,
+    q_scale_ptr, alibi_stride, scale_stride, mask_ptr, mask_start_ptr, mask_numel,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
@@ -312,7 +312,7 @@ def paged_extend_kernel(
     D_SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
     CHECK: tl.constexpr, DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
-    CUSTOM: tl.constexpr, RIGHT: tl.constexpr,
+    CUSTOM: tl.constexpr, RIGHT: tl.constexpr, Q_FP8: tl.constexpr,
 ):
     # Programs launch in grid order, axis 0 fastest; read that order slot-major, every column (KV
     # head, head chunk, output part) of a slot before the next slot, so that a causal sequence's
@@ -354,6 +354,8 @@ def paged_extend_kernel(
     rows = (row0 + q_idx).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if Q_FP8:
+        q = q.to(tl.bfloat16)  # exact: every e4m3 and e5m2 value is a bfloat16
 
     mask_row = rows  # unused unless CUSTOM
     token_ok = row_ok
@@ -373,11 +375,14 @@ def paged_extend_kernel(
     alibi_ptr += b * alibi_stride
     k_scale_ptr += b * scale_stride
     v_scale_ptr += b * scale_stride
+    q_scale_ptr += b * scale_stride
 
     qk_scale = scale_log2
     if FP8:
         # Per-head dequantisation: K's scale folds into the logits, V's into the output.
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    if Q_FP8:
+        qk_scale = qk_scale * tl.load(q_scale_ptr + kv_head)  # and the query's
     alibi2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ALIBI:
         alibi2 = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * LOG2E_C
@@ -435,7 +440,7 @@ def paged_extend_kernel(
         # A head whose switch values are invalid (kvattn.variants) reads nothing: its rows end as
         # rows with nothing read.
         reads = heads_read(head, row_ok, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
-                           SINKS, ALIBI, FP8)
+                           q_scale_ptr, SINKS, ALIBI, FP8, Q_FP8)
         acc = tl.where(reads[:, None], acc, 0.0)
         l_i = tl.where(reads, l_i, 0.0)
     out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
@@ -459,7 +464,7 @@ def launch_config(args: ExtendArgs, config: ExtendConfig | None = None) -> Exten
     if config is not None:
         return config
     # Keyed by the wider head: the query and K tiles, or V's accumulator, bound the registers.
-    config = extend_config(args.q.device, args.q.dtype, max(args.head_dim, args.head_dim_v),
+    config = extend_config(args.q.device, compute_dtype(args.q), max(args.head_dim, args.head_dim_v),
                            args.page_size)
     if args.variant.custom_mask is not None:
         # The mask's [BLOCK_M, BLOCK_N] entries beside the scores: 64-key tiles spill at d128
@@ -524,7 +529,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     # Each part of a split output keeps at least 16 columns (a tensor-core tile's N).
     d_split = min(config.d_split, block_dv // 16)
     heads, tokens, chunks = row_layout(args, block_m)
-    dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
+    dot_fp32 = dots_in_fp32(q)
     # The grid from shapes only: every sequence has at least one tile, so ceil(total_q / tokens) + B
     # slots cover the tiles; each program finds its own in cu_seqlens_q (spare slots do nothing).
     slots = triton.cdiv(args.total_q, tokens) + args.batch
@@ -532,9 +537,9 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     report, effective, part_report, page_blocks, report_ptrs = resolve_pages(
         args, check, out, sw.window_left)
     # Switch tensors that are off get `out` as a never-read pointer.
-    alibi, sinks, k_scale, v_scale, mask_start = (
+    alibi, sinks, k_scale, v_scale, q_scale, mask_start = (
         t if t is not None else out
-        for t in (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale, sw.mask_start))
+        for t in (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale, sw.q_scale, sw.mask_start))
     custom = sw.custom_mask is not None
     # A bool tensor as bytes: one load per entry; an empty mask (every entry past its end) is
     # never dereferenced.
@@ -548,7 +553,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         page_blocks=page_blocks, window_left=sw.window_left, window_right=sw.window_right,
         soft_cap=sw.logits_soft_cap,
         alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale, v_scale_ptr=v_scale,
-        alibi_stride=sw.alibi_stride, scale_stride=sw.scale_stride, mask_ptr=mask, mask_start_ptr=mask_start,
+        q_scale_ptr=q_scale, alibi_stride=sw.alibi_stride, scale_stride=sw.scale_stride, mask_ptr=mask, mask_start_ptr=mask_start,
         mask_numel=sw.custom_mask.numel() if custom else 0,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kp=k_cache.stride(0),
         stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2), stride_vp=v_cache.stride(0),
@@ -561,6 +566,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
         CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
         SOFTCAP=sw.logits_soft_cap > 0, ALIBI=sw.alibi_slopes is not None,
         SINKS=sw.sinks is not None, FP8=sw.fp8, CUSTOM=custom, RIGHT=sw.right_windowed,
+        Q_FP8=sw.q_fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return report

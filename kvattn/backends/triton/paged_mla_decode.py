@@ -33,7 +33,7 @@ from ...report import OwnershipReport
 from ...variants import PLAIN, Variant
 from ..grids import plan_num_splits
 from .configs import MLADecodeConfig, mla_decode_config
-from .paged_decode import interpreted, merge_splits_kernel, split_alignment, split_range
+from .paged_decode import dots_in_fp32, merge_splits_kernel, split_alignment, split_range
 from .softmax import online_softmax_step, qk_scores
 from .split_report import REPORT_FIELDS, REPORT_PTRS, store_split_report
 from .tag_rule import LOG2E, LOG2E_C, tile_slots
@@ -168,7 +168,7 @@ def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torc
     splits, min_chunk, align = plan_splits(args, config, args.num_splits)
     block_l = max(16, triton.next_power_of_2(lora))
     block_r = max(16, triton.next_power_of_2(rope))
-    dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
+    dot_fp32 = dots_in_fp32(q)
     report = OwnershipReport.allocate(batch, args.max_pages, q.device) if check else None
     if splits > 1:
         part_acc = torch.empty(batch * num_heads * splits * block_l, dtype=torch.float32,

@@ -34,7 +34,7 @@ import triton.language as tl
 from ...layout import MLAExtendArgs
 from ...report import OwnershipReport
 from .configs import MLAExtendConfig, mla_extend_config
-from .paged_decode import interpreted
+from .paged_decode import dots_in_fp32
 from .paged_extend import key_entries, query_tile, resolve_pages, store_report
 from .softmax import online_softmax_step, qk_scores
 from .tag_rule import LOG2E, LOG2E_C
@@ -151,7 +151,7 @@ def mla_extend(args: MLAExtendArgs, *, check: bool, out: torch.Tensor, lse: torc
     config = launch_config(args, config)
     heads, tokens, chunks = row_layout(args, config.block_m)
     lora, rope = args.kv_lora_rank, args.rope_dim
-    dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
+    dot_fp32 = dots_in_fp32(q)
     # The grid from shapes only, as paged_extend's: ceil(total_q / tokens) + B slots.
     slots = triton.cdiv(args.total_q, tokens) + args.batch
     report, effective, part_report, page_blocks, report_ptrs = resolve_pages(args, check, out)

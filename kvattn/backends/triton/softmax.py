@@ -44,7 +44,8 @@ def online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
 def variant_scores(qk, qk_scale, soft_cap, alibi2, distance, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr):
     """Base-2 logits of raw scores ``qk`` [ROWS, BLOCK_N] under the score switches of
-    kvattn.variants, in their order: ``qk_scale`` (scale * log2(e), times an fp8 K scale), the
+    kvattn.variants, in their order: ``qk_scale`` (scale * log2(e), times the fp8 scales of K and
+    of the query), the
     soft-cap ``cap * tanh(x / cap)`` of the natural logit ``x``, then ALiBi (``alibi2`` [ROWS] is
     slope * log2(e), ``distance`` key minus query position, broadcast to the tile)."""
     s = qk * qk_scale
@@ -71,10 +72,11 @@ def sink_denominator(l_i, m_i, sink2, SINKS: tl.constexpr):
 
 
 @triton.jit
-def heads_read(heads, mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
-               SINKS: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr):
+def heads_read(heads, mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr, q_scale_ptr,
+               SINKS: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr, Q_FP8: tl.constexpr):
     """Whether each query head of ``heads`` (where ``mask``) reads anything: False where its sink
-    or ALiBi slope, or a scale of its KV head ``kv_head``, is invalid. The rule and its ranges are
+    or ALiBi slope, or a scale of its KV head ``kv_head`` (K's, V's and, Q_FP8, the query's), is
+    invalid. The rule and its ranges are
     kvattn.variants' (Variant.heads_read): such a head gets output 0 and lse -inf. Loaded and
     tested after the main loop, from values the kernel reads anyway."""
     ok = mask
@@ -87,6 +89,9 @@ def heads_read(heads, mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_
         v_scale = tl.load(v_scale_ptr + kv_head)
         scales_ok = (k_scale >= SCALE_MIN) & (k_scale <= SCALE_MAX)
         scales_ok = scales_ok & (v_scale >= SCALE_MIN) & (v_scale <= SCALE_MAX)
+        if Q_FP8:
+            q_scale = tl.load(q_scale_ptr + kv_head)
+            scales_ok = scales_ok & (q_scale >= SCALE_MIN) & (q_scale <= SCALE_MAX)
         # A select, not `&`: the interpreter refuses a vector mask combined with a scalar bool.
         ok = tl.where(scales_ok, ok, False)
     return ok
