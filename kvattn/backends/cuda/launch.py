@@ -50,6 +50,9 @@ class NotBuilt(RuntimeError):
 
 def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
     """Why the kernels cannot run these (already validated) inputs, or None."""
+    if args.variant.q_fp8:
+        return ("no kernel for fp8 queries (the CUDA kernels stage fp16/bf16 queries; the triton "
+                "backend runs them)")
     if args.q.dtype not in TENSOR_CORE_DTYPES:
         return (f"dtype {str(args.q.dtype).replace('torch.', '')} is not supported (the CUDA kernels run "
                 "fp16/bf16 on tensor cores; the triton backend runs float32)")
