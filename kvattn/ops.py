@@ -29,7 +29,7 @@ import torch
 
 from . import api, writers
 from .api import check_mode
-from .layout import (check_kv_pools, check_tensor, validate_decode, validate_extend,
+from .layout import (check_kv_pools, check_tensor, output_dtype, validate_decode, validate_extend,
                      validate_mla_decode, validate_mla_extend)
 from .report import OwnershipReport
 from .tags import OWNER_MAX
@@ -57,14 +57,14 @@ def _paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      return_lse: bool, validate: bool | None, window_left: int,
                      logits_soft_cap: float, sinks: torch.Tensor | None,
                      alibi_slopes: torch.Tensor | None, k_scale: torch.Tensor | None,
-                     v_scale: torch.Tensor | None,
+                     v_scale: torch.Tensor | None, q_scale: torch.Tensor | None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     out, lse, report = api.paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags,
                                         expected, scale=scale, check=check, backend=backend,
                                         return_lse=True, validate=validate, window_left=window_left,
                                         logits_soft_cap=logits_soft_cap, sinks=sinks,
                                         alibi_slopes=alibi_slopes, k_scale=k_scale,
-                                        v_scale=v_scale)
+                                        v_scale=v_scale, q_scale=q_scale)
     counts, page_reasons = _report_tensors(report, q.shape[0], block_table.shape[1], q.device)
     return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
 
@@ -74,7 +74,7 @@ def _(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale, ch
       return_lse, validate, *variant):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
-    return (q.new_empty(*q.shape[:2], v_cache.shape[3]), lse,
+    return (q.new_empty(*q.shape[:2], v_cache.shape[3], dtype=output_dtype(q)), lse,
             q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
 
 
@@ -86,14 +86,16 @@ def _paged_extend_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      validate: bool | None, window_left: int, logits_soft_cap: float,
                      sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                     custom_mask: torch.Tensor | None,
+                     q_scale: torch.Tensor | None, custom_mask: torch.Tensor | None,
+                     window_right: int,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     out, lse, report = api.paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens,
                                         page_tags, expected, scale=scale, causal=causal, check=check,
                                         backend=backend, return_lse=True, validate=validate,
                                         window_left=window_left, logits_soft_cap=logits_soft_cap,
                                         sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale,
-                                        v_scale=v_scale, custom_mask=custom_mask)
+                                        v_scale=v_scale, q_scale=q_scale,
+                                        custom_mask=custom_mask, window_right=window_right)
     counts, page_reasons = _report_tensors(report, block_table.shape[0], block_table.shape[1],
                                            q.device)
     return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
@@ -104,7 +106,7 @@ def _(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expec
       check, backend, return_lse, validate, *variant):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
-    return (q.new_empty(*q.shape[:2], v_cache.shape[3]), lse,
+    return (q.new_empty(*q.shape[:2], v_cache.shape[3], dtype=output_dtype(q)), lse,
             q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
 
 
@@ -135,7 +137,8 @@ def _finish(out, lse, counts, page_reasons, check, on_violation, return_lse):
 def _variant_args(sw):
     """The op's positional variant arguments (scales as the validated tensors, so the op schema
     takes tensors only)."""
-    return (sw.window_left, sw.logits_soft_cap, sw.sinks, sw.alibi_slopes, sw.k_scale, sw.v_scale)
+    return (sw.window_left, sw.logits_soft_cap, sw.sinks, sw.alibi_slopes, sw.k_scale, sw.v_scale,
+            sw.q_scale)
 
 
 def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *, scale=None,
@@ -161,7 +164,7 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_extend(
         q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, args.scale,
         causal, check, backend, return_lse, validate, *_variant_args(args.variant),
-        args.variant.custom_mask)
+        args.variant.custom_mask, args.variant.window_right)
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 

@@ -33,9 +33,9 @@ def _extend_inputs():
 
 
 # The op's variant arguments with every switch off: window_left, logits_soft_cap, sinks,
-# alibi_slopes, k_scale, v_scale; the extend's also custom_mask.
-PLAIN = (-1, 0.0, None, None, None, None)
-PLAIN_EXTEND = PLAIN + (None,)
+# alibi_slopes, k_scale, v_scale, q_scale; the extend's also custom_mask and window_right.
+PLAIN = (-1, 0.0, None, None, None, None, None)
+PLAIN_EXTEND = PLAIN + (None, -1)
 
 
 def _tree_mask(inputs) -> torch.Tensor:
@@ -62,7 +62,7 @@ def test_opcheck_paged_extend():
                           inputs + (None, True, True, "reference", False, None) + PLAIN_EXTEND)
     torch.library.opcheck(torch.ops.kvattn.paged_extend.default,
                           inputs + (None, True, True, "reference", False, None) + PLAIN
-                          + (_tree_mask(inputs),))
+                          + (_tree_mask(inputs), -1))
 
 
 def test_opcheck_write_kv():
@@ -105,6 +105,12 @@ def test_extend_and_write_ops_equal_direct_calls():
     assert torch.equal(masked, direct)
     assert (masked - out).abs().max() > 1e-3
     assert_reports_equal(masked_report, ref_report)
+    # So does the window's right edge (non-causal: with causality it changes nothing).
+    full = ops.paged_extend(*inputs, backend="reference", causal=False)[0]
+    right, _ = ops.paged_extend(*inputs, backend="reference", causal=False, window_right=0)
+    direct = kvattn.paged_extend(*inputs, backend="reference", causal=False, window_right=0)[0]
+    assert torch.equal(right, direct)
+    assert (right - full).abs().max() > 1e-3
 
     results = []
     for write in (ops.write_kv, kvattn.write_kv):
