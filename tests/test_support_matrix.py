@@ -37,14 +37,14 @@ def matrix() -> tuple[list[str], dict[str, dict[str, str]]]:
     return names, {row[0]: dict(zip(names, row[1:])) for row in rows}
 
 
-def reader_args(pool_dtype=torch.float16, head_dim_v=DIM, **variant):
+def reader_args(pool_dtype=torch.float16, head_dim_v=DIM, q_dtype=torch.float16, **variant):
     k_cache = torch.zeros(2, PAGE, KV_HEADS, DIM, dtype=pool_dtype)
     v_cache = torch.zeros(2, PAGE, KV_HEADS, head_dim_v, dtype=pool_dtype)
     tags = torch.zeros(2, dtype=torch.int64)
     table = torch.zeros(1, 1, dtype=torch.int32)
     lens = torch.ones(1, dtype=torch.int32)
     owners = torch.ones(1, dtype=torch.int64)
-    q = torch.zeros(1, HEADS, DIM, dtype=torch.float16)
+    q = torch.zeros(1, HEADS, DIM, dtype=q_dtype)
     cu = torch.tensor([0, 1], dtype=torch.int32)
     return {"decode": validate_decode(q, k_cache, v_cache, table, lens, tags, owners,
                                       validate=False, **variant),
@@ -103,6 +103,10 @@ ROWS = {
     "fp8 e5m2 pools, extend": ("fp8 KV", lambda: [only("extend", E5M2)]),
     "fp8 pools, per-sequence scales, extend": (
         "fp8 KV", lambda: [only("extend", E4M3, per_sequence=True)]),
+    "fp8 queries (`q` e4m3/e5m2 over fp8 pools, `q_scale`; per sequence too)": (
+        "fp8 queries", lambda: [reader_args(E4M3, q_dtype=E4M3, q_scale=0.5),
+                                reader_args(E5M2, q_dtype=E5M2, q_scale=torch.full((1, KV_HEADS),
+                                                                                   0.5))]),
     "fp8 write (`write_kv` into e4m3/e5m2 pools)": ("fp8 KV",
                                                     lambda: [writer_args(E4M3), writer_args(E5M2)]),
     "fp8 write rounded toward zero (`fp8_rounding=\"toward_zero\"`, vLLM CPU's rule)": (
