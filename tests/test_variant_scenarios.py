@@ -31,6 +31,19 @@ def per_sequence_scales(batch: int, kv_heads: int) -> dict:
     return dict(k_scale=0.5 * k, v_scale=0.25 * v)
 
 
+def query_scales(batch: int, kv_heads: int) -> dict:
+    """fp8 queries over the "fp8" switch's pools: the query codes are twice the query
+    (:func:`as_fp8_q`), read back at 0.5 per KV head."""
+    return dict(k_scale=0.5, v_scale=0.25, q_scale=torch.full((kv_heads,), 0.5, device=DEVICE))
+
+
+def per_sequence_query_scales(batch: int, kv_heads: int) -> dict:
+    """Per-sequence query scales around 0.5 beside per-head K/V scales (widened with it)."""
+    g = torch.Generator().manual_seed(4)
+    q = (0.5 * (1 + 0.25 * torch.rand(batch, kv_heads, generator=g))).to(DEVICE)
+    return dict(k_scale=torch.full((kv_heads,), 0.5, device=DEVICE), v_scale=0.25, q_scale=q)
+
+
 def switches():
     g = torch.Generator().manual_seed(1)
     return {
@@ -42,6 +55,8 @@ def switches():
         # Per sequence (kvattn.variants): one row per sequence of the scenario, each different.
         "alibi-per-seq": per_sequence_slopes,
         "fp8-per-seq": per_sequence_scales,
+        "fp8-q": query_scales,
+        "fp8-q-per-seq": per_sequence_query_scales,
         # V's own head dim (kvattn.layout): the pools change (POOLS), no keyword does.
         "v-narrow": {},
         "v-wide": {},
@@ -59,6 +74,12 @@ def as_fp8(batch: Batch) -> Batch:
     return batch
 
 
+def as_fp8_q(batch: Batch) -> Batch:
+    """:func:`as_fp8` with the query as e4m3 codes too, stored at twice its size."""
+    batch.q = (batch.q.float() * 2).to(torch.float8_e4m3fn)
+    return as_fp8(batch)
+
+
 def with_v(batch: Batch, v_cache: torch.Tensor) -> Batch:
     batch.v_cache = v_cache
     return batch
@@ -69,6 +90,8 @@ def with_v(batch: Batch, v_cache: torch.Tensor) -> Batch:
 POOLS = {
     "fp8": as_fp8,
     "fp8-per-seq": as_fp8,
+    "fp8-q": as_fp8_q,
+    "fp8-q-per-seq": as_fp8_q,
     "v-narrow": lambda b: with_v(b, b.v_cache[..., :b.v_cache.shape[3] // 2]),
     "v-wide": lambda b: with_v(b, torch.cat([b.v_cache, b.v_cache], dim=3)),
 }
@@ -136,7 +159,7 @@ def test_scenario_under_each_switch(scenario, switch):
         out, lse, report = kvattn.paged_decode(*inputs(batch), backend=backend, return_lse=True,
                                                **kwargs)
         assert torch.isfinite(out).all(), f"{backend}: a refused slot was read"
-        torch.testing.assert_close(out.double(), ref_out, **tolerance(batch.q.dtype))
+        torch.testing.assert_close(out.double(), ref_out, **tolerance(out.dtype))
         torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
         assert_reports_equal(report, plain)
         assert out.float().abs().max() < 0.5 * SENTINEL_V, f"{backend}: sentinel influence"
