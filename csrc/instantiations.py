@@ -27,9 +27,11 @@ import pathlib
 from dataclasses import dataclass
 
 # Element types of the queries, outputs and 16-bit pools (fp32: the writer only; the attention
-# kernels run fp16/bf16 on tensor cores), then the fp8 pool formats of the decode.
+# kernels run fp16/bf16 on tensor cores), then the fp8 pool formats of the decode and the writer
+# (whose tokens may be fp8 too, stored as they are).
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
 FP8 = {"e4m3": "kvattn::Fp8E4M3", "e5m2": "kvattn::Fp8E5M2"}
+TYPES = {**DTYPES, **FP8}
 HEAD_DIMS = (64, 128, 256, 512)  # the padded head-dim tiles (tiles.h padded_head_dim)
 ATTENTION_DTYPES = ("fp16", "bf16")
 BOOL = (False, True)
@@ -67,9 +69,9 @@ class Row:
     def template_args(self) -> list[str]:
         """The C++ template arguments, in the kernel's order."""
         cxx = lambda b: "true" if b else "false"  # noqa: E731
-        args = [] if self.dtype is None else [DTYPES[self.dtype]]
-        if self.kernel == "paged_decode_kernel":
-            args.append(FP8[self.pool] if self.pool else DTYPES[self.dtype])
+        args = [] if self.dtype is None else [TYPES[self.dtype]]
+        if self.kernel in ("paged_decode_kernel", "write_kv_copy_kernel"):
+            args.append(FP8[self.pool] if self.pool else TYPES[self.dtype])
         if self.head_dim is not None:
             args.append(str(self.head_dim))
         args += [cxx(b) for b in (self.check, self.vec, self.variant) if b is not None]
@@ -118,7 +120,9 @@ TABLE: tuple[Row, ...] = (
     *(Row("paged_extend_kernel", t, None, d, check, vec, variant)
       for t in ATTENTION_DTYPES for d in HEAD_DIMS for check in BOOL for vec in BOOL for variant in BOOL),
     Row("resolve_pages_kernel"),
-    *(Row("write_kv_copy_kernel", t) for t in DTYPES),
+    # the writer: tokens into pools of their type (fp8 ones too), and float tokens quantised into fp8
+    *(Row("write_kv_copy_kernel", t) for t in TYPES),
+    *(Row("write_kv_copy_kernel", t, pool) for pool in FP8 for t in DTYPES),
     Row("write_kv_verdict_kernel"),
 )
 

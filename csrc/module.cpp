@@ -105,8 +105,12 @@ void fill_attention(kvattn::AttentionParams& p, Args& args) {
   p.kv_type = static_cast<kvattn::KVType>(kv_dtype);
 }
 
-kvattn::DType dtype_of(int code, const char* op) {
-  if (code < 0 || code > 2) throw std::invalid_argument(std::string(op) + ": dtype code must be 0, 1 or 2");
+// The attention kernels take codes 0-2 (float32, float16, bfloat16); the writer's tokens also 3-4
+// (float8_e4m3fn, float8_e5m2: stored as they are).
+kvattn::DType dtype_of(int code, const char* op, int max_code = 2) {
+  if (code < 0 || code > max_code)
+    throw std::invalid_argument(std::string(op) + ": dtype code must be in [0, " + std::to_string(max_code) +
+                                "], got " + std::to_string(code));
   return static_cast<kvattn::DType>(code);
 }
 
@@ -165,6 +169,7 @@ py::dict extend(const py::dict& a, int dtype, bool check, unsigned long long str
   plan["num_chunks"] = p.num_chunks;
   plan["d_split"] = p.d_split;
   plan["vec"] = p.vec;
+  plan["fp8_wide"] = p.fp8_wide;
   plan["smem_bytes"] = p.smem_bytes;
   plan["num_slots"] = p.num_slots;
   return plan;
@@ -175,7 +180,10 @@ void write_kv(const py::dict& a, int dtype, unsigned long long stream) {
   Args args(a, "write_kv");
   KVATTN_WRITE_KV_ARGS(KVATTN_READ_ARG)
   args.check_all_read();
-  const kvattn::DType type = dtype_of(dtype, "write_kv");
+  if (p.kv_dtype < 0 || p.kv_dtype > 2)
+    throw std::invalid_argument("write_kv: kv_dtype must be 0 (the tokens'), 1 (float8_e4m3fn) or 2 (float8_e5m2), got " +
+                                std::to_string(p.kv_dtype));
+  const kvattn::DType type = dtype_of(dtype, "write_kv", 4);
   launch_or_raise([&] { return kvattn::write_kv(p, type, reinterpret_cast<void*>(stream)); });
 }
 

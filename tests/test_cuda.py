@@ -750,9 +750,9 @@ def test_launchers_pass_exactly_the_arguments_params_h_lists(op):
             launch.extend(binding, args, check=True, out=torch.empty_like(batch.q), lse=None)
         else:
             k = torch.randn(2, batch.k_cache.shape[2], batch.k_cache.shape[3], dtype=F16)
-            launch.write_kv(binding, k, k, batch.k_cache, batch.v_cache,
-                            torch.tensor([0, 1], dtype=torch.int64), batch.page_tags,
-                            torch.ones(2, dtype=torch.int64))
+            launch.write_kv(binding, kvattn.write_args.validate_write_kv(
+                k, k, batch.k_cache, batch.v_cache, torch.tensor([0, 1], dtype=torch.int64),
+                batch.page_tags, 1))
     assert set(binding.params) == want
 
 

@@ -1,9 +1,10 @@
-"""fp8 KV pools in the CUDA decode kernel, run on the CPU harness (backend ``cuda_sim``).
+"""fp8 KV pools in the CUDA decode and extend kernels, run on the CPU harness (``cuda_sim``).
 
 The kernel reads fp8 bytes into shared memory and builds its tensor-core fragments from them
 (csrc/kvattn/attention.cuh, qk_scores_fp8 / accumulate_fp8): Q's dims are stored permuted for the
 QK^T reads and the output dims come back permuted from P V, so every head-dim padding, head split
-(d_split) and GQA chunking is compared here with the reference. The conversion of fp8.h is checked
+(d_split) and GQA chunking is compared here with the reference. The extend's element-wise kernels
+convert the codes on the copy into their 16-bit tiles (csrc/kvattn/kv_copy.cuh copy_chunk_fp8). The conversion of fp8.h is checked
 against torch for all 256 bytes of each format. The element-wise fp8 scenarios (NaN-poisoned
 foreign pages, the float64 formula) run on cuda_sim through tests/test_variants.py and
 tests/test_variant_scenarios.py.
@@ -140,8 +141,9 @@ def test_fp8_scales_apply_per_kv_head():
     assert torch.equal(doubled[:, 2:], base[:, 2:] * 2)
 
 
-def test_cuda_refuses_fp8_extend_and_unaligned_fp8_rows():
-    """The launcher says why (and the kernels' planner refuses the same calls if reached)."""
+def test_cuda_refuses_unaligned_fp8_rows_in_the_decode():
+    """The launcher says why (and the kernels' planner refuses the same call if reached); the
+    extend runs the same pools (``test_fp8_extend_matches_the_reference``, case d20)."""
     pages = fp8_batch("e4m3", torch.float16, head_dim=24, heads=2, kv_heads=1, page=4, lens=[9])
     args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
                                          pages.seq_lens, pages.page_tags, pages.expected, k_scale=0.5)
@@ -150,15 +152,109 @@ def test_cuda_refuses_fp8_extend_and_unaligned_fp8_rows():
     with pytest.raises(RuntimeError, match="fp8 pools need 16-byte aligned rows"):
         launch.decode(sim, args, check=True, out=torch.empty_like(pages.q), lse=None, num_splits=1)
 
-    pages = fp8_batch("e4m3", torch.float16, head_dim=16, heads=2, kv_heads=1, page=4, lens=[9])
-    cu = torch.tensor([0, 2], dtype=torch.int32)
-    q = pages.q.repeat(2, 1, 1)
-    ext = kvattn.layout.validate_extend(q, pages.k_cache, pages.v_cache, cu, pages.block_table,
-                                        pages.seq_lens, pages.page_tags, pages.expected, k_scale=0.5)
-    why = backends.explain(ext, op="extend")["cuda_sim"]
-    assert why is not None and "fp8" in why and "triton" in why
-    with pytest.raises(RuntimeError, match="fp8 pools: the CUDA extend has no fp8 path"):
-        launch.extend(sim, ext, check=True, out=torch.empty_like(q), lse=None)
+
+def fp8_extend(pages, q_lens, seed=1, **kwargs):
+    """``(args, q, cu)`` of an extend over ``pages``: ``q_lens`` new rows per sequence (at most
+    its length), random queries of the pages' query dtype."""
+    g = torch.Generator().manual_seed(seed)
+    heads, dim = pages.q.shape[1:]
+    q = torch.randn(sum(q_lens), heads, dim, generator=g).to(pages.q.dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = kvattn.layout.validate_extend(q, pages.k_cache, pages.v_cache, cu, pages.block_table,
+                                         pages.seq_lens, pages.page_tags, pages.expected, **kwargs)
+    return args, q, cu
+
+
+# (q dtype, format, head_dim, heads, kv heads, page, query rows per sequence, switches, tokens per
+# tile): every padded head dim, a head dim padded within its tile (20 -> 64: rows not a whole
+# number of 8-byte loads, so codes are read byte by byte), the head split of 512, a GQA group with
+# several query tiles, causal and not, per-sequence scales, and the score switches with a custom
+# mask (the VARIANT instantiation).
+EXTEND_CASES = {
+    "fp16-e4m3-d64-gqa4-tiles": (torch.float16, "e4m3", 64, 8, 2, 16, [3, 7, 12], {}, 4),
+    "bf16-e5m2-d20-bytes": (torch.bfloat16, "e5m2", 20, 2, 1, 5, [1, 4, 9], {}, None),
+    "fp16-e5m2-d128-noncausal": (torch.float16, "e5m2", 128, 4, 2, 16, [2, 5, 6],
+                                 dict(causal=False), None),
+    "bf16-e4m3-d256-per-seq": (torch.bfloat16, "e4m3", 256, 4, 2, 8, [1, 3, 2],
+                               dict(per_sequence=True), None),
+    "fp16-e4m3-d512": (torch.float16, "e4m3", 512, 2, 1, 16, [2, 1, 4], {}, None),
+    "bf16-e4m3-d128-switches-mask": (torch.bfloat16, "e4m3", 128, 4, 2, 8, [2, 6, 5],
+                                     dict(window_left=30, logits_soft_cap=3.0,
+                                          alibi_slopes=torch.tensor([0.1, 0.2, 0.3, 0.4]),
+                                          sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]), mask=True), None),
+}
+
+
+@pytest.mark.parametrize("case", list(EXTEND_CASES))
+def test_fp8_extend_matches_the_reference(case):
+    """The element-wise extend kernels convert the codes exactly as they copy them, k_scale joins
+    the score's scale and v_scale the output: within the query dtype's tolerance of the float64
+    reference, the foreign NaN page refused and reported as there."""
+    q_dtype, fmt, head_dim, heads, kv_heads, page, q_lens, switches, tokens = EXTEND_CASES[case]
+    switches = dict(switches)
+    lens = [3, 2 * page + 1, 40]
+    pages = fp8_batch(fmt, q_dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads, page=page,
+                      lens=lens)
+    k_scale, v_scale = scales(kv_heads)
+    if switches.pop("per_sequence", False):
+        k_scale = k_scale * torch.tensor([[1.0], [2.0], [0.5]])
+        v_scale = v_scale * torch.tensor([[0.5], [1.0], [4.0]])
+    if switches.pop("mask", False):
+        g = torch.Generator().manual_seed(5)
+        switches["custom_mask"] = torch.rand(sum(n * m for n, m in zip(q_lens, lens)), generator=g) < 0.7
+    args, q, cu = fp8_extend(pages, q_lens, k_scale=k_scale, v_scale=v_scale, **switches)
+    assert backends.explain(args, op="extend")["cuda_sim"] is None
+    ref_out, ref_lse, ref_report = kvattn.reference.paged_extend(
+        q, pages.k_cache, pages.v_cache, cu, pages.block_table, pages.seq_lens, pages.page_tags,
+        pages.expected, return_lse=True, compute_dtype=torch.float64, k_scale=k_scale,
+        v_scale=v_scale, **switches)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    plan = {}
+    report = launch.extend(sim, args, check=True, out=out, lse=lse, tokens_per_tile=tokens, plan=plan)
+    assert plan["vec"] == 0 and plan["fp8_wide"] == (head_dim % 8 == 0)
+    assert torch.isfinite(out).all(), "a refused slot was read"
+    assert ref_out.abs().max() > 10 * tolerance(q_dtype)["atol"]
+    torch.testing.assert_close(out.double(), ref_out, **tolerance(q_dtype))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], **LSE_TOLERANCE)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert_reports_equal(report, ref_report)
+    assert report.violations.tolist()[-1] == 1
+
+
+def test_unchecked_fp8_extend_reads_the_foreign_page():
+    """The violation twin: the same extend unchecked reads the foreign page's NaN (sequence 1's
+    rows), while sequence 0, whose pages are its own, stays finite."""
+    pages = fp8_batch("e5m2", torch.float16, head_dim=64, heads=2, kv_heads=1, page=8, lens=[20, 20])
+    k_scale, v_scale = scales(1)
+    args, q, _ = fp8_extend(pages, [2, 3], k_scale=k_scale, v_scale=v_scale)
+    out = torch.empty_like(q)
+    launch.extend(sim, args, check=False, out=out, lse=None)
+    assert torch.isfinite(out[:2]).all() and torch.isnan(out[2:]).all()
+    launch.extend(sim, args, check=True, out=out, lse=None)
+    assert torch.isfinite(out).all()
+
+
+def test_fp8_extend_scales_apply_per_kv_head():
+    """Doubling one KV head's v_scale doubles exactly its query heads' outputs; an invalid k_scale
+    of the other head silences only that head's rows (output 0, the report unchanged)."""
+    pages = fp8_batch("e4m3", torch.bfloat16, head_dim=64, heads=4, kv_heads=2, page=16, lens=[30])
+    k_scale, v_scale = scales(2)
+
+    def extend(ks, vs):
+        args, q, _ = fp8_extend(pages, [4], k_scale=ks, v_scale=vs, validate=False)
+        out = torch.empty_like(q)
+        report = launch.extend(sim, args, check=True, out=out, lse=None)
+        return out, report
+
+    base, base_report = extend(k_scale, v_scale)
+    doubled, _ = extend(k_scale, v_scale * torch.tensor([1.0, 2.0]))
+    assert torch.equal(doubled[:, :2], base[:, :2])
+    assert torch.equal(doubled[:, 2:], base[:, 2:] * 2)
+    silenced, report = extend(k_scale * torch.tensor([float("nan"), 1.0]), v_scale)
+    assert (silenced[:, :2] == 0).all() and torch.equal(silenced[:, 2:], base[:, 2:])
+    assert_reports_equal(report, base_report)
 
 
 def test_binding_rejects_an_unknown_pool_dtype_code():

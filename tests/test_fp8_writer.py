@@ -19,7 +19,7 @@ from util import DEVICE
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SOURCES = [torch.float32, torch.float16, torch.bfloat16]
-WRITERS = ["torch", "triton"]
+WRITERS = ["torch", "triton", "cuda_sim"]
 NAN_CODE = 0x7F
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -147,8 +147,8 @@ def test_stored_codes_follow_the_rounding_rule(fmt, src, writer, rounding):
 
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
 @pytest.mark.parametrize("fmt", list(FP8))
-def test_torch_and_triton_writers_store_identical_bytes(fmt, rounding):
-    """On random batches with refusals (torch and Triton decide the same tokens, see
+def test_every_writer_stores_identical_bytes(fmt, rounding):
+    """On random batches with refusals (the writers decide the same tokens, see
     tests/test_triton_writer.py), the bytes of both pools and the tags agree exactly."""
     dtype = FP8[fmt]
     g = torch.Generator().manual_seed(3)
@@ -166,8 +166,9 @@ def test_torch_and_triton_writers_store_identical_bytes(fmt, rounding):
                             v_scale=torch.tensor(2.0, device=DEVICE), fp8_rounding=rounding)
         results.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8), t,
                         r.drop_reasons))
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    for writer, result in zip(WRITERS[1:], results[1:]):
+        for a, b in zip(results[0], result):
+            assert torch.equal(a, b), writer
     assert (results[0][3] != 0).any() and (results[0][3] == 0).any()
 
 
@@ -306,61 +307,61 @@ def write_args(pool_dtype, k_dtype=torch.float16, **scales):
                                                torch.zeros(2, dtype=torch.int64), 1, **scales)
 
 
+@pytest.mark.parametrize("k_dtype", [torch.float16, "fp8"], ids=["quantised", "as-is"])
 @pytest.mark.parametrize("fmt", list(FP8))
-def test_cuda_writers_refuse_fp8_pools_with_the_reason(fmt):
-    reasons = backends.explain(write_args(FP8[fmt]), "write_kv")
+def test_every_writer_claims_fp8_pools(fmt, k_dtype):
+    """Wider tokens quantised, and fp8 tokens stored as they are: every writer backend accepts
+    them (the CUDA writer by its fp8 instantiations, csrc/instantiations.py)."""
+    k_dtype = FP8[fmt] if k_dtype == "fp8" else k_dtype
+    reasons = backends.explain(write_args(FP8[fmt], k_dtype=k_dtype), "write_kv")
     assert reasons["torch"] is None
+    if _sim_built():
+        assert reasons["cuda_sim"] is None
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+def test_fp8_tokens_are_stored_as_they_are(fmt):
+    """fp8 tokens into pools of their format: the same bytes on every writer, refusals as for
+    any write (token 2 aims past the written prefix of a page it holds: GAP)."""
+    dtype = FP8[fmt]
+    k = torch.randint(0, 256, (3, KV_HEADS, 32), dtype=torch.uint8)
+    k[k == NAN_CODE] = 0
+    k, v = k.view(dtype), k.flip(0).view(dtype)
+    results = []
+    for writer in WRITERS:
+        k_cache, v_cache = poisoned_pools(2, 4, dtype)
+        tags = torch.tensor([kvattn.reserved_tag(1), kvattn.written_tag(1, 1)], device=DEVICE)
+        r = kvattn.write_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache,
+                            torch.tensor([0, 1, 6], device=DEVICE), tags, 1, backend=writer)
+        assert r.drop_reasons.tolist() == [0, 0, int(WriteDrop.GAP)], writer
+        got = k_cache.view(torch.uint8)
+        assert torch.equal(got[0, :2], k[:2].view(torch.uint8)), writer
+        assert (got[0, 2:] == NAN_CODE).all() and (got[1] == NAN_CODE).all(), writer
+        assert torch.equal(v_cache.view(torch.uint8)[0, :2], v[:2].view(torch.uint8)), writer
+        results.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8), tags))
+    for writer, result in zip(WRITERS[1:], results[1:]):
+        for a, b in zip(results[0], result):
+            assert torch.equal(a, b), writer
+
+
+def _sim_built() -> bool:
     sim = kvattn.backends.load("cuda_sim")[0]
-    if sim is not None and sim._sim is not None:
-        assert reasons["cuda_sim"] == "no write_kv kernel for fp8 KV"
-        with pytest.raises(ValueError, match="cuda_sim.*fp8 KV"):
-            kvattn.write_kv(*write_args(FP8[fmt]).tensors()[:6], 1, backend="cuda_sim",
-                            k_scale=1.0)
-    # fp8 tokens stored as they are need the fp8 claim too: the CUDA writer copies fp16/bf16/fp32.
-    raw = backends.explain(write_args(FP8[fmt], k_dtype=FP8[fmt]), "write_kv")
-    assert raw["torch"] is None and raw["cuda_sim"] == reasons["cuda_sim"]
+    return sim is not None and sim._sim is not None
 
 
-def test_cuda_sim_writer_accepts_fp16_pools():
-    """The twin: the refusal is about fp8 only."""
-    reasons = backends.explain(write_args(torch.float16), "write_kv")
-    sim = kvattn.backends.load("cuda_sim")[0]
-    if sim is None or sim._sim is None:
-        pytest.skip("the CPU harness is not built")
-    assert reasons["cuda_sim"] is None
-
-
-# --- validation ----------------------------------------------------------------------------------
-
-BAD_SCALES = [
-    (torch.float16, torch.float16, dict(k_scale=1.0), ValueError, "k_scale: expected None with float16"),
-    (torch.float8_e4m3fn, torch.float8_e4m3fn, dict(v_scale=0.5), ValueError,
-     "v_scale: expected None when k and v are already float8_e4m3fn"),
-    (torch.float8_e4m3fn, torch.float16, dict(k_scale=-1.0), ValueError,
-     r"k_scale: expected a positive finite scale in \[2\*\*-126, 2\*\*126\], got -1.0"),
-    (torch.float8_e4m3fn, torch.float16, dict(k_scale=float("inf")), ValueError, "positive finite"),
-    (torch.float8_e5m2, torch.float32, dict(v_scale=torch.tensor([1.0, 0.0])), ValueError,
-     r"v_scale: expected positive finite scales in \[2\*\*-126, 2\*\*126\], got 0.0 for KV head 1"),
-    (torch.float8_e5m2, torch.float32, dict(k_scale=torch.ones(3)), ValueError,
-     r"k_scale: expected shape \(\), \(1,\) or \(2,\), got \(3,\)"),
-    (torch.float8_e5m2, torch.float32, dict(k_scale=torch.ones(2, dtype=torch.float64)), TypeError,
-     "k_scale: expected dtype float32, got float64"),
-    (torch.float8_e5m2, torch.float32, dict(k_scale="1"), TypeError, "k_scale: expected a float"),
-    (torch.float8_e4m3fn, torch.float16, dict(fp8_rounding="up"), ValueError,
-     r"fp8_rounding: expected one of \['nearest', 'toward_zero'\], got 'up'"),
-    (torch.float8_e4m3fn, torch.float16, dict(fp8_rounding=0), TypeError,
-     "fp8_rounding: expected a str, got int"),
-    (torch.float16, torch.float16, dict(fp8_rounding="toward_zero"), ValueError,
-     "fp8_rounding: expected 'nearest' when the writer does not quantise"),
-    (torch.float8_e4m3fn, torch.float8_e4m3fn, dict(fp8_rounding="toward_zero"), ValueError,
-     "fp8_rounding: expected 'nearest' when the writer does not quantise"),
-]
-
-
-@pytest.mark.parametrize("pool, k_dtype, scales, error, message", BAD_SCALES)
-def test_bad_scales_raise_naming_the_argument(pool, k_dtype, scales, error, message):
-    with pytest.raises(error, match=message):
-        write_args(pool, k_dtype, **scales)
+@pytest.mark.parametrize("k_dtype", [torch.float16, "fp8"], ids=["quantised", "as-is"])
+def test_a_module_built_without_fp8_refuses_fp8_pools(k_dtype, monkeypatch):
+    """A harness module built from a subset of the table (fp16 only) has no fp8 writer: the registry
+    names the missing type and KVATTN_CUDA_DTYPES; the full module's twin is the test above."""
+    from test_instantiations import SUBSET_MODULE, _module
+    subset = _module(SUBSET_MODULE)
+    monkeypatch.setattr(backends.load("cuda_sim")[0], "_sim", subset)
+    k_dtype = torch.float8_e4m3fn if k_dtype == "fp8" else k_dtype
+    reason = backends.explain(write_args(torch.float8_e4m3fn, k_dtype=k_dtype), "write_kv")["cuda_sim"]
+    want = "dtype e4m3" if k_dtype == torch.float8_e4m3fn else "pool dtype e4m3"
+    assert reason.startswith(f"{want} not built into this module (it has: dtypes fp16;"), reason
+    assert "KVATTN_CUDA_DTYPES builds more" in reason
+    assert backends.explain(write_args(torch.float16), "write_kv")["cuda_sim"] is None
 
 
 def test_good_scales_are_accepted_as_per_head_tensors():
@@ -375,17 +376,19 @@ def test_good_scales_are_accepted_as_per_head_tensors():
 
 
 def test_only_the_quantising_writers_claim_rounding_toward_zero():
-    """torch and Triton claim the rounding; the CUDA writers are refused on fp8 pools first."""
+    """Every writer backend claims the rounding; the switch exists only where the writer quantises
+    (the twin, ``test_fp8_rounding_needs_a_quantising_write``-style: fp16 pools refuse it)."""
     args = write_args(torch.float8_e4m3fn, torch.bfloat16, fp8_rounding="toward_zero")
-    for name in ("torch", "triton"):
+    for name in ("torch", "triton", "cuda", "cuda_sim"):
         module = kvattn.backends.load(name)[0]
         if module is not None:
             assert "fp8 toward_zero" in module.WRITE_SWITCHES
     reasons = backends.explain(args, "write_kv")
     assert reasons["torch"] is None
-    sim = kvattn.backends.load("cuda_sim")[0]
-    if sim is not None and sim._sim is not None:
-        assert "fp8" in reasons["cuda_sim"]
+    if _sim_built():
+        assert reasons["cuda_sim"] is None
+    with pytest.raises(ValueError, match="fp8_rounding: expected 'nearest'"):
+        write_args(torch.float16, fp8_rounding="toward_zero")
 
 
 def test_k_and_v_of_different_dtypes_are_refused():

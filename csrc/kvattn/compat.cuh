@@ -34,6 +34,12 @@ KVATTN_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
 KVATTN_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// A type as a value, for generic lambdas that pick an instantiation at run time.
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
 // Every kernel takes one parameter struct by value.
 template <class Params>
 inline cudaError_t launch_kernel(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem_bytes,

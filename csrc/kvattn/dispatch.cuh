@@ -13,11 +13,6 @@
 
 namespace kvattn {
 
-template <class T>
-struct TypeTag {
-  using type = T;
-};
-
 // The 16-bit element types of the tensor-core kernels (float32 pools run on the Triton backend).
 template <class T>
 constexpr bool kTensorCoreType = false;
@@ -47,6 +42,8 @@ inline LaunchResult refuse(const char* launcher, const char* why) {
 inline const char* not_built(DType dtype, KVType pool, int tile, bool variant) {
   const bool dtype_built = dtype == DType::kFloat16    ? KVATTN_BUILT_DTYPE_FP16
                            : dtype == DType::kBFloat16 ? KVATTN_BUILT_DTYPE_BF16
+                           : dtype == DType::kE4M3     ? KVATTN_BUILT_DTYPE_E4M3
+                           : dtype == DType::kE5M2     ? KVATTN_BUILT_DTYPE_E5M2
                                                        : KVATTN_BUILT_DTYPE_FP32;
   if (!dtype_built) return KVATTN_NOT_BUILT("dtype");
   if ((pool == KVType::kE4M3 && !KVATTN_BUILT_DTYPE_E4M3) || (pool == KVType::kE5M2 && !KVATTN_BUILT_DTYPE_E5M2))
@@ -208,12 +205,31 @@ LaunchResult paged_extend(ExtendParams& p, DType dtype, bool check, void* stream
 
 // ---- the writer ----
 
+template <class T, class KV>
+LaunchResult launch_write_kv(const WriteKVParams& p, DType dtype, cudaStream_t stream) {
+  if constexpr (Built<WriteKVKernel<T, KV>>::value) return WriteKVKernel<T, KV>::launch(p, stream);
+  else return refuse("write_kv (launcher)", not_built(dtype, static_cast<KVType>(p.kv_dtype), 0, false));
+}
+
+// The tokens' type `dtype` into pools of the type kv_dtype names: the tokens' own, or an fp8
+// format that float tokens are quantised into; fp8 tokens go into pools of their format only.
 LaunchResult write_kv(const WriteKVParams& p, DType dtype, void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const auto pool = static_cast<KVType>(p.kv_dtype);
+  if (dtype == DType::kE4M3 || dtype == DType::kE5M2) {
+    if (pool != KVType::kSame) return refuse("write_kv (launcher)", "fp8 tokens are stored into pools of their format only");
+    return dtype == DType::kE4M3 ? launch_write_kv<Fp8E4M3, Fp8E4M3>(p, dtype, s)
+                                 : launch_write_kv<Fp8E5M2, Fp8E5M2>(p, dtype, s);
+  }
   return by_dtype(dtype, "write_kv (launcher)", false, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if constexpr (Built<WriteKVKernel<T>>::value) return WriteKVKernel<T>::launch(p, s);
-    else return refuse("write_kv (launcher)", KVATTN_NOT_BUILT("dtype"));
+    switch (pool) {
+      case KVType::kSame: return launch_write_kv<T, T>(p, dtype, s);
+      case KVType::kE4M3: return launch_write_kv<T, Fp8E4M3>(p, dtype, s);
+      case KVType::kE5M2: return launch_write_kv<T, Fp8E5M2>(p, dtype, s);
+      default: break;
+    }
+    return refuse("write_kv (launcher)", "unknown pool dtype");
   });
 }
 

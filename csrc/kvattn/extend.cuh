@@ -171,15 +171,21 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
     const unsigned bits = __ballot_sync(0xffffffffu, tid < NK && entry.x >= 0);
     if (lane == 0 && warp < NK / 32) masks[ks * 2 + warp] = bits;
   };
-  const T* k_pool = static_cast<const T*>(p.k);
-  const T* v_pool = static_cast<const T*>(p.v);
   const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh + v_col;
   // The block's 128 threads move 128 consecutive 16-byte chunks of the tile's rows at a time; a key
   // that is not read points at page 0 (inside the pool) and copies 0 bytes (decode.cuh copy_chunk).
-  auto copy_tile = [&](int64_t j) {
+  // KV: the pools' element type, T, or (element-wise kernels) an fp8 format converted on the copy.
+  auto copy_rows = [&](int64_t j, auto pool_type) {
+    using KV = typename decltype(pool_type)::type;
+    const KV* k_pool = static_cast<const KV*>(p.k);
+    const KV* v_pool = static_cast<const KV*>(p.v);
     const int2* tile_keys = keys + (j % L::kKeySlots) * NK;
     unsigned char* k_tile = tiles + (j % L::kStages) * L::kTileBytes;
     unsigned char* v_tile = k_tile + NK * L::kRowK;
+    const auto copy = [&](unsigned char* dst, const KV* src, int valid, bool read) {
+      if constexpr (std::is_same<KV, T>::value) copy_chunk<T, VEC>(dst, src, valid, read);
+      else copy_chunk_fp8<T, KV>(dst, src, valid, read, p.fp8_wide != 0);
+    };
     constexpr int kCopiesK = NK * L::kChunksK / kThreads, kCopiesV = NK * L::kChunksV / kThreads;
 #pragma unroll copy_unroll(kCopiesK)
     for (int k = 0; k < kCopiesK; ++k) {
@@ -187,9 +193,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
       const int row = M::row(k, tid), c = M::col(k, tid);
       const int2 key = tile_keys[row];
       const int64_t page = key.x >= 0 ? key.x : 0;
-      copy_chunk<T, VEC>(k_tile + row * L::kRowK + c * 16,
-                         k_pool + page * p.stride_kp + key.y * p.stride_ks + k_head_off + c * 8,
-                         p.head_dim - c * 8, key.x >= 0);
+      copy(k_tile + row * L::kRowK + c * 16, k_pool + page * p.stride_kp + key.y * p.stride_ks + k_head_off + c * 8,
+           p.head_dim - c * 8, key.x >= 0);
     }
 #pragma unroll copy_unroll(kCopiesV)
     for (int k = 0; k < kCopiesV; ++k) {
@@ -197,10 +202,16 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
       const int row = M::row(k, tid), c = M::col(k, tid);
       const int2 key = tile_keys[row];
       const int64_t page = key.x >= 0 ? key.x : 0;
-      copy_chunk<T, VEC>(v_tile + row * L::kRowV + c * 16,
-                         v_pool + page * p.stride_vp + key.y * p.stride_vs + v_head_off + c * 8,
-                         p.head_dim - v_col - c * 8, key.x >= 0);
+      copy(v_tile + row * L::kRowV + c * 16, v_pool + page * p.stride_vp + key.y * p.stride_vs + v_head_off + c * 8,
+           p.head_dim - v_col - c * 8, key.x >= 0);
     }
+  };
+  auto copy_tile = [&](int64_t j) {
+    if constexpr (!VEC) {
+      if (p.kv_type == KVType::kE4M3) return copy_rows(j, TypeTag<Fp8E4M3>{});
+      if (p.kv_type == KVType::kE5M2) return copy_rows(j, TypeTag<Fp8E5M2>{});
+    }
+    copy_rows(j, TypeTag<T>{});
   };
 
   store_keys(j0);
@@ -219,6 +230,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
     row_bit[r] = (warp * kWarpRows + g + 8 * r) / H;
     q_pos[r] = first_pos + row_token(warp * kWarpRows + g + 8 * r);
   }
+  // fp8 pools (element-wise kernels only): k_scale of this sequence's KV head joins the score's
+  // scale, v_scale the output (after the loop).
+  const bool fp8 = !VEC && p.kv_type != KVType::kSame;
+  const float score_scale = fp8 ? p.scale_log2 * p.k_scale[b * p.scale_stride + kv_head] : p.scale_log2;
   float alibi2[2] = {0.0f, 0.0f};  // ALiBi slopes (base 2) of those rows
   if (VARIANT && p.var.alibi != nullptr) {
     const float* slopes = seq_slopes(p.var, b);
@@ -251,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
         const int key = n * 8 + 2 * t + c % 2;
         bool visible = (mask >> key) & 1u;
         if (causal_tile) visible = visible && t0 + key <= q_pos[c / 2];
-        float x = s[n][c] * p.scale_log2;
+        float x = s[n][c] * score_scale;
         if (VARIANT) {
           if (windowed) visible = visible && t0 + key >= q_pos[c / 2] - p.var.window_left;
           if (right_edged) visible = visible && t0 + key <= q_pos[c / 2] + p.var.window_right;
@@ -278,11 +293,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   // Only an empty row (l == 0), or a head that reads nothing (head_reads), gets the 0 / -inf
   // convention; a NaN read from a page that passed the check propagates, as in the reference.
   T* out = static_cast<T*>(p.out);
+  // The scales re-read from the parameters here rather than held across the loop (registers).
+  const float* k_scale = fp8 ? p.k_scale + b * p.scale_stride : nullptr;
+  const float* v_scale = fp8 ? p.v_scale + b * p.scale_stride : nullptr;
+  const float out_scale = fp8 ? v_scale[kv_head] : 1.0f;
+  const bool scales_ok = !fp8 || (scale_ok(k_scale[kv_head]) && scale_ok(v_scale[kv_head]));
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = warp * kWarpRows + g + 8 * r;
     if (!row_ok(row)) continue;
-    const bool reads = head_reads<VARIANT, false>(p.var, b, nullptr, nullptr, kv_head * p.group + row_head(row), kv_head);
+    const bool reads = scales_ok && head_reads<VARIANT, false>(p.var, b, nullptr, nullptr,
+                                                               kv_head * p.group + row_head(row), kv_head);
     const float l = reads ? att.l[r] : 0.0f;
     const float denominator = VARIANT ? with_sink(l, att.m[r], p.var.sinks, kv_head * p.group + row_head(row)) : l;
     T* out_row = out + (row0 + row_token(row)) * p.stride_ot + (kv_head * p.group + row_head(row)) * p.stride_oh;
@@ -291,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int d = 8 * jd + 2 * t + c;
-        if (d < dv) out_row[v_col + d] = from_float<T>(l == 0.0f ? 0.0f : att.o[jd][2 * r + c] / denominator);
+        if (d < dv) out_row[v_col + d] = from_float<T>(l == 0.0f ? 0.0f : att.o[jd][2 * r + c] * out_scale / denominator);
       }
     if (t == 0 && d_part == 0 && p.lse != nullptr) {
       p.lse[(row0 + row_token(row)) * p.num_heads + kv_head * p.group + row_head(row)] =

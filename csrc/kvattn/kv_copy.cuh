@@ -1,6 +1,7 @@
 // Copying K/V rows from the pools into shared memory, shared by the decode and extend kernels:
 // which 16-byte chunk of a tile each thread moves, and the move itself (cp.async when rows are
-// 16-byte aligned, else element by element). One source for nvcc and for the CPU harness.
+// 16-byte aligned, else element by element, fp8 codes converted on the way). One source for nvcc
+// and for the CPU harness.
 #pragma once
 
 #include "compat.cuh"
@@ -36,6 +37,25 @@ KVATTN_DEVICE void copy_chunk(unsigned char* dst, const T* src, int valid, bool 
     for (int e = 0; e < static_cast<int>(16 / sizeof(T)); ++e)
       reinterpret_cast<T*>(dst)[e] = read && e < valid ? src[e] : from_float<T>(0.0f);
   }
+}
+
+// The element-wise copy of 8 fp8 codes of a row (format KV) as 8 T, exactly (every e4m3 and e5m2
+// value is a float16 and a bfloat16 value): the extend's path over fp8 pools, whose rows need no
+// alignment. `wide`: rows are 8-byte aligned and whole chunks, so a chunk's 8 codes are one 8-byte
+// load; else byte by byte. Codes past `valid` and rows not read become zeros.
+template <class T, class KV>
+KVATTN_DEVICE void copy_chunk_fp8(unsigned char* dst, const KV* src, int valid, bool read, bool wide) {
+  uint32_t codes[2] = {0u, 0u};  // code e in byte e % 4 of word e / 4
+  if (read && wide && valid >= 8) {
+    const uint64_t w = *reinterpret_cast<const uint64_t*>(src);
+    codes[0] = static_cast<uint32_t>(w);
+    codes[1] = static_cast<uint32_t>(w >> 32);
+  } else if (read) {
+    for (int e = 0; e < 8 && e < valid; ++e) codes[e / 4] |= static_cast<uint32_t>(src[e].bits) << (8 * (e % 4));
+  }
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = fp8x2_to<T, KV>(codes[i / 2] >> (16 * (i % 2)));
 }
 
 }  // namespace kvattn

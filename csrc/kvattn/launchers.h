@@ -34,8 +34,9 @@ struct ResolvePagesKernel {
   static cudaError_t launch(const ExtendParams& p, cudaStream_t stream);
 };
 
-// The stamping writer: the verdict kernel, then the copy kernel of element type T.
-template <class T>
+// The stamping writer: the verdict kernel, then the copy kernel of tokens of element type T into
+// pools of element type KV (T, or an fp8 format the tokens are quantised into).
+template <class T, class KV>
 struct WriteKVKernel {
   static LaunchResult launch(const WriteKVParams& p, cudaStream_t stream);
 };

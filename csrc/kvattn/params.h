@@ -8,7 +8,9 @@
 
 namespace kvattn {
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// The attention kernels' element types, and the writer's tokens' (fp8 tokens: stored as they are
+// into pools of their format).
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
 // n / d and n % d for 0 <= n < 2**31 and a divisor d in [1, 2**16) fixed for a launch, by a
 // multiply and a shift: m = ceil(2**(31 + s) / d) with s = ceil(log2 d) gives floor(n * m /
@@ -131,7 +133,13 @@ struct ScoreVariant {
   X(I64, int64_t, stride_slot) X(I64, int64_t, stride_owner)                                      \
   X(I64, int64_t, num_tokens) X(I64, int64_t, num_pages)                                          \
   X(I32, int, slot_is_int64) X(I32, int, page_size) X(I32, int, num_kv_heads) X(I32, int, head_dim) \
-  X(I32, int, head_dim_v)  /* V's head dim (the pools' dim 3 may differ) */
+  X(I32, int, head_dim_v)  /* V's head dim (the pools' dim 3 may differ) */                      \
+  /* pools of an fp8 format (1 float8_e4m3fn, 2 float8_e5m2; 0: the tokens' type). From wider */  \
+  /* tokens the writer stores the code of x / scale of the element's KV head, [num_kv_heads] */    \
+  /* float32 each (null when the tokens are stored as they are), rounded to nearest even or, */     \
+  /* toward_zero 1, toward zero (kvattn.write_kv's two rules) */                                  \
+  X(I32, int, kv_dtype)                                                                            \
+  X(PTR, const float*, k_scale) X(PTR, const float*, v_scale) X(I32, int, toward_zero)
 
 #define KVATTN_DECLARE_ARG(kind, type, name) type name;
 
@@ -149,6 +157,7 @@ struct AttentionParams {
   int num_chunks;  // blocks per KV head: the group in chunks of kWarpRows heads
   int d_split;     // blocks sharing one (KV head, chunk): each accumulates 1/d_split of the head dim
   int vec;         // 1: K/V rows copied by 16-byte cp.async (aligned); 0: element by element
+  int fp8_wide;    // extend over fp8 pools (element by element): 1 when 8 codes are one aligned load
   int smem_bytes;  // dynamic shared memory of the kernel
 };
 
@@ -156,8 +165,9 @@ struct DecodeParams : AttentionParams {
   KVATTN_DECODE_ARGS(KVATTN_DECLARE_ARG)
 };
 
-// The extend runs kv_type kSame only (fp8 pools are refused). The binding reads the custom mask's
-// fields of `var` (`custom_mask`, `mask_start`, `mask_numel`) for the extend only.
+// The extend reads fp8 pools with its element-wise kernels, converting the codes on the copy. The
+// binding reads the custom mask's fields of `var` (`custom_mask`, `mask_start`, `mask_numel`) for
+// the extend only.
 struct ExtendParams : AttentionParams {
   KVATTN_EXTEND_ARGS(KVATTN_DECLARE_ARG)
 };

@@ -13,10 +13,11 @@
 
 namespace kvattn {
 
-// True when K/V rows can be copied in 16-byte pieces: aligned pools, strides and head_dim in
-// multiples of the `chunk` elements of 16 bytes (8 16-bit, 16 fp8).
-inline bool kv_rows_aligned(const void* k, const void* v, const int64_t (&strides)[6], int head_dim, int chunk = 8) {
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+// True when K/V rows can be copied in pieces of `bytes` bytes: pools aligned to them, strides and
+// head_dim in multiples of the `chunk` elements of such a piece (16 bytes: 8 16-bit, 16 fp8).
+inline bool kv_rows_aligned(const void* k, const void* v, const int64_t (&strides)[6], int head_dim, int chunk = 8,
+                            int bytes = 16) {
+  const auto aligned = [bytes](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; };
   bool vec = aligned(k) && aligned(v) && head_dim % chunk == 0;
   for (int64_t s : strides) vec = vec && s % chunk == 0;
   return vec;
@@ -62,7 +63,6 @@ const char* plan_decode(DecodeParams& p) {
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernel cannot run.
 template <class T>
 const char* plan_extend(ExtendParams& p) {
-  if (p.kv_type != KVType::kSame) return "fp8 pools: the CUDA extend has no fp8 path (the triton backend runs them)";
   if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
     return "num_heads must be a positive multiple of num_kv_heads";
@@ -79,7 +79,15 @@ const char* plan_extend(ExtendParams& p) {
   p.d_split = d > 256 ? 2 : 1;
   if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
   const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
-  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim);
+  if (p.kv_type == KVType::kSame) {
+    p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim);
+  } else {
+    // fp8 pools: the element-wise kernels convert the codes as they copy them into the 16-bit tiles
+    // (8 codes a load when the rows allow it), so the rows need no alignment.
+    if (p.k_scale == nullptr || p.v_scale == nullptr) return "fp8 pools need k_scale and v_scale";
+    p.vec = 0;
+    p.fp8_wide = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 8, 8);
+  }
   p.smem_bytes = d == 64    ? ExtendLayout<64>::kTotal
                  : d == 128 ? ExtendLayout<128>::kTotal
                  : d == 256 ? ExtendLayout<256>::kTotal

@@ -6,10 +6,14 @@
 // no stamp happens until the second kernel: a run can never be let in by a stamp of the same call.
 // write_kv_copy_kernel, one block per token: copies a landed token's K and V, then stamps its page
 // WRITTEN with valid_len = slot + 1 by an atomic max (tags of one owner only grow), after a fence,
-// so a reader that sees the stamp sees the bytes.
+// so a reader that sees the stamp sees the bytes. Into fp8 pools from wider tokens it stores each
+// element's code (fp8.h fp8_from_float) of x / scale of its head; fp8 tokens are stored as they are.
 #pragma once
 
+#include <type_traits>
+
 #include "compat.cuh"
+#include "fp8.h"
 #include "kvattn_tags.h"
 #include "launchers.h"
 #include "params.h"
@@ -63,24 +67,34 @@ __global__ void __launch_bounds__(kWriteThreads) write_kv_verdict_kernel(const W
   if (reason) atomicAdd(p.dropped, 1ULL);
 }
 
-template <class T>
+// A pool element from token element x of KV head h: x itself in a pool of its type; into an fp8 pool
+// from a wider type, the code of x / scale[h], the correctly rounded float32 quotient.
+template <class KV, class T>
+KVATTN_DEVICE KV pool_element(T x, const float* scale, int h, bool toward_zero) {
+  if constexpr (std::is_same<KV, T>::value) return x;
+  else return fp8_from_float<KV>(to_float(x) / scale[h], toward_zero);
+}
+
+// T: the tokens' element type; KV: the pools' (T, or an fp8 format to quantise into).
+template <class T, class KV>
 __global__ void __launch_bounds__(kWriteThreads) write_kv_copy_kernel(const WriteKVParams p) {
   const int64_t t = blockIdx.x;
   if (!p.landed[t]) return;  // uniform across the block: no thread reaches the barrier below
   const WriteToken me = write_token(p, t);
   const T* k = static_cast<const T*>(p.k) + t * p.stride_kt;
   const T* v = static_cast<const T*>(p.v) + t * p.stride_vt;
-  T* k_dst = static_cast<T*>(p.k_cache) + me.page * p.stride_kp + me.slot * p.stride_ks;
-  T* v_dst = static_cast<T*>(p.v_cache) + me.page * p.stride_vp + me.slot * p.stride_vs;
+  KV* k_dst = static_cast<KV*>(p.k_cache) + me.page * p.stride_kp + me.slot * p.stride_ks;
+  KV* v_dst = static_cast<KV*>(p.v_cache) + me.page * p.stride_vp + me.slot * p.stride_vs;
+  const bool toward_zero = p.toward_zero != 0;
   for (int i = threadIdx.x; i < p.num_kv_heads * p.head_dim; i += kWriteThreads) {
     const int h = i / p.head_dim;
     const int d = i % p.head_dim;
-    k_dst[h * p.stride_kch + d] = k[h * p.stride_kh + d * p.stride_kd];
+    k_dst[h * p.stride_kch + d] = pool_element<KV>(k[h * p.stride_kh + d * p.stride_kd], p.k_scale, h, toward_zero);
   }
   for (int i = threadIdx.x; i < p.num_kv_heads * p.head_dim_v; i += kWriteThreads) {
     const int h = i / p.head_dim_v;
     const int d = i % p.head_dim_v;
-    v_dst[h * p.stride_vch + d] = v[h * p.stride_vh + d * p.stride_vd];
+    v_dst[h * p.stride_vch + d] = pool_element<KV>(v[h * p.stride_vh + d * p.stride_vd], p.v_scale, h, toward_zero);
   }
   __threadfence();
   __syncthreads();
@@ -94,14 +108,16 @@ __global__ void __launch_bounds__(kWriteThreads) write_kv_copy_kernel(const Writ
 
 // The launcher of csrc/kvattn/launchers.h. write_kv_verdict_kernel is not a template: this header
 // is included by exactly one translation unit of a module.
-template <class T>
-LaunchResult WriteKVKernel<T>::launch(const WriteKVParams& p, cudaStream_t stream) {
+template <class T, class KV>
+LaunchResult WriteKVKernel<T, KV>::launch(const WriteKVParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 0) return {0, nullptr, nullptr};
   if (p.num_tokens > 0x7fffffff) return {static_cast<int>(cudaErrorInvalidValue), "write_kv (launcher)", "too many tokens"};
+  if (!std::is_same<T, KV>::value && (p.k_scale == nullptr || p.v_scale == nullptr))
+    return {static_cast<int>(cudaErrorInvalidValue), "write_kv (launcher)", "quantising into fp8 pools needs k_scale and v_scale"};
   const unsigned blocks = static_cast<unsigned>((p.num_tokens + kWriteThreads - 1) / kWriteThreads);
   cudaError_t e = launch_kernel(&write_kv_verdict_kernel, dim3(blocks), dim3(kWriteThreads), 0, stream, p);
   if (e != cudaSuccess) return {static_cast<int>(e), "write_kv_verdict_kernel", cudaGetErrorString(e)};
-  e = launch_kernel(&write_kv_copy_kernel<T>, dim3(static_cast<unsigned>(p.num_tokens)), dim3(kWriteThreads), 0,
+  e = launch_kernel(&write_kv_copy_kernel<T, KV>, dim3(static_cast<unsigned>(p.num_tokens)), dim3(kWriteThreads), 0,
                     stream, p);
   if (e != cudaSuccess) return {static_cast<int>(e), "write_kv_copy_kernel", cudaGetErrorString(e)};
   return {0, nullptr, nullptr};

@@ -13,6 +13,8 @@ from ...report import OwnershipReport, WriteResult
 from ...write_args import WriteArgs
 from . import launch
 
+# The writer quantises into fp8 pools by either rounding (csrc/kvattn/fp8.h fp8_from_float).
+WRITE_SWITCHES = frozenset({"fp8 KV", "fp8 toward_zero"})
 NAME = "cuda"
 
 _C, STATUS = extensions.load("kvattn.backends.cuda._C")
@@ -36,7 +38,7 @@ def why_not(args: DecodeArgs | ExtendArgs) -> str | None:
 
 def why_not_write_kv(args: WriteArgs) -> str | None:
     """None if the CUDA writer can run ``args``, else the reason it cannot."""
-    return _why_not_here(args.k_cache.device) or launch.not_built_write_kv(_C, args.k_cache.dtype)
+    return _why_not_here(args.k_cache.device) or launch.not_built_write_kv(_C, args)
 
 
 def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
@@ -63,7 +65,7 @@ def write_kv(args: WriteArgs) -> WriteResult:
     :func:`why_not_write_kv`)."""
     with torch.cuda.device(args.k_cache.device):
         stream = torch.cuda.current_stream().cuda_stream
-        return launch.write_kv(_C, *args.tensors(), stream=stream)
+        return launch.write_kv(_C, args, stream=stream)
 
 
-__all__ = ["NAME", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
+__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]

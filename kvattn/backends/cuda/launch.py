@@ -12,19 +12,23 @@ import torch
 
 from ...layout import DecodeArgs, ExtendArgs
 from ...report import OwnershipReport, WriteResult
+from ...write_args import WriteArgs
 from ..grids import extend_tile_map, plan_num_splits
 
 LOG2E = 1.4426950408889634
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # kv_dtype of the binding (csrc/kvattn/fp8.h KVType): 0, pools of the query's dtype.
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# The writer's tokens (csrc/kvattn/params.h DType): fp8 tokens are stored as they are.
+WRITE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 512
 # The switches of kvattn.variants the kernels compile in: the score switches in both (the custom
-# mask exists for the extend only), fp8 pools in the decode only.
+# mask exists for the extend only); fp8 pools are read by both (the decode by fp8 instantiations,
+# the extend by its element-wise ones, converting on the copy).
 SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap", "sinks", "alibi_slopes",
                       "custom_mask"})
-DECODE_SWITCHES = SWITCHES | {"fp8 KV"}
+READ_SWITCHES = SWITCHES | {"fp8 KV"}
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers, 4 warps a
 # block) per padded head dim, from the registers and shared memory of every instantiation in
 # benchmarks/results/static_sm90.md (tests/test_static_sm90.py holds the planner to them): 59 KB
@@ -58,17 +62,16 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
                 "fp16/bf16 on tensor cores; the triton backend runs float32)")
     if args.head_dim > MAX_HEAD_DIM:
         return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
-    if args.head_dim_v != args.head_dim:
-        return (f"V head dim {args.head_dim_v} != K head dim {args.head_dim} (the CUDA kernels "
-                "stage K and V rows of one width; the triton backend runs it)")
-    switches = DECODE_SWITCHES if isinstance(args, DecodeArgs) else SWITCHES
-    missing = [s for s in args.variant.switches() if s not in switches]
+    if args.head_dim_v > args.head_dim:
+        return (f"V head dim {args.head_dim_v} > K head dim {args.head_dim} (the CUDA kernels' "
+                "tiles are sized by K's; the triton backend runs it)")
+    missing = [s for s in args.variant.switches() if s not in READ_SWITCHES]
     if missing:
-        why = " (the CUDA extend has no fp8 path; the triton backend runs it)" if "fp8 KV" in missing else ""
-        return f"no kernel for {', '.join(missing)}{why}"
-    if args.variant.fp8 and not _rows_of_16_bytes(args):
-        return ("fp8 pools need 16-byte aligned rows (head_dim and the K/V strides multiples of 16 "
-                f"elements, 16-byte aligned data), got head_dim {args.head_dim}, k_cache strides "
+        return f"no kernel for {', '.join(missing)}"
+    if isinstance(args, DecodeArgs) and args.variant.fp8 and not _rows_of_16_bytes(args):
+        return ("the fp8 decode needs 16-byte aligned rows (head dims and the K/V strides multiples of 16 "
+                f"elements, 16-byte aligned data), got head_dim {args.head_dim}, head_dim_v "
+                f"{args.head_dim_v}, k_cache strides "
                 f"{args.k_cache.stride()}, v_cache strides {args.v_cache.stride()}")
     if args.max_pages * args.page_size >= 2 ** 31:
         return f"a table of {args.max_pages} pages of {args.page_size} tokens holds 2**31 tokens or more"
@@ -89,7 +92,8 @@ def not_built(ext, args: DecodeArgs | ExtendArgs) -> str | None:
     fp8 = FP8_NAMES.get(args.k_cache.dtype)
     if DTYPE_NAMES[args.q.dtype] not in selection["dtypes"]:
         missing = (f"dtype {DTYPE_NAMES[args.q.dtype]}", "DTYPES")
-    elif fp8 is not None and fp8 not in selection["dtypes"]:
+    elif fp8 is not None and fp8 not in selection["dtypes"] and isinstance(args, DecodeArgs):
+        # (the extend reads fp8 pools with the 16-bit instantiations)
         missing = (f"pool dtype {fp8}", "DTYPES")
     elif tile not in selection["head_dims"]:
         missing = (f"head_dim {args.head_dim} (tile {tile})", "HEAD_DIMS")
@@ -101,19 +105,24 @@ def not_built(ext, args: DecodeArgs | ExtendArgs) -> str | None:
             f"KVATTN_CUDA_{missing[1]} builds more)")
 
 
-def not_built_write_kv(ext, dtype: torch.dtype) -> str | None:
-    """Why the module ``ext`` has no writer for caches of ``dtype``, or None."""
+def not_built_write_kv(ext, args: WriteArgs) -> str | None:
+    """Why the module ``ext`` has no writer of ``args``' tokens into its pools, or None."""
     selection = getattr(ext, "SELECTION", None)
-    if selection is None or selection["full"] or DTYPE_NAMES.get(dtype) in selection["dtypes"]:
+    if selection is None or selection["full"]:
         return None
-    return (f"dtype {DTYPE_NAMES.get(dtype, dtype)} not built into this module (it has: {selection['text']}; "
-            f"KVATTN_CUDA_DTYPES builds more)")
+    names = {**DTYPE_NAMES, **FP8_NAMES}
+    for what, dtype in (("dtype", args.k.dtype), ("pool dtype", args.k_cache.dtype)):
+        if names[dtype] not in selection["dtypes"]:
+            return (f"{what} {names[dtype]} not built into this module (it has: {selection['text']}; "
+                    f"KVATTN_CUDA_DTYPES builds more)")
+    return None
 
 
 def _rows_of_16_bytes(args) -> bool:
     """The fp8 decode copies K/V rows by 16-byte cp.async only (16 fp8 elements a copy)."""
     pools = (args.k_cache, args.v_cache)
-    return (args.head_dim % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in pools)
+    return (args.head_dim % 16 == 0 and args.head_dim_v % 16 == 0
+            and all(t.data_ptr() % 16 == 0 for t in pools)
             and all(s % 16 == 0 for t in pools for s in t.stride()[:3]))
 
 
@@ -176,7 +185,7 @@ def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
         stride_ep=args.expected.stride(1), stride_oh=out.stride(1),
         num_pages=args.num_pages, scale_log2=args.scale * LOG2E, batch=args.batch,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-        page_size=args.page_size, max_pages=args.max_pages,
+        head_dim_v=args.head_dim_v, page_size=args.page_size, max_pages=args.max_pages,
         window_left=args.variant.window_left, window_right=args.variant.window_right,
         soft_cap=args.variant.logits_soft_cap,
         alibi=_ptr(args.variant.alibi_slopes), alibi_stride=args.variant.alibi_stride,
@@ -201,7 +210,7 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
     report = OwnershipReport.allocate(args.batch, args.max_pages, device) if check else None
     part_acc = part_ml = part_report = None
     if splits > 1:
-        part_acc = torch.empty(args.batch * args.num_heads * splits * args.head_dim, dtype=torch.float32,
+        part_acc = torch.empty(args.batch * args.num_heads * splits * args.head_dim_v, dtype=torch.float32,
                                device=device)
         part_ml = torch.empty(args.batch * args.num_heads * splits * 2, dtype=torch.float32, device=device)
         if check:
@@ -275,14 +284,14 @@ def extend(ext, args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.
     return report
 
 
-def write_kv(ext, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, page_tags: torch.Tensor, owners: torch.Tensor, *,
-             stream: int = 0) -> WriteResult:
+def write_kv(ext, args: WriteArgs, *, stream: int = 0) -> WriteResult:
     """:func:`kvattn.writers.write_kv` on the binding ``ext``; arguments validated there
-    (``owners``: int64 ``[T]``, possibly a stride-0 expansion)."""
-    missing = not_built_write_kv(ext, k_cache.dtype)
+    (``owners``: int64 ``[T]``, possibly a stride-0 expansion; ``k_scale``/``v_scale``
+    ``[num_kv_heads]`` float32 when quantising into fp8 pools)."""
+    missing = not_built_write_kv(ext, args)
     if missing:
         raise NotBuilt(f"write_kv: {missing}")
+    k, v, k_cache, v_cache, slot_mapping, page_tags, owners = args.tensors()
     device = k_cache.device
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens = slot_mapping.shape[0]
@@ -303,6 +312,9 @@ def write_kv(ext, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         num_tokens=num_tokens, num_pages=num_pages, slot_is_int64=int(slot_mapping.dtype == torch.int64),
         page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
         head_dim_v=v_cache.shape[3],
+        kv_dtype=FP8_CODES[k_cache.dtype] if args.quantises else 0,
+        k_scale=_ptr(args.k_scale), v_scale=_ptr(args.v_scale),
+        toward_zero=int(args.fp8_rounding == "toward_zero"),
     )
-    ext.write_kv(params, DTYPE_CODES[k_cache.dtype], stream)
+    ext.write_kv(params, WRITE_DTYPE_CODES[k.dtype], stream)
     return WriteResult(landed, drop_reasons, dropped)

@@ -14,6 +14,8 @@ from ...report import OwnershipReport, WriteResult
 from ...write_args import WriteArgs
 from ..cuda import launch
 
+# The writer quantises into fp8 pools by either rounding (csrc/kvattn/fp8.h fp8_from_float).
+WRITE_SWITCHES = frozenset({"fp8 KV", "fp8 toward_zero"})
 NAME = "cuda_sim"
 
 _sim, STATUS = extensions.load("kvattn.backends.cuda_sim._sim")
@@ -35,7 +37,7 @@ def why_not(args: DecodeArgs | ExtendArgs) -> str | None:
 
 def why_not_write_kv(args: WriteArgs) -> str | None:
     """None if the harness writer can run ``args``, else the reason it cannot."""
-    return _why_not_here(args.k_cache.device) or launch.not_built_write_kv(_sim, args.k_cache.dtype)
+    return _why_not_here(args.k_cache.device) or launch.not_built_write_kv(_sim, args)
 
 
 def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
@@ -58,7 +60,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
 def write_kv(args: WriteArgs) -> WriteResult:
     """The CUDA writer kernels on the harness, on CPU tensors (arguments accepted by
     :func:`why_not_write_kv`)."""
-    return launch.write_kv(_sim, *args.tensors())
+    return launch.write_kv(_sim, args)
 
 
-__all__ = ["NAME", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
+__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
