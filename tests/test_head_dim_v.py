@@ -3,7 +3,7 @@ values, FlashAttention 3's ``dv``): the readers' output is as wide as V, the sco
 
 Against :func:`test_variants.dense`, the float64 definition one row at a time, with a foreign page
 (NaN in K and V) planted where a sequence reads it, on every backend that claims the shapes; the
-CUDA kernels refuse them, saying so. V narrower and wider than K, and a width no tile has (24).
+CUDA kernels run a V narrower than K and refuse a wider one, saying so. V narrower and wider than K, and a width no tile has (24).
 The twins: a clean batch reports nothing; the narrow V's output is the wide one's first columns.
 """
 from __future__ import annotations
@@ -190,18 +190,63 @@ def test_narrow_v_is_the_first_columns_of_the_wide_one(op):
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
-def test_cuda_kernels_refuse_saying_why(op):
-    """The CUDA kernels stage K and V rows of one width: both CUDA backends refuse, naming the
-    widths, and a named one raises that reason."""
-    x = decode_batch(32, 16) if op == "decode" else extend_batch(32, 16)
+def test_cuda_kernels_refuse_v_wider_than_k_saying_why(op):
+    """The CUDA kernels' tiles are sized by K's head dim: both CUDA backends refuse a wider V,
+    naming the widths, and a named one raises that reason; the narrower V of the same width pair
+    is claimed (the twin, and ``test_cuda_v_narrower_than_k_at_every_tile``)."""
+    x = decode_batch(16, 32) if op == "decode" else extend_batch(16, 32)
     args = validated(x, op)
-    why = "V head dim 16 != K head dim 32"
+    why = "V head dim 32 > K head dim 16"
     assert why in kvattn.backends.cuda.launch.unsupported(args)
+    assert kvattn.backends.cuda.launch.unsupported(validated(
+        decode_batch(32, 16) if op == "decode" else extend_batch(32, 16), op)) is None
     if backends.load("cuda_sim")[0]._sim is None:
         pytest.skip("the CUDA harness is not built here")
     assert why in backends.explain(args, op)["cuda_sim"]
     with raises(ValueError, "cuda_sim", why):
         run(x, op, "cuda_sim")
+
+
+# (K's head dim, V's): DeepSeek's 192/128 (tile 256), a split head (tile 512, two blocks of 256
+# output columns) whose V fills one block and part of the other, and one whose V fits the first
+# block alone (the second writes nothing), and a V of 40 (rows not a whole number of 16-byte
+# copies: element-wise), each decode with and without splits and extend, fp16.
+CUDA_DIMS = [(192, 128), (320, 288), (320, 256), (64, 40)]
+
+
+@pytest.mark.parametrize("dims", CUDA_DIMS, ids=[f"dk{k}-dv{v}" for k, v in CUDA_DIMS])
+def test_cuda_v_narrower_than_k_at_every_tile(dims):
+    """cuda_sim against the definition with a foreign NaN page, checked; the unchecked twin reads
+    the page's NaN."""
+    if backends.load("cuda_sim")[0]._sim is None:
+        pytest.skip("the CUDA harness is not built here")
+    dk, dv = dims
+    pages = Batch.random(batch=3, num_heads=4, num_kv_heads=2, head_dim=dk, head_dim_v=dv,
+                         page_size=8, seq_lens=[5, 30, 17], pool_factor=2, seed=3,
+                         dtype=torch.float16, device=torch.device("cpu"))
+    plant_foreign_page(pages, 1, 2)
+    args = validated(pages, "decode")
+    assert backends.explain(args, "decode")["cuda_sim"] is None
+    want_out, want_lse = definition(pages, "decode")
+    for splits in (1, 3):
+        out = pages.q.new_empty(*pages.q.shape[:2], dv)
+        lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
+        report = launcher("cuda_sim").decode(args, check=True, out=out, lse=lse, num_splits=splits)
+        assert_matches(out, lse, want_out, want_lse, out.dtype)
+        assert report.violations.tolist() == [0, 1, 0]
+    out = pages.q.new_empty(*pages.q.shape[:2], dv)
+    launcher("cuda_sim").decode(args, check=False, out=out, lse=None, num_splits=1)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+
+    ext = Extend.random([2, 5, 1], [3, 20, 9], num_heads=4, num_kv_heads=2, head_dim=dk,
+                        head_dim_v=dv, page_size=8, pool_factor=2, seed=4, dtype=torch.float16,
+                        device=torch.device("cpu"))
+    plant_foreign_page(ext.pages, 1, 1)
+    want_out, want_lse = definition(ext, "extend")
+    out, lse, report = run(ext, "extend", "cuda_sim")
+    assert out.shape[2] == dv
+    assert_matches(out, lse, want_out, want_lse, out.dtype)
+    assert report.violations.tolist() == [0, 1, 0]
 
 
 # --- validation ------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_the_table_is_the_dispatchs_axes_written_out():
     """Every instantiation dispatch.cuh can pick, once: decode over pools of the query's type with
     both copy widths and over fp8 pools (e4m3, e5m2) with 16-byte copies only; the split merge;
-    extend; its page pre-pass; the writer."""
+    extend; its page pre-pass; the writer of tokens into pools of their own type (fp8 ones too) and
+    of float tokens into fp8 pools."""
     table = instantiations()
     names = [row.name for row in table.TABLE]
     assert len(names) == len(set(names))
@@ -40,7 +41,9 @@ def test_the_table_is_the_dispatchs_axes_written_out():
     want |= {f"kvattn::paged_extend_kernel<{t}, {d}, {c}, {v}, {s}>" for t in ("__half", "__nv_bfloat16")
              for d in hd for c in bools for v in bools for s in bools}
     want |= {"kvattn::resolve_pages_kernel", "kvattn::write_kv_verdict_kernel"}
-    want |= {f"kvattn::write_kv_copy_kernel<{t}>" for t in ("float", "__half", "__nv_bfloat16")}
+    floats, fp8 = ("float", "__half", "__nv_bfloat16"), ("kvattn::Fp8E4M3", "kvattn::Fp8E5M2")
+    want |= {f"kvattn::write_kv_copy_kernel<{t}, {kv}>" for t in floats + fp8 for kv in (t, *fp8)
+             if kv == t or t in floats}
     assert set(names) == want
 
 
@@ -77,7 +80,13 @@ def test_selection_from_the_environment():
     assert len([r for r in rows if r.kernel == "paged_decode_kernel"]) == 2 * 2 * 2  # dtype, check, copy
     # No 16-bit attention type: no attention kernel and no pre-pass; the fp32 writer stays.
     assert {r.name for r in table.select(table.selection_from_env({"KVATTN_CUDA_DTYPES": "fp32"}))} == {
-        "kvattn::write_kv_copy_kernel<float>", "kvattn::write_kv_verdict_kernel"}
+        "kvattn::write_kv_copy_kernel<float, float>", "kvattn::write_kv_verdict_kernel"}
+    # With an fp8 format: its pass-through copy and the quantising copies from the selected types.
+    assert {r.name for r in table.select(table.selection_from_env({"KVATTN_CUDA_DTYPES": "bf16,e5m2"}))
+            if r.op == "write_kv"} == {
+        "kvattn::write_kv_copy_kernel<__nv_bfloat16, __nv_bfloat16>",
+        "kvattn::write_kv_copy_kernel<kvattn::Fp8E5M2, kvattn::Fp8E5M2>",
+        "kvattn::write_kv_copy_kernel<__nv_bfloat16, kvattn::Fp8E5M2>", "kvattn::write_kv_verdict_kernel"}
     for env in ({"KVATTN_CUDA_DTYPES": "fp8"}, {"KVATTN_CUDA_HEAD_DIMS": "96"}, {"KVATTN_CUDA_VARIANTS": "no"},
                 {"KVATTN_CUDA_DTYPES": ","}):
         with pytest.raises(ValueError, match=next(iter(env))):

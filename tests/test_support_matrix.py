@@ -112,8 +112,9 @@ ROWS = {
     "fp8 write rounded toward zero (`fp8_rounding=\"toward_zero\"`, vLLM CPU's rule)": (
         "fp8 toward_zero", lambda: [writer_args(E4M3, fp8_rounding="toward_zero"),
                                     writer_args(E5M2, fp8_rounding="toward_zero")]),
-    "V head dim of its own (`v_cache` `[..., head_dim_v]`)": (
-        "V head dim", lambda: [reader_args(head_dim_v=DIM // 2), reader_args(head_dim_v=2 * DIM)]),
+    "V head dim narrower than K's (`v_cache` `[..., head_dim_v]`, DeepSeek's 192/128)": (
+        "V head dim", lambda: [reader_args(head_dim_v=DIM // 2)]),
+    "V head dim wider than K's": ("V head dim", lambda: [reader_args(head_dim_v=2 * DIM)]),
     "write V rows of their own head dim": ("V head dim",
                                            lambda: [writer_args(torch.float16, DIM // 2)]),
 }
@@ -188,10 +189,11 @@ def test_each_cell_is_what_the_registry_says(row, claims_here):
 
 
 def test_a_wrong_cell_is_caught(claims_here):
-    """The twin: the comparison fails on a cell the registry contradicts (CUDA fp8 extend said yes)."""
-    args = reader_args(E4M3, k_scale=0.5)["extend"]
-    assert verdict(backends.explain(args, "extend")["cuda"], "extend", "fp8 KV") != "yes"
-    assert verdict(backends.explain(args, "extend")["triton"], "extend", "fp8 KV") == "yes"
+    """The twin: the comparison fails on a cell the registry contradicts (CUDA fp8 queries said
+    yes)."""
+    args = reader_args(E4M3, q_dtype=E4M3, q_scale=0.5)["extend"]
+    assert verdict(backends.explain(args, "extend")["cuda"], "extend", "fp8 queries") != "yes"
+    assert verdict(backends.explain(args, "extend")["triton"], "extend", "fp8 queries") == "yes"
     with pytest.raises(AssertionError, match="does not name"):
         verdict("no GPU (torch.cuda.is_available() is False)", "decode", "fp8 KV")
     write = writer_args(E4M3)["write_kv"]

@@ -164,7 +164,7 @@ KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int
     using M = ChunkMap<L::kChunksV, 32>;
     const int row = M::row(k, lane), c = M::col(k, lane);
     copy_chunk<KV, VEC>(v_stage + row * L::kRowV + c * 16, v_pool + offsets[2 * row + 1] + v_col + c * kElems,
-                        p.head_dim - v_col - c * kElems, (mask >> row) & 1u);
+                        p.head_dim_v - v_col - c * kElems, (mask >> row) & 1u);
   }
 }
 
@@ -250,7 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* exp_row = p.expected + b * p.stride_eb;
   const int ksteps = (p.head_dim + 15) / 16;  // QK^T over the whole head
-  const int dv = static_cast<int>(min64(DV, p.head_dim - v_col));  // output dims of this block
+  // Output dims of this block: none for the second half of a split head whose V is at most DV wide.
+  const int dv = static_cast<int>(max64(min64(DV, p.head_dim_v - v_col), 0));
   const int dsteps = kFp8 ? (dv + 31) / 32 : (dv + 15) / 16;  // fp8: groups of 32 dims (accumulate_fp8)
 
   unsigned char* q_rows = smem;
@@ -380,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     } else if (active) {
       // A head that reads nothing stores the state of a split with nothing read.
       const int64_t row = (b * p.num_heads + head0 + r) * p.num_splits + split;
-      p.part_acc[row * p.head_dim + v_col + d] = reads ? o : 0.0f;
+      p.part_acc[row * p.head_dim_v + v_col + d] = reads ? o : 0.0f;
       if (d == 0 && d_part == 0) {
         p.part_ml[row * 2] = reads ? m_top : -INFINITY;
         p.part_ml[row * 2 + 1] = reads ? l : 0.0f;
@@ -455,9 +456,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Decod
   for (int s = 0; s < active; ++s) l_sum += p.part_ml[(row0 + s) * 2 + 1] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
   T* out = static_cast<T*>(p.out) + b * p.stride_ob + head * p.stride_oh;
   const float denominator = VARIANT ? with_sink(l_sum, m_ref, p.var.sinks, head) : l_sum;
-  for (int d = threadIdx.x; d < p.head_dim; d += kMergeThreads) {
+  for (int d = threadIdx.x; d < p.head_dim_v; d += kMergeThreads) {
     float o = 0.0f;
-    for (int s = 0; s < active; ++s) o += p.part_acc[(row0 + s) * p.head_dim + d] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
+    for (int s = 0; s < active; ++s) o += p.part_acc[(row0 + s) * p.head_dim_v + d] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
     out[d] = from_float<T>(l_sum == 0.0f ? 0.0f : o / denominator);
   }
   if (threadIdx.x == 0 && p.lse != nullptr) {

@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   const int H = p.heads_per_tile, TOK = p.tokens_per_tile;
   const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
   const int ksteps = (p.head_dim + 15) / 16;  // QK^T over the whole head
-  const int dv = static_cast<int>(min64(DV, p.head_dim - v_col));  // output dims of this block
+  // Output dims of this block: none for the second half of a split head whose V is at most DV wide.
+  const int dv = static_cast<int>(max64(min64(DV, p.head_dim_v - v_col), 0));
   const int dsteps = (dv + 15) / 16;
 
   // The sequence of this slot: the last one whose first tile is at or before it (tile_start[0] = 0).
@@ -203,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
       const int2 key = tile_keys[row];
       const int64_t page = key.x >= 0 ? key.x : 0;
       copy(v_tile + row * L::kRowV + c * 16, v_pool + page * p.stride_vp + key.y * p.stride_vs + v_head_off + c * 8,
-           p.head_dim - v_col - c * 8, key.x >= 0);
+           p.head_dim_v - v_col - c * 8, key.x >= 0);
     }
   };
   auto copy_tile = [&](int64_t j) {

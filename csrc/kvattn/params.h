@@ -91,13 +91,14 @@ struct ScoreVariant {
   X(I64, int64_t, num_pages)                                                                       \
   X(F32, float, scale_log2)          /* scale * log2(e): the kernels work in base 2 */             \
   X(I32, int, batch) X(I32, int, num_heads) X(I32, int, num_kv_heads) X(I32, int, head_dim)       \
+  X(I32, int, head_dim_v)            /* V's (and the output's) head dim, at most head_dim */       \
   X(I32, int, max_pages)
 
 // Decode's own: split-KV, num_splits programs per (sequence, KV head); each takes an equal share of
 // its sequence's actual length rounded up to `align` (a multiple of the page size and of 16), at
 // least `min_chunk` (kvattn.backends.grids.split_chunk).
 #define KVATTN_DECODE_ARGS(X)                                                                      \
-  X(PTR, float*, part_acc)           /* [B, H, num_splits, D] when num_splits > 1 */              \
+  X(PTR, float*, part_acc)           /* [B, H, num_splits, head_dim_v] when num_splits > 1 */              \
   X(PTR, float*, part_ml)            /* [B, H, num_splits, 2] (running max in log2 units, sum) */  \
   X(PTR, int32_t*, part_report)      /* [B, num_splits, 3] when checked and num_splits > 1 */     \
   X(I64, int64_t, stride_qb) X(I64, int64_t, stride_ob)                                           \

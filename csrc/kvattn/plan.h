@@ -30,6 +30,8 @@ constexpr bool kFp8Type = std::is_same<KV, Fp8E4M3>::value || std::is_same<KV, F
 template <class T, class KV>
 const char* plan_decode(DecodeParams& p) {
   if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
+  // V's rows are staged in tiles sized by K's head dim.
+  if (p.head_dim_v < 1 || p.head_dim_v > p.head_dim) return "head_dim_v must be in [1, head_dim]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
     return "num_heads must be a positive multiple of num_kv_heads";
   if (p.page.size < 1 || p.page.size > 1024) return "page_size must be in [1, 1024]";
@@ -46,7 +48,7 @@ const char* plan_decode(DecodeParams& p) {
   if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
   const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
   constexpr int kb = sizeof(KV);
-  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 16 / kb);
+  p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 16 / kb) && p.head_dim_v % (16 / kb) == 0;
   if (kFp8Type<KV>) {
     // The fp8 instantiations copy by cp.async only (kvattn/backends/cuda/launch.py refuses others
     // first, so they go to the Triton backend).
@@ -64,6 +66,8 @@ const char* plan_decode(DecodeParams& p) {
 template <class T>
 const char* plan_extend(ExtendParams& p) {
   if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
+  // V's rows are staged in tiles sized by K's head dim.
+  if (p.head_dim_v < 1 || p.head_dim_v > p.head_dim) return "head_dim_v must be in [1, head_dim]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
     return "num_heads must be a positive multiple of num_kv_heads";
   if (p.page.size < 1 || p.page.size > 1024) return "page_size must be in [1, 1024]";
@@ -80,13 +84,13 @@ const char* plan_extend(ExtendParams& p) {
   if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split > 65535) return "too many KV heads";
   const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
   if (p.kv_type == KVType::kSame) {
-    p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim);
+    p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim) && p.head_dim_v % 8 == 0;
   } else {
     // fp8 pools: the element-wise kernels convert the codes as they copy them into the 16-bit tiles
     // (8 codes a load when the rows allow it), so the rows need no alignment.
     if (p.k_scale == nullptr || p.v_scale == nullptr) return "fp8 pools need k_scale and v_scale";
     p.vec = 0;
-    p.fp8_wide = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 8, 8);
+    p.fp8_wide = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 8, 8) && p.head_dim_v % 8 == 0;
   }
   p.smem_bytes = d == 64    ? ExtendLayout<64>::kTotal
                  : d == 128 ? ExtendLayout<128>::kTotal
