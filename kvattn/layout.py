@@ -94,6 +94,11 @@ class _PagedShapes:
     def batch(self) -> int:
         return self.block_table.shape[0]
 
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """The output's dtype: the caller's ``out``'s, else :func:`output_dtype`'s."""
+        return self.out_dtype or output_dtype(self.q)
+
 
 @dataclass
 class DecodeArgs(_PagedShapes):
@@ -108,6 +113,7 @@ class DecodeArgs(_PagedShapes):
     expected: torch.Tensor
     scale: float
     variant: Variant = PLAIN
+    out_dtype: torch.dtype | None = None  # the caller's ``out``'s; None: :func:`output_dtype`'s
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -326,7 +332,7 @@ def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expec
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], block_table.shape[1])
         check_values(switches)
     return DecodeArgs(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale,
-                      switches)
+                      switches, None if out is None else out.dtype)
 
 
 def check_lengths_and_owners(seq_lens, expected, page_size: int, max_pages: int) -> None:
@@ -372,6 +378,7 @@ class ExtendArgs(_PagedShapes):
     causal: bool
     rows_covered: bool = False
     variant: Variant = PLAIN
+    out_dtype: torch.dtype | None = None  # the caller's ``out``'s; None: :func:`output_dtype`'s
 
     @property
     def total_q(self) -> int:
@@ -415,7 +422,8 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
         if validate:
             check_mask_length(custom_mask, cu_seqlens_q, seq_lens, q.shape[0])
     return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                      scale, causal, rows_covered=bool(validate), variant=switches)
+                      scale, causal, rows_covered=bool(validate), variant=switches,
+                      out_dtype=None if out is None else out.dtype)
 
 
 def _check_ragged_rows(cu_seqlens_q, block_table, device) -> int:

@@ -141,16 +141,59 @@ def test_fp8_scales_apply_per_kv_head():
     assert torch.equal(doubled[:, 2:], base[:, 2:] * 2)
 
 
-def test_cuda_refuses_unaligned_fp8_rows_in_the_decode():
-    """The launcher says why (and the kernels' planner refuses the same call if reached); the
-    extend runs the same pools (``test_fp8_extend_matches_the_reference``, case d20)."""
-    pages = fp8_batch("e4m3", torch.float16, head_dim=24, heads=2, kv_heads=1, page=4, lens=[9])
+UNALIGNED = {
+    # head dim 24 (rows of 24 bytes), and a 3-byte offset view of 32-wide rows in a wider pool
+    "d24": dict(head_dim=24),
+    "offset-view": dict(head_dim=32, offset=3),
+}
+
+
+def unaligned_batch(case, q_dtype=torch.bfloat16, fmt="e5m2", lens=(3, 17, 40)):
+    """fp8_batch with rows that are not 16-byte aligned: an odd head dim, or the same pools seen
+    through a view starting 3 codes into wider rows."""
+    spec = UNALIGNED[case]
+    offset = spec.get("offset", 0)
+    pages = fp8_batch(fmt, q_dtype, head_dim=spec["head_dim"] + offset, heads=4, kv_heads=2, page=8,
+                      lens=list(lens))
+    if offset:
+        pages.k_cache = pages.k_cache[..., offset:]
+        pages.v_cache = pages.v_cache[..., offset:]
+        pages.q = pages.q[..., offset:].contiguous()
+    return pages
+
+
+@pytest.mark.parametrize("case", list(UNALIGNED))
+def test_unaligned_fp8_decode_runs_the_extend_kernels(case):
+    """The fp8 decode kernels copy by 16-byte cp.async alone; pools whose rows are not 16-byte
+    aligned are decoded by the extend's element-wise kernels with one row per sequence: against
+    the float64 reference, the foreign NaN page refused and reported as by the decode, and the
+    unchecked twin reading it. The decode kernels' own planner still refuses such pools."""
+    pages = unaligned_batch(case)
+    k_scale, v_scale = scales(2)
+    kwargs = dict(k_scale=k_scale, v_scale=v_scale, window_left=30, sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]))
     args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
-                                         pages.seq_lens, pages.page_tags, pages.expected, k_scale=0.5)
-    why = backends.explain(args, op="decode")["cuda_sim"]
-    assert why is not None and "16-byte" in why and "head_dim 24" in why
+                                         pages.seq_lens, pages.page_tags, pages.expected, **kwargs)
+    assert backends.explain(args, op="decode")["cuda_sim"] is None
+    ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
+        pages.q, pages.k_cache, pages.v_cache, pages.block_table, pages.seq_lens, pages.page_tags,
+        pages.expected, return_lse=True, compute_dtype=torch.float64, **kwargs)
+    out = torch.empty_like(pages.q)
+    lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
+    plan = {}
+    report = launch.decode(sim, args, check=True, out=out, lse=lse, num_splits=2, plan=plan)
+    assert plan["tokens_per_tile"] >= 1 and plan["vec"] == 0 and plan["fp8_wide"] == (case == "d24")
+    assert torch.isfinite(out).all(), "a refused slot was read"
+    torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.bfloat16))
+    torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
+    assert_reports_equal(report, ref_report)
+    assert report.violations.tolist() == [0, 0, 1]
+    launch.decode(sim, args, check=False, out=out, lse=None)
+    assert torch.isnan(out[2]).all() and torch.isfinite(out[:2]).all()
+    params = dict(launch._attention_params(args, out, None, None), part_acc=0, part_ml=0,
+                  part_report=0, stride_qb=pages.q.stride(0), stride_ob=out.stride(0),
+                  num_splits=1, align=8, min_chunk=8)
     with pytest.raises(RuntimeError, match="fp8 pools need 16-byte aligned rows"):
-        launch.decode(sim, args, check=True, out=torch.empty_like(pages.q), lse=None, num_splits=1)
+        sim.decode(params, launch.DTYPE_CODES[out.dtype], False, 0)
 
 
 def fp8_extend(pages, q_lens, seed=1, **kwargs):

@@ -3,8 +3,8 @@ vLLM's fp8 attention), per tensor, per KV head and per sequence.
 
 Against :func:`test_variants.dense`, the float64 definition one row at a time, fed the dequantised
 queries (codes times their KV head's scale) and keys; a foreign page (NaN in K and V) planted where
-a sequence reads it, on every backend that claims the call (the CUDA kernels refuse it, saying
-so). The twins: a clean batch reports nothing; a NaN ``q_scale`` for one KV head empties that
+a sequence reads it, on every backend that claims the call (the CUDA kernels too, but for a
+float32 output, which they refuse saying so). The twins: a clean batch reports nothing; a NaN ``q_scale`` for one KV head empties that
 head's rows only; the validated call names the argument.
 """
 from __future__ import annotations
@@ -153,9 +153,9 @@ def test_fp8_query_extend_matches_the_definition(form, causal):
 def test_the_caller_s_out_sets_the_output_dtype(out_dtype):
     pages, scales, q_deq = decode_case("e4m3", "per-head")
     want_out, want_lse = dense(q_deq, decode_rows(pages), seqs_of(pages), DIM ** -0.5)
-    args = kvattn.layout.validate_decode(*inputs(pages), **scales)
+    out = torch.empty(pages.q.shape, dtype=out_dtype, device=DEVICE)
+    args = kvattn.layout.validate_decode(*inputs(pages), out=out, **scales)
     for backend in claims(args, "decode"):
-        out = torch.empty(pages.q.shape, dtype=out_dtype, device=DEVICE)
         got, lse, _ = kvattn.paged_decode(*inputs(pages), backend=backend, out=out,
                                           return_lse=True, **scales)
         assert got is out
@@ -190,17 +190,22 @@ def test_an_invalid_q_scale_empties_its_kv_head_s_rows_only(op):
         assert report.violations.tolist() == [0, 0, 0, 1], backend
 
 
-def test_the_cuda_kernels_refuse_fp8_queries_saying_so():
+def test_the_cuda_kernels_refuse_a_float32_out_for_fp8_queries():
+    """The CUDA kernels' element type is the output's: bfloat16 (kvattn's default for fp8 queries)
+    or float16 run there, a caller's float32 out is refused naming it (the triton backend runs it)."""
     pages, scales, _ = decode_case("e4m3", "per-head")
-    args = kvattn.layout.validate_decode(*inputs(pages), **scales)
-    reason = cuda_launch.unsupported(args)
-    assert reason is not None and "fp8 queries" in reason and "triton" in reason
-    for name in ("cuda", "cuda_sim"):
-        assert backends.explain(args, op="decode")[name] is not None
-    # The twin: the same call with a bf16 q is the CUDA kernels' (decode over fp8 pools).
-    plain = kvattn.layout.validate_decode(pages.q.to(torch.bfloat16), *inputs(pages)[1:],
-                                          k_scale=scales["k_scale"], v_scale=scales["v_scale"])
-    assert cuda_launch.unsupported(plain) is None
+    for op, x in (("decode", pages), ("extend", extend_case("e5m2", "per-seq")[0])):
+        validate = kvattn.layout.validate_decode if op == "decode" else kvattn.layout.validate_extend
+        given = inputs(x) if op == "decode" else x.inputs()
+        sc = scales if op == "decode" else extend_case("e5m2", "per-seq")[1]
+        q = given[0]
+        assert cuda_launch.unsupported(validate(*given, **sc)) is None
+        assert cuda_launch.unsupported(validate(*given, out=torch.empty(q.shape, dtype=torch.float16,
+                                                                         device=DEVICE), **sc)) is None
+        wide = validate(*given, out=torch.empty(q.shape, dtype=torch.float32, device=DEVICE), **sc)
+        reason = cuda_launch.unsupported(wide)
+        assert reason is not None and "out dtype float32" in reason and "triton" in reason
+        assert backends.explain(wide, op=op)["cuda_sim"] is not None
 
 
 def test_a_per_sequence_q_scale_widens_the_kv_scales():

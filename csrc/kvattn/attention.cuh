@@ -275,21 +275,41 @@ KVATTN_DEVICE const float* seq_slopes(const ScoreVariant& v, int64_t b) {
   return v.alibi != nullptr ? v.alibi + b * v.alibi_stride : nullptr;
 }
 
-// Whether query head `head` (of KV head `kv_head`) of sequence b reads anything: false when its
-// sink is NaN or +inf, its ALiBi slope is not within kSlopeMax, or (FP8) a scale of its KV head
-// (`k_scale`, `v_scale`: the sequence's) is out of range. The rule is kvattn/variants.py's
-// (Variant.heads_read): such a head gets output 0 and lse -inf. Tested once per row after the
-// key loop, from values the kernel reads anyway.
-template <bool VARIANT, bool FP8>
-KVATTN_DEVICE bool head_reads(const ScoreVariant& v, int64_t b, const float* k_scale, const float* v_scale,
-                              int head, int kv_head) {
+// Whether query head `head` of sequence b reads anything as far as its score switches go: false
+// when its sink is NaN or +inf or its ALiBi slope is not within kSlopeMax (the fp8 scales:
+// fp8_scales_ok). The rule is kvattn/variants.py's (Variant.heads_read): such a head gets output 0
+// and lse -inf. Tested once per row after the key loop, from values the kernel reads anyway.
+template <bool VARIANT>
+KVATTN_DEVICE bool head_reads(const ScoreVariant& v, int64_t b, int head) {
   bool ok = true;
   if (VARIANT) {
     if (v.sinks != nullptr) ok = ok && v.sinks[head] < INFINITY;
     if (v.alibi != nullptr) ok = ok && fabsf(seq_slopes(v, b)[head]) <= kSlopeMax;
   }
-  if (FP8) ok = ok && scale_ok(k_scale[kv_head]) && scale_ok(v_scale[kv_head]);
   return ok;
+}
+
+// Element i of the query rows at `q`: of type T, or (fp8 queries, q_dtype 1 or 2) an fp8 code
+// converted to T exactly (every e4m3 and e5m2 value is a float16 and a bfloat16 value).
+template <class T>
+KVATTN_DEVICE T query_element(const void* q, int64_t i, int q_dtype) {
+  if (q_dtype == static_cast<int>(KVType::kE4M3)) return from_float<T>(fp8_to_float(static_cast<const Fp8E4M3*>(q)[i]));
+  if (q_dtype == static_cast<int>(KVType::kE5M2)) return from_float<T>(fp8_to_float(static_cast<const Fp8E5M2*>(q)[i]));
+  return static_cast<const T*>(q)[i];
+}
+
+// The scale of the scores of sequence b's KV head over fp8 pools: the logit scale (base 2) times
+// k_scale and, for fp8 queries, q_scale.
+KVATTN_DEVICE float fp8_score_scale(const AttentionParams& p, int64_t b, int kv_head) {
+  const int64_t i = b * p.scale_stride + kv_head;
+  return p.scale_log2 * p.k_scale[i] * (p.q_dtype != 0 ? p.q_scale[i] : 1.0f);
+}
+
+// Whether sequence b's fp8 scales of its KV head are in range (kvattn/variants.py scale_ok), the
+// query's too for fp8 queries: else the head reads nothing (head_reads).
+KVATTN_DEVICE bool fp8_scales_ok(const AttentionParams& p, int64_t b, int kv_head) {
+  const int64_t i = b * p.scale_stride + kv_head;
+  return scale_ok(p.k_scale[i]) && scale_ok(p.v_scale[i]) && (p.q_dtype == 0 || scale_ok(p.q_scale[i]));
 }
 
 // The softmax denominator of a row with running max m (base 2) and sum l: an attention sink's

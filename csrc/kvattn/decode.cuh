@@ -208,13 +208,17 @@ KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry,
 }
 
 // Rows [0, 16) of `rows` shared-memory rows of D elements: the query heads head0 .. head0 + heads
-// of sequence b (zeros past them and past head_dim); FP8: dim d at column fp8_q_column(d).
+// of sequence b at `q` (zeros past them and past head_dim); FP8 (fp8 pools): dim d at column
+// fp8_q_column(d), and the queries may be fp8 codes (q_dtype, converted on the way).
 template <class T, int D, bool FP8>
-KVATTN_DEVICE void load_query_rows(unsigned char* rows, const T* q, int64_t stride_h, int heads, int head_dim) {
+KVATTN_DEVICE void load_query_rows(unsigned char* rows, const void* q, int64_t stride_h, int heads, int head_dim,
+                                   int q_dtype) {
   for (int i = threadIdx.x; i < kWarpRows * D; i += kThreads) {
     const int r = i / D, d = i % D;
-    reinterpret_cast<T*>(rows + r * tile_row_bytes<D>())[FP8 ? fp8_q_column(d) : d] =
-        r < heads && d < head_dim ? q[r * stride_h + d] : from_float<T>(0.0f);
+    const int64_t at = r * stride_h + d;
+    T x = from_float<T>(0.0f);
+    if (r < heads && d < head_dim) x = FP8 ? query_element<T>(q, at, q_dtype) : static_cast<const T*>(q)[at];
+    reinterpret_cast<T*>(rows + r * tile_row_bytes<D>())[FP8 ? fp8_q_column(d) : d] = x;
   }
 }
 
@@ -262,8 +266,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   int32_t* counters = reinterpret_cast<int32_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes + L::kMaskBytes +
                                                  L::kOffsetBytes);
 
-  load_query_rows<T, D, kFp8>(q_rows, static_cast<const T*>(p.q) + b * p.stride_qb + head0 * p.stride_qh, p.stride_qh,
-                        heads, p.head_dim);
+  const int64_t q_at = b * p.stride_qb + head0 * p.stride_qh;  // elements of T, or codes of fp8 queries
+  const void* q_rows_at = p.q_dtype != 0 ? static_cast<const void*>(static_cast<const uint8_t*>(p.q) + q_at)
+                                         : static_cast<const void*>(static_cast<const T*>(p.q) + q_at);
+  load_query_rows<T, D, kFp8>(q_rows, q_rows_at, p.stride_qh, heads, p.head_dim, p.q_dtype);
   if (tid < kReportFields) counters[tid] = 0;
   __syncthreads();
   QueryFragments<D> q;
@@ -278,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh;
   // This sequence's fp8 scales, re-read from the parameters where used: a pointer held across
   // the key loop costs registers (a block fewer per SM for some head dims).
-  const float score_scale = kFp8 ? p.scale_log2 * p.k_scale[b * p.scale_stride + kv_head] : p.scale_log2;
+  const float score_scale = kFp8 ? fp8_score_scale(p, b, kv_head) : p.scale_log2;
 
   // The resolve pipeline (fetch_entry -> fetch_verdict -> place_sub_tile), one step per iteration;
   // sub-tiles at or past the end resolve to an empty mask without loading anything.
@@ -334,9 +340,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   float* w_out = reinterpret_cast<float*>(stages);
   float* w_ml = w_out + kWarpRows * DV;
   const int g = lane / 4, t = lane % 4;
-  const float* k_scale = kFp8 ? p.k_scale + b * p.scale_stride : nullptr;
-  const float* v_scale = kFp8 ? p.v_scale + b * p.scale_stride : nullptr;
-  const float out_scale = kFp8 ? v_scale[kv_head] : 1.0f;
+  const float out_scale = kFp8 ? p.v_scale[b * p.scale_stride + kv_head] : 1.0f;
+  const bool scales_ok = !kFp8 || fp8_scales_ok(p, b, kv_head);
 #pragma unroll
   for (int j = 0; j < DV / 8; ++j)
 #pragma unroll
@@ -371,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     // Only an empty row (l == 0), or a head that reads nothing (head_reads), gets the 0 / -inf
     // convention; a NaN read from a page that passed the check propagates, as in the reference.
     // Blocks of a head split write their columns; the first writes the row's statistics.
-    const bool reads = head_reads<VARIANT, kFp8>(p.var, b, k_scale, v_scale, head0 + r, kv_head);
+    const bool reads = scales_ok && head_reads<VARIANT>(p.var, b, head0 + r);
     if (p.num_splits == 1) {
       const float denominator = VARIANT ? with_sink(l, m_ref, p.var.sinks, head0 + r) : l;
       static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + v_col + d] =

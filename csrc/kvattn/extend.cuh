@@ -150,12 +150,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   auto row_token = [&](int r) { return m0 + r / H; };
   auto row_head = [&](int r) { return chunk * H + r % H; };  // within the GQA group
   auto row_ok = [&](int r) { return r < TOK * H && row_token(r) < q_len && row_head(r) < p.group; };
-  const T* q_ptr = static_cast<const T*>(p.q);
   for (int i = tid; i < kExtendRows * D; i += kThreads) {
     const int r = i / D, d = i % D;
     T x = from_float<T>(0.0f);
-    if (row_ok(r) && d < p.head_dim)
-      x = q_ptr[(row0 + row_token(r)) * p.stride_qt + (kv_head * p.group + row_head(r)) * p.stride_qh + d];
+    if (row_ok(r) && d < p.head_dim) {
+      const int64_t at = (row0 + row_token(r)) * p.stride_qt + (kv_head * p.group + row_head(r)) * p.stride_qh + d;
+      // fp8 queries come over fp8 pools only: the element-wise kernels convert their codes.
+      x = VEC ? static_cast<const T*>(p.q)[at] : query_element<T>(p.q, at, p.q_dtype);
+    }
     reinterpret_cast<T*>(q_rows + r * L::kRowK)[d] = x;
   }
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
@@ -231,10 +233,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
     row_bit[r] = (warp * kWarpRows + g + 8 * r) / H;
     q_pos[r] = first_pos + row_token(warp * kWarpRows + g + 8 * r);
   }
-  // fp8 pools (element-wise kernels only): k_scale of this sequence's KV head joins the score's
-  // scale, v_scale the output (after the loop).
+  // fp8 pools (element-wise kernels only): k_scale (and an fp8 query's q_scale) of this
+  // sequence's KV head joins the score's scale, v_scale the output (after the loop).
   const bool fp8 = !VEC && p.kv_type != KVType::kSame;
-  const float score_scale = fp8 ? p.scale_log2 * p.k_scale[b * p.scale_stride + kv_head] : p.scale_log2;
+  const float score_scale = fp8 ? fp8_score_scale(p, b, kv_head) : p.scale_log2;
   float alibi2[2] = {0.0f, 0.0f};  // ALiBi slopes (base 2) of those rows
   if (VARIANT && p.var.alibi != nullptr) {
     const float* slopes = seq_slopes(p.var, b);
@@ -295,16 +297,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   // convention; a NaN read from a page that passed the check propagates, as in the reference.
   T* out = static_cast<T*>(p.out);
   // The scales re-read from the parameters here rather than held across the loop (registers).
-  const float* k_scale = fp8 ? p.k_scale + b * p.scale_stride : nullptr;
-  const float* v_scale = fp8 ? p.v_scale + b * p.scale_stride : nullptr;
-  const float out_scale = fp8 ? v_scale[kv_head] : 1.0f;
-  const bool scales_ok = !fp8 || (scale_ok(k_scale[kv_head]) && scale_ok(v_scale[kv_head]));
+  const float out_scale = fp8 ? p.v_scale[b * p.scale_stride + kv_head] : 1.0f;
+  const bool scales_ok = !fp8 || fp8_scales_ok(p, b, kv_head);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = warp * kWarpRows + g + 8 * r;
     if (!row_ok(row)) continue;
-    const bool reads = scales_ok && head_reads<VARIANT, false>(p.var, b, nullptr, nullptr,
-                                                               kv_head * p.group + row_head(row), kv_head);
+    const bool reads = scales_ok && head_reads<VARIANT>(p.var, b, kv_head * p.group + row_head(row));
     const float l = reads ? att.l[r] : 0.0f;
     const float denominator = VARIANT ? with_sink(l, att.m[r], p.var.sinks, kv_head * p.group + row_head(row)) : l;
     T* out_row = out + (row0 + row_token(row)) * p.stride_ot + (kv_head * p.group + row_head(row)) * p.stride_oh;

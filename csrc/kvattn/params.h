@@ -83,6 +83,11 @@ struct ScoreVariant {
   X(PTR, const float*, k_scale)                                                                    \
   X(PTR, const float*, v_scale)                                                                    \
   X(I64, int64_t, scale_stride)                                                                    \
+  /* fp8 queries (q_dtype 1 float8_e4m3fn, 2 float8_e5m2; 0: q of the output's type T) over fp8 */ \
+  /* pools: a query element is q[...] * q_scale[kv_head] ([num_kv_heads] float32, per sequence */   \
+  /* by scale_stride as k_scale), the codes converted to T exactly as they are staged */           \
+  X(I32, int, q_dtype)                                                                             \
+  X(PTR, const float*, q_scale)                                                                    \
   X(I64, int64_t, stride_qh)                                                                       \
   X(I64, int64_t, stride_kp) X(I64, int64_t, stride_ks) X(I64, int64_t, stride_kh)               \
   X(I64, int64_t, stride_vp) X(I64, int64_t, stride_vs) X(I64, int64_t, stride_vh)               \

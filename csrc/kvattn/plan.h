@@ -26,6 +26,13 @@ inline bool kv_rows_aligned(const void* k, const void* v, const int64_t (&stride
 template <class KV>
 constexpr bool kFp8Type = std::is_same<KV, Fp8E4M3>::value || std::is_same<KV, Fp8E5M2>::value;
 
+// fp8 queries are read over fp8 pools only (the kernels that convert codes), with their scales.
+inline const char* plan_query(const AttentionParams& p, bool fp8_pools) {
+  if (p.q_dtype < 0 || p.q_dtype > 2) return "q_dtype must be 0, 1 (float8_e4m3fn) or 2 (float8_e5m2)";
+  if (p.q_dtype != 0 && (!fp8_pools || p.q_scale == nullptr)) return "fp8 queries need fp8 pools and q_scale";
+  return nullptr;
+}
+
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernels cannot run.
 template <class T, class KV>
 const char* plan_decode(DecodeParams& p) {
@@ -55,6 +62,7 @@ const char* plan_decode(DecodeParams& p) {
     if (!p.vec) return "fp8 pools need 16-byte aligned rows: head_dim and K/V strides multiples of 16 elements";
     if (p.k_scale == nullptr || p.v_scale == nullptr) return "fp8 pools need k_scale and v_scale";
   }
+  if (const char* why = plan_query(p, kFp8Type<KV>)) return why;
   p.smem_bytes = d == 64    ? DecodeLayout<64, kb>::kTotal
                  : d == 128 ? DecodeLayout<128, kb>::kTotal
                  : d == 256 ? DecodeLayout<256, kb>::kTotal
@@ -92,6 +100,7 @@ const char* plan_extend(ExtendParams& p) {
     p.vec = 0;
     p.fp8_wide = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 8, 8) && p.head_dim_v % 8 == 0;
   }
+  if (const char* why = plan_query(p, p.kv_type != KVType::kSame)) return why;
   p.smem_bytes = d == 64    ? ExtendLayout<64>::kTotal
                  : d == 128 ? ExtendLayout<128>::kTotal
                  : d == 256 ? ExtendLayout<256>::kTotal

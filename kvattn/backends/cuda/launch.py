@@ -25,10 +25,11 @@ TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 512
 # The switches of kvattn.variants the kernels compile in: the score switches in both (the custom
 # mask exists for the extend only); fp8 pools are read by both (the decode by fp8 instantiations,
-# the extend by its element-wise ones, converting on the copy).
+# the extend by its element-wise ones, converting on the copy), and so are fp8 queries over them
+# (converted as they are staged).
 SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap", "sinks", "alibi_slopes",
                       "custom_mask"})
-READ_SWITCHES = SWITCHES | {"fp8 KV"}
+READ_SWITCHES = SWITCHES | {"fp8 KV", "fp8 queries"}
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers, 4 warps a
 # block) per padded head dim, from the registers and shared memory of every instantiation in
 # benchmarks/results/static_sm90.md (tests/test_static_sm90.py holds the planner to them): 59 KB
@@ -54,12 +55,12 @@ class NotBuilt(RuntimeError):
 
 def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
     """Why the kernels cannot run these (already validated) inputs, or None."""
-    if args.variant.q_fp8:
-        return ("no kernel for fp8 queries (the CUDA kernels stage fp16/bf16 queries; the triton "
-                "backend runs them)")
-    if args.q.dtype not in TENSOR_CORE_DTYPES:
-        return (f"dtype {str(args.q.dtype).replace('torch.', '')} is not supported (the CUDA kernels run "
-                "fp16/bf16 on tensor cores; the triton backend runs float32)")
+    # The kernels' element type is the output's: the query's, or for fp8 queries (converted as
+    # they are staged) the output's, bfloat16 unless the caller's out says otherwise.
+    if args.output_dtype not in TENSOR_CORE_DTYPES:
+        what = "out dtype" if args.variant.q_fp8 else "dtype"
+        return (f"{what} {str(args.output_dtype).replace('torch.', '')} is not supported (the CUDA kernels "
+                "run fp16/bf16 on tensor cores; the triton backend runs float32)")
     if args.head_dim > MAX_HEAD_DIM:
         return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
     if args.head_dim_v > args.head_dim:
@@ -68,11 +69,6 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
     missing = [s for s in args.variant.switches() if s not in READ_SWITCHES]
     if missing:
         return f"no kernel for {', '.join(missing)}"
-    if isinstance(args, DecodeArgs) and args.variant.fp8 and not _rows_of_16_bytes(args):
-        return ("the fp8 decode needs 16-byte aligned rows (head dims and the K/V strides multiples of 16 "
-                f"elements, 16-byte aligned data), got head_dim {args.head_dim}, head_dim_v "
-                f"{args.head_dim_v}, k_cache strides "
-                f"{args.k_cache.stride()}, v_cache strides {args.v_cache.stride()}")
     if args.max_pages * args.page_size >= 2 ** 31:
         return f"a table of {args.max_pages} pages of {args.page_size} tokens holds 2**31 tokens or more"
     if args.batch >= 2 ** 31 or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 32767:
@@ -90,8 +86,8 @@ def not_built(ext, args: DecodeArgs | ExtendArgs) -> str | None:
     tile = next(t for t in HEAD_DIM_TILES if args.head_dim <= t)
     switches = [s for s in args.variant.switches() if s in SWITCHES]
     fp8 = FP8_NAMES.get(args.k_cache.dtype)
-    if DTYPE_NAMES[args.q.dtype] not in selection["dtypes"]:
-        missing = (f"dtype {DTYPE_NAMES[args.q.dtype]}", "DTYPES")
+    if DTYPE_NAMES[args.output_dtype] not in selection["dtypes"]:
+        missing = (f"dtype {DTYPE_NAMES[args.output_dtype]}", "DTYPES")
     elif fp8 is not None and fp8 not in selection["dtypes"] and isinstance(args, DecodeArgs):
         # (the extend reads fp8 pools with the 16-bit instantiations)
         missing = (f"pool dtype {fp8}", "DTYPES")
@@ -119,7 +115,8 @@ def not_built_write_kv(ext, args: WriteArgs) -> str | None:
 
 
 def _rows_of_16_bytes(args) -> bool:
-    """The fp8 decode copies K/V rows by 16-byte cp.async only (16 fp8 elements a copy)."""
+    """Whether the fp8 decode kernels can copy these pools: by 16-byte cp.async only (16 fp8
+    elements a copy)."""
     pools = (args.k_cache, args.v_cache)
     return (args.head_dim % 16 == 0 and args.head_dim_v % 16 == 0
             and all(t.data_ptr() % 16 == 0 for t in pools)
@@ -191,7 +188,8 @@ def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
         alibi=_ptr(args.variant.alibi_slopes), alibi_stride=args.variant.alibi_stride,
         sinks=_ptr(args.variant.sinks), kv_dtype=FP8_CODES.get(k.dtype, 0),
         k_scale=_ptr(args.variant.k_scale), v_scale=_ptr(args.variant.v_scale),
-        scale_stride=args.variant.scale_stride,
+        scale_stride=args.variant.scale_stride, q_dtype=FP8_CODES.get(q.dtype, 0),
+        q_scale=_ptr(args.variant.q_scale),
     )
 
 
@@ -204,6 +202,11 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
     missing = not_built(ext, args)
     if missing:
         raise NotBuilt(f"paged_decode: {missing}")
+    if args.variant.fp8 and not _rows_of_16_bytes(args):
+        # The fp8 decode kernels copy rows by cp.async alone; other fp8 pools run the extend's
+        # element-wise kernels with one query row per sequence: the same rows, positions, rule
+        # and report, without splits (num_splits is not applied).
+        return extend(ext, as_one_row_extend(args), check=check, out=out, lse=lse, stream=stream, plan=plan)
     q = args.q
     device = q.device
     splits, min_chunk, align = plan_splits(args, num_splits)
@@ -223,10 +226,19 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
         stride_qb=q.stride(0), stride_ob=out.stride(0), num_splits=splits, align=align,
         min_chunk=min_chunk,
     )
-    chosen = ext.decode(params, DTYPE_CODES[q.dtype], check, stream)
+    chosen = ext.decode(params, DTYPE_CODES[out.dtype], check, stream)
     if plan is not None:
         plan.update(chosen, align=align, min_chunk=min_chunk)
     return report
+
+
+def as_one_row_extend(args: DecodeArgs) -> ExtendArgs:
+    """The decode ``args`` as an extend of one query row per sequence: row ``b`` sits at
+    ``seq_lens[b] - 1``, as the decode's query does, and reads what it reads."""
+    rows = torch.arange(args.batch + 1, dtype=torch.int32, device=args.q.device)
+    return ExtendArgs(args.q, args.k_cache, args.v_cache, rows, args.block_table, args.seq_lens,
+                      args.page_tags, args.expected, args.scale, causal=True, rows_covered=True,
+                      variant=args.variant, out_dtype=args.out_dtype)
 
 
 def extend_tiles(ext, args: ExtendArgs, tokens_per_tile: int | None = None) -> tuple[int, int]:
@@ -278,7 +290,7 @@ def extend(ext, args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.
         stride_qt=q.stride(0), stride_ot=out.stride(0), causal=int(args.causal), num_slots=slots,
         heads_per_tile=heads, tokens_per_tile=tokens,
     )
-    chosen = ext.extend(params, DTYPE_CODES[q.dtype], check, stream)
+    chosen = ext.extend(params, DTYPE_CODES[out.dtype], check, stream)
     if plan is not None:
         plan.update(chosen)
     return report
