@@ -189,11 +189,11 @@ def test_each_cell_is_what_the_registry_says(row, claims_here):
 
 
 def test_a_wrong_cell_is_caught(claims_here):
-    """The twin: the comparison fails on a cell the registry contradicts (CUDA fp8 queries said
-    yes)."""
-    args = reader_args(E4M3, q_dtype=E4M3, q_scale=0.5)["extend"]
-    assert verdict(backends.explain(args, "extend")["cuda"], "extend", "fp8 queries") != "yes"
-    assert verdict(backends.explain(args, "extend")["triton"], "extend", "fp8 queries") == "yes"
+    """The twin: the comparison fails on a cell the registry contradicts (CUDA's V wider than K
+    said yes)."""
+    args = reader_args(head_dim_v=2 * DIM)["extend"]
+    assert verdict(backends.explain(args, "extend")["cuda"], "extend", "V head dim") != "yes"
+    assert verdict(backends.explain(args, "extend")["triton"], "extend", "V head dim") == "yes"
     with pytest.raises(AssertionError, match="does not name"):
         verdict("no GPU (torch.cuda.is_available() is False)", "decode", "fp8 KV")
     write = writer_args(E4M3)["write_kv"]

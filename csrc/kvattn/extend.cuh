@@ -23,6 +23,10 @@
 // each key entry also carries which of the block's query tokens read the key, one bit per token
 // read from the mask's bytes when the entry is loaded and kept in shared memory beside it: a key
 // no token of the block reads is not copied, and the score loop masks each row by its bit.
+// fp8 pools (and fp8 queries over them) run the element-wise instantiations: the codes are read
+// and converted exactly into the 16-bit tiles as they are copied (kv_copy.cuh copy_chunk_fp8),
+// k_scale and q_scale join the score scale and v_scale the output, so the tensor-core step is the
+// 16-bit one.
 #pragma once
 
 #include "attention.cuh"
@@ -177,20 +181,25 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh + v_col;
   // The block's 128 threads move 128 consecutive 16-byte chunks of the tile's rows at a time; a key
   // that is not read points at page 0 (inside the pool) and copies 0 bytes (decode.cuh copy_chunk).
-  // KV: the pools' element type, T, or (element-wise kernels) an fp8 format converted on the copy.
+  // KV: the pools' element type, T, or (element-wise kernels) uint8_t for fp8 codes of either
+  // format, converted on the copy by loops that are not unrolled (the 16-bit copies stay as they
+  // were, and the kernel's code grows by one short loop).
   auto copy_rows = [&](int64_t j, auto pool_type) {
     using KV = typename decltype(pool_type)::type;
+    constexpr bool kSame = std::is_same<KV, T>::value;
     const KV* k_pool = static_cast<const KV*>(p.k);
     const KV* v_pool = static_cast<const KV*>(p.v);
     const int2* tile_keys = keys + (j % L::kKeySlots) * NK;
     unsigned char* k_tile = tiles + (j % L::kStages) * L::kTileBytes;
     unsigned char* v_tile = k_tile + NK * L::kRowK;
     const auto copy = [&](unsigned char* dst, const KV* src, int valid, bool read) {
-      if constexpr (std::is_same<KV, T>::value) copy_chunk<T, VEC>(dst, src, valid, read);
-      else copy_chunk_fp8<T, KV>(dst, src, valid, read, p.fp8_wide != 0);
+      if constexpr (kSame) copy_chunk<T, VEC>(dst, src, valid, read);
+      else copy_chunk_fp8<T>(dst, src, valid, read, p.fp8_wide != 0, p.kv_type == KVType::kE5M2);
     };
     constexpr int kCopiesK = NK * L::kChunksK / kThreads, kCopiesV = NK * L::kChunksV / kThreads;
-#pragma unroll copy_unroll(kCopiesK)
+    [[maybe_unused]] constexpr int kUnrollK = kSame ? copy_unroll(kCopiesK) : 1;
+    [[maybe_unused]] constexpr int kUnrollV = kSame ? copy_unroll(kCopiesV) : 1;
+#pragma unroll kUnrollK
     for (int k = 0; k < kCopiesK; ++k) {
       using M = ChunkMap<L::kChunksK, kThreads>;
       const int row = M::row(k, tid), c = M::col(k, tid);
@@ -199,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
       copy(k_tile + row * L::kRowK + c * 16, k_pool + page * p.stride_kp + key.y * p.stride_ks + k_head_off + c * 8,
            p.head_dim - c * 8, key.x >= 0);
     }
-#pragma unroll copy_unroll(kCopiesV)
+#pragma unroll kUnrollV
     for (int k = 0; k < kCopiesV; ++k) {
       using M = ChunkMap<L::kChunksV, kThreads>;
       const int row = M::row(k, tid), c = M::col(k, tid);
@@ -211,8 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   };
   auto copy_tile = [&](int64_t j) {
     if constexpr (!VEC) {
-      if (p.kv_type == KVType::kE4M3) return copy_rows(j, TypeTag<Fp8E4M3>{});
-      if (p.kv_type == KVType::kE5M2) return copy_rows(j, TypeTag<Fp8E5M2>{});
+      if (p.kv_type != KVType::kSame) return copy_rows(j, TypeTag<uint8_t>{});
     }
     copy_rows(j, TypeTag<T>{});
   };

@@ -39,23 +39,26 @@ KVATTN_DEVICE void copy_chunk(unsigned char* dst, const T* src, int valid, bool 
   }
 }
 
-// The element-wise copy of 8 fp8 codes of a row (format KV) as 8 T, exactly (every e4m3 and e5m2
-// value is a float16 and a bfloat16 value): the extend's path over fp8 pools, whose rows need no
-// alignment. `wide`: rows are 8-byte aligned and whole chunks, so a chunk's 8 codes are one 8-byte
-// load; else byte by byte. Codes past `valid` and rows not read become zeros.
-template <class T, class KV>
-KVATTN_DEVICE void copy_chunk_fp8(unsigned char* dst, const KV* src, int valid, bool read, bool wide) {
+// The element-wise copy of 8 fp8 codes of a row (e4m3, or e5m2 when `e5m2`) as 8 T, exactly (every
+// e4m3 and e5m2 value is a float16 and a bfloat16 value): the extend's path over fp8 pools, whose
+// rows need no alignment. `wide`: rows are 8-byte aligned and whole chunks, so a chunk's 8 codes
+// are one 8-byte load; else byte by byte. Codes past `valid` and rows not read become zeros.
+template <class T>
+KVATTN_DEVICE void copy_chunk_fp8(unsigned char* dst, const uint8_t* src, int valid, bool read, bool wide, bool e5m2) {
   uint32_t codes[2] = {0u, 0u};  // code e in byte e % 4 of word e / 4
   if (read && wide && valid >= 8) {
     const uint64_t w = *reinterpret_cast<const uint64_t*>(src);
     codes[0] = static_cast<uint32_t>(w);
     codes[1] = static_cast<uint32_t>(w >> 32);
   } else if (read) {
-    for (int e = 0; e < 8 && e < valid; ++e) codes[e / 4] |= static_cast<uint32_t>(src[e].bits) << (8 * (e % 4));
+    for (int e = 0; e < 8 && e < valid; ++e) codes[e / 4] |= static_cast<uint32_t>(src[e]) << (8 * (e % 4));
   }
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = fp8x2_to<T, KV>(codes[i / 2] >> (16 * (i % 2)));
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t pair = codes[i / 2] >> (16 * (i % 2));
+    out[i] = e5m2 ? fp8x2_to<T, Fp8E5M2>(pair) : fp8x2_to<T, Fp8E4M3>(pair);
+  }
 }
 
 }  // namespace kvattn
