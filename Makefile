@@ -126,7 +126,8 @@ SANITIZE_DIR := build/sanitize
 SANITIZE_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
   -fno-sanitize-recover=all -fno-strict-aliasing -Wno-unknown-pragmas -fvisibility=hidden -fPIC -shared
 SANITIZE_TESTS ?= tests/test_sanitize.py tests/test_cuda.py tests/test_cuda_extend.py \
-  tests/test_hardening.py tests/test_fuzz.py tests/test_traces.py tests/test_exactness.py
+  tests/test_hardening.py tests/test_fuzz.py tests/test_traces.py tests/test_exactness.py \
+  tests/test_cuda_fp8.py tests/test_fp8_writer.py tests/test_head_dim_v.py tests/test_mla.py
 SANITIZE_SELECT ?= cuda_sim or test_cuda or sanitize
 CXX ?= g++
 
