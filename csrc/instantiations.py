@@ -32,7 +32,9 @@ from dataclasses import dataclass
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
 FP8 = {"e4m3": "kvattn::Fp8E4M3", "e5m2": "kvattn::Fp8E5M2"}
 TYPES = {**DTYPES, **FP8}
-HEAD_DIMS = (64, 128, 256, 512)  # the padded head-dim tiles (tiles.h padded_head_dim)
+TILES = (64, 128, 256, 512)  # the padded head-dim tiles (tiles.h padded_head_dim)
+LATENT = 576  # the MLA latent tile (tiles.h kLatentDim): decode, 16-bit pools, 16-byte copies
+HEAD_DIMS = (*TILES, LATENT)  # a selection's head-dim axis
 ATTENTION_DTYPES = ("fp16", "bf16")
 BOOL = (False, True)
 
@@ -114,11 +116,13 @@ class Row:
 TABLE: tuple[Row, ...] = (
     # decode: pools of the query's type by both copy widths, fp8 pools by 16-byte copies only
     *(Row("paged_decode_kernel", t, pool, d, check, vec, variant)
-      for t in ATTENTION_DTYPES for pool in (None, *FP8) for d in HEAD_DIMS for check in BOOL
+      for t in ATTENTION_DTYPES for pool in (None, *FP8) for d in TILES for check in BOOL
       for vec in (BOOL if pool is None else (True,)) for variant in BOOL),
+    # the MLA latent tile (kvattn.paged_mla_decode): no score switch, no fp8, 16-byte copies
+    *(Row("paged_decode_kernel", t, None, LATENT, check, True, False) for t in ATTENTION_DTYPES for check in BOOL),
     *(Row("merge_splits_kernel", t, variant=variant) for t in ATTENTION_DTYPES for variant in BOOL),
     *(Row("paged_extend_kernel", t, None, d, check, vec, variant)
-      for t in ATTENTION_DTYPES for d in HEAD_DIMS for check in BOOL for vec in BOOL for variant in BOOL),
+      for t in ATTENTION_DTYPES for d in TILES for check in BOOL for vec in BOOL for variant in BOOL),
     Row("resolve_pages_kernel"),
     # the writer: tokens into pools of their type (fp8 ones too), and float tokens quantised into fp8
     *(Row("write_kv_copy_kernel", t) for t in TYPES),
@@ -179,7 +183,8 @@ def _names(raw: str, allowed, what: str, variable: str) -> tuple:
 
 def selection_from_env(env) -> Selection:
     """The selection of ``KVATTN_CUDA_DTYPES`` (``fp16,bf16,fp32,e4m3,e5m2``),
-    ``KVATTN_CUDA_HEAD_DIMS`` (``64,128,256,512``) and ``KVATTN_CUDA_VARIANTS`` (``1``; ``0``
+    ``KVATTN_CUDA_HEAD_DIMS`` (``64,128,256,512,576``; 576: the MLA latent tile) and
+    ``KVATTN_CUDA_VARIANTS`` (``1``; ``0``
     builds no score switch); unset: everything. ValueError for a value it cannot read."""
     default = Selection()
     dtypes, dims = env.get("KVATTN_CUDA_DTYPES", "").strip(), env.get("KVATTN_CUDA_HEAD_DIMS", "").strip()

@@ -202,6 +202,8 @@ py::dict tile_layouts() {
   decode[py::int_(128)] = entry(kvattn::DecodeLayout<128>::kStages, kvattn::DecodeLayout<128>::kTotal);
   decode[py::int_(256)] = entry(kvattn::DecodeLayout<256>::kStages, kvattn::DecodeLayout<256>::kTotal);
   decode[py::int_(512)] = entry(kvattn::DecodeLayout<512>::kStages, kvattn::DecodeLayout<512>::kTotal);
+  decode[py::int_(kvattn::kLatentDim)] =
+      entry(kvattn::DecodeLayout<kvattn::kLatentDim>::kStages, kvattn::DecodeLayout<kvattn::kLatentDim>::kTotal);
   py::dict decode_fp8;  // fp8 pools: K/V rows of one byte an element
   decode_fp8[py::int_(64)] = entry(kvattn::DecodeLayout<64, 1>::kStages, kvattn::DecodeLayout<64, 1>::kTotal);
   decode_fp8[py::int_(128)] = entry(kvattn::DecodeLayout<128, 1>::kStages, kvattn::DecodeLayout<128, 1>::kTotal);

@@ -27,7 +27,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_the_table_is_the_dispatchs_axes_written_out():
     """Every instantiation dispatch.cuh can pick, once: decode over pools of the query's type with
-    both copy widths and over fp8 pools (e4m3, e5m2) with 16-byte copies only; the split merge;
+    both copy widths and over fp8 pools (e4m3, e5m2) with 16-byte copies only, and its MLA latent
+    tile; the split merge;
     extend; its page pre-pass; the writer of tokens into pools of their own type (fp8 ones too) and
     of float tokens into fp8 pools."""
     table = instantiations()
@@ -37,6 +38,9 @@ def test_the_table_is_the_dispatchs_axes_written_out():
     want = {f"kvattn::paged_decode_kernel<{t}, {kv}, {d}, {c}, {v}, {s}>"
             for t in ("__half", "__nv_bfloat16") for kv in (t, "kvattn::Fp8E4M3", "kvattn::Fp8E5M2")
             for d in hd for c in bools for v in (bools if kv == t else ("true",)) for s in bools}
+    # the MLA latent tile: 16-bit pools, 16-byte copies, no score switch
+    want |= {f"kvattn::paged_decode_kernel<{t}, {t}, 576, {c}, true, false>"
+             for t in ("__half", "__nv_bfloat16") for c in bools}
     want |= {f"kvattn::merge_splits_kernel<{t}, {s}>" for t in ("__half", "__nv_bfloat16") for s in bools}
     want |= {f"kvattn::paged_extend_kernel<{t}, {d}, {c}, {v}, {s}>" for t in ("__half", "__nv_bfloat16")
              for d in hd for c in bools for v in bools for s in bools}
@@ -62,7 +66,8 @@ def test_each_row_is_in_one_unit_and_a_plain_kernel_header_in_one_unit_only():
     for name, text in sources.items():
         includes = set(re.findall(r'#include "([^"]+)"', text))
         assert includes == {table.KERNELS[row.kernel][2] for row in units[name]}, name
-    assert len(units) == 8 + 1 + 8 + 1 + 1  # decode by type and tile; merge; extend; pre-pass; writer
+    # decode by type and tile (the latent tile too); merge; extend; pre-pass; writer
+    assert len(units) == 8 + 2 + 1 + 8 + 1 + 1
 
 
 def test_selection_from_the_environment():

@@ -28,6 +28,8 @@ BACKENDS = ["reference", "triton"]
 # The scenarios also run through the MLA extend kernel, one query row per sequence (MLABatch.decode).
 EXTEND = "extend:"
 SCENARIO_BACKENDS = BACKENDS + [EXTEND + "triton"]
+# The CUDA decode's latent tile through the CPU harness: FlashMLA's 512 + 64 only.
+LATENT_TILE = ["cuda_sim"] if getattr(backends.load("cuda_sim")[0], "_sim", None) is not None else []
 
 
 @dataclasses.dataclass
@@ -359,9 +361,75 @@ def test_incident_replay_checked_refuses_and_reports(backend, page):
     check_incident(*incident(page=page), backend)
 
 
-@pytest.mark.parametrize("backend", SCENARIO_BACKENDS)
+@pytest.mark.parametrize("backend", SCENARIO_BACKENDS + LATENT_TILE)
 def test_incident_replay_checked_at_512_plus_64_page_64(backend):
     check_incident(*incident(lora=512, rope=64, page=64, heads=16), backend)
+
+
+@pytest.mark.parametrize("backend", LATENT_TILE)
+def test_incident_replay_unchecked_at_512_plus_64_shows_the_sentinel(backend):
+    """The twin on the CUDA latent tile: unchecked, B reads A's released rows."""
+    batch, _ = incident(lora=512, rope=64, page=64, heads=16)
+    out, report = batch.decode(backend, check=False)
+    assert report is None and (out.float() > 0.9 * SENTINEL).all()
+
+
+# --- The CUDA decode's latent tile (FlashMLA's 512 + 64), through the CPU harness -----------------
+
+# (dtype, page, heads, num_splits): FlashMLA's page of 64 with one and three splits, a page that
+# divides no 16-token sub-tile (5), one token a page, a GQA group over one 16-row chunk (20 heads),
+# and a few heads.
+LATENT_CASES = [(torch.bfloat16, 64, 16, 1), (torch.float16, 64, 16, 3), (torch.bfloat16, 5, 20, 2),
+                (torch.float16, 1, 3, 1)]
+
+
+@pytest.mark.parametrize("dtype,page,heads,splits", LATENT_CASES,
+                         ids=[f"{str(c[0])[6:]}-p{c[1]}-h{c[2]}-s{c[3]}" for c in LATENT_CASES])
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_cuda_latent_tile_matches_reference_and_formula(dtype, page, heads, splits, check):
+    """The decode kernel's latent tile reads each 576-dim row once, as the key and (its first 512
+    dims) as the value: against the reference and the formula, NaN in every slot it must not read
+    (``check=False`` reads no refused page here: every page is the sequence's own)."""
+    if not LATENT_TILE:
+        pytest.skip("the CUDA harness is not built here")
+    batch = MLABatch.random(seq_lens=boundary_lens(page) + [40], num_heads=heads, lora=512, rope=64,
+                            page_size=page, dtype=dtype, seed=page + heads)
+    args = kvattn.layout.validate_mla_decode(*batch.inputs(), kv_lora_rank=512, num_splits=splits)
+    assert backends.explain(args, "mla_decode")["cuda_sim"] is None
+    plan = {}
+    out = torch.empty(*batch.q.shape[:2], 512, dtype=dtype)
+    lse = torch.empty(batch.q.shape[:2], dtype=torch.float32)
+    report = backends.load("cuda_sim")[0].mla_decode(args, check=check, out=out, lse=lse, plan=plan)
+    assert plan["num_splits"] == splits and plan["d_split"] == 2 and plan["vec"] == 1
+    want_out, want_lse = mla_formula(batch, check=check)
+    assert torch.isfinite(out).all(), "a refused or masked slot was read"
+    torch.testing.assert_close(out.double(), want_out, **tolerance(dtype))
+    torch.testing.assert_close(lse.double(), want_lse, **LSE_TOLERANCE)
+    if check:
+        assert_reports_equal(report, batch.reference(return_lse=True)[2])
+
+
+def test_cuda_latent_tile_claims_only_flashmla_rows():
+    """Other latent widths, float32 and rows that are not 16-byte aligned go to the triton backend,
+    each refusal saying why; the twin, 512 + 64 fp16, is claimed."""
+    if not LATENT_TILE:
+        pytest.skip("the CUDA harness is not built here")
+
+    def reason(**kw):
+        lora, rope = kw.pop("lora", 512), kw.pop("rope", 64)
+        batch = MLABatch.random(seq_lens=[5], lora=lora, rope=rope, page_size=4, **kw)
+        args = kvattn.layout.validate_mla_decode(*batch.inputs(), kv_lora_rank=lora)
+        return backends.explain(args, "mla_decode")["cuda_sim"], batch
+
+    assert reason()[0] is None
+    assert "FlashMLA's 512 + 64" in reason(lora=32, rope=16)[0]
+    assert "float32" in reason(dtype=torch.float32)[0]
+    _, batch = reason()
+    wide = torch.full((*batch.kv_cache.shape[:3], 580), float("nan"), dtype=batch.kv_cache.dtype)
+    wide[..., 4:] = batch.kv_cache
+    batch.kv_cache = wide[..., 4:]
+    args = kvattn.layout.validate_mla_decode(*batch.inputs(), kv_lora_rank=512)
+    assert "16-byte aligned" in backends.explain(args, "mla_decode")["cuda_sim"]
 
 
 def test_incident_replay_unchecked_shows_the_sentinel(backend, page):

@@ -120,27 +120,29 @@ ROWS = {
 }
 
 
-def latent_args():
-    """The probes of the MLA ops: a 48 + 16 latent pool, one page."""
-    kv = torch.zeros(2, PAGE, 1, DIM, dtype=torch.float16)
-    q = torch.zeros(1, HEADS, DIM, dtype=torch.float16)
+def latent_args(lora=48, rope=16):
+    """The probes of the MLA ops: a latent pool (48 + 16, or FlashMLA's 512 + 64), one page."""
+    kv = torch.zeros(2, PAGE, 1, lora + rope, dtype=torch.float16)
+    q = torch.zeros(1, HEADS, lora + rope, dtype=torch.float16)
     index = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
              torch.zeros(2, dtype=torch.int64), torch.ones(1, dtype=torch.int64))
     cu = torch.tensor([0, 1], dtype=torch.int32)
-    return {"mla_decode": validate_mla_decode(q, kv, *index, kv_lora_rank=48, validate=False),
-            "mla_extend": validate_mla_extend(q, kv, cu, *index, kv_lora_rank=48,
+    return {"mla_decode": validate_mla_decode(q, kv, *index, kv_lora_rank=lora, validate=False),
+            "mla_extend": validate_mla_extend(q, kv, cu, *index, kv_lora_rank=lora,
                                               validate=False)}
 
 
 ROWS.update({
-    "MLA decode (`paged_mla_decode`, latent cache)": (
-        "mla_decode", lambda: [{"mla_decode": latent_args()["mla_decode"]}]),
+    "MLA decode, FlashMLA's 512 + 64 (`paged_mla_decode`, latent cache)": (
+        "mla_decode", lambda: [{"mla_decode": latent_args(512, 64)["mla_decode"]}]),
+    "MLA decode, other latent widths": (
+        "512 + 64", lambda: [{"mla_decode": latent_args()["mla_decode"]}]),
     "MLA extend (`paged_mla_extend`, several query rows per sequence)": (
         "mla_extend", lambda: [{"mla_extend": latent_args()["mla_extend"]}]),
 })
 PLAIN = {"decode": lambda: reader_args()["decode"], "extend": lambda: reader_args()["extend"],
          "write_kv": lambda: writer_args(torch.float16)["write_kv"],
-         "mla_decode": lambda: latent_args()["mla_decode"],
+         "mla_decode": lambda: latent_args(512, 64)["mla_decode"],
          "mla_extend": lambda: latent_args()["mla_extend"]}
 
 

@@ -182,8 +182,9 @@ struct WarpAttention {
     }
   }
 
-  // o += P V for the NK keys whose V rows start at `v_rows`; `dsteps` = ceil(head_dim / 16).
-  template <int NK>
+  // o += P V for the NK keys whose V rows start at `v_rows`, ROW bytes apart (the latent tile reads
+  // them from its K rows); `dsteps` = ceil(head_dim / 16).
+  template <int NK, int ROW = tile_row_bytes<D>()>
   KVATTN_DEVICE void accumulate(const float (&p)[NK / 8][4], const unsigned char* v_rows, int dsteps) {
     const int lane = lane_index();
     const int i = lane / 8;  // matrix i: keys (i % 2) * 8 .., dimensions (i / 2) * 8 .. (B = V, transposed)
@@ -203,8 +204,7 @@ struct WarpAttention {
       for (int dn = 0; dn < D / 16; ++dn) {
         if (dn < dsteps) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, v_rows + (n16 * 16 + (i % 2) * 8 + lane % 8) * tile_row_bytes<D>() +
-                                   (dn * 16 + (i / 2) * 8) * 2);
+          ldmatrix_x4_trans(b, v_rows + (n16 * 16 + (i % 2) * 8 + lane % 8) * ROW + (dn * 16 + (i / 2) * 8) * 2);
           mma_16816<T>(o[2 * dn], a, b[0], b[1]);
           mma_16816<T>(o[2 * dn + 1], a, b[2], b[3]);
         }

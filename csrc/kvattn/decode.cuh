@@ -158,13 +158,15 @@ KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int
     copy_chunk<KV, VEC>(stage + row * L::kRowK + c * 16, k_pool + offsets[2 * row] + c * kElems,
                         p.head_dim - c * kElems, (mask >> row) & 1u);
   }
-  unsigned char* v_stage = stage + kSubTile * L::kRowK;
+  if constexpr (!L::kLatent) {  // the latent tile reads its values from the K rows
+    unsigned char* v_stage = stage + kSubTile * L::kRowK;
 #pragma unroll kUnrollV
-  for (int k = 0; k < kCopiesV; ++k) {
-    using M = ChunkMap<L::kChunksV, 32>;
-    const int row = M::row(k, lane), c = M::col(k, lane);
-    copy_chunk<KV, VEC>(v_stage + row * L::kRowV + c * 16, v_pool + offsets[2 * row + 1] + v_col + c * kElems,
-                        p.head_dim_v - v_col - c * kElems, (mask >> row) & 1u);
+    for (int k = 0; k < kCopiesV; ++k) {
+      using M = ChunkMap<L::kChunksV, 32>;
+      const int row = M::row(k, lane), c = M::col(k, lane);
+      copy_chunk<KV, VEC>(v_stage + row * L::kRowV + c * 16, v_pool + offsets[2 * row + 1] + v_col + c * kElems,
+                          p.head_dim_v - v_col - c * kElems, (mask >> row) & 1u);
+    }
   }
 }
 
@@ -329,6 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
       }
     att.template softmax_step<kSubTile>(s);
     if constexpr (kFp8) att.template accumulate_fp8<KV, kSubTile>(s, k_rows + kSubTile * L::kRowK, dsteps);
+    else if constexpr (L::kLatent) att.template accumulate<kSubTile, L::kRowK>(s, k_rows + v_col * 2, dsteps);
     else att.template accumulate<kSubTile>(s, k_rows + kSubTile * L::kRowK, dsteps);
     __syncwarp();  // the stage is overwritten by the copy issued next
   }

@@ -52,6 +52,7 @@ inline const char* not_built(DType dtype, KVType pool, int tile, bool variant) {
   if (tile == 128 && !KVATTN_BUILT_HEAD_DIM_128) return KVATTN_NOT_BUILT("head_dim 65..128 (tile 128)");
   if (tile == 256 && !KVATTN_BUILT_HEAD_DIM_256) return KVATTN_NOT_BUILT("head_dim 129..256 (tile 256)");
   if (tile == 512 && !KVATTN_BUILT_HEAD_DIM_512) return KVATTN_NOT_BUILT("head_dim 257..512 (tile 512)");
+  if (tile == kLatentDim && !KVATTN_BUILT_HEAD_DIM_576) return KVATTN_NOT_BUILT("head_dim 576 (the MLA latent tile)");
   if (variant && !KVATTN_BUILT_VARIANTS) return KVATTN_NOT_BUILT("score switches (window, soft-cap, ALiBi, sinks, custom mask)");
   return KVATTN_NOT_BUILT("instantiation");
 }
@@ -83,7 +84,8 @@ DecodeLaunch decode_of_tile(int tile) {
     case 64: return launcher_of<DecodeKernel<T, KV, 64, CHECK, VEC, VARIANT>, DecodeLaunch>();
     case 128: return launcher_of<DecodeKernel<T, KV, 128, CHECK, VEC, VARIANT>, DecodeLaunch>();
     case 256: return launcher_of<DecodeKernel<T, KV, 256, CHECK, VEC, VARIANT>, DecodeLaunch>();
-    default: return launcher_of<DecodeKernel<T, KV, 512, CHECK, VEC, VARIANT>, DecodeLaunch>();
+    case 512: return launcher_of<DecodeKernel<T, KV, 512, CHECK, VEC, VARIANT>, DecodeLaunch>();
+    default: return launcher_of<DecodeKernel<T, KV, kLatentDim, CHECK, VEC, VARIANT>, DecodeLaunch>();
   }
 }
 

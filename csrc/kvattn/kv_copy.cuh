@@ -12,15 +12,19 @@ namespace kvattn {
 // Copy k of thread t, when N threads move N consecutive 16-byte chunks of a tile at a time, moves
 // chunk k * N + t of a tile with kChunks chunks per row. Written so that an unrolled loop folds k
 // away: a constant plus one per-thread term, computed once.
+// Rows whose chunk count neither divides nor is divided by N (the MLA latent row's 72) take the
+// plain division of the chunk index.
 template <int kChunks, int N>
 struct ChunkMap {
-  static_assert(kChunks % N == 0 || N % kChunks == 0, "chunks per row and threads must divide");
+  static constexpr bool kDivides = kChunks % N == 0 || N % kChunks == 0;
   static KVATTN_DEVICE int row(int k, int t) {
-    if constexpr (kChunks <= N) return k * (N / kChunks) + t / kChunks;
+    if constexpr (!kDivides) return (k * N + t) / kChunks;
+    else if constexpr (kChunks <= N) return k * (N / kChunks) + t / kChunks;
     else return k / (kChunks / N);
   }
   static KVATTN_DEVICE int col(int k, int t) {
-    if constexpr (kChunks <= N) return t % kChunks;
+    if constexpr (!kDivides) return (k * N + t) % kChunks;
+    else if constexpr (kChunks <= N) return t % kChunks;
     else return (k % (kChunks / N)) * N + t;
   }
 };

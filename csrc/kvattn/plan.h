@@ -36,7 +36,8 @@ inline const char* plan_query(const AttentionParams& p, bool fp8_pools) {
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernels cannot run.
 template <class T, class KV>
 const char* plan_decode(DecodeParams& p) {
-  if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
+  const bool latent = p.head_dim == kLatentDim;
+  if (p.head_dim < 1 || (p.head_dim > 512 && !latent)) return "head_dim must be in [1, 512], or 576 (an MLA latent row)";
   // V's rows are staged in tiles sized by K's head dim.
   if (p.head_dim_v < 1 || p.head_dim_v > p.head_dim) return "head_dim_v must be in [1, head_dim]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
@@ -56,6 +57,10 @@ const char* plan_decode(DecodeParams& p) {
   const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};
   constexpr int kb = sizeof(KV);
   p.vec = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 16 / kb) && p.head_dim_v % (16 / kb) == 0;
+  // The latent tile reads each row once, as the key and (its first 512 dims) as the value.
+  if (latent && (p.v != p.k || p.stride_vp != p.stride_kp || p.stride_vs != p.stride_ks || p.head_dim_v != kLatentRank ||
+                 p.num_kv_heads != 1 || kFp8Type<KV> || !p.vec))
+    return "head_dim 576 is the MLA latent tile: one KV head of 16-bit, 16-byte aligned rows, V their first 512 dims";
   if (kFp8Type<KV>) {
     // The fp8 instantiations copy by cp.async only (kvattn/backends/cuda/launch.py refuses others
     // first, so they go to the Triton backend).
@@ -66,7 +71,8 @@ const char* plan_decode(DecodeParams& p) {
   p.smem_bytes = d == 64    ? DecodeLayout<64, kb>::kTotal
                  : d == 128 ? DecodeLayout<128, kb>::kTotal
                  : d == 256 ? DecodeLayout<256, kb>::kTotal
-                            : DecodeLayout<512, kb>::kTotal;
+                 : d == 512 ? DecodeLayout<512, kb>::kTotal
+                            : DecodeLayout<kLatentDim>::kTotal;
   return nullptr;
 }
 

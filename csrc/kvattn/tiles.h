@@ -23,9 +23,14 @@ KVATTN_TILE_FN int tile_row_bytes() {
   return D * 2 + 16;
 }
 
+// The MLA latent row (DeepSeek V2/V3, FlashMLA: 512 latent + 64 RoPE dims): a decode tile of its
+// own, whose value is the first kLatentRank dims of the key row itself (read from the K stage).
+constexpr int kLatentDim = 576, kLatentRank = 512;
+
 // Head dims are padded to one of these for the register tiles; the padding is zero and skipped.
+// The latent tile takes the MLA row exactly (plan.h refuses other head dims over 512).
 KVATTN_TILE_FN int padded_head_dim(int head_dim) {
-  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 256 ? 256 : 512;
+  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 256 ? 256 : head_dim <= 512 ? 512 : kLatentDim;
 }
 
 // Unroll factor of a copy loop of `copies` iterations per thread: complete up to 8 (head dims up
@@ -36,26 +41,29 @@ KVATTN_TILE_FN int copy_unroll(int copies) {
 }
 
 // Heads wider than 256: two blocks share a tile, each computes all of QK^T (over D) and
-// accumulates half of the output dims (DV = D / 2), so the accumulators fit in registers.
+// accumulates half of the output dims (DV = D / 2; the latent tile: half of its 512 value dims),
+// so the accumulators fit in registers.
 template <int D>
 struct HeadSplit {
   static constexpr int kSplit = D > 256 ? 2 : 1;
-  static constexpr int kDV = D / kSplit;
+  static constexpr int kDV = D == kLatentDim ? kLatentRank / 2 : D / kSplit;
 };
 
 // KB: bytes of a pool element, 2 (the query's 16-bit type) or 1 (fp8 pools: K/V rows of D bytes
 // and 16 of padding in shared memory, converted to 16 bits when the fragments are built; the query
 // rows stay 16-bit).
+// The latent tile stages K rows only: its values are read from them.
 template <int D, int KB = 2>
 struct DecodeLayout {
   static_assert(KB == 1 || KB == 2, "pool elements of 1 or 2 bytes");
+  static constexpr bool kLatent = D == kLatentDim;
   static constexpr int kDV = HeadSplit<D>::kDV;
   static constexpr int kStages = D <= 128 ? 3 : 2;
   static constexpr int kRowK = D * KB + 16;
-  static constexpr int kRowV = kDV * KB + 16;
-  static constexpr int kChunksK = D * KB / 16;    // 16-byte chunks per K row
-  static constexpr int kChunksV = kDV * KB / 16;  // per V row (this block's part)
-  static constexpr int kStageBytes = kSubTile * (kRowK + kRowV);  // K and V of one sub-tile
+  static constexpr int kRowV = kLatent ? kRowK : kDV * KB + 16;
+  static constexpr int kChunksK = D * KB / 16;                // 16-byte chunks per K row
+  static constexpr int kChunksV = kLatent ? 0 : kDV * KB / 16;  // per V row (this block's part)
+  static constexpr int kStageBytes = kSubTile * (kLatent ? kRowK : kRowK + kRowV);  // K and V of one sub-tile
   static constexpr int kQBytes = kWarpRows * tile_row_bytes<D>();
   static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kMaskBytes = (kWarps * kStages * 4 + 15) / 16 * 16;

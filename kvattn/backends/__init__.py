@@ -45,7 +45,7 @@ AUTO_ORDER = {
     "decode": ("cuda", "triton", "reference"),
     "extend": ("cuda", "triton", "reference"),
     "write_kv": ("cuda", "triton", "torch"),
-    "mla_decode": ("triton", "reference"),
+    "mla_decode": ("cuda", "triton", "reference"),
     "mla_extend": ("triton", "reference"),
 }
 # The Triton interpreter would run the writer as one program per token; the PyTorch ops compute

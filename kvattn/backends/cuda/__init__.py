@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ... import extensions
-from ...layout import DecodeArgs, ExtendArgs
+from ...layout import DecodeArgs, ExtendArgs, MLADecodeArgs
 from ...report import OwnershipReport, WriteResult
 from ...write_args import WriteArgs
 from . import launch
@@ -60,6 +60,20 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
                              tokens_per_tile=tokens_per_tile, plan=plan)
 
 
+def why_not_mla_decode(args: MLADecodeArgs) -> str | None:
+    """None if the latent decode tile can run ``args``, else the reason it cannot."""
+    return _why_not_here(args.q.device) or launch.unsupported_mla(args) or launch.not_built(
+        _C, launch.mla_as_decode(args))
+
+
+def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
+               plan: dict | None = None) -> OwnershipReport | None:
+    """Enqueue the MLA decode on the current stream (the decode kernel's latent tile)."""
+    with torch.cuda.device(args.q.device):
+        stream = torch.cuda.current_stream().cuda_stream
+        return launch.mla_decode(_C, args, check=check, out=out, lse=lse, stream=stream, plan=plan)
+
+
 def write_kv(args: WriteArgs) -> WriteResult:
     """The CUDA writer kernels, enqueued on the current stream (arguments accepted by
     :func:`why_not_write_kv`)."""
@@ -68,4 +82,5 @@ def write_kv(args: WriteArgs) -> WriteResult:
         return launch.write_kv(_C, args, stream=stream)
 
 
-__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
+__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "mla_decode", "why_not",
+           "why_not_mla_decode", "why_not_write_kv", "write_kv"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ...layout import DecodeArgs, ExtendArgs
+from ...layout import DecodeArgs, ExtendArgs, MLADecodeArgs
 from ...report import OwnershipReport, WriteResult
 from ...write_args import WriteArgs
 from ..grids import extend_tile_map, plan_num_splits
@@ -23,6 +23,10 @@ FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 WRITE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 512
+# The MLA latent decode tile (csrc/kvattn/tiles.h kLatentDim): FlashMLA's 512 latent + 64 RoPE dims,
+# the latent row read once as the key and, its first 512 dims, as the value (168 KB of shared
+# memory: one block per SM).
+LATENT_DIM, LATENT_RANK = 576, 512
 # The switches of kvattn.variants the kernels compile in: the score switches in both (the custom
 # mask exists for the extend only); fp8 pools are read by both (the decode by fp8 instantiations,
 # the extend by its element-wise ones, converting on the copy), and so are fp8 queries over them
@@ -36,15 +40,15 @@ READ_SWITCHES = SWITCHES | {"fp8 KV", "fp8 queries"}
 # and 150-156 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512. The score switches
 # take d64 to 170-180 registers (two blocks); fp8 pools halve the shared memory, which lets two
 # d256 blocks share an SM.
-DECODE_BLOCKS_PER_SM = {64: 3, 128: 2, 256: 1, 512: 1}
-DECODE_BLOCKS_PER_SM_SWITCHED = {64: 2, 128: 2, 256: 1, 512: 1}
-DECODE_BLOCKS_PER_SM_FP8 = {64: 3, 128: 2, 256: 2, 512: 1}
+DECODE_BLOCKS_PER_SM = {64: 3, 128: 2, 256: 1, 512: 1, LATENT_DIM: 1}
+DECODE_BLOCKS_PER_SM_SWITCHED = {64: 2, 128: 2, 256: 1, 512: 1, LATENT_DIM: 1}
+DECODE_BLOCKS_PER_SM_FP8 = {64: 3, 128: 2, 256: 2, 512: 1, LATENT_DIM: 1}
 SUB_TILE = 16  # tokens a decode warp copies per pipeline stage
 # The axes of a build's selection of the kernel instantiations (csrc/instantiations.py; a module's
 # SELECTION): element types, fp8 pool formats, head-dim tiles (csrc/kvattn/tiles.h).
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
-HEAD_DIM_TILES = (64, 128, 256, 512)
+HEAD_DIM_TILES = (64, 128, 256, 512, LATENT_DIM)
 
 
 class NotBuilt(RuntimeError):
@@ -61,7 +65,7 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
         what = "out dtype" if args.variant.q_fp8 else "dtype"
         return (f"{what} {str(args.output_dtype).replace('torch.', '')} is not supported (the CUDA kernels "
                 "run fp16/bf16 on tensor cores; the triton backend runs float32)")
-    if args.head_dim > MAX_HEAD_DIM:
+    if args.head_dim > MAX_HEAD_DIM and not _latent_rows(args):
         return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
     if args.head_dim_v > args.head_dim:
         return (f"V head dim {args.head_dim_v} > K head dim {args.head_dim} (the CUDA kernels' "
@@ -112,6 +116,15 @@ def not_built_write_kv(ext, args: WriteArgs) -> str | None:
             return (f"{what} {names[dtype]} not built into this module (it has: {selection['text']}; "
                     f"KVATTN_CUDA_DTYPES builds more)")
     return None
+
+
+def _latent_rows(args) -> bool:
+    """Whether a decode's pools are MLA latent rows the latent tile runs: one KV head of 16-bit,
+    16-byte aligned 576-dim rows whose first 512 dims are V (a view of the same rows), no switch."""
+    k, v = args.k_cache, args.v_cache
+    return (isinstance(args, DecodeArgs) and args.head_dim == LATENT_DIM and args.head_dim_v == LATENT_RANK
+            and args.num_kv_heads == 1 and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+            and not args.variant.switches() and k.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in k.stride()[:3]))
 
 
 def _rows_of_16_bytes(args) -> bool:
@@ -232,6 +245,29 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
     return report
 
 
+def unsupported_mla(args: MLADecodeArgs) -> str | None:
+    """Why the latent decode tile cannot run these (validated) MLA inputs, or None."""
+    if args.q.dtype not in TENSOR_CORE_DTYPES:
+        return (f"dtype {str(args.q.dtype).replace('torch.', '')} is not supported (the CUDA MLA decode "
+                "runs fp16/bf16 on tensor cores; the triton backend runs float32)")
+    if (args.kv_lora_rank, args.rope_dim) != (LATENT_RANK, LATENT_DIM - LATENT_RANK):
+        return (f"latent {args.kv_lora_rank} + {args.rope_dim}: the CUDA MLA decode is FlashMLA's "
+                f"{LATENT_RANK} + {LATENT_DIM - LATENT_RANK} (the triton backend runs others)")
+    kv = args.kv_cache
+    if kv.data_ptr() % 16 or any(s % 8 for s in kv.stride()[:3]):
+        return (f"latent rows not 16-byte aligned (kv_cache strides {kv.stride()}): the CUDA MLA "
+                "decode copies them by cp.async (the triton backend runs them)")
+    return unsupported(mla_as_decode(args))
+
+
+def mla_as_decode(args: MLADecodeArgs) -> DecodeArgs:
+    """The MLA decode as a decode of one KV head whose keys are the latent rows and whose values
+    their first ``kv_lora_rank`` dims (a view of the same rows: the latent tile reads them once)."""
+    kv = args.kv_cache
+    return DecodeArgs(args.q, kv, kv[..., :args.kv_lora_rank], args.block_table, args.seq_lens,
+                      args.page_tags, args.expected, args.scale)
+
+
 def as_one_row_extend(args: DecodeArgs) -> ExtendArgs:
     """The decode ``args`` as an extend of one query row per sequence: row ``b`` sits at
     ``seq_lens[b] - 1``, as the decode's query does, and reads what it reads."""
@@ -239,6 +275,14 @@ def as_one_row_extend(args: DecodeArgs) -> ExtendArgs:
     return ExtendArgs(args.q, args.k_cache, args.v_cache, rows, args.block_table, args.seq_lens,
                       args.page_tags, args.expected, args.scale, causal=True, rows_covered=True,
                       variant=args.variant, out_dtype=args.out_dtype)
+
+
+def mla_decode(ext, args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
+               stream: int = 0, plan: dict | None = None) -> OwnershipReport | None:
+    """:func:`kvattn.paged_mla_decode` on the latent tile (arguments accepted by
+    :func:`unsupported_mla`): the decode of :func:`mla_as_decode`, with its splits and report."""
+    return decode(ext, mla_as_decode(args), check=check, out=out, lse=lse, num_splits=args.num_splits,
+                  stream=stream, plan=plan)
 
 
 def extend_tiles(ext, args: ExtendArgs, tokens_per_tile: int | None = None) -> tuple[int, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ... import extensions
-from ...layout import DecodeArgs, ExtendArgs
+from ...layout import DecodeArgs, ExtendArgs, MLADecodeArgs
 from ...report import OwnershipReport, WriteResult
 from ...write_args import WriteArgs
 from ..cuda import launch
@@ -57,10 +57,23 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
                          plan=plan)
 
 
+def why_not_mla_decode(args: MLADecodeArgs) -> str | None:
+    """None if the harness's latent decode tile can run ``args``, else the reason it cannot."""
+    return _why_not_here(args.q.device) or launch.unsupported_mla(args) or launch.not_built(
+        _sim, launch.mla_as_decode(args))
+
+
+def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
+               plan: dict | None = None) -> OwnershipReport | None:
+    """Run the MLA decode (the decode kernel's latent tile) on the harness."""
+    return launch.mla_decode(_sim, args, check=check, out=out, lse=lse, plan=plan)
+
+
 def write_kv(args: WriteArgs) -> WriteResult:
     """The CUDA writer kernels on the harness, on CPU tensors (arguments accepted by
     :func:`why_not_write_kv`)."""
     return launch.write_kv(_sim, args)
 
 
-__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "why_not", "why_not_write_kv", "write_kv"]
+__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "mla_decode", "why_not",
+           "why_not_mla_decode", "why_not_write_kv", "write_kv"]
