@@ -367,9 +367,11 @@ def _mla_reference_build(inp: MLAInputs):
 
 def mla_providers() -> list[Provider]:
     """The MLA providers: kvattn's Triton kernel checked and unchecked (decode, or extend for points
-    with several query rows), SDPA over gathered latent rows (decode), the reference (CPU)."""
+    with several query rows), the CUDA latent tile checked and unchecked (decode points at 512 +
+    64), SDPA over gathered latent rows (decode), the reference (CPU)."""
     return [
         _mla_kvattn("triton", True), _mla_kvattn("triton", False),
+        _mla_kvattn("cuda", True), _mla_kvattn("cuda", False),
         Provider("torch-sdpa-gather", "torch-sdpa-gather", False, _mla_sdpa_why_not,
                  _mla_sdpa_build),
         Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not,
