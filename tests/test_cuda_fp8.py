@@ -65,6 +65,22 @@ def scales(kv_heads):
     return k, v
 
 
+def claimed_decode(pages, splits, **kwargs):
+    """``(args, reference (out, lse, report) in float64, cuda_sim's (out, lse, report, plan))`` of
+    a checked decode over ``pages`` that cuda_sim claims."""
+    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
+                                         pages.seq_lens, pages.page_tags, pages.expected, **kwargs)
+    assert backends.explain(args, op="decode")["cuda_sim"] is None
+    ref = kvattn.reference.paged_decode(
+        pages.q, pages.k_cache, pages.v_cache, pages.block_table, pages.seq_lens, pages.page_tags,
+        pages.expected, return_lse=True, compute_dtype=torch.float64, **kwargs)
+    out = torch.empty_like(pages.q)
+    lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
+    plan = {}
+    report = launch.decode(sim, args, check=True, out=out, lse=lse, num_splits=splits, plan=plan)
+    return args, ref, (out, lse, report, plan)
+
+
 # (q dtype, format, head_dim, heads, kv heads, page, splits, switches): every padded head dim,
 # a head dim padded within its tile (80 -> 128), the head split of 512 (d_split 2), a GQA group of
 # 20 (two chunks of 16 rows), split-KV with its merge, and the score switches (the VARIANT
@@ -86,17 +102,8 @@ def test_fp8_decode_matches_the_reference(case):
     pages = fp8_batch(fmt, q_dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads, page=page,
                       lens=[3, 2 * page + 1, 40])
     k_scale, v_scale = scales(kv_heads)
-    kwargs = dict(k_scale=k_scale, v_scale=v_scale, **switches)
-    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
-                                         pages.seq_lens, pages.page_tags, pages.expected, **kwargs)
-    assert backends.explain(args, op="decode")["cuda_sim"] is None
-    ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
-        pages.q, pages.k_cache, pages.v_cache, pages.block_table, pages.seq_lens, pages.page_tags,
-        pages.expected, return_lse=True, compute_dtype=torch.float64, **kwargs)
-    out = torch.empty_like(pages.q)
-    lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
-    plan = {}
-    report = launch.decode(sim, args, check=True, out=out, lse=lse, num_splits=splits, plan=plan)
+    args, (ref_out, ref_lse, ref_report), (out, lse, report, plan) = claimed_decode(
+        pages, splits, k_scale=k_scale, v_scale=v_scale, **switches)
     assert plan["num_splits"] == splits and plan["vec"] == 1
     assert plan["smem_bytes"] == sim.tile_layouts()["decode_fp8"][max(64, 1 << (head_dim - 1).bit_length())]["shared_bytes"]
     assert torch.isfinite(out).all(), "a refused slot was read"
@@ -170,17 +177,9 @@ def test_unaligned_fp8_decode_runs_the_extend_kernels(case):
     unchecked twin reading it. The decode kernels' own planner still refuses such pools."""
     pages = unaligned_batch(case)
     k_scale, v_scale = scales(2)
-    kwargs = dict(k_scale=k_scale, v_scale=v_scale, window_left=30, sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]))
-    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
-                                         pages.seq_lens, pages.page_tags, pages.expected, **kwargs)
-    assert backends.explain(args, op="decode")["cuda_sim"] is None
-    ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
-        pages.q, pages.k_cache, pages.v_cache, pages.block_table, pages.seq_lens, pages.page_tags,
-        pages.expected, return_lse=True, compute_dtype=torch.float64, **kwargs)
-    out = torch.empty_like(pages.q)
-    lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
-    plan = {}
-    report = launch.decode(sim, args, check=True, out=out, lse=lse, num_splits=2, plan=plan)
+    args, (ref_out, ref_lse, ref_report), (out, lse, report, plan) = claimed_decode(
+        pages, 2, k_scale=k_scale, v_scale=v_scale, window_left=30,
+        sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]))
     assert plan["tokens_per_tile"] >= 1 and plan["vec"] == 0 and plan["fp8_wide"] == (case == "d24")
     assert torch.isfinite(out).all(), "a refused slot was read"
     torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.bfloat16))
