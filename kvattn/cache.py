@@ -14,8 +14,6 @@ pages and a report, not a leak.
 """
 from __future__ import annotations
 
-import itertools
-import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -23,23 +21,10 @@ import torch
 
 from .api import paged_decode, paged_extend
 from .layout import KV_DTYPES, check_pool_geometry
-from .tags import OWNER_MAX
+from .tags import new_owner_id
 from .variants import FP8_DTYPES
 from .write_args import write_scales
 from .writers import WriteResult, reassign_pages, release_pages, reserve_pages, write_kv
-
-
-_owner_lock = threading.Lock()
-_owner_ids = itertools.count(1)
-
-
-def new_owner_id() -> int:
-    """A fresh owner id, never handed out before in this process (thread-safe)."""
-    with _owner_lock:
-        owner = next(_owner_ids)
-    if owner > OWNER_MAX:
-        raise RuntimeError("owner ids exhausted in this process (2**47 - 1 issued)")
-    return owner
 
 
 def _count(name: str, value, *, optional: bool = False) -> None:

@@ -23,6 +23,8 @@ then masks the slots.
 from __future__ import annotations
 
 import enum
+import itertools
+import threading
 
 import torch
 
@@ -75,6 +77,21 @@ def _check_owner(owner: int) -> int:
         raise TypeError(f"owner: expected an int, got {type(owner).__name__}")
     if not 1 <= owner <= OWNER_MAX:
         raise ValueError(f"owner: expected an id in [1, {OWNER_MAX}], got {owner}")
+    return owner
+
+
+_owner_lock = threading.Lock()
+_owner_ids = itertools.count(1)
+
+
+def new_owner_id() -> int:
+    """A fresh owner id, never handed out before in this process (thread-safe): every lease of
+    every cache and engine ledger of the process draws from this one counter, so a stale page can
+    never carry a live owner."""
+    with _owner_lock:
+        owner = next(_owner_ids)
+    if owner > OWNER_MAX:
+        raise RuntimeError("owner ids exhausted in this process (2**47 - 1 issued)")
     return owner
 
 
