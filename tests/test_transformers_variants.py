@@ -209,7 +209,7 @@ def test_engine_sliding_allocator_is_restored(prompts):
 
 
 def test_bad_sliding_window_is_refused_naming_it():
-    with pytest.raises(adapter.AdapterError, match="sliding_window.*positive int.*got 0"):
+    with pytest.raises(adapter.IntegrationError, match="sliding_window.*positive int.*got 0"):
         adapter._variant(dict(sliding_window=0), torch.device("cpu"))
     assert adapter._variant(dict(sliding_window=1, softcap=None), torch.device("cpu")) == {
         "window_left": 0}

@@ -47,12 +47,12 @@ def child(args) -> dict:
     _timed(timings, GPUModelRunner, "execute_model", "model step (execute_model)")
     if os.environ.get("KVATTN_VLLM"):
         import kvattn.api
+        import kvattn.integrations.ledger as ledger
         import kvattn.integrations.vllm as integration
-        import kvattn.integrations.vllm_backend as backend
 
         _timed(timings, kvattn.api, "paged_extend", "attention (paged_extend)")
         _timed(timings, kvattn.api, "paged_decode", "attention (paged_decode)")
-        _timed(timings, backend, "write_kv", "KV writes (write_kv)")
+        _timed(timings, ledger, "write_kv", "KV writes (write_kv)")
         for name in ("begin_step", "step_batch", "end_step"):
             _timed(timings, integration.WorkerOwnership, name, f"adapter host work ({name})")
     else:

@@ -27,7 +27,7 @@ What kvattn follows, and where (all on the instances of the engine whose backend
   forward writes it); a page at a position SGLang reports as already computed
   (``extend_prefix_lens``) that the lease does not hold is a radix-cache hit, expected to carry
   the owner that wrote it only if the writer's token prefix through that page is the reader's own
-  (:mod:`kvattn.integrations.prefix`), else owner 0, which no page carries (fails closed).
+  (:mod:`kvattn.integrations.ledger`), else owner 0, which no page carries (fails closed).
   The token ids behind the digests are the forwards' own input ids (under overlap scheduling a
   request's ``output_ids`` lag its forward by a token).
   A row whose slots of one logical page do not lie in one page at their offsets is read as no page
@@ -58,26 +58,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import api
-from ..cache import new_owner_id
-from ..writers import commit_pages, release_pages, reserve_pages, write_kv
-from .prefix import prefix_digests
-from .messages import failure_message
+from .ledger import IntegrationError, Lease, Ledger, check_version as _check_version, refuse
 
 SUPPORTED_VERSIONS = ("0.5.23",)
 BACKEND_NAME = "kvattn"
 BACKEND_ENV = "KVATTN_SGLANG_BACKEND"  # the kvattn backend the readers and writers use
-
-logger = logging.getLogger("kvattn")
-
-
-class IntegrationError(RuntimeError):
-    """SGLang was configured in a way the integration does not support."""
 
 
 def check_version(version: str | None = None) -> None:
@@ -85,19 +74,20 @@ def check_version(version: str | None = None) -> None:
     if version is None:
         import sglang
         version = sglang.__version__
-    if version not in SUPPORTED_VERSIONS:
-        raise RuntimeError(
-            f"kvattn.integrations.sglang: SGLang {version} is not supported; the integration hooks "
-            f"private parts of the engine and was tested with {list(SUPPORTED_VERSIONS)} only. "
-            f"Install one of those, or choose another --attention-backend.")
+    _check_version("sglang", "SGLang", version, SUPPORTED_VERSIONS,
+                   "Install one of those, or choose another --attention-backend.")
 
 
 def commit_transfer_hook(original, queue, decode_req, *args, **kwargs):
+    """Around ``DecodeTransferQueue._commit_transfer_to_req``: the request's transfer finished;
+    its pages are committed by what the receiver accounts for. The receiver is taken before the
+    original runs, which drops it (``decode_req.kv_receiver = None``)."""
+    receiver = decode_req.kv_receiver
     result = original(queue, decode_req, *args, **kwargs)
     state = _STATES.get(id(queue.scheduler.req_to_token_pool))
     req = decode_req.req
     if state is not None and not _aborted(req):
-        state.commit_transfer(req, decode_req.kv_receiver)
+        state.commit_transfer(req, receiver)
     return result
 
 
@@ -196,61 +186,36 @@ def _refuse_unsupported(runner) -> None:
     if mode.endswith("decode") and transfer != "fake":
         reasons.append(f"a decode instance on transfer backend {transfer!r} (its receivers report "
                        f"completion, not what arrived, so no transferred page could be committed)")
-    if reasons:
-        raise IntegrationError("kvattn.integrations.sglang does not support " + "; ".join(reasons))
+    refuse("sglang", reasons)
 
 
 @dataclass
-class _Lease:
+class _Lease(Lease):
     """A request's hold on pages, as the ledger learned it from its row of ``req_to_token``."""
 
-    owner: int
-    req: object  # SGLang's Req, for its token ids and its abort
-    pages: list[int] = field(default_factory=list)  # per logical page
-    expected: list[int] = field(default_factory=list)  # the owner each logical page must carry
-    keys: list[bytes] = field(default_factory=list)  # prefix digest per full page
+    req: object = None  # SGLang's Req, for its token ids and its abort
     tokens: list[int] = field(default_factory=list)  # the token ids its forwards put in the cache
 
 
-@dataclass
-class ForwardState:
-    """What the attention calls of one forward share, rows in the batch order."""
+class SGLangOwnership(Ledger):
+    """kvattn's ledger in one SGLang engine: the request pool's rows, the allocator's frees, the
+    forwards' ``req_to_token`` rows and the disaggregation queue's commits translated into leases,
+    reservations, releases, prefix hits and transfer commits."""
 
-    rows: list[int]  # req_to_token rows
-    block_table: torch.Tensor  # [B, W] int32 (-1: a page whose slots do not line up)
-    expected: torch.Tensor  # [B, W] int64
-    seq_lens: torch.Tensor  # [B] int32
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    token_owner: torch.Tensor  # [T] int64
-    token_row: torch.Tensor  # [T] int64
-    refused: torch.Tensor  # [B] int32, summed over layers
-    dropped: torch.Tensor  # [B] int32, summed over layers
-    reports: list = field(default_factory=list)  # (layer, OwnershipReport)
-    drops: list = field(default_factory=list)  # (layer, drop_reasons [T])
-
-
-class SGLangOwnership:
-    """kvattn's ledger in one SGLang engine: leases, tags, expected owners, a forward's reports."""
+    adapter = "sglang"
+    lease_type = _Lease
 
     def __init__(self, runner):
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.token_to_kv_pool
         self.allocator = runner.token_to_kv_pool_allocator
-        self.page_size = int(self.kv_pool.page_size)
-        self.backend = os.environ.get(BACKEND_ENV, "auto")
-        self.check = True
-        self.prefix_caching = not getattr(runner.server_args, "disable_radix_cache", False)
+        super().__init__(int(self.kv_pool.page_size), backend=os.environ.get(BACKEND_ENV, "auto"),
+                         prefix_caching=not getattr(runner.server_args, "disable_radix_cache",
+                                                    False))
         slots = self.kv_pool.k_buffer[0].shape[0]
         self.num_pages = slots // self.page_size
-        self.tags = torch.zeros(self.kv_pool.layer_num, self.num_pages, dtype=torch.int64,
-                                device=self.kv_pool.k_buffer[0].device)
-        self.leases: dict[int, _Lease] = {}  # req_to_token row -> lease
+        self.allocate_tags(self.kv_pool.layer_num, self.num_pages, self.kv_pool.k_buffer[0].device)
         self.page_owner: dict[int, int] = {}  # page -> the owner it was last reserved for
-        self.content: dict[int, tuple[int, bytes]] = {}  # full page -> (writer, prefix digest)
-        self.forward: ForwardState | None = None
-        self.counts: Counter = Counter()
-        self.failures: list[tuple[str, str]] = []  # (request id, message)
-        self.receive_notes: dict[int, str] = {}  # row -> what its transfer committed
         self._hook()
 
     # -- hooks on the engine's own instances --------------------------------------------------
@@ -264,8 +229,9 @@ class SGLangOwnership:
             fresh = [r for r in reqs if not r.kv.holds_kv]
             rows = alloc(reqs)
             if rows is not None:
-                for r in fresh:
-                    self._new_lease(r.kv.req_pool_idx, r)
+                for r in fresh:  # a row's last transfer note was its last holder's
+                    self.open_lease(r.kv.req_pool_idx, req=r)
+                    self.receive_notes.pop(r.kv.req_pool_idx, None)
                 for r in reqs:  # a row a streaming session lends its next turn: same KV, new Req
                     lease = self.leases.get(r.kv.req_pool_idx)
                     if lease is not None:
@@ -273,14 +239,14 @@ class SGLangOwnership:
             return rows
 
         def free_hook(req):
-            self.leases.pop(req.kv.req_pool_idx, None)
+            self.close_lease(req.kv.req_pool_idx)
             return free(req)
 
         pool.alloc, pool.free = alloc_hook, free_hook
         if free_rows is not None:
             def free_rows_hook(indices):
                 for row in indices:
-                    self.leases.pop(int(row), None)
+                    self.close_lease(int(row))
                 return free_rows(indices)
             pool.free_rows = free_rows_hook
         # Every path that frees pages ends here: the paged allocator's page ids, or the token
@@ -302,11 +268,6 @@ class SGLangOwnership:
             allocator.free = token_free_hook
         kv.set_kv_buffer = self.set_kv_buffer
 
-    def _new_lease(self, row: int, req) -> None:
-        self.leases[row] = _Lease(owner=new_owner_id(), req=req)
-        self.receive_notes.pop(row, None)
-        self.counts["leases"] += 1
-
     def _freed(self, pages) -> None:
         if pages is None or pages.numel() == 0:
             return
@@ -314,10 +275,18 @@ class SGLangOwnership:
         known = [p for p in pages if p in self.page_owner]
         for p in pages:
             self.content.pop(p, None)
-        if known:
-            owners = torch.tensor([self.page_owner.pop(p) for p in known], dtype=torch.int64)
-            release_pages(self.tags, known, owners.to(self.tags.device))
+        self.release(known, [self.page_owner.pop(p) for p in known])
         self.counts["released_pages"] += len(known)
+
+    def _reserve(self, reserve: dict[int, list[int]], written: dict[int, tuple[int, bytes]]):
+        """Reserve the pages leases write in this forward (per owner), then record the full
+        pages among them as what a later hit must hold (``written``, after: a reservation ends
+        a page's old content)."""
+        for owner, pages in reserve.items():
+            self.reserve(pages, owner)
+            self.page_owner.update(dict.fromkeys(pages, owner))
+        if self.prefix_caching:
+            self.content.update(written)
 
     # -- one forward -------------------------------------------------------------------------
 
@@ -361,10 +330,8 @@ class SGLangOwnership:
         rows = [int(r) for r in fb.req_pool_indices.tolist()]
         seq_lens = [int(n) for n in (fb.seq_lens_cpu if fb.seq_lens_cpu is not None
                                      else fb.seq_lens).tolist()]
-        if fb.forward_mode.is_decode():
-            q_lens = [1] * len(rows)
-        else:
-            q_lens = [int(n) for n in fb.extend_seq_lens_cpu]
+        decode = fb.forward_mode.is_decode()
+        q_lens = [1] * len(rows) if decode else [int(n) for n in fb.extend_seq_lens_cpu]
         table = self._table(rows, seq_lens)
         pages = table.cpu().tolist()
         ids = fb.input_ids.tolist()
@@ -373,79 +340,62 @@ class SGLangOwnership:
             starts.append(starts[-1] + n)
         width = table.shape[1]
         expected = torch.zeros(len(rows), width, dtype=torch.int64)
-        owners = torch.zeros(len(rows), dtype=torch.int64)
+        owners, keys, names = [0] * len(rows), [None] * len(rows), [""] * len(rows)
         reserve: dict[int, list[int]] = {}
+        written: dict[int, tuple[int, bytes]] = {}
         for b, row in enumerate(rows):
             lease = self.leases.get(row)
             if lease is None:  # padding rows, or a row no lease holds: nothing is readable
                 continue
-            owners[b] = lease.owner
+            owners[b], keys[b], names[b] = lease.owner, row, lease.req.rid
             computed = seq_lens[b] - q_lens[b]
             tokens = self._tokens(lease, computed, ids[starts[b]:starts[b + 1]])
             self._sync(lease, tokens, pages[b][: -(-seq_lens[b] // self.page_size)], computed,
-                       seq_lens[b], reserve)
-            expected[b, : len(lease.expected)] = torch.tensor(lease.expected[:width])
-        for owner, mine in reserve.items():
-            reserve_pages(self.tags, mine, owner)
+                       seq_lens[b], reserve, written)
+            expected[b, : len(lease.expected[0])] = torch.tensor(lease.expected[0][:width])
+        self._reserve(reserve, written)
         device = fb.seq_lens.device
-        counts = torch.tensor(q_lens, dtype=torch.int64)
-        cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(counts, 0)
-        self.forward = ForwardState(
-            rows=rows, block_table=table.to(device), expected=expected.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            cu_seqlens_q=cu.to(device),
-            token_owner=torch.repeat_interleave(owners, counts).to(device),
-            token_row=torch.repeat_interleave(torch.arange(len(rows)), counts).to(device),
-            refused=torch.zeros(len(rows), dtype=torch.int32, device=device),
-            dropped=torch.zeros(len(rows), dtype=torch.int32, device=device))
+        self.start_step(keys, owners, q_lens, table.to(device), expected, seq_lens, names=names,
+                        decode_only=decode)
 
     def _sync(self, lease: _Lease, tokens: list[int], pages: list[int], computed: int,
-              seq_len: int, reserve: dict[int, list[int]]) -> None:
+              seq_len: int, reserve: dict[int, list[int]],
+              written: dict[int, tuple[int, bytes]]) -> None:
         """Bring ``lease`` up to its row's ``pages`` (a forward over ``seq_len`` tokens whose first
         ``computed`` are already in the cache): a page at a position of its new tokens is its own
-        (reserved unless it holds it); a page of computed tokens it does not hold is a hit
-        (:meth:`_hit_owner`)."""
+        (to ``reserve`` unless it holds it); a page of computed tokens it does not hold is a hit
+        (:meth:`Ledger.hit_owner`). The full pages it writes go to ``written``."""
         P = self.page_size
+        held_pages, expected = lease.pages[0], lease.expected[0]
         del lease.keys[len(tokens) // P:]
         if self.prefix_caching and len(lease.keys) < len(tokens) // P:
-            lease.keys = prefix_digests(tokens, P, lease.keys)
-        del lease.pages[len(pages):], lease.expected[len(pages):]
+            lease.keys = self.digests(tokens, lease.keys)
+        del held_pages[len(pages):], expected[len(pages):]
         # A row usually changes only past what the lease held (one compare, in C); SGLang rewrites
         # earlier entries when the radix cache dedups a chunk, and then every entry is compared.
-        held = len(lease.pages)
-        start = held if pages[:held] == lease.pages else 0
+        held = len(held_pages)
+        start = held if pages[:held] == held_pages else 0
         for i in range(start, len(pages)):
             page = pages[i]
-            if i < held and lease.pages[i] == page:
+            if i < held and held_pages[i] == page:
                 continue
             if (i + 1) * P <= computed:
-                owner = self._hit_owner(page, lease.keys, i)
+                owner = self.hit_owner(page, lease.keys[i] if i < len(lease.keys) else None)
             elif i * P < computed:  # part of a page it does not hold was computed: no proof
                 owner = 0
             else:
                 owner = lease.owner
                 if page >= 0:
                     reserve.setdefault(owner, []).append(page)
-                    self.page_owner[page] = owner
-                    self.content.pop(page, None)
-            if i < len(lease.pages):
-                lease.pages[i], lease.expected[i] = page, owner
+            if i < len(held_pages):
+                held_pages[i], expected[i] = page, owner
             else:
-                lease.pages.append(page)
-                lease.expected.append(owner)
+                held_pages.append(page)
+                expected.append(owner)
         if self.prefix_caching:  # full pages it writes now: what a later hit on them must hold
             for i in range(computed // P, min(seq_len // P, len(pages), len(lease.keys))):
-                if lease.expected[i] == lease.owner and pages[i] >= 0:
-                    self.content[pages[i]] = (lease.owner, lease.keys[i])
-
-    def _hit_owner(self, page: int, keys: list[bytes], index: int) -> int:
-        written = self.content.get(page)
-        if written is not None and index < len(keys) and written[1] == keys[index]:
-            self.counts["prefix_hit_pages"] += 1
-            return written[0]
-        self.counts["unproven_hit_pages"] += 1
-        return 0
+                if expected[i] == lease.owner and pages[i] >= 0:
+                    written[pages[i]] = (lease.owner, lease.keys[i])
 
     # -- the pool's writes and the backend's reads --------------------------------------------
 
@@ -465,78 +415,52 @@ class SGLangOwnership:
         """In place of the pool's ``set_kv_buffer``: kvattn's append and stamp, under the owner of
         each token's request in this forward."""
         from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
-        forward = self.forward
-        if forward is None:
-            raise IntegrationError("kvattn.integrations.sglang: KV written outside a forward; no "
-                                   "request owns it")
+        step = self.step()
         if k_scale is not None or v_scale is not None or dcp_kv_mask is not None:
             raise IntegrationError("kvattn.integrations.sglang: scaled or masked KV writes are "
                                    "not supported")
         loc, _, _ = unwrap_write_loc(loc_info)
-        if loc.shape[0] != forward.token_owner.shape[0]:
+        if loc.shape[0] != step.token_row.shape[0]:
             raise IntegrationError(f"kvattn.integrations.sglang: {loc.shape[0]} KV slots written "
-                                   f"for a forward of {forward.token_owner.shape[0]} tokens")
+                                   f"for a forward of {step.token_row.shape[0]} tokens")
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
         k_pages, v_pages = self.pools(layer_id)
         heads, dim = k_pages.shape[2], k_pages.shape[3]
-        result = write_kv(cache_k.reshape(-1, heads, dim).to(k_pages.dtype),
-                          cache_v.reshape(-1, heads, v_pages.shape[3]).to(v_pages.dtype),
-                          k_pages, v_pages, loc, self.layer_tags(layer_id), forward.token_owner,
-                          backend=self.backend, validate=False)
-        forward.dropped.index_add_(0, forward.token_row, (result.drop_reasons != 0).to(torch.int32))
-        forward.drops.append((f"layer {layer_id}", result.drop_reasons))
+        step.write(f"layer {layer_id}", cache_k.reshape(-1, heads, dim).to(k_pages.dtype),
+                   cache_v.reshape(-1, heads, v_pages.shape[3]).to(v_pages.dtype),
+                   k_pages, v_pages, loc, self.layer_tags(layer_id))
 
-    def attend(self, q, layer, out, decode: bool) -> None:
+    def attend(self, q, layer, out) -> None:
         """Layer ``layer``'s attention of this forward into ``out`` ([T, Hq, Dv])."""
-        forward = self.forward
         k_pages, v_pages = self.pools(layer.layer_id)
         window = layer.sliding_window_size
-        common = dict(scale=float(layer.scaling), check=self.check, backend=self.backend, out=out,
-                      validate=False, logits_soft_cap=float(layer.logit_cap or 0.0),
-                      window_left=window if window is not None and window > -1 else -1)
-        tags = self.layer_tags(layer.layer_id)
-        if decode:
-            _, report = api.paged_decode(q, k_pages, v_pages, forward.block_table,
-                                         forward.seq_lens, tags, forward.expected, **common)
-        else:
-            _, report = api.paged_extend(q, k_pages, v_pages, forward.cu_seqlens_q,
-                                         forward.block_table, forward.seq_lens, tags,
-                                         forward.expected, causal=True, **common)
-        if report is not None:
-            forward.refused += report.violations
-            forward.reports.append((f"layer {layer.layer_id}", report))
+        self.step().attend(f"layer {layer.layer_id}", q, k_pages, v_pages,
+                           self.layer_tags(layer.layer_id), scale=float(layer.scaling), out=out,
+                           logits_soft_cap=float(layer.logit_cap or 0.0),
+                           window_left=window if window is not None and window > -1 else -1)
 
     def end_forward(self) -> dict[str, str]:
         """After the forward: abort the requests with refused pages or dropped writes (one read);
         returns their messages by request id."""
-        forward, self.forward = self.forward, None
-        if forward is None or not forward.rows:
-            return {}
-        totals = torch.stack([forward.refused.sum(), forward.dropped.sum()]).tolist()
-        self.counts["refused_pages"] += totals[0]
-        self.counts["dropped_writes"] += totals[1]
-        if not any(totals):
+        failed = self.finish()
+        if not failed:
             return {}
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
-        failed = {}
-        bad = torch.nonzero((forward.refused > 0) | (forward.dropped > 0)).flatten().tolist()
-        for b in bad:
-            lease = self.leases.get(forward.rows[b])
+        out = {}
+        for row, (_, _, message) in failed.items():
+            lease = self.leases.get(row)
             if lease is None:
                 continue
-            message = _error(forward, b, lease.req.rid, self.receive_notes.get(forward.rows[b]))
-            failed[lease.req.rid] = message
-            self.failures.append((lease.req.rid, message))
-            logger.error("%s", message)
+            out[lease.req.rid] = message
             # SGLang's own path for a forward that ran on KV that never landed: the forward's
             # output is dropped, the request finishes with the reason (an error status), and its
             # KV is not put in the radix cache.
             lease.req.discard_output_reason = FINISH_ABORT(
                 message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVOwnershipError")
             lease.req.skip_radix_cache_insert = True
-        return failed
+        return out
 
     # -- KV that arrived by a transfer --------------------------------------------------------
 
@@ -556,34 +480,25 @@ class SGLangOwnership:
         prefix = getattr(req, "prefix_indices", None)  # the decode side's own radix-cache hit
         computed = min(0 if prefix is None else len(prefix), total)
         tokens = self._tokens(lease, computed, list(req.origin_input_ids)[computed:total])
-        self._sync(lease, tokens, pages, computed, computed, reserve)
-        for owner, mine in reserve.items():
-            reserve_pages(self.tags, mine, owner)
+        self._sync(lease, tokens, pages, computed, computed, reserve, {})
+        self._reserve(reserve, {})
         P = self.page_size
         end = min(total, computed + max(0, count))
         commit, lens = [], []
         for i, page in enumerate(pages):
             n = min(P, end - i * P)
-            if n > 0 and page >= 0 and lease.expected[i] == lease.owner and i * P >= computed:
+            if n > 0 and page >= 0 and lease.expected[0][i] == lease.owner and i * P >= computed:
                 commit.append(page)
                 lens.append(n)
-        for row_tags in self.tags if commit else ():  # a transfer moves every layer of a page
-            commit_pages(row_tags, commit, lease.owner, lens, P)
+        self.commit(commit, lease.owner, lens)
         if self.prefix_caching:  # a full page that arrived is a prefix hit's content later
             full = {page for page, n in zip(commit, lens) if n == P}
             for i, page in enumerate(pages):
                 if page in full and i < len(lease.keys):
-                    self.content[page] = (lease.owner, lease.keys[i])
+                    self.remember(page, lease.owner, lease.keys[i])
         self.counts["received_tokens"] += end - computed
-        self.receive_notes[row] = (f"transfer of {total - computed} token(s): {how}; "
-                                   f"{len(commit)} page(s) committed")
-
-
-def _error(forward: ForwardState, row: int, rid: str, received: str | None) -> str:
-    """The failure of one request, summed over the layers of the forward."""
-    return failure_message(rid, row, forward.token_row, forward.drops, forward.reports,
-                           forward.block_table[row].tolist(),
-                           [f"received: {received}"] if received else [])
+        self.receive_notes[row] = [f"received: transfer of {total - computed} token(s): {how}; "
+                                   f"{len(commit)} page(s) committed"]
 
 
 __all__ = ["BACKEND_NAME", "SUPPORTED_VERSIONS", "IntegrationError", "SGLangOwnership", "attach",

@@ -46,20 +46,20 @@ class KVAttnSGLangBackend(AttentionBackend):
                 f"kvattn.integrations.sglang supports decoder self-attention only, got layer "
                 f"{layer.layer_id} of type {layer.attn_type}")
 
-    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, decode: bool):
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool):
         self._refuse(layer)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
-        self.state.attend(q, layer, out, decode)
+        self.state.attend(q, layer, out)
         return out.view(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache, decode=False)
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache, decode=True)
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
     def support_triton(self):
         return False

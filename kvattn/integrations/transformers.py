@@ -58,24 +58,16 @@ writer: such requests fail closed (their restored pages are RESERVED, not WRITTE
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import api
-from ..cache import new_owner_id
 from ..report import KVOwnershipError
-from ..tags import WriteDrop
-from ..writers import release_pages, reserve_pages, write_kv
-from .messages import flags as _flags
+from .ledger import IntegrationError, Ledger, check_version as _check_version, refuse
 
 SUPPORTED_VERSIONS = ("5.24.0",)
 ATTENTION_NAMES = ("sdpa", "paged|eager", "flash_attention_2", "flash_attention_3",
                    "flash_attention_4")
-
-logger = logging.getLogger("kvattn")
 
 
 def check_version(version: str | None = None) -> None:
@@ -83,35 +75,8 @@ def check_version(version: str | None = None) -> None:
     if version is None:
         import transformers
         version = transformers.__version__
-    if version not in SUPPORTED_VERSIONS:
-        raise RuntimeError(
-            f"kvattn.integrations.transformers: transformers {version} is not supported; this adapter "
-            f"hooks private parts of continuous batching and was tested with {list(SUPPORTED_VERSIONS)} "
-            f"only. Install one of those (pip install transformers=={SUPPORTED_VERSIONS[-1]}).")
-
-
-class AdapterError(RuntimeError):
-    """The engine was configured in a way this adapter does not support."""
-
-
-@dataclass
-class _Batch:
-    """What one forward of the engine needs from kvattn, built on the host when the engine prepares
-    the batch (rows in the engine's request order)."""
-
-    request_ids: list[str]
-    decode_only: bool
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    block_table: torch.Tensor  # [B, max_pages] int32, the engine's block lists
-    seq_lens: torch.Tensor  # [B] int32, past + new tokens
-    expected: torch.Tensor  # [B, max_pages] int64
-    token_owner: torch.Tensor  # [T] int64
-    token_row: torch.Tensor  # [T] int64, the batch row of each new token
-    refused_pages: torch.Tensor  # [B] int32, summed over layers
-    pages_checked: torch.Tensor  # [B] int32, summed over layers
-    dropped_tokens: torch.Tensor  # [B] int32, summed over layers
-    reports: list = field(default_factory=list)  # (layer, OwnershipReport)
-    drops: list = field(default_factory=list)  # (layer, drop_reasons [T])
+    _check_version("transformers", "transformers", version, SUPPORTED_VERSIONS,
+                   f"Install one of those (pip install transformers=={SUPPORTED_VERSIONS[-1]}).")
 
 
 @dataclass
@@ -130,19 +95,21 @@ class Stats:
     failed_requests: list = field(default_factory=list)
 
 
-class _State:
-    """kvattn's view of one ``PagedAttentionCache``: page views, tags, owners, expected owners."""
+class _State(Ledger):
+    """kvattn's ledger of one ``PagedAttentionCache``: the allocator's and the cache pool's events
+    translated into leases, reservations, releases and hits on registered content hashes."""
+
+    adapter = "transformers"
 
     def __init__(self, cache, backend: str, check: bool, stats: Stats):
         from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
         if set(cache.cache_allocators) != {FULL_ATTENTION}:
-            raise AdapterError(
+            raise IntegrationError(
                 "kvattn.integrations.transformers: only full-attention and sliding-window layers are "
                 f"supported, got attention types {sorted(cache.cache_allocators)}")
         allocator = cache.cache_allocators[FULL_ATTENTION]
+        super().__init__(allocator.tokens_per_page, backend=backend, check=check)
         self.allocator = allocator
-        self.backend = backend
-        self.check = check
         self.stats = stats
         layers = allocator.pages_per_block
         page = allocator.tokens_per_page
@@ -150,49 +117,38 @@ class _State:
         rows = allocator.cache_tensor.view(-1, heads, dim)
         blocks = rows.view(-1, layers, 2, page, heads, dim)
         self.num_blocks = blocks.shape[0]
-        self.page_size = page
         self.block_stride = allocator.block_physical_stride  # rows of the token view per block
         self.trash_blocks = 2 * allocator.blocks_per_sector  # the engine's padding sectors
         self.pages = {layer: (blocks[:, i, 0], blocks[:, i, 1])
                       for i, layer in enumerate(allocator.layer_indices)}
-        self.tags = {layer: torch.zeros(self.num_blocks, dtype=torch.int64, device=rows.device)
-                     for layer in allocator.layer_indices}
+        self.layer_row = {layer: i for i, layer in enumerate(allocator.layer_indices)}
+        self.allocate_tags(len(self.layer_row), self.num_blocks, rows.device)
         self.device = rows.device
-        self.owner: dict[str, int] = {}  # request id -> owner id
-        self.expected: dict[str, list[int]] = {}  # request id -> owner per logical block
         self.block_owner: dict[int, int] = {}  # block -> owner it was reserved for
-        # content hash -> (block, owner of the lease that wrote it), for the hashes the engine
-        # registered and still holds; block_hash is the inverse, to drop an entry on release.
-        self.hash_owner: dict[int, tuple[int, int]] = {}
-        self.block_hash: dict[int, int] = {}
-        self.batch: _Batch | None = None
 
     # -- page events ---------------------------------------------------------------------------
 
     def request_owner(self, request_id: str) -> int:
-        if request_id not in self.owner:
-            self.owner[request_id] = new_owner_id()
-        return self.owner[request_id]
+        lease = self.leases.get(request_id)
+        if lease is None:
+            lease = self.open_lease(request_id)
+        return lease.owner
 
     def reserved(self, request_id: str, blocks: list[int]) -> None:
         owner = self.request_owner(request_id)
-        if blocks:
-            for tags in self.tags.values():
-                reserve_pages(tags, blocks, owner)
+        self.reserve(blocks, owner)
         for b in blocks:
             self.block_owner[b] = owner
-        self.expected.setdefault(request_id, []).extend([owner] * len(blocks))
+        self.leases[request_id].expected[0].extend([owner] * len(blocks))
 
     def shared(self, request_id: str, index: int, block: int) -> None:
         """The engine maps logical block ``index`` of the request to ``block`` because its content
-        hash matched: expect the owner recorded when that hash was registered."""
-        ledger = self.allocator.ledger
-        entry = self.hash_owner.get(ledger.block_to_hash.get(block))
-        # Owner 0 never matches a tag: a block without a recorded hash fails closed.
-        owner = entry[1] if entry is not None and entry[0] == block else 0
-        expected = self.expected.setdefault(request_id, [])
+        hash matched: expect the owner recorded when that hash was registered (owner 0, which
+        never matches a tag, for a block without one: it fails closed)."""
+        self.request_owner(request_id)
+        expected = self.leases[request_id].expected[0]
         expected.extend([0] * (index + 1 - len(expected)))
-        expected[index] = owner
+        expected[index] = self.hit_owner(block, self.allocator.ledger.block_to_hash.get(block))
 
     def hashes_registered(self, before: dict[int, int | None]) -> None:
         """Record the writer of each hash the engine registered in one ``mark_complete_blocks``
@@ -205,33 +161,24 @@ class _State:
         for block, old in before.items():
             h = ledger.block_to_hash.get(block)
             if h is not None and old is None:
-                self.hash_owner[h] = (block, self.block_owner.get(block, 0))
-                self.block_hash[block] = h
+                self.remember(block, self.block_owner.get(block, 0), h)
 
     def released(self, blocks: list[int]) -> None:
-        if blocks:
-            for tags in self.tags.values():
-                release_pages(tags, blocks)
+        self.release(blocks)
         for b in blocks:
             self.block_owner.pop(b, None)
             # A freed block holds no registered content: a later share of it through a hash the
             # engine failed to drop finds no writer and fails closed.
-            h = self.block_hash.pop(b, None)
-            if h is not None and self.hash_owner.get(h, (None,))[0] == b:
-                del self.hash_owner[h]
+            self.content.pop(b, None)
 
     def forget(self, request_id: str) -> None:
-        self.owner.pop(request_id, None)
-        self.expected.pop(request_id, None)
+        self.close_lease(request_id)
 
     def reset(self) -> None:
-        for tags in self.tags.values():
-            tags.zero_()
-        self.owner.clear()
-        self.expected.clear()
+        self.tags.zero_()
+        self.leases.clear()
         self.block_owner.clear()
-        self.hash_owner.clear()
-        self.block_hash.clear()
+        self.content.clear()
 
     # -- one forward ---------------------------------------------------------------------------
 
@@ -242,38 +189,23 @@ class _State:
         batch = len(requests)
         table = torch.zeros(batch, max_pages, dtype=torch.int32)
         expected = torch.zeros(batch, max_pages, dtype=torch.int64)
+        owners = [self.request_owner(rid) for rid, _, _ in requests]
         for b, ((rid, _, _), blocks) in enumerate(zip(requests, tables)):
             table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            owners = self.expected.get(rid, [])[: len(blocks)]
-            expected[b, : len(owners)] = torch.tensor(owners, dtype=torch.int64)
-        q_lens = torch.tensor([q for _, _, q in requests], dtype=torch.int64)
-        cu = torch.zeros(batch + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(q_lens, 0)
-        owners = torch.tensor([self.request_owner(rid) for rid, _, _ in requests], dtype=torch.int64)
-        to = dict(device=self.device)
-        self.batch = _Batch(
-            request_ids=[rid for rid, _, _ in requests],
-            decode_only=bool((q_lens == 1).all()),
-            cu_seqlens_q=cu.to(**to),
-            block_table=table.to(**to),
-            seq_lens=torch.tensor([p + q for _, p, q in requests], dtype=torch.int32, **to),
-            expected=expected.to(**to),
-            token_owner=torch.repeat_interleave(owners, q_lens).to(**to),
-            token_row=torch.repeat_interleave(torch.arange(batch), q_lens).to(**to),
-            refused_pages=torch.zeros(batch, dtype=torch.int32, **to),
-            pages_checked=torch.zeros(batch, dtype=torch.int32, **to),
-            dropped_tokens=torch.zeros(batch, dtype=torch.int32, **to),
-        )
+            row = self.leases[rid].expected[0][: len(blocks)]
+            expected[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        self.start_step([rid for rid, _, _ in requests], owners, [q for _, _, q in requests],
+                        table.to(self.device), expected, [p + q for _, p, q in requests])
 
     def write(self, layer: int, key_states, value_states, write_index: torch.Tensor) -> None:
         """The engine's cache write of ``layer`` at ``write_index`` (rows of its token view), done by
         the stamping writer."""
-        batch = self._current()
+        step = self.step()
         k = key_states[0].transpose(0, 1)  # [T, kv_heads, head_dim]
         v = value_states[0].transpose(0, 1)
-        if k.shape[0] != batch.token_owner.shape[0] or write_index.shape[0] != k.shape[0]:
-            raise AdapterError(
-                f"kvattn.integrations.transformers: expected {batch.token_owner.shape[0]} new tokens "
+        if k.shape[0] != step.token_row.shape[0] or write_index.shape[0] != k.shape[0]:
+            raise IntegrationError(
+                f"kvattn.integrations.transformers: expected {step.token_row.shape[0]} new tokens "
                 f"(the batch the engine prepared), got {k.shape[0]} key rows and "
                 f"{write_index.shape[0]} write indices (padded inputs are not supported)")
         block = torch.div(write_index, self.block_stride, rounding_mode="floor")
@@ -282,91 +214,34 @@ class _State:
                             self.num_blocks * self.page_size)  # not a slot of a page: refused
         slots = torch.where(block < self.trash_blocks, -1, slots)  # the engine's padding writes
         k_pages, v_pages = self.pages[layer]
-        result = write_kv(k, v, k_pages, v_pages, slots, self.tags[layer], batch.token_owner)
-        dropped = (result.drop_reasons != 0).to(torch.int32)
-        batch.dropped_tokens.index_add_(0, batch.token_row, dropped)
-        batch.drops.append((layer, result.drop_reasons))
+        step.write(f"layer {layer}", k, v, k_pages, v_pages, slots, self.layer_tags(layer))
+
+    def layer_tags(self, layer: int) -> torch.Tensor:
+        return self.tags[self.layer_row[layer]]
 
     def attend(self, layer: int, query: torch.Tensor, scale: float | None, **variant) -> torch.Tensor:
         """kvattn's attention of ``layer`` for the prepared batch; ``variant``: the switches of
         :mod:`kvattn.variants` the layer uses (:func:`_variant`)."""
-        batch = self._current()
         q = query[0].transpose(0, 1)  # [T, heads, head_dim]
         k_pages, v_pages = self.pages[layer]
-        common = dict(scale=scale, check=self.check, backend=self.backend, validate=False, **variant)
-        if batch.decode_only:
-            out, report = api.paged_decode(q, k_pages, v_pages, batch.block_table, batch.seq_lens,
-                                           self.tags[layer], batch.expected, **common)
-        else:
-            out, report = api.paged_extend(q, k_pages, v_pages, batch.cu_seqlens_q,
-                                           batch.block_table, batch.seq_lens, self.tags[layer],
-                                           batch.expected, causal=True, **common)
+        out = self.step().attend(f"layer {layer}", q, k_pages, v_pages, self.layer_tags(layer),
+                                 scale=scale, **variant)
         self.stats.attention_calls += 1
-        if report is not None:
-            batch.refused_pages += report.violations
-            batch.pages_checked += report.pages_checked
-            batch.reports.append((layer, report))
         return out.unsqueeze(0)  # [1, T, heads, head_dim], the engine's attention output layout
 
     def end_batch(self) -> dict[str, KVOwnershipError]:
         """Errors of the requests of the last forward whose KV failed a check (synchronises once)."""
-        batch, self.batch = self.batch, None
-        if batch is None:
+        if not self.steps:
             return {}
-        bad = torch.nonzero((batch.refused_pages > 0) | (batch.dropped_tokens > 0)).flatten().tolist()
+        before = (self.pages_checked, self.counts["refused_pages"], self.counts["dropped_writes"])
+        failed = self.finish()
         self.stats.forwards += 1
-        self.stats.pages_checked += int(batch.pages_checked.sum())
-        self.stats.refused_pages += int(batch.refused_pages.sum())
-        self.stats.dropped_writes += int(batch.dropped_tokens.sum())
-        self.stats.failed_requests += [batch.request_ids[b] for b in bad]
-        return {batch.request_ids[b]: _error(batch, b) for b in bad}
-
-    def _current(self) -> _Batch:
-        if self.batch is None:
-            raise AdapterError("kvattn.integrations.transformers: a cache write or attention call "
-                               "came without a prepared batch")
-        return self.batch
-
-
-def _error(batch: _Batch, row: int) -> KVOwnershipError:
-    """The failure of request ``row``, summarised across the layers of the forward: the writer's
-    dropped writes first (usually the cause: a write into a page the request no longer holds leaves
-    slots unwritten, which every layer's read then refuses), then the refused reads by reason and
-    page, each with the number of layers it happened in."""
-    rid = batch.request_ids[row]
-    first = batch.cu_seqlens_q[row].item()
-    last = batch.cu_seqlens_q[row + 1].item()
-    drops: Counter = Counter()  # WriteDrop name -> tokens dropped, summed over layers
-    drop_layers = 0
-    for _, reasons in batch.drops:
-        mine = reasons[first:last]
-        dropped = mine[mine != 0].tolist()
-        drop_layers += bool(dropped)
-        drops.update(_flags(WriteDrop(int(r))) for r in dropped)
-    reads: dict[str, Counter] = {}  # Violation name -> logical page -> layers refusing it
-    refused: set = set()
-    for _, report in batch.reports:
-        pages = report.refusals().get(row, [])
-        refused.update(pages)
-        for page, reason in pages:
-            reads.setdefault(_flags(reason), Counter())[page] += 1
-    lines = []
-    if drops:
-        counts = ", ".join(f"{n} {name}" for name, n in sorted(drops.items()))
-        lines.append(f"writes: {counts} dropped write(s) of its new tokens, in {drop_layers} of "
-                     f"{len(batch.drops)} layer(s)")
-    for name, pages in sorted(reads.items()):
-        by_layers: dict[int, list] = {}
-        for page, n in sorted(pages.items()):
-            by_layers.setdefault(n, []).append(page)
-        for n, group in sorted(by_layers.items(), reverse=True):
-            shown = ", ".join("past the table" if i < 0 else str(i) for i in group[:8])
-            more = f", ... ({len(group) - 8} more)" if len(group) > 8 else ""
-            lines.append(f"reads: {name} on logical page(s) {shown}{more}, in {n} of "
-                         f"{len(batch.reports)} layer(s)")
-    message = (f"kvattn ownership check failed for request {rid!r}: its KV pages could not be "
-               "proven to hold its own tokens, so the request was stopped.\n" + "\n".join(lines))
-    return KVOwnershipError(message, {row: sorted(refused)})
+        self.stats.pages_checked += self.pages_checked - before[0]
+        self.stats.refused_pages += self.counts["refused_pages"] - before[1]
+        self.stats.dropped_writes += self.counts["dropped_writes"] - before[2]
+        self.stats.failed_requests += list(failed)
+        return {rid: KVOwnershipError(message, {row: step.refusals(row)})
+                for rid, (step, row, message) in failed.items()}
 
 
 def _variant(kwargs: dict, device: torch.device) -> dict:
@@ -377,8 +252,9 @@ def _variant(kwargs: dict, device: torch.device) -> dict:
     window = kwargs.get("sliding_window")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise AdapterError("kvattn.integrations.transformers: expected sliding_window to be a "
-                               f"positive int (keys a query attends, itself included), got {window!r}")
+            raise IntegrationError("kvattn.integrations.transformers: expected sliding_window to "
+                                   "be a positive int (keys a query attends, itself included), "
+                                   f"got {window!r}")
         variant["window_left"] = window - 1
     cap = kwargs.get("softcap")
     if cap is not None and cap != 0:
@@ -507,8 +383,8 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
     def fork(original):
         def fork_blocks(self, source_request_id, dest_request_id, past_length):
             if _state_of(self) is not None:
-                raise AdapterError("kvattn.integrations.transformers: forking requests "
-                                   "(num_return_sequences > 1) is not supported")
+                raise IntegrationError("kvattn.integrations.transformers: forking requests "
+                                       "(num_return_sequences > 1) is not supported")
             return original(self, source_request_id, dest_request_id, past_length)
         return fork_blocks
 
@@ -570,9 +446,7 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             finally:
                 del io.prepare_batch_update
             for request in failed_states:
-                error = failed[request.request_id]
-                logger.error("%s", error)
-                self._handle_request_error(error, request)
+                self._handle_request_error(failed[request.request_id], request)
                 self.scheduler.finish_request(request.request_id)
         return update
 
@@ -623,9 +497,7 @@ def _refuse_unsupported(cb_config) -> None:
         reasons.append("torch.compile of the forward (no varlen/decode compile config)")
     if cb_config.use_async_batching:
         reasons.append("async batching (use_async_batching=False)")
-    if reasons:
-        raise AdapterError("kvattn.integrations.transformers does not support " + "; ".join(reasons)
-                           + " yet: set them in ContinuousBatchingConfig")
+    refuse("transformers", reasons, " yet: set them in ContinuousBatchingConfig")
 
 
-__all__ = ["SUPPORTED_VERSIONS", "AdapterError", "Stats", "check_version", "kvattn_attention"]
+__all__ = ["SUPPORTED_VERSIONS", "IntegrationError", "Stats", "check_version", "kvattn_attention"]

@@ -52,21 +52,17 @@ encoder-decoder models.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..cache import new_owner_id
 from ..report import KVOwnershipError
 from ..tags import Violation
-from ..transfer import PageAttestation, attest_pages, verify_arrived
-from ..writers import commit_pages, release_pages, reserve_pages
-from .messages import failure_message
-from .prefix import prefix_digests as _prefix_digests
+from ..writers import commit_pages
+from .ledger import IntegrationError, Lease, Ledger, Step, check_version as _check_version, refuse
 
 SUPPORTED_VERSIONS = ("0.32.0",)
 # Proposers whose draft tokens the verify step reads as a causal extend of the request's own KV.
@@ -88,20 +84,13 @@ FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                     "fp8_e5m2": torch.float8_e5m2}
 
 
-class IntegrationError(RuntimeError):
-    """vLLM was configured in a way the integration does not support."""
-
-
 def check_version(version: str | None = None) -> None:
     """Raise RuntimeError unless the installed vLLM (or ``version``) is a tested one."""
     if version is None:
         import vllm
         version = vllm.__version__
-    if version not in SUPPORTED_VERSIONS:
-        raise RuntimeError(
-            f"kvattn.integrations.vllm: vLLM {version} is not supported; the integration hooks "
-            f"private parts of the engine and was tested with {list(SUPPORTED_VERSIONS)} only. "
-            f"Install one of those, or unset {ENABLE_ENV}.")
+    _check_version("vllm", "vLLM", version, SUPPORTED_VERSIONS,
+                   f"Install one of those, or unset {ENABLE_ENV}.")
 
 
 def enabled() -> bool:
@@ -226,9 +215,9 @@ def attach(vllm_config, layer_names: list[str], block_size: int, check: bool) ->
         logging.getLogger("vllm.kvattn").info(
             "kvattn: ownership-checked attention in place of vLLM's CPU attention (block size "
             "%d, kvattn backend %r)", block_size, state.backend)
-    elif state.block_size != block_size:
+    elif state.page_size != block_size:
         raise IntegrationError(f"kvattn.integrations.vllm: one block size is supported, got "
-                               f"{state.block_size} and {block_size}")
+                               f"{state.page_size} and {block_size}")
     state.add_layers(layer_names)
     return state
 
@@ -257,65 +246,38 @@ def _refuse_unsupported(vllm_config) -> None:
                        "placeholder tokens)")
     if model.is_encoder_decoder:
         reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
-    if reasons:
-        raise IntegrationError("kvattn.integrations.vllm does not support " + "; ".join(reasons))
+    refuse("vllm", reasons)
 
 
 @dataclass
-class _Lease:
-    """A request's hold on blocks, as the worker learned it from the scheduler."""
+class _Lease(Lease):
+    """A request's hold on blocks, as the worker learned it from the scheduler (``pages``: per KV
+    cache group, per logical block)."""
 
-    owner: int
-    blocks: list[list[int]] = field(default_factory=list)  # per KV cache group, per logical block
-    expected: list[list[int]] = field(default_factory=list)  # owner per group and logical block
-    keys: list[bytes] = field(default_factory=list)  # prefix digest per full block (every group)
     # Logical blocks before this one are in the ledger's content (or are hits): _step_writes.
     recorded: int | None = None
 
 
-@dataclass
-class StepBatch:
-    """What the attention calls of one step share: rows in the batch order of the runner."""
+class WorkerOwnership(Ledger):
+    """kvattn's ledger in one vLLM worker: the scheduler's decisions translated into leases,
+    reservations, releases and prefix hits, one step per KV cache group, transfers attested and
+    committed."""
 
-    req_ids: list[str]
-    block_table: torch.Tensor  # [B, W] int32, vLLM's, cut to the pages the batch reads
-    expected: torch.Tensor  # [B, W] int64
-    token_owner: torch.Tensor  # [num_slots] int64 (0 past the batch's tokens: padding)
-    token_row: torch.Tensor  # [T] int64
-    refused: torch.Tensor  # [B] int32, refused pages summed over layers
-    dropped: torch.Tensor  # [B] int32, dropped writes summed over layers
-    reports: list = field(default_factory=list)  # (layer name, OwnershipReport)
-    drops: list = field(default_factory=list)  # (layer name, drop_reasons [T])
-
-
-class WorkerOwnership:
-    """kvattn's ledger in one vLLM worker: leases, tags, expected owners, and the step's reports."""
+    adapter = "vllm"
+    unit = "block"
+    lease_type = _Lease
 
     def __init__(self, vllm_config, block_size: int, check: bool):
+        super().__init__(block_size, backend=os.environ.get(BACKEND_ENV, "auto"), check=check,
+                         prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
         self.vllm_config = vllm_config
-        self.block_size = block_size
-        self.check = check
-        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        self.backend = os.environ.get(BACKEND_ENV, "auto")
         self.layer_rows: dict[str, int] = {}
-        self.tags: torch.Tensor | None = None  # [num_layers, num_blocks] int64
-        self.leases: dict[str, _Lease] = {}
         self.holders: Counter = Counter()  # block -> live leases that map it
-        self.content: dict[int, tuple[int, bytes]] = {}  # block -> (writer owner, prefix digest)
         # Per KV cache group (vLLM's kv_cache_groups order): its sliding window (tokens) or None;
         # and each layer's group. One block-id space serves every group.
         self.windows: list[int | None] = []
         self.layer_group: dict[str, int] = {}
         self.runner = None
-        self.batches: dict[int, StepBatch] = {}  # this step's, per group
-        self.steps = 0
-        self.pages_checked = 0
-        # What the ledger followed, for tests and operators: leases, preemptions,
-        # prefix_hit_blocks (of them same_step_hit_blocks), cached_blocks_reused (a block vLLM
-        # evicted from its prefix cache and handed out again), refused_pages (summed over
-        # layers), dropped_writes (tokens, summed over layers).
-        self.counts: Counter = Counter()
-        self.failures: list[tuple[str, str]] = []  # (request id, message), in order
         # KV a transfer engine delivered for a request the scheduler has not handed the worker
         # yet: request id -> [(logical block, block, verified length)], committed when its lease
         # is made (:meth:`receive`).
@@ -325,7 +287,6 @@ class WorkerOwnership:
         transfer = vllm_config.kv_transfer_config
         extra = (transfer.kv_connector_extra_config or {}) if transfer is not None else {}
         self.transfer_digests = bool(extra.get("kvattn_check_bytes", True))
-        self.receive_notes: dict[str, list[str]] = {}  # request id -> blocks not committed, why
 
     def add_layers(self, layer_names: list[str]) -> None:
         for name in layer_names:
@@ -347,7 +308,7 @@ class WorkerOwnership:
         is its own, like a hit on an older block.
         """
         self.runner = runner
-        self.batches = {}
+        self.steps = {}
         if self.tags is None:
             self._allocate_tags(runner)
         released: dict[int, list[int]] = {}  # owner -> blocks to release
@@ -383,7 +344,7 @@ class WorkerOwnership:
                 self._check_groups(block_ids)
                 for g, ids in enumerate(block_ids):
                     fresh = list(ids)
-                    lease.blocks[g] += fresh
+                    lease.pages[g] += fresh
                     lease.expected[g] += [lease.owner] * len(fresh)
                     self._hold(fresh)
                     reserved.append((fresh, lease.owner))
@@ -394,18 +355,14 @@ class WorkerOwnership:
         for new in so.scheduled_new_reqs:
             lease = self.leases.get(new.req_id)
             for i, b, n in self.arrivals.get(new.req_id, []) if self.prefix_caching else []:
-                if n == self.block_size and i < len(lease.keys):
+                if n == self.page_size and i < len(lease.keys):
                     writes[b] = (lease.owner, lease.keys[i])
         for lease, num_computed in admitted:
             reserved.append((self._resolve_hits(lease, num_computed, writes), lease.owner))
         for owner, blocks in released.items():
-            release_pages(self.tags, blocks, owner)
+            self.release(blocks, owner)
         for blocks, owner in reserved:
-            for b in blocks:
-                if self.content.pop(b, None) is not None:
-                    self.counts["cached_blocks_reused"] += 1
-            if blocks:
-                reserve_pages(self.tags, blocks, owner)
+            self.reserve(blocks, owner)
         if self.prefix_caching:
             self.content.update(writes)
         for new in so.scheduled_new_reqs:
@@ -417,10 +374,10 @@ class WorkerOwnership:
         scheduled this step: every block wholly before ``num_computed - window + 1`` (vLLM's
         ``get_num_skipped_tokens``), replaced by the null block as in the scheduler's list. No
         query of the request reads them again, so the kernels neither read nor check them."""
-        for window, blocks, expected in zip(self.windows, lease.blocks, lease.expected):
+        for window, blocks, expected in zip(self.windows, lease.pages, lease.expected):
             if window is None:
                 continue
-            skipped = max(0, num_computed - window + 1) // self.block_size
+            skipped = max(0, num_computed - window + 1) // self.page_size
             gone = [i for i in range(min(skipped, len(blocks))) if blocks[i] != NULL_BLOCK]
             for i in gone:
                 self._drop_hold(lease, blocks[i], released)
@@ -430,7 +387,6 @@ class WorkerOwnership:
 
     def _allocate_tags(self, runner) -> None:
         config = runner.kv_cache_config
-        self.num_blocks = config.num_blocks
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
         # vLLM's sliding-window manager frees the blocks a request's window has left, inside the
         # live request (SlidingWindowManager.remove_skipped_blocks); the ledger follows it.
@@ -441,27 +397,23 @@ class WorkerOwnership:
                             for name in group.layer_names}
         unknown = sorted(set(self.layer_rows) - set(self.layer_group))
         if unknown:
-            raise IntegrationError(f"kvattn.integrations.vllm: layers {unknown} are in no KV cache group")
-        device = runner.device
-        self.tags = torch.zeros(len(self.layer_rows), config.num_blocks, dtype=torch.int64,
-                                device=device)
+            raise IntegrationError(f"kvattn.integrations.vllm: layers {unknown} are in no KV "
+                                   "cache group")
+        self.allocate_tags(len(self.layer_rows), config.num_blocks, runner.device)
 
     def _check_groups(self, block_ids) -> None:
         if len(block_ids) != len(self.windows):
-            raise IntegrationError(f"kvattn.integrations.vllm: {len(self.windows)} KV cache groups, got "
-                                   f"block ids for {len(block_ids)}")
+            raise IntegrationError(f"kvattn.integrations.vllm: {len(self.windows)} KV cache "
+                                   f"groups, got block ids for {len(block_ids)}")
 
     def _new_lease(self, rid, block_ids, tokens) -> _Lease:
         """A new owner for ``rid`` holding ``block_ids``; its expected owners are set by
         :meth:`_resolve_hits` once the step's writes are known."""
         self._check_groups(block_ids)
-        lease = _Lease(owner=new_owner_id(), blocks=[list(ids) for ids in block_ids],
-                       expected=[[] for _ in block_ids])
-        self.leases[rid] = lease
-        lease.keys = _prefix_digests(tokens, self.block_size)
-        for blocks in lease.blocks:
+        lease = self.open_lease(rid, pages=[list(ids) for ids in block_ids],
+                                expected=[[] for _ in block_ids], keys=self.digests(tokens))
+        for blocks in lease.pages:
             self._hold(blocks)
-        self.counts["leases"] += 1
         return lease
 
     def _resolve_hits(self, lease: _Lease, num_computed: int,
@@ -470,13 +422,13 @@ class WorkerOwnership:
         itself (to reserve). The full blocks the scheduler reports as computed are prefix-cache
         hits (:meth:`_computed_owner`); the rest are the lease's own."""
         fresh = []
-        for blocks, expected in zip(lease.blocks, lease.expected):
+        for blocks, expected in zip(lease.pages, lease.expected):
             for i, block in enumerate(blocks):
                 owner = None
                 if block == NULL_BLOCK:  # before the window: never read
                     expected.append(0)
                     continue
-                if (i + 1) * self.block_size <= num_computed:
+                if (i + 1) * self.page_size <= num_computed:
                     owner = self._computed_owner(block, lease.keys, i, writes)
                 if owner is None or owner == lease.owner:  # its own: arrived by a transfer
                     owner = lease.owner
@@ -489,20 +441,16 @@ class WorkerOwnership:
         """The owner a block the scheduler reports as computed must carry.
 
         A prefix-cache hit: the owner that wrote the block (in an earlier step, or in this one:
-        ``writes``), if the block holds this request's prefix (equal digests). A block that no
+        ``writes``), if the block holds this request's prefix (:meth:`writer_of`). A block that no
         live lease maps and that holds other content is one the scheduler handed out afresh for
         KV arriving from outside (a KV connector): None, meaning the new lease's own owner,
         reserved, so only a commit can make it readable. A block another live lease maps with
         other content: owner 0, which no page carries, so it fails closed without disturbing the
         lease that holds it.
         """
-        now = writes.get(block)
-        written = now if now is not None else self.content.get(block)
-        if written is not None and index < len(keys) and written[1] == keys[index]:
-            self.counts["prefix_hit_blocks"] += 1
-            if now is not None:
-                self.counts["same_step_hit_blocks"] += 1
-            return written[0]
+        owner = self.writer_of(block, keys[index] if index < len(keys) else None, writes)
+        if owner is not None:
+            return owner
         if self.holders[block] > 1:  # the new lease holds it too
             return 0
         return None
@@ -522,10 +470,10 @@ class WorkerOwnership:
             released.setdefault(lease.owner, []).append(block)
 
     def _end_lease(self, rid, released: dict[int, list[int]]) -> None:
-        lease = self.leases.pop(rid, None)
+        lease = self.close_lease(rid)
         if lease is None:
             return
-        for blocks in lease.blocks:
+        for blocks in lease.pages:
             for block in blocks:
                 if block != NULL_BLOCK:
                     self._drop_hold(lease, block, released)
@@ -557,12 +505,12 @@ class WorkerOwnership:
             if lease is None:
                 continue
             start = computed.get(rid, 0)
-            end = (start + count) // self.block_size
+            end = (start + count) // self.page_size
             if end > len(lease.keys):
-                lease.keys = _prefix_digests(self._tokens(runner, rid), self.block_size, lease.keys)
-            first = start // self.block_size if lease.recorded is None else lease.recorded
+                lease.keys = self.digests(self._tokens(runner, rid), lease.keys)
+            first = start // self.page_size if lease.recorded is None else lease.recorded
             last = min(end, len(lease.keys))
-            for blocks, expected in zip(lease.blocks, lease.expected):
+            for blocks, expected in zip(lease.pages, lease.expected):
                 for i in range(first, min(last, len(blocks))):
                     if blocks[i] == NULL_BLOCK:
                         continue
@@ -571,19 +519,19 @@ class WorkerOwnership:
             lease.recorded = max(first, last)
         return writes
 
-    # -- one step's batch ------------------------------------------------------------------------
+    # -- one step ----------------------------------------------------------------------------
 
-    def batch_of(self, layer_name: str) -> StepBatch | None:
-        """This step's batch of the layer's KV cache group (None in a dummy run)."""
-        return self.batches.get(self.layer_group.get(layer_name, 0))
+    def batch_of(self, layer_name: str) -> Step | None:
+        """This step's record of the layer's KV cache group (None in a dummy run)."""
+        return self.steps.get(self.layer_group.get(layer_name, 0))
 
-    def step_batch(self, common, layer_name: str) -> StepBatch:
+    def step_batch(self, common, layer_name: str) -> Step:
         """The ownership inputs of this step's attention calls in the KV cache group of
         ``layer_name``, built once per step and group on the host from the runner's batch order
         (``common``: vLLM's CommonAttentionMetadata of that group)."""
         group = self.layer_group.get(layer_name, 0)
-        if group in self.batches:
-            return self.batches[group]
+        if group in self.steps:
+            return self.steps[group]
         runner = self.runner
         if runner is None:
             raise IntegrationError("kvattn.integrations.vllm: attention metadata was built outside "
@@ -591,11 +539,10 @@ class WorkerOwnership:
         num_reqs = common.num_reqs
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
         starts = common.query_start_loc_cpu[: num_reqs + 1].tolist()
-        q_lens = [hi - lo for lo, hi in zip(starts, starts[1:])]
-        width = max(1, -(-int(common.max_seq_len) // self.block_size))
+        width = max(1, -(-int(common.max_seq_len) // self.page_size))
         width = min(width, common.block_table_tensor.shape[1])
         expected = torch.zeros(num_reqs, width, dtype=torch.int64)
-        owners = torch.zeros(num_reqs, dtype=torch.int64)
+        owners = [0] * num_reqs
         for b, rid in enumerate(req_ids):
             lease = self.leases.get(rid)
             if lease is None:
@@ -603,55 +550,25 @@ class WorkerOwnership:
             row = lease.expected[group][:width]
             expected[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
             owners[b] = lease.owner
-        num_slots = common.slot_mapping.shape[0]
-        counts = torch.tensor(q_lens, dtype=torch.int64)
-        token_owner = torch.zeros(num_slots, dtype=torch.int64)
-        total = int(counts.sum())
-        token_owner[:total] = torch.repeat_interleave(owners, counts)
-        device = common.block_table_tensor.device
-        self.batches[group] = StepBatch(
-            req_ids=req_ids,
-            block_table=common.block_table_tensor[:num_reqs, :width],
-            expected=expected.to(device),
-            token_owner=token_owner.to(device),
-            token_row=torch.repeat_interleave(torch.arange(num_reqs), counts).to(device),
-            refused=torch.zeros(num_reqs, dtype=torch.int32, device=device),
-            dropped=torch.zeros(num_reqs, dtype=torch.int32, device=device),
-        )
-        return self.batches[group]
+        return self.start_step(
+            req_ids, owners, [hi - lo for lo, hi in zip(starts, starts[1:])],
+            common.block_table_tensor[:num_reqs, :width], expected, common.seq_lens[:num_reqs],
+            decode_only=common.max_query_len == 1,
+            cu_seqlens_q=common.query_start_loc[: num_reqs + 1],
+            num_slots=common.slot_mapping.shape[0], group=group)
 
     def end_step(self, output) -> None:
         """After the step: fail the requests with refused pages or dropped writes (one read)."""
-        batches, self.batches = self.batches, {}
-        if not batches or not hasattr(output, "req_id_to_index"):
+        if not self.steps or not hasattr(output, "req_id_to_index"):
+            self.steps = {}
             return
-        self.steps += 1
         attested = self._attest_prefills()
         if attested:
             output.kvattn_attested = attested
-        # One device read for the step: refusals, dropped writes, and every layer's pages_checked,
-        # over every KV cache group.
-        groups = sorted(batches)
-        sums = [t for g in groups for t in (batches[g].refused.sum(), batches[g].dropped.sum())]
-        if self.check:
-            sums += [r.pages_checked.sum() for g in groups for _, r in batches[g].reports]
-        totals = torch.stack([t.to(torch.int64) for t in sums]).tolist()
-        refused, dropped = sum(totals[0:2 * len(groups):2]), sum(totals[1:2 * len(groups):2])
-        self.counts["refused_pages"] += refused
-        self.counts["dropped_writes"] += dropped
-        self.pages_checked += sum(totals[2 * len(groups):])
-        if not (refused or dropped):
+        failed = {rid: message for rid, (_, _, message) in self.finish().items()}
+        if not failed:
             return
-        failed = {}
-        for g in groups:  # a request failed in several groups: the first group's message
-            batch = batches[g]
-            for row in torch.nonzero((batch.refused > 0) | (batch.dropped > 0)).flatten().tolist():
-                rid = batch.req_ids[row]
-                if rid not in failed:
-                    failed[rid] = _error(batch, row, self.receive_notes.get(rid, []))
-        for rid, message in failed.items():
-            self.failures.append((rid, message))
-            logger.error("%s", message)
+        for rid in failed:
             index = output.req_id_to_index.get(rid)
             if index is not None and index < len(output.sampled_token_ids):
                 output.sampled_token_ids[index] = []
@@ -670,29 +587,13 @@ class WorkerOwnership:
             v_pools.append(v)
         return k_pools, v_pools
 
-    def _contexts(self, tokens: list[int], indices: list[int], lens: list[int]) -> list[bytes]:
-        """Per logical block ``indices[k]`` holding ``lens[k]`` tokens: the digest of the token
-        prefix through those tokens (the ledger's prefix digest for a full block), the context
-        both sides of a transfer put in a block's digest (:func:`kvattn.transfer.page_digest`)."""
-        keys = _prefix_digests(tokens, self.block_size)
-        out = []
-        for i, n in zip(indices, lens):
-            if n == self.block_size and i < len(keys):
-                out.append(keys[i])
-                continue
-            part = tokens[i * self.block_size: i * self.block_size + n]
-            parent = keys[i - 1] if 0 < i <= len(keys) else b""
-            out.append(hashlib.blake2b(parent + torch.tensor(part, dtype=torch.int64).numpy()
-                                       .tobytes(), digest_size=16).digest())
-        return out
-
     def _attest_prefills(self) -> dict[str, dict[int, list]]:
         """The sending side of a transfer: for each request of this step that is to be decoded
         elsewhere (``do_remote_decode``) and whose prompt this step completed, the attestation of
         each of its blocks (KV cache group 0) under the owner its lease expects there (a prefix
-        hit: the writer's), by block id, as JSON (:func:`kvattn.transfer.attest_pages`, contexts
-        from the prompt). It travels to the scheduler with the step's output, where the connector
-        puts it in the request's ``kv_transfer_params``."""
+        hit: the writer's), by block id, as JSON (:meth:`Ledger.attest`, contexts from the
+        prompt). It travels to the scheduler with the step's output, where the connector puts it
+        in the request's ``kv_transfer_params``."""
         out: dict[str, dict[int, list]] = {}
         scheduled, computed = self.step_tokens
         pools = None
@@ -705,16 +606,12 @@ class WorkerOwnership:
             prompt = list(request.prompt_token_ids or ())
             if computed.get(rid, 0) + count < len(prompt):
                 continue  # a chunk of the prompt: attested when its last chunk runs
-            pairs = [(i, b, o) for i, (b, o) in enumerate(zip(lease.blocks[0], lease.expected[0]))
+            pairs = [(i, b, o) for i, (b, o) in enumerate(zip(lease.pages[0], lease.expected[0]))
                      if b != NULL_BLOCK]
             indices, blocks, owners = ([x[k] for x in pairs] for k in range(3))
-            k_pools, v_pools = pools = pools or self._layer_pools()
-            # The lengths first: each block's context covers the tokens its tags hold.
-            lens = [a.valid_len for a in attest_pages(self.tags, owners, blocks, k_pools, v_pools,
-                                                      digests=False)]
-            attested = attest_pages(self.tags, owners, blocks, k_pools, v_pools,
-                                    digests=self.transfer_digests,
-                                    contexts=self._contexts(prompt, indices, lens))
+            pools = pools or self._layer_pools()
+            attested = self.attest(owners, blocks, indices, prompt, *pools,
+                                   digests=self.transfer_digests)
             out[rid] = {b: a.to_json() for b, a in zip(blocks, attested)}
         return out
 
@@ -724,50 +621,37 @@ class WorkerOwnership:
         0, the request's logical blocks ``first, first + 1, ...``; ``tokens``: its prompt)
         arrived. Each block is verified against the sender's attestation of the block it came
         from (``attested``, aligned with ``blocks``; None: none came) in the context of its own
-        tokens, and remembered by its verified length until the request's lease is made, when it
-        is committed. Returns one line per block that will not be committed, saying why."""
-        claims: list[PageAttestation | None] = [None] * len(blocks)
-        malformed = set()
-        for j, value in enumerate(attested or []):
-            if j < len(blocks) and value is not None:
-                try:
-                    claims[j] = PageAttestation.from_json(value)
-                except ValueError:  # from the wire: one bad entry refuses its block only
-                    malformed.add(j)
-        indices = [first + j for j in range(len(blocks))]
-        contexts = self._contexts(tokens, indices, [c.valid_len if c else 0 for c in claims])
-        k_pools, v_pools = self._layer_pools()
-        lens, reasons = verify_arrived(claims, blocks, k_pools, v_pools, check_bytes=check_bytes,
-                                       contexts=contexts)
+        tokens (:meth:`Ledger.verify`), and remembered by its verified length until the request's
+        lease is made, when it is committed. Returns one line per block that will not be
+        committed, saying why."""
+        lens, reasons = self.verify(attested, first, blocks, tokens, *self._layer_pools(),
+                                    check_bytes=check_bytes)
         self.arrivals[rid] = [(first + j, b, n) for j, (b, n) in enumerate(zip(blocks, lens)) if n]
         self.counts["received_blocks"] += len(blocks)
-        reasons = ["malformed attestation" if j in malformed
-                   else why if why is not None or n else "the sender attests no written slot"
-                   for j, (why, n) in enumerate(zip(reasons, lens))]
         notes = [f"block {b} (logical {first + j}): {why}"
                  for j, (b, why) in enumerate(zip(blocks, reasons)) if why is not None]
         self.counts["received_blocks_refused"] += len(notes)
         if notes:
-            self.receive_notes[rid] = notes
+            more = f"; ... ({len(notes) - 8} more)" if len(notes) > 8 else ""
+            self.receive_notes[rid] = [f"received: {len(notes)} transferred block(s) not "
+                                       f"committed: {'; '.join(notes[:8])}{more}"]
         return notes
 
     def _commit_arrival(self, rid: str, arrived: list[tuple[int, int, int]]) -> None:
         """Commit a request's verified arrivals into the blocks its new lease reserved for it
         (a block the lease does not hold as its own at that position stays as it is)."""
         lease = self.leases[rid]
-        blocks, expected = lease.blocks[0], lease.expected[0]
+        blocks, expected = lease.pages[0], lease.expected[0]
         mine = [(i, b, n) for i, b, n in arrived
                 if i < len(blocks) and blocks[i] == b and expected[i] == lease.owner]
         if not mine:
             return
-        pages, lens = [b for _, b, _ in mine], [n for _, _, n in mine]
-        for row in self.tags:  # the transfer moved every layer of a block
-            result = commit_pages(row, pages, lease.owner, lens, self.block_size)
-        self.counts["received_blocks_committed"] += int(result.landed.sum())
+        landed = self.commit([b for _, b, _ in mine], lease.owner, [n for _, _, n in mine])
+        self.counts["received_blocks_committed"] += landed
         if self.prefix_caching:  # a full block vLLM caches after the transfer is a prefix hit later
             for i, b, n in mine:
-                if n == self.block_size and i < len(lease.keys):
-                    self.content[b] = (lease.owner, lease.keys[i])
+                if n == self.page_size and i < len(lease.keys):
+                    self.remember(b, lease.owner, lease.keys[i])
 
     def commit_received(self, layer_name: str, slots: torch.Tensor) -> None:
         """A KV connector stored K/V into ``slots`` of ``layer_name`` (the tokens the receiver
@@ -776,11 +660,11 @@ class WorkerOwnership:
         slots = slots.to(torch.int64).cpu()
         if slots.numel() == 0:
             return
-        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
-        offsets = slots - blocks * self.block_size
+        blocks = torch.div(slots, self.page_size, rounding_mode="floor")
+        offsets = slots - blocks * self.page_size
         group = self.layer_group.get(layer_name, 0)
         page_owner = {b: lease.owner for lease in self.leases.values()
-                      for b, e in zip(lease.blocks[group], lease.expected[group]) if e == lease.owner}
+                      for b, e in zip(lease.pages[group], lease.expected[group]) if e == lease.owner}
         lens: dict[int, int] = {}
         for block, offset in zip(blocks.tolist(), offsets.tolist()):
             if offset == lens.get(block, 0):
@@ -789,21 +673,8 @@ class WorkerOwnership:
         if not pages:
             return
         commit_pages(self.layer_tags(layer_name), pages, torch.tensor([page_owner[b] for b in pages]),
-                     [lens[b] for b in pages], self.block_size)
+                     [lens[b] for b in pages], self.page_size)
 
 
-def _error(batch: StepBatch, row: int, received: list[str]) -> str:
-    """The failure of one request, summed over the layers of the step (``received``: the
-    transferred blocks not committed and why)."""
-    lines = []
-    if received:
-        more = f"; ... ({len(received) - 8} more)" if len(received) > 8 else ""
-        lines.append(f"received: {len(received)} transferred block(s) not committed: "
-                     f"{'; '.join(received[:8])}{more}")
-    return failure_message(batch.req_ids[row], row, batch.token_row, batch.drops, batch.reports,
-                           batch.block_table[row].tolist(), lines, unit="block")
-
-
-__all__ = ["SUPPORTED_VERSIONS", "ENABLE_ENV", "IntegrationError", "KVOwnershipError",
-           "StepBatch", "Violation", "WorkerOwnership", "check_version", "enabled", "register",
-           "state_for"]
+__all__ = ["SUPPORTED_VERSIONS", "ENABLE_ENV", "IntegrationError", "KVOwnershipError", "Step",
+           "Violation", "WorkerOwnership", "check_version", "enabled", "register", "state_for"]

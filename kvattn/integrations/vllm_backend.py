@@ -16,10 +16,9 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
                                        AttentionType, CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from .. import api
 from ..layout import MAX_PAGE_SIZE
-from ..writers import write_kv
 from . import vllm as integration
+from .ledger import Step
 
 
 class KVAttnBackend(AttentionBackend):
@@ -82,7 +81,7 @@ class KVAttnMetadata:
     seq_lens: torch.Tensor  # [B] int32
     slot_mapping: torch.Tensor  # [num_slots] int64, -1 = padding
     decode_only: bool
-    batch: integration.StepBatch
+    batch: Step  # the ledger's record of this step (its tables, owners and reports)
 
 
 class KVAttnMetadataBuilder(AttentionMetadataBuilder[KVAttnMetadata]):
@@ -168,21 +167,15 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         state = self._state()
-        batch = state.batch_of(layer.layer_name)
-        if batch is None:  # a dummy run (profiling, warm-up): no request owns anything
+        step = state.batch_of(layer.layer_name)
+        if step is None:  # a dummy run (profiling, warm-up): no request owns anything
             return
         k_pages, v_pages = self._pools(kv_cache)
-        n = slot_mapping.shape[0]
         # Into an fp8 cache with vLLM's CPU rounding (toward zero): the bytes vLLM's own writer
         # would store.
         rounding = {} if self.fp8 is None else dict(fp8_rounding="toward_zero")
-        result = write_kv(key[:n], value[:n], k_pages, v_pages, slot_mapping,
-                          state.layer_tags(layer.layer_name), batch.token_owner[:n],
-                          validate=False, **self._scales(layer), **rounding)
-        rows = batch.token_row.shape[0]
-        dropped = (result.drop_reasons[:rows] != 0).to(torch.int32)
-        batch.dropped.index_add_(0, batch.token_row, dropped)
-        batch.drops.append((layer.layer_name, result.drop_reasons))
+        step.write(layer.layer_name, key, value, k_pages, v_pages, slot_mapping,
+                   state.layer_tags(layer.layer_name), **self._scales(layer), **rounding)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
@@ -192,26 +185,13 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         if attn_metadata is None:  # profiling run
             return output
         state = self._state()
-        batch = attn_metadata.batch
         n = attn_metadata.num_actual_tokens
-        q = query[:n]
-        out = output[:n].view(n, self.num_heads, self.head_size)
         k_pages, v_pages = self._pools(kv_cache)
-        tags = state.layer_tags(layer.layer_name)
         sinks = None if self.sinks is None else self.sinks.to(torch.float32)
-        alibi = None if self.alibi_slopes is None else self.alibi_slopes.to(q.device)
-        common = dict(scale=self.scale, check=state.check, backend=state.backend, out=out,
-                      validate=False, window_left=self.window_left,
-                      logits_soft_cap=self.logits_soft_cap, sinks=sinks,
-                      alibi_slopes=alibi, **self._scales(layer))
-        if attn_metadata.decode_only:
-            _, report = api.paged_decode(q, k_pages, v_pages, batch.block_table,
-                                         attn_metadata.seq_lens, tags, batch.expected, **common)
-        else:
-            _, report = api.paged_extend(q, k_pages, v_pages, attn_metadata.query_start_loc,
-                                         batch.block_table, attn_metadata.seq_lens, tags,
-                                         batch.expected, causal=True, **common)
-        if report is not None:
-            batch.refused += report.violations
-            batch.reports.append((layer.layer_name, report))
+        alibi = None if self.alibi_slopes is None else self.alibi_slopes.to(query.device)
+        attn_metadata.batch.attend(
+            layer.layer_name, query[:n], k_pages, v_pages, state.layer_tags(layer.layer_name),
+            scale=self.scale, out=output[:n].view(n, self.num_heads, self.head_size),
+            window_left=self.window_left, logits_soft_cap=self.logits_soft_cap, sinks=sinks,
+            alibi_slopes=alibi, **self._scales(layer))
         return output
