@@ -317,6 +317,12 @@ def equality(page_size: int, overlap: bool = False) -> dict:
                 aborted={r: mine.aborted(r) for r in mine.reqs})
 
 
+def _commit_transfer_to_req(queue, decode_req) -> None:
+    """What SGLang's ``DecodeTransferQueue._commit_transfer_to_req`` does to the request that the
+    hook around it must survive: it drops the receiver (decode.py, SGLang 0.5.23)."""
+    decode_req.kv_receiver = None
+
+
 def incident(page_size: int, received: int | None) -> dict:
     """The incident through SGLang's classes: tenant A's KV sits in pages that are freed and
     preallocated for request B on a decode instance; B's KV never arrives (the fake receiver:
@@ -351,7 +357,7 @@ def incident(page_size: int, received: int | None) -> dict:
         success = count is not None or receiver.poll() == KVPoll.Success
         if kind == "kvattn":  # the hook around DecodeTransferQueue._commit_transfer_to_req
             queue = SimpleNamespace(scheduler=SimpleNamespace(req_to_token_pool=e.req_pool))
-            integration.commit_transfer_hook(lambda q, d: None, queue,
+            integration.commit_transfer_hook(_commit_transfer_to_req, queue,
                                               SimpleNamespace(req=b, kv_receiver=receiver))
         b.output_ids.append(7)  # the first token, from the prefill side's metadata
         result = e.step({"B": 1, "C": 1})
