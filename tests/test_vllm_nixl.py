@@ -211,7 +211,10 @@ def _serve(model, port: str, side_channel: str, kvattn: bool, role: str, log_pat
     del env["VLLM_ENABLE_V1_MULTIPROCESSING"]
     # Two servers share the cores: vLLM's CPU worker would pin its OpenMP threads to the same
     # ones and spin there.
-    env.update(UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+    # UCX_MODULES: as in tests/vllm_nixl.py (no InfiniBand module on the loopback; with
+    # rdma-core installed it would crash the process at exit).
+    env.update(UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo", UCX_MODULES="^ib,rdmacm",
+               VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                VLLM_NIXL_SIDE_CHANNEL_PORT=side_channel, VLLM_CPU_OMP_THREADS_BIND="nobind",
                OMP_WAIT_POLICY="PASSIVE")
     transfer = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}

@@ -29,8 +29,11 @@ import sys
 import time
 
 ROLE, MODEL, OUT, DIR, PREFILL_PORT, DECODE_PORT = sys.argv[1:7]
+# UCX_MODULES: the loopback needs no InfiniBand module, and where rdma-core is installed UCX's
+# efa module would map the system libnl beside the wheel's own copy, whose destructor then
+# crashes the process at exit (SIGSEGV in rtnl_tc_unregister).
 os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo",
-                  VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                  UCX_MODULES="^ib,rdmacm", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                   VLLM_NIXL_SIDE_CHANNEL_PORT=PREFILL_PORT if ROLE == "prefill" else DECODE_PORT)
 
 from vllm_prompts import (BESIDE, BLOCK, CORRUPT, EARLIER, LOCAL_HIT, LONG, LONG2,  # noqa: E402
