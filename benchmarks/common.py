@@ -31,7 +31,7 @@ POOL_L2_MULTIPLE = 4
 SLACK_PAGES = 0.25  # unused pages in the pool, on top of the rotation sets, as a fraction
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # Largest |out - ref| accepted against the float32 reference: a few units of the dtype's epsilon
-# times max|v| (randn values, |v| <= ~5), as in tests/util.py.
+# times max|v| (randn values, |v| <= ~5), as in tests/kvattn_testing/util.py.
 MAX_ABS_ERR = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 6e-2}
 REPO = Path(__file__).resolve().parent.parent
 FP8_SCALE = 1 / 16  # randn values / 1/16 stay well inside e4m3's +-448

@@ -8,7 +8,7 @@ import torch
 import kvattn
 from kvattn import Violation
 
-from util import DEVICE, backends_under_test, raises, tolerance
+from kvattn_testing.util import DEVICE, backends_under_test, raises, tolerance
 
 PAGE, HEADS, KV_HEADS, DIM = 4, 4, 2, 16
 DECODE_BACKENDS = [b for b in backends_under_test() if b in ("reference", "triton", "cuda")]

@@ -22,7 +22,9 @@ from kvattn import Violation, backends, tags
 from kvattn.backends import grids
 from kvattn.backends.cuda import launch
 
-from util import Batch, assert_reports_equal, backends_under_test, built_cuda_kernels, tolerance
+from kvattn_testing.build import built_cuda_kernels
+from kvattn_testing.extend import Extend
+from kvattn_testing.util import Batch, assert_reports_equal, backends_under_test, tolerance
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BACKENDS = ["cuda_sim"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -438,7 +440,6 @@ def test_harness_catches_a_wrong_mma_fragment_index(seed):
     reports (computed without the tensor cores) stay right."""
     out_wrong, report_wrong = broken_disagrees("kvattn.backends.cuda_sim._sim_break_fragment", seed)
     assert out_wrong and not report_wrong
-    from test_extend import Extend
     broken = importlib.import_module("kvattn.backends.cuda_sim._sim_break_fragment")
     e = Extend.random([5, 17], [3, 20], num_heads=4, num_kv_heads=1, head_dim=64, page_size=4, seed=seed)
     args = kvattn.layout.validate_extend(*e.inputs())

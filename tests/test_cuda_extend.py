@@ -16,8 +16,9 @@ import torch
 import kvattn
 from kvattn import backends
 
-from test_extend import Extend, assert_prefix_scenario, corrupt
-from util import assert_reports_equal, built_cuda_kernels, tolerance
+from kvattn_testing.build import built_cuda_kernels
+from kvattn_testing.extend import Extend, assert_prefix_scenario, corrupt
+from kvattn_testing.util import assert_reports_equal, tolerance
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BACKENDS = ["cuda_sim"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -17,7 +17,7 @@ import torch
 import kvattn
 from kvattn import backends
 from kvattn.backends.cuda import launch
-from util import LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
+from kvattn_testing.util import LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
 
 sim = pytest.importorskip("kvattn.backends.cuda_sim._sim")
 

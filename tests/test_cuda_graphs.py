@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvattn
-from util import Batch, backends_under_test
+from kvattn_testing.util import Batch, backends_under_test
 
 HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal",
               "aten.item", "aten.repeat_interleave.Tensor")

@@ -1,6 +1,6 @@
 """The extend's custom mask (kvattn.variants ``custom_mask``: FlashInfer's layout, tree attention
 for speculative decoding) on every backend that claims it, against the float64
-definition of tests/test_variants.py (:func:`dense`, with the mask's blocks).
+definition of tests/kvattn_testing/variants.py (:func:`dense`, with the mask's blocks).
 
 Every slot a row must not use holds NaN: foreign pages (refused, and reported as without a mask),
 the unwritten tails of pages, and keys the mask removes from every row of their sequence (never
@@ -14,13 +14,11 @@ import torch
 
 import kvattn
 from kvattn import Violation
-from test_extend import Extend
-from test_scenarios import SENTINEL_V
-from test_variant_scenarios import SCENARIOS
-from test_variant_scenarios import inputs as scenario_inputs
-from test_variants import DIM, HEADS, KV_HEADS, claims, dense, plant_foreign_page, tokens
-from util import (DEVICE, LSE_TOLERANCE, assert_reports_equal, backends_under_test, launcher,
-                  tolerance)
+from kvattn_testing.extend import Extend
+from kvattn_testing.scenarios import SCENARIOS, SENTINEL_V
+from kvattn_testing.util import (DEVICE, LSE_TOLERANCE, assert_reports_equal, backends_under_test,
+                                 claims, launcher, tolerance)
+from kvattn_testing.variants import DIM, HEADS, KV_HEADS, dense, inputs, plant_foreign_page, tokens
 
 
 def tree_rows(prefix: int, parents: list[int]) -> torch.Tensor:
@@ -267,14 +265,14 @@ def test_ownership_scenarios_under_a_mask(scenario):
     one query row per sequence under a random mask: every claiming backend gives the reference's
     output with the mask, and the report of the plain decode: the mask changes nothing refused."""
     batch = SCENARIOS[scenario]()
-    plain = kvattn.paged_decode(*scenario_inputs(batch), backend="reference")[1]
+    plain = kvattn.paged_decode(*inputs(batch), backend="reference")[1]
     assert plain.any(), "the scenario refuses something"
     rows = batch.q.shape[0]
     cu = torch.arange(rows + 1, dtype=torch.int32, device=DEVICE)
     g = torch.Generator().manual_seed(rows)
     lens = batch.seq_lens.tolist()
     mask = flatten([torch.rand(1, n, generator=g) < 0.6 for n in lens])
-    q, k, v, table, seq_lens, tags, expected = scenario_inputs(batch)
+    q, k, v, table, seq_lens, tags, expected = inputs(batch)
     call = (q, k, v, cu, table, seq_lens, tags, expected)
     ref_out, ref_lse, _ = kvattn.reference.paged_extend(*call, return_lse=True, custom_mask=mask,
                                                          compute_dtype=torch.float64)

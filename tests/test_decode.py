@@ -1,8 +1,9 @@
 """Every kernel backend against the reference: dtypes, page sizes, head dims, GQA, lengths around
 page boundaries, split counts, strided pools, ``out=`` and ``return_lse``.
 
-Pools come from :class:`util.Batch`: pages drawn from a random permutation of an oversized pool, NaN
-in every slot that is not its reader's, so an address or mask error shows as NaN or a large error.
+Pools come from :class:`kvattn_testing.util.Batch`: pages drawn from a random permutation of an
+oversized pool, NaN in every slot that is not its reader's, so an address or mask error shows as NaN
+or a large error.
 """
 import dataclasses
 import importlib
@@ -14,8 +15,9 @@ import torch
 import kvattn
 from kvattn import Violation
 from kvattn.backends import grids
-from util import (LSE_TOLERANCE, Batch, assert_close_to_reference, assert_reports_equal,
-                  backends_under_test, kernel_backends, runs_float32)
+from kvattn_testing.util import (LSE_TOLERANCE, Batch, assert_close_to_reference,
+                                 assert_reports_equal, backends_under_test, kernel_backends,
+                                 runs_float32)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 PAGE_SIZES = [1, 2, 16, 64, 256]

@@ -3,8 +3,8 @@
 Each test poisons (NaN) what the contract says a call does not read, or passes a switch value it
 refuses, and compares every reader backend (reference, torch, triton under the interpreter,
 cuda_sim) with the reference: report fields exactly, outputs and LSEs within the tolerances of
-tests/util.py. Each has a twin where the same poison is read, or the same value is valid, so a test
-that passed by accident would show. One section per rule:
+tests/kvattn_testing/util.py. Each has a twin where the same poison is read, or the same value is
+valid, so a test that passed by accident would show. One section per rule:
 
 - 1, 2: a sliding window never loads the slots of a straddling page before every query's window
   (decode and extend);
@@ -26,42 +26,13 @@ import torch
 
 import kvattn
 from kvattn import backends
-from test_extend import Extend
-from util import (LSE_TOLERANCE, Batch, assert_reports_equal, backends_under_test, launcher, raises,
-                  split_kv_backends, tolerance)
+from kvattn_testing.exactness import (F16, READERS, SPLIT_READERS, assert_agrees,
+                                      assert_reads_nothing, run)
+from kvattn_testing.extend import Extend
+from kvattn_testing.util import Batch, assert_reports_equal, claims, launcher, raises, tolerance
 
-F16 = torch.float16
 HEADS, KV_HEADS, DIM = 4, 2, 16
-READERS = backends_under_test()
-SPLIT_READERS = sorted(set(split_kv_backends()) & set(READERS))
 NAN = math.nan
-
-
-def claims(args, op: str) -> list[str]:
-    return [n for n, why in backends.explain(args, op=op).items() if why is None]
-
-
-def assert_agrees(got, want, dtype=F16) -> None:
-    """``got`` and ``want`` are ``(out, lse, report)``: the output finite and within the dtype's
-    tolerance, the lse -inf exactly where the reference's is and close elsewhere, the reports
-    equal."""
-    out, lse, report = got
-    want_out, want_lse, want_report = want
-    assert torch.isfinite(out).all(), "output holds NaN/inf: a slot that is not read reached it"
-    torch.testing.assert_close(out.float(), want_out.float(), **tolerance(dtype))
-    assert not torch.isnan(lse).any()
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)), (lse, want_lse)
-    finite = torch.isfinite(want_lse)
-    torch.testing.assert_close(lse[finite].float(), want_lse[finite].float(), **LSE_TOLERANCE)
-    if want_report is not None:
-        assert_reports_equal(report, want_report)
-
-
-def assert_reads_nothing(out, lse, rows, heads) -> None:
-    """Rows ``rows`` of query heads ``heads`` have output 0 exactly and lse -inf."""
-    block = out[rows][:, heads]
-    assert torch.equal(block, torch.zeros_like(block)), block
-    assert torch.isneginf(lse[rows][:, heads]).all(), lse
 
 
 def decode_batch(seq_lens, page_size=4, seed=0, **kwargs) -> Batch:
@@ -72,13 +43,6 @@ def decode_batch(seq_lens, page_size=4, seed=0, **kwargs) -> Batch:
 def extend_batch(q_lens, prefixes, page_size=4, seed=0) -> Extend:
     return Extend.random(q_lens, prefixes, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
                          page_size=page_size, pool_factor=2, seed=seed)
-
-
-def run(op: str, x, backend: str, **kwargs):
-    """``(out, lse, report)`` of decode (``x`` a Batch) or extend (``x`` an Extend)."""
-    if op == "decode":
-        return x.decode(backend, return_lse=True, **kwargs)
-    return x.run(backend, return_lse=True, **kwargs)
 
 
 def poison_slots(pages: Batch, b: int, first: int, last: int) -> None:

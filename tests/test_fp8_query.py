@@ -1,11 +1,12 @@
 """fp8 queries (``q`` e4m3/e5m2 over fp8 pools, ``q_scale``: FlashAttention 3's ``q_descale``,
 vLLM's fp8 attention), per tensor, per KV head and per sequence.
 
-Against :func:`test_variants.dense`, the float64 definition one row at a time, fed the dequantised
-queries (codes times their KV head's scale) and keys; a foreign page (NaN in K and V) planted where
-a sequence reads it, on every backend that claims the call (the CUDA kernels too, but for a
-float32 output, which they refuse saying so). The twins: a clean batch reports nothing; a NaN ``q_scale`` for one KV head empties that
-head's rows only; the validated call names the argument.
+Against :func:`kvattn_testing.variants.dense`, the float64 definition one row at a time, fed the
+dequantised queries (codes times their KV head's scale) and keys; a foreign page (NaN in K and V)
+planted where a sequence reads it, on every backend that claims the call (the CUDA kernels too,
+but for a float32 output, which they refuse saying so). The twins: a clean batch reports nothing;
+a NaN ``q_scale`` for one KV head empties that head's rows only; the validated call names the
+argument.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import torch
 import kvattn
 from kvattn import backends, ops
 from kvattn.backends.cuda import launch as cuda_launch
-from test_extend import Extend
-from test_variants import (CASES, DIM, FP8, HEADS, KV_HEADS, assert_matches, claims, decode_rows,
-                           dense, inputs, plant_foreign_page, to_fp8, tokens)
-from util import DEVICE, Batch, launcher, raises, split_kv_backends, tolerance
+from kvattn_testing.extend import Extend
+from kvattn_testing.util import (DEVICE, Batch, claims, launcher, raises, split_kv_backends,
+                                 tolerance)
+from kvattn_testing.variants import (CASES, DIM, FP8, HEADS, KV_HEADS, assert_matches, decode_rows,
+                                     dense, inputs, plant_foreign_page, to_fp8, tokens)
 
 GROUP = HEADS // KV_HEADS
 K_SCALE, V_SCALE = torch.tensor([0.125, 0.0625]), torch.tensor([0.25, 0.5])

@@ -13,9 +13,10 @@ import torch
 
 import kvattn
 from kvattn import WriteDrop, backends
-from test_extend import Extend
-from test_variants import FOREIGN_OWNER, assert_matches, dense, tokens
-from util import DEVICE
+from kvattn_testing.build import SUBSET_MODULE, built_module
+from kvattn_testing.extend import Extend
+from kvattn_testing.util import DEVICE
+from kvattn_testing.variants import FOREIGN_OWNER, assert_matches, dense, plant_foreign_page, tokens
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SOURCES = [torch.float32, torch.float16, torch.bfloat16]
@@ -223,7 +224,6 @@ def test_write_then_read_matches_dense_attention(fmt, writer, foreign):
     ext = Extend.random([1, 3, 2], [6, 9, 4], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
                         page_size=4, pool_factor=2)
     if foreign:
-        from test_variants import plant_foreign_page
         plant_foreign_page(ext.pages, 2, 0)
     k_scale = torch.tensor([0.125, 0.5], device=DEVICE)
     v_scale = 0.25
@@ -353,8 +353,7 @@ def _sim_built() -> bool:
 def test_a_module_built_without_fp8_refuses_fp8_pools(k_dtype, monkeypatch):
     """A harness module built from a subset of the table (fp16 only) has no fp8 writer: the registry
     names the missing type and KVATTN_CUDA_DTYPES; the full module's twin is the test above."""
-    from test_instantiations import SUBSET_MODULE, _module
-    subset = _module(SUBSET_MODULE)
+    subset = built_module(SUBSET_MODULE)
     monkeypatch.setattr(backends.load("cuda_sim")[0], "_sim", subset)
     k_dtype = torch.float8_e4m3fn if k_dtype == "fp8" else k_dtype
     reason = backends.explain(write_args(torch.float8_e4m3fn, k_dtype=k_dtype), "write_kv")["cuda_sim"]

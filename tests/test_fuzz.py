@@ -27,9 +27,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import kvattn
 from kvattn import OwnershipReport, Violation, WriteDrop
 from kvattn.backends import pytorch as torch_writer
-from test_hardening import Interleave
-from test_traces import Trace, _decode_step, _prefill, _step, _stray_slots
-from util import backends_under_test, tolerance
+from kvattn_testing.traces import Interleave, Trace, _decode_step, _prefill, _step, _stray_slots
+from kvattn_testing.util import backends_under_test, tolerance
 
 EXAMPLES = int(os.environ.get("KVATTN_FUZZ_EXAMPLES", "12"))
 fuzz = settings(max_examples=EXAMPLES, deadline=None,

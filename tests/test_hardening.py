@@ -14,13 +14,13 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvattn
 from kvattn import Violation, WriteDrop, backends
 from kvattn.tags import OWNER_MAX
 from kvattn.backends import pytorch as torch_writer
-from util import Batch, assert_reports_equal, backends_under_test, raises, tolerance
+from kvattn_testing.traces import Interleave
+from kvattn_testing.util import Batch, assert_reports_equal, backends_under_test, raises, tolerance
 
 F16 = torch.float16
 READERS = backends_under_test()
@@ -525,37 +525,6 @@ def test_writers_land_on_the_well_formed_twin(writer):
 
 
 # --- the latent race: a writer never writes back what it does not store --------------------------
-
-def _written_storage(func, args, kwargs):
-    """Storage pointers of the tensors an aten op writes (its mutable arguments)."""
-    out = []
-    for i, arg in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
-            out.append(value.untyped_storage().data_ptr())
-    return out
-
-
-class Interleave(TorchDispatchMode):
-    """Runs ``other`` once, just before the spied call's first op that writes into ``target``: the
-    moment a read-then-write-back would hold stale values. If the call writes nothing there,
-    ``other`` runs after it (``finish``)."""
-
-    def __init__(self, target: torch.Tensor, other):
-        super().__init__()
-        self.target, self.other, self.done = target.untyped_storage().data_ptr(), other, False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.done and self.target in _written_storage(func, args, kwargs):
-            self.done = True
-            self.other()
-        return func(*args, **(kwargs or {}))
-
-    def finish(self):
-        if not self.done:
-            self.done = True
-            self.other()
-
 
 def _write_back_put(dst, index, values, ok):
     """The store before this change: refused rows redirected to the first accepted one, and with none

@@ -1,9 +1,9 @@
 """A V head dim of its own (``v_cache`` ``[..., head_dim_v]``: DeepSeek's 192-dim keys with 128-dim
 values, FlashAttention 3's ``dv``): the readers' output is as wide as V, the scores are K's.
 
-Against :func:`test_variants.dense`, the float64 definition one row at a time, with a foreign page
-(NaN in K and V) planted where a sequence reads it, on every backend that claims the shapes; the
-CUDA kernels run a V narrower than K and refuse a wider one, saying so. V narrower and wider than K, and a width no tile has (24).
+Against :func:`kvattn_testing.variants.dense`, the float64 definition one row at a time, with a
+foreign page (NaN in K and V) planted where a sequence reads it, on every backend that claims the
+shapes; the CUDA kernels run a V narrower than K and refuse a wider one, saying so. V narrower and wider than K, and a width no tile has (24).
 The twins: a clean batch reports nothing; the narrow V's output is the wide one's first columns.
 """
 from __future__ import annotations
@@ -14,11 +14,13 @@ import torch
 import kvattn
 from kvattn import backends
 from kvattn.backends.triton.configs import ExtendConfig, extend_config
-from test_exactness import SPLIT_READERS
-from test_extend import Extend
-from test_variants import (FP8, HEADS, KV_HEADS, assert_matches, claims, decode_rows, dense, inputs,
-                           plant_foreign_page, tokens)
-from util import DEVICE, Batch, assert_reports_equal, backends_under_test, launcher, raises
+from kvattn_testing.exactness import SPLIT_READERS, run, validated
+from kvattn_testing.extend import Extend
+from kvattn_testing.util import (DEVICE, Batch, assert_reports_equal, backends_under_test, claims,
+                                 launcher, raises)
+from kvattn_testing.variants import (FP8, HEADS, KV_HEADS, assert_every_claim_matches,
+                                     assert_matches, decode_rows, dense, inputs, plant_foreign_page,
+                                     tokens)
 
 # (K's head dim, V's): V narrower (DeepSeek's 192/128), wider, and not a power of two.
 DIMS = [(32, 16), (16, 32), (16, 24)]
@@ -52,29 +54,12 @@ def definition(x, op: str, **switches):
                  **switches)
 
 
-def validated(x, op: str, **kwargs):
-    if op == "decode":
-        return kvattn.layout.validate_decode(*inputs(x), **kwargs)
-    return kvattn.layout.validate_extend(*x.inputs(), **kwargs)
-
-
-def run(x, op: str, backend: str, **kwargs):
-    if op == "decode":
-        return x.decode(backend, return_lse=True, **kwargs)
-    return x.run(backend, return_lse=True, **kwargs)
-
-
 def assert_claims_match(x, op: str, want_violations, *, theirs=None, **kwargs) -> None:
     """Every backend claiming ``x`` (at least one beside the reference) gives the definition's
-    ``[rows, heads, head_dim_v]`` output and the expected violations."""
+    ``[rows, heads, head_dim_v]`` output and the expected violations
+    (:func:`kvattn_testing.variants.assert_every_claim_matches`)."""
     want_out, want_lse = definition(x, op, **(kwargs if theirs is None else theirs))
-    names = claims(validated(x, op, **kwargs), op)
-    assert "reference" in names and len(names) >= 2, names
-    for backend in names:
-        out, lse, report = run(x, op, backend, **kwargs)
-        assert out.shape[2] == want_out.shape[2], backend
-        assert_matches(out, lse, want_out, want_lse, out.dtype)
-        assert report.violations.tolist() == want_violations, backend
+    assert_every_claim_matches(op, x, want_out, want_lse, want_violations, **kwargs)
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=DIM_IDS)
@@ -117,11 +102,11 @@ def test_fp8_pools_with_their_own_v_width(op):
     seqs = [tokens(pages, b, k_scale.cpu(), v_scale.cpu()) for b in range(4)]
     want_out, want_lse = dense(x.q if op == "extend" else pages.q,
                                decode_rows(pages) if op == "decode" else x.cu, seqs, 32 ** -0.5)
-    args = validated(x, op, k_scale=k_scale, v_scale=v_scale)
+    args = validated(op, x, k_scale=k_scale, v_scale=v_scale)
     names = claims(args, op)
     assert "triton" in names or "triton" not in backends_under_test(), backends.explain(args, op)
     for backend in names:
-        out, lse, report = run(x, op, backend, k_scale=k_scale, v_scale=v_scale)
+        out, lse, report = run(op, x, backend, k_scale=k_scale, v_scale=v_scale)
         assert_matches(out, lse, want_out, want_lse, out.dtype)
         assert report.violations.tolist() == [0, 0, 0, 1]
 
@@ -134,7 +119,7 @@ def test_split_decode_merges_v_wide_partials(dims, num_splits):
                          head_dim_v=dims[1], page_size=4, seq_lens=[90, 17, 1, 64], pool_factor=2,
                          seed=7)
     plant_foreign_page(pages, 0, 20)
-    args = validated(pages, "decode")
+    args = validated("decode", pages)
     want_out, want_lse = definition(pages, "decode")
     kernels = [n for n in claims(args, "decode") if n in SPLIT_READERS]
     if not kernels:
@@ -155,7 +140,7 @@ def test_triton_extend_splits_v_columns(d_split):
         pytest.skip("triton cannot run here")
     from kvattn.backends.triton import paged_extend
     ext = extend_batch(16, 32)
-    args = validated(ext, "extend")
+    args = validated("extend", ext)
     want_out, want_lse = definition(ext, "extend")
     out = ext.q.new_full((*ext.q.shape[:2], 32), float("nan"))
     lse = torch.empty(ext.q.shape[:2], dtype=torch.float32, device=DEVICE)
@@ -169,7 +154,7 @@ def test_triton_extend_config_is_keyed_by_the_wider_head():
     ext = extend_batch(16, 32)
     from kvattn.backends.triton import paged_extend
     wide = extend_config(DEVICE, ext.q.dtype, 32, 4)
-    assert paged_extend.launch_config(validated(ext, "extend")) == wide
+    assert paged_extend.launch_config(validated("extend", ext)) == wide
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
@@ -179,11 +164,11 @@ def test_narrow_v_is_the_first_columns_of_the_wide_one(op):
     wide = decode_batch(16, 32) if op == "decode" else extend_batch(16, 32)
     pages = wide if op == "decode" else wide.pages
     full_v = pages.v_cache
-    names = claims(validated(wide, op), op)
-    results = {name: run(wide, op, name) for name in names}
+    names = claims(validated(op, wide), op)
+    results = {name: run(op, wide, name) for name in names}
     pages.v_cache = full_v[..., :16]
     for name in names:
-        out, lse, report = run(wide, op, name)
+        out, lse, report = run(op, wide, name)
         torch.testing.assert_close(out, results[name][0][..., :16], atol=1e-3, rtol=1e-3)
         torch.testing.assert_close(lse, results[name][1], atol=1e-5, rtol=1e-5)
         assert_reports_equal(report, results[name][2])
@@ -195,16 +180,16 @@ def test_cuda_kernels_refuse_v_wider_than_k_saying_why(op):
     naming the widths, and a named one raises that reason; the narrower V of the same width pair
     is claimed (the twin, and ``test_cuda_v_narrower_than_k_at_every_tile``)."""
     x = decode_batch(16, 32) if op == "decode" else extend_batch(16, 32)
-    args = validated(x, op)
+    args = validated(op, x)
     why = "V head dim 32 > K head dim 16"
     assert why in kvattn.backends.cuda.launch.unsupported(args)
     assert kvattn.backends.cuda.launch.unsupported(validated(
-        decode_batch(32, 16) if op == "decode" else extend_batch(32, 16), op)) is None
+        op, decode_batch(32, 16) if op == "decode" else extend_batch(32, 16))) is None
     if backends.load("cuda_sim")[0]._sim is None:
         pytest.skip("the CUDA harness is not built here")
     assert why in backends.explain(args, op)["cuda_sim"]
     with raises(ValueError, "cuda_sim", why):
-        run(x, op, "cuda_sim")
+        run(op, x, "cuda_sim")
 
 
 # (K's head dim, V's): DeepSeek's 192/128 (tile 256), a split head (tile 512, two blocks of 256
@@ -225,7 +210,7 @@ def test_cuda_v_narrower_than_k_at_every_tile(dims):
                          page_size=8, seq_lens=[5, 30, 17], pool_factor=2, seed=3,
                          dtype=torch.float16, device=torch.device("cpu"))
     plant_foreign_page(pages, 1, 2)
-    args = validated(pages, "decode")
+    args = validated("decode", pages)
     assert backends.explain(args, "decode")["cuda_sim"] is None
     want_out, want_lse = definition(pages, "decode")
     for splits in (1, 3):
@@ -243,7 +228,7 @@ def test_cuda_v_narrower_than_k_at_every_tile(dims):
                         device=torch.device("cpu"))
     plant_foreign_page(ext.pages, 1, 1)
     want_out, want_lse = definition(ext, "extend")
-    out, lse, report = run(ext, "extend", "cuda_sim")
+    out, lse, report = run("extend", ext, "cuda_sim")
     assert out.shape[2] == dv
     assert_matches(out, lse, want_out, want_lse, out.dtype)
     assert report.violations.tolist() == [0, 1, 0]
@@ -264,10 +249,10 @@ def test_out_is_as_wide_as_v(op):
     x = decode_batch(32, 16) if op == "decode" else extend_batch(32, 16)
     q = x.q
     with raises(ValueError, "out", f"{(*q.shape[:2], 16)}"):
-        validated(x, op, out=torch.empty_like(q))
+        validated(op, x, out=torch.empty_like(q))
     out = q.new_empty(*q.shape[:2], 16)
-    validated(x, op, out=out)
-    got = run(x, op, "reference", out=out)[0]
+    validated(op, x, out=out)
+    got = run(op, x, "reference", out=out)[0]
     assert got.data_ptr() == out.data_ptr() and got.shape[2] == 16
 
 

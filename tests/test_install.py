@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from util import instantiations
+from kvattn_testing.build import instantiations
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA = "kvattn.backends.cuda._C"

@@ -5,7 +5,6 @@ rest with the axis that is missing, in the binding and in the registry (the test
 builds are such a subset: fp16 at head dims up to 64, no score switch)."""
 from __future__ import annotations
 
-import importlib
 import pathlib
 import re
 import shutil
@@ -17,11 +16,10 @@ import torch
 import kvattn
 from kvattn import backends
 from kvattn.backends.cuda import launch
-
-from util import Batch, instantiations
+from kvattn_testing.build import SUBSET_MODULE, built_module, instantiations
+from kvattn_testing.util import Batch
 
 F16, BF16 = torch.float16, torch.bfloat16
-SUBSET_MODULE = "kvattn.backends.cuda_sim._sim_break_pages"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -118,15 +116,8 @@ def test_generated_headers_name_the_selection(tmp_path):
     assert not (tmp_path / "decode_fp16_d64.cu").exists()  # a unit of an earlier selection goes
 
 
-def _module(name):
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        pytest.skip(f"{name} not built: {e}")
-
-
 def test_modules_report_their_selection():
-    sim, subset = _module("kvattn.backends.cuda_sim._sim"), _module(SUBSET_MODULE)
+    sim, subset = built_module("kvattn.backends.cuda_sim._sim"), built_module(SUBSET_MODULE)
     table = instantiations()
     assert sim.SELECTION["full"] and sim.SELECTION["instantiations"] == len(table.TABLE)
     assert subset.SELECTION["text"] == "dtypes fp16; head dims 64; variants off"
@@ -148,7 +139,7 @@ def _decode_args(dtype=F16, head_dim=64, **variant):
 def test_a_subset_module_refuses_what_it_lacks(case, axis, monkeypatch):
     """The launcher refuses before any launch (launch.NotBuilt, the registry's reason too), and the
     binding itself refuses in the same words if asked anyway."""
-    subset = _module(SUBSET_MODULE)
+    subset = built_module(SUBSET_MODULE)
     args = _decode_args(**case)
     reason = launch.not_built(subset, args)
     assert reason.startswith(f"{axis} not built into this module"), reason
@@ -166,7 +157,7 @@ def test_a_subset_module_refuses_what_it_lacks(case, axis, monkeypatch):
 
 
 def test_a_subset_module_runs_what_it_has():
-    subset = _module(SUBSET_MODULE)
+    subset = built_module(SUBSET_MODULE)
     args = _decode_args()
     assert launch.not_built(subset, args) is None
     out = torch.full_like(args.q, float("nan"))
@@ -177,7 +168,7 @@ def test_a_subset_module_runs_what_it_has():
 def test_the_registry_gives_the_subset_reason(monkeypatch):
     """With a subset module behind the harness backend, the registry refuses it for what it lacks
     and accepts it for what it has."""
-    subset = _module(SUBSET_MODULE)
+    subset = built_module(SUBSET_MODULE)
     sim_backend = backends.load("cuda_sim")[0]
     monkeypatch.setattr(sim_backend, "_sim", subset)
     assert backends.explain(_decode_args())["cuda_sim"] is None

@@ -1,14 +1,14 @@
 """MLA paged extend (:func:`kvattn.paged_mla_extend`): several query rows per sequence on the latent
 cache (chunked prefill, prefill over a cached prefix, speculative verify). The Triton kernel against
-the reference, both against MLA attention written from its definition (:mod:`test_mla`'s
+the reference, both against MLA attention written from its definition (:mod:`kvattn_testing.mla`'s
 ``readable_latent`` and ``latent_attention``) row by row with each row's causal position; ragged
 batches whose tiles span several query tokens, the causal diagonal, non-causal rows, the peers'
 geometry; the report against decode's; the ownership scenarios with several rows; fail-closed
 handling of malformed lengths and offsets; validation, registry and the custom op.
 
 The scenarios of docs/ownership.md section 6 with one row per sequence run in :mod:`test_mla`
-through this kernel too. Pools are :class:`test_mla.MLABatch`'s: NaN in every slot a reader must
-not use.
+through this kernel too. Pools are :class:`kvattn_testing.mla.MLABatch`'s: NaN in every slot a
+reader must not use.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch
 
 import kvattn
 from kvattn import KVOwnershipError, Violation, backends, ops
-from test_mla import MLABatch, incident, latent_attention, readable_latent, shared_prefix
-from util import DEVICE, LSE_TOLERANCE, assert_reports_equal, raises, tolerance
+from kvattn_testing.mla import MLABatch, incident, latent_attention, readable_latent, shared_prefix
+from kvattn_testing.util import DEVICE, LSE_TOLERANCE, assert_reports_equal, raises, tolerance
 
 BACKENDS = ["reference", "triton"]
 
@@ -230,8 +230,8 @@ def backend(request):
 
 
 def incident_chunk(page, rows=3):
-    """:func:`test_mla.incident` read by a chunk of ``rows`` new rows at the end of B's claimed
-    length: every row reads refused pages only, plus B's one token."""
+    """:func:`kvattn_testing.mla.incident` read by a chunk of ``rows`` new rows at the end of B's
+    claimed length: every row reads refused pages only, plus B's one token."""
     pools, row = incident(page=page)
     batch = ExtendBatch.over(pools, [rows])
     # The incident's query, for which the previous tenant's rows dominate.

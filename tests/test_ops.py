@@ -12,7 +12,7 @@ import torch
 
 import kvattn
 from kvattn import ops
-from util import DEVICE, Batch, assert_reports_equal
+from kvattn_testing.util import DEVICE, Batch, assert_reports_equal
 
 
 def _batch(**kwargs):

@@ -2,11 +2,11 @@
 (FlashAttention's per-sequence ``alibi_slopes``) and fp8 KV scales ``[batch, num_kv_heads]``
 (FlashAttention 3's ``k_descale``/``v_descale``), on every backend that claims them.
 
-Against :func:`test_variants.dense`, the float64 definition one row at a time, with a foreign page
-(NaN inside) planted where a sequence reads it; the rows of the per-sequence tensors differ from
-each other, so a kernel reading another sequence's row, or row 0 for all, fails. The twins: equal
-rows give exactly the per-head call; an invalid value read unvalidated silences only its own
-sequence's head.
+Against :func:`kvattn_testing.variants.dense`, the float64 definition one row at a time, with a
+foreign page (NaN inside) planted where a sequence reads it; the rows of the per-sequence tensors
+differ from each other, so a kernel reading another sequence's row, or row 0 for all, fails. The
+twins: equal rows give exactly the per-head call; an invalid value read unvalidated silences only
+its own sequence's head.
 """
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ import torch
 
 import kvattn
 from kvattn import Violation
-from test_exactness import READERS, SPLIT_READERS, assert_agrees, assert_reads_nothing, run
-from test_extend import Extend
-from test_variants import (DIM, FP8, HEADS, KV_HEADS, assert_matches, claims, decode_batch, dense,
-                           decode_rows, inputs, plant_foreign_page, to_fp8, tokens)
-from util import DEVICE, Batch, assert_reports_equal, launcher, raises
+from kvattn_testing.exactness import (READERS, SPLIT_READERS, assert_agrees, assert_reads_nothing,
+                                      run)
+from kvattn_testing.extend import Extend
+from kvattn_testing.util import DEVICE, Batch, assert_reports_equal, claims, launcher, raises
+from kvattn_testing.variants import (DIM, FP8, HEADS, KV_HEADS, assert_every_claim_matches,
+                                     assert_matches, decode_batch, decode_rows, dense, inputs,
+                                     plant_foreign_page, to_fp8, tokens)
 
 # Four sequences: each row its own slopes, of both signs and sizes, so every sequence's scores
 # differ from every other's.
@@ -34,7 +36,8 @@ V_SCALES = torch.tensor([[0.25, 0.5], [0.125, 0.0625], [0.375, 0.25], [0.5, 0.03
 
 
 def per_seq_tokens(pages: Batch, k_scale=None, v_scale=None):
-    """:func:`test_variants.tokens` of every sequence, dequantised by its own row of the scales."""
+    """:func:`kvattn_testing.variants.tokens` of every sequence, dequantised by its own row of the
+    scales."""
     batch = pages.seq_lens.shape[0]
     if k_scale is None:
         return [tokens(pages, b) for b in range(batch)]
@@ -48,20 +51,6 @@ def extend_batch(seed=0) -> Extend:
                         head_dim=DIM, page_size=4, pool_factor=2, seed=seed)
     plant_foreign_page(ext.pages, 3, 2)
     return ext
-
-
-def assert_every_claim_matches(op: str, x, want_out, want_lse, **kwargs) -> None:
-    """Every backend claiming ``x`` with ``kwargs`` (at least one beside the reference) gives the
-    definition's output and refuses sequence 3's foreign page alone."""
-    pages = x if op == "decode" else x.pages
-    args = (kvattn.layout.validate_decode(*inputs(pages), **kwargs) if op == "decode"
-            else kvattn.layout.validate_extend(*x.inputs(), **kwargs))
-    names = claims(args, op)
-    assert "reference" in names and len(names) >= 2
-    for backend in names:
-        out, lse, report = run(op, x, backend, **kwargs)
-        assert_matches(out, lse, want_out, want_lse, pages.q.dtype)
-        assert report.violations.tolist() == [0, 0, 0, 1]
 
 
 def assert_equal_rows_agree(op: str, x, names, shared: dict, rows: dict) -> None:

@@ -12,8 +12,8 @@ import torch
 import kvattn
 from kvattn import Violation
 from kvattn.tags import STATE_MASK
-from util import (DEVICE, LSE_TOLERANCE, backends_under_test, decode, lse_tolerance, poisoned_pool,
-                  tolerance)
+from kvattn_testing.util import (DEVICE, LSE_TOLERANCE, backends_under_test, decode, lse_tolerance,
+                                 poisoned_pool, tolerance)
 
 PAGE = 4
 HEAD_DIM = 8

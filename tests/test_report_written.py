@@ -8,10 +8,9 @@ import torch
 
 import kvattn
 from kvattn.report import OwnershipReport
-from util import (Batch, assert_reports_equal, backends_under_test, kernel_backends, precise_dtype,
-                  split_kv_backends)
-
-from test_extend import Extend
+from kvattn_testing.extend import Extend
+from kvattn_testing.util import (Batch, assert_reports_equal, backends_under_test, kernel_backends,
+                                 precise_dtype, split_kv_backends)
 
 
 @pytest.fixture

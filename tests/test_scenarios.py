@@ -14,29 +14,12 @@ import torch
 
 import kvattn
 from kvattn import KVOwnershipError, Violation
-from util import (DEVICE, LSE_TOLERANCE, Batch, assert_close_to_reference, assert_reports_equal,
-                  backends_under_test, decode, precise_dtype, runs_float32, tolerance)
+from kvattn_testing.scenarios import (DEFAULT, SENTINEL_V, Geometry, cache_batch, incident,
+                                      shared_prefix_cache)
+from kvattn_testing.util import (DEVICE, LSE_TOLERANCE, Batch, assert_close_to_reference,
+                                 assert_reports_equal, backends_under_test, decode, precise_dtype,
+                                 runs_float32, tolerance)
 
-SENTINEL_V = 100.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    page: int
-    head_dim: int
-
-    def small_batch(self, seq_lens, *, dtype=torch.float16, seed=0, **kwargs):
-        return Batch.random(batch=len(seq_lens), num_heads=4, num_kv_heads=2,
-                            head_dim=self.head_dim, page_size=self.page, seq_lens=seq_lens,
-                            dtype=dtype, seed=seed, **kwargs)
-
-    @property
-    def lens3(self):
-        """Three sequences of 2, 3 and 3 pages, the first and last ending one slot into a page."""
-        return [self.page + 1, 3 * self.page, 2 * self.page + 1]
-
-
-DEFAULT = Geometry(page=4, head_dim=32)
 GEOMETRIES = [DEFAULT, Geometry(page=5, head_dim=32), Geometry(page=4, head_dim=512)]
 
 
@@ -62,32 +45,6 @@ def check_against_reference(batch, backend, **kwargs):
 
 
 # --- 1. Incident replay ------------------------------------------------------------------------
-
-def incident(geo, num_pages_b, dtype=torch.float16):
-    """Tenant A fills the whole pool with K aligned to B's queries (x8) and V = 100, then releases
-    it; B reserves ``num_pages_b`` pages and one token is written. Returns the cache, B's lease, B's
-    query and B's one token."""
-    num_kv_heads, group, head_dim, page = 2, 2, geo.head_dim, geo.page
-    g = torch.Generator().manual_seed(42)
-    # The query heads of a group are equal, so one sentinel key dominates each of them.
-    q = torch.randn(1, num_kv_heads, head_dim, generator=g).repeat_interleave(group, dim=1)
-    q = q.to(dtype).to(DEVICE)
-    cache = kvattn.PagedKVCache(8, page, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    cache.k_cache.fill_(float("nan"))
-    cache.v_cache.fill_(float("nan"))
-    tenant_a = cache.allocate(8 * page)
-    sentinel_k = (8 * q[0, ::group]).expand(8 * page, num_kv_heads, head_dim)
-    sentinel_v = torch.full_like(sentinel_k, SENTINEL_V)
-    assert cache.append(tenant_a, sentinel_k.contiguous(), sentinel_v).dropped_count() == 0
-    cache.free(tenant_a)
-
-    lease_b = cache.allocate(num_pages_b * page)
-    k1 = torch.randn(1, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    v1 = torch.randn(1, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    assert cache.append(lease_b, k1, v1).dropped_count() == 0
-    assert lease_b.num_tokens == 1 and len(lease_b.pages) == num_pages_b
-    return cache, lease_b, q, k1, v1
-
 
 @pytest.mark.parametrize("num_pages_b", [1, 4])
 def test_incident_replay_checked_refuses_and_reports(backend, geo, num_pages_b):
@@ -258,32 +215,6 @@ def test_reading_past_valid_len_is_refused(backend, geo, written, read):
 
 
 # --- 5. Prefix sharing ---------------------------------------------------------------------------
-
-def shared_prefix_cache(geo, dtype=torch.float16):
-    g = torch.Generator().manual_seed(5)
-    page, head_dim = geo.page, geo.head_dim
-    cache = kvattn.PagedKVCache(12, page, 2, head_dim, dtype=dtype, device=DEVICE)
-    cache.k_cache.fill_(float("nan"))
-    cache.v_cache.fill_(float("nan"))
-
-    def kv(n):
-        return [torch.randn(n, 2, head_dim, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
-
-    parent = cache.allocate(2 * page + 2)
-    cache.append(parent, *kv(2 * page + 2))
-    child = cache.share_prefix(parent, 2 * page + 2, capacity=3 * page)
-    cache.append(child, *kv(3))
-    other = cache.allocate(page)
-    cache.append(other, *kv(page))
-    q = torch.randn(3, 4, head_dim, generator=g).to(dtype).to(DEVICE)
-    return cache, parent, child, other, q
-
-
-def cache_batch(cache, leases, q, expected=None):
-    table, seq_lens, per_entry = cache.batch(leases)
-    return Batch(q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags,
-                 per_entry if expected is None else expected)
-
 
 def test_prefix_sharing_with_per_entry_expected_passes(backend, geo):
     cache, parent, child, other, q = shared_prefix_cache(geo)

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from vllm_runs import ROOT, Runs, why_not_ready
+from kvattn_testing.engines import ROOT, Runs, why_not_ready
 
 VENV = ROOT / "build" / "venv-sglang"
 DRIVER = ROOT / "tests" / "sglang_driver.py"

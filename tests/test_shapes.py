@@ -12,8 +12,9 @@ import torch
 
 import kvattn
 from kvattn import Violation, backends
-from test_extend import Extend, assert_close, dense_extend
-from util import DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal, backends_under_test
+from kvattn_testing.extend import Extend, assert_close, dense_extend
+from kvattn_testing.util import (DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal,
+                                 backends_under_test)
 
 FOREIGN_OWNER = 99
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from util import cuda_build_record, instantiations
+from kvattn_testing.build import cuda_build_record, instantiations
 
 pytestmark = pytest.mark.host_only
 

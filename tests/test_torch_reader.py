@@ -15,9 +15,9 @@ import torch
 
 import kvattn
 from kvattn.backends import pytorch_attention
-from test_extend import Extend
-from test_variants import plant_foreign_page
-from util import DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
+from kvattn_testing.extend import Extend
+from kvattn_testing.util import DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
+from kvattn_testing.variants import plant_foreign_page
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 F32 = torch.float32

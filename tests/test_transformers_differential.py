@@ -94,7 +94,7 @@ from transformers.generation.continuous_batching.offloading_manager import (  # 
 from transformers.generation.continuous_batching.requests import (  # noqa: E402
     RequestState, RequestStatus)
 # The model of the plain adapter tests, whose greedy tokens those tests hold to per-prompt generate.
-from test_transformers import PAGE, model  # noqa: E402,F401
+from kvattn_testing.transformers import PAGE, model  # noqa: E402,F401
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 128

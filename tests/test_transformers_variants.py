@@ -30,8 +30,8 @@ if transformers.__version__ not in adapter.SUPPORTED_VERSIONS:
 from transformers.generation.continuous_batching import input_outputs  # noqa: E402
 from transformers.generation.continuous_batching.requests import RequestStatus  # noqa: E402
 # The batch, prompts and page size of the plain adapter tests.
-from test_transformers import (NEW_TOKENS, PAGE, PROMPT_LENS, generate_batch,  # noqa: E402,F401
-                               generation_config, prompts)
+from kvattn_testing.transformers import (NEW_TOKENS, PAGE, PROMPT_LENS,  # noqa: E402,F401
+                                         generate_batch, generation_config, prompts)
 
 WINDOW = 7  # keys a query attends, itself included: not a multiple of the page
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

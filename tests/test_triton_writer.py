@@ -8,7 +8,7 @@ import torch
 
 import kvattn
 
-from util import DEVICE
+from kvattn_testing.util import DEVICE
 
 
 def random_case(rng: random.Random, num_pages=6, heads=2, head_dim=8):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvattn import Violation
-from util import Batch, backends_under_test
+from kvattn_testing.util import Batch, backends_under_test
 
 
 def base():

@@ -12,8 +12,9 @@ import torch
 
 import kvattn
 from kvattn import backends
-from test_scenarios import DEFAULT, SENTINEL_V, cache_batch, incident, shared_prefix_cache
-from util import DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
+from kvattn_testing.scenarios import SCENARIOS, SENTINEL_V
+from kvattn_testing.util import DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
+from kvattn_testing.variants import inputs
 
 HEADS = 4
 
@@ -95,47 +96,6 @@ POOLS = {
     "v-narrow": lambda b: with_v(b, b.v_cache[..., :b.v_cache.shape[3] // 2]),
     "v-wide": lambda b: with_v(b, torch.cat([b.v_cache, b.v_cache], dim=3)),
 }
-
-
-def incident_batch() -> Batch:
-    cache, lease_b, q, _, _ = incident(DEFAULT, 4)
-    table, _, expected = cache.batch([lease_b])
-    seq_lens = torch.tensor([4 * DEFAULT.page], dtype=torch.int32, device=DEVICE)
-    return Batch(q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags, expected)
-
-
-def refused_pages_batch() -> Batch:
-    batch = DEFAULT.small_batch(DEFAULT.lens3)
-    batch.page_tags[int(batch.block_table[1, 1])] = kvattn.FREE_TAG
-    batch.page_tags[int(batch.block_table[2, 0])] = kvattn.reserved_tag(3)
-    batch.block_table[0, 1] = -1
-    return batch
-
-
-def swapped_rows_batch() -> Batch:
-    batch = DEFAULT.small_batch(DEFAULT.lens3)
-    batch.block_table[[1, 2]] = batch.block_table[[2, 1]].clone()
-    return batch
-
-
-def foreign_prefix_batch() -> Batch:
-    cache, parent, child, other, q = shared_prefix_cache(DEFAULT)
-    table, _, per_entry = cache.batch([parent, child, other])
-    wrong = per_entry.clone()
-    wrong[1, :2] = child.owner
-    return cache_batch(cache, [parent, child, other], q, expected=wrong)
-
-
-SCENARIOS = {
-    "incident": incident_batch,
-    "refused_pages": refused_pages_batch,
-    "swapped_rows": swapped_rows_batch,
-    "foreign_prefix": foreign_prefix_batch,
-}
-
-
-def inputs(b: Batch) -> tuple:
-    return b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens, b.page_tags, b.expected
 
 
 @pytest.mark.parametrize("switch", list(SWITCHES))

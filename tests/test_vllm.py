@@ -21,8 +21,8 @@ import subprocess
 import pytest
 
 import vllm_prompts as prompts
-import vllm_runs
-from vllm_runs import ROOT, VENV_PY, env as _env, why_no_vllm
+from kvattn_testing import engines
+from kvattn_testing.engines import ROOT, VENV_PY, env as _env, why_no_vllm
 
 DRIVER = ROOT / "tests" / "vllm_driver.py"
 
@@ -36,7 +36,7 @@ if why_no_vllm():
     pytest.skip(why_no_vllm(), allow_module_level=True)
 
 
-class Runs(vllm_runs.Runs):
+class Runs(engines.Runs):
     """The fixed scenarios of tests/vllm_driver.py."""
 
     def main(self) -> dict:
@@ -197,17 +197,17 @@ def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggre
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        vllm_runs.wait_healthy(base, server, log_path, 240)
+        engines.wait_healthy(base, server, log_path, 240)
         body = dict(model=str(runs.model), max_tokens=8, temperature=0)
-        status, short = vllm_runs.post(base + "/v1/completions", dict(body, prompt=prompts.SHORT))
+        status, short = engines.post(base + "/v1/completions", dict(body, prompt=prompts.SHORT))
         assert status == 200, short
         local = disaggregated["local"]["short"]["tokens"]
         assert short["choices"][0]["finish_reason"] == "length" and local
-        status, long = vllm_runs.post(base + "/v1/completions", dict(body, prompt=prompts.LONG))
+        status, long = engines.post(base + "/v1/completions", dict(body, prompt=prompts.LONG))
         assert status >= 400 and "choices" not in long, long
         assert "error" in long
     finally:
-        vllm_runs.stop_server(server)
+        engines.stop_server(server)
     text = log_path.read_text()
     assert "kvattn: ownership-checked attention in place of vLLM's CPU attention" in text
     assert "kvattn ownership check failed for request" in text

@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 
-import vllm_runs
-from vllm_runs import ROOT, why_no_vllm
+from kvattn_testing import engines
+from kvattn_testing.engines import ROOT, why_no_vllm
 
 SEEDS = (0, 1, 2, 3, 4, 5)
 DRIVER = ROOT / "tests" / "vllm_differential.py"
@@ -30,7 +30,7 @@ if why_no_vllm():
 
 @pytest.fixture(scope="module")
 def runs():
-    runs = vllm_runs.Runs()
+    runs = engines.Runs()
     seeds = ",".join(map(str, SEEDS))
     return runs.shared("differential", lambda: runs.drive(
         [("differential-stock", DRIVER, False, (seeds,)),

@@ -27,9 +27,9 @@ import time
 
 import pytest
 
-import vllm_runs
+from kvattn_testing import engines
 from vllm_prompts import EARLIER, LONG, SHORT, WARMUPS
-from vllm_runs import ROOT, VENV_PY, why_no_vllm
+from kvattn_testing.engines import ROOT, VENV_PY, why_no_vllm
 
 DRIVER = ROOT / "tests" / "vllm_nixl.py"
 START_S = 600  # bound on a pair of instances, start to finish
@@ -69,7 +69,7 @@ def free_ports(n: int) -> list[str]:
     raise RuntimeError("no free ports on 127.0.0.1 in [20000, 30000)")
 
 
-class Runs(vllm_runs.Runs):
+class Runs(engines.Runs):
     def nixl(self) -> dict:
         return self.shared("nixl", self._compute)
 
@@ -85,7 +85,7 @@ class Runs(vllm_runs.Runs):
                 log = open(work / f"{role}.log", "w")
                 procs[role] = subprocess.Popen(
                     [str(VENV_PY), str(DRIVER), role, str(self.model), str(work / f"{role}.json"),
-                     str(work), *ports], env=vllm_runs.env(kvattn), stdout=log,
+                     str(work), *ports], env=engines.env(kvattn), stdout=log,
                     stderr=subprocess.STDOUT, cwd=ROOT)
                 log.close()
             self._supervise(name, work, procs)
@@ -93,7 +93,7 @@ class Runs(vllm_runs.Runs):
                 out[f"{role}-{name}"] = json.loads((work / f"{role}.json").read_text())
         local = self.dir / "nixl-local.json"
         subprocess.run([str(VENV_PY), str(DRIVER), "local", str(self.model), str(local),
-                        str(self.dir), "0", "0"], env=vllm_runs.env(False), check=True,
+                        str(self.dir), "0", "0"], env=engines.env(False), check=True,
                        capture_output=True, timeout=START_S, cwd=ROOT)
         out["local"] = json.loads(local.read_text())
         return out
@@ -207,7 +207,7 @@ def test_bytes_that_differ_from_the_attestation_are_not_committed(nixl):
 def _serve(model, port: str, side_channel: str, kvattn: bool, role: str, log_path, *extra):
     """An OpenAI server of vLLM as one instance of the pair (multi-process engine: its own engine
     core and worker processes), in its own session so that it is stopped whole."""
-    env = vllm_runs.env(kvattn=kvattn)
+    env = engines.env(kvattn=kvattn)
     del env["VLLM_ENABLE_V1_MULTIPROCESSING"]
     # Two servers share the cores: vLLM's CPU worker would pin its OpenMP threads to the same
     # ones and spin there.
@@ -243,19 +243,19 @@ def _over_http(model, work, kvattn: bool) -> dict:
     out: dict = {}
     try:
         p_base, d_base = (f"http://127.0.0.1:{port}" for port in (ports[0], ports[2]))
-        vllm_runs.wait_healthy(p_base, prefill, logs["p"], START_S / 2)
-        vllm_runs.wait_healthy(d_base, decode, logs["d"], START_S / 2)
+        engines.wait_healthy(p_base, prefill, logs["p"], START_S / 2)
+        engines.wait_healthy(d_base, decode, logs["d"], START_S / 2)
         body = dict(model=str(model), temperature=0, return_token_ids=True)
 
         def prefilled(tokens):
-            status, reply = vllm_runs.post(p_base + "/v1/completions", dict(
+            status, reply = engines.post(p_base + "/v1/completions", dict(
                 body, prompt=tokens, max_tokens=1,
                 kv_transfer_params={"do_remote_decode": True}))
             assert status == 200, reply
             return reply["kv_transfer_params"]
 
         def decoded(tokens, params):
-            status, reply = vllm_runs.post(d_base + "/v1/completions", dict(
+            status, reply = engines.post(d_base + "/v1/completions", dict(
                 body, prompt=tokens, max_tokens=8, ignore_eos=True, kv_transfer_params=params))
             return status, reply["choices"][0]["token_ids"] if status == 200 else reply
 
@@ -270,8 +270,8 @@ def _over_http(model, work, kvattn: bool) -> dict:
                       remote_block_ids=[placeholder["remote_block_ids"][0] + others[:9]])
         out["padded"] = decoded(LONG, padded)
     finally:
-        vllm_runs.stop_server(decode)
-        vllm_runs.stop_server(prefill)
+        engines.stop_server(decode)
+        engines.stop_server(prefill)
     out["decode_log"] = logs["d"].read_text()
     return out
 

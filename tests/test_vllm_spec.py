@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-import vllm_runs
-from vllm_runs import ROOT, why_no_vllm
+from kvattn_testing import engines
+from kvattn_testing.engines import ROOT, why_no_vllm
 
 DRIVER = ROOT / "tests" / "vllm_driver.py"
 LOGPROB_TOL = 1e-3  # as tests/test_vllm_variants.py: float32 softmax in two orders
@@ -30,7 +30,7 @@ if why_no_vllm():
 
 @pytest.fixture(scope="module")
 def spec():
-    runs = vllm_runs.Runs()
+    runs = engines.Runs()
     results = runs.shared("spec", lambda: runs.drive(
         [("spec-stock", DRIVER, False, ("spec",)), ("spec-kvattn", DRIVER, True, ("spec",))],
         family="llama-narrow"))

@@ -23,8 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import vllm_runs
-from vllm_runs import ROOT, why_no_vllm
+from kvattn_testing import engines
+from kvattn_testing.engines import ROOT, why_no_vllm
 
 DRIVER = ROOT / "tests" / "vllm_driver.py"
 FAMILIES = {"mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
@@ -52,7 +52,7 @@ if why_no_vllm():
 
 @pytest.fixture(scope="module")
 def runs():
-    return vllm_runs.Runs()
+    return engines.Runs()
 
 
 def _model(name: str) -> str:

@@ -11,7 +11,7 @@ import kvattn
 from kvattn import backends
 from kvattn.backends.triton.paged_decode import interpreted
 from kvattn.write_args import validate_write_kv
-from util import Batch
+from kvattn_testing.util import Batch
 
 PAGE, HEADS, DIM = 4, 1, 16
 

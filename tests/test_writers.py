@@ -6,7 +6,7 @@ import torch
 import kvattn
 from kvattn import WriteDrop
 
-from util import DEVICE, backends_under_test
+from kvattn_testing.util import DEVICE, backends_under_test
 
 NUM_PAGES, PAGE, HEADS, DIM = 6, 4, 2, 16
 OOR, NOT_HELD, GAP, BAD_LENGTH = (int(WriteDrop.OUT_OF_RANGE), int(WriteDrop.NOT_HELD),

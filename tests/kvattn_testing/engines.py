@@ -1,7 +1,8 @@
-"""What the vLLM test files share (tests/test_vllm.py, tests/test_vllm_differential.py): vLLM's
-own environment (``make vllm-env``: build/venv-vllm), the test model, and engine processes run in
-that environment whose JSON results are computed once per test run and shared by the xdist
-workers. tests/test_sglang.py shares the environment check and the once-per-run results."""
+"""Engine processes for the engine suites: whether an engine's own environment is ready (``make
+vllm-env``: build/venv-vllm; ``make sglang-env``: build/venv-sglang), the vLLM test model, engine
+processes run in that environment whose JSON results are computed once per test run and shared by
+the xdist workers (:class:`Runs`), and OpenAI servers started and stopped. The vLLM test files use
+all of it; test_sglang the environment check and the once-per-run results."""
 from __future__ import annotations
 
 import fcntl
@@ -14,7 +15,9 @@ import time
 import urllib.error
 import urllib.request
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository: tests/kvattn_testing/engines.py
+# The scripts run in vLLM's environment: the driver, the model writer and their siblings.
+VLLM_SCRIPTS = ROOT / "tests"
 VENV = ROOT / "build" / "venv-vllm"
 VENV_PY = VENV / "bin" / "python"
 
@@ -107,10 +110,10 @@ class Runs:
         return self.model_of("llama")
 
     def model_of(self, family: str) -> pathlib.Path:
-        """The random-weight model of ``family`` (tests/vllm_model.py), written once."""
+        """The random-weight model of ``family`` (vllm_model.py), written once."""
         model = self.dir / ("model" if family == "llama" else f"model-{family}")
         if not (model / "config.json").exists():
-            subprocess.run([str(VENV_PY), str(ROOT / "tests" / "vllm_model.py"), str(model), "--family", family],
+            subprocess.run([str(VENV_PY), str(VLLM_SCRIPTS / "vllm_model.py"), str(model), "--family", family],
                            check=True, capture_output=True, timeout=300)
         return model
 

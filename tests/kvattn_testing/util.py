@@ -1,12 +1,10 @@
 """Shared test helpers: paged batches built from a random permutation of an oversized pool, NaN
-poison in every slot that must not be read, the backends under test, and precision-based tolerances."""
+poison in every slot that must not be read, the backends under test and what each claims, and
+precision-based tolerances."""
 from __future__ import annotations
 
-import functools
-import importlib.util
 import inspect
 import pathlib
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -16,33 +14,7 @@ import kvattn
 from kvattn import backends
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-@functools.lru_cache(maxsize=1)
-def instantiations():
-    """csrc/instantiations.py, the CUDA kernel instantiations (setup.py loads it by path too)."""
-    spec = importlib.util.spec_from_file_location("kvattn_instantiations", ROOT / "csrc" / "instantiations.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def cuda_build_record() -> dict:
-    """The last build's record of the CUDA module (kvattn/_build.json), ``{}`` without one."""
-    return kvattn.extensions.read_record().get("extensions", {}).get("kvattn.backends.cuda._C", {})
-
-
-def built_cuda_kernels(kernel: str) -> set:
-    """``{(demangled signature, arch)}`` the last CUDA build compiled of ``kernel``: its recorded
-    selection of csrc/instantiations.py on its recorded architectures."""
-    table, record = instantiations(), cuda_build_record()
-    selection = table.Selection(**{k: tuple(v) if isinstance(v, list) else v
-                                   for k, v in record.get("selection", {}).items()
-                                   if k in ("dtypes", "head_dims", "variants")})
-    return {(row.signature, f"sm_{arch}") for row in table.select(selection) if row.kernel == kernel
-            for arch in record.get("archs", ("80", "90"))}
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository: tests/kvattn_testing/util.py
 
 
 def backends_under_test() -> list[str]:
@@ -51,6 +23,12 @@ def backends_under_test() -> list[str]:
                          seq_lens=[3], dtype=torch.float16)
     reasons = backends.explain(probe.args())
     return [name for name, reason in reasons.items() if reason is None]
+
+
+def claims(args, op: str) -> list[str]:
+    """The registered backends that claim ``args`` (validated inputs of ``op``), in the registry's
+    order: every one that could run the call here."""
+    return [n for n, why in backends.explain(args, op=op).items() if why is None]
 
 
 def runs_float32(backend: str) -> bool:
