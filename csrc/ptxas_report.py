@@ -4,8 +4,8 @@ setup.py gathers the compiler's output of every translation unit in ``build/cuda
 calls :func:`check` after each CUDA build: it records ``build/cuda/resources.json`` and fails when a
 kernel spills or keeps a stack frame (local memory, i.e. a register array the compiler could not
 keep in registers), or when the log does not hold exactly the instantiations the build's selection
-of csrc/instantiations.py lists, once per architecture. tests/test_cuda.py runs the same check on
-the kept log. Standard library only.
+of csrc/instantiations.py lists, once per architecture. tests/backends/test_cuda.py runs the same
+check on the kept log. Standard library only.
 
 Usage: ``python csrc/ptxas_report.py build/cuda/ptxas.log``.
 """

@@ -21,7 +21,7 @@ of the direct call. ``on_violation="raise"``
 synchronises after the op (a graph break under torch.compile); ``"report"`` never does.
 
 The op boundary costs a dispatcher round trip per call; the direct functions of :mod:`kvattn`
-remain the fast path for eager callers (``tests/test_ops.py`` measures the difference).
+remain the fast path for eager callers (``tests/readers/test_ops.py`` measures the difference).
 """
 from __future__ import annotations
 

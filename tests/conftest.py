@@ -1,4 +1,5 @@
 import os
+import pathlib
 
 import pytest
 import torch
@@ -25,35 +26,36 @@ settings.register_profile("kvattn", deadline=None, max_examples=40, derandomize=
 settings.load_profile("kvattn")
 
 
-# The lanes of the suite (`pytest -m <lane>`, markers in pytest.ini): every test file is in one.
-# `make test-fast` runs the kernel lanes; tests/test_repository.py holds this table to tests/.
+# The lanes of the suite (`pytest -m <lane>`, markers in pytest.ini): each lane is one or more
+# folders of tests/, and every test file lies in one of them (tests/repository/test_repository.py
+# holds this table to tests/ and to pytest.ini). `make test-fast` runs the kernel lanes.
 LANES = {
-    "contract": ("test_reference", "test_scenarios", "test_variant_scenarios", "test_report_written",
-                 "test_traces", "test_exactness"),
-    "readers": ("test_decode", "test_extend", "test_mla", "test_mla_extend", "test_shapes",
-                "test_variants", "test_per_sequence", "test_head_dim_v", "test_fp8_query",
-                "test_custom_mask",
-                "test_torch_reader", "test_cuda_graphs", "test_ops"),
-    "writers": ("test_writers", "test_writers_layers", "test_fp8_writer", "test_triton_writer",
-                "test_writer_registry", "test_cache", "test_transfer"),
-    "backends": ("test_cuda", "test_cuda_extend", "test_cuda_fp8", "test_instantiations", "test_sanitize",
-                 "test_static_sm90"),
-    "robustness": ("test_hardening", "test_fuzz", "test_validation"),
-    "integrations": ("test_transformers", "test_transformers_differential",
-                     "test_transformers_variants", "test_adapter_messages", "test_vllm",
-                     "test_vllm_differential", "test_vllm_variants", "test_vllm_spec",
-                     "test_vllm_nixl", "test_sglang"),
-    "repository": ("test_repository", "test_readme", "test_support_matrix", "test_env",
-                   "test_demo", "test_install", "test_gpu_suite", "test_benchmarks_smoke"),
+    "contract": ("contract",),
+    "readers": ("readers",),
+    "writers": ("writers",),
+    "backends": ("backends",),
+    "robustness": ("robustness",),
+    "integrations": ("integrations",),
+    "repository": ("repository", "benchmarks"),
 }
-_LANE_OF = {module: lane for lane, modules in LANES.items() for module in modules}
+_TESTS = pathlib.Path(__file__).resolve().parent
+_LANE_OF = {folder: lane for lane, folders in LANES.items() for folder in folders}
+
+
+def lane_of(path) -> str | None:
+    """The lane of the test file at ``path``: that of its top folder under tests/."""
+    try:
+        relative = pathlib.Path(path).resolve().relative_to(_TESTS)
+    except ValueError:
+        return None
+    return _LANE_OF.get(relative.parts[0]) if len(relative.parts) > 1 else None
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each test gets its file's lane marker. Slow tests first: under xdist they then overlap with
-    the rest instead of ending the run."""
+    """Each test gets its folder's lane marker. Slow tests first: under xdist they then overlap
+    with the rest instead of ending the run."""
     for item in items:
-        lane = _LANE_OF.get(item.path.stem)
+        lane = lane_of(item.path)
         if lane is not None:
             item.add_marker(getattr(pytest.mark, lane))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

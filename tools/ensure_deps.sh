@@ -30,8 +30,9 @@ done
 command -v ninja >/dev/null 2>&1 || have ninja || missing+=("ninja")
 [ ${#missing[@]} -eq 0 ] || pip_install "${missing[@]}"
 # The transformers adapter is tested against one version; it does not touch torch. Without network
-# (the GPU machine) the install fails and tests/test_transformers.py skips.
+# (the GPU machine) the install fails and tests/integrations/transformers/test_transformers.py
+# skips.
 "$PY" -c "import sys, transformers; sys.exit(transformers.__version__ != '5.24.0')" >/dev/null 2>&1 \
   || pip_install "transformers==5.24.0" \
-  || echo "ensure_deps: transformers 5.24.0 not installed; tests/test_transformers.py will skip"
+  || echo "ensure_deps: transformers 5.24.0 not installed; tests/integrations/transformers/test_transformers.py will skip"
 install_kvattn

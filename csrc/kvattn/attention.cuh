@@ -12,7 +12,8 @@
 #include "warp_ops.cuh"
 
 #ifndef KVATTN_SIM_BREAK
-#define KVATTN_SIM_BREAK 0  // test-only defects, see tests/test_cuda.py; never set in a real build
+// Test-only defects (tests/backends/test_cuda.py); never set in a real build.
+#define KVATTN_SIM_BREAK 0
 #endif
 
 namespace kvattn {

@@ -1,7 +1,7 @@
 // The fp8 pool elements (kvattn.variants: float8_e4m3fn and float8_e5m2 k_cache/v_cache), their
 // exact conversion to float and the writers' encoding: plain C++, so the binding (csrc/module.cpp),
-// the CPU harness and the tests (tests/test_cuda_fp8.py, all 256 bytes of each format against
-// torch) use one definition.
+// the CPU harness and the tests (tests/backends/test_cuda_fp8.py, all 256 bytes of each format
+// against torch) use one definition.
 // On the device the kernels convert pairs with cvt.rn.f16x2.{e4m3,e5m2}x2 (cuda_fp8.h), which is
 // exact as well: every e4m3 and e5m2 value is a float16 value.
 #pragma once

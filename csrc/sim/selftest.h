@@ -1,7 +1,7 @@
-// Kernels that test the harness itself (tests/test_cuda.py::test_harness_*): that it reports a
-// barrier or a shuffle not reached by every thread, and that a missing barrier shows as wrong data;
-// and that the sanitizer build (make sanitize, tests/test_sanitize.py) reports an out-of-bounds
-// read made on a fiber's stack frame.
+// Kernels that test the harness itself (tests/backends/test_cuda.py::test_harness_*): that it
+// reports a barrier or a shuffle not reached by every thread, and that a missing barrier shows as
+// wrong data; and that the sanitizer build (make sanitize, tests/backends/test_sanitize.py) reports
+// an out-of-bounds read made on a fiber's stack frame.
 #pragma once
 
 #include <string>

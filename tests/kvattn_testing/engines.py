@@ -17,7 +17,7 @@ import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository: tests/kvattn_testing/engines.py
 # The scripts run in vLLM's environment: the driver, the model writer and their siblings.
-VLLM_SCRIPTS = ROOT / "tests"
+VLLM_SCRIPTS = ROOT / "tests" / "integrations" / "vllm"
 VENV = ROOT / "build" / "venv-vllm"
 VENV_PY = VENV / "bin" / "python"
 

@@ -1,32 +1,13 @@
 """The plain transformers adapter tests' batch, for every transformers test: the page size, the
 prompts' lengths, the tokens generated, and continuous batching over them (``generate_batch``) on
-the tiny random-weight Llama of the ``model`` fixture. transformers is imported when called, so
-this module imports without it (the test modules skip then)."""
+the tiny random-weight Llama of the ``model`` fixture (tests/integrations/transformers/conftest.py).
+transformers is imported when called, so this module imports without it (the test modules skip
+then)."""
 from __future__ import annotations
-
-import pytest
-import torch
 
 PAGE = 4
 PROMPT_LENS = (5, 11, 8, 3)
 NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=128, tie_word_embeddings=False,
-                         initializer_range=0.2)
-    return LlamaForCausalLM(config).eval()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
 def generation_config():

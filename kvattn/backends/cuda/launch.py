@@ -36,8 +36,8 @@ SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap", "sinks",
 READ_SWITCHES = SWITCHES | {"fp8 KV", "fp8 queries"}
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers, 4 warps a
 # block) per padded head dim, from the registers and shared memory of every instantiation in
-# benchmarks/results/static_sm90.md (tests/test_static_sm90.py holds the planner to them): 59 KB
-# and 150-156 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512. The score switches
+# benchmarks/results/static_sm90.md (tests/backends/test_static_sm90.py holds the planner to them):
+# 59 KB and 150-156 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512. The score switches
 # take d64 to 170-180 registers (two blocks); fp8 pools halve the shared memory, which lets two
 # d256 blocks share an SM.
 DECODE_BLOCKS_PER_SM = {64: 3, 128: 2, 256: 1, 512: 1, LATENT_DIM: 1}

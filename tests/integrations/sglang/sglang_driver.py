@@ -1,0 +1,508 @@
+"""Scenarios of kvattn's SGLang backend against SGLang 0.5.23's own classes, run in SGLang's
+environment (``make sglang-env``: build/venv-sglang) by test_sglang.py, which reads the JSON
+this prints.
+
+SGLang's engine does not run on this CPU (its CPU path needs sgl-kernel's CPU build), so an
+``Engine`` here plays the scheduler's part with SGLang's real pieces: ``MHATokenToKVPool``,
+``ReqToTokenPool``, the token and paged allocators (``alloc``, ``alloc_extend``, ``free``),
+``UnifiedRadixCache`` (``insert``, ``match_prefix``, ``evict``), ``Req``, ``ForwardBatch``
+filled as ``ForwardBatch.init_new`` fills it for extend, mixed and decode batches,
+``RadixAttention`` layers, ``TorchNativeAttnBackend`` and the fake disaggregation receiver.
+Each layer's q, k, v are a fixed function of the request's tokens and positions, so two engines (one on SGLang's torch-native attention, one on kvattn's)
+given the same steps compute the same attention unless a check refuses a page.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from array import array
+import sys
+import types
+from types import SimpleNamespace
+
+
+def _stand_in_torchvision() -> None:
+    """``sglang.srt.configs`` imports ``torchvision.transforms`` for image models; the index's
+    torchvision is a CUDA build that fails to load beside CPU torch, and no test reads images.
+    transformers is imported first so that it sees no torchvision."""
+    import transformers.utils.import_utils  # noqa: F401
+    tv, tr, fn = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms",
+                                               "torchvision.transforms.functional"))
+    tv.__path__, tr.__path__ = [], []
+
+    class InterpolationMode(enum.Enum):
+        NEAREST = "nearest"
+        BILINEAR = "bilinear"
+        BICUBIC = "bicubic"
+    fn.InterpolationMode = tr.InterpolationMode = InterpolationMode
+    tv.transforms, tr.functional = tr, fn
+    sys.modules.update({m.__name__: m for m in (tv, tr, fn)})
+
+
+_stand_in_torchvision()
+
+import torch  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.fake.conn import FakeKVReceiver  # noqa: E402
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
+from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InsertParams,  # noqa: E402
+                                                    MatchPrefixParams)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.model_executor.forward_context import (ForwardContext,  # noqa: E402
+                                                       set_forward_context)
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from kvattn.integrations import sglang as integration  # noqa: E402
+from kvattn.integrations import sglang_backend  # noqa: E402
+
+DTYPE = torch.float32
+LAYERS = 2
+
+
+class Engine:
+    """One engine's pools, allocator, requests and layers, on ``kind`` attention."""
+
+    def __init__(self, kind: str, page_size: int, heads: int = 4, kv_heads: int = 2,
+                 head_dim: int = 16, size: int = 512, radix: bool = True, overlap: bool = False):
+        self.P = page_size
+        # Overlap scheduling: a decode forward runs before the previous step's result is
+        # processed, so the token it feeds is not yet in the request's output_ids.
+        self.overlap = overlap
+        self.pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=DTYPE,
+                                     head_num=kv_heads, head_dim=head_dim, layer_num=LAYERS,
+                                     device="cpu", enable_memory_saver=False)
+        self.req_pool = ReqToTokenPool(size=16, max_context_len=256, device="cpu",
+                                       enable_memory_saver=False)
+        if page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(size, DTYPE, "cpu", self.pool, need_sort=False)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(size, page_size, DTYPE, "cpu", self.pool,
+                                                         need_sort=False)
+        self.layers = [RadixAttention(num_heads=heads, head_dim=head_dim, scaling=head_dim ** -0.5,
+                                      num_kv_heads=kv_heads, layer_id=i) for i in range(LAYERS)]
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.runner = SimpleNamespace(
+            device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool,
+            token_to_kv_pool_allocator=self.allocator, page_size=page_size,
+            server_args=SimpleNamespace(speculative_algorithm=None, disaggregation_mode="null",
+                                        disaggregation_transfer_backend="fake",
+                                        disable_radix_cache=not radix, disable_cuda_graph=True,
+                                        enable_dp_attention=False),
+            model_config=SimpleNamespace(is_encoder_decoder=False), forward=self._model)
+        if kind == "kvattn":
+            self.backend = sglang_backend.create_backend(self.runner)
+            self.state = integration.state_for(self.req_pool)
+        else:
+            self.backend = TorchNativeAttnBackend(self.runner)
+            self.state = None
+        # SGLang's default prefix cache (registry.default_radix_cache_factory), full KV only.
+        params = CacheInitParams(disable=not radix, req_to_token_pool=self.req_pool,
+                                 token_to_kv_pool_allocator=self.allocator, page_size=page_size)
+        params.tree_components = (ComponentType.FULL,)
+        self.tree = UnifiedRadixCache(params)
+        self.reqs: dict[str, Req] = {}
+        self.lens: dict[str, int] = {}  # tokens in the cache per request
+        self.fed: dict[str, list[int]] = {}  # token ids fed to forwards (prompt, then decodes)
+        self.inserted: dict[str, int] = {}  # tokens each request put in the radix tree
+        self.outputs: list[dict[str, list]] = []  # per forward: rid -> last layer's output rows
+
+    # -- the scheduler's part ---------------------------------------------------------------
+
+    def admit(self, rid: str, tokens: list[int], prefix_slots: list[int] | None = None) -> Req:
+        """A new request holding a row; ``prefix_slots``: the slots a radix-cache match gave it
+        for its first tokens (what ``match_prefix`` returns as ``prefix_indices``)."""
+        req = Req(rid, "", list(tokens), SamplingParams(max_new_tokens=16))
+        self.req_pool.alloc([req])
+        prefix = list(prefix_slots or [])
+        if prefix:
+            self.req_pool.write((req.kv.req_pool_idx, slice(0, len(prefix))),
+                                torch.tensor(prefix, dtype=torch.int32))
+        req.prefix_indices = torch.tensor(prefix, dtype=torch.int64)
+        self.reqs[rid], self.lens[rid], self.fed[rid] = req, len(prefix), list(tokens)
+        return req
+
+    def cache(self, rid: str) -> int:
+        """Insert the request's computed tokens into the radix tree (page-aligned), with their
+        slots, as ``cache_unfinished_req`` / ``cache_finished_req`` do; returns how many the tree
+        holds."""
+        tokens = self._tokens(rid)[: self.lens[rid]]
+        done = self.inserted.get(rid, 0)  # what it inserted before: not a duplicate to free
+        self.tree.insert(InsertParams(key=RadixKey(array("q", tokens)),
+                                      value=torch.tensor(self.slots(rid), dtype=torch.int64),
+                                      prev_prefix_len=done, inserted_len=done))
+        self.inserted[rid] = len(tokens) // self.P * self.P
+        return self.inserted[rid]
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """The slots of the longest cached prefix of ``tokens`` (``match_prefix``)."""
+        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        path = self.tree.tree_core.collect_full_device_indices(m.last_device_node,
+                                                               self.tree.root_node_handle(None))
+        return path[: m.device_prefix_len].tolist()
+
+    def slots(self, rid: str) -> list[int]:
+        req = self.reqs[rid]
+        return self.req_pool.req_to_token[req.kv.req_pool_idx, : self.lens[rid]].tolist()
+
+    def _alloc(self, rids, news) -> torch.Tensor:
+        rows = [self.reqs[r].kv.req_pool_idx for r in rids]
+        prefix = [self.lens[r] for r in rids]
+        seq = [p + n for p, n in zip(prefix, news)]
+        if self.P == 1:
+            out = self.allocator.alloc(sum(news))
+        else:
+            last = torch.tensor([int(self.req_pool.req_to_token[row, p - 1]) if p else -1
+                                 for row, p in zip(rows, prefix)], dtype=torch.int64)
+            pl, sl = torch.tensor(prefix, dtype=torch.int64), torch.tensor(seq, dtype=torch.int64)
+            out = self.allocator.alloc_extend(pl, pl, sl, sl, last, sum(news))
+        start = 0
+        for row, p, n in zip(rows, prefix, news):
+            self.req_pool.write((row, slice(p, p + n)), out[start:start + n].to(torch.int32))
+            start += n
+        return out
+
+    def step(self, work: dict[str, int]) -> dict[str, list]:
+        """One forward: request -> new tokens this step (1 after its prompt: a decode). All rows
+        with one token and nothing else is a decode batch; else an extend (mixed if some decode)."""
+        rids, news = list(work), list(work.values())
+        decode = all(n == 1 and self.lens[r] >= len(self.reqs[r].origin_input_ids)
+                     for r, n in work.items())
+        sampled = {}
+        for r, n in work.items():  # a decode feeds the token sampled last
+            while self.lens[r] + n > len(self.fed[r]):
+                self.fed[r].append(100 + len(self.fed[r]))
+                sampled.setdefault(r, []).append(self.fed[r][-1])
+        if not self.overlap:
+            for r, ids in sampled.items():
+                self.reqs[r].output_ids.extend(ids)
+        out = self._alloc(rids, news)
+        prefix = [self.lens[r] for r in rids]
+        seq = [p + n for p, n in zip(prefix, news)]
+        ids = [t for r, p, s in zip(rids, prefix, seq) for t in self._tokens(r)[p:s]]
+        positions = [i for p, s in zip(prefix, seq) for i in range(p, s)]
+        mode = ForwardMode.DECODE if decode else (
+            ForwardMode.MIXED if any(n == 1 for n in news) else ForwardMode.EXTEND)
+        fb = ForwardBatch(
+            forward_mode=mode, batch_size=len(rids), input_ids=torch.tensor(ids),
+            req_pool_indices=torch.tensor([self.reqs[r].kv.req_pool_idx for r in rids]),
+            seq_lens=torch.tensor(seq, dtype=torch.int32), out_cache_loc=out,
+            seq_lens_sum=sum(seq), seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
+            positions=torch.tensor(positions))
+        if not decode:
+            fb.extend_seq_lens = torch.tensor(news, dtype=torch.int32)
+            fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32)
+            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = news, prefix
+            fb.extend_num_tokens = sum(news)
+            fb.extend_start_loc = torch.cumsum(torch.tensor([0] + news[:-1]), 0)
+        fb.kvattn_rids = rids
+        result = self.runner.forward(fb)
+        for r, s in zip(rids, seq):
+            self.lens[r] = s
+        if self.overlap:  # the previous step's result is processed now
+            for r, ids in sampled.items():
+                self.reqs[r].output_ids.extend(ids)
+        self.outputs.append(result)
+        return result
+
+    def _tokens(self, rid: str) -> list[int]:
+        return self.fed[rid]
+
+    def _qkv(self, fb, layer: int):
+        """Each token's q, k, v: a fixed function of (token id, position, layer)."""
+        out = []
+        for heads in (self.heads, self.kv_heads, self.kv_heads):
+            vals = [torch.randn(heads * self.head_dim, generator=torch.Generator().manual_seed(
+                        (int(t) * 7919 + int(p) * 104729 + layer * 15485863 + heads) % (2 ** 31)))
+                    for t, p in zip(fb.input_ids.tolist(), fb.positions.tolist())]
+            out.append(torch.stack(vals).to(DTYPE))
+        q, k, v = out
+        return q, k.view(-1, self.kv_heads, self.head_dim), v.view(-1, self.kv_heads, self.head_dim)
+
+    def poison(self, slots: list[int]) -> None:
+        """NaN in every layer's K and V at ``slots``: bytes that must never be read."""
+        for layer in self.layers:
+            self.pool.k_buffer[layer.layer_id][slots] = float("nan")
+            self.pool.v_buffer[layer.layer_id][slots] = float("nan")
+
+    def _transfer(self, req, slots: torch.Tensor) -> None:
+        """What a transport does: the prompt's K/V bytes (its first ``len(slots)`` tokens) written
+        into ``slots`` of every layer's buffers directly (no ``set_kv_buffer``), as the prefill side
+        computed them."""
+        n = len(slots)
+        fb = SimpleNamespace(input_ids=torch.tensor(list(req.origin_input_ids)[:n]),
+                             positions=torch.arange(n))
+        for layer in self.layers:
+            _, k, v = self._qkv(fb, layer.layer_id)
+            self.pool.k_buffer[layer.layer_id][slots] = k
+            self.pool.v_buffer[layer.layer_id][slots] = v
+
+    def _model(self, fb):
+        self.backend.init_forward_metadata(fb)
+        o = None
+        for layer in self.layers:
+            q, k, v = self._qkv(fb, layer.layer_id)
+            o = self.backend.forward(q, k, v, layer, fb)
+        starts = [0]
+        n = [1] * fb.batch_size if fb.forward_mode.is_decode() else fb.extend_seq_lens_cpu
+        for x in n:
+            starts.append(starts[-1] + x)
+        return {r: o[a:b].tolist() for r, a, b in zip(fb.kvattn_rids, starts, starts[1:])}
+
+    def finish(self, rid: str, kept: int = 0) -> None:
+        """The request ends: the radix tree keeps its first ``kept`` slots, the allocator frees
+        the rest, the row is freed."""
+        slots = self.slots(rid)
+        self.allocator.free(torch.tensor(slots[kept:], dtype=torch.int64))
+        self.req_pool.free(self.reqs[rid])
+
+    def aborted(self, rid: str) -> str | None:
+        """The abort message SGLang's own finish logic gives the request (None: not aborted)."""
+        req = self.reqs[rid]
+        if req.discard_output_reason is not None and req.finished_reason is None:
+            # What the scheduler's result processing does with it (the forward's output dropped).
+            req.to_finish = req.discard_output_reason
+            req.update_finish_state(0)
+        reason = req.finished_reason
+        return reason.message if isinstance(reason, FINISH_ABORT) else None
+
+    def status(self, rid: str):
+        reason = self.reqs[rid].finished_reason
+        return None if reason is None else reason.to_json()
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max((torch.tensor(a[r]) - torch.tensor(b[r])).abs().max().item() for r in a)
+
+
+def equality(page_size: int, overlap: bool = False) -> dict:
+    """Extend with a radix-cache prefix, chunked prefill, mixed and decode batches, GQA, then a
+    second turn whose prompt is the first request's prompt and decoded tokens (a radix hit on
+    pages filled by decodes), on both attentions: the largest output gap per forward, and what
+    kvattn refused."""
+    P = page_size
+    runs = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, P, overlap=overlap)
+        a = list(range(1, 2 * max(P, 8) + 6))
+        e.admit("a", a)
+        e.step({"a": len(a) - 5})  # a chunk of the prompt
+        e.step({"a": 5})  # the rest
+        e.step({"a": 1})
+        e.cache("a")  # the running request's tokens in the tree
+        b = a[:-5] + [77, 78, 79]
+        hit = e.match(b)
+        e.admit("b", b, prefix_slots=hit)
+        e.admit("c", [9, 8, 7, 6, 5])
+        e.step({"b": len(b) - len(hit), "c": 5, "a": 1})  # mixed: two extends and a decode
+        for _ in range(P + 2):  # decodes across a page boundary
+            e.step({"a": 1, "b": 1, "c": 1})
+        e.cache("a")
+        turn = e._tokens("a")[: e.lens["a"]] + [61, 62]
+        turn_hit = e.match(turn)
+        e.admit("t", turn, prefix_slots=turn_hit)
+        e.step({"t": len(turn) - len(turn_hit), "a": 1})
+        runs[kind] = e
+    stock, mine = runs["torch_native"], runs["kvattn"]
+    gaps = [_diff(s, m) for s, m in zip(stock.outputs, mine.outputs)]
+    return dict(gaps=gaps, counts=dict(mine.state.counts), hit=len(hit), turn_hit=len(turn_hit),
+                aborted={r: mine.aborted(r) for r in mine.reqs})
+
+
+def _commit_transfer_to_req(queue, decode_req) -> None:
+    """What SGLang's ``DecodeTransferQueue._commit_transfer_to_req`` does to the request that the
+    hook around it must survive: it drops the receiver (decode.py, SGLang 0.5.23)."""
+    decode_req.kv_receiver = None
+
+
+def incident(page_size: int, received: int | None) -> dict:
+    """The incident through SGLang's classes: tenant A's KV sits in pages that are freed and
+    preallocated for request B on a decode instance; B's KV never arrives (the fake receiver:
+    ``received`` None; or a receiver accounting ``received`` tokens), the receiver reports success,
+    B decodes beside a clean request C. ``received="all"``: the clean twin, B's KV arrived."""
+    P = page_size
+    out = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, P)
+        secret = list(range(500, 500 + 3 * P + 2))
+        e.admit("A", secret)
+        e.step({"A": len(secret)})
+        a_slots = e.slots("A")
+        e.finish("A")
+        if kind == "kvattn":  # A's bytes stay in the freed pages; under kvattn, as NaN
+            e.poison(a_slots)
+        e.admit("C", [3, 1, 4, 1, 5])
+        e.step({"C": 5})
+        prompt = list(range(40, 40 + 3 * P + 2))
+        b = e.admit("B", prompt)
+        pre = e._alloc(["B"], [len(prompt)])  # the decode side's preallocation
+        e.lens["B"] = len(prompt)
+        count = len(prompt) if received == "all" else received
+        if count:  # a transport that wrote that much of B's KV into its pages, and counted it
+            e._transfer(b, pre[:count])
+        if count is None:
+            receiver = FakeKVReceiver(mgr=None, bootstrap_addr="fake")
+            receiver.init(0)
+            receiver.send_metadata(pre.tolist())
+        else:
+            receiver = SimpleNamespace(kvattn_received_tokens=lambda: count)
+        success = count is not None or receiver.poll() == KVPoll.Success
+        if kind == "kvattn":  # the hook around DecodeTransferQueue._commit_transfer_to_req
+            queue = SimpleNamespace(scheduler=SimpleNamespace(req_to_token_pool=e.req_pool))
+            integration.commit_transfer_hook(_commit_transfer_to_req, queue,
+                                              SimpleNamespace(req=b, kv_receiver=receiver))
+        b.output_ids.append(7)  # the first token, from the prefill side's metadata
+        result = e.step({"B": 1, "C": 1})
+        b_pages = {s // P for s in e.slots("B")[: len(prompt)]}
+        reused = sorted(b_pages & {s // P for s in a_slots})
+        out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("B", "C")},
+                         finish=e.status("B"), receiver_success=success, reused_pages=reused,
+                         counts=dict(e.state.counts) if e.state else {})
+        if kind == "torch_native":
+            # What B's output would be over A's KV at those slots and B's one token: proof that
+            # the stock read is A's data.
+            out["a_slots"] = a_slots
+    stock, mine = out["torch_native"], out["kvattn"]
+    out["c_gap"] = _diff({"C": stock["result"]["C"]}, {"C": mine["result"]["C"]})
+    out["b_gap"] = _diff({"B": stock["result"]["B"]}, {"B": mine["result"]["B"]})
+    out["b_kvattn_norm"] = torch.tensor(mine["result"]["B"]).abs().max().item()
+    out["b_kvattn_finite"] = bool(torch.tensor(mine["result"]["B"]).isfinite().all())
+    return out
+
+
+def stale_prefix(page_size: int, fault: bool) -> dict:
+    """A radix-cache hit through SGLang's radix tree: W's prompt pages stay in the tree after W
+    ends, R's prompt starts with the same tokens and matches them. With ``fault``, the match is
+    not locked, the tree evicts the pages before R runs (at page size 16 X reuses and rewrites
+    them), and R reads the slots it matched."""
+    P = page_size
+    out = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, P)
+        shared = list(range(10, 10 + 2 * P))
+        e.admit("W", shared + [1, 2, 3])
+        e.step({"W": len(shared) + 3})
+        w_slots = e.slots("W")[: 2 * P]
+        e.finish("W", kept=e.cache("W"))
+        hit = e.match(shared + [4, 5])
+        if fault:  # the match was not locked (inc_lock_ref): the tree evicts what it holds
+            e.tree.evict(EvictParams(num_tokens=10 ** 6))
+            if kind == "kvattn":  # what X does not overwrite must not be read either
+                e.poison(w_slots)
+            e.admit("X", list(range(900, 900 + 2 * P)))
+            e.step({"X": 2 * P})
+        e.admit("R", shared + [4, 5], prefix_slots=hit)
+        e.admit("D", [8, 8, 8])
+        result = e.step({"R": 2, "D": 3})
+        out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("R", "D")},
+                         counts=dict(e.state.counts) if e.state else {}, hit=len(hit),
+                         hit_is_w=hit == w_slots,
+                         x_reused=fault and bool(set(e.slots("X")) & set(w_slots)))
+    out["r_kvattn_finite"] = bool(torch.tensor(out["kvattn"]["result"]["R"]).isfinite().all())
+    out["r_gap"] = _diff({"R": out["torch_native"]["result"]["R"]},
+                         {"R": out["kvattn"]["result"]["R"]})
+    out["d_gap"] = _diff({"D": out["torch_native"]["result"]["D"]},
+                         {"D": out["kvattn"]["result"]["D"]})
+    return out
+
+
+def session(page_size: int, fault: bool) -> dict:
+    """A streaming session: the next turn is a new Req on the same row (``try_match_prefix`` sets
+    ``req.kv = slot.kv``, and ``ReqToTokenPool.alloc`` sees a row it holds). With ``fault`` the
+    first page of the row is freed under it and taken and written by X before the turn runs."""
+    P = page_size
+    out = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, P)
+        first = list(range(20, 20 + P + 3))
+        e.admit("s1", first)
+        e.step({"s1": len(first)})
+        e.step({"s1": 1})
+        history = e._tokens("s1")[: e.lens["s1"]]
+        turn = history + [71, 72, 73]
+        nxt = Req("s2", "", list(turn), SamplingParams(max_new_tokens=16))
+        nxt.kv = e.reqs["s1"].kv
+        nxt.kv.kv_allocated_len = e.lens["s1"]  # the scheduler's account of the row's KV
+        e.req_pool.alloc([nxt])
+        e.reqs["s2"], e.lens["s2"], e.fed["s2"] = nxt, e.lens["s1"], list(turn)
+        if fault:
+            e.allocator.free(torch.tensor(e.slots("s1")[:P], dtype=torch.int64))
+            e.admit("X", list(range(900, 900 + P)))
+            e.step({"X": P})
+        result = e.step({"s2": 3})
+        out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("s1", "s2")},
+                         counts=dict(e.state.counts) if e.state else {})
+    out["gap"] = _diff({"s2": out["torch_native"]["result"]["s2"]},
+                       {"s2": out["kvattn"]["result"]["s2"]})
+    return out
+
+
+def plugin() -> dict:
+    """The entry point through SGLang's own plugin loader, and the CLI choice it adds."""
+    import argparse
+
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+    before = "kvattn" in ATTENTION_BACKENDS
+    load_plugins()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--attention-backend", "kvattn"])
+    from importlib.metadata import entry_points
+    eps = [f"{ep.name}={ep.value}" for ep in entry_points(group="sglang.srt.plugins")]
+    from sglang.srt.beam_search.coordinator import BeamCoordinator
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+    from sglang.srt.models import utils as model_utils
+    hooked = [hasattr(f, "__wrapped__") for f in (DecodeTransferQueue._commit_transfer_to_req,
+                                                  BeamCoordinator.validate_and_init,
+                                                  model_utils.enable_fused_set_kv_buffer)]
+    from sglang.srt.models import qwen3_moe  # a model that writes K/V from its rotary kernel
+    late = qwen3_moe.enable_fused_set_kv_buffer is model_utils.enable_fused_set_kv_buffer
+    return dict(before=before, after="kvattn" in ATTENTION_BACKENDS, hooked=hooked,
+                late_import_hooked=late,
+                factory=ATTENTION_BACKENDS.get("kvattn").__qualname__,
+                parsed=args.attention_backend, entry_points=eps)
+
+
+def guards() -> dict:
+    """kvattn's hooks on one engine of each kind: around ``enable_fused_set_kv_buffer`` under
+    SGLang's forward context (off for a kvattn engine's pool whatever the platform would choose),
+    around ``BeamCoordinator.validate_and_init`` (a refusal for a kvattn engine)."""
+    out = {}
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, 16)
+        set_forward_context(ForwardContext(attn_backend=e.backend))
+        fused = integration.fused_write_hook(lambda fb: True, None)
+        set_forward_context(None)
+        coordinator = SimpleNamespace(tree_cache=e.tree)
+        beam = integration.beam_hook(lambda c, r: None, coordinator, None)
+        out[kind] = dict(fused=fused, beam=beam)
+    return out
+
+
+SCENARIOS = {
+    "equality-1": lambda: equality(1), "equality-16": lambda: equality(16),
+    "overlap-1": lambda: equality(1, overlap=True),
+    "overlap-16": lambda: equality(16, overlap=True),
+    "guards": guards,
+    "session-clean-16": lambda: session(16, False), "session-fault-16": lambda: session(16, True),
+    "incident-16": lambda: incident(16, None), "incident-1": lambda: incident(1, None),
+    "placeholder-16": lambda: incident(16, 1), "transfer-16": lambda: incident(16, "all"),
+    "prefix-clean-16": lambda: stale_prefix(16, False),
+    "prefix-stale-16": lambda: stale_prefix(16, True),
+    "prefix-stale-1": lambda: stale_prefix(1, True),
+    "plugin": plugin,
+}
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(SCENARIOS)
+    print(json.dumps({n: SCENARIOS[n]() for n in names}))

@@ -1,0 +1,163 @@
+"""kvattn's SGLang backend against SGLang 0.5.23's own classes (``make sglang-env``:
+build/venv-sglang; sglang_driver.py runs the scenarios there, once per test run, and these
+tests read its JSON). SGLang's engine does not run on a CPU without sgl-kernel's CPU build: the
+driver plays the scheduler's part with SGLang's pools, allocators, request pool, ``Req``,
+``ForwardBatch``, layers, torch-native backend and fake disaggregation receiver.
+
+Outputs are compared with SGLang's torch-native attention at float32: both compute a float32
+softmax over the same K/V (kvattn's online softmax in another order), so they agree to a few
+float32 ulps of the O(1) outputs; 1e-5 leaves a margin of 20x over the largest gap seen (4.8e-7),
+and a refused or foreign page moves an output by more than 0.1.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from kvattn_testing.engines import ROOT, Runs, why_not_ready
+
+VENV = ROOT / "build" / "venv-sglang"
+DRIVER = ROOT / "tests" / "integrations" / "sglang" / "sglang_driver.py"
+TOL = 1e-5
+
+if why_not_ready("SGLang", "venv-sglang", "sglang-env"):
+    pytest.skip(why_not_ready("SGLang", "venv-sglang", "sglang-env"), allow_module_level=True)
+
+
+def _drive() -> dict:
+    done = subprocess.run([str(VENV / "bin" / "python"), str(DRIVER)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError("sglang_driver.py failed:\n" + done.stderr[-4000:])
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    return Runs().shared("sglang-scenarios", _drive)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["eager", "overlap"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_kvattn_equals_torch_native_on_sglang_pools(runs, page_size, overlap):
+    """Chunked prefill, a radix-cache hit, a mixed batch (two extends and a decode), decodes
+    across a page boundary, then a second turn whose prompt is the first request's tokens (a hit
+    on pages its decodes filled), GQA (4 query heads on 2 KV heads), two layers. Under overlap
+    scheduling the forward runs before the previous token reaches the request's output_ids."""
+    r = runs[f"{'overlap' if overlap else 'equality'}-{page_size}"]
+    assert len(r["gaps"]) == page_size + 7
+    assert max(r["gaps"]) < TOL
+    assert r["aborted"] == {"a": None, "b": None, "c": None, "t": None}
+    assert r["counts"]["refused_pages"] == 0 and r["counts"]["dropped_writes"] == 0
+    # SGLang's radix tree matched these; kvattn proved each page of them (a token per page at
+    # page size 1), the decode-filled ones of the second turn included.
+    assert (r["hit"], r["turn_hit"]) == ((16, 26) if page_size == 1 else (32, 48))
+    assert r["counts"]["prefix_hit_pages"] == (r["hit"] + r["turn_hit"]) // page_size
+
+
+def test_fused_rotary_kv_writes_are_off_and_beams_refused_under_kvattn(runs):
+    """Models that store K/V from their rotary kernel (past set_kv_buffer) ask
+    enable_fused_set_kv_buffer: under a kvattn engine the hook answers no. A beam request's
+    member rows would hold no lease: refused with the reason (None lets it through)."""
+    g = runs["guards"]
+    assert g["torch_native"] == {"fused": True, "beam": None}
+    assert g["kvattn"]["fused"] is False
+    assert "not supported with --attention-backend kvattn" in g["kvattn"]["beam"]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_incident_fake_receiver_success_is_refused(runs, page_size):
+    r = runs[f"incident-{page_size}"]
+    stock, mine = r["torch_native"], r["kvattn"]
+    assert stock["receiver_success"] and mine["receiver_success"]
+    assert stock["aborted"]["B"] is None  # SGLang's attention answers
+    assert r["b_gap"] > 0.1
+    message = mine["aborted"]["B"]
+    assert mine["finish"]["type"] == "abort" and mine["finish"]["status_code"] == 500
+    assert stock["finish"] is None
+    assert "FakeKVReceiver moves no bytes: 0 tokens arrived; 0 page(s) committed" in message
+    assert "reads: RESERVED on logical page(s) 0 (page " in message
+    pages = 4 if page_size == 16 else 5  # B's prompt: 3 * 16 + 2 tokens, or 5 at page size 1
+    assert mine["counts"]["refused_pages"] == pages * 2  # every page, in both layers
+    assert mine["aborted"]["C"] is None and r["c_gap"] < TOL
+    assert r["b_kvattn_finite"]  # A's freed bytes are NaN under kvattn: none reached an output
+    if page_size == 16:
+        # A's freed pages were preallocated for B: SGLang's attention reads A's KV.
+        assert stock["reused_pages"] == mine["reused_pages"] == [2, 3, 4]
+        assert r["b_kvattn_norm"] == 0.0  # nothing of B's is readable: output 0
+
+
+def test_transfer_that_arrived_and_was_counted_reads_clean(runs):
+    """The incident's clean twin: the transport wrote B's KV into the preallocated pages and
+    counted every token; B decodes as on SGLang's attention."""
+    r = runs["transfer-16"]
+    assert r["kvattn"]["aborted"] == {"B": None, "C": None}
+    assert r["kvattn"]["counts"]["received_tokens"] == 50
+    assert r["kvattn"]["counts"]["refused_pages"] == 0
+    assert r["b_gap"] < TOL and r["c_gap"] < TOL
+
+
+def test_placeholder_one_token_commits_one_slot(runs):
+    r = runs["placeholder-16"]
+    message = r["kvattn"]["aborted"]["B"]
+    assert "counted 1 token(s) arrived; 1 page(s) committed" in message
+    assert "UNWRITTEN on logical page(s) 0 (page 2)" in message
+    assert "RESERVED on logical page(s) 1 (page 3), 2 (page 4), 3 (page 5)" in message
+    assert r["torch_native"]["aborted"]["B"] is None and r["b_gap"] > 0.1
+    assert r["kvattn"]["aborted"]["C"] is None and r["c_gap"] < TOL
+    assert r["b_kvattn_finite"]  # the NaN of A's bytes past the one committed slot is not read
+
+
+def test_radix_hit_on_unchanged_pages_reads_them(runs):
+    r = runs["prefix-clean-16"]
+    assert r["kvattn"]["hit"] == 32 and r["kvattn"]["hit_is_w"]
+    assert r["kvattn"]["aborted"] == {"R": None, "D": None}
+    assert r["kvattn"]["counts"]["prefix_hit_pages"] == 2
+    assert r["kvattn"]["counts"]["refused_pages"] == 0
+    assert r["r_gap"] < TOL and r["d_gap"] < TOL
+
+
+@pytest.mark.parametrize("page_size,reason", [(16, "OWNER_MISMATCH"), (1, "FREE")])
+def test_radix_hit_on_changed_pages_fails_closed(runs, page_size, reason):
+    """R's match was not locked and the tree evicted its pages before R ran: at page size 16 they
+    were reused and rewritten by another request (SGLang's attention reads its KV), at page size 1
+    they are free."""
+    r = runs[f"prefix-stale-{page_size}"]
+    assert r["kvattn"]["hit"] == 2 * page_size and r["kvattn"]["hit_is_w"]
+    assert r["torch_native"]["aborted"]["R"] is None and r["r_gap"] > 0.1
+    assert r["torch_native"]["x_reused"] == (page_size == 16)
+    message = r["kvattn"]["aborted"]["R"]
+    assert f"reads: {reason} on logical page(s) 0 (page " in message
+    assert r["r_kvattn_finite"]  # the evicted pages are NaN under kvattn where X did not write
+    assert r["kvattn"]["counts"]["unproven_hit_pages"] == 2
+    assert r["kvattn"]["aborted"]["D"] is None and r["d_gap"] < TOL
+
+
+def test_plugin_registers_through_sglang_entry_points(runs):
+    r = runs["plugin"]
+    assert "kvattn=kvattn.integrations.sglang_backend:register" in r["entry_points"]
+    assert not r["before"] and r["after"] and r["factory"] == "create_backend"
+    assert r["parsed"] == "kvattn"
+    # HookRegistry wrapped the transfer commit, the beam check and the fused-write switch; a model
+    # module imported afterwards binds the wrapped switch.
+    assert r["hooked"] == [True, True, True] and r["late_import_hooked"]
+
+
+def test_streaming_session_turn_keeps_the_row_lease(runs):
+    """A session's next turn is a new Req on the same row: its own pages read clean (one lease
+    for both turns), within tolerance of SGLang's attention."""
+    r = runs["session-clean-16"]
+    assert r["kvattn"]["aborted"] == {"s1": None, "s2": None}
+    assert r["kvattn"]["counts"]["leases"] == 1 and r["kvattn"]["counts"]["refused_pages"] == 0
+    assert r["gap"] < TOL
+
+
+def test_streaming_session_fault_aborts_the_live_turn(runs):
+    """The row's first page freed under the session and rewritten by X: SGLang's attention reads
+    X's KV; kvattn aborts the turn that reads it (the new Req), not the finished first turn."""
+    r = runs["session-fault-16"]
+    assert r["torch_native"]["aborted"]["s2"] is None and r["gap"] > 0.1
+    assert r["kvattn"]["aborted"]["s1"] is None
+    assert "reads: OWNER_MISMATCH on logical page(s) 0 (page 1)" in r["kvattn"]["aborted"]["s2"]

@@ -1,0 +1,68 @@
+"""The engine ledger (kvattn/integrations/ledger.py): its failure of one request, from the
+per-layer reports and writer results of one forward: summarised per request across layers, the
+writer's dropped writes (usually the cause) before the refused reads, read back once by
+``Ledger.finish``. Needs no engine install: the ledger is plain kvattn code. The adapters' own
+set-up checks: vllm/test_vllm_setup.py, sglang/test_sglang_setup.py."""
+import torch
+
+import kvattn
+from kvattn import Violation, WriteDrop
+from kvattn.integrations.ledger import Ledger
+
+NOT_HELD = int(WriteDrop.NOT_HELD)
+
+
+def _failed_step(layers: int, drop: bool, refuse: bool) -> dict:
+    """A forward of ``layers`` layers where request 1's new tokens were dropped NOT_HELD in every
+    layer (an early free) and its two pages then refused as UNWRITTEN and RESERVED in every layer;
+    request 0 is clean. Returns what ``finish`` says of it."""
+    ledger = Ledger(16)
+    step = ledger.start_step(["req_0", "req_1"], [1, 2], [1, 1],
+                             torch.tensor([[3, 0, 0], [5, 6, 0]], dtype=torch.int32),
+                             torch.zeros(2, 3, dtype=torch.int64), [1, 6])
+    for layer in range(layers):
+        reasons = torch.tensor([[0, 0, 0], [int(Violation.UNWRITTEN), int(Violation.RESERVED), 0]]
+                               if refuse else [[0, 0, 0], [0, 0, 0]], dtype=torch.int8)
+        count = (reasons != 0).sum(1).to(torch.int32)
+        bits = torch.tensor([0, int(Violation.UNWRITTEN | Violation.RESERVED) if refuse else 0],
+                            dtype=torch.int32)
+        step.reports.append((f"layer {layer}", kvattn.OwnershipReport(
+            count, bits, torch.tensor([1, 2]), reasons, torch.zeros(2, dtype=torch.int32))))
+        step.refused += count
+        drops = torch.tensor([0, NOT_HELD if drop else 0], dtype=torch.int8)
+        step.drops.append((f"layer {layer}", drops))
+        step.dropped += (drops != 0).to(torch.int32)
+    failed = ledger.finish()
+    assert list(failed) == ["req_1"] and ledger.failures[0][0] == "req_1"
+    assert ledger.counts["refused_pages"] == (2 * layers if refuse else 0)
+    assert ledger.counts["dropped_writes"] == (layers if drop else 0)
+    return failed["req_1"][2]
+
+
+def test_failure_names_the_dropped_writes_of_every_layer():
+    message = _failed_step(30, drop=True, refuse=True)
+    assert "30 NOT_HELD dropped write(s)" in message and "in 30 of 30 layer(s)" in message
+    assert "reads: RESERVED on logical page(s) 1 (page 6), in 30 of 30 layer(s)" in message
+    assert "reads: UNWRITTEN on logical page(s) 0 (page 5), in 30 of 30 layer(s)" in message
+    assert "layer 0, layer 1, layer 2, layer 3, ... (26 more)" in message
+    assert message.index("writes:") < message.index("reads:")
+    assert len(message.splitlines()) == 4  # heading, writes, two read lines: not one per layer
+
+
+def test_failure_without_drops_shows_reads_only():
+    """The twin: a request whose writes all landed shows no writes line; one with drops only shows
+    no reads line."""
+    reads_only = _failed_step(3, drop=False, refuse=True)
+    assert "writes:" not in reads_only and "in 3 of 3 layer(s)" in reads_only
+    writes_only = _failed_step(3, drop=True, refuse=False)
+    assert "reads:" not in writes_only and "3 NOT_HELD dropped write(s)" in writes_only
+
+
+def test_a_clean_step_fails_nobody_and_counts_its_checks():
+    ledger = Ledger(16)
+    step = ledger.start_step(["a"], [7], [1], torch.zeros(1, 1, dtype=torch.int32),
+                             torch.zeros(1, 1, dtype=torch.int64), [1])
+    step.pages_checked += 4
+    assert ledger.finish() == {} and ledger.failures == []
+    assert ledger.pages_checked == 4 and ledger.forwards == 1
+    assert ledger.finish() == {} and ledger.forwards == 1  # no step: nothing read

@@ -1,0 +1,119 @@
+"""The engine-level differential suite under vLLM 0.32 (the CPU build): seeded random workloads
+(vllm_differential.py says what they hold) served by vLLM's own attention and by kvattn's,
+clean and then with one bookkeeping fault injected into the engine per run.
+
+Clean, kvattn must give vLLM's tokens with no failed request, no refused page and no dropped
+write. Faulted, the fault's victim, and only it, fails on kvattn (the other requests keep their
+tokens from the clean run of the same requests) while vLLM's own attention answers the victim
+with other tokens (the fault is real). The counts are printed (``pytest -s``) and written to
+build/differential/vllm.json.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from kvattn_testing import engines
+from kvattn_testing.engines import ROOT, why_no_vllm
+
+SEEDS = (0, 1, 2, 3, 4, 5)
+DRIVER = ROOT / "tests" / "integrations" / "vllm" / "vllm_differential.py"
+FAULTS = ("foreign_entry", "early_free", "lost_prefill", "stale_prefix", "same_step_collision")
+
+pytestmark = pytest.mark.slow
+
+if why_no_vllm():
+    pytest.skip(why_no_vllm(), allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    runs = engines.Runs()
+    seeds = ",".join(map(str, SEEDS))
+    return runs.shared("differential", lambda: runs.drive(
+        [("differential-stock", DRIVER, False, (seeds,)),
+         ("differential-kvattn", DRIVER, True, (seeds,))]))
+
+
+def _answer(result: dict):
+    """What must not change: tokens and finish reasons (a hit count may, with the pool's state)."""
+    return result["tokens"], result["finish"]
+
+
+def _clean_ledger(entry: dict) -> Counter:
+    before = Counter(entry["ledger_before"].get("counts", {}))
+    return Counter(entry["ledger_after"]["counts"]) - before
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_clean_workload_matches_vllm_with_no_refusal(runs, seed):
+    stock, kvattn = runs["differential-stock"][str(seed)], runs["differential-kvattn"][str(seed)]
+    assert kvattn["requests"] == stock["requests"]
+    assert kvattn["clean"] == stock["clean"]
+    assert kvattn["clean_failures"] == []
+    ledger = _clean_ledger(kvattn)
+    assert ledger["refused_pages"] == 0 and ledger["dropped_writes"] == 0
+    assert kvattn["ledger_after"]["pages_checked"] > kvattn["ledger_before"].get("pages_checked", 0)
+    finished = [r for r in kvattn["clean"].values() if not r["aborted"]]
+    assert finished and all(f == "length" for r in finished for f in r["finish"])
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_fault_fails_the_victim_and_only_the_victim(runs, seed, fault):
+    stock = runs["differential-stock"][str(seed)]["faults"][fault]
+    kvattn = runs["differential-kvattn"][str(seed)]["faults"][fault]
+    victim = kvattn["victim"]
+    assert kvattn["injected"] and stock["injected"], "the fault was never injected"
+    # The same requests, clean, on both attentions; vLLM's answers the victim otherwise faulted.
+    assert {n: _answer(r) for n, r in kvattn["reference"].items()} == \
+        {n: _answer(r) for n, r in stock["reference"].items()}
+    assert _answer(stock["faulted"][victim]) != _answer(stock["reference"][victim])
+    assert stock["failures"] == []
+    assert [name for name, _ in kvattn["failures"]] == [victim]
+    assert kvattn["failures"][0][1].startswith("kvattn ownership check failed for request")
+    assert kvattn["faulted"][victim]["finish"] == ["error"]
+    # A request kvattn ends reports the prefix-cache hits vLLM reports for it.
+    assert kvattn["faulted"][victim]["cached"] == stock["faulted"][victim]["cached"]
+    for name, result in kvattn["faulted"].items():
+        if name != victim:
+            assert _answer(result) == _answer(kvattn["reference"][name]), name
+
+
+def test_counts(runs):
+    """The suite's counts over every seed, printed and written to build/differential/vllm.json;
+    the workloads exercise what they are drawn for."""
+    totals: Counter = Counter()
+    for seed in SEEDS:
+        stock = runs["differential-stock"][str(seed)]
+        kvattn = runs["differential-kvattn"][str(seed)]
+        clean = kvattn["clean"]
+        ledger = _clean_ledger(kvattn)
+        totals["workloads"] += 1
+        totals["requests"] += len(kvattn["requests"])
+        totals["parallel_requests"] += sum(r["n"] > 1 for r in kvattn["requests"])
+        totals["aborts"] += sum(r["aborted"] for r in clean.values())
+        totals["requests_with_prefix_hits"] += sum(bool(r["cached"]) for r in clean.values())
+        totals["prefix_hit_blocks"] += ledger["prefix_hit_blocks"]
+        totals["same_step_hit_blocks"] += ledger["same_step_hit_blocks"]
+        totals["cached_blocks_reused"] += ledger["cached_blocks_reused"]
+        totals["preemptions"] += kvattn["preemptions"]
+        totals["clean_failures"] += len(kvattn["clean_failures"])
+        totals["clean_refused_pages"] += ledger["refused_pages"]
+        for fault in FAULTS:
+            run = kvattn["faults"][fault]
+            totals["faults_injected"] += run["injected"]
+            totals["faults_detected"] += [n for n, _ in run["failures"]] == [run["victim"]]
+            totals["faults_changing_vllm_answer"] += (
+                _answer(stock["faults"][fault]["faulted"][run["victim"]])
+                != _answer(stock["faults"][fault]["reference"][run["victim"]]))
+    out = ROOT / "build" / "differential"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vllm.json").write_text(json.dumps(dict(seeds=list(SEEDS), **totals), indent=1))
+    print("vLLM differential suite:", ", ".join(f"{k} {v}" for k, v in totals.items()))
+    for key in ("parallel_requests", "aborts", "requests_with_prefix_hits", "same_step_hit_blocks",
+                "cached_blocks_reused", "preemptions"):
+        assert totals[key] > 0, key
+    assert totals["faults_detected"] == totals["faults_injected"] == len(SEEDS) * len(FAULTS)
