@@ -433,14 +433,14 @@ class Ledger:
         return attest_pages(self.tags, owners, pages, k_pools, v_pools, digests=digests,
                             contexts=self.contexts(tokens, indices, lens))
 
-    def verify(self, attested: list | None, first: int, pages: list[int], tokens: list[int],
-               k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], *,
+    def verify(self, attested: list | None, indices: list[int], pages: list[int],
+               tokens: list[int], k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], *,
                check_bytes: bool = True) -> tuple[list[int], list[str | None]]:
-        """The receiving side: ``pages`` (the request's logical pages ``first, first + 1, ...``)
-        arrived, each to be verified against the sender's attestation of the page it came from
-        (``attested``: JSON values aligned with ``pages``, None where none came) in the context of
-        the receiver's own ``tokens``. Returns per page the length to commit and None, or 0 and
-        why not; a malformed entry refuses its page only."""
+        """The receiving side: ``pages`` (the request's logical pages ``indices``) arrived, each
+        to be verified against the sender's attestation of the page it came from (``attested``:
+        JSON values aligned with ``pages``, None where none came) in the context of the receiver's
+        own ``tokens``. Returns per page the length to commit and None, or 0 and why not; a
+        malformed entry refuses its page only."""
         claims: list[PageAttestation | None] = [None] * len(pages)
         malformed = set()
         for j, value in enumerate(attested or []):
@@ -449,7 +449,6 @@ class Ledger:
                     claims[j] = PageAttestation.from_json(value)
                 except ValueError:
                     malformed.add(j)
-        indices = [first + j for j in range(len(pages))]
         contexts = self.contexts(tokens, indices, [c.valid_len if c else 0 for c in claims])
         lens, reasons = verify_arrived(claims, pages, k_pools, v_pools, check_bytes=check_bytes,
                                        contexts=contexts)

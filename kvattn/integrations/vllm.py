@@ -624,8 +624,8 @@ class WorkerOwnership(Ledger):
         tokens (:meth:`Ledger.verify`), and remembered by its verified length until the request's
         lease is made, when it is committed. Returns one line per block that will not be
         committed, saying why."""
-        lens, reasons = self.verify(attested, first, blocks, tokens, *self._layer_pools(),
-                                    check_bytes=check_bytes)
+        lens, reasons = self.verify(attested, [first + j for j in range(len(blocks))], blocks,
+                                    tokens, *self._layer_pools(), check_bytes=check_bytes)
         self.arrivals[rid] = [(first + j, b, n) for j, (b, n) in enumerate(zip(blocks, lens)) if n]
         self.counts["received_blocks"] += len(blocks)
         notes = [f"block {b} (logical {first + j}): {why}"
