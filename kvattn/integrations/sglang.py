@@ -9,9 +9,9 @@ ended with ``FINISH_ABORT`` (an error status, never an answer), and a message na
 the layers, pages and reasons is logged (logger ``kvattn``); the other requests of the batch go
 on.
 
-Tested with SGLang ``SUPPORTED_VERSIONS`` against its own classes (pools, allocators, request
-pool, ``ForwardBatch``, the torch-native backend, the fake disaggregation backend); other versions
-are refused when the backend is asked for, because the hooks below follow private parts of SGLang.
+Tested with SGLang ``SUPPORTED_VERSIONS``: its engine and HTTP server (one server, and a
+prefill/decode pair over Mooncake) and its own classes; other versions are refused when the
+backend is asked for, because the hooks below follow private parts of SGLang.
 
 What kvattn follows, and where (all on the instances of the engine whose backend is kvattn's):
 
@@ -38,21 +38,26 @@ What kvattn follows, and where (all on the instances of the engine whose backend
   would store K/V itself (``enable_fused_set_kv_buffer``) write through the pool instead.
 - **Release**: when SGLang's allocator frees pages (a finished request's tail, the radix cache's
   evictions), the ledger releases them owner-scoped; a page the radix cache keeps stays WRITTEN.
-- **Disaggregated decode**: when the decode side's transfer queue commits a finished transfer
-  (``DecodeTransferQueue._commit_transfer_to_req``), the request's pages are reserved for its lease
-  and committed with the number of tokens the receiver accounts for (:func:`received_tokens`):
-  the fake backend moves no bytes, so nothing is committed and its "success" is refused at
-  attention. SGLang 0.5.23's real receivers report completion only; a decode instance on them is
-  refused at setup (they would refuse every transfer).
+- **Prefill/decode disaggregation** (:mod:`kvattn.integrations.sglang_transfer`): a kvattn
+  prefill instance attests each page it sends from its own tags (written length, digest of the
+  bytes in the context of the request's tokens) and sends the attestation on SGLang's own status
+  channel just before the transfer's Success. When the decode side's transfer queue commits a
+  finished transfer (``DecodeTransferQueue._commit_transfer_to_req``), the request's pages are
+  reserved for its lease and committed page by page at the lengths verified against its own
+  copy; a page without a verified attestation (a stock prefill's, a placeholder's missing pages,
+  bytes that differ) stays RESERVED, and the request fails at attention, saying why. SGLang's
+  fake backend moves no bytes: nothing is committed and its "success" is refused.
 - **Failure**: refused pages and dropped writes are summed per request over the layers of a forward
   in device memory and read once, after the forward; a failed request gets SGLang's own
-  ``discard_output_reason`` (a ``FINISH_ABORT``, status 500): the forward's output is dropped, the
-  request finishes with the error, and its KV is not put in the radix cache.
+  ``discard_output_reason`` (a ``FINISH_ABORT``, status 500): the forward's output is dropped
+  (after a decode forward, by :func:`decode_outputs_hook`), the request finishes with the error,
+  and its KV is not put in the radix cache.
 
 Not supported (refused at setup, saying why): MLA, hybrid (SWA, linear) and quantized KV pools,
 fp8 KV caches, HND layouts, speculative decoding, CUDA graphs (``--disable-cuda-graph``), DP
-attention, encoder-decoder and cross attention, a decode instance on a transfer backend other than
-``fake``; beam-search requests are refused one by one.
+attention, encoder-decoder and cross attention; in prefill/decode disaggregation, transfer
+backends other than ``mooncake`` and ``fake``, tensor and pipeline parallelism, staging buffers;
+beam-search requests are refused one by one.
 """
 from __future__ import annotations
 
@@ -62,11 +67,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import sglang_transfer
 from .ledger import IntegrationError, Lease, Ledger, check_version as _check_version, refuse
 
 SUPPORTED_VERSIONS = ("0.5.23",)
 BACKEND_NAME = "kvattn"
 BACKEND_ENV = "KVATTN_SGLANG_BACKEND"  # the kvattn backend the readers and writers use
+# Transfer backends whose transfers a kvattn decode instance commits: "fake" moves no bytes (and
+# commits none); Mooncake's carry the prefill's attestation (kvattn.integrations.sglang_transfer).
+TRANSFER_BACKENDS = ("fake", "mooncake")
 
 
 def check_version(version: str | None = None) -> None:
@@ -83,11 +92,13 @@ def commit_transfer_hook(original, queue, decode_req, *args, **kwargs):
     its pages are committed by what the receiver accounts for. The receiver is taken before the
     original runs, which drops it (``decode_req.kv_receiver = None``)."""
     receiver = decode_req.kv_receiver
-    result = original(queue, decode_req, *args, **kwargs)
     state = _STATES.get(id(queue.scheduler.req_to_token_pool))
+    # Taken before the original, which clears the receiver's room (and with it the frames).
+    frames = sglang_transfer.take(receiver) if state is not None else None
+    result = original(queue, decode_req, *args, **kwargs)
     req = decode_req.req
     if state is not None and not _aborted(req):
-        state.commit_transfer(req, receiver)
+        state.commit_transfer(req, receiver, frames)
     return result
 
 
@@ -116,6 +127,20 @@ def beam_hook(original, coordinator, req, *args, **kwargs):
     return original(coordinator, req, *args, **kwargs)
 
 
+def decode_outputs_hook(original, processor, *args, **kwargs):
+    """Around ``SchedulerBatchResultProcessor._normalize_decode_outputs``: SGLang finishes a
+    request whose forward must not count (``discard_output_reason``, which the ledger sets) only
+    after an extend. After a decode forward the request's sampled token is withheld here and the
+    request finishes with the reason, as SGLang does for a token it must not commit."""
+    next_token_ids, logprobs = original(processor, *args, **kwargs)
+    if state_for(processor.req_to_token_pool) is not None:
+        for i, req in enumerate(kwargs["batch"].reqs):
+            if req.discard_output_reason is not None and not req.finished():
+                next_token_ids[i] = []
+                req.to_finish = req.discard_output_reason
+    return next_token_ids, logprobs
+
+
 def _aborted(req) -> bool:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
     return isinstance(req.finished_reason, FINISH_ABORT) or isinstance(req.to_finish, FINISH_ABORT)
@@ -139,6 +164,7 @@ def received_tokens(receiver) -> tuple[int, str]:
 # One ledger per engine in this process, keyed by the id of its request pool, which the scheduler,
 # the model runner and the disaggregation queues share.
 _STATES: dict[int, SGLangOwnership] = {}
+sglang_transfer.use_ledgers(_STATES)
 
 
 def state_for(req_to_token_pool) -> SGLangOwnership | None:
@@ -181,12 +207,29 @@ def _refuse_unsupported(runner) -> None:
         reasons.append("DP attention (padded idle batches)")
     if getattr(runner.model_config, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
-    mode = str(getattr(args, "disaggregation_mode", "null"))
+    mode = str(getattr(args, "disaggregation_mode", "null")).split(".")[-1].lower()
     transfer = getattr(args, "disaggregation_transfer_backend", "fake")
-    if mode.endswith("decode") and transfer != "fake":
-        reasons.append(f"a decode instance on transfer backend {transfer!r} (its receivers report "
-                       f"completion, not what arrived, so no transferred page could be committed)")
+    if mode in ("prefill", "decode"):
+        reasons += _disaggregation_refusals(mode, transfer, args)
     refuse("sglang", reasons)
+
+
+def _disaggregation_refusals(mode: str, transfer: str, args) -> list[str]:
+    """What the attestation (:mod:`kvattn.integrations.sglang_transfer`) does not cover yet."""
+    reasons = []
+    if transfer not in TRANSFER_BACKENDS:
+        reasons.append(f"a {mode} instance on transfer backend {transfer!r} (attested transfers "
+                       f"run on {', '.join(map(repr, TRANSFER_BACKENDS))})")
+    if getattr(args, "tp_size", 1) > 1:
+        reasons.append(f"tensor parallelism in a {mode} instance (each rank would attest and "
+                       "commit its own heads' pages; not covered yet)")
+    if getattr(args, "pp_size", 1) > 1:
+        reasons.append(f"pipeline parallelism in a {mode} instance (layers split across ranks; "
+                       "not covered yet)")
+    if os.environ.get("SGLANG_DISAGG_STAGING_BUFFER", "").strip().lower() in ("1", "true"):
+        reasons.append("staging buffers (SGLANG_DISAGG_STAGING_BUFFER: pages reach the decode's "
+                       "pool by a scatter the attestation does not follow)")
+    return reasons
 
 
 @dataclass
@@ -464,15 +507,37 @@ class SGLangOwnership(Ledger):
 
     # -- KV that arrived by a transfer --------------------------------------------------------
 
-    def commit_transfer(self, req, receiver) -> None:
+    def attest_sent(self, req, indices: list[int], pages: list[int], *,
+                    digests: bool = True) -> dict[int, list]:
+        """The prefill side: ``pages`` (logical pages ``indices`` of ``req``) are about to be sent.
+        Per logical page, ``[valid_len, digest]`` from this ledger's tags under the owner the
+        request expects there (a radix hit: its writer's); a page the request's lease does not
+        map there attests nothing (0)."""
+        lease = self.leases.get(req.kv.req_pool_idx)
+        held = lease.pages[0] if lease is not None else []
+        owners = [lease.expected[0][i] if lease is not None and i < len(held) and held[i] == p
+                  else 0 for i, p in zip(indices, pages)]
+        attested = self.attest(owners, pages, indices, list(req.origin_input_ids),
+                               *self._all_pools(), digests=digests)
+        self.counts["attested_pages"] += len(pages)
+        return {i: a.to_json() for i, a in zip(indices, attested)}
+
+    def _all_pools(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's K and V pools, in tag-row order."""
+        start = self.kv_pool.start_layer
+        pools = [self.pools(start + i) for i in range(self.tags.shape[0])]
+        return [k for k, _ in pools], [v for _, v in pools]
+
+    def commit_transfer(self, req, receiver, frames: list[bytes] | None = None) -> None:
         """The decode side: ``req``'s transfer finished. Its pages (its row, through its prompt)
-        are reserved for its lease and committed with the tokens ``receiver`` accounts for, from
-        the first position no local prefix hit covers."""
+        are reserved for its lease and committed from the first position no local prefix hit
+        covers: by the prefill's attestation (``frames``, from a transfer engine's receiver),
+        page by page at the lengths verified here; or, for a receiver that is not a transfer
+        engine's (``frames`` None), by the tokens it accounts for (:func:`received_tokens`)."""
         row = req.kv.req_pool_idx
         lease = self.leases.get(row)
         if lease is None:
             return
-        count, how = received_tokens(receiver)
         total = len(req.origin_input_ids)
         table = self._table([row], [total])
         pages = table[0, : -(-total // self.page_size)].cpu().tolist()
@@ -483,24 +548,47 @@ class SGLangOwnership(Ledger):
         self._sync(lease, tokens, pages, computed, computed, reserve, {})
         self._reserve(reserve, {})
         P = self.page_size
-        end = min(total, computed + max(0, count))
-        commit, lens = [], []
-        for i, page in enumerate(pages):
-            n = min(P, end - i * P)
-            if n > 0 and page >= 0 and lease.expected[0][i] == lease.owner and i * P >= computed:
-                commit.append(page)
-                lens.append(n)
-        self.commit(commit, lease.owner, lens)
+        own = [i for i, page in enumerate(pages)
+               if page >= 0 and lease.expected[0][i] == lease.owner and i * P >= computed]
+        if frames is None:
+            count, how = received_tokens(receiver)
+            end = min(total, computed + max(0, count))
+            lens = {i: min(P, end - i * P) for i in own if end - i * P > 0}
+            self.counts["received_tokens"] += end - computed
+            note = f"transfer of {total - computed} token(s): {how}"
+        else:
+            lens, note = self._verified(frames, own, pages, list(req.origin_input_ids))
+        commit = [pages[i] for i in sorted(lens)]
+        self.commit(commit, lease.owner, [lens[i] for i in sorted(lens)])
         if self.prefix_caching:  # a full page that arrived is a prefix hit's content later
-            full = {page for page, n in zip(commit, lens) if n == P}
-            for i, page in enumerate(pages):
-                if page in full and i < len(lease.keys):
-                    self.remember(page, lease.owner, lease.keys[i])
-        self.counts["received_tokens"] += end - computed
-        self.receive_notes[row] = [f"received: transfer of {total - computed} token(s): {how}; "
-                                   f"{len(commit)} page(s) committed"]
+            for i in sorted(lens):
+                if lens[i] == P and i < len(lease.keys):
+                    self.remember(pages[i], lease.owner, lease.keys[i])
+        self.receive_notes[row] = [f"received: {note}; {len(commit)} page(s) committed"]
 
+    def _verified(self, frames: list[bytes], own: list[int], pages: list[int],
+                  prompt: list[int]) -> tuple[dict[int, int], str]:
+        """Per logical page of ``own``, the length the prefill's attestation proves here (pages
+        it does not prove are left out), and a line saying what arrived."""
+        claims, why = sglang_transfer.parse(frames)
+        self.counts["received_transfers"] += 1
+        if claims is None:
+            self.counts["received_pages_refused"] += len(own)
+            return {}, why
+        lens, reasons = self.verify([claims.get(i) for i in own], own, [pages[i] for i in own],
+                                    prompt, *self._all_pools(),
+                                    check_bytes=sglang_transfer.check_bytes())
+        refused = [f"logical page {i} (page {pages[i]}): {why}"
+                   for i, why in zip(own, reasons) if why is not None]
+        self.counts["received_pages_committed"] += sum(1 for n in lens if n)
+        self.counts["received_pages_refused"] += len(refused)
+        note = f"attestation of {len(claims)} page(s) from the prefill"
+        if refused:
+            more = f"; ... ({len(refused) - 8} more)" if len(refused) > 8 else ""
+            note += f"; not committed: {'; '.join(refused[:8])}{more}"
+        return {i: n for i, n in zip(own, lens) if n}, note
 
 __all__ = ["BACKEND_NAME", "SUPPORTED_VERSIONS", "IntegrationError", "SGLangOwnership", "attach",
-           "beam_hook", "check_version", "commit_transfer_hook", "fused_write_hook",
+           "beam_hook", "check_version", "commit_transfer_hook", "decode_outputs_hook",
+           "fused_write_hook",
            "received_tokens", "state_for"]

@@ -15,6 +15,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from . import sglang as integration
+from . import sglang_transfer
 
 
 class KVAttnSGLangBackend(AttentionBackend):
@@ -69,9 +70,10 @@ def register() -> None:
     """The ``sglang.srt.plugins`` entry point; SGLang calls it in every process it starts.
 
     Adds ``kvattn`` to SGLang's attention backends and to the ``--attention-backend`` choices, and
-    three hooks that act only on engines whose backend is kvattn's: the decode side's transfer
-    commit, models' fused rotary-and-KV writes (which would bypass the pool's ``set_kv_buffer``)
-    turned off, beam requests refused. A version of SGLang other than a tested one is refused when
+    hooks that act only on engines whose backend is kvattn's: the decode side's transfer commit,
+    the transfer attestation on the prefill -> decode channel
+    (:mod:`kvattn.integrations.sglang_transfer`), models' fused rotary-and-KV writes (which would
+    bypass the pool's ``set_kv_buffer``) turned off, beam requests refused. A version of SGLang other than a tested one is refused when
     ``kvattn`` is selected, with the reason, so that installing kvattn breaks no other backend.
     Idempotent.
     """
@@ -87,7 +89,10 @@ def register() -> None:
     # The hooks' targets must be imported for HookRegistry to find them; each hook acts only on
     # an engine whose backend is kvattn's.
     import sglang.srt.beam_search.coordinator  # noqa: F401
+    import sglang.srt.disaggregation.common.conn  # noqa: F401
     import sglang.srt.disaggregation.decode  # noqa: F401
+    import sglang.srt.disaggregation.prefill  # noqa: F401
+    import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
     import sglang.srt.models.utils  # noqa: F401
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     for target, hook in (
@@ -95,7 +100,11 @@ def register() -> None:
              integration.commit_transfer_hook),
             ("sglang.srt.models.utils.enable_fused_set_kv_buffer", integration.fused_write_hook),
             ("sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init",
-             integration.beam_hook)):
+             integration.beam_hook),
+            ("sglang.srt.managers.scheduler_components.batch_result_processor."
+             "SchedulerBatchResultProcessor._normalize_decode_outputs",
+             integration.decode_outputs_hook),
+            *sglang_transfer.HOOKS):
         HookRegistry.register(target, hook, HookType.AROUND)
 
 

@@ -1,5 +1,6 @@
-"""The SGLang backend's version refusal and its receivers' accounting of what arrived. Plain kvattn
-code (kvattn.integrations.sglang): no SGLang install needed, unlike test_sglang.py."""
+"""The SGLang backend's version refusal, its receivers' accounting of what arrived, the transfer
+attestation's frame and the disaggregation modes refused at setup. Plain kvattn code
+(kvattn.integrations.sglang, sglang_transfer): no SGLang install needed, unlike test_sglang.py."""
 
 
 def test_sglang_backend_refuses_other_versions_naming_the_tested_one():
@@ -27,3 +28,51 @@ def test_sglang_receivers_account_for_what_arrived_not_for_success():
     counted = SimpleNamespace(kvattn_received_tokens=lambda: 7)
     assert sglang.received_tokens(counted) == (7, "SimpleNamespace counted 7 token(s) arrived")
 
+
+
+def test_an_attestation_parses_into_pages_and_lengths():
+    import json
+
+    from kvattn.integrations import sglang_transfer
+    frame = json.dumps({"v": 1, "pages": [[0, 16, "ab"], [3, 5, "cd"]]}).encode()
+    assert sglang_transfer.parse([frame]) == ({0: [16, "ab"], 3: [5, "cd"]}, None)
+    assert sglang_transfer.parse([frame, frame])[0] == {0: [16, "ab"], 3: [5, "cd"]}
+
+
+def test_a_missing_conflicting_or_malformed_attestation_proves_nothing():
+    """The twin: none, two that disagree, or one that is not an attestation give no page, and
+    say why (the request then fails at attention, its pages RESERVED)."""
+    import json
+
+    from kvattn.integrations import sglang_transfer
+    good = json.dumps({"v": 1, "pages": [[0, 16, "ab"]]}).encode()
+    assert sglang_transfer.parse([]) == (None, "no attestation arrived from the prefill instance "
+                                               "(one without kvattn, or a transfer it did not "
+                                               "attest)")
+    other = json.dumps({"v": 1, "pages": [[0, 8, "ab"]]}).encode()
+    assert sglang_transfer.parse([good, other]) == (
+        None, "2 different attestations arrived for one transfer")
+    for bad in (b"", b"[]", b"{", json.dumps({"v": 2, "pages": []}).encode(),
+                json.dumps({"v": 1}).encode(), json.dumps({"v": 1, "pages": [[-1, 1, "a"]]}).encode(),
+                json.dumps({"v": 1, "pages": [[True, 1, "a"]]}).encode(),
+                json.dumps({"v": 1, "pages": [[0, 1, "a"], [0, 2, "b"]]}).encode(),
+                json.dumps({"v": 1, "pages": [["0", 1, "a"]]}).encode(),
+                json.dumps({"v": 1, "pages": [[]]}).encode()):
+        assert sglang_transfer.parse([bad]) == (None, "a malformed attestation arrived"), bad
+
+
+def test_disaggregation_modes_the_attestation_does_not_cover_are_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvattn.integrations import sglang
+    args = SimpleNamespace(tp_size=1, pp_size=1)
+    assert sglang._disaggregation_refusals("decode", "mooncake", args) == []
+    assert sglang._disaggregation_refusals("prefill", "fake", args) == []
+    refused = sglang._disaggregation_refusals("decode", "nixl", SimpleNamespace(tp_size=2,
+                                                                                pp_size=2))
+    assert any("transfer backend 'nixl'" in r for r in refused)
+    assert any("tensor parallelism" in r for r in refused)
+    assert any("pipeline parallelism" in r for r in refused)
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    assert any("staging buffers" in r for r in sglang._disaggregation_refusals("prefill",
+                                                                              "mooncake", args))
