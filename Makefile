@@ -89,13 +89,16 @@ $(VLLM_VENV)/.nixl: $(VLLM_VENV)/.ready
 	  && touch $@ \
 	  || echo "vllm-env: NIXL not installed (see build/venv-vllm.log); tests/integrations/vllm/test_vllm_nixl.py skips"
 
-# SGLang for tests/integrations/sglang/test_sglang.py, in its own venv beside $(PYTHON)'s packages
-# (torch, transformers, numpy; a .pth file as for static-env): `pip install sglang` pins a CUDA
-# torch and SGLang's CUDA kernels, so SGLang goes in without dependencies, with the pure-Python
-# modules its attention, memory-pool, scheduler-batch and disaggregation classes import (pinned),
-# then kvattn itself, editable and without extensions, so SGLang's plugin loader finds the entry
-# point. About 330 MB and half a minute; without a registry the tests skip and say why
-# (build/venv-sglang.log).
+# SGLang for tests/integrations/sglang/, in its own venv beside $(PYTHON)'s packages (torch,
+# transformers, numpy; a .pth file as for static-env): `pip install sglang` pins a CUDA torch and
+# SGLang's CUDA kernels, so SGLang goes in without dependencies, with the pure-Python modules its
+# classes import (pinned), then what its engine and HTTP server import (SGLANG_ENGINE_PINS, with
+# their dependencies: the base torch satisfies theirs through the .pth file), then kvattn itself,
+# editable and without extensions, so SGLang's plugin loader finds the entry point. About 400 MB
+# and a minute; without a registry the tests skip and say why (build/venv-sglang.log).
+# The prefill/decode suite needs the Mooncake transfer engine, which links Debian's libibverbs
+# (installed here with apt-get when missing; with no RDMA device it runs over TCP); without it
+# tests/integrations/sglang/test_sglang_pd.py skips and says why.
 SGLANG_VENV := build/venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_PINS := sglang==0.5.23 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
@@ -104,7 +107,11 @@ SGLANG_PINS := sglang==0.5.23 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal=
   msgspec==0.23.0 multidict==7.2.1 openai==3.57.0 orjson==3.13.0 partial-json-parser==0.2.1.1.post7 \
   propcache==0.5.4 psutil==7.2.2 pybase64==1.5.1 pyzmq==27.3.0 requests==2.34.2 sentencepiece==0.2.3 \
   sniffio==1.3.1 starlette==1.10.0 traitlets==5.16.1 urllib3==2.8.0 yarl==1.25.1
-sglang-env: $(SGLANG_VENV)/.ready
+SGLANG_ENGINE_PINS := fastapi==0.165.0 uvicorn==0.55.0 uvloop==0.23.0 setproctitle==1.3.8 \
+  xgrammar==0.2.7 soundfile==0.14.0 python-multipart==0.0.34 prometheus_client==0.26.0 \
+  jsonschema==4.26.0 msgpack==1.2.4 opentelemetry-api==1.45.3
+MOONCAKE_PIN := mooncake-transfer-engine-non-cuda==0.3.13.post1
+sglang-env: $(SGLANG_VENV)/.ready $(SGLANG_VENV)/.mooncake
 
 $(SGLANG_VENV)/.ready: pyproject.toml
 	@mkdir -p build
@@ -113,10 +120,22 @@ $(SGLANG_VENV)/.ready: pyproject.toml
 	    print('\n'.join(dict.fromkeys([p['purelib'], p['platlib'], *site.getsitepackages()])))" \
 	    > "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvattn-parent.pth"; \
 	  $(SGLANG_PY) -m pip install --disable-pip-version-check --no-deps $(SGLANG_PINS); \
+	  $(SGLANG_PY) -m pip install --disable-pip-version-check $(SGLANG_ENGINE_PINS); \
 	  KVATTN_SKIP_EXTENSIONS=1 $(SGLANG_PY) -m pip install --disable-pip-version-check --no-deps -e .; \
+	  $(SGLANG_PY) -c "import sys, torch; assert sys.prefix not in torch.__file__, 'torch in the venv'"; \
 	  $(SGLANG_PY) tests/integrations/sglang/sglang_driver.py plugin ) > build/venv-sglang.log 2>&1 \
 	  && touch $@ \
-	  || echo "sglang-env: SGLang not installed (see build/venv-sglang.log); tests/integrations/sglang/test_sglang.py skips"
+	  || echo "sglang-env: SGLang not installed (see build/venv-sglang.log); tests/integrations/sglang/ skip"
+
+$(SGLANG_VENV)/.mooncake: $(SGLANG_VENV)/.ready
+	@( set -e; dpkg -s libibverbs1 librdmacm1 > /dev/null 2>&1 \
+	    || { apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1; }; \
+	  $(SGLANG_PY) -m pip install --disable-pip-version-check $(MOONCAKE_PIN); \
+	  PYTHONPATH=tests/integrations/sglang/standins \
+	    $(SGLANG_PY) -c "import mooncake.engine, sglang.srt.disaggregation.mooncake.conn" ) \
+	  >> build/venv-sglang.log 2>&1 \
+	  && touch $@ \
+	  || echo "sglang-env: Mooncake not installed (see build/venv-sglang.log); tests/integrations/sglang/test_sglang_pd.py skips"
 
 vllm-speed: vllm-env
 	$(VLLM_PY) tests/integrations/vllm/vllm_speed.py
