@@ -1,0 +1,229 @@
+"""Test-only fault injectors of the SGLang engine suites, installed into SGLang's processes by
+``sitecustomize`` when ``KVATTN_TEST_FAULTS=1``. Each acts only on requests whose ``rid`` starts
+with its name and a colon (``"lost-write:w3"``), once per request, and appends what it did to the
+JSON-lines file ``KVATTN_TEST_FAULT_LOG``. They stand for the bookkeeping errors of the public
+record (the suite's docstrings say which), applied to SGLang's own structures:
+
+- ``placeholder`` (prefill instance): the request's prompt becomes a one-token placeholder when it
+  enters the prefill queue (what SGLang did with a prompt too long for the prefill node before
+  0.5.23 retired such requests at intake); the decode instance, which reserved pages for the
+  whole prompt, is told the transfer is done.
+- ``short-transfer`` (prefill instance): each chunk hands the transfer engine its first page only,
+  as one finished transfer (a transport that moved less than it reported).
+- ``bad-attestation`` (prefill instance): the attestation frame of the request names no page
+  correctly (a malformed frame from a broken or hostile peer).
+- ``replayed-attestation`` (prefill instance): the request's attestation frame repeats the one
+  sent for the previous transfer (a replayed or misrouted frame).
+- ``corrupt-arrival`` (decode instance): the first page's K bytes change after the transfer
+  arrived, before the request is committed (a completion reported before the bytes were right).
+- ``foreign-entry``: for one decode forward the request's ``req_to_token`` entries of its first
+  page (at least ``SPAN`` tokens) name another request's pages (a misrouted or stale table entry).
+- ``stale-hit``: for the forward that reads a radix-cache hit, the hit's first page (at least
+  ``SPAN`` tokens) is another request's (a prefix match whose pages were meanwhile handed out and
+  rewritten).
+- ``lost-write``: the request's first extend forward stores its K/V into SGLang's padding slot
+  instead of its pages (a write that never reached the pages its table names).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import torch
+
+PREFILL_FAULTS = ("placeholder", "short-transfer", "bad-attestation", "replayed-attestation")
+DECODE_FAULTS = ("corrupt-arrival",)
+FORWARD_FAULTS = ("foreign-entry", "stale-hit", "lost-write")
+
+_lock = threading.Lock()
+_applied: set[str] = set()
+_rows: dict[int, str] = {}  # req_to_token row -> rid of the request holding it
+_first_pages: dict[str, torch.Tensor] = {}  # rid -> the slots of its first span, once written
+SPAN = 16  # tokens
+_rooms: dict[int, str] = {}  # bootstrap room -> rid (prefill instance)
+
+
+def fault_of(rid) -> str | None:
+    name = str(rid).split(":", 1)[0] if rid is not None and ":" in str(rid) else None
+    return name if name in PREFILL_FAULTS + DECODE_FAULTS + FORWARD_FAULTS else None
+
+
+def _once(rid: str, **detail) -> bool:
+    """Record that the fault of ``rid`` is applied now; False if it was already."""
+    with _lock:
+        if rid in _applied:
+            return False
+        _applied.add(rid)
+    _log(fault=fault_of(rid), rid=rid, **detail)
+    return True
+
+
+def _log(**record) -> None:
+    path = os.environ.get("KVATTN_TEST_FAULT_LOG")
+    if path:
+        with _lock, open(path, "a") as log:
+            log.write(json.dumps(record) + "\n")
+
+
+# -- request rows --------------------------------------------------------------------------------
+
+def _track_rows(module) -> None:
+    for cls in (module.ReqToTokenPool,):
+        alloc, free = cls.alloc, cls.free
+
+        def alloc_hook(self, reqs, _alloc=alloc):
+            rows = _alloc(self, reqs)
+            if rows is not None:
+                for r in reqs:
+                    _rows[r.kv.req_pool_idx] = r.rid
+            return rows
+
+        def free_hook(self, req, _free=free):
+            _rows.pop(req.kv.req_pool_idx, None)
+            return _free(self, req)
+        cls.alloc, cls.free = alloc_hook, free_hook
+
+
+# -- forwards ------------------------------------------------------------------------------------
+
+def _donor(rid: str, mine: torch.Tensor) -> torch.Tensor | None:
+    """The first slots of another request that wrote them earlier (the newest) sharing none of
+    ``mine``: pages holding another request's KV, running or kept by the radix cache."""
+    for other, slots in reversed(list(_first_pages.items())):
+        if other != rid and slots.shape == mine.shape and not set(slots.tolist()) & set(mine.tolist()):
+            return slots
+    return None
+
+
+def _apply(runner, fb):
+    """The faults due in this forward; returns the function that undoes them and records the
+    first pages its requests will have written."""
+    undo, written = [], []
+    rows = [int(r) for r in fb.req_pool_indices.tolist()]
+    seq_lens = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
+    decode = fb.forward_mode.is_decode()
+    P = runner.token_to_kv_pool_allocator.page_size
+    table = runner.req_to_token_pool.req_to_token
+    q_lens = [1] * len(rows) if decode else [int(n) for n in fb.extend_seq_lens_cpu]
+    prefix = [0] * len(rows) if decode else [int(n) for n in fb.extend_prefix_lens_cpu]
+    # The span a swap covers: one page, and at least SPAN tokens (so that at page size 1 the
+    # fault changes what SGLang's own attention answers).
+    span = P * -(-SPAN // P)
+    start = 0
+    for b, row in enumerate(rows):
+        rid = _rows.get(row)
+        fault = fault_of(rid)
+        first, start = start, start + q_lens[b]
+        if seq_lens[b] >= span and rid is not None:
+            written.append((rid, table[row, :span].clone()))
+        swap = ((fault == "foreign-entry" and decode and seq_lens[b] > span)
+                or (fault == "stale-hit" and not decode and prefix[b] >= span))
+        if swap:
+            saved = table[row, :span].clone()
+            donor = _donor(rid, saved)
+            if donor is not None and _once(rid, page_size=P, tokens=span):
+                table[row, :span] = donor
+                undo.append(lambda row=row, saved=saved: table[row, :span].copy_(saved))
+        elif fault == "lost-write" and not decode and q_lens[b] > 0:
+            if _once(rid, tokens=q_lens[b]):
+                loc = fb.out_cache_loc
+                saved = loc[first:start].clone()
+                loc[first:start] = 0  # SGLang's padding slot: no request's page
+                undo.append(lambda first=first, end=start, saved=saved:
+                            fb.out_cache_loc[first:end].copy_(saved))
+
+    def restore():
+        for step in reversed(undo):
+            step()
+        for rid, slots in written:
+            _first_pages.pop(rid, None)
+            _first_pages[rid] = slots
+    return restore
+
+
+def _wrap_forward(module) -> None:
+    forward = module.ModelRunner.forward
+
+    def forward_hook(self, forward_batch, *args, **kwargs):
+        restore = _apply(self, forward_batch)
+        try:
+            return forward(self, forward_batch, *args, **kwargs)
+        finally:
+            restore()
+    module.ModelRunner.forward = forward_hook
+
+
+# -- the prefill instance ------------------------------------------------------------------------
+
+def _wrap_prefill(module) -> None:
+    add = module.PrefillBootstrapQueue.add
+
+    def add_hook(self, req, *args, **kwargs):
+        fault = fault_of(req.rid)
+        if fault in PREFILL_FAULTS:
+            _rooms[int(req.bootstrap_room)] = req.rid
+        if fault == "placeholder" and _once(req.rid, prompt=len(req.origin_input_ids)):
+            req.origin_input_ids = type(req.origin_input_ids)(
+                "q", list(req.origin_input_ids)[:1])
+        return add(self, req, *args, **kwargs)
+    module.PrefillBootstrapQueue.add = add_hook
+
+
+def _wrap_transfer(module) -> None:
+    add_transfer_request = module.MooncakeKVManager.add_transfer_request
+
+    def hook(self, bootstrap_room, kv_indices, index_slice, *args, **kwargs):
+        rid = _rooms.get(int(bootstrap_room))
+        if fault_of(rid) == "short-transfer" and len(kv_indices) > 1:
+            _once(rid, pages=len(kv_indices))
+            kv_indices = kv_indices[:1]
+            index_slice = slice(index_slice.start, index_slice.start + 1)
+        return add_transfer_request(self, bootstrap_room, kv_indices, index_slice, *args, **kwargs)
+    module.MooncakeKVManager.add_transfer_request = hook
+
+
+def _wrap_attestation(module) -> None:
+    send_frame = module._send_frame
+    last: list[dict] = [{}]
+
+    def hook(manager, room, pages, targets):
+        rid = _rooms.get(int(room))
+        fault = fault_of(rid)
+        if fault == "bad-attestation" and _once(rid):
+            pages = {"page": pages}
+        elif fault == "replayed-attestation" and _once(rid, replayed=len(last[0])):
+            pages = last[0]
+        else:
+            last[0] = pages
+        return send_frame(manager, room, pages, targets)
+    module._send_frame = hook
+
+
+# -- the decode instance -------------------------------------------------------------------------
+
+def _wrap_commit(module) -> None:
+    commit = module.DecodeTransferQueue._commit_transfer_to_req
+
+    def hook(self, decode_req, *args, **kwargs):
+        req = decode_req.req
+        P = self.scheduler.token_to_kv_pool_allocator.page_size
+        row = self.scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        # Every transfer's pages, so that a test can show which earlier request's KV they held.
+        _log(transfer=req.rid, pages=sorted({int(s) // P for s in
+                                             row[:len(req.origin_input_ids)].tolist()}))
+        if fault_of(req.rid) == "corrupt-arrival" and _once(req.rid):
+            pool = self.scheduler.token_to_kv_pool_allocator.get_kvcache()
+            pool.k_buffer[0][row[:P].to(torch.int64)] += 1.0
+        return commit(self, decode_req, *args, **kwargs)
+    module.DecodeTransferQueue._commit_transfer_to_req = hook
+
+
+CALLBACKS = {
+    "sglang.srt.mem_cache.memory_pool": _track_rows,
+    "sglang.srt.model_executor.model_runner": _wrap_forward,
+    "sglang.srt.disaggregation.prefill": _wrap_prefill,
+    "sglang.srt.disaggregation.mooncake.conn": _wrap_transfer,
+    "sglang.srt.disaggregation.decode": _wrap_commit,
+    "kvattn.integrations.sglang_transfer": _wrap_attestation,
+}

@@ -1,0 +1,151 @@
+"""The incident's own stack: SGLang prefill and decode servers over the Mooncake transfer engine
+(TCP on the loopback), kvattn's attestation riding SGLang's status channel
+(``kvattn.integrations.sglang_transfer``), against the same pair on SGLang's own attention.
+
+The replay: an earlier tenant's long request leaves its KV in the decode's pages (a pool of 640
+tokens, so the next request's pages are the tenant's); then a request whose prompt the prefill
+turns into a one-token placeholder (SGLang #30233: what the prefill did with a prompt too long for
+it) is told "transfer done" with one token of KV, beside a clean request. SGLang's own decode
+answers HTTP 200 over the tenant's KV (other tokens than the same prompt's clean run); kvattn's
+decode fails that request, naming the pages nobody attested, and serves the clean one unchanged.
+
+The attestation's own failure modes, each one request: a transport that moved one page per chunk
+(digest mismatch), bytes changed after arrival (digest mismatch), a malformed frame, a replayed
+frame of another transfer; and the mixed pairs: a kvattn prefill with SGLang's own decode (the
+frame is dropped as an unknown status; the answer is right), SGLang's own prefill with a kvattn
+decode (no attestation: the request fails, saying so).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import sglang_engine as engine
+
+from kvattn_testing.engines import Runs
+
+pytestmark = pytest.mark.slow
+
+if engine.why_no_mooncake():
+    pytest.skip(engine.why_no_mooncake(), allow_module_level=True)
+
+# A decode pool of 40 pages: the tenant's request takes 36, so the next request's pages are the
+# tenant's (SGLang's allocator hands freed pages out again once its free list runs short).
+DECODE_POOL = ("--max-total-tokens", "640", "--num-reserved-decode-tokens", "32")
+NEW = 12
+TENANT = [(7 * i) % 250 + 3 for i in range(560)]  # 572 tokens with its output: 36 pages
+PROMPT = list(range(100, 150))  # the victims' prompt: 4 pages
+BESIDE = list(range(200, 230))
+ATTESTATION_FAULTS = ("short-transfer", "corrupt-arrival", "bad-attestation",
+                      "replayed-attestation")
+
+
+def transfer(prefill: engine.Server, decode: engine.Server, rid: str, ids: list[int]) -> dict:
+    """One request through a pair, as SGLang's router sends it (the same body, with the
+    prefill's bootstrap address and a room, to both): the decode's result."""
+    boot = dict(bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port,
+                bootstrap_room=random.randrange(1, 2 ** 62))
+    _, result = engine.concurrently([lambda: prefill.generate(rid, ids, NEW, **boot),
+                                     lambda: decode.generate(rid, ids, NEW, **boot)])
+    return result
+
+
+def _suite(runs: Runs) -> dict:
+    folder = runs.dir / "sglang-pd"
+    folder.mkdir(exist_ok=True)
+    model = engine.model(runs.dir)
+    pairs = {kind: (engine.Server(f"{kind}-prefill", attention, folder, mode="prefill"),
+                    engine.Server(f"{kind}-decode", attention, folder, mode="decode",
+                                  extra=DECODE_POOL))
+             for kind, attention in (("stock", "torch_native"), ("kvattn", "kvattn"))}
+    out = {}
+    with engine.running(model, *pairs["stock"], *pairs["kvattn"]):
+        for kind, (prefill, decode) in pairs.items():
+            result = {"tenant": transfer(prefill, decode, f"{kind}-tenant", TENANT)}
+            result["victim"], result["beside"] = engine.concurrently([
+                lambda: transfer(prefill, decode, f"placeholder:{kind}-victim", PROMPT),
+                lambda: transfer(prefill, decode, f"{kind}-beside", BESIDE)])
+            # Before the replay: the frame it repeats is of another prompt.
+            result["beside-clean"] = transfer(prefill, decode, f"{kind}-beside-clean", BESIDE)
+            for fault in ATTESTATION_FAULTS[::-1]:
+                result[fault] = transfer(prefill, decode, f"{fault}:{kind}", PROMPT)
+            result["clean"] = transfer(prefill, decode, f"{kind}-clean", PROMPT)
+            out[kind] = dict(results=result, prefill_faults=prefill.faults(),
+                             decode_log=decode.faults(), counts=decode.counts())
+        (stock_prefill, stock_decode), (prefill, decode) = pairs["stock"], pairs["kvattn"]
+        out["kvattn-prefill-stock-decode"] = transfer(prefill, stock_decode, "mixed-1", PROMPT)
+        out["stock-prefill-kvattn-decode"] = transfer(stock_prefill, decode, "mixed-2", PROMPT)
+    return out
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return Runs().shared("sglang-pd", lambda: _suite(Runs()))
+
+
+def _pages(log: list[dict], rid: str) -> set[int]:
+    return {p for record in log if record.get("transfer") == rid for p in record["pages"]}
+
+
+def test_the_pair_serves_sglang_s_tokens_under_kvattn(suite):
+    stock, mine = suite["stock"]["results"], suite["kvattn"]["results"]
+    for name in ("tenant", "clean", "beside", "beside-clean"):
+        assert stock[name]["status"] == mine[name]["status"] == 200, mine[name]["message"]
+        assert mine[name]["ids"] == stock[name]["ids"] and len(mine[name]["ids"]) == NEW
+    counts = suite["kvattn"]["counts"]
+    assert counts["received_transfers"] >= 4 and counts["received_pages_committed"] >= 4 + 36
+
+
+def test_the_incident_stock_answers_over_the_tenant_s_kv(suite):
+    """SGLang's own decode: HTTP 200 for the placeholder's request, over pages that held the
+    earlier tenant's KV, with other tokens than the same prompt's clean run."""
+    run = suite["stock"]
+    assert {f["rid"] for f in run["prefill_faults"]} >= {"placeholder:stock-victim"}
+    assert _pages(run["decode_log"], "placeholder:stock-victim") & _pages(run["decode_log"],
+                                                                          "stock-tenant")
+    victim = run["results"]["victim"]
+    assert victim["status"] == 200 and victim["ids"] != run["results"]["clean"]["ids"]
+
+
+def test_the_incident_kvattn_refuses_the_unattested_pages(suite):
+    """kvattn's decode: the same request fails with an error naming what the prefill attested
+    and the pages it read none of; the request beside it is served as in its clean run."""
+    run = suite["kvattn"]
+    tenant = _pages(run["decode_log"], "kvattn-tenant")
+    victim_pages = _pages(run["decode_log"], "placeholder:kvattn-victim")
+    assert victim_pages & tenant
+    victim = run["results"]["victim"]
+    assert victim["status"] >= 400 and victim["ids"] is None
+    message = victim["message"]
+    assert "kvattn ownership check failed for request 'placeholder:kvattn-victim'" in message
+    assert "attestation of 1 page(s) from the prefill" in message
+    assert "logical page 1" in message and "not attested" in message
+    assert "reads: RESERVED on logical page(s) 1" in message
+    beside = run["results"]["beside"]
+    assert beside["status"] == 200 and beside["ids"] == run["results"]["beside-clean"]["ids"]
+
+
+@pytest.mark.parametrize("fault", ATTESTATION_FAULTS)
+def test_an_attestation_that_does_not_prove_the_bytes_commits_nothing_of_them(suite, fault):
+    stock, mine = suite["stock"]["results"], suite["kvattn"]["results"]
+    assert stock[fault]["status"] == 200  # SGLang's own decode cannot tell
+    assert mine[fault]["status"] >= 400 and mine[fault]["ids"] is None
+    why = {"short-transfer": "digest mismatch", "corrupt-arrival": "digest mismatch",
+           "bad-attestation": "a malformed attestation arrived",
+           "replayed-attestation": "digest mismatch"}[fault]
+    assert why in mine[fault]["message"], mine[fault]["message"]
+    if fault in ("short-transfer", "corrupt-arrival"):  # the fault changed what SGLang answers
+        assert stock[fault]["ids"] != stock["clean"]["ids"]
+
+
+def test_a_kvattn_prefill_serves_sglang_s_own_decode(suite):
+    """The attestation frame is an unknown status to a stock decode, which drops it."""
+    result = suite["kvattn-prefill-stock-decode"]
+    assert result["status"] == 200
+    assert result["ids"] == suite["stock"]["results"]["clean"]["ids"]
+
+
+def test_a_kvattn_decode_fails_what_a_stock_prefill_sends(suite):
+    result = suite["stock-prefill-kvattn-decode"]
+    assert result["status"] >= 400 and result["ids"] is None
+    assert "no attestation arrived from the prefill instance" in result["message"]
