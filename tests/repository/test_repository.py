@@ -24,7 +24,11 @@ def _repository_files() -> list[str]:
         pytest.skip("no git on this machine: the repository's files are not known")
     if listed.returncode != 0:
         pytest.skip("not a git checkout: the repository's files are not known")
-    return [f for f in listed.stdout.decode().split("\0") if f and (ROOT / f).is_file()]
+    files = [f for f in listed.stdout.decode().split("\0") if f and (ROOT / f).is_file()]
+    # A virtual environment made inside the checkout (`python3 -m venv .venv`, any name) is the
+    # user's, not the repository's, whether .gitignore names it or not.
+    venvs = tuple(f[: -len("pyvenv.cfg")] for f in files if f.rsplit("/", 1)[-1] == "pyvenv.cfg")
+    return [f for f in files if not f.startswith(venvs)]
 
 
 # A relative path that climbs: one or more "../" and what follows.
