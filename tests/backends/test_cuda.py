@@ -22,7 +22,7 @@ from kvattn import Violation, backends, tags
 from kvattn.backends import grids
 from kvattn.backends.cuda import launch
 
-from kvattn_testing.build import built_cuda_kernels
+from kvattn_testing.build import built_cuda_kernels, ptxas_log
 from kvattn_testing.extend import Extend
 from kvattn_testing.util import Batch, assert_reports_equal, backends_under_test, tolerance
 
@@ -537,8 +537,7 @@ def test_ptxas_resources_have_no_local_memory():
     by default), with registers recorded and no spill or stack frame
     (tests/backends/test_instantiations.py holds the table to the dispatch's axes)."""
     report = _load_ptxas_report()
-    log = ROOT / "build" / "cuda" / "ptxas.log"
-    assert log.exists(), "build/cuda/ptxas.log missing: build with `python setup.py build_ext --inplace`"
+    log = ptxas_log()
     records = report.check(log)
     decode = [r for r in records if "paged_decode_kernel" in r["kernel"]]
     assert {(r["kernel"], r["arch"]) for r in decode} == built_cuda_kernels("paged_decode_kernel")

@@ -16,7 +16,7 @@ import torch
 import kvattn
 from kvattn import backends
 
-from kvattn_testing.build import built_cuda_kernels
+from kvattn_testing.build import built_cuda_kernels, ptxas_log
 from kvattn_testing.extend import Extend, assert_prefix_scenario, corrupt
 from kvattn_testing.util import assert_reports_equal, tolerance
 
@@ -244,8 +244,7 @@ def test_ptxas_extend_kernels_have_no_local_memory():
     spec = importlib.util.spec_from_file_location("ptxas_report", ROOT / "csrc" / "ptxas_report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    log = ROOT / "build" / "cuda" / "ptxas.log"
-    assert log.exists(), "build/cuda/ptxas.log missing: build with `python setup.py build_ext --inplace`"
+    log = ptxas_log()
     records = [r for r in report.check(log) if "paged_extend_kernel" in r["kernel"]]
     assert {(r["kernel"], r["arch"]) for r in records} == built_cuda_kernels("paged_extend_kernel")
     assert all(0 < r["registers"] <= 255 and not r["spill_stores"] and not r["stack_frame"]

@@ -53,3 +53,16 @@ def built_cuda_kernels(kernel: str) -> set:
     return {(row.signature, f"sm_{arch}") for row in table.select(selection) if row.kernel == kernel
             for arch in record.get("archs", ("80", "90"))}
 
+
+def ptxas_log():
+    """build/cuda/ptxas.log, the ptxas report of the last CUDA build; a test of it skips, saying
+    why, where that build did not compile the CUDA module (``KVATTN_SKIP_CUDA_BUILD=1``, no nvcc)."""
+    record = cuda_build_record()
+    if record.get("status") != "built":
+        pytest.skip(f"the last build did not compile the CUDA module "
+                    f"({record.get('status', 'no build record')}: {record.get('reason', '')}); "
+                    "there is no ptxas report")
+    log = ROOT / "build" / "cuda" / "ptxas.log"
+    assert log.exists(), "build/cuda/ptxas.log missing although the CUDA module was built"
+    return log
+
