@@ -278,7 +278,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ``backend``: picked by the registry, :mod:`kvattn.backends`, like the readers' (a named backend
     that cannot run the inputs raises ``ValueError`` with its reason). ``"torch"`` composes the
     steps from PyTorch ops (any device); ``"triton"`` runs
-    :mod:`kvattn.backends.triton.stamp_writer`; ``"cuda"`` the CUDA writer of csrc/ (``"cuda_sim"``:
+    :mod:`kvattn.backends.triton.paged_write_kv`; ``"cuda"`` the CUDA writer of csrc/ (``"cuda_sim"``:
     the same source on the CPU harness). ``"auto"`` takes ``cuda`` for CUDA tensors when it is
     built, else ``triton``, and ``torch`` for CPU tensors (the interpreter would run one slow
     program per token). All give the same result, except in that race.

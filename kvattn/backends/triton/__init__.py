@@ -1,5 +1,5 @@
-"""The Triton backend: one module per kernel (``paged_decode``, ``paged_extend``,
-``paged_mla_decode``, ``paged_mla_extend``, ``stamp_writer``), the reader's rule they share (``tag_rule``), and this
+"""The Triton backend: one module per op's kernels (``paged_decode``, ``paged_extend``,
+``paged_mla_decode``, ``paged_mla_extend``, ``paged_write_kv``), the reader's rule they share (``tag_rule``), and this
 facade for the registry."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from ...report import WriteResult
 from ...write_args import WriteArgs
-from . import stamp_writer
+from . import paged_write_kv
 from .paged_decode import MAX_HEAD_DIM, decode, interpreted
 from .paged_extend import extend
 from .paged_mla_decode import MAX_KV_LORA_RANK, MAX_ROPE_DIM, mla_decode
@@ -51,9 +51,9 @@ def why_not_write_kv(args: WriteArgs) -> str | None:
 
 
 def write_kv(args: WriteArgs) -> WriteResult:
-    """:mod:`.stamp_writer`'s two launches (arguments accepted by :func:`why_not_write_kv`)."""
-    landed, reasons = stamp_writer.write_kv(*args.tensors(), args.k_scale, args.v_scale,
-                                           args.fp8_rounding)
+    """:mod:`.paged_write_kv`'s two launches (arguments accepted by :func:`why_not_write_kv`)."""
+    landed, reasons = paged_write_kv.write_kv(*args.tensors(), args.k_scale, args.v_scale,
+                                              args.fp8_rounding)
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 

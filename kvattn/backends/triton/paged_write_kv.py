@@ -1,4 +1,5 @@
-"""Triton stamping writer: :func:`kvattn.write_kv` as two launches instead of a chain of torch ops.
+"""The Triton kernels of ``write_kv``, the stamping writer: :func:`kvattn.write_kv` as two launches
+instead of a chain of torch ops.
 
 The semantics are those of :func:`kvattn.writers.write_kv` (its docstring is authoritative): a
 token lands if its page is in range, its owner holds the page, and its run (consecutive entries
