@@ -36,7 +36,7 @@ logger = logging.getLogger("kvattn")
 _BACKENDS = {
     "cuda": "kvattn.backends.cuda",
     "triton": "kvattn.backends.triton",
-    "reference": "kvattn.backends.reference",
+    "reference": "kvattn.backends.oracle",
     "torch": "kvattn.backends.pytorch",
     "cuda_sim": "kvattn.backends.cuda_sim",
 }

@@ -1,5 +1,6 @@
-"""The reference as a backend: the oracle of :mod:`kvattn.reference`, writing into the caller's
-buffers. Always available; slow (it gathers every page of the table)."""
+"""The backend ``reference``: the oracle (:mod:`kvattn.reference`, the pure-PyTorch definition every
+backend is tested against) run as a backend, writing into the caller's buffers. Always available;
+slow (it gathers every page of the table)."""
 from __future__ import annotations
 
 import torch
