@@ -20,7 +20,7 @@ Everything here runs as device ops on the tensors' device with no host synchroni
 device tensors. :func:`write_kv` runs on the backend the registry (:mod:`kvattn.backends`) picks;
 the page-level writers are a few PyTorch ops on any device. No writer touches an element it does
 not write: a refused token or page is never read back and stored again, so a concurrent writer's
-fresh bytes or stamp cannot be undone (:func:`kvattn.backends.pytorch.put_rows`).
+fresh bytes or stamp cannot be undone (:func:`kvattn.backends.torch.writer.put_rows`).
 
 Tags for many layers (an engine's pages are one block of every layer): :func:`reserve_pages` and
 :func:`release_pages` also take ``page_tags`` of shape ``[num_layers, num_pages]`` (each row one
@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from . import backends
-from .backends.pytorch import max_rows, put_rows, reserved, written
+from .backends.torch.writer import max_rows, put_rows, reserved, written
 from .layout import (MAX_PAGE_SIZE, check_apart, check_distinct_elements, check_page_tags,
                      check_tensor, is_page_size)
 from .report import WriteResult

@@ -27,8 +27,12 @@ import importlib
 import logging
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    # Annotations only: once the torch backend (the package kvattn.backends.torch) is imported, the
+    # name ``torch`` in this module is that package, not PyTorch.
+    import torch
 
 logger = logging.getLogger("kvattn")
 
@@ -37,7 +41,7 @@ _BACKENDS = {
     "cuda": "kvattn.backends.cuda",
     "triton": "kvattn.backends.triton",
     "reference": "kvattn.backends.oracle",
-    "torch": "kvattn.backends.pytorch",
+    "torch": "kvattn.backends.torch",
     "cuda_sim": "kvattn.backends.cuda_sim",
 }
 OPS = ("decode", "extend", "write_kv", "mla_decode", "mla_extend")

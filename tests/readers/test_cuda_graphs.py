@@ -96,7 +96,7 @@ def _write_two_tokens(b: Batch, **kwargs):
 def test_write_kv_reads_nothing_on_the_host(monkeypatch):
     """The device path of the torch writer (CPU tensors pick their rows on the host, where that
     waits for nothing, so it is forced here), with the owner values unchecked."""
-    monkeypatch.setattr(kvattn.backends.pytorch, "rows_on_host", lambda t: False)
+    monkeypatch.setattr(kvattn.backends.torch.writer, "rows_on_host", lambda t: False)
     b = _batch()
     with HostReadSpy() as spy:
         result = _write_two_tokens(b, validate=False)

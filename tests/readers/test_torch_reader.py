@@ -1,4 +1,4 @@
-"""The torch backend's readers (kvattn/backends/pytorch_attention.py) where their work differs from
+"""The torch backend's readers (kvattn/backends/torch/attention.py) where their work differs from
 the reference's: decode sequences batched into gathers by length, extend query rows cut into tiles
 that each read only their causal/window key range, pages before a window not gathered at all. The
 shared suites (scenarios, variants, shapes, hardening, fuzz) run this backend too; here the inputs
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvattn
-from kvattn.backends import pytorch_attention
+from kvattn.backends.torch import attention as torch_attention
 from kvattn_testing.extend import Extend
 from kvattn_testing.util import DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
 from kvattn_testing.variants import plant_foreign_page
@@ -56,7 +56,7 @@ def test_decode_of_mixed_lengths_in_several_gathers(name, foreign):
     pages = Batch.random(batch=len(LENS), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
                          page_size=4, seq_lens=LENS, dtype=F32, pool_factor=2, seed=3)
     counts = [-(-n // 4) for n in LENS]
-    assert len(pytorch_attention._buckets(counts, [b for b in range(len(LENS)) if counts[b]])) > 2
+    assert len(torch_attention._buckets(counts, [b for b in range(len(LENS)) if counts[b]])) > 2
     if foreign:
         for i in range(counts[3]):
             plant_foreign_page(pages, 3, i)
@@ -76,7 +76,7 @@ def test_extend_in_query_tiles(monkeypatch, name, causal):
     """Tiles of a few query rows (the tile budget shrunk): each tile slices the keys its rows can
     read, and a foreign page read by some rows only is refused and never contributes."""
     variant = on_device(VARIANTS[name])
-    monkeypatch.setattr(pytorch_attention, "TILE_ELEMENTS", 3 * HEADS * 48)
+    monkeypatch.setattr(torch_attention, "TILE_ELEMENTS", 3 * HEADS * 48)
     ext = Extend.random([23, 3, 9, 0], [37, 29, 0, 5], num_heads=HEADS, num_kv_heads=KV_HEADS,
                         head_dim=DIM, page_size=4, dtype=F32, pool_factor=2, seed=5)
     plant_foreign_page(ext.pages, 0, 13)  # tokens 52-55: read by the later rows of sequence 0
@@ -93,12 +93,12 @@ def test_decode_does_not_gather_pages_before_the_window(monkeypatch):
                          page_size=4, seq_lens=[200], dtype=F32, pool_factor=2, seed=8)
     pages.block_table[0, :40] = pages.k_cache.shape[0] + 7
     gathered = []
-    real = pytorch_attention._gather
+    real = torch_attention._gather
 
     def spy(a, pool, scale, index, allowed):
         gathered.append(index.shape[1])
         return real(a, pool, scale, index, allowed)
-    monkeypatch.setattr(pytorch_attention, "_gather", spy)
+    monkeypatch.setattr(torch_attention, "_gather", spy)
     out, lse, report = pages.decode("torch", return_lse=True, window_left=9)
     compare(out, lse, report, *pages.reference(return_lse=True, compute_dtype=torch.float64,
                                                window_left=9))

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvattn
 from kvattn import OwnershipReport, Violation, WriteDrop
-from kvattn.backends import pytorch as torch_writer
+from kvattn.backends.torch import writer as torch_writer
 from kvattn_testing.traces import Interleave, Trace, _decode_step, _prefill, _step, _stray_slots
 from kvattn_testing.util import backends_under_test, tolerance
 

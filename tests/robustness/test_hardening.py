@@ -18,7 +18,7 @@ import torch
 import kvattn
 from kvattn import Violation, WriteDrop, backends
 from kvattn.tags import OWNER_MAX
-from kvattn.backends import pytorch as torch_writer
+from kvattn.backends.torch import writer as torch_writer
 from kvattn_testing.traces import Interleave
 from kvattn_testing.util import Batch, assert_reports_equal, backends_under_test, raises, tolerance
 

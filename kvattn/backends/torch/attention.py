@@ -1,4 +1,4 @@
-"""The readers as PyTorch ops (backend ``"torch"``): paged decode and extend that read only the
+"""The ``torch`` backend's readers, as PyTorch ops: paged decode and extend that read only the
 pages a sequence covers, for CPU tensors where no kernel runs (``backend="auto"`` takes them there
 before the reference). Any device; every variant of :mod:`kvattn.variants`; float32 compute.
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import reference
-from ..layout import DecodeArgs, ExtendArgs, query_offsets
-from ..report import OwnershipReport
-from ..variants import Variant
+from ... import reference
+from ...layout import DecodeArgs, ExtendArgs, query_offsets
+from ...report import OwnershipReport
+from ...variants import Variant
 
 # Logits of one extend tile (rows x query heads x keys, float32) are kept under this many elements,
 # so a long prefill never materialises its whole score matrix.

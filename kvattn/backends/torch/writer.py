@@ -1,6 +1,6 @@
-"""The writer as a composition of PyTorch ops (backend ``"torch"``): any device, no kernel of its
-own. ``backend="auto"`` takes it for CPU tensors; it is also the model the writer kernels are tested
-against. Semantics: :func:`kvattn.write_kv` (authoritative).
+"""The ``torch`` backend's writer: :func:`kvattn.write_kv` as a composition of PyTorch ops, any
+device, no kernel of its own. ``backend="auto"`` takes it for CPU tensors; it is also the model the
+writer kernels are tested against. Semantics: :func:`kvattn.write_kv` (authoritative).
 
 Its stores and those of the page-level writers (:mod:`kvattn.writers`) go through :func:`put_rows`
 and :func:`max_rows`, which touch the elements of accepted rows only: a refused row's element is
@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from ..report import WriteResult
-from ..tags import (OWNER_SHIFT, STATE_RESERVED, STATE_WRITTEN, VALID_LEN_SHIFT, WriteDrop, held_by,
-                    tag_state, tag_valid_len)
-from ..variants import FP8_MAX
-from ..write_args import WriteArgs
-from .pytorch_attention import decode, extend  # noqa: F401 (this backend's readers)
-
-NAME = "torch"
-# Switches of kvattn.variants this writer implements (the registry refuses the others).
-WRITE_SWITCHES = frozenset({"fp8 KV", "fp8 toward_zero"})
+from ...report import WriteResult
+from ...tags import (OWNER_SHIFT, STATE_RESERVED, STATE_WRITTEN, VALID_LEN_SHIFT, WriteDrop, held_by,
+                     tag_state, tag_valid_len)
+from ...variants import FP8_MAX
+from ...write_args import WriteArgs
 
 # float32's smallest normal: below it a quotient may or may not be flushed to zero by the device's
 # division, so the rounding toward zero stores every such quotient as +0.
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def why_not(args: WriteArgs) -> str | None:
-    return None
 
 
 def rows_on_host(t: torch.Tensor) -> bool:
@@ -171,4 +162,4 @@ def write_kv(args: WriteArgs) -> WriteResult:
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 
-__all__ = ["NAME", "WRITE_SWITCHES", "quantise", "why_not", "write_kv"]
+__all__ = ["max_rows", "put_rows", "quantise", "reserved", "write_kv", "written"]
