@@ -76,3 +76,44 @@ def test_disaggregation_modes_the_attestation_does_not_cover_are_refused(monkeyp
     monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
     assert any("staging buffers" in r for r in sglang._disaggregation_refusals("prefill",
                                                                               "mooncake", args))
+
+
+def test_a_frame_is_kept_for_a_live_room_and_dropped_with_it(monkeypatch):
+    """The decode side keeps an attestation frame only while its room is live in the transfer
+    manager, and drops it when the room's receiver is cleared (a late frame of an aborted or
+    finished transfer never reaches a later request of the same room)."""
+    import json
+    from types import SimpleNamespace
+
+    from kvattn.integrations import sglang_transfer
+    monkeypatch.setattr(sglang_transfer, "_ledgers", {1: object()})
+    monkeypatch.setattr(sglang_transfer, "_arrived", {})
+    payload = json.dumps({"v": 1, "pages": [[0, 16, "ab"]]}).encode()
+    manager = SimpleNamespace(request_status={7: 1})
+
+    def not_a_status(manager, msg):
+        raise AssertionError("an attestation frame reached SGLang's status parser")
+    for room in (7, 8):  # 8: a room the manager no longer knows
+        frame = [sglang_transfer.ATTEST_TAG, str(room).encode(), b"0", payload]
+        assert sglang_transfer.parse_status_hook(not_a_status, manager, frame) is None
+    assert sglang_transfer._arrived == {7: [payload]}
+    sglang_transfer.receiver_clear_hook(lambda receiver: None, SimpleNamespace(bootstrap_room=7))
+    assert sglang_transfer._arrived == {}
+    # A status frame goes to SGLang's own parser.
+    assert sglang_transfer.parse_status_hook(lambda m, msg: "status", manager, [b"7", b"4", b"0"]) \
+        == "status"
+
+
+def test_a_frame_on_a_decode_without_kvattn_is_dropped(monkeypatch):
+    """The twin: with no kvattn ledger in the process (a stock decode that loaded the plugin), the
+    frame is dropped like any status SGLang cannot parse, and nothing is kept."""
+    import json
+    from types import SimpleNamespace
+
+    from kvattn.integrations import sglang_transfer
+    monkeypatch.setattr(sglang_transfer, "_ledgers", {})
+    monkeypatch.setattr(sglang_transfer, "_arrived", {})
+    frame = [sglang_transfer.ATTEST_TAG, b"7", b"0", json.dumps({"v": 1, "pages": []}).encode()]
+    manager = SimpleNamespace(request_status={7: 1})
+    assert sglang_transfer.parse_status_hook(lambda m, msg: "status", manager, frame) is None
+    assert sglang_transfer._arrived == {}
