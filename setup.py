@@ -16,8 +16,8 @@
 
   - ``KVATTN_CUDA_DTYPES``: element and pool types from ``fp16,bf16,fp32,e4m3,e5m2`` (fp32: the
     writer only; e4m3/e5m2: the decode's fp8 pools, for each 16-bit type built); default all;
-  - ``KVATTN_CUDA_HEAD_DIMS``: head-dim tiles from ``64,128,256,512`` (a head_dim runs on the
-    smallest tile that holds it) and ``576`` (the MLA latent decode); default all;
+  - ``KVATTN_CUDA_HEAD_DIMS``: head-dim tiles from the table's ``TILES`` (a head_dim runs on the
+    smallest tile that holds it) and ``LATENT`` (the MLA latent decode); default all;
   - ``KVATTN_CUDA_VARIANTS=0``: no score switch (window, soft-cap, ALiBi, sinks); default ``1``.
 
   The ``-Xptxas -v`` output of every unit is gathered in build/cuda/ptxas.log and checked: every

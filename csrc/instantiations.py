@@ -15,7 +15,12 @@ folder of build/generated/:
   (csrc/kvattn/launchers.h declares the kernels' launchers; dispatch.cuh refuses a row that is
   not built, with the axis that is missing);
 - ``kvattn_selection.h``: the selection as plain macros for the binding (``SELECTION`` of the
-  module, which the Python launchers and the registry read).
+  module, which the Python launchers and the registry read);
+- ``kvattn_head_dims.h``: the table's head-dim tiles (``TILES``, ``LATENT``) as macros, the same in
+  every folder: tiles.h's ``padded_head_dim``, the dispatch's switches and refusals, plan.h's
+  limits and the binding's ``tile_layouts`` expand them, so a tile is added here alone (and its
+  decode occupancy in kvattn/backends/cuda/launch.py, which tests/backends/test_instantiations.py
+  asks for).
 
 tools/static_sm90.py and the tests name the CUDA kernels by :func:`by_name`. Standard library only:
 setup.py, the tools and the tests load this file by path.
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
 FP8 = {"e4m3": "kvattn::Fp8E4M3", "e5m2": "kvattn::Fp8E5M2"}
 TYPES = {**DTYPES, **FP8}
-TILES = (64, 128, 256, 512)  # the padded head-dim tiles (tiles.h padded_head_dim)
+TILES = (64, 128, 256, 512)  # the padded head-dim tiles, increasing (tiles.h padded_head_dim)
 LATENT = 576  # the MLA latent tile (tiles.h kLatentDim): decode, 16-bit pools, 16-byte copies
 HEAD_DIMS = (*TILES, LATENT)  # a selection's head-dim axis
 ATTENTION_DTYPES = ("fp16", "bf16")
@@ -183,7 +188,7 @@ def _names(raw: str, allowed, what: str, variable: str) -> tuple:
 
 def selection_from_env(env) -> Selection:
     """The selection of ``KVATTN_CUDA_DTYPES`` (``fp16,bf16,fp32,e4m3,e5m2``),
-    ``KVATTN_CUDA_HEAD_DIMS`` (``64,128,256,512,576``; 576: the MLA latent tile) and
+    ``KVATTN_CUDA_HEAD_DIMS`` (``HEAD_DIMS``: ``TILES``, then ``LATENT``, the MLA latent tile) and
     ``KVATTN_CUDA_VARIANTS`` (``1``; ``0``
     builds no score switch); unset: everything. ValueError for a value it cannot read."""
     default = Selection()
@@ -253,6 +258,21 @@ def selection_header(rows: list[Row], selection: Selection) -> str:
     return "".join(lines)
 
 
+def head_dims_header() -> str:
+    """The head-dim tiles as macros (the whole table's, whatever the selection):
+    ``KVATTN_HEAD_DIM_TILES(X)`` expands ``X(tile, first)`` for each of ``TILES`` in increasing
+    order, ``first`` the smallest head dim it runs (the one above the previous tile);
+    ``KVATTN_MAX_HEAD_DIM_TILE`` is the widest, ``KVATTN_LATENT_DIM`` the MLA latent tile."""
+    assert list(TILES) == sorted(set(TILES)) and LATENT > TILES[-1], "TILES increasing, LATENT above them"
+    firsts = [1, *(t + 1 for t in TILES[:-1])]
+    return "".join([
+        _NOTICE, "// The head-dim tiles of the table (TILES, LATENT): X(tile, first head dim it runs).\n",
+        "#pragma once\n\n",
+        "#define KVATTN_HEAD_DIM_TILES(X) " + " ".join(f"X({t}, {f})" for t, f in zip(TILES, firsts)) + "\n",
+        f"#define KVATTN_MAX_HEAD_DIM_TILE {TILES[-1]}\n",
+        f"#define KVATTN_LATENT_DIM {LATENT}\n"])
+
+
 def _write(path: pathlib.Path, text: str) -> None:
     """Written only when it changes, so an unchanged build recompiles nothing."""
     if not path.exists() or path.read_text() != text:
@@ -266,6 +286,7 @@ def write_generated(folder: pathlib.Path, selection: Selection, with_units: bool
     rows = select(selection)
     _write(folder / "kvattn_selection.h", selection_header(rows, selection))
     _write(folder / "kvattn_built.h", built_header(rows, selection))
+    _write(folder / "kvattn_head_dims.h", head_dims_header())
     if not with_units:
         return []
     paths = []

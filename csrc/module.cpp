@@ -198,21 +198,16 @@ py::dict tile_layouts() {
     e["shared_bytes"] = bytes;
     return e;
   };
-  decode[py::int_(64)] = entry(kvattn::DecodeLayout<64>::kStages, kvattn::DecodeLayout<64>::kTotal);
-  decode[py::int_(128)] = entry(kvattn::DecodeLayout<128>::kStages, kvattn::DecodeLayout<128>::kTotal);
-  decode[py::int_(256)] = entry(kvattn::DecodeLayout<256>::kStages, kvattn::DecodeLayout<256>::kTotal);
-  decode[py::int_(512)] = entry(kvattn::DecodeLayout<512>::kStages, kvattn::DecodeLayout<512>::kTotal);
+  py::dict decode_fp8;  // fp8 pools: K/V rows of one byte an element
+  // Every head-dim tile of csrc/instantiations.py (the generated KVATTN_HEAD_DIM_TILES).
+#define KVATTN_TILE_LAYOUTS(D, FIRST)                                                                        \
+  decode[py::int_(D)] = entry(kvattn::DecodeLayout<D>::kStages, kvattn::DecodeLayout<D>::kTotal);            \
+  decode_fp8[py::int_(D)] = entry(kvattn::DecodeLayout<D, 1>::kStages, kvattn::DecodeLayout<D, 1>::kTotal); \
+  extend[py::int_(D)] = entry(kvattn::ExtendLayout<D>::kStages, kvattn::ExtendLayout<D>::kTotal);
+  KVATTN_HEAD_DIM_TILES(KVATTN_TILE_LAYOUTS)
+#undef KVATTN_TILE_LAYOUTS
   decode[py::int_(kvattn::kLatentDim)] =
       entry(kvattn::DecodeLayout<kvattn::kLatentDim>::kStages, kvattn::DecodeLayout<kvattn::kLatentDim>::kTotal);
-  py::dict decode_fp8;  // fp8 pools: K/V rows of one byte an element
-  decode_fp8[py::int_(64)] = entry(kvattn::DecodeLayout<64, 1>::kStages, kvattn::DecodeLayout<64, 1>::kTotal);
-  decode_fp8[py::int_(128)] = entry(kvattn::DecodeLayout<128, 1>::kStages, kvattn::DecodeLayout<128, 1>::kTotal);
-  decode_fp8[py::int_(256)] = entry(kvattn::DecodeLayout<256, 1>::kStages, kvattn::DecodeLayout<256, 1>::kTotal);
-  decode_fp8[py::int_(512)] = entry(kvattn::DecodeLayout<512, 1>::kStages, kvattn::DecodeLayout<512, 1>::kTotal);
-  extend[py::int_(64)] = entry(kvattn::ExtendLayout<64>::kStages, kvattn::ExtendLayout<64>::kTotal);
-  extend[py::int_(128)] = entry(kvattn::ExtendLayout<128>::kStages, kvattn::ExtendLayout<128>::kTotal);
-  extend[py::int_(256)] = entry(kvattn::ExtendLayout<256>::kStages, kvattn::ExtendLayout<256>::kTotal);
-  extend[py::int_(512)] = entry(kvattn::ExtendLayout<512>::kStages, kvattn::ExtendLayout<512>::kTotal);
   py::dict d;
   d["decode"] = decode;
   d["decode_fp8"] = decode_fp8;

@@ -36,6 +36,9 @@ inline LaunchResult refuse(const char* launcher, const char* why) {
 }
 
 #define KVATTN_NOT_BUILT(what) what " not built into this module (it has: " KVATTN_SELECTION ")"
+// KVATTN_BUILT_HEAD_DIM_<d> of kvattn_selection.h for a macro's value d (the latent tile's).
+#define KVATTN_BUILT_LATENT_(d) KVATTN_BUILT_LATENT__(d)
+#define KVATTN_BUILT_LATENT__(d) KVATTN_BUILT_HEAD_DIM_##d
 
 // Why a launch's instantiation is not in this module: the first axis of the build's selection
 // that lacks it (a selection is a product over the axes: csrc/instantiations.py select()).
@@ -48,11 +51,12 @@ inline const char* not_built(DType dtype, KVType pool, int tile, bool variant) {
   if (!dtype_built) return KVATTN_NOT_BUILT("dtype");
   if ((pool == KVType::kE4M3 && !KVATTN_BUILT_DTYPE_E4M3) || (pool == KVType::kE5M2 && !KVATTN_BUILT_DTYPE_E5M2))
     return KVATTN_NOT_BUILT("pool dtype");
-  if (tile == 64 && !KVATTN_BUILT_HEAD_DIM_64) return KVATTN_NOT_BUILT("head_dim 1..64 (tile 64)");
-  if (tile == 128 && !KVATTN_BUILT_HEAD_DIM_128) return KVATTN_NOT_BUILT("head_dim 65..128 (tile 128)");
-  if (tile == 256 && !KVATTN_BUILT_HEAD_DIM_256) return KVATTN_NOT_BUILT("head_dim 129..256 (tile 256)");
-  if (tile == 512 && !KVATTN_BUILT_HEAD_DIM_512) return KVATTN_NOT_BUILT("head_dim 257..512 (tile 512)");
-  if (tile == kLatentDim && !KVATTN_BUILT_HEAD_DIM_576) return KVATTN_NOT_BUILT("head_dim 576 (the MLA latent tile)");
+#define KVATTN_TILE_NOT_BUILT(D, FIRST) \
+  if (tile == D && !KVATTN_BUILT_HEAD_DIM_##D) return KVATTN_NOT_BUILT("head_dim " #FIRST ".." #D " (tile " #D ")");
+  KVATTN_HEAD_DIM_TILES(KVATTN_TILE_NOT_BUILT)
+#undef KVATTN_TILE_NOT_BUILT
+  if (tile == kLatentDim && !KVATTN_BUILT_LATENT_(KVATTN_LATENT_DIM))
+    return KVATTN_NOT_BUILT("head_dim " KVATTN_STR(KVATTN_LATENT_DIM) " (the MLA latent tile)");
   if (variant && !KVATTN_BUILT_VARIANTS) return KVATTN_NOT_BUILT("score switches (window, soft-cap, ALiBi, sinks, custom mask)");
   return KVATTN_NOT_BUILT("instantiation");
 }
@@ -80,13 +84,14 @@ LaunchResult by_dtype(DType dtype, const char* launcher, bool tensor_core_only, 
 
 template <class T, class KV, bool CHECK, bool VEC, bool VARIANT>
 DecodeLaunch decode_of_tile(int tile) {
+#define KVATTN_DECODE_TILE(D, FIRST) \
+  case D:                             \
+    return launcher_of<DecodeKernel<T, KV, D, CHECK, VEC, VARIANT>, DecodeLaunch>();
   switch (tile) {
-    case 64: return launcher_of<DecodeKernel<T, KV, 64, CHECK, VEC, VARIANT>, DecodeLaunch>();
-    case 128: return launcher_of<DecodeKernel<T, KV, 128, CHECK, VEC, VARIANT>, DecodeLaunch>();
-    case 256: return launcher_of<DecodeKernel<T, KV, 256, CHECK, VEC, VARIANT>, DecodeLaunch>();
-    case 512: return launcher_of<DecodeKernel<T, KV, 512, CHECK, VEC, VARIANT>, DecodeLaunch>();
+    KVATTN_HEAD_DIM_TILES(KVATTN_DECODE_TILE)
     default: return launcher_of<DecodeKernel<T, KV, kLatentDim, CHECK, VEC, VARIANT>, DecodeLaunch>();
   }
+#undef KVATTN_DECODE_TILE
 }
 
 // The instantiation of the copy width and the score switches (fp8 pools: 16-byte copies only,
@@ -155,12 +160,14 @@ LaunchResult paged_decode(DecodeParams& p, DType dtype, bool check, void* stream
 
 template <class T, bool CHECK, bool VEC, bool VARIANT>
 ExtendLaunch extend_of_tile(int tile) {
+#define KVATTN_EXTEND_TILE(D, FIRST) \
+  case D:                             \
+    return launcher_of<ExtendKernel<T, D, CHECK, VEC, VARIANT>, ExtendLaunch>();
   switch (tile) {
-    case 64: return launcher_of<ExtendKernel<T, 64, CHECK, VEC, VARIANT>, ExtendLaunch>();
-    case 128: return launcher_of<ExtendKernel<T, 128, CHECK, VEC, VARIANT>, ExtendLaunch>();
-    case 256: return launcher_of<ExtendKernel<T, 256, CHECK, VEC, VARIANT>, ExtendLaunch>();
-    default: return launcher_of<ExtendKernel<T, 512, CHECK, VEC, VARIANT>, ExtendLaunch>();
+    KVATTN_HEAD_DIM_TILES(KVATTN_EXTEND_TILE)
+    default: return nullptr;  // no extend tile (plan_extend refuses head dims over kMaxHeadDim)
   }
+#undef KVATTN_EXTEND_TILE
 }
 
 template <class T, bool CHECK>

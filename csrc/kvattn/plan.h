@@ -37,7 +37,8 @@ inline const char* plan_query(const AttentionParams& p, bool fp8_pools) {
 template <class T, class KV>
 const char* plan_decode(DecodeParams& p) {
   const bool latent = p.head_dim == kLatentDim;
-  if (p.head_dim < 1 || (p.head_dim > 512 && !latent)) return "head_dim must be in [1, 512], or 576 (an MLA latent row)";
+  if (p.head_dim < 1 || (p.head_dim > kMaxHeadDim && !latent))
+    return "head_dim must be in [1, " KVATTN_STR(KVATTN_MAX_HEAD_DIM_TILE) "], or " KVATTN_STR(KVATTN_LATENT_DIM) " (an MLA latent row)";
   // V's rows are staged in tiles sized by K's head dim.
   if (p.head_dim_v < 1 || p.head_dim_v > p.head_dim) return "head_dim_v must be in [1, head_dim]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
@@ -60,7 +61,7 @@ const char* plan_decode(DecodeParams& p) {
   // The latent tile reads each row once, as the key and (its first 512 dims) as the value.
   if (latent && (p.v != p.k || p.stride_vp != p.stride_kp || p.stride_vs != p.stride_ks || p.head_dim_v != kLatentRank ||
                  p.num_kv_heads != 1 || kFp8Type<KV> || !p.vec))
-    return "head_dim 576 is the MLA latent tile: one KV head of 16-bit, 16-byte aligned rows, V their first 512 dims";
+    return "head_dim " KVATTN_STR(KVATTN_LATENT_DIM) " is the MLA latent tile: one KV head of 16-bit, 16-byte aligned rows, V their first 512 dims";
   if (kFp8Type<KV>) {
     // The fp8 instantiations copy by cp.async only (kvattn/backends/cuda/launch.py refuses others
     // first, so they go to the Triton backend).
@@ -68,18 +69,16 @@ const char* plan_decode(DecodeParams& p) {
     if (p.k_scale == nullptr || p.v_scale == nullptr) return "fp8 pools need k_scale and v_scale";
   }
   if (const char* why = plan_query(p, kFp8Type<KV>)) return why;
-  p.smem_bytes = d == 64    ? DecodeLayout<64, kb>::kTotal
-                 : d == 128 ? DecodeLayout<128, kb>::kTotal
-                 : d == 256 ? DecodeLayout<256, kb>::kTotal
-                 : d == 512 ? DecodeLayout<512, kb>::kTotal
-                            : DecodeLayout<kLatentDim>::kTotal;
+#define KVATTN_DECODE_SMEM(D, FIRST) d == D ? DecodeLayout<D, kb>::kTotal:
+  p.smem_bytes = KVATTN_HEAD_DIM_TILES(KVATTN_DECODE_SMEM) DecodeLayout<kLatentDim>::kTotal;
+#undef KVATTN_DECODE_SMEM
   return nullptr;
 }
 
 // Fills the launcher's fields of `p`; returns an error message for arguments the kernel cannot run.
 template <class T>
 const char* plan_extend(ExtendParams& p) {
-  if (p.head_dim < 1 || p.head_dim > 512) return "head_dim must be in [1, 512]";
+  if (p.head_dim < 1 || p.head_dim > kMaxHeadDim) return "head_dim must be in [1, " KVATTN_STR(KVATTN_MAX_HEAD_DIM_TILE) "]";
   // V's rows are staged in tiles sized by K's head dim.
   if (p.head_dim_v < 1 || p.head_dim_v > p.head_dim) return "head_dim_v must be in [1, head_dim]";
   if (p.num_kv_heads < 1 || p.num_heads < 1 || p.num_heads % p.num_kv_heads)
@@ -107,10 +106,9 @@ const char* plan_extend(ExtendParams& p) {
     p.fp8_wide = kv_rows_aligned(p.k, p.v, strides, p.head_dim, 8, 8) && p.head_dim_v % 8 == 0;
   }
   if (const char* why = plan_query(p, p.kv_type != KVType::kSame)) return why;
-  p.smem_bytes = d == 64    ? ExtendLayout<64>::kTotal
-                 : d == 128 ? ExtendLayout<128>::kTotal
-                 : d == 256 ? ExtendLayout<256>::kTotal
-                            : ExtendLayout<512>::kTotal;
+#define KVATTN_EXTEND_SMEM(D, FIRST) d == D ? ExtendLayout<D>::kTotal:
+  p.smem_bytes = KVATTN_HEAD_DIM_TILES(KVATTN_EXTEND_SMEM) 0;  // (d is a tile: head_dim <= kMaxHeadDim)
+#undef KVATTN_EXTEND_SMEM
   // A block's tokens (at most kExtendRows = 64) index the bits of the custom mask's key rows.
   if (p.var.custom_mask != nullptr)
     p.smem_bytes += d <= 128 ? ExtendLayout<128>::kRowBitsBytes : ExtendLayout<512>::kRowBitsBytes;

@@ -2,6 +2,13 @@
 // (csrc/module.cpp) can report them without compiling a kernel. Used by decode.cuh and extend.cuh.
 #pragma once
 
+// Generated from csrc/instantiations.py (TILES, LATENT): KVATTN_HEAD_DIM_TILES(X), X(tile, first
+// head dim it runs) for each tile in increasing order, KVATTN_MAX_HEAD_DIM_TILE, KVATTN_LATENT_DIM.
+#include "kvattn_head_dims.h"
+
+#define KVATTN_STR_(x) #x
+#define KVATTN_STR(x) KVATTN_STR_(x)  // a macro's value as a string literal
+
 #if defined(__CUDACC__)
 #define KVATTN_TILE_FN __host__ __device__ constexpr
 #else
@@ -25,13 +32,17 @@ KVATTN_TILE_FN int tile_row_bytes() {
 
 // The MLA latent row (DeepSeek V2/V3, FlashMLA: 512 latent + 64 RoPE dims): a decode tile of its
 // own, whose value is the first kLatentRank dims of the key row itself (read from the K stage).
-constexpr int kLatentDim = 576, kLatentRank = 512;
+constexpr int kLatentDim = KVATTN_LATENT_DIM, kLatentRank = 512;
+constexpr int kMaxHeadDim = KVATTN_MAX_HEAD_DIM_TILE;  // the widest tile but the latent one
 
-// Head dims are padded to one of these for the register tiles; the padding is zero and skipped.
-// The latent tile takes the MLA row exactly (plan.h refuses other head dims over 512).
+// Head dims are padded to the smallest tile that holds them for the register tiles; the padding is
+// zero and skipped. The latent tile takes the MLA row exactly (plan.h refuses other head dims over
+// kMaxHeadDim).
+#define KVATTN_PAD_TO_TILE(tile, first) head_dim <= tile ? tile:
 KVATTN_TILE_FN int padded_head_dim(int head_dim) {
-  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 256 ? 256 : head_dim <= 512 ? 512 : kLatentDim;
+  return KVATTN_HEAD_DIM_TILES(KVATTN_PAD_TO_TILE) kLatentDim;
 }
+#undef KVATTN_PAD_TO_TILE
 
 // Unroll factor of a copy loop of `copies` iterations per thread: complete up to 8 (head dims up
 // to 128), 4 beyond: completely unrolled, the copies of a 256- or 512-wide head keep too many

@@ -32,12 +32,12 @@ def test_the_table_is_the_dispatchs_axes_written_out():
     table = instantiations()
     names = [row.name for row in table.TABLE]
     assert len(names) == len(set(names))
-    hd, bools = (64, 128, 256, 512), ("true", "false")
+    hd, bools = table.TILES, ("true", "false")
     want = {f"kvattn::paged_decode_kernel<{t}, {kv}, {d}, {c}, {v}, {s}>"
             for t in ("__half", "__nv_bfloat16") for kv in (t, "kvattn::Fp8E4M3", "kvattn::Fp8E5M2")
             for d in hd for c in bools for v in (bools if kv == t else ("true",)) for s in bools}
     # the MLA latent tile: 16-bit pools, 16-byte copies, no score switch
-    want |= {f"kvattn::paged_decode_kernel<{t}, {t}, 576, {c}, true, false>"
+    want |= {f"kvattn::paged_decode_kernel<{t}, {t}, {table.LATENT}, {c}, true, false>"
              for t in ("__half", "__nv_bfloat16") for c in bools}
     want |= {f"kvattn::merge_splits_kernel<{t}, {s}>" for t in ("__half", "__nv_bfloat16") for s in bools}
     want |= {f"kvattn::paged_extend_kernel<{t}, {d}, {c}, {v}, {s}>" for t in ("__half", "__nv_bfloat16")
@@ -65,7 +65,7 @@ def test_each_row_is_in_one_unit_and_a_plain_kernel_header_in_one_unit_only():
         includes = set(re.findall(r'#include "([^"]+)"', text))
         assert includes == {table.KERNELS[row.kernel][2] for row in units[name]}, name
     # decode by type and tile (the latent tile too); merge; extend; pre-pass; writer
-    assert len(units) == 8 + 2 + 1 + 8 + 1 + 1
+    assert len(units) == 2 * len(table.HEAD_DIMS) + 1 + 2 * len(table.TILES) + 1 + 1
 
 
 def test_selection_from_the_environment():
@@ -106,6 +106,7 @@ def test_generated_headers_name_the_selection(tmp_path):
     macros = (tmp_path / "kvattn_selection.h").read_text()
     assert "#define KVATTN_BUILT_DTYPE_E4M3 1" in macros and "#define KVATTN_BUILT_DTYPE_BF16 0" in macros
     assert "#define KVATTN_BUILT_HEAD_DIM_128 0" in macros and "#define KVATTN_BUILT_VARIANTS 0" in macros
+    assert (tmp_path / "kvattn_head_dims.h").read_text() == table.head_dims_header()  # the table's, whole
     assert [p.name for p in units] == ["decode_fp16_d64.cu", "decode_merge.cu", "extend_fp16_d64.cu",
                                        "extend_resolve.cu", "write_kv.cu"]
     assert "DecodeKernel<__half, kvattn::Fp8E4M3, 64, true, true, false>;" in units[0].read_text()
@@ -114,6 +115,31 @@ def test_generated_headers_name_the_selection(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
     table.write_generated(tmp_path, table.Selection(dtypes=("fp16",), head_dims=(128,), variants=False))
     assert not (tmp_path / "decode_fp16_d64.cu").exists()  # a unit of an earlier selection goes
+
+
+def test_the_head_dim_tiles_are_the_tables():
+    """The tiles are spelled once, in the table (TILES, LATENT): the C++ expands the generated
+    kvattn_head_dims.h (padded_head_dim, the dispatch, the plan, the binding's tile_layouts), and
+    the launcher's tiles are the keys of its decode occupancy, which each tile needs."""
+    table = instantiations()
+    header = table.head_dims_header()
+    firsts = [1, *(t + 1 for t in table.TILES[:-1])]
+    assert "#define KVATTN_HEAD_DIM_TILES(X) " + " ".join(
+        f"X({t}, {f})" for t, f in zip(table.TILES, firsts)) + "\n" in header
+    assert f"#define KVATTN_MAX_HEAD_DIM_TILE {max(table.TILES)}\n" in header
+    assert f"#define KVATTN_LATENT_DIM {table.LATENT}\n" in header
+    for name in ("DECODE_BLOCKS_PER_SM", "DECODE_BLOCKS_PER_SM_SWITCHED", "DECODE_BLOCKS_PER_SM_FP8"):
+        assert tuple(sorted(getattr(launch, name))) == table.HEAD_DIMS, (
+            f"kvattn/backends/cuda/launch.py {name}: one figure per head-dim tile of csrc/instantiations.py "
+            f"{table.HEAD_DIMS}")
+    assert launch.HEAD_DIM_TILES == table.HEAD_DIMS and launch.LATENT_DIM == table.LATENT
+    assert launch.MAX_HEAD_DIM == max(table.TILES)
+    assert [launch.padded_head_dim(d) for d in (1, *table.TILES, *(t + 1 for t in table.TILES[:-1]))] == [
+        table.TILES[0], *table.TILES, *table.TILES[1:]]
+    sim = built_module("kvattn.backends.cuda_sim._sim")
+    layouts = sim.tile_layouts()
+    assert tuple(layouts["decode"]) == table.HEAD_DIMS
+    assert tuple(layouts["decode_fp8"]) == tuple(layouts["extend"]) == table.TILES
 
 
 def test_modules_report_their_selection():

@@ -22,7 +22,6 @@ FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 # The writer's tokens (csrc/kvattn/params.h DType): fp8 tokens are stored as they are.
 WRITE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 512
 # The MLA latent decode tile (csrc/kvattn/tiles.h kLatentDim): FlashMLA's 512 latent + 64 RoPE dims,
 # the latent row read once as the key and, its first 512 dims, as the value (168 KB of shared
 # memory: one block per SM).
@@ -35,8 +34,10 @@ SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap", "sinks",
                       "custom_mask"})
 READ_SWITCHES = SWITCHES | {"fp8 KV", "fp8 queries"}
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers, 4 warps a
-# block) per padded head dim, from the registers and shared memory of every instantiation in
-# benchmarks/results/static_sm90.md (tests/backends/test_static_sm90.py holds the planner to them):
+# block) per head-dim tile of csrc/instantiations.py (TILES, then LATENT: a tile added to the table
+# needs its figures here, tests/backends/test_instantiations.py says so), from the registers and
+# shared memory of every instantiation in benchmarks/results/static_sm90.md
+# (tests/backends/test_static_sm90.py holds the planner to them):
 # 59 KB and 150-156 registers at 64, 110 KB at 128, 145 KB at 256, 218 KB at 512. The score switches
 # take d64 to 170-180 registers (two blocks); fp8 pools halve the shared memory, which lets two
 # d256 blocks share an SM.
@@ -45,10 +46,12 @@ DECODE_BLOCKS_PER_SM_SWITCHED = {64: 2, 128: 2, 256: 1, 512: 1, LATENT_DIM: 1}
 DECODE_BLOCKS_PER_SM_FP8 = {64: 3, 128: 2, 256: 2, 512: 1, LATENT_DIM: 1}
 SUB_TILE = 16  # tokens a decode warp copies per pipeline stage
 # The axes of a build's selection of the kernel instantiations (csrc/instantiations.py; a module's
-# SELECTION): element types, fp8 pool formats, head-dim tiles (csrc/kvattn/tiles.h).
+# SELECTION): element types, fp8 pool formats, head-dim tiles (csrc/kvattn/tiles.h), the latent one
+# last; the widest other tile bounds the head dims the kernels take.
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
-HEAD_DIM_TILES = (64, 128, 256, 512, LATENT_DIM)
+HEAD_DIM_TILES = tuple(sorted(DECODE_BLOCKS_PER_SM))
+MAX_HEAD_DIM = max(d for d in HEAD_DIM_TILES if d != LATENT_DIM)
 
 
 class NotBuilt(RuntimeError):
@@ -138,7 +141,7 @@ def _rows_of_16_bytes(args) -> bool:
 
 def padded_head_dim(head_dim: int) -> int:
     """The head dim a decode instantiation is compiled for (csrc/kvattn/tiles.h)."""
-    return next(d for d in sorted(DECODE_BLOCKS_PER_SM) if head_dim <= d)
+    return next(d for d in HEAD_DIM_TILES if head_dim <= d)
 
 
 def decode_blocks_per_sm(head_dim: int, fp8: bool = False, scores: bool = False) -> int:
