@@ -22,7 +22,8 @@
 
   The ``-Xptxas -v`` output of every unit is gathered in build/cuda/ptxas.log and checked: every
   instantiation of the selection once per architecture, none other, and no local memory
-  (csrc/ptxas_report.py, summary in build/cuda/resources.json). Built where it can run (an
+  (csrc/ptxas_report.py; the figures in build/cuda/resources.json, a table of every kernel in
+  build/cuda/ptxas-table.txt, one line of them in the build's output). Built where it can run (an
   NVIDIA GPU visible: ``/dev/nvidiactl``, or ``nvidia-smi -L`` lists one) or where asked for
   (``KVATTN_CUDA_BUILD=1``: a wheel for GPU machines, the static gates of ``make test``); skipped
   when nvcc is not found (PATH, then ``$CUDA_HOME/bin``, ``/usr/local/cuda/bin``), on a machine
@@ -402,7 +403,12 @@ class BuildExt(build_ext):
         report = _import_path("csrc/ptxas_report.py")
         records = report.check(log, CUDA_BUILD / "resources.json",
                                expected={(row.signature, f"sm_{a}") for row in rows for a in archs})
-        print(report.table(records), flush=True)
+        # One line here; the table of every kernel in a file (`python -m kvattn.env --kernels` too).
+        table = CUDA_BUILD / "ptxas-table.txt"
+        table.write_text(report.table(records) + "\n")
+        print(f"kvattn: CUDA module: {len(units)} kernel units, the dispatch and the binding; "
+              f"{len(rows)} instantiations of csrc/instantiations.py for sm_{', sm_'.join(archs)}; ptxas: "
+              f"{report.summary(records)} (every kernel: {table.relative_to(ROOT)})", flush=True)
         return {"archs": list(archs), "nvcc": _nvcc_release(nvcc), "nvcc_parallel": _nvcc_parallel(archs),
                 "jobs": _build_jobs(), "selection": selection.as_dict(), "instantiations": len(rows),
                 "units": len(units), "resources": records}

@@ -96,6 +96,18 @@ def check(log: pathlib.Path, out_json: pathlib.Path | None = None, expected: set
     return records
 
 
+def summary(records: list[dict]) -> str:
+    """One line: the kernels per architecture, their range of registers, and how many use local
+    memory (spills or a stack frame; :func:`check` fails on any)."""
+    archs = sorted({r["arch"] for r in records})
+    per_arch = ", ".join(f"{sum(r['arch'] == a for r in records)} for {a}" for a in archs)
+    registers = [r["registers"] for r in records if r["registers"] is not None]
+    local = len(local_memory_problems(records))
+    return (f"{len(records)} kernels ({per_arch or 'none'}), "
+            + (f"{min(registers)}-{max(registers)} registers, " if registers else "")
+            + (f"{local} with local memory" if local else "no spills, no stack frames"))
+
+
 def table(records: list[dict]) -> str:
     rows = [f"{'kernel':<60} {'arch':<6} {'regs':>4} {'smem':>5} {'stack':>5} {'spill':>5}"]
     for r in records:
@@ -105,4 +117,6 @@ def table(records: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    print(table(check(pathlib.Path(sys.argv[1]))))
+    records = check(pathlib.Path(sys.argv[1]))
+    print(table(records))
+    print(summary(records))

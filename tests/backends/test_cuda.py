@@ -553,6 +553,22 @@ def test_ptxas_check_fails_on_spills():
     records = report.parse(log)
     assert records[0]["registers"] == 255 and records[0]["spill_stores"] == 32
     assert report.local_memory_problems(records)
+    assert report.summary(records) == "1 kernels (1 for sm_90), 255-255 registers, 1 with local memory"
+
+
+def test_the_build_prints_one_line_of_the_ptxas_figures_and_files_the_table():
+    """make build prints the summary line (units, instantiations, ptxas figures), not the table of
+    every kernel, which it writes to build/cuda/ptxas-table.txt."""
+    report = _load_ptxas_report()
+    records = [dict(kernel=f"k{i}", arch=arch, registers=40 + i, smem_static=0, stack_frame=0,
+                    spill_stores=0, spill_loads=0) for i, arch in enumerate(("sm_80", "sm_80", "sm_90"))]
+    assert report.summary(records) == ("3 kernels (2 for sm_80, 1 for sm_90), 40-42 registers, "
+                                       "no spills, no stack frames")
+    source = (ROOT / "setup.py").read_text()
+    assert "print(report.table(" not in source and "report.summary(records)" in source
+    ptxas_log()  # skips where the last build compiled no CUDA module
+    table = (ROOT / "build" / "cuda" / "ptxas-table.txt").read_text().splitlines()
+    assert len(table) == 1 + len(report.parse(ptxas_log().read_text()))
 
 
 def _load_ptxas_report():
