@@ -221,7 +221,8 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         check: False runs the unchecked variant (same kernel, check compiled out, no report).
         on_violation: ``"report"`` or ``"raise"`` (synchronises; raises
             :class:`kvattn.KVOwnershipError` after writing the output).
-        backend: ``"auto"``, ``"cuda"``, ``"triton"`` or ``"reference"``; see :mod:`kvattn.backends`.
+        backend: ``"auto"``, ``"cuda"``, ``"triton"`` or ``"reference"`` (or ``"cuda_sim"`` on
+            CPU tensors); see :mod:`kvattn.backends`.
         out: optional ``[B, num_heads, kv_lora_rank]`` output buffer (dtype of ``q``).
         return_lse: also return the ``[B, num_heads]`` float32 natural-log LSE.
         validate: run the value checks of :mod:`kvattn.layout` (default: only on CPU tensors).
