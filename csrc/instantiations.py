@@ -110,9 +110,9 @@ class Row:
     def unit(self) -> str:
         """The generated translation unit holding this row: one per (op, element type, head-dim
         tile), fp8 pools with their query type's. Each nvcc call costs ~2 s before its first
-        kernel (preprocessing, the front ends, the host compile): 37 units of (op, type, pool,
-        tile) made the 2-core serial build a third slower than one unit; these 19 keep 8 heavy
-        units of each attention op for the parallel build."""
+        kernel (preprocessing, the front ends, the host compile): a unit per (op, type, pool,
+        tile) made the 2-core serial build a third slower than one unit when measured; a unit per
+        (op, type, tile) keeps a few heavy units of each attention op for the parallel build."""
         if self.head_dim is None:
             return {"decode": "decode_merge", "extend": "extend_resolve", "write_kv": "write_kv"}[self.op]
         return f"{self.op}_{self.dtype}_d{self.head_dim}"

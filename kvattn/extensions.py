@@ -12,7 +12,7 @@ for ``pip install`` and ``python -m build``. The record (:func:`write_record` wr
                                                 "nvcc_parallel": ["--split-compile=16"],
                                                 "jobs": ["-j2"],        # ninja's, when set
                                                 "selection": {...},     # of csrc/instantiations.py
-                                                "instantiations": 201, "units": 35,
+                                                "instantiations": <n>, "units": <n>,
                                                 "resources": [...]}}}   # the CUDA module
 
 ``selection`` is what the CUDA module holds of the instantiation table (``Selection.as_dict`` of

@@ -1,6 +1,6 @@
 """The Triton backend: one module per op's kernels (``paged_decode``, ``paged_extend``,
-``paged_mla_decode``, ``paged_mla_extend``, ``paged_write_kv``), the reader's rule they share (``tag_rule``), and this
-facade for the registry."""
+``paged_mla_decode``, ``paged_mla_extend``, ``paged_write_kv``), the reader's rule they share
+(``tag_rule``), and this facade for the registry."""
 from __future__ import annotations
 
 import torch
