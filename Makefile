@@ -1,7 +1,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: deps build test test-fast sanitize demo env bench static static-env vllm-env vllm-speed sglang-env clean
+.PHONY: deps build test test-fast lint format sanitize demo env bench static static-env vllm-env vllm-speed sglang-env clean
 
 deps:
 	bash tools/ensure_deps.sh
@@ -32,6 +32,18 @@ test: build static-env vllm-env sglang-env
 TEST_LANES ?= readers or writers
 test-fast:
 	$(PYTHON) -m pytest -n 2 -q -m "($(TEST_LANES)) and not slow" $(if $(BACKEND),-k "$(BACKEND)") tests
+
+# ruff's formatter and linter over the tree (configured in pyproject.toml); `make format`
+# rewrites what the formatter would change.
+RUFF := ruff==0.17.6
+lint:
+	$(PYTHON) -m ruff --version > /dev/null 2>&1 || $(PYTHON) -m pip install -q --disable-pip-version-check $(RUFF)
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m ruff check .
+
+format:
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
 
 # The static sm_90 figures (tools/static_sm90.py; NOT speed) are read with the Triton the H200
 # image has, 3.6.0, in a venv beside the installed torch; without a registry the venv falls back to
