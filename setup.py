@@ -53,6 +53,7 @@ ninja (a decode edit recompiles the decode units only) and recompiles everything
 generated headers (the tag layout from kvattn/tags.py, csrc/gen_tags_header.py; the source digest;
 each module's instantiation list) are written before any build, and only when they change.
 """
+
 import os
 import pathlib
 import re
@@ -75,14 +76,18 @@ GENERATED = ROOT / "build" / "generated"
 CUDA_BUILD = ROOT / "build" / "cuda"
 DEFAULT_CUDA_ARCHS = ("80", "90")
 CUDA_EXT = "kvattn.backends.cuda._C"
-SIM_MODULES = {"_sim": "module_sim.cpp", "_sim_break_barrier": "module_sim_break_barrier.cpp",
-               "_sim_break_pages": "module_sim_break_pages.cpp",
-               "_sim_break_fragment": "module_sim_break_fragment.cpp"}
+SIM_MODULES = {
+    "_sim": "module_sim.cpp",
+    "_sim_break_barrier": "module_sim_break_barrier.cpp",
+    "_sim_break_pages": "module_sim_break_pages.cpp",
+    "_sim_break_fragment": "module_sim_break_fragment.cpp",
+}
 
 
 def _import_path(relative: str):
     """Load a stdlib-only helper of this tree without importing kvattn (which needs torch)."""
     import importlib.util
+
     name = f"_kvattn_build_{pathlib.Path(relative).stem}"
     spec = importlib.util.spec_from_file_location(name, ROOT / relative)
     module = importlib.util.module_from_spec(spec)
@@ -152,8 +157,10 @@ def _cuda_archs() -> tuple:
     for item in re.split(r"[,;\s]+", raw):
         m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d)?([af]?)", item)
         if not m:
-            raise ValueError(f"KVATTN_CUDA_ARCHS: expected compute capabilities such as '90' or "
-                             f"'80,90' (also '9.0', 'sm_90a'), got {raw!r}")
+            raise ValueError(
+                f"KVATTN_CUDA_ARCHS: expected compute capabilities such as '90' or "
+                f"'80,90' (also '9.0', 'sm_90a'), got {raw!r}"
+            )
         archs.append(m.group(1) + (m.group(2) or "") + m.group(3))
     return tuple(dict.fromkeys(archs))
 
@@ -164,8 +171,9 @@ def _nvcc_parallel(archs: tuple) -> list:
     if raw in ("", "1"):
         return []
     if not raw.isdigit():
-        raise ValueError(f"KVATTN_NVCC_THREADS: expected a whole number of threads (0: one per CPU), "
-                         f"got {raw!r}")
+        raise ValueError(
+            f"KVATTN_NVCC_THREADS: expected a whole number of threads (0: one per CPU), got {raw!r}"
+        )
     return [f"--split-compile={int(raw)}"] + ([f"--threads={int(raw)}"] if len(archs) > 1 else [])
 
 
@@ -175,7 +183,9 @@ def _build_jobs() -> list:
     if not raw:
         return []
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"KVATTN_BUILD_JOBS: expected a whole number of jobs (1 or more), got {raw!r}")
+        raise ValueError(
+            f"KVATTN_BUILD_JOBS: expected a whole number of jobs (1 or more), got {raw!r}"
+        )
     return [f"-j{int(raw)}"]
 
 
@@ -205,8 +215,10 @@ class _Outcome:
     def fail(self, name, error):
         if isinstance(error, subprocess.CalledProcessError):
             tool = pathlib.Path(str(error.cmd[0])).name
-            reason = (f"{tool} exited with status {error.returncode}: see the compiler output in "
-                      f"the build log and build/cuda/obj/*.log")
+            reason = (
+                f"{tool} exited with status {error.returncode}: see the compiler output in "
+                f"the build log and build/cuda/obj/*.log"
+            )
         else:
             reason = f"{type(error).__name__}: {error}"[:600]
         self.entries[name] = {"status": "failed", "reason": reason}
@@ -225,7 +237,9 @@ class _Outcome:
             for name, e in self.entries.items():
                 if e["status"] == status:
                     by_reason.setdefault(e["reason"], []).append(_short(name))
-            parts += [f"{status} {', '.join(names)}: {reason}" for reason, names in by_reason.items()]
+            parts += [
+                f"{status} {', '.join(names)}: {reason}" for reason, names in by_reason.items()
+            ]
         if not any(e["status"] == "skipped" for e in self.entries.values()):
             parts.append("skipped nothing")
         return "kvattn: " + "; ".join(parts)
@@ -238,17 +252,28 @@ class _Outcome:
         stopped = next((n for n, e in self.entries.items() if e["status"] == "failed"), None)
         for name in STATUS.EXTENSIONS:
             if name not in self.entries:
-                self.skip(name, f"not attempted: the build stopped at {_short(stopped)}" if stopped
-                          else "not part of this build")
+                self.skip(
+                    name,
+                    f"not attempted: the build stopped at {_short(stopped)}"
+                    if stopped
+                    else "not part of this build",
+                )
         line = self.summary()
         print(line, file=sys.stderr, flush=True)
         STATUS.write_record(record, VERSION, line, self.entries)
 
 
 OUTCOME = _Outcome()
-HEADERS = sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*")
-                 if p.suffix in (".h", ".cuh", ".cpp", ".cu")) + ["csrc/instantiations.py"]
-SIM_FLAGS = ["-std=c++17", "-O2", "-fno-strict-aliasing", "-Wno-unknown-pragmas", "-fvisibility=hidden"]
+HEADERS = sorted(
+    str(p.relative_to(ROOT)) for p in CSRC.rglob("*") if p.suffix in (".h", ".cuh", ".cpp", ".cu")
+) + ["csrc/instantiations.py"]
+SIM_FLAGS = [
+    "-std=c++17",
+    "-O2",
+    "-fno-strict-aliasing",
+    "-Wno-unknown-pragmas",
+    "-fvisibility=hidden",
+]
 
 
 def _extensions():
@@ -269,12 +294,22 @@ def _extensions():
             OUTCOME.skip(f"kvattn.backends.cuda_sim.{name}", "KVATTN_SKIP_HARNESS_BUILD=1")
         exts = []
     else:
-        exts = [Extension(f"kvattn.backends.cuda_sim.{name}", sources=[f"csrc/sim/{source}"],
-                          include_dirs=[str(CSRC), str(GENERATED / SELECTION_DIRS[name]), str(GENERATED),
-                                        _pybind11_include()],
-                          depends=HEADERS + ["kvattn/tags.py"], extra_compile_args=SIM_FLAGS,
-                          language="c++")
-                for name, source in SIM_MODULES.items()]
+        exts = [
+            Extension(
+                f"kvattn.backends.cuda_sim.{name}",
+                sources=[f"csrc/sim/{source}"],
+                include_dirs=[
+                    str(CSRC),
+                    str(GENERATED / SELECTION_DIRS[name]),
+                    str(GENERATED),
+                    _pybind11_include(),
+                ],
+                depends=HEADERS + ["kvattn/tags.py"],
+                extra_compile_args=SIM_FLAGS,
+                language="c++",
+            )
+            for name, source in SIM_MODULES.items()
+        ]
     nvcc, why = _cuda_wanted()
     cxx = os.environ.get("CXX", "g++")
     if nvcc is not None and shutil.which(shlex.split(cxx)[0]) is None:
@@ -293,8 +328,10 @@ def _write_digest_header(path: pathlib.Path) -> None:
     """The digest of the sources every module is compiled from (``SOURCE_DIGEST`` of each module;
     kvattn refuses a module whose digest differs from its checkout's). Written only when it
     changes, so an unchanged tree rebuilds nothing."""
-    text = ("// Generated by setup.py: kvattn.extensions.source_digest of this build's sources.\n"
-            f"#define KVATTN_SOURCE_DIGEST \"{STATUS.source_digest(ROOT)}\"\n")
+    text = (
+        "// Generated by setup.py: kvattn.extensions.source_digest of this build's sources.\n"
+        f'#define KVATTN_SOURCE_DIGEST "{STATUS.source_digest(ROOT)}"\n'
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
@@ -362,56 +399,118 @@ class BuildExt(build_ext):
         objects.mkdir(parents=True, exist_ok=True)
         includes = [f"-I{CSRC}", f"-I{GENERATED / 'cuda'}", f"-I{GENERATED}"]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-        nvcc_flags = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-lineinfo", *gencode,
-                      *_nvcc_parallel(archs), *includes]
+        nvcc_flags = [
+            "-std=c++17",
+            "-O3",
+            "-Xcompiler",
+            "-fPIC",
+            "-Xptxas",
+            "-v",
+            "-lineinfo",
+            *gencode,
+            *_nvcc_parallel(archs),
+            *includes,
+        ]
         cxx = os.environ.get("CXX", "g++")
-        cxx_flags = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wno-unknown-pragmas", *includes,
-                     f"-I{sysconfig.get_paths()['include']}", f"-I{_pybind11_include()}"]
+        cxx_flags = [
+            "-std=c++17",
+            "-O2",
+            "-fPIC",
+            "-fvisibility=hidden",
+            "-Wno-unknown-pragmas",
+            *includes,
+            f"-I{sysconfig.get_paths()['include']}",
+            f"-I{_pybind11_include()}",
+        ]
         # (source, object): the kernel units, the dispatch (nvcc); the binding (host compiler)
-        cuda_sources = [(src, objects / f"{src.stem}.o") for src in [*units, CSRC / "cuda" / "dispatch.cu"]]
+        cuda_sources = [
+            (src, objects / f"{src.stem}.o") for src in [*units, CSRC / "cuda" / "dispatch.cu"]
+        ]
         # ninja starts the heaviest units (widest head dims) first, so the last job to finish is short.
-        tile = {name: max(row.head_dim or 0 for row in members) for name, members in TABLE.units(rows).items()}
+        tile = {
+            name: max(row.head_dim or 0 for row in members)
+            for name, members in TABLE.units(rows).items()
+        }
         by_weight = sorted(cuda_sources, key=lambda source: -tile.get(source[0].stem, 0))
         module_o = objects / "module.o"
         log = CUDA_BUILD / "ptxas.log"
         q = shlex.join
         ninja = shutil.which("ninja")
         if ninja:
-            lines = [f"rule nvcc\n"
-                     f"  command = {q([nvcc, *nvcc_flags])} -MD -MF $out.d -c $in -o $out > $out.log 2>&1"
-                     f" || {{ cat $out.log; exit 1; }}\n"
-                     f"  depfile = $out.d\n  deps = gcc\n  description = nvcc $in\n",
-                     f"rule cxx\n  command = {q([cxx, *cxx_flags])} -MD -MF $out.d -c $in -o $out\n"
-                     f"  depfile = $out.d\n  deps = gcc\n  description = c++ $in\n",
-                     f"rule link\n  command = {q([nvcc, '-shared'])} $in -o $out\n  description = link $out\n"]
+            lines = [
+                f"rule nvcc\n"
+                f"  command = {q([nvcc, *nvcc_flags])} -MD -MF $out.d -c $in -o $out > $out.log 2>&1"
+                f" || {{ cat $out.log; exit 1; }}\n"
+                f"  depfile = $out.d\n  deps = gcc\n  description = nvcc $in\n",
+                f"rule cxx\n  command = {q([cxx, *cxx_flags])} -MD -MF $out.d -c $in -o $out\n"
+                f"  depfile = $out.d\n  deps = gcc\n  description = c++ $in\n",
+                f"rule link\n  command = {q([nvcc, '-shared'])} $in -o $out\n  description = link $out\n",
+            ]
             lines += [f"build {obj}: nvcc {src}\n" for src, obj in by_weight]
             lines.append(f"build {module_o}: cxx {CSRC / 'cuda' / 'module_cuda.cpp'}\n")
-            lines.append(f"build {target}: link {' '.join(str(o) for _, o in cuda_sources)} {module_o}\n")
+            lines.append(
+                f"build {target}: link {' '.join(str(o) for _, o in cuda_sources)} {module_o}\n"
+            )
             (CUDA_BUILD / "build.ninja").write_text("".join(lines))
             subprocess.run([ninja, "-C", str(CUDA_BUILD), *_build_jobs()], check=True)
         else:
             for src, obj in by_weight:
                 with open(f"{obj}.log", "w") as out:
-                    subprocess.run([nvcc, *nvcc_flags, "-c", str(src), "-o", str(obj)], check=True, stdout=out,
-                                   stderr=subprocess.STDOUT)
-            subprocess.run([cxx, *cxx_flags, "-c", str(CSRC / "cuda" / "module_cuda.cpp"), "-o", str(module_o)],
-                           check=True)
-            subprocess.run([nvcc, "-shared", *(str(o) for _, o in cuda_sources), str(module_o), "-o", str(target)],
-                           check=True)
+                    subprocess.run(
+                        [nvcc, *nvcc_flags, "-c", str(src), "-o", str(obj)],
+                        check=True,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+            subprocess.run(
+                [
+                    cxx,
+                    *cxx_flags,
+                    "-c",
+                    str(CSRC / "cuda" / "module_cuda.cpp"),
+                    "-o",
+                    str(module_o),
+                ],
+                check=True,
+            )
+            subprocess.run(
+                [
+                    nvcc,
+                    "-shared",
+                    *(str(o) for _, o in cuda_sources),
+                    str(module_o),
+                    "-o",
+                    str(target),
+                ],
+                check=True,
+            )
         # One log for the module, in table order (the units' own logs stay beside their objects).
         log.write_text("".join(pathlib.Path(f"{obj}.log").read_text() for _, obj in cuda_sources))
         report = _import_path("csrc/ptxas_report.py")
-        records = report.check(log, CUDA_BUILD / "resources.json",
-                               expected={(row.signature, f"sm_{a}") for row in rows for a in archs})
+        records = report.check(
+            log,
+            CUDA_BUILD / "resources.json",
+            expected={(row.signature, f"sm_{a}") for row in rows for a in archs},
+        )
         # One line here; the table of every kernel in a file (`python -m kvattn.env --kernels` too).
         table = CUDA_BUILD / "ptxas-table.txt"
         table.write_text(report.table(records) + "\n")
-        print(f"kvattn: CUDA module: {len(units)} kernel units, the dispatch and the binding; "
-              f"{len(rows)} instantiations of csrc/instantiations.py for sm_{', sm_'.join(archs)}; ptxas: "
-              f"{report.summary(records)} (every kernel: {table.relative_to(ROOT)})", flush=True)
-        return {"archs": list(archs), "nvcc": _nvcc_release(nvcc), "nvcc_parallel": _nvcc_parallel(archs),
-                "jobs": _build_jobs(), "selection": selection.as_dict(), "instantiations": len(rows),
-                "units": len(units), "resources": records}
+        print(
+            f"kvattn: CUDA module: {len(units)} kernel units, the dispatch and the binding; "
+            f"{len(rows)} instantiations of csrc/instantiations.py for sm_{', sm_'.join(archs)}; ptxas: "
+            f"{report.summary(records)} (every kernel: {table.relative_to(ROOT)})",
+            flush=True,
+        )
+        return {
+            "archs": list(archs),
+            "nvcc": _nvcc_release(nvcc),
+            "nvcc_parallel": _nvcc_parallel(archs),
+            "jobs": _build_jobs(),
+            "selection": selection.as_dict(),
+            "instantiations": len(rows),
+            "units": len(units),
+            "resources": records,
+        }
 
 
 class BuildPy(build_py):

@@ -6,6 +6,7 @@ times the L2 size, physical pages are a random permutation of an oversized pool,
 uses the next set. Slots no sequence may read (tails of last pages, unused pages) hold NaN, so a
 provider that reads them fails the correctness check that precedes every timing.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -60,9 +61,13 @@ VARIANTS = {
     "alibi-per-seq": (-1, lambda h, hk, b: dict(alibi_slopes=_per_sequence(_bloom_slopes(h), b))),
     "fp8-e4m3": (-1, lambda h, hk, b: dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)),
     # FlashAttention 3's k_descale/v_descale [B, Hkv] over the same pool.
-    "fp8-e4m3-per-seq": (-1, lambda h, hk, b: dict(
-        k_scale=_per_sequence(torch.full((hk,), FP8_SCALE), b),
-        v_scale=_per_sequence(torch.full((hk,), FP8_SCALE), b))),
+    "fp8-e4m3-per-seq": (
+        -1,
+        lambda h, hk, b: dict(
+            k_scale=_per_sequence(torch.full((hk,), FP8_SCALE), b),
+            v_scale=_per_sequence(torch.full((hk,), FP8_SCALE), b),
+        ),
+    ),
 }
 
 
@@ -84,8 +89,9 @@ def tree_mask_rows(prefix: int, chunk: int) -> torch.Tensor:
     return rows
 
 
-def variant_kwargs(name: str, num_heads: int, device: torch.device, num_kv_heads: int = 1,
-                   batch: int = 1) -> dict:
+def variant_kwargs(
+    name: str, num_heads: int, device: torch.device, num_kv_heads: int = 1, batch: int = 1
+) -> dict:
     """The switches of variant ``name`` as kvattn takes them for ``batch`` sequences, tensors on
     ``device``."""
     if name not in VARIANTS:
@@ -140,13 +146,21 @@ class Point:
 
     def kv_set_bytes(self) -> int:
         """Bytes of K and V one rotation set occupies in the pool (whole pages)."""
-        return self.batch * self.pages_per_seq * self.page_size * self.num_kv_heads * \
-            (self.head_dim + self.dv) * self.kv_elt
+        return (
+            self.batch
+            * self.pages_per_seq
+            * self.page_size
+            * self.num_kv_heads
+            * (self.head_dim + self.dv)
+            * self.kv_elt
+        )
 
     def label(self) -> str:
         suffix = "" if self.variant == "plain" else f"_{self.variant}"
-        return (f"B{self.batch}_ctx{self.context}_p{self.page_size}_h{self.num_heads}x"
-                f"{self.num_kv_heads}_{dims_label(self)}_{self.dtype}{suffix}")
+        return (
+            f"B{self.batch}_ctx{self.context}_p{self.page_size}_h{self.num_heads}x"
+            f"{self.num_kv_heads}_{dims_label(self)}_{self.dtype}{suffix}"
+        )
 
 
 def dims_label(p) -> str:
@@ -159,14 +173,18 @@ def bytes_moved(p: Point, checked: bool, q_tokens: int | None = None) -> dict[st
 
     K/V: only the slots the sequences read (``context`` tokens each, not whole pages), once each.
     Q is read and O written once (a decode window reads its last ``window_left + 1`` keys and their
-    pages only; extend counts every key of the sequence). The block table: the entries read. Checked calls also read one
+    pages only; extend counts every key of the sequence). The block table: the entries read.
+    Checked calls also read one
     tag per page read and the ``[B]`` expected owners, and write the report (counters and per-page
     reasons). Split-KV partial results are an implementation choice and are not counted.
     ``q_tokens``: an extend call's query rows (default one per sequence, decode); it also reads
     the ``[B + 1]`` row offsets.
     """
-    read = p.context if p.window_left < 0 or q_tokens is not None else min(p.context,
-                                                                           p.window_left + 1)
+    read = (
+        p.context
+        if p.window_left < 0 or q_tokens is not None
+        else min(p.context, p.window_left + 1)
+    )
     tokens = p.batch * read
     pages = p.batch * (p.pages_per_seq if q_tokens is not None else p.pages_checked)
     rows = p.batch if q_tokens is None else q_tokens
@@ -191,12 +209,18 @@ class Device:
     sm_count: int
 
     @classmethod
-    def current(cls) -> "Device":
+    def current(cls) -> Device:
         if torch.cuda.is_available():
             prop = torch.cuda.get_device_properties(0)
             name = prop.name
-            return cls(name, _slug(name), True, int(getattr(prop, "L2_cache_size", 50 << 20)),
-                       int(prop.total_memory), int(prop.multi_processor_count))
+            return cls(
+                name,
+                _slug(name),
+                True,
+                int(getattr(prop, "L2_cache_size", 50 << 20)),
+                int(prop.total_memory),
+                int(prop.multi_processor_count),
+            )
         name = _cpu_name()
         return cls(name, "cpu", False, 8 << 20, 0, os.cpu_count() or 1)
 
@@ -223,10 +247,21 @@ def git_commit() -> str:
     """Short commit of the working tree (``-dirty`` when it differs), ``KVATTN_COMMIT`` when git
     cannot tell (a copy of the tree without ``.git``), else ``unknown``."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=REPO, check=True,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short=10", "HEAD"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("KVATTN_COMMIT", "unknown")
@@ -234,9 +269,14 @@ def git_commit() -> str:
 
 def versions() -> dict[str, str]:
     import triton
-    v = {"python": platform.python_version(), "torch": torch.__version__,
-         "triton": triton.__version__, "kvattn": kvattn.__version__,
-         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0")}
+
+    v = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "kvattn": kvattn.__version__,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+    }
     if torch.cuda.is_available():
         v["cuda"] = str(torch.version.cuda)
     return v
@@ -265,8 +305,15 @@ class DecodeInputs:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     def args(self, i: int) -> tuple:
-        return (self.q, self.k_cache, self.v_cache, self.tables[i], self.seq_lens, self.page_tags,
-                self.expected[i])
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.tables[i],
+            self.seq_lens,
+            self.page_tags,
+            self.expected[i],
+        )
 
     def new_out(self) -> torch.Tensor:
         """An output buffer: ``q``'s rows and heads, V's head dim."""
@@ -306,8 +353,17 @@ class ExtendPoint:
         """The decode point whose pool an extend call reads: same sequences, same pages (a plain
         pool under the extend's own variants)."""
         pool_variant = "plain" if self.variant in EXTEND_VARIANTS else self.variant
-        return Point(self.batch, self.context, self.page_size, self.num_heads, self.num_kv_heads,
-                     self.head_dim, self.dtype, pool_variant, self.head_dim_v)
+        return Point(
+            self.batch,
+            self.context,
+            self.page_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            pool_variant,
+            self.head_dim_v,
+        )
 
     @property
     def pages_checked(self) -> int:
@@ -331,8 +387,10 @@ class ExtendPoint:
 
     def label(self) -> str:
         suffix = "" if self.variant == "plain" else f"_{self.variant}"
-        return (f"B{self.batch}_q{self.chunk}_pre{self.prefix}_p{self.page_size}_h{self.num_heads}x"
-                f"{self.num_kv_heads}_{dims_label(self)}_{self.dtype}{suffix}")
+        return (
+            f"B{self.batch}_q{self.chunk}_pre{self.prefix}_p{self.page_size}_h{self.num_heads}x"
+            f"{self.num_kv_heads}_{dims_label(self)}_{self.dtype}{suffix}"
+        )
 
 
 @dataclass
@@ -370,8 +428,16 @@ class ExtendInputs:
 
     def args(self, i: int) -> tuple:
         d = self.pool
-        return (self.q, d.k_cache, d.v_cache, self.cu_seqlens_q, d.tables[i], d.seq_lens,
-                d.page_tags, d.expected[i])
+        return (
+            self.q,
+            d.k_cache,
+            d.v_cache,
+            self.cu_seqlens_q,
+            d.tables[i],
+            d.seq_lens,
+            d.page_tags,
+            d.expected[i],
+        )
 
 
 def rotation_sets(p: Point, l2_bytes: int, max_sets: int = 32) -> int:
@@ -393,12 +459,12 @@ def make_decode_inputs(p: Point, device: torch.device, sets: int, seed: int = 0)
     page_tags = torch.zeros(num_pages, dtype=torch.int64, device=device)
     perm = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)
     # Unused pages and the unread tail of every last page hold NaN: reading them shows in the output.
-    k_cache[perm[sets * per_set:].long()] = float("nan")
-    v_cache[perm[sets * per_set:].long()] = float("nan")
+    k_cache[perm[sets * per_set :].long()] = float("nan")
+    v_cache[perm[sets * per_set :].long()] = float("nan")
     tail = p.context - (p.pages_per_seq - 1) * p.page_size
     tables, expected = [], []
     for r in range(sets):
-        table = perm[r * per_set:(r + 1) * per_set].view(p.batch, p.pages_per_seq)
+        table = perm[r * per_set : (r + 1) * per_set].view(p.batch, p.pages_per_seq)
         owners = torch.arange(r * p.batch + 1, (r + 1) * p.batch + 1, device=device)
         lens = torch.full((p.batch, p.pages_per_seq), p.page_size, device=device)
         lens[:, -1] = tail
@@ -420,15 +486,19 @@ def make_decode_inputs(p: Point, device: torch.device, sets: int, seed: int = 0)
         # read them back at up to twice that, still within range.
         k_cache = (k_cache.float() / FP8_SCALE).to(torch.float8_e4m3fn)
         v_cache = (v_cache.float() / FP8_SCALE).to(torch.float8_e4m3fn)
-    return DecodeInputs(p, q, k_cache, v_cache, page_tags, tables, seq_lens, expected,
-                        p.head_dim ** -0.5, variant)
+    return DecodeInputs(
+        p, q, k_cache, v_cache, page_tags, tables, seq_lens, expected, p.head_dim**-0.5, variant
+    )
 
 
-def make_extend_inputs(p: ExtendPoint, device: torch.device, sets: int, seed: int = 0) -> ExtendInputs:
+def make_extend_inputs(
+    p: ExtendPoint, device: torch.device, sets: int, seed: int = 0
+) -> ExtendInputs:
     pool = make_decode_inputs(p.pool_point(), device, sets, seed)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
-    q = torch.randn(p.q_tokens, p.num_heads, p.head_dim, generator=gen, device=device,
-                    dtype=DTYPES[p.dtype])
+    q = torch.randn(
+        p.q_tokens, p.num_heads, p.head_dim, generator=gen, device=device, dtype=DTYPES[p.dtype]
+    )
     cu = torch.arange(p.batch + 1, dtype=torch.int32, device=device) * p.chunk
     mask = None
     if p.variant == "tree":
@@ -439,20 +509,31 @@ def make_extend_inputs(p: ExtendPoint, device: torch.device, sets: int, seed: in
 def of_sequences(variant: dict, seqs) -> dict:
     """``variant``'s switches for the sequences ``seqs`` (an index or a slice) alone: the rows of
     its per-sequence values (``[B, ...]``: 2-D), the rest as they are."""
-    return {k: v[seqs] if isinstance(v, torch.Tensor) and v.dim() == 2 else v
-            for k, v in variant.items()}
+    return {
+        k: v[seqs] if isinstance(v, torch.Tensor) and v.dim() == 2 else v
+        for k, v in variant.items()
+    }
 
 
 def reference_output(inp: DecodeInputs, i: int, rows: int) -> torch.Tensor:
     """float32 reference for the first ``rows`` sequences of set ``i`` (sequences are independent,
     so a slice keeps the check cheap at long context)."""
     q, k, v, table, lens, tags, expected = inp.args(i)
-    out, report = kvattn.reference.paged_decode(q[:rows], k, v, table[:rows], lens[:rows], tags,
-                                                expected[:rows], scale=inp.scale,
-                                                **of_sequences(inp.variant, slice(0, rows)))
+    out, report = kvattn.reference.paged_decode(
+        q[:rows],
+        k,
+        v,
+        table[:rows],
+        lens[:rows],
+        tags,
+        expected[:rows],
+        scale=inp.scale,
+        **of_sequences(inp.variant, slice(0, rows)),
+    )
     if int(report.violations.sum()) != 0:
-        raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
-                           f"({report.summary()})")
+        raise RuntimeError(
+            f"benchmark inputs are inconsistent: the reference refused pages ({report.summary()})"
+        )
     return out
 
 
@@ -482,18 +563,31 @@ def extend_reference(inp: ExtendInputs, i: int, picks: list[tuple[int, int]]) ->
     if inp.custom_mask is not None:
         # Row j alone reads its block's row up to its own position.
         block = tree_mask_rows(p.prefix, p.chunk)
-        variant = dict(variant, custom_mask=torch.cat([block[j, :p.prefix + j + 1]
-                                                       for _, j in picks]).to(dev))
-    out, report = kvattn.reference.paged_extend(q[rows], k, v, cu, table[seqs].contiguous(), lens,
-                                                tags, expected[seqs], scale=inp.scale, **variant)
+        variant = dict(
+            variant, custom_mask=torch.cat([block[j, : p.prefix + j + 1] for _, j in picks]).to(dev)
+        )
+    out, report = kvattn.reference.paged_extend(
+        q[rows],
+        k,
+        v,
+        cu,
+        table[seqs].contiguous(),
+        lens,
+        tags,
+        expected[seqs],
+        scale=inp.scale,
+        **variant,
+    )
     if int(report.violations.sum()) != 0:
-        raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
-                           f"({report.summary()})")
+        raise RuntimeError(
+            f"benchmark inputs are inconsistent: the reference refused pages ({report.summary()})"
+        )
     return out
 
 
-def check_provider(run, out_buf, refs: dict, dtype: str, pages_per_seq: int,
-                   rows: torch.Tensor | None = None) -> float:
+def check_provider(
+    run, out_buf, refs: dict, dtype: str, pages_per_seq: int, rows: torch.Tensor | None = None
+) -> float:
     """Run every set in ``refs`` once on a poisoned buffer; raise if the output is off, not
     written, or the report does not prove the check ran (``pages_per_seq``: the pages each
     sequence's check must count, those its window reaches). ``rows`` indexes the output rows
@@ -504,17 +598,23 @@ def check_provider(run, out_buf, refs: dict, dtype: str, pages_per_seq: int,
             out_buf.fill_(float("nan"))
         out, report = run(i)
         if not torch.isfinite(out).all():
-            raise AssertionError(f"set {i}: output holds NaN/inf (unwritten rows or foreign slots read)")
-        got = out[:ref.shape[0]] if rows is None else out[rows]
+            raise AssertionError(
+                f"set {i}: output holds NaN/inf (unwritten rows or foreign slots read)"
+            )
+        got = out[: ref.shape[0]] if rows is None else out[rows]
         err = float((got.float() - ref).abs().max())
         worst = max(worst, err)
         if err > MAX_ABS_ERR[dtype]:
             raise AssertionError(f"set {i}: max |out - ref| = {err:.3g} > {MAX_ABS_ERR[dtype]:g}")
         if report is not None:
             if int(report.violations.sum()) != 0:
-                raise AssertionError(f"set {i}: clean inputs reported violations: {report.summary()}")
+                raise AssertionError(
+                    f"set {i}: clean inputs reported violations: {report.summary()}"
+                )
             if not bool((report.pages_checked == pages_per_seq).all()):
-                raise AssertionError(f"set {i}: pages_checked != {pages_per_seq}: the check did not run")
+                raise AssertionError(
+                    f"set {i}: pages_checked != {pages_per_seq}: the check did not run"
+                )
     return worst
 
 
@@ -543,8 +643,10 @@ def time_eager(fn, device: torch.device, cfg: TimingConfig) -> float:
     (it also clears the L2 before every run), the host clock on the CPU."""
     if device.type == "cuda":
         import triton.testing
-        return float(triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms,
-                                             return_mode="median"))
+
+        return float(
+            triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+        )
     fn()
     runs = []
     for _ in range(cfg.cpu_runs):
@@ -574,8 +676,10 @@ class GraphTimer:
 
     def time(self, cfg: TimingConfig) -> float:
         import triton.testing
-        ms = triton.testing.do_bench(self.graph.replay, warmup=cfg.warmup_ms, rep=cfg.rep_ms,
-                                     return_mode="median")
+
+        ms = triton.testing.do_bench(
+            self.graph.replay, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"
+        )
         return float(ms) / self.sets
 
 
@@ -596,7 +700,7 @@ def matmul_rate(device: Device, cfg: TimingConfig, n: int = 8192) -> dict:
     a = torch.randn(n, n, device=device.torch_device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device.torch_device, dtype=torch.bfloat16)
     ms = time_eager(lambda: a @ b, device.torch_device, cfg)
-    return {"n": n, "median_ms": ms, "tflops": 2 * n ** 3 / (ms * 1e-3) / 1e12}
+    return {"n": n, "median_ms": ms, "tflops": 2 * n**3 / (ms * 1e-3) / 1e12}
 
 
 def prepare_providers(providers, inp, check, base: dict, log) -> tuple[list[dict], list[tuple]]:
@@ -621,8 +725,17 @@ def prepare_providers(providers, inp, check, base: dict, log) -> tuple[list[dict
     return rows, live
 
 
-def check_and_measure(providers, inp, check, base: dict, device: Device, cfg: TimingConfig, columns,
-                      log, deadline: float | None = None) -> list[dict]:
+def check_and_measure(
+    providers,
+    inp,
+    check,
+    base: dict,
+    device: Device,
+    cfg: TimingConfig,
+    columns,
+    log,
+    deadline: float | None = None,
+) -> list[dict]:
     """:func:`prepare_providers`, then :func:`measure` of those that passed, over ``inp``'s
     rotation sets: the rows of one point."""
     rows, live = prepare_providers(providers, inp, check, base, log)
@@ -638,8 +751,9 @@ def measurement_seconds(call_s: float, sets: int, device: Device, cfg: TimingCon
     return 2 * (cfg.repeats * modes * per + (2 * sets * call_s if modes == 2 else 0))
 
 
-def size_by_first_call(live, sets: int, device: Device, cfg: TimingConfig, deadline: float | None,
-                       log) -> tuple[list, list[dict]]:
+def size_by_first_call(
+    live, sets: int, device: Device, cfg: TimingConfig, deadline: float | None, log
+) -> tuple[list, list[dict]]:
     """Times one call of each provider; a provider whose measurement would end past ``deadline``
     (monotonic seconds) is not timed and says why. Returns ``(kept, skipped rows)``."""
     if deadline is None:
@@ -653,8 +767,13 @@ def size_by_first_call(live, sets: int, device: Device, cfg: TimingConfig, deadl
         call_s = time.monotonic() - t0
         need = measurement_seconds(call_s, sets, device, cfg)
         if time.monotonic() + need > deadline:
-            skipped.append(dict(row, status=f"skipped: time budget (one call {call_s * 1e3:.2f} ms, "
-                                f"about {need:.0f} s to time)"))
+            skipped.append(
+                dict(
+                    row,
+                    status=f"skipped: time budget (one call {call_s * 1e3:.2f} ms, "
+                    f"about {need:.0f} s to time)",
+                )
+            )
             log(f"  {prov.name}: {skipped[-1]['status']}")
         else:
             kept.append((prov, run, row))
@@ -666,8 +785,15 @@ def rotating(run, sets: int):
     return lambda: run(next(counter) % sets)
 
 
-def measure(live, sets: int, device: Device, cfg: TimingConfig, columns, deadline: float | None = None,
-            log=print) -> list[dict]:
+def measure(
+    live,
+    sets: int,
+    device: Device,
+    cfg: TimingConfig,
+    columns,
+    deadline: float | None = None,
+    log=print,
+) -> list[dict]:
     """Interleaved repeats of every live provider, in eager mode and, on a GPU, from a CUDA graph
     over all rotation sets. ``columns(provider, median_ms)`` adds the figures derived from the time.
     Providers whose first call says they cannot be timed before ``deadline`` are skipped
@@ -690,15 +816,26 @@ def measure(live, sets: int, device: Device, cfg: TimingConfig, columns, deadlin
         for r in range(cfg.repeats):
             order = list(fns) if r % 2 == 0 else list(reversed(fns))
             for name in order:
-                times[name].append(fns[name](cfg) if mode == "graph" else time_eager(fns[name], dev, cfg))
+                times[name].append(
+                    fns[name](cfg) if mode == "graph" else time_eager(fns[name], dev, cfg)
+                )
         mode_rows = []
         for prov, _, row in live:
             if prov.name not in times:
                 continue
             ts = times[prov.name]
             med = statistics.median(ts)
-            mode_rows.append(dict(row, mode=label, median_ms=med, spread_pct=spread_pct(ts),
-                                  repeats=len(ts), **columns(prov, med), times_ms=ts))
+            mode_rows.append(
+                dict(
+                    row,
+                    mode=label,
+                    median_ms=med,
+                    spread_pct=spread_pct(ts),
+                    repeats=len(ts),
+                    **columns(prov, med),
+                    times_ms=ts,
+                )
+            )
         add_ratios(mode_rows)
         out_rows += mode_rows
     return failed + out_rows
@@ -706,8 +843,13 @@ def measure(live, sets: int, device: Device, cfg: TimingConfig, columns, deadlin
 
 def bandwidth_columns(nbytes: dict[str, int], median_ms: float, copy_tbps: float) -> dict:
     tbps = nbytes["total"] / (median_ms * 1e-3) / 1e12
-    return dict(kv_bytes=nbytes["kv"], other_bytes=nbytes["total"] - nbytes["kv"],
-                total_bytes=nbytes["total"], tbps=tbps, pct_copy_bw=100 * tbps / copy_tbps)
+    return dict(
+        kv_bytes=nbytes["kv"],
+        other_bytes=nbytes["total"] - nbytes["kv"],
+        total_bytes=nbytes["total"],
+        tbps=tbps,
+        pct_copy_bw=100 * tbps / copy_tbps,
+    )
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -717,8 +859,11 @@ def add_ratios(rows: list[dict]) -> None:
         twin = by.get((family, False))
         if checked and twin is not None:
             ratios = [c / u for c, u in zip(row["times_ms"], twin["times_ms"])]
-            row.update(ratio_vs_unchecked=statistics.median(ratios), ratio_min=min(ratios),
-                       ratio_max=max(ratios))
+            row.update(
+                ratio_vs_unchecked=statistics.median(ratios),
+                ratio_min=min(ratios),
+                ratio_max=max(ratios),
+            )
 
 
 def spread_pct(values: list[float]) -> float:
@@ -762,8 +907,10 @@ class MLAPoint:
 
     def label(self) -> str:
         rows = f"_q{self.q_len}" if self.q_len > 1 else ""
-        return (f"B{self.batch}_ctx{self.context}{rows}_p{self.page_size}_h{self.num_heads}_"
-                f"mla{self.kv_lora_rank}+{self.rope_dim}_{self.dtype}")
+        return (
+            f"B{self.batch}_ctx{self.context}{rows}_p{self.page_size}_h{self.num_heads}_"
+            f"mla{self.kv_lora_rank}+{self.rope_dim}_{self.dtype}"
+        )
 
 
 def mla_bytes_moved(p: MLAPoint, checked: bool) -> dict[str, int]:
@@ -807,10 +954,12 @@ class MLAInputs:
         """Set ``i``'s call as the registry judges it (unvalidated values, as on a GPU)."""
         p = self.point
         if p.q_len == 1:
-            return kvattn.layout.validate_mla_decode(*self._args(i), kv_lora_rank=p.kv_lora_rank,
-                                                     scale=self.scale, validate=False)
-        return kvattn.layout.validate_mla_extend(*self._args(i), kv_lora_rank=p.kv_lora_rank,
-                                                 scale=self.scale, validate=False)
+            return kvattn.layout.validate_mla_decode(
+                *self._args(i), kv_lora_rank=p.kv_lora_rank, scale=self.scale, validate=False
+            )
+        return kvattn.layout.validate_mla_extend(
+            *self._args(i), kv_lora_rank=p.kv_lora_rank, scale=self.scale, validate=False
+        )
 
     def call(self, i: int, rows: int | None = None, **kwargs):
         """Set ``i``'s call (``kwargs``: backend, check, out, ...): the MLA decode, or the MLA
@@ -821,9 +970,13 @@ class MLAInputs:
 
     def _args(self, i: int, rows: int | None = None) -> tuple:
         rows = self.point.batch if rows is None else rows
-        q, cu = self.q[:rows * self.point.q_len], self.cu_seqlens_q[:rows + 1]
-        index = (self.tables[i][:rows], self.seq_lens[:rows], self.page_tags,
-                 self.expected[i][:rows])
+        q, cu = self.q[: rows * self.point.q_len], self.cu_seqlens_q[: rows + 1]
+        index = (
+            self.tables[i][:rows],
+            self.seq_lens[:rows],
+            self.page_tags,
+            self.expected[i][:rows],
+        )
         if self.point.q_len == 1:
             return (q, self.kv_cache, *index)
         return (q, self.kv_cache, cu, *index)
@@ -839,8 +992,14 @@ def make_mla_inputs(p: MLAPoint, device: torch.device, sets: int, seed: int = 0)
     q = d.q
     if p.q_len > 1:
         gen = torch.Generator(device=device).manual_seed(seed + 1)
-        q = torch.randn(p.batch * p.q_len, p.num_heads, p.head_dim, generator=gen, device=device,
-                        dtype=DTYPES[p.dtype])
+        q = torch.randn(
+            p.batch * p.q_len,
+            p.num_heads,
+            p.head_dim,
+            generator=gen,
+            device=device,
+            dtype=DTYPES[p.dtype],
+        )
     cu = torch.arange(p.batch + 1, dtype=torch.int32, device=device) * p.q_len
     return MLAInputs(p, q, d.k_cache, d.page_tags, d.tables, d.seq_lens, d.expected, d.scale, cu)
 
@@ -849,6 +1008,7 @@ def mla_reference_output(inp: MLAInputs, i: int, rows: int) -> torch.Tensor:
     """float32 reference for the first ``rows`` sequences of set ``i`` (their query rows)."""
     out, report = inp.call(i, rows, backend="reference")
     if int(report.violations.sum()) != 0:
-        raise RuntimeError(f"benchmark inputs are inconsistent: the reference refused pages "
-                           f"({report.summary()})")
+        raise RuntimeError(
+            f"benchmark inputs are inconsistent: the reference refused pages ({report.summary()})"
+        )
     return out

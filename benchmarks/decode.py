@@ -7,6 +7,7 @@ every rotation set. Results go to ``<out-dir>/<date>_<device>_<commit>/``: ``dec
 ``writer.csv``, ``run.json``, ``summary.md`` and PNG plots when matplotlib is importable.
 ``benchmarks/results/README.md`` says how each figure is obtained.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,9 +21,23 @@ import torch
 
 import kvattn
 
-from .common import (DTYPES, VARIANTS, Device, GraphTimer, Point, TimingConfig, bandwidth_columns,
-                     bytes_moved, check_and_measure, check_provider, make_decode_inputs,
-                     reference_output, rotation_sets, spread_pct, time_eager)
+from .common import (
+    DTYPES,
+    VARIANTS,
+    Device,
+    GraphTimer,
+    Point,
+    TimingConfig,
+    bandwidth_columns,
+    bytes_moved,
+    check_and_measure,
+    check_provider,
+    make_decode_inputs,
+    reference_output,
+    rotation_sets,
+    spread_pct,
+    time_eager,
+)
 from .outputs import write_outputs
 from .sweep import HEADLINE_PRESETS, Sweep, exit_code, parse_args
 
@@ -30,8 +45,12 @@ CHECK_ROWS = 4  # sequences compared with the reference per checked set
 
 
 def _grid(batches, contexts, pages=(16,), heads=((32, 8),), dims=(128,), dtypes=("bf16",)):
-    return [Point(b, c, p, h, kv, d, t) for t, d, (h, kv), p, b, c in
-            itertools.product(dtypes, dims, heads, pages, batches, contexts)]
+    return [
+        Point(b, c, p, h, kv, d, t)
+        for t, d, (h, kv), p, b, c in itertools.product(
+            dtypes, dims, heads, pages, batches, contexts
+        )
+    ]
 
 
 def variant_points(batch: int, context: int, **shape) -> list[Point]:
@@ -39,8 +58,9 @@ def variant_points(batch: int, context: int, **shape) -> list[Point]:
     with a V head dim of its own (DeepSeek's 192-dim keys, 128-dim values)."""
     base = dict(page_size=16, num_heads=32, num_kv_heads=8, head_dim=128, dtype="bf16")
     base.update(shape)
-    return ([Point(batch, context, variant=v, **base) for v in VARIANTS if v != "plain"]
-            + [Point(batch, context, **dict(base, head_dim=192, head_dim_v=128))])
+    return [Point(batch, context, variant=v, **base) for v in VARIANTS if v != "plain"] + [
+        Point(batch, context, **dict(base, head_dim=192, head_dim_v=128))
+    ]
 
 
 def preset_points(name: str) -> list[Point]:
@@ -51,22 +71,38 @@ def preset_points(name: str) -> list[Point]:
     if name == "headline":
         return _grid([16, 64], [8192, 32768]) + _grid([1], [4096, 32768])
     if name == "cpu-tiny":
-        return [Point(1, 64, 16, 8, 2, 64, "fp16"), Point(2, 100, 16, 8, 2, 32, "fp16"),
-                Point(1, 48, 16, 4, 4, 32, "bf16"), Point(1, 40, 1, 8, 2, 32, "fp16"),
-                # A window at a context past it (pages before the window neither read nor counted);
-                # the other variants' CPU cases are in benchmarks/test_bench_decode.py.
-                Point(1, 160, 16, 4, 2, 16, "fp16", "window128"),
-                Point(1, 40, 16, 4, 2, 32, "fp16", head_dim_v=16)]
+        return [
+            Point(1, 64, 16, 8, 2, 64, "fp16"),
+            Point(2, 100, 16, 8, 2, 32, "fp16"),
+            Point(1, 48, 16, 4, 4, 32, "bf16"),
+            Point(1, 40, 1, 8, 2, 32, "fp16"),
+            # A window at a context past it (pages before the window neither read nor counted);
+            # the other variants' CPU cases are in benchmarks/test_bench_decode.py.
+            Point(1, 160, 16, 4, 2, 16, "fp16", "window128"),
+            Point(1, 40, 16, 4, 2, 32, "fp16", head_dim_v=16),
+        ]
     if name == "gpu-suite":
-        return (_grid([16, 64], [8192, 32768])
-                + _grid([16], [4096, 131072]) + _grid([1], [4096, 32768]) + _grid([16], [1024])
-                + _grid([256], [4096]) + _grid([64], [32768], dtypes=("fp16",))
-                + _grid([16], [8192], pages=(1, 64)) + _grid([16], [8192], heads=((64, 8), (32, 32)))
-                + _grid([16], [8192], dims=(64, 256)) + _grid([16], [8192], dtypes=("fp16",))
-                + variant_points(16, 32768))
+        return (
+            _grid([16, 64], [8192, 32768])
+            + _grid([16], [4096, 131072])
+            + _grid([1], [4096, 32768])
+            + _grid([16], [1024])
+            + _grid([256], [4096])
+            + _grid([64], [32768], dtypes=("fp16",))
+            + _grid([16], [8192], pages=(1, 64))
+            + _grid([16], [8192], heads=((64, 8), (32, 32)))
+            + _grid([16], [8192], dims=(64, 256))
+            + _grid([16], [8192], dtypes=("fp16",))
+            + variant_points(16, 32768)
+        )
     if name == "full":
-        main = _grid([1, 4, 16, 64, 256], [1024, 4096, 16384, 65536, 131072], pages=(1, 16, 64),
-                     heads=((32, 8), (64, 8), (32, 32)), dtypes=("fp16", "bf16"))
+        main = _grid(
+            [1, 4, 16, 64, 256],
+            [1024, 4096, 16384, 65536, 131072],
+            pages=(1, 16, 64),
+            heads=((32, 8), (64, 8), (32, 32)),
+            dtypes=("fp16", "bf16"),
+        )
         extra = _grid([1, 16, 64], [4096, 32768], dims=(64, 256), dtypes=("fp16", "bf16"))
         return main + extra + variant_points(16, 32768) + variant_points(64, 131072)
     raise ValueError(f"--preset: expected one of {HEADLINE_PRESETS}, got {name!r}")
@@ -89,13 +125,22 @@ def writer_points(preset: str) -> list[WriterPoint]:
     if preset == "headline":
         return []
     if preset == "cpu-tiny":
-        return [WriterPoint(8, "append", 16, 2, 64, "fp16"), WriterPoint(64, "chunk", 16, 2, 64, "fp16")]
+        return [
+            WriterPoint(8, "append", 16, 2, 64, "fp16"),
+            WriterPoint(64, "chunk", 16, 2, 64, "fp16"),
+        ]
     tokens = [16, 256, 4096] if preset == "gpu-suite" else [1, 16, 64, 256, 1024, 4096, 16384]
     return [WriterPoint(t, pat, 16, 8, 128, "bf16") for pat in ("append", "chunk") for t in tokens]
 
 
-def estimate_point_seconds(p: Point, providers: int, cfg: TimingConfig, device: Device,
-                           copy_tbps: float = 4.0, call_s: float | None = None) -> float:
+def estimate_point_seconds(
+    p: Point,
+    providers: int,
+    cfg: TimingConfig,
+    device: Device,
+    copy_tbps: float = 4.0,
+    call_s: float | None = None,
+) -> float:
     """Wall-time estimate of one GPU point, documented in benchmarks/results/README.md: filling the
     pool (~0.3 TB/s for randn), one reference check, and per measurement do_bench's budgets (at
     least one call each) plus its first five calls, doubled for host overhead; one kernel compile
@@ -105,14 +150,22 @@ def estimate_point_seconds(p: Point, providers: int, cfg: TimingConfig, device: 
     if call_s is None:
         call_s = bytes_moved(p, True)["total"] / (copy_tbps * 1e12)
     fill_s = 2 * sets * p.kv_set_bytes() * 1.25 / 0.3e12
-    per_measurement = 2 * (max(cfg.warmup_ms / 1e3, call_s) + max(cfg.rep_ms / 1e3, call_s)
-                           + 5 * call_s)
+    per_measurement = 2 * (
+        max(cfg.warmup_ms / 1e3, call_s) + max(cfg.rep_ms / 1e3, call_s) + 5 * call_s
+    )
     measurements = providers * cfg.repeats * (2 if cfg.graphs else 1)
     return 1.0 + fill_s + measurements * per_measurement + 2 * 2.0
 
 
-def run_point(p: Point, providers, device: Device, cfg: TimingConfig, copy_tbps: float,
-              log, deadline: float | None = None) -> list[dict]:
+def run_point(
+    p: Point,
+    providers,
+    device: Device,
+    cfg: TimingConfig,
+    copy_tbps: float,
+    log,
+    deadline: float | None = None,
+) -> list[dict]:
     dev = device.torch_device
     sets = rotation_sets(p, device.l2_bytes) if device.is_gpu else 2
     inp = make_decode_inputs(p, dev, sets, seed=zlib.crc32(p.label().encode()))
@@ -120,11 +173,16 @@ def run_point(p: Point, providers, device: Device, cfg: TimingConfig, copy_tbps:
     refs = {i: reference_output(inp, i, rows_ref) for i in sorted({0, sets - 1})}
     base = dict(asdict(p), sets=sets, pool_bytes=inp.pool_bytes())
     return check_and_measure(
-        providers, inp,
-        lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_checked), base,
-        device, cfg,
-        lambda prov, med: bandwidth_columns(bytes_moved(p, prov.checked), med, copy_tbps), log,
-        deadline)
+        providers,
+        inp,
+        lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_checked),
+        base,
+        device,
+        cfg,
+        lambda prov, med: bandwidth_columns(bytes_moved(p, prov.checked), med, copy_tbps),
+        log,
+        deadline,
+    )
 
 
 def make_writer(w: WriterPoint, dev: torch.device) -> dict:
@@ -139,14 +197,16 @@ def make_writer(w: WriterPoint, dev: torch.device) -> dict:
     tags = torch.zeros(num_pages, dtype=torch.int64, device=dev)
     perm = torch.randperm(num_pages, generator=gen, device=dev)
     if w.pattern == "append":
-        pages = perm[:w.tokens]
+        pages = perm[: w.tokens]
         slots = torch.randint(0, w.page_size, (w.tokens,), generator=gen, device=dev)
         owners = torch.arange(1, w.tokens + 1, device=dev)
         kvattn.reserve_pages(tags, pages, owners)
-        kvattn.commit_pages(tags, pages, owners, slots, w.page_size)  # the append extends the prefix
+        kvattn.commit_pages(
+            tags, pages, owners, slots, w.page_size
+        )  # the append extends the prefix
     else:
         n = -(-w.tokens // w.page_size)
-        pages = perm[:n].repeat_interleave(w.page_size)[:w.tokens]
+        pages = perm[:n].repeat_interleave(w.page_size)[: w.tokens]
         slots = torch.arange(w.tokens, device=dev) % w.page_size
         owners = torch.ones(w.tokens, dtype=torch.int64, device=dev)
         kvattn.reserve_pages(tags, perm[:n], 1)
@@ -163,8 +223,16 @@ def make_writer(w: WriterPoint, dev: torch.device) -> dict:
         k_cache.index_put_((page, slot), k)
         v_cache.index_put_((page, slot), v)
 
-    return dict(stamped=stamped, unstamped=unstamped, pages=pages, slots=slots, k=k, v=v,
-                k_cache=k_cache, v_cache=v_cache)
+    return dict(
+        stamped=stamped,
+        unstamped=unstamped,
+        pages=pages,
+        slots=slots,
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
+    )
 
 
 def run_writer(w: WriterPoint, device: Device, cfg: TimingConfig, copy_tbps: float) -> list[dict]:
@@ -177,15 +245,19 @@ def run_writer(w: WriterPoint, device: Device, cfg: TimingConfig, copy_tbps: flo
     result = stamped()
     base = dict(asdict(w))
     if int(result.dropped) != 0 or not torch.equal(k_cache[pages, slots], k):
-        return [dict(base, provider="kvattn-write_kv", status="failed: tokens dropped or not written")]
+        return [
+            dict(base, provider="kvattn-write_kv", status="failed: tokens dropped or not written")
+        ]
     k_cache[pages, slots] = float("nan")
     unstamped()
     if not torch.equal(v_cache[pages, slots], v) or not torch.equal(k_cache[pages, slots], k):
         return [dict(base, provider="index_put", status="failed: tokens not written")]
     elt = torch.finfo(dtype).bits // 8
     kv = 2 * 2 * w.tokens * w.num_kv_heads * w.head_dim * elt  # new K/V read, pool slots written
-    fns = {"kvattn-write_kv": (stamped, kv + 8 * w.tokens + 2 * 8 * w.tokens),
-           "index_put": (unstamped, kv + 8 * w.tokens)}
+    fns = {
+        "kvattn-write_kv": (stamped, kv + 8 * w.tokens + 2 * 8 * w.tokens),
+        "index_put": (unstamped, kv + 8 * w.tokens),
+    }
     modes = {"eager": {n: (lambda f=f: time_eager(f, dev, cfg)) for n, (f, _) in fns.items()}}
     if device.is_gpu and cfg.graphs:
         modes["graph"] = {}
@@ -199,23 +271,42 @@ def run_writer(w: WriterPoint, device: Device, cfg: TimingConfig, copy_tbps: flo
         label = mode if device.is_gpu else "cpu"
         times = {n: [] for n, t in timers.items() if not isinstance(t, Exception)}
         for r in range(cfg.repeats):
-            for n in (list(times) if r % 2 == 0 else list(reversed(times))):
+            for n in list(times) if r % 2 == 0 else list(reversed(times)):
                 times[n].append(timers[n]() if mode == "eager" else timers[n](cfg))
         for n, t in timers.items():
             if isinstance(t, Exception):
-                rows.append(dict(base, provider=n, mode=label, status=f"failed: graph capture: {t}"[:300]))
+                rows.append(
+                    dict(base, provider=n, mode=label, status=f"failed: graph capture: {t}"[:300])
+                )
         for n, ts in times.items():
             med = statistics.median(ts)
             tbps = fns[n][1] / (med * 1e-3) / 1e12
-            rows.append(dict(base, provider=n, mode=label, status="ok", median_ms=med,
-                             spread_pct=spread_pct(ts), total_bytes=fns[n][1], tbps=tbps,
-                             pct_copy_bw=100 * tbps / copy_tbps, times_ms=ts))
+            rows.append(
+                dict(
+                    base,
+                    provider=n,
+                    mode=label,
+                    status="ok",
+                    median_ms=med,
+                    spread_pct=spread_pct(ts),
+                    total_bytes=fns[n][1],
+                    tbps=tbps,
+                    pct_copy_bw=100 * tbps / copy_tbps,
+                    times_ms=ts,
+                )
+            )
         if "kvattn-write_kv" in times and "index_put" in times:
             ratios = [a / b for a, b in zip(times["kvattn-write_kv"], times["index_put"])]
-            stamped_row = next(r for r in rows if r["provider"] == "kvattn-write_kv"
-                               and r["mode"] == label and r["status"] == "ok")
-            stamped_row.update(ratio_vs_unstamped=statistics.median(ratios), ratio_min=min(ratios),
-                            ratio_max=max(ratios))
+            stamped_row = next(
+                r
+                for r in rows
+                if r["provider"] == "kvattn-write_kv" and r["mode"] == label and r["status"] == "ok"
+            )
+            stamped_row.update(
+                ratio_vs_unstamped=statistics.median(ratios),
+                ratio_min=min(ratios),
+                ratio_max=max(ratios),
+            )
     return rows
 
 
@@ -230,8 +321,11 @@ def run(args) -> tuple[Path, int]:
 
     copy = sweep.begin("kvattn benchmarks", "decode", estimate)
     decode_rows, skipped = sweep.run_points(
-        lambda p: run_point(p, sweep.providers, device, cfg, copy["tbps"], sweep.log, sweep.deadline),
-        estimate)
+        lambda p: run_point(
+            p, sweep.providers, device, cfg, copy["tbps"], sweep.log, sweep.deadline
+        ),
+        estimate,
+    )
     writer_rows = []
     for w in writer_points(sweep.preset):
         if sweep.budget_s and sweep.elapsed() > sweep.budget_s:
@@ -239,8 +333,14 @@ def run(args) -> tuple[Path, int]:
             continue
         writer_rows += run_writer(w, device, cfg, copy["tbps"])
     code = exit_code(sweep, decode_rows)
-    write_outputs(sweep.run_dir, sweep.meta(copy, skipped), decode_rows, writer_rows, sweep.log_lines,
-                  plots=not args.no_plots)
+    write_outputs(
+        sweep.run_dir,
+        sweep.meta(copy, skipped),
+        decode_rows,
+        writer_rows,
+        sweep.log_lines,
+        plots=not args.no_plots,
+    )
     return sweep.finish(), code
 
 

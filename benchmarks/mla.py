@@ -12,6 +12,7 @@ provider is checked against the reference (``kvattn.reference.paged_mla_decode``
 and PNG plots when matplotlib is importable; ``benchmarks/results/README.md`` says how each figure
 is obtained.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,17 +21,28 @@ import zlib
 from dataclasses import asdict
 from pathlib import Path
 
-from .common import (Device, MLAPoint, TimingConfig, bandwidth_columns, check_and_measure,
-                     check_provider, make_mla_inputs, mla_bytes_moved, mla_reference_output,
-                     rotation_sets)
+from .common import (
+    Device,
+    MLAPoint,
+    TimingConfig,
+    bandwidth_columns,
+    check_and_measure,
+    check_provider,
+    make_mla_inputs,
+    mla_bytes_moved,
+    mla_reference_output,
+    rotation_sets,
+)
 from .decode import CHECK_ROWS, estimate_point_seconds
 from .outputs import write_mla_outputs
 from .sweep import PRESETS, Sweep, exit_code, parse_args
 
 
 def _grid(batches, contexts, pages=(64,), heads=(16,), dtypes=("bf16",), q_lens=(1,)):
-    return [MLAPoint(b, c, p, h, 512, 64, t, q) for t, h, p, q, b, c in
-            itertools.product(dtypes, heads, pages, q_lens, batches, contexts)]
+    return [
+        MLAPoint(b, c, p, h, 512, 64, t, q)
+        for t, h, p, q, b, c in itertools.product(dtypes, heads, pages, q_lens, batches, contexts)
+    ]
 
 
 def preset_points(name: str) -> list[MLAPoint]:
@@ -40,18 +52,30 @@ def preset_points(name: str) -> list[MLAPoint]:
     a cached prefix). ``gpu-suite`` is ordered by importance, so a run stopped by its time budget
     keeps the points that matter most."""
     if name == "cpu-tiny":
-        return [MLAPoint(1, 40, 16, 4, 64, 16, "fp16"), MLAPoint(2, 100, 64, 16, 512, 64, "bf16"),
-                MLAPoint(1, 40, 16, 4, 64, 16, "fp16", q_len=3)]
+        return [
+            MLAPoint(1, 40, 16, 4, 64, 16, "fp16"),
+            MLAPoint(2, 100, 64, 16, 512, 64, "bf16"),
+            MLAPoint(1, 40, 16, 4, 64, 16, "fp16", q_len=3),
+        ]
     if name == "gpu-suite":
-        return (_grid([64], [4096]) + _grid([16], [8192, 32768]) + _grid([1], [8192])
-                + _grid([64], [4096], q_lens=(4,)) + _grid([4], [4096], q_lens=(512,))
-                + _grid([16], [4096], heads=(128,)) + _grid([128], [4096])
-                + _grid([64], [4096], dtypes=("fp16",)) + _grid([64], [4096], pages=(16,)))
+        return (
+            _grid([64], [4096])
+            + _grid([16], [8192, 32768])
+            + _grid([1], [8192])
+            + _grid([64], [4096], q_lens=(4,))
+            + _grid([4], [4096], q_lens=(512,))
+            + _grid([16], [4096], heads=(128,))
+            + _grid([128], [4096])
+            + _grid([64], [4096], dtypes=("fp16",))
+            + _grid([64], [4096], pages=(16,))
+        )
     if name == "full":
-        return (_grid([1, 16, 64, 128], [1024, 4096, 16384, 65536], heads=(16, 32, 64, 128))
-                + _grid([16, 64], [4096, 16384], pages=(1, 16), dtypes=("fp16", "bf16"))
-                + _grid([16, 64], [4096, 16384], q_lens=(2, 4, 8), heads=(16, 128))
-                + _grid([1, 4], [4096, 16384], q_lens=(512, 2048)))
+        return (
+            _grid([1, 16, 64, 128], [1024, 4096, 16384, 65536], heads=(16, 32, 64, 128))
+            + _grid([16, 64], [4096, 16384], pages=(1, 16), dtypes=("fp16", "bf16"))
+            + _grid([16, 64], [4096, 16384], q_lens=(2, 4, 8), heads=(16, 128))
+            + _grid([1, 4], [4096, 16384], q_lens=(512, 2048))
+        )
     raise ValueError(f"--preset: expected one of {PRESETS}, got {name!r}")
 
 
@@ -60,8 +84,15 @@ def call_seconds(p: MLAPoint, copy_tbps: float = 4.0) -> float:
     return mla_bytes_moved(p, True)["total"] / (copy_tbps * 1e12)
 
 
-def run_point(p: MLAPoint, providers, device: Device, cfg: TimingConfig, copy_tbps: float,
-              log, deadline: float | None = None) -> list[dict]:
+def run_point(
+    p: MLAPoint,
+    providers,
+    device: Device,
+    cfg: TimingConfig,
+    copy_tbps: float,
+    log,
+    deadline: float | None = None,
+) -> list[dict]:
     dev = device.torch_device
     sets = rotation_sets(p, device.l2_bytes) if device.is_gpu else 2
     inp = make_mla_inputs(p, dev, sets, seed=zlib.crc32(p.label().encode()))
@@ -69,11 +100,16 @@ def run_point(p: MLAPoint, providers, device: Device, cfg: TimingConfig, copy_tb
     refs = {i: mla_reference_output(inp, i, rows_ref) for i in sorted({0, sets - 1})}
     base = dict(asdict(p), sets=sets, pool_bytes=inp.pool_bytes())
     return check_and_measure(
-        providers, inp,
-        lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_per_seq), base,
-        device, cfg,
-        lambda prov, med: bandwidth_columns(mla_bytes_moved(p, prov.checked), med, copy_tbps), log,
-        deadline)
+        providers,
+        inp,
+        lambda run, out_buf: check_provider(run, out_buf, refs, p.dtype, p.pages_per_seq),
+        base,
+        device,
+        cfg,
+        lambda prov, med: bandwidth_columns(mla_bytes_moved(p, prov.checked), med, copy_tbps),
+        log,
+        deadline,
+    )
 
 
 def run(args) -> tuple[Path, int]:
@@ -82,16 +118,25 @@ def run(args) -> tuple[Path, int]:
     device, cfg = sweep.device, sweep.cfg
 
     def estimate(p: MLAPoint) -> float:
-        return estimate_point_seconds(p, len(sweep.providers) - 1, cfg, device,
-                                      call_s=call_seconds(p))
+        return estimate_point_seconds(
+            p, len(sweep.providers) - 1, cfg, device, call_s=call_seconds(p)
+        )
 
     copy = sweep.begin("kvattn MLA decode and extend benchmark", "mla_decode", estimate)
     rows, skipped = sweep.run_points(
-        lambda p: run_point(p, sweep.providers, device, cfg, copy["tbps"], sweep.log, sweep.deadline),
-        estimate)
+        lambda p: run_point(
+            p, sweep.providers, device, cfg, copy["tbps"], sweep.log, sweep.deadline
+        ),
+        estimate,
+    )
     code = exit_code(sweep, rows)
-    write_mla_outputs(sweep.run_dir, sweep.meta(copy, skipped, op="mla_decode"), rows,
-                      sweep.log_lines, plots=not args.no_plots)
+    write_mla_outputs(
+        sweep.run_dir,
+        sweep.meta(copy, skipped, op="mla_decode"),
+        rows,
+        sweep.log_lines,
+        plots=not args.no_plots,
+    )
     return sweep.finish(), code
 
 

@@ -9,34 +9,45 @@ of each kernel). ``benchmarks/gpu_suite.sh`` runs it under the speed-of-light an
 sections. Without a GPU it runs the same calls on tiny CPU points through the interpreter (no
 profiler), to show it works.
 """
+
 from __future__ import annotations
 
 import sys
 
 import torch
 
-from .common import ExtendPoint, Point, make_decode_inputs, make_extend_inputs, synchronize
-
 import kvattn  # noqa: E402
+
+from .common import ExtendPoint, Point, make_decode_inputs, make_extend_inputs, synchronize
 
 
 def calls(gpu: bool) -> list[tuple[str, object]]:
     dev = torch.device("cuda" if gpu else "cpu")
     p = Point(16, 8192, 16, 32, 8, 128, "bf16") if gpu else Point(1, 64, 16, 4, 2, 32, "fp16")
-    e = ExtendPoint(1, 512, 8192, 16, 32, 8, 128, "bf16") if gpu else ExtendPoint(1, 16, 32, 16, 4, 2, 32, "fp16")
+    e = (
+        ExtendPoint(1, 512, 8192, 16, 32, 8, 128, "bf16")
+        if gpu
+        else ExtendPoint(1, 16, 32, 16, 4, 2, 32, "fp16")
+    )
     d_inp = make_decode_inputs(p, dev, 1, seed=1)
     e_inp = make_extend_inputs(e, dev, 1, seed=2)
     d_out, e_out = d_inp.new_out(), e_inp.new_out()
 
     def decode(check):
-        return lambda: kvattn.paged_decode(*d_inp.args(0), scale=d_inp.scale, check=check,
-                                           backend="triton", out=d_out)
+        return lambda: kvattn.paged_decode(
+            *d_inp.args(0), scale=d_inp.scale, check=check, backend="triton", out=d_out
+        )
 
     def extend():
-        return kvattn.paged_extend(*e_inp.args(0), scale=e_inp.scale, check=True, backend="triton",
-                                   out=e_out)
-    return [(f"decode-checked {p.label()}", decode(True)), (f"decode-unchecked {p.label()}", decode(False)),
-            (f"extend-checked {e.label()}", extend)]
+        return kvattn.paged_extend(
+            *e_inp.args(0), scale=e_inp.scale, check=True, backend="triton", out=e_out
+        )
+
+    return [
+        (f"decode-checked {p.label()}", decode(True)),
+        (f"decode-unchecked {p.label()}", decode(False)),
+        (f"extend-checked {e.label()}", extend),
+    ]
 
 
 def main() -> int:

@@ -4,6 +4,7 @@
 ``python -m benchmarks.plot RUN_DIR`` redraws them from ``RUN_DIR/run.json``. Without matplotlib
 nothing is drawn and the run says so; the CSV/JSON/markdown outputs do not depend on it.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,13 +31,17 @@ def row_dims(r: dict) -> str:
 
 
 def _decode_key(r: dict) -> str:
-    return (f"{r['provider']} {r['mode']} B={r['batch']} p{r['page_size']} "
-            f"h{r['num_heads']}/{r['num_kv_heads']} d{row_dims(r)} {r['dtype']}")
+    return (
+        f"{r['provider']} {r['mode']} B={r['batch']} p{r['page_size']} "
+        f"h{r['num_heads']}/{r['num_kv_heads']} d{row_dims(r)} {r['dtype']}"
+    )
 
 
 def _extend_key(r: dict) -> str:
-    return (f"{r['provider']} {r['mode']} B={r['batch']} chunk={r['chunk']} p{r['page_size']} "
-            f"h{r['num_heads']}/{r['num_kv_heads']} d{row_dims(r)} {r['dtype']}")
+    return (
+        f"{r['provider']} {r['mode']} B={r['batch']} chunk={r['chunk']} p{r['page_size']} "
+        f"h{r['num_heads']}/{r['num_kv_heads']} d{row_dims(r)} {r['dtype']}"
+    )
 
 
 def _overhead(r: dict) -> float | None:
@@ -47,6 +52,7 @@ def _draw(run_dir: Path, meta: dict, rows: list[dict], figures, key, xlabel: str
     """``figures``: (file name, y label, value of a row, horizontal ceiling or None)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -79,8 +85,12 @@ def _draw(run_dir: Path, meta: dict, rows: list[dict], figures, key, xlabel: str
 def plot_run(run_dir: Path, meta: dict, decode: list[dict]) -> list[Path]:
     figures = [
         ("overhead.png", "checked / unchecked - 1 (%)", _overhead, None),
-        ("bandwidth.png", "achieved TB/s (useful bytes / median time)", lambda r: r.get("tbps"),
-         meta["copy_bandwidth_start"]["tbps"]),
+        (
+            "bandwidth.png",
+            "achieved TB/s (useful bytes / median time)",
+            lambda r: r.get("tbps"),
+            meta["copy_bandwidth_start"]["tbps"],
+        ),
     ]
     return _draw(run_dir, meta, decode, figures, _decode_key, "context (tokens)")
 
@@ -88,23 +98,33 @@ def plot_run(run_dir: Path, meta: dict, decode: list[dict]) -> list[Path]:
 def plot_extend_run(run_dir: Path, meta: dict, extend: list[dict]) -> list[Path]:
     figures = [
         ("extend_overhead.png", "checked / unchecked - 1 (%)", _overhead, None),
-        ("extend_tflops.png", "achieved TFLOP/s (causal FLOPs / median time)",
-         lambda r: r.get("tflops"), None),
+        (
+            "extend_tflops.png",
+            "achieved TFLOP/s (causal FLOPs / median time)",
+            lambda r: r.get("tflops"),
+            None,
+        ),
     ]
     return _draw(run_dir, meta, extend, figures, _extend_key, "prefix + chunk (tokens)")
 
 
 def _mla_key(r: dict) -> str:
     rows = f" q{r['q_len']}" if r.get("q_len", 1) > 1 else ""
-    return (f"{r['provider']} {r['mode']} B={r['batch']}{rows} p{r['page_size']} h{r['num_heads']} "
-            f"mla{r['kv_lora_rank']}+{r['rope_dim']} {r['dtype']}")
+    return (
+        f"{r['provider']} {r['mode']} B={r['batch']}{rows} p{r['page_size']} h{r['num_heads']} "
+        f"mla{r['kv_lora_rank']}+{r['rope_dim']} {r['dtype']}"
+    )
 
 
 def plot_mla_run(run_dir: Path, meta: dict, rows: list[dict]) -> list[Path]:
     figures = [
         ("mla_overhead.png", "checked / unchecked - 1 (%)", _overhead, None),
-        ("mla_bandwidth.png", "achieved TB/s (useful bytes / median time)", lambda r: r.get("tbps"),
-         meta["copy_bandwidth_start"]["tbps"]),
+        (
+            "mla_bandwidth.png",
+            "achieved TB/s (useful bytes / median time)",
+            lambda r: r.get("tbps"),
+            meta["copy_bandwidth_start"]["tbps"],
+        ),
     ]
     return _draw(run_dir, meta, rows, figures, _mla_key, "context (tokens)")
 

@@ -6,10 +6,11 @@ check). ``build`` also returns the output buffer ``run`` writes into, when there
 harness can poison it before the correctness check. Everything a provider needs that a serving
 engine would prepare once per batch (plans, index casts) happens in ``build``, outside the timing.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +31,10 @@ class Provider:
 
 
 # kvattn's entry points by op: (validation, which reads the arguments' shapes, and the call).
-_OPS = {"decode": (kvattn.layout.validate_decode, kvattn.paged_decode),
-        "extend": (kvattn.layout.validate_extend, kvattn.paged_extend)}
+_OPS = {
+    "decode": (kvattn.layout.validate_decode, kvattn.paged_decode),
+    "extend": (kvattn.layout.validate_extend, kvattn.paged_extend),
+}
 
 
 def _kvattn(backend: str, check: bool, op: str) -> Provider:
@@ -45,8 +48,10 @@ def _kvattn(backend: str, check: bool, op: str) -> Provider:
         out = inp.new_out()
 
         def run(i: int):
-            return call(*inp.args(i), scale=inp.scale, check=check, backend=backend, out=out,
-                        **inp.variant)
+            return call(
+                *inp.args(i), scale=inp.scale, check=check, backend=backend, out=out, **inp.variant
+            )
+
         return run, out
 
     variant = "checked" if check else "unchecked"
@@ -76,11 +81,12 @@ def _sdpa_build(inp: DecodeInputs):
     tables = [t.long() for t in inp.tables]
 
     def run(i: int):
-        k = inp.k_cache[tables[i]].flatten(1, 2)[:, :p.context].transpose(1, 2)  # [B, Hkv, N, D]
-        v = inp.v_cache[tables[i]].flatten(1, 2)[:, :p.context].transpose(1, 2)
+        k = inp.k_cache[tables[i]].flatten(1, 2)[:, : p.context].transpose(1, 2)  # [B, Hkv, N, D]
+        v = inp.v_cache[tables[i]].flatten(1, 2)[:, : p.context].transpose(1, 2)
         q = inp.q.view(p.batch, p.num_kv_heads, group, p.head_dim)  # [B, Hkv, G, D]
         out = F.scaled_dot_product_attention(q, k, v, scale=inp.scale)
         return out.reshape(p.batch, p.num_heads, p.head_dim), None
+
     return run, None
 
 
@@ -98,22 +104,35 @@ def _flashinfer_build(inp: DecodeInputs):
     """FlashInfer's documented paged decode: one planned wrapper per rotation set (the plan is
     host work an engine does once per batch), NHD pools shared with kvattn."""
     import flashinfer
+
     p = inp.point
     dev = inp.q.device
     dtype = DTYPES[p.dtype]
     indptr = torch.arange(p.batch + 1, dtype=torch.int32, device=dev) * p.pages_per_seq
-    last_len = torch.full((p.batch,), p.context - (p.pages_per_seq - 1) * p.page_size,
-                          dtype=torch.int32, device=dev)
+    last_len = torch.full(
+        (p.batch,), p.context - (p.pages_per_seq - 1) * p.page_size, dtype=torch.int32, device=dev
+    )
     wrappers = []
     for table in inp.tables:
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        w.plan(indptr, table.reshape(-1), last_len, p.num_heads, p.num_kv_heads, p.head_dim,
-               p.page_size, pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype)
+        w.plan(
+            indptr,
+            table.reshape(-1),
+            last_len,
+            p.num_heads,
+            p.num_kv_heads,
+            p.head_dim,
+            p.page_size,
+            pos_encoding_mode="NONE",
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
         wrappers.append(w)
 
     def run(i: int):
         return wrappers[i].run(inp.q, (inp.k_cache, inp.v_cache)), None
+
     return run, None
 
 
@@ -137,6 +156,7 @@ def _flex_attention():
     running that eager version, so the provider fails and says why rather than timing it."""
     if "fn" not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
+
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     return _FLEX["fn"]
 
@@ -147,6 +167,7 @@ def _flex_block_masks(pool: DecodeInputs, q_len: int, mask_mod):
     block table as its page table (a page is a key block, so only listed pages are visited)."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask
+
     p = pool.point
     dev = pool.q.device
     num_pages = pool.k_cache.shape[0]
@@ -155,10 +176,17 @@ def _flex_block_masks(pool: DecodeInputs, q_len: int, mask_mod):
     masks = []
     for table in pool.tables:
         paged = PagedAttention(num_pages, p.page_size, p.batch, device=str(dev))
-        paged.page_table[:, :p.pages_per_seq] = table.long()
+        paged.page_table[:, : p.pages_per_seq] = table.long()
         paged.physical_to_logical[rows, table.long()] = logical
-        block_mask = create_block_mask(mask_mod, p.batch, None, q_len, p.pages_per_seq * p.page_size,
-                                       device=str(dev), BLOCK_SIZE=(128, p.page_size))
+        block_mask = create_block_mask(
+            mask_mod,
+            p.batch,
+            None,
+            q_len,
+            p.pages_per_seq * p.page_size,
+            device=str(dev),
+            BLOCK_SIZE=(128, p.page_size),
+        )
         masks.append(paged.convert_logical_block_mask(block_mask, kv_len=pool.seq_lens.long()))
     return masks
 
@@ -183,13 +211,16 @@ def _flex_build(inp: DecodeInputs):
     def run(i: int):
         out = flex(q, k, v, block_mask=masks[i], scale=inp.scale, enable_gqa=True)
         return out.view(p.batch, p.num_heads, p.head_dim), None
+
     return run, None
 
 
 def _flex_extend_build(inp: ExtendInputs):
     """Causal, aligned to the end of each sequence: chunk row ``j`` sees keys up to ``prefix + j``."""
     p = inp.point
-    masks = _flex_block_masks(inp.pool, p.chunk, lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + p.prefix)
+    masks = _flex_block_masks(
+        inp.pool, p.chunk, lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + p.prefix
+    )
     k, v = _flex_pools(inp.pool)
     q = inp.q.view(p.batch, p.chunk, p.num_heads, p.head_dim).transpose(1, 2)  # [B, H, chunk, D]
     flex = _flex_attention()
@@ -197,6 +228,7 @@ def _flex_extend_build(inp: ExtendInputs):
     def run(i: int):
         out = flex(q, k, v, block_mask=masks[i], scale=inp.scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(p.q_tokens, p.num_heads, p.head_dim), None
+
     return run, None
 
 
@@ -214,14 +246,17 @@ def _reference_build(op: str):
 
         def run(i: int):
             return call(*inp.args(i), scale=inp.scale, backend="reference", out=out, **inp.variant)
+
         return run, out
+
     return build
 
 
 def _sdpa_extend_why_not(inp: ExtendInputs) -> str | None:
     # The gathered K/V of one set, the copies SDPA may make of it, and Q/O.
     return _gather_why_not(
-        inp, 3 * inp.point.pool_point().kv_set_bytes() + 3 * inp.q.numel() * inp.q.element_size())
+        inp, 3 * inp.point.pool_point().kv_set_bytes() + 3 * inp.q.numel() * inp.q.element_size()
+    )
 
 
 def _sdpa_extend_build(inp: ExtendInputs):
@@ -230,17 +265,22 @@ def _sdpa_extend_build(inp: ExtendInputs):
     (``causal_lower_right``: the chunk's row ``j`` sees the prefix and rows up to ``j``), GQA by
     ``enable_gqa`` (no K/V head repeat). Lengths are uniform, so no padding mask is needed."""
     from torch.nn.attention.bias import causal_lower_right
+
     p = inp.point
     tables = [t.long() for t in inp.pool.tables]
     mask = causal_lower_right(p.chunk, p.context)
     q = inp.q.view(p.batch, p.chunk, p.num_heads, p.head_dim).transpose(1, 2)  # [B, H, chunk, D]
 
     def run(i: int):
-        k = inp.pool.k_cache[tables[i]].flatten(1, 2)[:, :p.context].transpose(1, 2)  # [B, Hkv, N, D]
-        v = inp.pool.v_cache[tables[i]].flatten(1, 2)[:, :p.context].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=inp.scale,
-                                             enable_gqa=True)  # [B, H, chunk, D]
+        k = (
+            inp.pool.k_cache[tables[i]].flatten(1, 2)[:, : p.context].transpose(1, 2)
+        )  # [B, Hkv, N, D]
+        v = inp.pool.v_cache[tables[i]].flatten(1, 2)[:, : p.context].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=inp.scale, enable_gqa=True
+        )  # [B, H, chunk, D]
         return out.transpose(1, 2).reshape(p.q_tokens, p.num_heads, p.head_dim), None
+
     return run, None
 
 
@@ -249,24 +289,39 @@ def _flashinfer_extend_build(inp: ExtendInputs):
     per rotation set (host work an engine does once per batch), causal (FlashInfer aligns it to the
     end of the keys when queries are fewer), NHD pools shared with kvattn."""
     import flashinfer
+
     p = inp.point
     pool = inp.pool
     dev = inp.q.device
     dtype = DTYPES[p.dtype]
     kv_indptr = torch.arange(p.batch + 1, dtype=torch.int32, device=dev) * p.pages_per_seq
-    last_len = torch.full((p.batch,), p.context - (p.pages_per_seq - 1) * p.page_size,
-                          dtype=torch.int32, device=dev)
+    last_len = torch.full(
+        (p.batch,), p.context - (p.pages_per_seq - 1) * p.page_size, dtype=torch.int32, device=dev
+    )
     wrappers = []
     for table in pool.tables:
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        w.plan(inp.cu_seqlens_q, kv_indptr, table.reshape(-1), last_len, p.num_heads,
-               p.num_kv_heads, p.head_dim, p.page_size, causal=True, pos_encoding_mode="NONE",
-               sm_scale=inp.scale, q_data_type=dtype, kv_data_type=dtype)
+        w.plan(
+            inp.cu_seqlens_q,
+            kv_indptr,
+            table.reshape(-1),
+            last_len,
+            p.num_heads,
+            p.num_kv_heads,
+            p.head_dim,
+            p.page_size,
+            causal=True,
+            pos_encoding_mode="NONE",
+            sm_scale=inp.scale,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
         wrappers.append(w)
 
     def run(i: int):
         return wrappers[i].run(inp.q, (pool.k_cache, pool.v_cache)), None
+
     return run, None
 
 
@@ -274,12 +329,14 @@ def _plain_only(why_not):
     """A peer's ``why_not`` that also refuses the attention variants and a V head dim of its own
     (the peers run as plain attention here; those rows compare kvattn checked with kvattn
     unchecked)."""
+
     def refuse(inp):
         if inp.variant:
             return f"plain attention only in this harness (variant {inp.point.variant})"
         if getattr(inp.point, "head_dim_v", None) is not None:
             return "one head dim for K and V only in this harness"
         return why_not(inp)
+
     return refuse
 
 
@@ -291,16 +348,34 @@ def all_providers(op: str = "decode") -> list[Provider]:
         raise ValueError(f"op: expected 'decode' or 'extend', got {op!r}")
     decode = op == "decode"
     return [
-        _kvattn("triton", True, op), _kvattn("triton", False, op),
-        _kvattn("cuda", True, op), _kvattn("cuda", False, op),
-        Provider("torch-sdpa-gather", "torch-sdpa-gather", False,
-                 _plain_only(_sdpa_why_not if decode else _sdpa_extend_why_not),
-                 _sdpa_build if decode else _sdpa_extend_build),
-        Provider("flex-paged", "flex-paged", False, _plain_only(_flex_why_not),
-                 _flex_build if decode else _flex_extend_build),
-        Provider("flashinfer", "flashinfer", False, _plain_only(_flashinfer_why_not),
-                 _flashinfer_build if decode else _flashinfer_extend_build),
-        Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not, _reference_build(op)),
+        _kvattn("triton", True, op),
+        _kvattn("triton", False, op),
+        _kvattn("cuda", True, op),
+        _kvattn("cuda", False, op),
+        Provider(
+            "torch-sdpa-gather",
+            "torch-sdpa-gather",
+            False,
+            _plain_only(_sdpa_why_not if decode else _sdpa_extend_why_not),
+            _sdpa_build if decode else _sdpa_extend_build,
+        ),
+        Provider(
+            "flex-paged",
+            "flex-paged",
+            False,
+            _plain_only(_flex_why_not),
+            _flex_build if decode else _flex_extend_build,
+        ),
+        Provider(
+            "flashinfer",
+            "flashinfer",
+            False,
+            _plain_only(_flashinfer_why_not),
+            _flashinfer_build if decode else _flashinfer_extend_build,
+        ),
+        Provider(
+            "kvattn-reference", "kvattn-reference", True, _reference_why_not, _reference_build(op)
+        ),
     ]
 
 
@@ -329,6 +404,7 @@ def _mla_kvattn(backend: str, check: bool) -> Provider:
 
         def run(i: int):
             return inp.call(i, check=check, backend=backend, out=out)
+
         return run, out
 
     variant = "checked" if check else "unchecked"
@@ -349,11 +425,15 @@ def _mla_sdpa_build(inp: MLAInputs):
     tables = [t.long() for t in inp.tables]
 
     def run(i: int):
-        latent = inp.kv_cache[tables[i]].flatten(1, 2)[:, :p.context].transpose(1, 2)  # [B, 1, N, D]
+        latent = (
+            inp.kv_cache[tables[i]].flatten(1, 2)[:, : p.context].transpose(1, 2)
+        )  # [B, 1, N, D]
         q = inp.q.view(p.batch, 1, p.num_heads, p.head_dim)
-        out = F.scaled_dot_product_attention(q, latent, latent[..., :p.kv_lora_rank],
-                                             scale=inp.scale)
+        out = F.scaled_dot_product_attention(
+            q, latent, latent[..., : p.kv_lora_rank], scale=inp.scale
+        )
         return out.view(p.batch, p.num_heads, p.kv_lora_rank), None
+
     return run, None
 
 
@@ -362,6 +442,7 @@ def _mla_reference_build(inp: MLAInputs):
 
     def run(i: int):
         return inp.call(i, backend="reference", out=out)
+
     return run, out
 
 
@@ -370,10 +451,14 @@ def mla_providers() -> list[Provider]:
     with several query rows), the CUDA latent tile checked and unchecked (decode points at 512 +
     64), SDPA over gathered latent rows (decode), the reference (CPU)."""
     return [
-        _mla_kvattn("triton", True), _mla_kvattn("triton", False),
-        _mla_kvattn("cuda", True), _mla_kvattn("cuda", False),
-        Provider("torch-sdpa-gather", "torch-sdpa-gather", False, _mla_sdpa_why_not,
-                 _mla_sdpa_build),
-        Provider("kvattn-reference", "kvattn-reference", True, _reference_why_not,
-                 _mla_reference_build),
+        _mla_kvattn("triton", True),
+        _mla_kvattn("triton", False),
+        _mla_kvattn("cuda", True),
+        _mla_kvattn("cuda", False),
+        Provider(
+            "torch-sdpa-gather", "torch-sdpa-gather", False, _mla_sdpa_why_not, _mla_sdpa_build
+        ),
+        Provider(
+            "kvattn-reference", "kvattn-reference", True, _reference_why_not, _mla_reference_build
+        ),
     ]

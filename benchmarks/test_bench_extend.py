@@ -5,6 +5,7 @@ Each case first checks the provider against ``kvattn.reference.paged_extend``, e
 does, then lets pytest-benchmark time it (host clock around a synchronised call, launch overhead
 included: the sweep's device-event figures are the ones to quote). Nothing here asserts a time.
 """
+
 import itertools
 
 import pytest
@@ -16,12 +17,22 @@ from benchmarks.common import EXTEND_VARIANTS, VARIANTS, Device, ExtendPoint
 DEVICE = Device.current()
 # Every attention variant and a V head dim of its own, checked and unchecked, after the plain
 # points.
-POINTS = ([ExtendPoint(8, 2048, 8192, 16, 32, 8, 128, "bf16"), ExtendPoint(1, 4096, 0, 16, 32, 8, 128, "bf16"),
-           ExtendPoint(32, 128, 4096, 16, 32, 8, 128, "bf16")] + extend.variant_points(8, 512, 32768)
-          if DEVICE.is_gpu else [ExtendPoint(1, 8, 12, 16, 4, 2, 32, "fp16")]
-          + [ExtendPoint(1, 8, 150 if v.startswith("window") else 12, 16, 4, 2, 32, "fp16", v)
-             for v in (*VARIANTS, *EXTEND_VARIANTS) if v != "plain"]
-          + [ExtendPoint(1, 8, 12, 16, 4, 2, 32, "fp16", head_dim_v=16)])
+POINTS = (
+    [
+        ExtendPoint(8, 2048, 8192, 16, 32, 8, 128, "bf16"),
+        ExtendPoint(1, 4096, 0, 16, 32, 8, 128, "bf16"),
+        ExtendPoint(32, 128, 4096, 16, 32, 8, 128, "bf16"),
+    ]
+    + extend.variant_points(8, 512, 32768)
+    if DEVICE.is_gpu
+    else [ExtendPoint(1, 8, 12, 16, 4, 2, 32, "fp16")]
+    + [
+        ExtendPoint(1, 8, 150 if v.startswith("window") else 12, 16, 4, 2, 32, "fp16", v)
+        for v in (*VARIANTS, *EXTEND_VARIANTS)
+        if v != "plain"
+    ]
+    + [ExtendPoint(1, 8, 12, 16, 4, 2, 32, "fp16", head_dim_v=16)]
+)
 PROVIDERS = providers.all_providers("extend")
 
 
@@ -48,12 +59,18 @@ def test_extend(benchmark, inputs, provider):
         pytest.skip(reason)
     run, out = provider.build(inp)
     err = common.check_provider(run, out, refs, p.dtype, p.pages_checked, rows)
-    benchmark.extra_info.update(max_abs_err=err, flops=p.flops(), total_bytes=common.bytes_moved(
-        p.pool_point(), provider.checked, p.q_tokens)["total"], gpu_measurement=DEVICE.is_gpu)
+    benchmark.extra_info.update(
+        max_abs_err=err,
+        flops=p.flops(),
+        total_bytes=common.bytes_moved(p.pool_point(), provider.checked, p.q_tokens)["total"],
+        gpu_measurement=DEVICE.is_gpu,
+    )
     counter = itertools.count()
 
     def call():
         run(next(counter) % inp.sets)
         common.synchronize(DEVICE.torch_device)
 
-    benchmark.pedantic(call, rounds=20 if DEVICE.is_gpu else 2, warmup_rounds=2 if DEVICE.is_gpu else 0)
+    benchmark.pedantic(
+        call, rounds=20 if DEVICE.is_gpu else 2, warmup_rounds=2 if DEVICE.is_gpu else 0
+    )

@@ -6,13 +6,14 @@
 
 Each row: the median wall time of one call per backend and the ratio.
 """
+
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import sys
 import time
-import pathlib
 
 import torch
 
@@ -59,27 +60,43 @@ def main():
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{HEADS} heads / {KV_HEADS} KV heads x {DIM}, page {PAGE}, table {TABLE} pages, float32")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{HEADS} heads / {KV_HEADS} KV heads x {DIM}, page {PAGE}, table {TABLE} pages, float32"
+    )
     cases = []
     for lens in ([288] * 4, [1040] * 16, [40, 300, 900, 2000]):
         k, v, table, seq_lens, tags, expected = pool(lens)
         q = torch.randn(len(lens), HEADS, DIM)
-        cases.append((f"decode  batch {len(lens)}, seq_lens {sorted(set(lens))}", "paged_decode",
-                      (q, k, v, table, seq_lens, tags, expected)))
+        cases.append(
+            (
+                f"decode  batch {len(lens)}, seq_lens {sorted(set(lens))}",
+                "paged_decode",
+                (q, k, v, table, seq_lens, tags, expected),
+            )
+        )
     for q_lens, prefixes in (([256] * 4, [0] * 4), ([64] * 4, [448] * 4), ([1024], [0])):
         lens = [p + n for p, n in zip(prefixes, q_lens)]
         k, v, table, seq_lens, tags, expected = pool(lens)
         q = torch.randn(sum(q_lens), HEADS, DIM)
         cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
-        cases.append((f"extend  q_lens {q_lens[0]} x {len(q_lens)}, prefix {prefixes[0]}",
-                      "paged_extend", (q, k, v, cu, table, seq_lens, tags, expected)))
+        cases.append(
+            (
+                f"extend  q_lens {q_lens[0]} x {len(q_lens)}, prefix {prefixes[0]}",
+                "paged_extend",
+                (q, k, v, cu, table, seq_lens, tags, expected),
+            )
+        )
     print(f"  {'call':48s} {'reference':>10s} {'torch':>10s} {'ratio':>7s}")
     for label, op, inputs in cases:
-        times = {name: timed(lambda: getattr(kvattn, op)(*inputs, backend=name), args.repeat)
-                 for name in ("reference", "torch")}
-        print(f"  {label:48s} {times['reference'] * 1e3:8.2f} ms {times['torch'] * 1e3:8.2f} ms "
-              f"{times['reference'] / times['torch']:6.1f}x")
+        times = {
+            name: timed(lambda: getattr(kvattn, op)(*inputs, backend=name), args.repeat)
+            for name in ("reference", "torch")
+        }
+        print(
+            f"  {label:48s} {times['reference'] * 1e3:8.2f} ms {times['torch'] * 1e3:8.2f} ms "
+            f"{times['reference'] / times['torch']:6.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ they are measured, and to ``--stream`` as JSON lines; ``tune.md`` ranks the conf
 (point, kernel, variant) against the default. On a CPU the sweep runs one tiny point per op through
 the interpreter with a few candidates, to show it works: NOT a GPU measurement.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,36 +43,67 @@ from pathlib import Path
 
 import torch
 
-# benchmarks.common chooses the Triton interpreter on a machine without a GPU: before triton loads.
-from .common import (MAX_ABS_ERR, Device, ExtendPoint, GraphTimer, Point, TimingConfig,
-                     extend_check_rows, extend_reference, git_commit, make_decode_inputs,
-                     make_extend_inputs, reference_output, rotation_sets, time_eager)
-from .sweep import CPU_LABEL, RESULTS, append_rows
-
 import kvattn  # noqa: E402
 from kvattn.backends import grids  # noqa: E402
 from kvattn.backends.triton import configs as triton_configs  # noqa: E402
+
+# benchmarks.common chooses the Triton interpreter on a machine without a GPU: before triton loads.
+from .common import (
+    MAX_ABS_ERR,
+    Device,
+    ExtendPoint,
+    GraphTimer,
+    Point,
+    TimingConfig,
+    extend_check_rows,
+    extend_reference,
+    git_commit,
+    make_decode_inputs,
+    make_extend_inputs,
+    reference_output,
+    rotation_sets,
+    time_eager,
+)
+from .sweep import CPU_LABEL, RESULTS, append_rows
 
 OPS = ("triton-decode", "triton-extend", "cuda-decode")
 # Shares of the budget: the Triton decode has the most configurations (and compiles), the CUDA
 # decode only split counts.
 OP_WEIGHTS = {"triton-decode": 2.0, "triton-extend": 1.0, "cuda-decode": 1.0}
-COLUMNS = ["op", "point", "backend", "variant", "config", "rule", "splits", "waves", "default",
-           "status", "median_us", "max_abs_err"]
+COLUMNS = [
+    "op",
+    "point",
+    "backend",
+    "variant",
+    "config",
+    "rule",
+    "splits",
+    "waves",
+    "default",
+    "status",
+    "median_us",
+    "max_abs_err",
+]
 TIMING = TimingConfig(warmup_ms=5.0, rep_ms=15.0, repeats=1)
 
 
 def decode_points(device: Device) -> list[Point]:
     if not device.is_gpu:
         return [Point(2, 96, 16, 4, 2, 32, "fp16")]
-    return [Point(16, 8192, 16, 32, 8, 128, "bf16"), Point(64, 8192, 16, 32, 8, 128, "bf16"),
-            Point(1, 32768, 16, 32, 8, 128, "bf16")]
+    return [
+        Point(16, 8192, 16, 32, 8, 128, "bf16"),
+        Point(64, 8192, 16, 32, 8, 128, "bf16"),
+        Point(1, 32768, 16, 32, 8, 128, "bf16"),
+    ]
 
 
 def extend_points(device: Device) -> list[ExtendPoint]:
     if not device.is_gpu:
         return [ExtendPoint(1, 32, 16, 16, 4, 2, 32, "fp16")]
-    return [ExtendPoint(1, 512, 8192, 16, 32, 8, 128, "bf16"), ExtendPoint(1, 4096, 0, 16, 32, 8, 128, "bf16")]
+    return [
+        ExtendPoint(1, 512, 8192, 16, 32, 8, 128, "bf16"),
+        ExtendPoint(1, 4096, 0, 16, 32, 8, 128, "bf16"),
+    ]
 
 
 class Shares:
@@ -79,8 +111,13 @@ class Shares:
     share of what is left among the ops not started yet, :meth:`point_deadline` the next point an
     equal share of what is left of its op."""
 
-    def __init__(self, budget_s: float, ops: list[str], weights: dict[str, float] = OP_WEIGHTS,
-                 clock=time.monotonic):
+    def __init__(
+        self,
+        budget_s: float,
+        ops: list[str],
+        weights: dict[str, float] = OP_WEIGHTS,
+        clock=time.monotonic,
+    ):
         self.clock = clock
         self.end = clock() + budget_s
         self.waiting = list(ops)
@@ -106,7 +143,9 @@ class Shares:
         return deadline
 
 
-def split_candidates(planner: int, units: int, slots: int | None, cap: int) -> list[tuple[str, int]]:
+def split_candidates(
+    planner: int, units: int, slots: int | None, cap: int
+) -> list[tuple[str, int]]:
     """``[(rule, num_splits)]``, the planner's first: the count that fills ``slots`` resident
     programs in one wave (``units`` = batch x KV heads programs per split), one more (the first
     count past one wave), half and twice the planner's; each within ``[1, cap]``, no count twice.
@@ -125,19 +164,34 @@ def split_candidates(planner: int, units: int, slots: int | None, cap: int) -> l
     return out
 
 
-def decode_neighbours(default: triton_configs.DecodeConfig, gpu: bool) -> list[triton_configs.DecodeConfig]:
+def decode_neighbours(
+    default: triton_configs.DecodeConfig, gpu: bool
+) -> list[triton_configs.DecodeConfig]:
     """The table's decode configuration one step away in each of ``block_n`` (16 <-> 32),
     ``num_warps`` (halved, doubled; 2 to 8) and ``num_stages`` (one fewer, one more; at least 2).
     One of them on the CPU."""
     out = [replace(default, block_n=32 if default.block_n == 16 else 16)]
-    out += [replace(default, num_warps=w) for w in (default.num_warps // 2, default.num_warps * 2)
-            if 2 <= w <= 8]
-    out += [replace(default, num_stages=s) for s in (default.num_stages - 1, default.num_stages + 1) if s >= 2]
+    out += [
+        replace(default, num_warps=w)
+        for w in (default.num_warps // 2, default.num_warps * 2)
+        if 2 <= w <= 8
+    ]
+    out += [
+        replace(default, num_stages=s)
+        for s in (default.num_stages - 1, default.num_stages + 1)
+        if s >= 2
+    ]
     return out if gpu else out[-1:]
 
 
-def triton_decode_candidates(default: triton_configs.DecodeConfig, planner: int, units: int,
-                             slots: int | None, cap: int, gpu: bool) -> list[tuple]:
+def triton_decode_candidates(
+    default: triton_configs.DecodeConfig,
+    planner: int,
+    units: int,
+    slots: int | None,
+    cap: int,
+    gpu: bool,
+) -> list[tuple]:
     """``[(rule, config, num_splits)]`` in the order timed: the table's configuration at the
     planner's count (the default), at the other split counts (:func:`split_candidates`), then its
     neighbours (:func:`decode_neighbours`; ``num_splits`` None: the planner's count for each)."""
@@ -145,14 +199,24 @@ def triton_decode_candidates(default: triton_configs.DecodeConfig, planner: int,
     return out + [("neighbour", c, None) for c in decode_neighbours(default, gpu)]
 
 
-def extend_neighbours(default: triton_configs.ExtendConfig, gpu: bool) -> list[triton_configs.ExtendConfig]:
+def extend_neighbours(
+    default: triton_configs.ExtendConfig, gpu: bool
+) -> list[triton_configs.ExtendConfig]:
     """The table's extend tile one step away in each of ``block_m`` (64 <-> 128), ``block_n``
     (halved, doubled; 16 to 128), ``num_warps`` (4 <-> 8) and ``num_stages`` (one more, one fewer
     down to 1). One of them on the CPU."""
     out = [replace(default, block_m=64 if default.block_m == 128 else 128)]
-    out += [replace(default, block_n=n) for n in (default.block_n // 2, default.block_n * 2) if 16 <= n <= 128]
+    out += [
+        replace(default, block_n=n)
+        for n in (default.block_n // 2, default.block_n * 2)
+        if 16 <= n <= 128
+    ]
     out += [replace(default, num_warps=8 if default.num_warps == 4 else 4)]
-    out += [replace(default, num_stages=s) for s in (default.num_stages + 1, default.num_stages - 1) if s >= 1]
+    out += [
+        replace(default, num_stages=s)
+        for s in (default.num_stages + 1, default.num_stages - 1)
+        if s >= 1
+    ]
     return out if gpu else out[-1:]
 
 
@@ -189,43 +253,60 @@ class Writer:
         if self.stream is not None:
             append_rows(self.stream, [{"run": self.run, **row}])
         splits = f" splits={row['splits']} ({row['rule']})" if row.get("splits") else ""
-        print(f"  {row['op']} {row['point']} {row['backend']}-{row['variant']} {row['config']}{splits}: "
-              f"{row['status']} {row.get('median_us', '')}", flush=True)
+        print(
+            f"  {row['op']} {row['point']} {row['backend']}-{row['variant']} {row['config']}{splits}: "
+            f"{row['status']} {row.get('median_us', '')}",
+            flush=True,
+        )
 
     def note(self, line: str) -> None:
         self.notes.append(line)
         print(line, flush=True)
 
 
-def _pairs(candidates, measure_pair, deadline: float, hard_end: float, out: Writer, what: str) -> None:
+def _pairs(
+    candidates, measure_pair, deadline: float, hard_end: float, out: Writer, what: str
+) -> None:
     """``measure_pair(candidate)`` for each candidate, the first (the default) while the budget
     lasts, the others while the point's share lasts."""
     for n, candidate in enumerate(candidates):
         now = time.monotonic()
         if now > hard_end or (n > 0 and now > deadline):
-            out.note(f"{what}: {len(candidates) - n} of {len(candidates)} candidates not timed "
-                     f"(the {'budget' if now > hard_end else 'share of this point'} is spent)")
+            out.note(
+                f"{what}: {len(candidates) - n} of {len(candidates)} candidates not timed "
+                f"(the {'budget' if now > hard_end else 'share of this point'} is spent)"
+            )
             return
         measure_pair(candidate)
 
 
-def tune_triton_decode(p: Point, device: Device, out: Writer, deadline: float, hard_end: float) -> None:
+def tune_triton_decode(
+    p: Point, device: Device, out: Writer, deadline: float, hard_end: float
+) -> None:
     from kvattn.backends import triton as triton_backend
     from kvattn.backends.triton import paged_decode
+
     dev = device.torch_device
     sets = rotation_sets(p, device.l2_bytes) if device.is_gpu else 1
     inp = make_decode_inputs(p, dev, sets, seed=zlib.crc32(p.label().encode()))
     ref = reference_output(inp, 0, min(p.batch, 4))
-    args = [kvattn.layout.validate_decode(*inp.args(i), scale=inp.scale, validate=False) for i in range(sets)]
+    args = [
+        kvattn.layout.validate_decode(*inp.args(i), scale=inp.scale, validate=False)
+        for i in range(sets)
+    ]
     default = triton_configs.decode_config(dev, args[0].q.dtype, p.head_dim, p.page_size)
     planner, min_chunk, _ = paged_decode.plan_splits(args[0], default)
     units = p.batch * p.num_kv_heads
     sms = grids.device_sms(dev)
-    slots = default.programs_per_sm * sms if sms and getattr(default, "programs_per_sm", None) else None
+    slots = (
+        default.programs_per_sm * sms if sms and getattr(default, "programs_per_sm", None) else None
+    )
     cap = max(1, -(-args[0].max_pages * p.page_size // min_chunk))
-    out.note(f"triton-decode {p.label()}: default {_label(default)}, planner {planner} splits "
-             f"({units * planner} programs" + (f" for {slots} slots, {units * planner / slots:.2f} "
-                                               f"waves)" if slots else ")"))
+    out.note(
+        f"triton-decode {p.label()}: default {_label(default)}, planner {planner} splits "
+        f"({units * planner} programs"
+        + (f" for {slots} slots, {units * planner / slots:.2f} waves)" if slots else ")")
+    )
     candidates = triton_decode_candidates(default, planner, units, slots, cap, device.is_gpu)
 
     def pair(candidate):
@@ -236,37 +317,77 @@ def tune_triton_decode(p: Point, device: Device, out: Writer, deadline: float, h
             out_buf = inp.new_out()
 
             def call(i, config=config, check=check, splits=splits):
-                return triton_backend.decode(args[i], check=check, out=out_buf, lse=None, config=config,
-                                             num_splits=splits)
+                return triton_backend.decode(
+                    args[i], check=check, out=out_buf, lse=None, config=config, num_splits=splits
+                )
+
             is_default = config == default and splits == planner
-            out.add(_measure("triton-decode", p.label(), "triton", check, _label(config), rule, splits,
-                             units * splits / slots if slots else None, is_default, call, out_buf, ref,
-                             slice(0, ref.shape[0]), p.dtype, sets, device))
+            out.add(
+                _measure(
+                    "triton-decode",
+                    p.label(),
+                    "triton",
+                    check,
+                    _label(config),
+                    rule,
+                    splits,
+                    units * splits / slots if slots else None,
+                    is_default,
+                    call,
+                    out_buf,
+                    ref,
+                    slice(0, ref.shape[0]),
+                    p.dtype,
+                    sets,
+                    device,
+                )
+            )
+
     _pairs(candidates, pair, deadline, hard_end, out, f"triton-decode {p.label()}")
 
 
-def tune_cuda_decode(p: Point, device: Device, out: Writer, deadline: float, hard_end: float) -> None:
+def tune_cuda_decode(
+    p: Point, device: Device, out: Writer, deadline: float, hard_end: float
+) -> None:
     from kvattn.backends import cuda
+
     dev = device.torch_device
     sets = rotation_sets(p, device.l2_bytes) if device.is_gpu else 1
     inp = make_decode_inputs(p, dev, sets, seed=zlib.crc32(p.label().encode()))
-    args = [kvattn.layout.validate_decode(*inp.args(i), scale=inp.scale, validate=False) for i in range(sets)]
+    args = [
+        kvattn.layout.validate_decode(*inp.args(i), scale=inp.scale, validate=False)
+        for i in range(sets)
+    ]
     why = kvattn.backends.explain(args[0])["cuda"]
     if why is not None:
         out.note(f"cuda-decode {p.label()}: not run ({why})")
-        out.add(dict(op="cuda-decode", point=p.label(), backend="cuda", variant="", config="",
-                     rule="", default=True, status=f"skipped: {why}"[:200]))
+        out.add(
+            dict(
+                op="cuda-decode",
+                point=p.label(),
+                backend="cuda",
+                variant="",
+                config="",
+                rule="",
+                default=True,
+                status=f"skipped: {why}"[:200],
+            )
+        )
         return
     ref = reference_output(inp, 0, min(p.batch, 4))
     planner, min_chunk, _ = cuda.launch.plan_splits(args[0])
-    per_split = getattr(cuda.launch, "decode_blocks_per_split", None)  # where the planner counts them
+    per_split = getattr(
+        cuda.launch, "decode_blocks_per_split", None
+    )  # where the planner counts them
     units = per_split(args[0]) if per_split else p.batch * p.num_kv_heads
     sms = grids.device_sms(dev)
     per_sm = getattr(cuda.launch, "decode_blocks_per_sm", None)  # the planner's occupancy target
     slots = per_sm(p.head_dim) * sms if sms and per_sm else None
     cap = max(1, -(-args[0].max_pages * p.page_size // min_chunk))
-    out.note(f"cuda-decode {p.label()}: planner {planner} splits ({units * planner} blocks"
-             + (f" for {slots} slots, {units * planner / slots:.2f} waves)" if slots else ")"))
+    out.note(
+        f"cuda-decode {p.label()}: planner {planner} splits ({units * planner} blocks"
+        + (f" for {slots} slots, {units * planner / slots:.2f} waves)" if slots else ")")
+    )
 
     def pair(candidate):
         rule, splits = candidate
@@ -275,25 +396,58 @@ def tune_cuda_decode(p: Point, device: Device, out: Writer, deadline: float, har
 
             def call(i, check=check, splits=splits):
                 return cuda.decode(args[i], check=check, out=out_buf, lse=None, num_splits=splits)
-            out.add(_measure("cuda-decode", p.label(), "cuda", check, f"num_splits={splits}", rule, splits,
-                             units * splits / slots if slots else None, splits == planner, call, out_buf,
-                             ref, slice(0, ref.shape[0]), p.dtype, sets, device))
-    _pairs(split_candidates(planner, units, slots, cap), pair, deadline, hard_end, out,
-           f"cuda-decode {p.label()}")
+
+            out.add(
+                _measure(
+                    "cuda-decode",
+                    p.label(),
+                    "cuda",
+                    check,
+                    f"num_splits={splits}",
+                    rule,
+                    splits,
+                    units * splits / slots if slots else None,
+                    splits == planner,
+                    call,
+                    out_buf,
+                    ref,
+                    slice(0, ref.shape[0]),
+                    p.dtype,
+                    sets,
+                    device,
+                )
+            )
+
+    _pairs(
+        split_candidates(planner, units, slots, cap),
+        pair,
+        deadline,
+        hard_end,
+        out,
+        f"cuda-decode {p.label()}",
+    )
 
 
-def tune_triton_extend(p: ExtendPoint, device: Device, out: Writer, deadline: float, hard_end: float) -> None:
+def tune_triton_extend(
+    p: ExtendPoint, device: Device, out: Writer, deadline: float, hard_end: float
+) -> None:
     from kvattn.backends import triton as triton_backend
+
     dev = device.torch_device
     sets = rotation_sets(p.pool_point(), device.l2_bytes) if device.is_gpu else 1
     inp = make_extend_inputs(p, dev, sets, seed=zlib.crc32(p.label().encode()))
     picks = extend_check_rows(p, 2)
     ref = extend_reference(inp, 0, picks)
     rows = torch.tensor([b * p.chunk + j for b, j in picks], device=dev)
-    args = [kvattn.layout.validate_extend(*inp.args(i), scale=inp.scale, validate=False) for i in range(sets)]
+    args = [
+        kvattn.layout.validate_extend(*inp.args(i), scale=inp.scale, validate=False)
+        for i in range(sets)
+    ]
     default = triton_configs.extend_config(dev, args[0].q.dtype, p.head_dim, p.page_size)
     out.note(f"triton-extend {p.label()}: default {_label(default)}")
-    candidates = [("default", default)] + [("neighbour", c) for c in extend_neighbours(default, device.is_gpu)]
+    candidates = [("default", default)] + [
+        ("neighbour", c) for c in extend_neighbours(default, device.is_gpu)
+    ]
 
     def pair(candidate):
         rule, config = candidate
@@ -301,31 +455,83 @@ def tune_triton_extend(p: ExtendPoint, device: Device, out: Writer, deadline: fl
             out_buf = inp.new_out()
 
             def call(i, config=config, check=check):
-                return triton_backend.extend(args[i], check=check, out=out_buf, lse=None, config=config)
-            out.add(_measure("triton-extend", p.label(), "triton", check, _label(config), rule, None, None,
-                             config == default, call, out_buf, ref, rows, p.dtype, sets, device))
+                return triton_backend.extend(
+                    args[i], check=check, out=out_buf, lse=None, config=config
+                )
+
+            out.add(
+                _measure(
+                    "triton-extend",
+                    p.label(),
+                    "triton",
+                    check,
+                    _label(config),
+                    rule,
+                    None,
+                    None,
+                    config == default,
+                    call,
+                    out_buf,
+                    ref,
+                    rows,
+                    p.dtype,
+                    sets,
+                    device,
+                )
+            )
+
     _pairs(candidates, pair, deadline, hard_end, out, f"triton-extend {p.label()}")
 
 
-def _measure(op, point, backend, check, label, rule, splits, waves, is_default, call, out_buf, ref,
-             rows, dtype, sets, device) -> dict:
-    row = dict(op=op, point=point, backend=backend, variant="checked" if check else "unchecked",
-               config=label, rule=rule, splits=splits,
-               waves=None if waves is None else round(waves, 3), default=is_default)
+def _measure(
+    op,
+    point,
+    backend,
+    check,
+    label,
+    rule,
+    splits,
+    waves,
+    is_default,
+    call,
+    out_buf,
+    ref,
+    rows,
+    dtype,
+    sets,
+    device,
+) -> dict:
+    row = dict(
+        op=op,
+        point=point,
+        backend=backend,
+        variant="checked" if check else "unchecked",
+        config=label,
+        rule=rule,
+        splits=splits,
+        waves=None if waves is None else round(waves, 3),
+        default=is_default,
+    )
     try:
         out_buf.fill_(float("nan"))
         call(0)
         err = float((out_buf[rows].float() - ref).abs().max())
         if not err <= MAX_ABS_ERR[dtype]:
             return dict(row, status=f"failed: max |out - ref| = {err:.3g}", max_abs_err=err)
-        return dict(row, status="ok", max_abs_err=err, median_us=round(timed(call, sets, device), 2))
+        return dict(
+            row, status="ok", max_abs_err=err, median_us=round(timed(call, sets, device), 2)
+        )
     except Exception as e:  # a configuration that cannot compile or launch is reported
         return dict(row, status=f"failed: {type(e).__name__}: {e}"[:200])
 
 
 def summary(rows: list[dict], header: list[str], notes: list[str]) -> str:
-    lines = header + ["", "| op | point | kernel | variant | best config | best rule | best us | "
-                      "default us | default / best |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = header + [
+        "",
+        "| op | point | kernel | variant | best config | best rule | best us | "
+        "default us | default / best |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     groups = {}
     for r in rows:
         if r.get("variant"):
@@ -340,29 +546,39 @@ def summary(rows: list[dict], header: list[str], notes: list[str]) -> str:
         d_us = f"{default['median_us']:.2f}" if default else "not timed"
         ratio = f"{default['median_us'] / best['median_us']:.3f}" if default else ""
         config = best["config"] + (f" splits={best['splits']}" if best.get("splits") else "")
-        lines.append(f"| {' | '.join(key)} | {config} | {best['rule']} | {best['median_us']:.2f} | "
-                     f"{d_us} | {ratio} |")
+        lines.append(
+            f"| {' | '.join(key)} | {config} | {best['rule']} | {best['median_us']:.2f} | "
+            f"{d_us} | {ratio} |"
+        )
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["", f"{len(failed)} configuration(s) did not run or were wrong:"]
-        lines += [f"- {r['op']} {r['point']} {r['backend']}-{r['variant']} {r['config']}: {r['status']}"
-                  for r in failed]
+        lines += [
+            f"- {r['op']} {r['point']} {r['backend']}-{r['variant']} {r['config']}: {r['status']}"
+            for r in failed
+        ]
     return "\n".join(lines) + "\n"
 
 
-TUNERS = {"triton-decode": (tune_triton_decode, decode_points),
-          "triton-extend": (tune_triton_extend, extend_points),
-          "cuda-decode": (tune_cuda_decode, decode_points)}
+TUNERS = {
+    "triton-decode": (tune_triton_decode, decode_points),
+    "triton-extend": (tune_triton_extend, extend_points),
+    "cuda-decode": (tune_cuda_decode, decode_points),
+}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.tune", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="in this order")
     ap.add_argument("--time-budget-s", type=float, default=120.0)
     ap.add_argument("--out-dir", default=str(RESULTS))
-    ap.add_argument("--stream", metavar="FILE", help="also append each row, as a JSON line, to FILE")
+    ap.add_argument(
+        "--stream", metavar="FILE", help="also append each row, as a JSON line, to FILE"
+    )
     args = ap.parse_args(argv)
     ops = list(dict.fromkeys(args.ops))
     device = Device.current()
@@ -373,8 +589,10 @@ def main(argv=None) -> int:
     run_dir = Path(args.out_dir) / f"{stamp}_{device.slug}_{git_commit()}{suffix}"
     out = Writer(run_dir, Path(args.stream) if args.stream else None)
     label = "GPU measurement" if device.is_gpu else CPU_LABEL
-    print(f"tuning sweep of {', '.join(ops)} on {device.name} ({label}), budget {args.time_budget_s:.0f} s",
-          flush=True)
+    print(
+        f"tuning sweep of {', '.join(ops)} on {device.name} ({label}), budget {args.time_budget_s:.0f} s",
+        flush=True,
+    )
     for op in ops:
         tune, points_of = TUNERS[op]
         points = points_of(device)
@@ -388,12 +606,17 @@ def main(argv=None) -> int:
                 out.note(f"{op} {p.label()}: stopped by {type(e).__name__}: {e}"[:300])
             if device.is_gpu:
                 torch.cuda.empty_cache()
-    header = [f"# Tuning sweep: {device.name}, commit {git_commit()}, {stamp} UTC", "",
-              f"**{label}.** Median per call (microseconds; CUDA-graph replay on a GPU), one "
-              f"measurement per configuration (do_bench {TIMING.warmup_ms:g} / {TIMING.rep_ms:g} ms); "
-              f"{time.monotonic() - started:.0f} s. Defaults: the tables in "
-              f"kvattn/backends/triton/configs.py and kvattn/backends/cuda/launch.py at the split count "
-              f"of the planner (kvattn/backends/grids.py).", "", f"Device: {asdict(device)}"]
+    header = [
+        f"# Tuning sweep: {device.name}, commit {git_commit()}, {stamp} UTC",
+        "",
+        f"**{label}.** Median per call (microseconds; CUDA-graph replay on a GPU), one "
+        f"measurement per configuration (do_bench {TIMING.warmup_ms:g} / {TIMING.rep_ms:g} ms); "
+        f"{time.monotonic() - started:.0f} s. Defaults: the tables in "
+        f"kvattn/backends/triton/configs.py and kvattn/backends/cuda/launch.py at the split count "
+        f"of the planner (kvattn/backends/grids.py).",
+        "",
+        f"Device: {asdict(device)}",
+    ]
     (run_dir / "tune.md").write_text(summary(out.rows, header, out.notes))
     print(f"results: {run_dir}", flush=True)
     return 0

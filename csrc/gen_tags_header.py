@@ -5,6 +5,7 @@ evaluates its integer constants and the values of the ``Violation`` and ``WriteD
 
 Usage: ``python csrc/gen_tags_header.py OUT.h``.
 """
+
 from __future__ import annotations
 
 import ast
@@ -12,8 +13,18 @@ import pathlib
 import sys
 
 TAGS_PY = pathlib.Path(__file__).resolve().parent.parent / "kvattn" / "tags.py"
-CONSTANTS = ("STATE_MASK", "STATE_FREE", "STATE_RESERVED", "STATE_WRITTEN", "VALID_LEN_SHIFT",
-             "VALID_LEN_BITS", "VALID_LEN_MAX", "OWNER_SHIFT", "OWNER_BITS", "OWNER_MAX")
+CONSTANTS = (
+    "STATE_MASK",
+    "STATE_FREE",
+    "STATE_RESERVED",
+    "STATE_WRITTEN",
+    "VALID_LEN_SHIFT",
+    "VALID_LEN_BITS",
+    "VALID_LEN_MAX",
+    "OWNER_SHIFT",
+    "OWNER_BITS",
+    "OWNER_MAX",
+)
 ENUMS = ("Violation", "WriteDrop")
 
 
@@ -36,7 +47,11 @@ def read_layout(path: pathlib.Path = TAGS_PY) -> dict[str, int]:
     env: dict[str, int] = {}
     values: dict[str, int] = {}
     for stmt in ast.parse(path.read_text()).body:
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        if (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+        ):
             try:
                 env[stmt.targets[0].id] = _eval(stmt.value, env)
             except (ValueError, KeyError):
@@ -51,8 +66,14 @@ def read_layout(path: pathlib.Path = TAGS_PY) -> dict[str, int]:
 
 
 def render(values: dict[str, int]) -> str:
-    lines = ["// Generated from kvattn/tags.py by csrc/gen_tags_header.py at build time; do not edit.",
-             "#pragma once", "#include <cstdint>", "", "namespace kvattn {", "namespace tags {"]
+    lines = [
+        "// Generated from kvattn/tags.py by csrc/gen_tags_header.py at build time; do not edit.",
+        "#pragma once",
+        "#include <cstdint>",
+        "",
+        "namespace kvattn {",
+        "namespace tags {",
+    ]
     for name, value in values.items():
         lines.append(f"constexpr int64_t {name} = {value}LL;")
     lines += ["}  // namespace tags", "}  // namespace kvattn", ""]

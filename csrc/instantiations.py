@@ -25,6 +25,7 @@ folder of build/generated/:
 tools/static_sm90.py and the tests name the CUDA kernels by :func:`by_name`. Standard library only:
 setup.py, the tools and the tests load this file by path.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,12 @@ KERNELS = {
     "paged_decode_kernel": ("decode", "DecodeKernel", "kvattn/decode.cuh", "DecodeParams"),
     "merge_splits_kernel": ("decode", "MergeKernel", "kvattn/decode.cuh", "DecodeParams"),
     "paged_extend_kernel": ("extend", "ExtendKernel", "kvattn/extend.cuh", "ExtendParams"),
-    "resolve_pages_kernel": ("extend", "ResolvePagesKernel", "kvattn/resolve_pages.cuh", "ExtendParams"),
+    "resolve_pages_kernel": (
+        "extend",
+        "ResolvePagesKernel",
+        "kvattn/resolve_pages.cuh",
+        "ExtendParams",
+    ),
     "write_kv_copy_kernel": ("write_kv", "WriteKVKernel", "kvattn/write_kv.cuh", "WriteKVParams"),
     "write_kv_verdict_kernel": ("write_kv", None, "kvattn/write_kv.cuh", "WriteKVParams"),
 }
@@ -114,20 +120,38 @@ class Row:
         tile) made the 2-core serial build a third slower than one unit when measured; a unit per
         (op, type, tile) keeps a few heavy units of each attention op for the parallel build."""
         if self.head_dim is None:
-            return {"decode": "decode_merge", "extend": "extend_resolve", "write_kv": "write_kv"}[self.op]
+            return {"decode": "decode_merge", "extend": "extend_resolve", "write_kv": "write_kv"}[
+                self.op
+            ]
         return f"{self.op}_{self.dtype}_d{self.head_dim}"
 
 
 TABLE: tuple[Row, ...] = (
     # decode: pools of the query's type by both copy widths, fp8 pools by 16-byte copies only
-    *(Row("paged_decode_kernel", t, pool, d, check, vec, variant)
-      for t in ATTENTION_DTYPES for pool in (None, *FP8) for d in TILES for check in BOOL
-      for vec in (BOOL if pool is None else (True,)) for variant in BOOL),
+    *(
+        Row("paged_decode_kernel", t, pool, d, check, vec, variant)
+        for t in ATTENTION_DTYPES
+        for pool in (None, *FP8)
+        for d in TILES
+        for check in BOOL
+        for vec in (BOOL if pool is None else (True,))
+        for variant in BOOL
+    ),
     # the MLA latent tile (kvattn.paged_mla_decode): no score switch, no fp8, 16-byte copies
-    *(Row("paged_decode_kernel", t, None, LATENT, check, True, False) for t in ATTENTION_DTYPES for check in BOOL),
+    *(
+        Row("paged_decode_kernel", t, None, LATENT, check, True, False)
+        for t in ATTENTION_DTYPES
+        for check in BOOL
+    ),
     *(Row("merge_splits_kernel", t, variant=variant) for t in ATTENTION_DTYPES for variant in BOOL),
-    *(Row("paged_extend_kernel", t, None, d, check, vec, variant)
-      for t in ATTENTION_DTYPES for d in TILES for check in BOOL for vec in BOOL for variant in BOOL),
+    *(
+        Row("paged_extend_kernel", t, None, d, check, vec, variant)
+        for t in ATTENTION_DTYPES
+        for d in TILES
+        for check in BOOL
+        for vec in BOOL
+        for variant in BOOL
+    ),
     Row("resolve_pages_kernel"),
     # the writer: tokens into pools of their type (fp8 ones too), and float tokens quantised into fp8
     *(Row("write_kv_copy_kernel", t) for t in TYPES),
@@ -151,9 +175,12 @@ class Selection:
     variants: bool = True
 
     def keeps(self, row: Row) -> bool:
-        return ((row.dtype is None or row.dtype in self.dtypes) and (row.pool is None or row.pool in self.dtypes)
-                and (row.head_dim is None or row.head_dim in self.head_dims)
-                and (not row.variant or self.variants))
+        return (
+            (row.dtype is None or row.dtype in self.dtypes)
+            and (row.pool is None or row.pool in self.dtypes)
+            and (row.head_dim is None or row.head_dim in self.head_dims)
+            and (not row.variant or self.variants)
+        )
 
     @property
     def full(self) -> bool:
@@ -161,12 +188,20 @@ class Selection:
 
     def text(self) -> str:
         """``dtypes fp16,bf16; head dims 128; variants off``."""
-        return (f"dtypes {','.join(self.dtypes) or 'none'}; head dims {','.join(map(str, self.head_dims)) or 'none'}; "
-                f"variants {'on' if self.variants else 'off'}")
+        return (
+            f"dtypes {','.join(self.dtypes) or 'none'}; "
+            f"head dims {','.join(map(str, self.head_dims)) or 'none'}; "
+            f"variants {'on' if self.variants else 'off'}"
+        )
 
     def as_dict(self) -> dict:
-        return {"dtypes": list(self.dtypes), "head_dims": list(self.head_dims), "variants": self.variants,
-                "text": self.text(), "full": self.full}
+        return {
+            "dtypes": list(self.dtypes),
+            "head_dims": list(self.head_dims),
+            "variants": self.variants,
+            "text": self.text(),
+            "full": self.full,
+        }
 
 
 def select(selection: Selection = Selection()) -> list[Row]:
@@ -182,7 +217,9 @@ def _names(raw: str, allowed, what: str, variable: str) -> tuple:
     items = [x.strip() for x in raw.replace(";", ",").split(",") if x.strip()]
     wrong = [x for x in items if x not in allowed]
     if wrong or not items:
-        raise ValueError(f"{variable}: expected {what} from {', '.join(map(str, allowed))}, got {raw!r}")
+        raise ValueError(
+            f"{variable}: expected {what} from {', '.join(map(str, allowed))}, got {raw!r}"
+        )
     return tuple(x for x in allowed if x in items)  # table order, no repeats
 
 
@@ -192,16 +229,27 @@ def selection_from_env(env) -> Selection:
     ``KVATTN_CUDA_VARIANTS`` (``1``; ``0``
     builds no score switch); unset: everything. ValueError for a value it cannot read."""
     default = Selection()
-    dtypes, dims = env.get("KVATTN_CUDA_DTYPES", "").strip(), env.get("KVATTN_CUDA_HEAD_DIMS", "").strip()
+    dtypes, dims = (
+        env.get("KVATTN_CUDA_DTYPES", "").strip(),
+        env.get("KVATTN_CUDA_HEAD_DIMS", "").strip(),
+    )
     variants = env.get("KVATTN_CUDA_VARIANTS", "1").strip()
     if variants not in ("0", "1"):
         raise ValueError(f"KVATTN_CUDA_VARIANTS: expected 0 or 1, got {variants!r}")
     return Selection(
-        dtypes=_names(dtypes, (*DTYPES, *FP8), "element or pool types", "KVATTN_CUDA_DTYPES") if dtypes
+        dtypes=_names(dtypes, (*DTYPES, *FP8), "element or pool types", "KVATTN_CUDA_DTYPES")
+        if dtypes
         else default.dtypes,
-        head_dims=tuple(int(d) for d in _names(dims, tuple(map(str, HEAD_DIMS)), "head-dim tiles",
-                                               "KVATTN_CUDA_HEAD_DIMS")) if dims else default.head_dims,
-        variants=variants == "1")
+        head_dims=tuple(
+            int(d)
+            for d in _names(
+                dims, tuple(map(str, HEAD_DIMS)), "head-dim tiles", "KVATTN_CUDA_HEAD_DIMS"
+            )
+        )
+        if dims
+        else default.head_dims,
+        variants=variants == "1",
+    )
 
 
 def units(rows: list[Row]) -> dict[str, list[Row]]:
@@ -222,7 +270,9 @@ def unit_source(name: str, rows: list[Row]) -> str:
     lines.append("\n")
     for row in rows:
         if row.launcher is None:
-            lines.append(f"// {row.name}: defined by {KERNELS[row.kernel][2]}, launched by the op's launcher\n")
+            lines.append(
+                f"// {row.name}: defined by {KERNELS[row.kernel][2]}, launched by the op's launcher\n"
+            )
         elif row.template_args():
             lines.append(f"template struct {row.launcher};\n")
         else:
@@ -235,10 +285,16 @@ def _c_string(text: str) -> str:
 
 
 def built_header(rows: list[Row], selection: Selection) -> str:
-    lines = [_NOTICE, "// The kernel instantiations of this module, for the dispatch (dispatch.cuh).\n",
-             "#pragma once\n\n#include \"kvattn_selection.h\"\n\nnamespace kvattn {\n\n"]
-    lines += [f"template <>\nstruct Built<{row.launcher[len('kvattn::'):]}> : std::true_type {{}};\n"
-              for row in rows if row.launcher is not None]
+    lines = [
+        _NOTICE,
+        "// The kernel instantiations of this module, for the dispatch (dispatch.cuh).\n",
+        '#pragma once\n\n#include "kvattn_selection.h"\n\nnamespace kvattn {\n\n',
+    ]
+    lines += [
+        f"template <>\nstruct Built<{row.launcher[len('kvattn::') :]}> : std::true_type {{}};\n"
+        for row in rows
+        if row.launcher is not None
+    ]
     lines.append("\n}  // namespace kvattn\n")
     return "".join(lines)
 
@@ -247,9 +303,12 @@ def selection_header(rows: list[Row], selection: Selection) -> str:
     """Macros only (the binding includes it without CUDA): the selection as text and as JSON, and
     one ``KVATTN_BUILT_<AXIS>_<VALUE>`` flag per axis value for the dispatch's reasons."""
     data = dict(selection.as_dict(), instantiations=len(rows), units=len(units(rows)))
-    lines = [_NOTICE, "#pragma once\n\n",
-             f"#define KVATTN_SELECTION {_c_string(selection.text())}\n",
-             f"#define KVATTN_SELECTION_JSON {_c_string(json.dumps(data, sort_keys=True))}\n"]
+    lines = [
+        _NOTICE,
+        "#pragma once\n\n",
+        f"#define KVATTN_SELECTION {_c_string(selection.text())}\n",
+        f"#define KVATTN_SELECTION_JSON {_c_string(json.dumps(data, sort_keys=True))}\n",
+    ]
     for name in (*DTYPES, *FP8):
         lines.append(f"#define KVATTN_BUILT_DTYPE_{name.upper()} {int(name in selection.dtypes)}\n")
     for d in HEAD_DIMS:
@@ -263,14 +322,22 @@ def head_dims_header() -> str:
     ``KVATTN_HEAD_DIM_TILES(X)`` expands ``X(tile, first)`` for each of ``TILES`` in increasing
     order, ``first`` the smallest head dim it runs (the one above the previous tile);
     ``KVATTN_MAX_HEAD_DIM_TILE`` is the widest, ``KVATTN_LATENT_DIM`` the MLA latent tile."""
-    assert list(TILES) == sorted(set(TILES)) and LATENT > TILES[-1], "TILES increasing, LATENT above them"
+    assert list(TILES) == sorted(set(TILES)) and LATENT > TILES[-1], (
+        "TILES increasing, LATENT above them"
+    )
     firsts = [1, *(t + 1 for t in TILES[:-1])]
-    return "".join([
-        _NOTICE, "// The head-dim tiles of the table (TILES, LATENT): X(tile, first head dim it runs).\n",
-        "#pragma once\n\n",
-        "#define KVATTN_HEAD_DIM_TILES(X) " + " ".join(f"X({t}, {f})" for t, f in zip(TILES, firsts)) + "\n",
-        f"#define KVATTN_MAX_HEAD_DIM_TILE {TILES[-1]}\n",
-        f"#define KVATTN_LATENT_DIM {LATENT}\n"])
+    return "".join(
+        [
+            _NOTICE,
+            "// The head-dim tiles of the table (TILES, LATENT): X(tile, first head dim it runs).\n",
+            "#pragma once\n\n",
+            "#define KVATTN_HEAD_DIM_TILES(X) "
+            + " ".join(f"X({t}, {f})" for t, f in zip(TILES, firsts))
+            + "\n",
+            f"#define KVATTN_MAX_HEAD_DIM_TILE {TILES[-1]}\n",
+            f"#define KVATTN_LATENT_DIM {LATENT}\n",
+        ]
+    )
 
 
 def _write(path: pathlib.Path, text: str) -> None:
@@ -279,7 +346,9 @@ def _write(path: pathlib.Path, text: str) -> None:
         path.write_text(text)
 
 
-def write_generated(folder: pathlib.Path, selection: Selection, with_units: bool = True) -> list[pathlib.Path]:
+def write_generated(
+    folder: pathlib.Path, selection: Selection, with_units: bool = True
+) -> list[pathlib.Path]:
     """Writes the headers (and, ``with_units``, the translation units) of ``selection`` into
     ``folder``; removes units of an earlier selection. Returns the units' paths in table order."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ check on the kept log. Standard library only.
 
 Usage: ``python csrc/ptxas_report.py build/cuda/ptxas.log``.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,9 @@ def _demangle(names: list[str]) -> dict[str, str]:
     tool = shutil.which("c++filt")
     if not tool or not names:
         return {n: n for n in names}
-    result = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [tool], input="\n".join(names), capture_output=True, text=True, check=False
+    )
     lines = result.stdout.splitlines()
     return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
 
@@ -39,16 +42,26 @@ def parse(text: str) -> list[dict]:
     for line in text.splitlines():
         m = _ENTRY.search(line)
         if m:
-            current = dict(kernel=m.group(1), arch=m.group(2), registers=None, smem_static=0,
-                           stack_frame=0, spill_stores=0, spill_loads=0)
+            current = dict(
+                kernel=m.group(1),
+                arch=m.group(2),
+                registers=None,
+                smem_static=0,
+                stack_frame=0,
+                spill_stores=0,
+                spill_loads=0,
+            )
             records.append(current)
             continue
         if current is None:
             continue
         m = _FRAME.search(line)
         if m:
-            current.update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)),
-                           spill_loads=int(m.group(3)))
+            current.update(
+                stack_frame=int(m.group(1)),
+                spill_stores=int(m.group(2)),
+                spill_loads=int(m.group(3)),
+            )
             continue
         m = _USED.search(line)
         if m:
@@ -66,12 +79,17 @@ CHECKED_KERNELS = ("paged_decode_kernel", "paged_extend_kernel")
 def local_memory_problems(records: list[dict]) -> list[str]:
     """Kernels of the module (every instantiation) that use local memory (spills or a stack
     frame)."""
-    return [f"{r['kernel']} [{r['arch']}]: {r['stack_frame']} B stack, {r['spill_stores']} B spill "
-            f"stores, {r['spill_loads']} B spill loads"
-            for r in records if r["stack_frame"] or r["spill_stores"] or r["spill_loads"]]
+    return [
+        f"{r['kernel']} [{r['arch']}]: {r['stack_frame']} B stack, {r['spill_stores']} B spill "
+        f"stores, {r['spill_loads']} B spill loads"
+        for r in records
+        if r["stack_frame"] or r["spill_stores"] or r["spill_loads"]
+    ]
 
 
-def check(log: pathlib.Path, out_json: pathlib.Path | None = None, expected: set | None = None) -> list[dict]:
+def check(
+    log: pathlib.Path, out_json: pathlib.Path | None = None, expected: set | None = None
+) -> list[dict]:
     """Parse ``log``, write the records to ``out_json``; raise RuntimeError on local memory in any
     kernel, and when the log lacks a decode or extend kernel (a build that printed nothing proves
     nothing) or, given ``expected`` (``{(demangled signature, "sm_90"), ...}``), when it does not
@@ -85,9 +103,11 @@ def check(log: pathlib.Path, out_json: pathlib.Path | None = None, expected: set
         missing, extra = sorted(expected - set(found)), sorted(set(found) - expected)
         twice = sorted({k for k in found if found.count(k) > 1})
         if missing or extra or twice:
-            raise RuntimeError(f"{log}: the instantiations differ from the build's selection: "
-                               f"{len(missing)} missing {missing[:3]}, {len(extra)} not in it {extra[:3]}, "
-                               f"{len(twice)} compiled twice {twice[:3]}")
+            raise RuntimeError(
+                f"{log}: the instantiations differ from the build's selection: "
+                f"{len(missing)} missing {missing[:3]}, {len(extra)} not in it {extra[:3]}, "
+                f"{len(twice)} compiled twice {twice[:3]}"
+            )
     if out_json is not None:
         out_json.write_text(json.dumps(records, indent=1) + "\n")
     problems = local_memory_problems(records)
@@ -103,16 +123,20 @@ def summary(records: list[dict]) -> str:
     per_arch = ", ".join(f"{sum(r['arch'] == a for r in records)} for {a}" for a in archs)
     registers = [r["registers"] for r in records if r["registers"] is not None]
     local = len(local_memory_problems(records))
-    return (f"{len(records)} kernels ({per_arch or 'none'}), "
-            + (f"{min(registers)}-{max(registers)} registers, " if registers else "")
-            + (f"{local} with local memory" if local else "no spills, no stack frames"))
+    return (
+        f"{len(records)} kernels ({per_arch or 'none'}), "
+        + (f"{min(registers)}-{max(registers)} registers, " if registers else "")
+        + (f"{local} with local memory" if local else "no spills, no stack frames")
+    )
 
 
 def table(records: list[dict]) -> str:
     rows = [f"{'kernel':<60} {'arch':<6} {'regs':>4} {'smem':>5} {'stack':>5} {'spill':>5}"]
     for r in records:
-        rows.append(f"{r['kernel'][:60]:<60} {r['arch']:<6} {r['registers']:>4} {r['smem_static']:>5} "
-                    f"{r['stack_frame']:>5} {r['spill_stores'] + r['spill_loads']:>5}")
+        rows.append(
+            f"{r['kernel'][:60]:<60} {r['arch']:<6} {r['registers']:>4} {r['smem_static']:>5} "
+            f"{r['stack_frame']:>5} {r['spill_stores'] + r['spill_loads']:>5}"
+        )
     return "\n".join(rows)
 
 

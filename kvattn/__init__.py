@@ -5,7 +5,8 @@ not prove they were written for the reader, and report it in the same call. The 
 docs/ownership.md. Layout: :mod:`kvattn.layout`. Oracle: :mod:`kvattn.reference`. What runs on this
 machine: :func:`info`, or ``python -m kvattn.env``.
 """
-from .version import __version__
+
+from .version import __version__ as __version__
 
 MIN_TORCH = (2, 4)
 
@@ -14,20 +15,31 @@ MIN_TORCH = (2, 4)
 try:
     import torch as _torch
 except ImportError as _e:
-    raise ImportError("kvattn needs PyTorch >= 2.4, which it does not install: install the torch "
-                      "build for your machine first (CPU or CUDA; see the README, section "
-                      "Install)") from _e
+    raise ImportError(
+        "kvattn needs PyTorch >= 2.4, which it does not install: install the torch "
+        "build for your machine first (CPU or CUDA; see the README, section "
+        "Install)"
+    ) from _e
 if tuple(int(p) for p in _torch.__version__.split(".")[:2]) < MIN_TORCH:
     raise ImportError(f"kvattn needs PyTorch >= 2.4, found {_torch.__version__}")
 
-from . import reference  # noqa: E402
-from .api import paged_decode, paged_extend, paged_mla_decode, paged_mla_extend  # noqa: E402
-from .cache import Lease, PagedKVCache  # noqa: E402
-from .layout import DecodeArgs, ExtendArgs, MLADecodeArgs, MLAExtendArgs  # noqa: E402
-from .report import KVOwnershipError, OwnershipReport, WriteResult  # noqa: E402
-from .tags import (FREE_TAG, Violation, WriteDrop, describe_tag, reserved_tag, tag_owner,  # noqa: E402
-                   tag_state, tag_valid_len, written_tag)
-from .writers import commit_pages, reassign_pages, release_pages, reserve_pages, write_kv  # noqa: E402
+from . import reference
+from .api import paged_decode, paged_extend, paged_mla_decode, paged_mla_extend
+from .cache import Lease, PagedKVCache
+from .layout import DecodeArgs, ExtendArgs, MLADecodeArgs, MLAExtendArgs
+from .report import KVOwnershipError, OwnershipReport, WriteResult
+from .tags import (
+    FREE_TAG,
+    Violation,
+    WriteDrop,
+    describe_tag,
+    reserved_tag,
+    tag_owner,
+    tag_state,
+    tag_valid_len,
+    written_tag,
+)
+from .writers import commit_pages, reassign_pages, release_pages, reserve_pages, write_kv
 
 
 def info() -> dict:
@@ -35,14 +47,38 @@ def info() -> dict:
     the others refuse, the extensions' build status, the CUDA module's resource figures. Printed by
     ``python -m kvattn.env``; see :mod:`kvattn.env`."""
     from .env import info as collect  # on call: `python -m kvattn.env` must not find it imported
+
     return collect()
 
 
 __all__ = [
-    "FREE_TAG", "DecodeArgs", "ExtendArgs", "KVOwnershipError", "Lease", "OwnershipReport",
-    "PagedKVCache", "Violation", "WriteDrop", "WriteResult", "commit_pages", "describe_tag",
-    "info", "paged_decode", "paged_extend", "reassign_pages", "reference", "release_pages",
-    "reserve_pages", "reserved_tag", "tag_owner", "tag_state", "tag_valid_len", "write_kv",
+    "FREE_TAG",
+    "DecodeArgs",
+    "ExtendArgs",
+    "KVOwnershipError",
+    "Lease",
+    "OwnershipReport",
+    "PagedKVCache",
+    "Violation",
+    "WriteDrop",
+    "WriteResult",
+    "commit_pages",
+    "describe_tag",
+    "info",
+    "paged_decode",
+    "paged_extend",
+    "reassign_pages",
+    "reference",
+    "release_pages",
+    "reserve_pages",
+    "reserved_tag",
+    "tag_owner",
+    "tag_state",
+    "tag_valid_len",
+    "write_kv",
     "written_tag",
-    "MLADecodeArgs", "MLAExtendArgs", "paged_mla_decode", "paged_mla_extend",
+    "MLADecodeArgs",
+    "MLAExtendArgs",
+    "paged_mla_decode",
+    "paged_mla_extend",
 ]

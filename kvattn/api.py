@@ -1,23 +1,44 @@
 """The public operations. Arguments are validated once here; the math lives in the backends."""
+
 from __future__ import annotations
 
 import torch
 
 from . import backends
-from .layout import (output_dtype, validate_decode, validate_extend, validate_mla_decode,
-                     validate_mla_extend)
+from .layout import (
+    output_dtype,
+    validate_decode,
+    validate_extend,
+    validate_mla_decode,
+    validate_mla_extend,
+)
 from .report import OwnershipReport
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_table: torch.Tensor, seq_lens: torch.Tensor, page_tags: torch.Tensor,
-                 expected: torch.Tensor, *, scale: float | None = None, check: bool = True,
-                 on_violation: str = "report", backend: str = "auto",
-                 out: torch.Tensor | None = None, return_lse: bool = False,
-                 validate: bool | None = None, window_left: int = -1,
-                 logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None,
-                 q_scale=None):
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tags: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    scale: float | None = None,
+    check: bool = True,
+    on_violation: str = "report",
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    k_scale=None,
+    v_scale=None,
+    q_scale=None,
+):
     """Ownership-checked paged attention for one new query token per sequence.
 
     Shapes, dtypes and the paged layout are defined once in :mod:`kvattn.layout`; the tag format in
@@ -61,22 +82,56 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
     """
     check_mode(check, on_violation)
-    args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
-                           scale=scale, out=out, validate=validate, window_left=window_left,
-                           logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
-                           k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
+    args = validate_decode(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale=scale,
+        out=out,
+        validate=validate,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        q_scale=q_scale,
+    )
     return _run("decode", args, backend, check, on_violation, out, return_lse, args.head_dim_v)
 
 
-def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 cu_seqlens_q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 page_tags: torch.Tensor, expected: torch.Tensor, *, scale: float | None = None,
-                 causal: bool = True, check: bool = True, on_violation: str = "report",
-                 backend: str = "auto", out: torch.Tensor | None = None,
-                 return_lse: bool = False, validate: bool | None = None, window_left: int = -1,
-                 logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None, k_scale=None, v_scale=None,
-                 custom_mask: torch.Tensor | None = None, window_right: int = -1, q_scale=None):
+def paged_extend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tags: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    check: bool = True,
+    on_violation: str = "report",
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    k_scale=None,
+    v_scale=None,
+    custom_mask: torch.Tensor | None = None,
+    window_right: int = -1,
+    q_scale=None,
+):
     """Ownership-checked paged attention for a ragged batch of new query tokens (chunked prefill,
     prefill over a cached prefix).
 
@@ -95,7 +150,8 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     Malformed lengths (value checks, run on CPU tensors or with ``validate=True``): a causal
     sequence with more query tokens than tokens (``q_len_b > seq_lens[b]``, its K/V cannot all be
-    in pages) is a ``ValueError``; unvalidated, that sequence fails closed: none of its rows reads anything (output
+    in pages) is a ``ValueError``; unvalidated, that sequence fails closed: none of its rows reads
+    anything (output
     0, lse -inf) while its pages are still checked and reported. ``cu_seqlens_q`` that does not
     start at 0, decreases or does not end at ``total_q`` is a ``ValueError``; unvalidated, it is
     clamped to ``[0, total_q]`` and made non-decreasing, so no row outside ``q`` is touched; rows no
@@ -145,11 +201,29 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
     """
     check_mode(check, on_violation)
-    args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
-                           expected, scale=scale, causal=causal, out=out, validate=validate,
-                           window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                           alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                           custom_mask=custom_mask, window_right=window_right, q_scale=q_scale)
+    args = validate_extend(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale=scale,
+        causal=causal,
+        out=out,
+        validate=validate,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        custom_mask=custom_mask,
+        window_right=window_right,
+        q_scale=q_scale,
+    )
     return _run("extend", args, backend, check, on_violation, out, return_lse, args.head_dim_v)
 
 
@@ -159,12 +233,21 @@ def check_mode(check, on_violation) -> None:
     if not isinstance(check, bool):
         raise TypeError(f"check: expected a bool, got {type(check).__name__}")
     if not check and on_violation == "raise":
-        raise ValueError("on_violation: expected 'report' when check=False (nothing is checked), "
-                         "got 'raise'")
+        raise ValueError(
+            "on_violation: expected 'report' when check=False (nothing is checked), got 'raise'"
+        )
 
 
-def _run(op: str, args, backend: str, check: bool, on_violation: str, out, return_lse: bool,
-         out_dim: int | None = None):
+def _run(
+    op: str,
+    args,
+    backend: str,
+    check: bool,
+    on_violation: str,
+    out,
+    return_lse: bool,
+    out_dim: int | None = None,
+):
     """Pick the backend for ``op``, allocate what the caller did not give, launch, report.
     ``out_dim``: the output's last dim when it is not ``q``'s (V's head dim; MLA's
     ``kv_lora_rank``)."""
@@ -175,8 +258,9 @@ def _run(op: str, args, backend: str, check: bool, on_violation: str, out, retur
     uncovered = op in ("extend", "mla_extend") and not args.rows_covered
     if out is None:
         shape = (*q.shape[:2], q.shape[2] if out_dim is None else out_dim)
-        out = (torch.zeros if uncovered else torch.empty)(shape, dtype=output_dtype(q),
-                                                           device=q.device)
+        out = (torch.zeros if uncovered else torch.empty)(
+            shape, dtype=output_dtype(q), device=q.device
+        )
     lse = None
     if return_lse:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -188,12 +272,24 @@ def _run(op: str, args, backend: str, check: bool, on_violation: str, out, retur
     return (out, lse, report) if return_lse else (out, report)
 
 
-def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, page_tags: torch.Tensor, expected: torch.Tensor, *,
-                     kv_lora_rank: int = 512, scale: float | None = None, check: bool = True,
-                     on_violation: str = "report", backend: str = "auto",
-                     out: torch.Tensor | None = None, return_lse: bool = False,
-                     validate: bool | None = None, num_splits: int | None = None):
+def paged_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tags: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    kv_lora_rank: int = 512,
+    scale: float | None = None,
+    check: bool = True,
+    on_violation: str = "report",
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool | None = None,
+    num_splits: int | None = None,
+):
     """Ownership-checked paged MLA decode (multi-head latent attention, DeepSeek V2/V3 style) for
     one new query token per sequence, with the queries already absorbed into the latent space (as
     FlashMLA and vLLM's MLA backends take them).
@@ -238,19 +334,41 @@ def paged_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
     """
     check_mode(check, on_violation)
-    args = validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
-                               kv_lora_rank=kv_lora_rank, scale=scale, out=out, validate=validate,
-                               num_splits=num_splits)
+    args = validate_mla_decode(
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        out=out,
+        validate=validate,
+        num_splits=num_splits,
+    )
     return _run("mla_decode", args, backend, check, on_violation, out, return_lse, kv_lora_rank)
 
 
-def paged_mla_extend(q: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, page_tags: torch.Tensor,
-                     expected: torch.Tensor, *, kv_lora_rank: int = 512,
-                     scale: float | None = None, causal: bool = True, check: bool = True,
-                     on_violation: str = "report", backend: str = "auto",
-                     out: torch.Tensor | None = None, return_lse: bool = False,
-                     validate: bool | None = None):
+def paged_mla_extend(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tags: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    kv_lora_rank: int = 512,
+    scale: float | None = None,
+    causal: bool = True,
+    check: bool = True,
+    on_violation: str = "report",
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool | None = None,
+):
     """Ownership-checked paged MLA attention for a ragged batch of new query tokens (chunked
     prefill, prefill over a cached prefix, the verify step of speculative decoding) on DeepSeek
     V2/V3's latent cache, with absorbed queries as in :func:`paged_mla_decode` (FlashInfer's MLA
@@ -295,7 +413,18 @@ def paged_mla_extend(q: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torc
         KVOwnershipError: with ``on_violation="raise"`` when a page was refused.
     """
     check_mode(check, on_violation)
-    args = validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
-                               expected, kv_lora_rank=kv_lora_rank, scale=scale, causal=causal,
-                               out=out, validate=validate)
+    args = validate_mla_extend(
+        q,
+        kv_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        causal=causal,
+        out=out,
+        validate=validate,
+    )
     return _run("mla_extend", args, backend, check, on_violation, out, return_lse, kv_lora_rank)

@@ -12,6 +12,7 @@ Page bookkeeping (free list, reference counts, which pages a lease maps) is on t
 engine; the tags on the device are what the kernels trust, so a bookkeeping bug turns into refused
 pages and a report, not a leak.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -70,14 +71,26 @@ class PagedKVCache:
     counts must be non-negative ints.
     """
 
-    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float16, device=None, layout: str = "NHD",
-                 k_scale=None, v_scale=None, head_dim_v: int | None = None):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float16,
+        device=None,
+        layout: str = "NHD",
+        k_scale=None,
+        v_scale=None,
+        head_dim_v: int | None = None,
+    ):
         check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim)
         if head_dim_v is None:
             head_dim_v = head_dim
-        check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim_v,
-                            head_dim_name="head_dim_v")
+        check_pool_geometry(
+            num_pages, page_size, num_kv_heads, head_dim_v, head_dim_name="head_dim_v"
+        )
         if dtype not in KV_DTYPES + FP8_DTYPES:
             raise TypeError(f"dtype: expected one of {KV_DTYPES + FP8_DTYPES}, got {dtype}")
         if layout == "NHD":
@@ -87,14 +100,18 @@ class PagedKVCache:
         elif layout == "HND":
             shape = (num_pages, num_kv_heads, page_size)
             self.k_cache = torch.empty(*shape, head_dim, dtype=dtype, device=device).transpose(1, 2)
-            self.v_cache = torch.empty(*shape, head_dim_v, dtype=dtype, device=device).transpose(1, 2)
+            self.v_cache = torch.empty(*shape, head_dim_v, dtype=dtype, device=device).transpose(
+                1, 2
+            )
         else:
             raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
         self.page_size = page_size
         self.device = self.k_cache.device
         # [num_kv_heads] float32 for fp8 pools (what the writer divides by and the readers multiply
         # by), else None.
-        self.k_scale, self.v_scale = write_scales(torch.float32, self.k_cache, k_scale, v_scale, None)
+        self.k_scale, self.v_scale = write_scales(
+            torch.float32, self.k_cache, k_scale, v_scale, None
+        )
         self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: freed pages are reused first
         self._refs = [0] * num_pages
@@ -127,8 +144,10 @@ class PagedKVCache:
         """A new lease with a fresh owner and enough RESERVED pages for ``num_tokens`` tokens."""
         _count("num_tokens", num_tokens)
         if -(-num_tokens // self.page_size) > len(self._free):  # before an owner id is spent
-            raise RuntimeError(f"KV pool exhausted: need {-(-num_tokens // self.page_size)} pages, "
-                               f"{len(self._free)} free")
+            raise RuntimeError(
+                f"KV pool exhausted: need {-(-num_tokens // self.page_size)} pages, "
+                f"{len(self._free)} free"
+            )
         lease = self._new_lease()
         self._take_pages(lease, -(-num_tokens // self.page_size))
         self._live[lease.owner] = lease
@@ -151,8 +170,11 @@ class PagedKVCache:
         extra = 0 if capacity is None else max(0, -(-capacity // self.page_size) - shared)
         if extra > len(self._free):  # before any reference is taken, so a refusal leaks nothing
             raise RuntimeError(f"KV pool exhausted: need {extra} pages, {len(self._free)} free")
-        lease = self._new_lease(pages=parent.pages[:shared], page_owners=parent.page_owners[:shared],
-                                num_tokens=shared * self.page_size)
+        lease = self._new_lease(
+            pages=parent.pages[:shared],
+            page_owners=parent.page_owners[:shared],
+            num_tokens=shared * self.page_size,
+        )
         for p in lease.pages:
             self._refs[p] += 1
         self._take_pages(lease, extra)
@@ -166,8 +188,10 @@ class PagedKVCache:
         _count("start", start)
         _count("count", count)
         if start + count > len(lease.pages) * self.page_size:
-            raise ValueError(f"count: expected tokens {start} .. {start + count} to lie in the lease's "
-                             f"{len(lease.pages)} page(s) of {self.page_size}, got {count} tokens")
+            raise ValueError(
+                f"count: expected tokens {start} .. {start + count} to lie in the lease's "
+                f"{len(lease.pages)} page(s) of {self.page_size}, got {count} tokens"
+            )
         tokens = torch.arange(start, start + count)
         pages = torch.tensor(lease.pages, dtype=torch.int64)[tokens // self.page_size]
         return (pages * self.page_size + tokens % self.page_size).to(self.device)
@@ -182,11 +206,21 @@ class PagedKVCache:
         count = k.shape[0]
         self.grow(lease, lease.num_tokens + count)
         # fp8 tokens go in as they are; wider ones into fp8 pools are quantised by the scales.
-        scales = {} if k.dtype == self.k_cache.dtype else dict(k_scale=self.k_scale,
-                                                                  v_scale=self.v_scale)
-        result = write_kv(k, v, self.k_cache, self.v_cache,
-                          self.slot_mapping(lease, lease.num_tokens, count), self.page_tags,
-                          lease.owner, **scales)
+        scales = (
+            {}
+            if k.dtype == self.k_cache.dtype
+            else dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        )
+        result = write_kv(
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            self.slot_mapping(lease, lease.num_tokens, count),
+            self.page_tags,
+            lease.owner,
+            **scales,
+        )
         lease.num_tokens += count
         return result
 
@@ -215,8 +249,10 @@ class PagedKVCache:
         heir = new_owner_id()
         reassign_pages(self.page_tags, kept, lease.owner, heir)
         for other in self._live.values():
-            other.page_owners = [heir if (o == lease.owner and p in kept) else o
-                                 for p, o in zip(other.pages, other.page_owners)]
+            other.page_owners = [
+                heir if (o == lease.owner and p in kept) else o
+                for p, o in zip(other.pages, other.page_owners)
+            ]
         return heir
 
     def batch(self, leases: list[Lease]):
@@ -238,11 +274,26 @@ class PagedKVCache:
     def decode(self, q: torch.Tensor, leases: list[Lease], **kwargs):
         """:func:`kvattn.paged_decode` of ``q`` ``[B, num_heads, head_dim]`` over ``leases``."""
         table, seq_lens, expected = self.batch(leases)
-        return paged_decode(q, self.k_cache, self.v_cache, table, seq_lens, self.page_tags,
-                            expected, **self._scales(kwargs))
+        return paged_decode(
+            q,
+            self.k_cache,
+            self.v_cache,
+            table,
+            seq_lens,
+            self.page_tags,
+            expected,
+            **self._scales(kwargs),
+        )
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, leases: list[Lease],
-                q_lens, **kwargs):
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        leases: list[Lease],
+        q_lens,
+        **kwargs,
+    ):
         """One chunk of (chunked) prefill for a batch of leases: append each lease's new K/V after
         its tokens, then :func:`kvattn.paged_extend` of its queries over all its pages (a shared
         prefix included, checked against the owner that wrote it).
@@ -256,19 +307,30 @@ class PagedKVCache:
         """
         q_lens = [int(n) for n in q_lens]
         if len(q_lens) != len(leases) or min(q_lens, default=0) < 0:
-            raise ValueError(f"q_lens: expected {len(leases)} non-negative counts (one per lease), "
-                             f"got {q_lens}")
+            raise ValueError(
+                f"q_lens: expected {len(leases)} non-negative counts (one per lease), got {q_lens}"
+            )
         if sum(q_lens) != k.shape[0]:
-            raise ValueError(f"k: expected {sum(q_lens)} tokens (the sum of q_lens), got "
-                             f"{k.shape[0]}")
+            raise ValueError(
+                f"k: expected {sum(q_lens)} tokens (the sum of q_lens), got {k.shape[0]}"
+            )
         start = 0
         for lease, count in zip(leases, q_lens):
-            self.append(lease, k[start:start + count], v[start:start + count])
+            self.append(lease, k[start : start + count], v[start : start + count])
             start += count
         offsets = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
         table, seq_lens, expected = self.batch(leases)
-        return paged_extend(q, self.k_cache, self.v_cache, offsets.to(self.device), table, seq_lens,
-                            self.page_tags, expected, **self._scales(kwargs))
+        return paged_extend(
+            q,
+            self.k_cache,
+            self.v_cache,
+            offsets.to(self.device),
+            table,
+            seq_lens,
+            self.page_tags,
+            expected,
+            **self._scales(kwargs),
+        )
 
     def _scales(self, kwargs: dict) -> dict:
         """The readers' keyword arguments with this cache's fp8 scales (unless given)."""
@@ -280,12 +342,16 @@ class PagedKVCache:
         if not isinstance(lease, Lease):
             raise TypeError(f"lease: expected a kvattn.Lease, got {type(lease).__name__}")
         if self._issued.get(lease.owner) is not lease:
-            raise ValueError(f"lease: expected a lease issued by this cache, got the lease of owner "
-                             f"{lease.owner}, which it did not issue (another cache's, or built by "
-                             "hand)")
+            raise ValueError(
+                f"lease: expected a lease issued by this cache, got the lease of owner "
+                f"{lease.owner}, which it did not issue (another cache's, or built by "
+                "hand)"
+            )
 
     def _check_live(self, lease) -> None:
         self._check_issued(lease)
         if lease.freed:
-            raise ValueError(f"lease: expected a live lease, got lease of owner {lease.owner} "
-                             "that was already freed")
+            raise ValueError(
+                f"lease: expected a live lease, got lease of owner {lease.owner} "
+                "that was already freed"
+            )

@@ -14,6 +14,7 @@
 
 Usage: ``python -m kvattn.env [--json]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,15 @@ def info() -> dict:
     return {
         "versions": _versions(cuda_record),
         "gpus": _gpus(),
-        "environment": {name: os.environ.get(name) for name in ("KVATTN_BACKEND", "TRITON_INTERPRET")},
+        "environment": {
+            name: os.environ.get(name) for name in ("KVATTN_BACKEND", "TRITON_INTERPRET")
+        },
         "probe": {k: str(v).replace("torch.", "") for k, v in PROBE.items()},
         "backends": {device: _backends_on(device) for device in _devices()},
-        "extensions": {name: {"state": s.state, "reason": s.reason, "path": s.path}
-                       for name, s in statuses.items()},
+        "extensions": {
+            name: {"state": s.state, "reason": s.reason, "path": s.path}
+            for name, s in statuses.items()
+        },
         "build_summary": extensions.read_record().get("summary"),
         "cuda_resources": cuda_record.get("resources", []) if statuses[CUDA_MODULE].path else [],
         "cuda_selection": cuda_record.get("selection") if statuses[CUDA_MODULE].path else None,
@@ -76,18 +81,43 @@ def _probe_args(device: str) -> dict:
     kv = torch.zeros(1, p["num_kv_heads"], p["head_dim"], dtype=p["dtype"], device=dev)
     slot_mapping = torch.zeros(1, dtype=torch.int64, device=dev)
     return {
-        "decode": validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
-                                  validate=False),
-        "extend": validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens,
-                                  page_tags, expected, validate=False),
+        "decode": validate_decode(
+            q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, validate=False
+        ),
+        "extend": validate_extend(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q,
+            block_table,
+            seq_lens,
+            page_tags,
+            expected,
+            validate=False,
+        ),
         "write_kv": validate_write_kv(kv, kv, k_cache, v_cache, slot_mapping, page_tags, 1),
         # MLA: the probe's head_dim is the latent row (three quarters latent, a quarter RoPE).
-        "mla_decode": validate_mla_decode(q, k_cache[:, :, :1], block_table, seq_lens, page_tags,
-                                          expected, kv_lora_rank=3 * p["head_dim"] // 4,
-                                          validate=False),
-        "mla_extend": validate_mla_extend(q, k_cache[:, :, :1], cu_seqlens_q, block_table,
-                                          seq_lens, page_tags, expected,
-                                          kv_lora_rank=3 * p["head_dim"] // 4, validate=False),
+        "mla_decode": validate_mla_decode(
+            q,
+            k_cache[:, :, :1],
+            block_table,
+            seq_lens,
+            page_tags,
+            expected,
+            kv_lora_rank=3 * p["head_dim"] // 4,
+            validate=False,
+        ),
+        "mla_extend": validate_mla_extend(
+            q,
+            k_cache[:, :, :1],
+            cu_seqlens_q,
+            block_table,
+            seq_lens,
+            page_tags,
+            expected,
+            kv_lora_rank=3 * p["head_dim"] // 4,
+            validate=False,
+        ),
     }
 
 
@@ -95,8 +125,11 @@ def _backends_on(device: str) -> dict:
     out = {}
     for op, args in _probe_args(device).items():
         auto, _ = backends.auto_choice(args, op)
-        out[op] = {"auto": auto, "order": list(backends.auto_order(op, args.k_cache.device)),
-                   "reasons": backends.explain(args, op)}
+        out[op] = {
+            "auto": auto,
+            "order": list(backends.auto_order(op, args.k_cache.device)),
+            "reasons": backends.explain(args, op),
+        }
     return out
 
 
@@ -116,7 +149,9 @@ def _nvcc_version() -> str | None:
     if nvcc is None:
         return None
     try:
-        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
+        text = subprocess.run(
+            [nvcc, "--version"], capture_output=True, text=True, timeout=20
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     m = re.search(r"release (\d+\.\d+)", text)
@@ -128,8 +163,12 @@ def _driver() -> str | None:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20)
+            out = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             if out.returncode == 0 and out.stdout.strip():
                 return out.stdout.splitlines()[0].strip()
         except (OSError, subprocess.SubprocessError):
@@ -163,7 +202,9 @@ def _gpus() -> list[dict]:
     gpus = []
     for i in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(i)
-        gpus.append({"index": i, "name": torch.cuda.get_device_name(i), "capability": f"{major}.{minor}"})
+        gpus.append(
+            {"index": i, "name": torch.cuda.get_device_name(i), "capability": f"{major}.{minor}"}
+        )
     return gpus
 
 
@@ -181,8 +222,11 @@ def _selection_lines(data: dict) -> list[str]:
     if not selection:
         return []
     what = "every instantiation" if selection["full"] else f"a subset ({selection['text']})"
-    count = (f": {units['instantiations']} in {units['units']} translation units"
-             if {"instantiations", "units"} <= set(units) else "")
+    count = (
+        f": {units['instantiations']} in {units['units']} translation units"
+        if {"instantiations", "units"} <= set(units)
+        else ""
+    )
     return [f"  {what} of csrc/instantiations.py{count}"]
 
 
@@ -191,25 +235,31 @@ def report(data: dict | None = None, kernels: bool = False) -> str:
     architecture, or per kernel with ``kernels``."""
     data = info() if data is None else data
     v = data["versions"]
-    lines = ["kvattn environment",
-             f"  python {v['python']}, kvattn {v['kvattn']}, torch {v['torch']} "
-             f"(CUDA {v['torch_cuda'] or 'none: a CPU build'}), triton {v['triton'] or 'not installed'}",
-             f"  nvcc: {v['nvcc'] or 'not found'} (the CUDA module was built with "
-             f"{v['nvcc_of_cuda_module'] or 'no recorded nvcc'}); driver: {v['driver'] or 'none'}"]
+    lines = [
+        "kvattn environment",
+        f"  python {v['python']}, kvattn {v['kvattn']}, torch {v['torch']} "
+        f"(CUDA {v['torch_cuda'] or 'none: a CPU build'}), triton {v['triton'] or 'not installed'}",
+        f"  nvcc: {v['nvcc'] or 'not found'} (the CUDA module was built with "
+        f"{v['nvcc_of_cuda_module'] or 'no recorded nvcc'}); driver: {v['driver'] or 'none'}",
+    ]
     gpus = ", ".join(f"{g['index']}: {g['name']} (sm {g['capability']})" for g in data["gpus"])
     lines.append(f"  GPUs: {gpus or 'none visible to torch'}")
     env = ", ".join(f"{k}={val}" for k, val in data["environment"].items() if val is not None)
     lines.append(f"  environment: {env or 'KVATTN_BACKEND and TRITON_INTERPRET unset'}")
 
     p = data["probe"]
-    lines.append(f"\nBackends for a probe input ({p['dtype']}, {p['num_heads']} heads / "
-                 f"{p['num_kv_heads']} KV head, head_dim {p['head_dim']}, page {p['page_size']}):")
+    lines.append(
+        f"\nBackends for a probe input ({p['dtype']}, {p['num_heads']} heads / "
+        f"{p['num_kv_heads']} KV head, head_dim {p['head_dim']}, page {p['page_size']}):"
+    )
     for device, ops in data["backends"].items():
         for op, entry in ops.items():
             lines.append(f"  {op} on {device}: auto takes {entry['auto'] or 'none'}")
             for name, reason in entry["reasons"].items():
                 state = "accepts" if reason is None else f"refuses: {reason}"
-                outside = "" if name in entry["order"] or reason is not None else " (only when named)"
+                outside = (
+                    "" if name in entry["order"] or reason is not None else " (only when named)"
+                )
                 lines.append(f"    {name:<10} {state}{outside}")
 
     lines.append("\nExtensions:")
@@ -220,34 +270,47 @@ def report(data: dict | None = None, kernels: bool = False) -> str:
         lines.append(f"  last build: {data['build_summary']}")
 
     if data["cuda_resources"] and not kernels:
-        lines.append("\nCUDA module, static resources (ptxas; `python -m kvattn.env --kernels` "
-                     "lists every kernel):")
+        lines.append(
+            "\nCUDA module, static resources (ptxas; `python -m kvattn.env --kernels` "
+            "lists every kernel):"
+        )
         lines += _selection_lines(data)
         for arch in sorted({r["arch"] for r in data["cuda_resources"]}):
             rows = [r for r in data["cuda_resources"] if r["arch"] == arch]
             spilling = sum(r["spill_stores"] + r["spill_loads"] > 0 for r in rows)
-            lines.append(f"  {arch}: {len(rows)} kernels, at most "
-                         f"{max(r['registers'] for r in rows)} registers, "
-                         f"{max(r['smem_static'] for r in rows)} bytes of static shared memory, "
-                         f"{max(r['stack_frame'] for r in rows)} bytes of stack; "
-                         f"{spilling} kernel(s) spill")
+            lines.append(
+                f"  {arch}: {len(rows)} kernels, at most "
+                f"{max(r['registers'] for r in rows)} registers, "
+                f"{max(r['smem_static'] for r in rows)} bytes of static shared memory, "
+                f"{max(r['stack_frame'] for r in rows)} bytes of stack; "
+                f"{spilling} kernel(s) spill"
+            )
     elif data["cuda_resources"]:
-        lines.append("\nCUDA module, static resources per kernel (ptxas; registers, static shared "
-                     "memory bytes, stack frame bytes, spill bytes):")
+        lines.append(
+            "\nCUDA module, static resources per kernel (ptxas; registers, static shared "
+            "memory bytes, stack frame bytes, spill bytes):"
+        )
         lines += _selection_lines(data)
-        lines.append(f"  {'kernel':<48} {'arch':<6} {'regs':>4} {'smem':>6} {'stack':>5} {'spill':>5}")
+        lines.append(
+            f"  {'kernel':<48} {'arch':<6} {'regs':>4} {'smem':>6} {'stack':>5} {'spill':>5}"
+        )
         for r in data["cuda_resources"]:
             spill = r["spill_stores"] + r["spill_loads"]
-            lines.append(f"  {_kernel_name(r['kernel'])[:48]:<48} {r['arch']:<6} {r['registers']:>4} "
-                         f"{r['smem_static']:>6} {r['stack_frame']:>5} {spill:>5}")
+            lines.append(
+                f"  {_kernel_name(r['kernel'])[:48]:<48} {r['arch']:<6} {r['registers']:>4} "
+                f"{r['smem_static']:>6} {r['stack_frame']:>5} {spill:>5}"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvattn.env", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvattn.env", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--json", action="store_true", help="print the data as JSON")
-    parser.add_argument("--kernels", action="store_true",
-                        help="list the CUDA module's resources per kernel")
+    parser.add_argument(
+        "--kernels", action="store_true", help="list the CUDA module's resources per kernel"
+    )
     options = parser.parse_args(argv)
     print(json.dumps(info(), indent=1) if options.json else report(kernels=options.kernels))
 

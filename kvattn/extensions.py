@@ -27,9 +27,11 @@ why setup.py skipped it, when it did), and *build failed* when its file does not
 build of it failed. In a source checkout (``make build``, an editable install) a module is *stale*,
 and is not used, when it was compiled from other sources than ``csrc/`` holds now: every module
 carries the :func:`source_digest` of its build (``SOURCE_DIGEST``), so a kernel whose launcher
-changed since the last build can never run with the new launcher's arguments. Standard library only: setup.py loads this file by path, without importing
+changed since the last build can never run with the new launcher's arguments. Standard library
+only: setup.py loads this file by path, without importing
 kvattn (which needs torch).
 """
+
 from __future__ import annotations
 
 import functools
@@ -124,8 +126,9 @@ def read_record() -> dict:
 def write_record(path: pathlib.Path, version: str, summary: str, entries: dict[str, dict]) -> None:
     """The record setup.py leaves beside the modules it built (format in the module docstring)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"kvattn": version, "summary": summary, "extensions": entries},
-                               indent=1) + "\n")
+    path.write_text(
+        json.dumps({"kvattn": version, "summary": summary, "extensions": entries}, indent=1) + "\n"
+    )
 
 
 def load(module: str) -> tuple[ModuleType | None, Status]:
@@ -136,30 +139,56 @@ def load(module: str) -> tuple[ModuleType | None, Status]:
     spec = importlib.util.find_spec(module)
     if spec is None:
         if recorded == "failed":
-            return None, Status(module, FAILED, f"the last build failed ({entry.get('reason')}); "
-                                                f"fix it and run `make build`{where}", record=entry)
+            return None, Status(
+                module,
+                FAILED,
+                f"the last build failed ({entry.get('reason')}); "
+                f"fix it and run `make build`{where}",
+                record=entry,
+            )
         skipped = f" (setup.py skipped it: {entry['reason']})" if recorded == "skipped" else ""
         return None, Status(module, NOT_BUILT, f"run `make build`{where}{skipped}", record=entry)
     try:
         loaded = importlib.import_module(module)
     except ImportError as e:
-        return None, Status(module, FAILED, f"{spec.origin} does not load ({e}); run `make build` "
-                                            f"again{where}", spec.origin, entry)
+        return None, Status(
+            module,
+            FAILED,
+            f"{spec.origin} does not load ({e}); run `make build` again{where}",
+            spec.origin,
+            entry,
+        )
     current = _tree_digest() if module.startswith("kvattn.") else None
     built = getattr(loaded, "SOURCE_DIGEST", None)
     if current is not None and built != current:
-        return None, Status(module, STALE, f"{spec.origin} was built from other sources than "
-                                           f"{source_tree() / 'csrc'} holds now (built from "
-                                           f"{built or 'an unrecorded version'}, sources {current}); "
-                                           f"run `make build`{where}", spec.origin, entry)
+        return None, Status(
+            module,
+            STALE,
+            f"{spec.origin} was built from other sources than "
+            f"{source_tree() / 'csrc'} holds now (built from "
+            f"{built or 'an unrecorded version'}, sources {current}); "
+            f"run `make build`{where}",
+            spec.origin,
+            entry,
+        )
     if recorded == "failed":
-        return loaded, Status(module, FAILED, f"the last build failed ({entry.get('reason')}); an "
-                                              f"older build is loaded from {spec.origin}",
-                              spec.origin, entry)
+        return loaded, Status(
+            module,
+            FAILED,
+            f"the last build failed ({entry.get('reason')}); an "
+            f"older build is loaded from {spec.origin}",
+            spec.origin,
+            entry,
+        )
     if recorded == "skipped":
-        return loaded, Status(module, BUILT, f"{spec.origin}, left by an earlier build (the last "
-                                             f"one skipped it: {entry.get('reason')})", spec.origin,
-                              entry)
+        return loaded, Status(
+            module,
+            BUILT,
+            f"{spec.origin}, left by an earlier build (the last "
+            f"one skipped it: {entry.get('reason')})",
+            spec.origin,
+            entry,
+        )
     return loaded, Status(module, BUILT, path=spec.origin, record=entry)
 
 

@@ -26,7 +26,8 @@ Paged KV layout (every docstring in kvattn points here)
     under another lease). Entries for pages a sequence does not read are ignored.
 ``q``: ``[B, num_heads, head_dim]``, ``out``: ``[B, num_heads, head_dim_v]``, last dimensions
     contiguous; ``q`` may be fp8 over fp8 pools (dequantised by ``q_scale``), ``out`` is then
-    bfloat16, float16 or float32 (:func:`output_dtype`: bfloat16 when kvattn allocates it); ``num_heads`` is a multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV
+    bfloat16, float16 or float32 (:func:`output_dtype`: bfloat16 when kvattn allocates it);
+    ``num_heads`` is a multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV
     head ``h // (num_heads // num_kv_heads)``).
 ``lse``: ``[B, num_heads]`` float32, natural-log sum of exp of the scaled logits; ``-inf`` for a
     sequence with no readable slot (whose output is 0).
@@ -45,6 +46,7 @@ and no two of its elements share an address (no stride 0 over a dimension longer
 pools' elements are distinct too, so no two pages overlap. These checks read only shapes, strides
 and pointers, so they run on every device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -171,9 +173,12 @@ def check_apart(name: str, t, others: dict) -> None:
             continue
         o = _byte_span(other)
         if o is not None and span[0] < o[1] and o[0] < span[1]:
-            _fail(name, f"a tensor sharing no memory with {other_name}",
-                  f"one whose bytes [{span[0]:#x}, {span[1]:#x}) overlap {other_name}'s "
-                  f"[{o[0]:#x}, {o[1]:#x})")
+            _fail(
+                name,
+                f"a tensor sharing no memory with {other_name}",
+                f"one whose bytes [{span[0]:#x}, {span[1]:#x}) overlap {other_name}'s "
+                f"[{o[0]:#x}, {o[1]:#x})",
+            )
 
 
 def check_distinct_elements(name: str, t: torch.Tensor) -> None:
@@ -185,9 +190,12 @@ def check_distinct_elements(name: str, t: torch.Tensor) -> None:
     reach = 0
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
         if stride <= reach:
-            _fail(name, "a tensor whose elements do not overlap (no stride 0 over a dimension of "
-                  "size > 1, no rows folded onto each other)",
-                  f"shape {tuple(t.shape)} with strides {t.stride()}")
+            _fail(
+                name,
+                "a tensor whose elements do not overlap (no stride 0 over a dimension of "
+                "size > 1, no rows folded onto each other)",
+                f"shape {tuple(t.shape)} with strides {t.stride()}",
+            )
         reach += stride * (size - 1)
 
 
@@ -196,12 +204,17 @@ def is_page_size(page_size) -> bool:
     return 1 <= page_size <= MAX_PAGE_SIZE
 
 
-def check_pool_geometry(num_pages, page_size, num_kv_heads, head_dim, *,
-                        head_dim_name: str = "head_dim") -> None:
+def check_pool_geometry(
+    num_pages, page_size, num_kv_heads, head_dim, *, head_dim_name: str = "head_dim"
+) -> None:
     """The geometry of a pool given as ints (:class:`kvattn.PagedKVCache`; ``head_dim_name``
     names the head dim in messages: ``head_dim_v`` for the value pool's own)."""
-    for name, value in (("num_pages", num_pages), ("page_size", page_size),
-                        ("num_kv_heads", num_kv_heads), (head_dim_name, head_dim)):
+    for name, value in (
+        ("num_pages", num_pages),
+        ("page_size", page_size),
+        ("num_kv_heads", num_kv_heads),
+        (head_dim_name, head_dim),
+    ):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
         if value < 1:
@@ -215,10 +228,16 @@ def check_kv_pools(k_cache, v_cache, device=None) -> None:
     check_tensor("k_cache", k_cache, ndim=4, dtypes=KV_DTYPES + FP8_DTYPES, device=device)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=KV_DTYPES + FP8_DTYPES, device=device)
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]) or v_cache.shape[3] < 1:
-        _fail("v_cache", f"shape ({', '.join(map(str, k_cache.shape[:3]))}, head_dim_v >= 1) "
-              "(pages, slots and heads of k_cache)", f"{tuple(v_cache.shape)}")
+        _fail(
+            "v_cache",
+            f"shape ({', '.join(map(str, k_cache.shape[:3]))}, head_dim_v >= 1) "
+            "(pages, slots and heads of k_cache)",
+            f"{tuple(v_cache.shape)}",
+        )
     if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}")
+        raise TypeError(
+            f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {v_cache.dtype}"
+        )
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     if not is_page_size(page_size):
         _fail("k_cache", f"page_size (dim 1) in [1, {MAX_PAGE_SIZE}]", page_size)
@@ -256,11 +275,13 @@ def _check_query_and_pools(q, k_cache, v_cache) -> None:
         _fail("q", "head_dim (dim 2) >= 1", f"shape {tuple(q.shape)}")
     check_kv_pools(k_cache, v_cache, q.device)
     if q.dtype in FP8_DTYPES and k_cache.dtype not in FP8_DTYPES:
-        raise TypeError(f"k_cache: expected an fp8 dtype (an fp8 q reads fp8 pools), got "
-                        f"{k_cache.dtype}")
+        raise TypeError(
+            f"k_cache: expected an fp8 dtype (an fp8 q reads fp8 pools), got {k_cache.dtype}"
+        )
     if k_cache.dtype != q.dtype and k_cache.dtype not in FP8_DTYPES:
-        raise TypeError(f"k_cache: expected dtype {q.dtype} (that of q) or an fp8 dtype, got "
-                        f"{k_cache.dtype}")
+        raise TypeError(
+            f"k_cache: expected dtype {q.dtype} (that of q) or an fp8 dtype, got {k_cache.dtype}"
+        )
     num_heads, head_dim = q.shape[1:]
     num_kv_heads, kv_head_dim = k_cache.shape[2:]
     if kv_head_dim != head_dim:
@@ -270,8 +291,9 @@ def _check_query_and_pools(q, k_cache, v_cache) -> None:
     check_last_dim_contiguous("q", q)
 
 
-def _check_index_tensors(block_table, seq_lens, page_tags, expected, batch: int, num_pages: int,
-                         device) -> torch.Tensor:
+def _check_index_tensors(
+    block_table, seq_lens, page_tags, expected, batch: int, num_pages: int, device
+) -> torch.Tensor:
     """The block table, lengths, tags and expected owners; returns ``expected`` as ``[B, max_pages]``
     (a stride-0 view when given per sequence)."""
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
@@ -298,8 +320,11 @@ def _check_scale_and_out(scale, out, q, inputs: dict, out_dim: int | None = None
     tags)."""
     if scale is None:
         scale = q.shape[2] ** -0.5
-    elif (isinstance(scale, bool) or not isinstance(scale, (int, float))
-          or not MIN_SCALE <= scale <= MAX_SCALE):  # False for NaN; exact for ints of any size
+    elif (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not MIN_SCALE <= scale <= MAX_SCALE
+    ):  # False for NaN; exact for ints of any size
         _fail("scale", "a positive finite float in [2**-126, 2**126] or None", repr(scale))
     if out is not None:
         dtypes = KV_DTYPES if q.dtype in FP8_DTYPES else (q.dtype,)
@@ -311,8 +336,20 @@ def _check_scale_and_out(scale, out, q, inputs: dict, out_dim: int | None = None
     return float(scale)
 
 
-def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *,
-                    scale=None, out=None, validate=None, **variant) -> DecodeArgs:
+def validate_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    scale=None,
+    out=None,
+    validate=None,
+    **variant,
+) -> DecodeArgs:
     """Check every decode input against the layout above and the switches of
     :mod:`kvattn.variants` (``variant``: its keyword arguments); raise ValueError/TypeError naming
     the argument, what was expected and what was got. Returns the inputs in canonical form."""
@@ -321,18 +358,36 @@ def validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expec
     switches = check_variant(q, k_cache, batch, **variant)
     if batch < 1:
         _fail("q", "a batch of at least one sequence", f"shape {tuple(q.shape)}")
-    inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-                  seq_lens=seq_lens, page_tags=page_tags, expected=expected)
-    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
-                                    k_cache.shape[0], q.device)
+    inputs = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        page_tags=page_tags,
+        expected=expected,
+    )
+    expected = _check_index_tensors(
+        block_table, seq_lens, page_tags, expected, batch, k_cache.shape[0], q.device
+    )
     scale = _check_scale_and_out(scale, out, q, inputs, v_cache.shape[3])
     if validate is None:
         validate = q.device.type == "cpu"
     if validate:
         check_lengths_and_owners(seq_lens, expected, k_cache.shape[1], block_table.shape[1])
         check_values(switches)
-    return DecodeArgs(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale,
-                      switches, None if out is None else out.dtype)
+    return DecodeArgs(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale,
+        switches,
+        None if out is None else out.dtype,
+    )
 
 
 def check_lengths_and_owners(seq_lens, expected, page_size: int, max_pages: int) -> None:
@@ -342,16 +397,23 @@ def check_lengths_and_owners(seq_lens, expected, page_size: int, max_pages: int)
     bad = torch.nonzero((lens < 0) | (lens > capacity)).flatten()
     if bad.numel():
         b = int(bad[0])
-        _fail("seq_lens", f"lengths in [0, {capacity}] (max_pages {max_pages} x page_size "
-              f"{page_size}) for every sequence", f"seq_lens[{b}] = {int(lens[b])}")
+        _fail(
+            "seq_lens",
+            f"lengths in [0, {capacity}] (max_pages {max_pages} x page_size "
+            f"{page_size}) for every sequence",
+            f"seq_lens[{b}] = {int(lens[b])}",
+        )
     pages_read = (lens + page_size - 1) // page_size
     read = torch.arange(max_pages)[None, :] < pages_read[:, None]
     owners = expected.cpu()
     bad = torch.nonzero(read & ((owners < 1) | (owners > OWNER_MAX)))
     if bad.numel():
         b, i = (int(x) for x in bad[0])
-        _fail("expected", f"owner ids in [1, {OWNER_MAX}] for every page read",
-              f"expected[{b}, {i}] = {int(owners[b, i])}")
+        _fail(
+            "expected",
+            f"owner ids in [1, {OWNER_MAX}] for every page read",
+            f"expected[{b}, {i}] = {int(owners[b, i])}",
+        )
 
 
 @dataclass
@@ -385,9 +447,23 @@ class ExtendArgs(_PagedShapes):
         return self.q.shape[0]
 
 
-def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                    *, scale=None, causal=True, out=None, validate=None, custom_mask=None,
-                    **variant) -> ExtendArgs:
+def validate_extend(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    scale=None,
+    causal=True,
+    out=None,
+    validate=None,
+    custom_mask=None,
+    **variant,
+) -> ExtendArgs:
     """Check every extend input against the layout above (``q`` is ``[total_q, num_heads,
     head_dim]`` here, ``out`` ``[total_q, num_heads, head_dim_v]``, ``cu_seqlens_q`` ``[B + 1]``
     int32); raise ValueError/TypeError naming the argument, what was expected and what was got.
@@ -403,11 +479,19 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
     batch = _check_ragged_rows(cu_seqlens_q, block_table, q.device)
     switches = check_variant(q, k_cache, batch, **variant)
     max_pages = block_table.shape[1]
-    inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
-                  block_table=block_table, seq_lens=seq_lens, page_tags=page_tags,
-                  expected=expected)
-    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
-                                    k_cache.shape[0], q.device)
+    inputs = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cu_seqlens_q=cu_seqlens_q,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        page_tags=page_tags,
+        expected=expected,
+    )
+    expected = _check_index_tensors(
+        block_table, seq_lens, page_tags, expected, batch, k_cache.shape[0], q.device
+    )
     scale = _check_scale_and_out(scale, out, q, inputs, v_cache.shape[3])
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
@@ -421,9 +505,21 @@ def validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, pa
         switches = with_custom_mask(switches, custom_mask, cu_seqlens_q, seq_lens, q.shape[0])
         if validate:
             check_mask_length(custom_mask, cu_seqlens_q, seq_lens, q.shape[0])
-    return ExtendArgs(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                      scale, causal, rows_covered=bool(validate), variant=switches,
-                      out_dtype=None if out is None else out.dtype)
+    return ExtendArgs(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale,
+        causal,
+        rows_covered=bool(validate),
+        variant=switches,
+        out_dtype=None if out is None else out.dtype,
+    )
 
 
 def _check_ragged_rows(cu_seqlens_q, block_table, device) -> int:
@@ -449,20 +545,29 @@ def check_query_offsets(cu_seqlens_q, seq_lens, total_q: int, causal: bool = Tru
     bad = torch.nonzero(q_lens < 0).flatten()
     if bad.numel():
         b = int(bad[0])
-        _fail("cu_seqlens_q", "non-decreasing offsets",
-              f"cu_seqlens_q[{b + 1}] = {int(cu[b + 1])} < cu_seqlens_q[{b}] = {int(cu[b])}")
+        _fail(
+            "cu_seqlens_q",
+            "non-decreasing offsets",
+            f"cu_seqlens_q[{b + 1}] = {int(cu[b + 1])} < cu_seqlens_q[{b}] = {int(cu[b])}",
+        )
     if int(cu[-1]) != total_q:
-        _fail("cu_seqlens_q", f"a last offset equal to total_q = {total_q} (q's dim 0)",
-              f"cu_seqlens_q[-1] = {int(cu[-1])}")
+        _fail(
+            "cu_seqlens_q",
+            f"a last offset equal to total_q = {total_q} (q's dim 0)",
+            f"cu_seqlens_q[-1] = {int(cu[-1])}",
+        )
     if not causal:
         return
     lens = seq_lens.cpu().to(torch.int64)
     bad = torch.nonzero(q_lens > lens).flatten()
     if bad.numel():
         b = int(bad[0])
-        _fail("seq_lens", "each length to include the sequence's new query tokens "
-              "(seq_lens[b] >= cu_seqlens_q[b + 1] - cu_seqlens_q[b])",
-              f"seq_lens[{b}] = {int(lens[b])} with {int(q_lens[b])} query tokens")
+        _fail(
+            "seq_lens",
+            "each length to include the sequence's new query tokens "
+            "(seq_lens[b] >= cu_seqlens_q[b + 1] - cu_seqlens_q[b])",
+            f"seq_lens[{b}] = {int(lens[b])} with {int(q_lens[b])} query tokens",
+        )
 
 
 def query_offsets(cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
@@ -474,13 +579,15 @@ def query_offsets(cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
     return torch.cummax(cu_seqlens_q.long().clamp(0, total_q), dim=0).values
 
 
-def with_custom_mask(variant: Variant, custom_mask, cu_seqlens_q, seq_lens,
-                     total_q: int) -> Variant:
+def with_custom_mask(
+    variant: Variant, custom_mask, cu_seqlens_q, seq_lens, total_q: int
+) -> Variant:
     """``variant`` with ``custom_mask`` (:mod:`kvattn.variants`) and the start of each sequence's
     block (``mask_start`` ``[B]`` int64: the running sum of ``q_len_b * max(seq_lens[b], 0)`` over
     the offsets of :func:`query_offsets`; device ops, no synchronisation)."""
-    check_tensor("custom_mask", custom_mask, ndim=1, dtypes=(torch.bool,),
-                 device=cu_seqlens_q.device)
+    check_tensor(
+        "custom_mask", custom_mask, ndim=1, dtypes=(torch.bool,), device=cu_seqlens_q.device
+    )
     check_last_dim_contiguous("custom_mask", custom_mask)
     offsets = query_offsets(cu_seqlens_q, total_q)
     sizes = (offsets[1:] - offsets[:-1]) * seq_lens.long().clamp(min=0)
@@ -495,8 +602,11 @@ def check_mask_length(custom_mask, cu_seqlens_q, seq_lens, total_q: int) -> None
     offsets = query_offsets(cu_seqlens_q, total_q).cpu()
     need = int(((offsets[1:] - offsets[:-1]) * seq_lens.cpu().long().clamp(min=0)).sum())
     if custom_mask.numel() != need:
-        _fail("custom_mask", f"{need} elements (the sum over sequences of q_len * seq_len)",
-              f"{custom_mask.numel()}")
+        _fail(
+            "custom_mask",
+            f"{need} elements (the sum over sequences of q_len * seq_len)",
+            f"{custom_mask.numel()}",
+        )
 
 
 MAX_SPLITS_GRID = 65535  # the grid dimension the decode kernels put their splits on
@@ -572,9 +682,19 @@ class MLAExtendArgs(_LatentShapes):
     def as_extend(self) -> ExtendArgs:
         """The same call as a plain extend over one KV head whose key and value rows are both the
         whole latent row (the output's first ``kv_lora_rank`` dims are then MLA's output)."""
-        return ExtendArgs(self.q, self.kv_cache, self.kv_cache, self.cu_seqlens_q,
-                          self.block_table, self.seq_lens, self.page_tags, self.expected,
-                          self.scale, self.causal, self.rows_covered)
+        return ExtendArgs(
+            self.q,
+            self.kv_cache,
+            self.kv_cache,
+            self.cu_seqlens_q,
+            self.block_table,
+            self.seq_lens,
+            self.page_tags,
+            self.expected,
+            self.scale,
+            self.causal,
+            self.rows_covered,
+        )
 
 
 def _check_latent_query(q, kv_lora_rank, rows: str | None) -> None:
@@ -588,8 +708,11 @@ def _check_latent_query(q, kv_lora_rank, rows: str | None) -> None:
     if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int):
         raise TypeError(f"kv_lora_rank: expected an int, got {type(kv_lora_rank).__name__}")
     if not 1 <= kv_lora_rank <= q.shape[2]:
-        _fail("kv_lora_rank", f"an int in [1, {q.shape[2]}] (q's dim 2 = kv_lora_rank + rope_dim)",
-              kv_lora_rank)
+        _fail(
+            "kv_lora_rank",
+            f"an int in [1, {q.shape[2]}] (q's dim 2 = kv_lora_rank + rope_dim)",
+            kv_lora_rank,
+        )
     check_last_dim_contiguous("q", q)
 
 
@@ -621,35 +744,69 @@ def _check_latent_out(out, q, kv_lora_rank: int, inputs: dict) -> None:
     check_apart("out", out, inputs)
 
 
-def validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *,
-                        kv_lora_rank=512, scale=None, out=None, validate=None,
-                        num_splits=None) -> MLADecodeArgs:
+def validate_mla_decode(
+    q,
+    kv_cache,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    kv_lora_rank=512,
+    scale=None,
+    out=None,
+    validate=None,
+    num_splits=None,
+) -> MLADecodeArgs:
     """Check every MLA decode input against the latent layout of :class:`MLADecodeArgs` and the
     paged layout above; raise ValueError/TypeError naming the argument, what was expected and what
     was got. ``scale`` defaults to ``(kv_lora_rank + rope_dim) ** -0.5`` (FlashMLA's default;
     DeepSeek models pass their own). Value checks as for decode."""
     _check_latent_query(q, kv_lora_rank, "a batch of at least one sequence")
     _check_latent_pool(kv_cache, q)
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= MAX_SPLITS_GRID):
+    if num_splits is not None and (
+        isinstance(num_splits, bool)
+        or not isinstance(num_splits, int)
+        or not 1 <= num_splits <= MAX_SPLITS_GRID
+    ):
         _fail("num_splits", f"None or an int in [1, {MAX_SPLITS_GRID}]", repr(num_splits))
-    inputs = dict(q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens,
-                  page_tags=page_tags, expected=expected)
-    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, q.shape[0],
-                                    kv_cache.shape[0], q.device)
+    inputs = dict(
+        q=q,
+        kv_cache=kv_cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        page_tags=page_tags,
+        expected=expected,
+    )
+    expected = _check_index_tensors(
+        block_table, seq_lens, page_tags, expected, q.shape[0], kv_cache.shape[0], q.device
+    )
     scale = _check_scale_and_out(scale, None, q, inputs)
     _check_latent_out(out, q, kv_lora_rank, inputs)
     if validate is None:
         validate = q.device.type == "cpu"
     if validate:
         check_lengths_and_owners(seq_lens, expected, kv_cache.shape[1], block_table.shape[1])
-    return MLADecodeArgs(q, kv_cache, block_table, seq_lens, page_tags, expected, scale,
-                         kv_lora_rank, num_splits)
+    return MLADecodeArgs(
+        q, kv_cache, block_table, seq_lens, page_tags, expected, scale, kv_lora_rank, num_splits
+    )
 
 
-def validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
-                        kv_lora_rank=512, scale=None, causal=True, out=None,
-                        validate=None) -> MLAExtendArgs:
+def validate_mla_extend(
+    q,
+    kv_cache,
+    cu_seqlens_q,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    kv_lora_rank=512,
+    scale=None,
+    causal=True,
+    out=None,
+    validate=None,
+) -> MLAExtendArgs:
     """Check every MLA extend input against :class:`MLAExtendArgs` (the latent layout, the ragged
     rows of extend); raise ValueError/TypeError naming the argument, what was expected and what
     was got. ``scale`` as in :func:`validate_mla_decode`; value checks those of
@@ -657,10 +814,18 @@ def validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_t
     _check_latent_query(q, kv_lora_rank, None)
     _check_latent_pool(kv_cache, q)
     batch = _check_ragged_rows(cu_seqlens_q, block_table, q.device)
-    inputs = dict(q=q, kv_cache=kv_cache, cu_seqlens_q=cu_seqlens_q, block_table=block_table,
-                  seq_lens=seq_lens, page_tags=page_tags, expected=expected)
-    expected = _check_index_tensors(block_table, seq_lens, page_tags, expected, batch,
-                                    kv_cache.shape[0], q.device)
+    inputs = dict(
+        q=q,
+        kv_cache=kv_cache,
+        cu_seqlens_q=cu_seqlens_q,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        page_tags=page_tags,
+        expected=expected,
+    )
+    expected = _check_index_tensors(
+        block_table, seq_lens, page_tags, expected, batch, kv_cache.shape[0], q.device
+    )
     scale = _check_scale_and_out(scale, None, q, inputs)
     _check_latent_out(out, q, kv_lora_rank, inputs)
     if not isinstance(causal, bool):
@@ -670,5 +835,16 @@ def validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_t
     if validate:
         check_query_offsets(cu_seqlens_q, seq_lens, q.shape[0], causal)
         check_lengths_and_owners(seq_lens, expected, kv_cache.shape[1], block_table.shape[1])
-    return MLAExtendArgs(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                         scale, kv_lora_rank, causal, rows_covered=bool(validate))
+    return MLAExtendArgs(
+        q,
+        kv_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale,
+        kv_lora_rank,
+        causal,
+        rows_covered=bool(validate),
+    )

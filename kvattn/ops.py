@@ -23,14 +23,22 @@ synchronises after the op (a graph break under torch.compile); ``"report"`` neve
 The op boundary costs a dispatcher round trip per call; the direct functions of :mod:`kvattn`
 remain the fast path for eager callers (``tests/readers/test_ops.py`` measures the difference).
 """
+
 from __future__ import annotations
 
 import torch
 
 from . import api, writers
 from .api import check_mode
-from .layout import (check_kv_pools, check_tensor, output_dtype, validate_decode, validate_extend,
-                     validate_mla_decode, validate_mla_extend)
+from .layout import (
+    check_kv_pools,
+    check_tensor,
+    output_dtype,
+    validate_decode,
+    validate_extend,
+    validate_mla_decode,
+    validate_mla_extend,
+)
 from .report import OwnershipReport
 from .tags import OWNER_MAX
 from .write_args import write_scales
@@ -38,93 +46,210 @@ from .write_args import write_scales
 
 def _report_tensors(report: OwnershipReport | None, batch: int, max_pages: int, device):
     if report is None:
-        return (torch.zeros(4, batch, dtype=torch.int32, device=device),
-                torch.zeros(batch, max_pages, dtype=torch.int8, device=device))
-    counts = torch.stack([report.violations, report.reasons, report.pages_checked,
-                          report.beyond_table]).to(torch.int32)
+        return (
+            torch.zeros(4, batch, dtype=torch.int32, device=device),
+            torch.zeros(batch, max_pages, dtype=torch.int8, device=device),
+        )
+    counts = torch.stack(
+        [report.violations, report.reasons, report.pages_checked, report.beyond_table]
+    ).to(torch.int32)
     return counts, report.page_reasons
 
 
 def _report_from_tensors(counts: torch.Tensor, page_reasons: torch.Tensor) -> OwnershipReport:
-    return OwnershipReport(violations=counts[0], reasons=counts[1], pages_checked=counts[2],
-                           beyond_table=counts[3], page_reasons=page_reasons)
+    return OwnershipReport(
+        violations=counts[0],
+        reasons=counts[1],
+        pages_checked=counts[2],
+        beyond_table=counts[3],
+        page_reasons=page_reasons,
+    )
 
 
 @torch.library.custom_op("kvattn::paged_decode", mutates_args=())
-def _paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_table: torch.Tensor, seq_lens: torch.Tensor, page_tags: torch.Tensor,
-                     expected: torch.Tensor, scale: float | None, check: bool, backend: str,
-                     return_lse: bool, validate: bool | None, window_left: int,
-                     logits_soft_cap: float, sinks: torch.Tensor | None,
-                     alibi_slopes: torch.Tensor | None, k_scale: torch.Tensor | None,
-                     v_scale: torch.Tensor | None, q_scale: torch.Tensor | None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, lse, report = api.paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags,
-                                        expected, scale=scale, check=check, backend=backend,
-                                        return_lse=True, validate=validate, window_left=window_left,
-                                        logits_soft_cap=logits_soft_cap, sinks=sinks,
-                                        alibi_slopes=alibi_slopes, k_scale=k_scale,
-                                        v_scale=v_scale, q_scale=q_scale)
+def _paged_decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tags: torch.Tensor,
+    expected: torch.Tensor,
+    scale: float | None,
+    check: bool,
+    backend: str,
+    return_lse: bool,
+    validate: bool | None,
+    window_left: int,
+    logits_soft_cap: float,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, report = api.paged_decode(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale=scale,
+        check=check,
+        backend=backend,
+        return_lse=True,
+        validate=validate,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        q_scale=q_scale,
+    )
     counts, page_reasons = _report_tensors(report, q.shape[0], block_table.shape[1], q.device)
     return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
 
 
 @_paged_decode_op.register_fake
-def _(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, scale, check, backend,
-      return_lse, validate, *variant):
+def _(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    scale,
+    check,
+    backend,
+    return_lse,
+    validate,
+    *variant,
+):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
-    return (q.new_empty(*q.shape[:2], v_cache.shape[3], dtype=output_dtype(q)), lse,
-            q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
+    return (
+        q.new_empty(*q.shape[:2], v_cache.shape[3], dtype=output_dtype(q)),
+        lse,
+        q.new_empty(4, batch, dtype=torch.int32),
+        q.new_empty(batch, max_pages, dtype=torch.int8),
+    )
 
 
 @torch.library.custom_op("kvattn::paged_extend", mutates_args=())
-def _paged_extend_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cu_seqlens_q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     page_tags: torch.Tensor, expected: torch.Tensor, scale: float | None,
-                     causal: bool, check: bool, backend: str, return_lse: bool,
-                     validate: bool | None, window_left: int, logits_soft_cap: float,
-                     sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
-                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                     q_scale: torch.Tensor | None, custom_mask: torch.Tensor | None,
-                     window_right: int,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, lse, report = api.paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens,
-                                        page_tags, expected, scale=scale, causal=causal, check=check,
-                                        backend=backend, return_lse=True, validate=validate,
-                                        window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                        sinks=sinks, alibi_slopes=alibi_slopes, k_scale=k_scale,
-                                        v_scale=v_scale, q_scale=q_scale,
-                                        custom_mask=custom_mask, window_right=window_right)
-    counts, page_reasons = _report_tensors(report, block_table.shape[0], block_table.shape[1],
-                                           q.device)
+def _paged_extend_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tags: torch.Tensor,
+    expected: torch.Tensor,
+    scale: float | None,
+    causal: bool,
+    check: bool,
+    backend: str,
+    return_lse: bool,
+    validate: bool | None,
+    window_left: int,
+    logits_soft_cap: float,
+    sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
+    custom_mask: torch.Tensor | None,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, report = api.paged_extend(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale=scale,
+        causal=causal,
+        check=check,
+        backend=backend,
+        return_lse=True,
+        validate=validate,
+        window_left=window_left,
+        logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        q_scale=q_scale,
+        custom_mask=custom_mask,
+        window_right=window_right,
+    )
+    counts, page_reasons = _report_tensors(
+        report, block_table.shape[0], block_table.shape[1], q.device
+    )
     return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
 
 
 @_paged_extend_op.register_fake
-def _(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, scale, causal,
-      check, backend, return_lse, validate, *variant):
+def _(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    scale,
+    causal,
+    check,
+    backend,
+    return_lse,
+    validate,
+    *variant,
+):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
-    return (q.new_empty(*q.shape[:2], v_cache.shape[3], dtype=output_dtype(q)), lse,
-            q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
+    return (
+        q.new_empty(*q.shape[:2], v_cache.shape[3], dtype=output_dtype(q)),
+        lse,
+        q.new_empty(4, batch, dtype=torch.int32),
+        q.new_empty(batch, max_pages, dtype=torch.int8),
+    )
 
 
 @torch.library.custom_op("kvattn::write_kv", mutates_args=("k_cache", "v_cache", "page_tags"))
-def _write_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, page_tags: torch.Tensor, owner: torch.Tensor,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    result = writers.write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner,
-                              k_scale=k_scale, v_scale=v_scale)
+def _write_kv_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_tags: torch.Tensor,
+    owner: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    result = writers.write_kv(
+        k, v, k_cache, v_cache, slot_mapping, page_tags, owner, k_scale=k_scale, v_scale=v_scale
+    )
     return result.landed, result.drop_reasons, result.dropped
 
 
 @_write_kv_op.register_fake
 def _(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, k_scale=None, v_scale=None):
     n = slot_mapping.shape[0]
-    return (slot_mapping.new_empty(n, dtype=torch.bool), slot_mapping.new_empty(n, dtype=torch.int8),
-            slot_mapping.new_empty((), dtype=torch.int64))
+    return (
+        slot_mapping.new_empty(n, dtype=torch.bool),
+        slot_mapping.new_empty(n, dtype=torch.int8),
+        slot_mapping.new_empty((), dtype=torch.int64),
+    )
 
 
 def _finish(out, lse, counts, page_reasons, check, on_violation, return_lse):
@@ -137,39 +262,126 @@ def _finish(out, lse, counts, page_reasons, check, on_violation, return_lse):
 def _variant_args(sw):
     """The op's positional variant arguments (scales as the validated tensors, so the op schema
     takes tensors only)."""
-    return (sw.window_left, sw.logits_soft_cap, sw.sinks, sw.alibi_slopes, sw.k_scale, sw.v_scale,
-            sw.q_scale)
+    return (
+        sw.window_left,
+        sw.logits_soft_cap,
+        sw.sinks,
+        sw.alibi_slopes,
+        sw.k_scale,
+        sw.v_scale,
+        sw.q_scale,
+    )
 
 
-def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *, scale=None,
-                 check=True, on_violation="report", backend="auto", return_lse=False, validate=None,
-                 **variant):
+def paged_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    scale=None,
+    check=True,
+    on_violation="report",
+    backend="auto",
+    return_lse=False,
+    validate=None,
+    **variant,
+):
     """:func:`kvattn.paged_decode` through the ``kvattn::paged_decode`` custom op (no ``out=``)."""
     check_mode(check, on_violation)
-    args = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
-                           scale=scale, validate=False, **variant)
+    args = validate_decode(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale=scale,
+        validate=False,
+        **variant,
+    )
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_decode(
-        q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, args.scale, check, backend,
-        return_lse, validate, *_variant_args(args.variant))
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        args.scale,
+        check,
+        backend,
+        return_lse,
+        validate,
+        *_variant_args(args.variant),
+    )
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 
-def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
-                 scale=None, causal=True, check=True, on_violation="report", backend="auto",
-                 return_lse=False, validate=None, **variant):
+def paged_extend(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    scale=None,
+    causal=True,
+    check=True,
+    on_violation="report",
+    backend="auto",
+    return_lse=False,
+    validate=None,
+    **variant,
+):
     """:func:`kvattn.paged_extend` through the ``kvattn::paged_extend`` custom op (no ``out=``)."""
     check_mode(check, on_violation)
-    args = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
-                           expected, scale=scale, causal=causal, validate=False, **variant)
+    args = validate_extend(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale=scale,
+        causal=causal,
+        validate=False,
+        **variant,
+    )
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_extend(
-        q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, args.scale,
-        causal, check, backend, return_lse, validate, *_variant_args(args.variant),
-        args.variant.custom_mask, args.variant.window_right)
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        args.scale,
+        causal,
+        check,
+        backend,
+        return_lse,
+        validate,
+        *_variant_args(args.variant),
+        args.variant.custom_mask,
+        args.variant.window_right,
+    )
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *, k_scale=None,
-             v_scale=None) -> writers.WriteResult:
+def write_kv(
+    k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *, k_scale=None, v_scale=None
+) -> writers.WriteResult:
     """:func:`kvattn.write_kv` through the ``kvattn::write_kv`` custom op. ``owner`` may be an int
     (checked here) or an int64 tensor, 0-d or ``[T]``; float scales become the validated
     ``[num_kv_heads]`` tensors (the op schema takes tensors only)."""
@@ -187,86 +399,239 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *, k_scale=
         raise ValueError(f"owner: expected an id in [1, {OWNER_MAX}], got {owner}")
     else:
         owner = torch.tensor(owner, dtype=torch.int64, device=slot_mapping.device)
-    landed, drop_reasons, dropped = torch.ops.kvattn.write_kv(k, v, k_cache, v_cache, slot_mapping,
-                                                              page_tags, owner, k_scale, v_scale)
+    landed, drop_reasons, dropped = torch.ops.kvattn.write_kv(
+        k, v, k_cache, v_cache, slot_mapping, page_tags, owner, k_scale, v_scale
+    )
     return writers.WriteResult(landed, drop_reasons, dropped)
 
 
 @torch.library.custom_op("kvattn::paged_mla_decode", mutates_args=())
-def _paged_mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                         seq_lens: torch.Tensor, page_tags: torch.Tensor, expected: torch.Tensor,
-                         kv_lora_rank: int, scale: float | None, check: bool, backend: str,
-                         return_lse: bool, validate: bool | None, num_splits: int | None,
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, lse, report = api.paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
-                                            kv_lora_rank=kv_lora_rank, scale=scale, check=check,
-                                            backend=backend, return_lse=True, validate=validate,
-                                            num_splits=num_splits)
+def _paged_mla_decode_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tags: torch.Tensor,
+    expected: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float | None,
+    check: bool,
+    backend: str,
+    return_lse: bool,
+    validate: bool | None,
+    num_splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, report = api.paged_mla_decode(
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        check=check,
+        backend=backend,
+        return_lse=True,
+        validate=validate,
+        num_splits=num_splits,
+    )
     counts, page_reasons = _report_tensors(report, q.shape[0], block_table.shape[1], q.device)
     return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
 
 
 @_paged_mla_decode_op.register_fake
-def _(q, kv_cache, block_table, seq_lens, page_tags, expected, kv_lora_rank, scale, check, backend,
-      return_lse, validate, num_splits):
+def _(
+    q,
+    kv_cache,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    kv_lora_rank,
+    scale,
+    check,
+    backend,
+    return_lse,
+    validate,
+    num_splits,
+):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
-    return (q.new_empty(batch, q.shape[1], kv_lora_rank), lse,
-            q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
+    return (
+        q.new_empty(batch, q.shape[1], kv_lora_rank),
+        lse,
+        q.new_empty(4, batch, dtype=torch.int32),
+        q.new_empty(batch, max_pages, dtype=torch.int8),
+    )
 
 
-def paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *, kv_lora_rank=512,
-                     scale=None, check=True, on_violation="report", backend="auto",
-                     return_lse=False, validate=None, num_splits=None):
+def paged_mla_decode(
+    q,
+    kv_cache,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    kv_lora_rank=512,
+    scale=None,
+    check=True,
+    on_violation="report",
+    backend="auto",
+    return_lse=False,
+    validate=None,
+    num_splits=None,
+):
     """:func:`kvattn.paged_mla_decode` through the ``kvattn::paged_mla_decode`` custom op (no
     ``out=``)."""
     check_mode(check, on_violation)
-    args = validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
-                               kv_lora_rank=kv_lora_rank, scale=scale, validate=False,
-                               num_splits=num_splits)
+    args = validate_mla_decode(
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        validate=False,
+        num_splits=num_splits,
+    )
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_mla_decode(
-        q, kv_cache, block_table, seq_lens, page_tags, expected, kv_lora_rank, args.scale, check,
-        backend, return_lse, validate, num_splits)
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank,
+        args.scale,
+        check,
+        backend,
+        return_lse,
+        validate,
+        num_splits,
+    )
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 
 @torch.library.custom_op("kvattn::paged_mla_extend", mutates_args=())
-def _paged_mla_extend_op(q: torch.Tensor, kv_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         block_table: torch.Tensor, seq_lens: torch.Tensor, page_tags: torch.Tensor,
-                         expected: torch.Tensor, kv_lora_rank: int, scale: float | None,
-                         causal: bool, check: bool, backend: str, return_lse: bool,
-                         validate: bool | None,
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, lse, report = api.paged_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens,
-                                            page_tags, expected, kv_lora_rank=kv_lora_rank,
-                                            scale=scale, causal=causal, check=check,
-                                            backend=backend, return_lse=True, validate=validate)
-    counts, page_reasons = _report_tensors(report, block_table.shape[0], block_table.shape[1],
-                                           q.device)
+def _paged_mla_extend_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tags: torch.Tensor,
+    expected: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float | None,
+    causal: bool,
+    check: bool,
+    backend: str,
+    return_lse: bool,
+    validate: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse, report = api.paged_mla_extend(
+        q,
+        kv_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        causal=causal,
+        check=check,
+        backend=backend,
+        return_lse=True,
+        validate=validate,
+    )
+    counts, page_reasons = _report_tensors(
+        report, block_table.shape[0], block_table.shape[1], q.device
+    )
     return out, lse if return_lse else lse.new_empty(0), counts, page_reasons
 
 
 @_paged_mla_extend_op.register_fake
-def _(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, kv_lora_rank, scale,
-      causal, check, backend, return_lse, validate):
+def _(
+    q,
+    kv_cache,
+    cu_seqlens_q,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    kv_lora_rank,
+    scale,
+    causal,
+    check,
+    backend,
+    return_lse,
+    validate,
+):
     batch, max_pages = block_table.shape
     lse = q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32)
-    return (q.new_empty(q.shape[0], q.shape[1], kv_lora_rank), lse,
-            q.new_empty(4, batch, dtype=torch.int32), q.new_empty(batch, max_pages, dtype=torch.int8))
+    return (
+        q.new_empty(q.shape[0], q.shape[1], kv_lora_rank),
+        lse,
+        q.new_empty(4, batch, dtype=torch.int32),
+        q.new_empty(batch, max_pages, dtype=torch.int8),
+    )
 
 
-def paged_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
-                     kv_lora_rank=512, scale=None, causal=True, check=True, on_violation="report",
-                     backend="auto", return_lse=False, validate=None):
+def paged_mla_extend(
+    q,
+    kv_cache,
+    cu_seqlens_q,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    kv_lora_rank=512,
+    scale=None,
+    causal=True,
+    check=True,
+    on_violation="report",
+    backend="auto",
+    return_lse=False,
+    validate=None,
+):
     """:func:`kvattn.paged_mla_extend` through the ``kvattn::paged_mla_extend`` custom op (no
     ``out=``)."""
     check_mode(check, on_violation)
-    args = validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
-                               expected, kv_lora_rank=kv_lora_rank, scale=scale, causal=causal,
-                               validate=False)
+    args = validate_mla_extend(
+        q,
+        kv_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        causal=causal,
+        validate=False,
+    )
     out, lse, counts, page_reasons = torch.ops.kvattn.paged_mla_extend(
-        q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, kv_lora_rank,
-        args.scale, causal, check, backend, return_lse, validate)
+        q,
+        kv_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank,
+        args.scale,
+        causal,
+        check,
+        backend,
+        return_lse,
+        validate,
+    )
     return _finish(out, lse, counts, page_reasons, check, on_violation, return_lse)
 
 

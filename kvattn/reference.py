@@ -5,15 +5,28 @@ Every backend is tested against this module. It favours being obviously right ov
 gathers every page of the block table into a dense tensor and masks. It runs on any device and
 computes in float32, or float64 when asked. Layout: :mod:`kvattn.layout`.
 """
+
 from __future__ import annotations
 
 import torch
 
-from .layout import (query_offsets, validate_decode, validate_extend, validate_mla_decode,
-                     validate_mla_extend)
+from .layout import (
+    query_offsets,
+    validate_decode,
+    validate_extend,
+    validate_mla_decode,
+    validate_mla_extend,
+)
 from .report import OwnershipReport
-from .tags import (STATE_WRITTEN, Violation, page_reason, tag_owner, tag_state, tag_valid_len,
-                   valid_owner)
+from .tags import (
+    STATE_WRITTEN,
+    Violation,
+    page_reason,
+    tag_owner,
+    tag_state,
+    tag_valid_len,
+    valid_owner,
+)
 from .variants import PLAIN, Variant
 
 
@@ -58,7 +71,9 @@ def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int, fi
     slot = torch.arange(page_size, device=pages.device)
     owned = in_range & (tag_state(tags) == STATE_WRITTEN) & (tag_owner(tags) == expected)
     owned &= valid_owner(expected)
-    slot_ok = (slot < slots_read[..., None]) & owned[..., None] & (slot < tag_valid_len(tags)[..., None])
+    slot_ok = (
+        (slot < slots_read[..., None]) & owned[..., None] & (slot < tag_valid_len(tags)[..., None])
+    )
     return slot_ok, report
 
 
@@ -85,8 +100,9 @@ def readable_slots(a, check: bool, first_key=None):
     no report. ``first_key``: as in :func:`page_verdicts` (the window is applied per query by
     :func:`attend`; here it only decides which pages are checked)."""
     if check:
-        return page_verdicts(a.block_table, a.seq_lens, a.page_tags, a.expected, a.page_size,
-                             first_key)
+        return page_verdicts(
+            a.block_table, a.seq_lens, a.page_tags, a.expected, a.page_size, first_key
+        )
     pages = a.block_table.long()
     in_range = (pages >= 0) & (pages < a.num_pages)
     return length_mask(a.block_table, a.seq_lens, a.page_size) & in_range[..., None], None
@@ -103,10 +119,21 @@ def gather_pages(a, pool, scale):
     return x.float() * scale.view(-1, 1, scale.shape[-1], 1)
 
 
-def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos=None,
-           causal: bool = True, variant: Variant = PLAIN):
+def attend(
+    q,
+    k,
+    v,
+    allowed,
+    scale: float,
+    compute_dtype=torch.float32,
+    *,
+    q_pos=None,
+    causal: bool = True,
+    variant: Variant = PLAIN,
+):
     """Softmax attention of ``q`` ``[B, H, D]`` over ``k`` ``[B, N, Hkv, D]`` and ``v`` ``[B, N, Hkv,
-    Dv]`` where ``allowed`` ``[B, N]``; GQA by head groups. ``q_pos`` ``[B]``: each query's position (key ``n`` sits at
+    Dv]`` where ``allowed`` ``[B, N]``; GQA by head groups. ``q_pos`` ``[B]``: each query's
+    position (key ``n`` sits at
     position ``n``), needed by the window and ALiBi of ``variant`` (:mod:`kvattn.variants`), which
     ``causal`` selects the ALiBi form of (its per-sequence values, if any, one row per query row).
     Returns ``out`` ``[B, H, Dv]`` and ``lse`` ``[B, H]`` (over
@@ -157,8 +184,21 @@ def attend(q, k, v, allowed, scale: float, compute_dtype=torch.float32, *, q_pos
     return out.reshape(batch, num_heads, v.shape[-1]), lse.reshape(batch, num_heads)
 
 
-def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, *, scale=None,
-                 check=True, return_lse=False, compute_dtype=torch.float32, **variant):
+def paged_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    scale=None,
+    check=True,
+    return_lse=False,
+    compute_dtype=torch.float32,
+    **variant,
+):
     """Reference paged decode. Arguments and layout as :func:`kvattn.paged_decode` (``variant``: the
     switches of :mod:`kvattn.variants`).
 
@@ -167,8 +207,18 @@ def paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected
     is trusted except that entries outside the pool are read as nothing (the kernels' unchecked
     variants read them blindly: that is undefined behaviour there, so tests never rely on it).
     """
-    a = validate_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
-                        scale=scale, validate=False, **variant)
+    a = validate_decode(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale=scale,
+        validate=False,
+        **variant,
+    )
     return decode_args(a, check, return_lse, compute_dtype)
 
 
@@ -179,14 +229,29 @@ def decode_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
     allowed, report = readable_slots(a, check, first_keys(a.seq_lens, 1, sw.window_left))
     k = gather_pages(a, a.k_cache, sw.k_scale)  # [B, M * P, Hkv, D]
     v = gather_pages(a, a.v_cache, sw.v_scale)
-    out, lse = attend(a.q, k, v, allowed.flatten(1), a.scale, compute_dtype, q_pos=q_pos,
-                      variant=sw)
+    out, lse = attend(
+        a.q, k, v, allowed.flatten(1), a.scale, compute_dtype, q_pos=q_pos, variant=sw
+    )
     return (out, lse, report) if return_lse else (out, report)
 
 
-def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
-                 scale=None, causal=True, check=True, return_lse=False,
-                 compute_dtype=torch.float32, **variant):
+def paged_extend(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    scale=None,
+    causal=True,
+    check=True,
+    return_lse=False,
+    compute_dtype=torch.float32,
+    **variant,
+):
     """Reference paged extend (chunked prefill). Arguments and semantics as
     :func:`kvattn.paged_extend`; layout in :mod:`kvattn.layout`.
 
@@ -203,8 +268,20 @@ def paged_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_
     head_dim_v]`` in ``compute_dtype``, ``lse`` ``[total_q, num_heads]``; ``report`` is None when unchecked.
     With a sliding window the pages checked are those holding a key some row reads.
     """
-    a = validate_extend(q, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, page_tags,
-                        expected, scale=scale, causal=causal, validate=False, **variant)
+    a = validate_extend(
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        scale=scale,
+        causal=causal,
+        validate=False,
+        **variant,
+    )
     return extend_args(a, check, return_lse, compute_dtype)
 
 
@@ -212,8 +289,9 @@ def extend_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
     """:func:`paged_extend` on validated arguments (:class:`kvattn.layout.ExtendArgs`)."""
     sw = a.variant
     offsets = query_offsets(a.cu_seqlens_q, a.total_q)
-    allowed, report = readable_slots(a, check, first_keys(a.seq_lens, offsets[1:] - offsets[:-1],
-                                                          sw.window_left))
+    allowed, report = readable_slots(
+        a, check, first_keys(a.seq_lens, offsets[1:] - offsets[:-1], sw.window_left)
+    )
     allowed = allowed.flatten(1)  # [B, M * P]
     k = gather_pages(a, a.k_cache, sw.k_scale)  # [B, M * P, Hkv, D]
     v = gather_pages(a, a.v_cache, sw.v_scale)
@@ -233,18 +311,27 @@ def extend_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
         if a.causal:
             rows_allowed = rows_allowed & (key_pos[None, :] <= q_pos[:, None])
         if sw.custom_mask is not None:
-            rows_allowed = rows_allowed & mask_block(sw, b, torch.arange(hi - lo, device=q.device),
-                                                     key_pos, seq_len)
+            rows_allowed = rows_allowed & mask_block(
+                sw, b, torch.arange(hi - lo, device=q.device), key_pos, seq_len
+            )
         n = rows_allowed.shape[1]
-        out[lo:hi], lse[lo:hi] = attend(a.q[lo:hi], k[b].expand(hi - lo, n, -1, -1),
-                                        v[b].expand(hi - lo, n, -1, -1), rows_allowed, a.scale,
-                                        compute_dtype, q_pos=q_pos, causal=a.causal,
-                                        variant=sw.of_sequences(b))
+        out[lo:hi], lse[lo:hi] = attend(
+            a.q[lo:hi],
+            k[b].expand(hi - lo, n, -1, -1),
+            v[b].expand(hi - lo, n, -1, -1),
+            rows_allowed,
+            a.scale,
+            compute_dtype,
+            q_pos=q_pos,
+            causal=a.causal,
+            variant=sw.of_sequences(b),
+        )
     return (out, lse, report) if return_lse else (out, report)
 
 
-def mask_block(sw: Variant, b: int, rows: torch.Tensor, keys: torch.Tensor,
-               seq_len: int) -> torch.Tensor:
+def mask_block(
+    sw: Variant, b: int, rows: torch.Tensor, keys: torch.Tensor, seq_len: int
+) -> torch.Tensor:
     """``[len(rows), len(keys)]`` bool: entries ``[rows, keys]`` of sequence ``b``'s block of
     ``custom_mask`` (:mod:`kvattn.variants`; ``rows``: query rows within the sequence, ``keys``:
     key positions); keys outside ``[0, seq_len)`` and entries past the mask's end are False."""
@@ -256,8 +343,20 @@ def mask_block(sw: Variant, b: int, rows: torch.Tensor, keys: torch.Tensor,
     return inside & mask[index.clamp(0, mask.numel() - 1)]
 
 
-def paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *, kv_lora_rank=512,
-                     scale=None, check=True, return_lse=False, compute_dtype=torch.float32):
+def paged_mla_decode(
+    q,
+    kv_cache,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    kv_lora_rank=512,
+    scale=None,
+    check=True,
+    return_lse=False,
+    compute_dtype=torch.float32,
+):
     """Reference MLA paged decode. Arguments and layout as :func:`kvattn.paged_mla_decode`
     (:class:`kvattn.layout.MLADecodeArgs`): every query head attends over the one latent head,
     the whole latent row is the key and its first ``kv_lora_rank`` dims the value. The reader's
@@ -267,21 +366,43 @@ def paged_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected, *,
     in ``compute_dtype``, ``report`` None when ``check=False`` (unchecked, entries outside the pool
     read as nothing, as in :func:`paged_decode`).
     """
-    a = validate_mla_decode(q, kv_cache, block_table, seq_lens, page_tags, expected,
-                            kv_lora_rank=kv_lora_rank, scale=scale, validate=False)
+    a = validate_mla_decode(
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        validate=False,
+    )
     allowed, report = readable_slots(a, check)
     pages = a.block_table.long().clamp(0, a.num_pages - 1)
     latent = a.kv_cache[pages].flatten(1, 2)  # [B, M * P, 1, D]
     # Attention with the whole latent row as the value: the first kv_lora_rank output dims are
     # exactly those of the value part, the rest is dropped.
     out, lse = attend(a.q, latent, latent, allowed.flatten(1), a.scale, compute_dtype)
-    out = out[..., :a.kv_lora_rank].contiguous()
+    out = out[..., : a.kv_lora_rank].contiguous()
     return (out, lse, report) if return_lse else (out, report)
 
 
-def paged_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected, *,
-                     kv_lora_rank=512, scale=None, causal=True, check=True, return_lse=False,
-                     compute_dtype=torch.float32):
+def paged_mla_extend(
+    q,
+    kv_cache,
+    cu_seqlens_q,
+    block_table,
+    seq_lens,
+    page_tags,
+    expected,
+    *,
+    kv_lora_rank=512,
+    scale=None,
+    causal=True,
+    check=True,
+    return_lse=False,
+    compute_dtype=torch.float32,
+):
     """Reference MLA paged extend. Arguments and layout as :func:`kvattn.paged_mla_extend`
     (:class:`kvattn.layout.MLAExtendArgs`): :func:`paged_extend` over the one latent head, the
     whole latent row as key and value, of whose output the first ``kv_lora_rank`` dims are kept.
@@ -291,13 +412,24 @@ def paged_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags
     Returns ``(out, report)`` or ``(out, lse, report)``; ``out`` ``[total_q, num_heads,
     kv_lora_rank]`` in ``compute_dtype``, ``report`` None when ``check=False``.
     """
-    a = validate_mla_extend(q, kv_cache, cu_seqlens_q, block_table, seq_lens, page_tags, expected,
-                            kv_lora_rank=kv_lora_rank, scale=scale, causal=causal, validate=False)
+    a = validate_mla_extend(
+        q,
+        kv_cache,
+        cu_seqlens_q,
+        block_table,
+        seq_lens,
+        page_tags,
+        expected,
+        kv_lora_rank=kv_lora_rank,
+        scale=scale,
+        causal=causal,
+        validate=False,
+    )
     return mla_extend_args(a, check, return_lse, compute_dtype)
 
 
 def mla_extend_args(a, check: bool, return_lse: bool, compute_dtype=torch.float32):
     """:func:`paged_mla_extend` on validated arguments (:class:`kvattn.layout.MLAExtendArgs`)."""
     out, lse, report = extend_args(a.as_extend(), check, True, compute_dtype)
-    out = out[..., :a.kv_lora_rank].contiguous()
+    out = out[..., : a.kv_lora_rank].contiguous()
     return (out, lse, report) if return_lse else (out, report)

@@ -1,6 +1,7 @@
 """What a call says about what it refused, in device memory: :class:`OwnershipReport` for the
 readers (pages refused by an attention call), :class:`WriteResult` for the writers (tokens or pages
 a writer dropped). Contract: docs/ownership.md sections 3 and 4."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +54,13 @@ class OwnershipReport:
         plain stores, no accumulation), so a call launches no memset."""
         counts = torch.empty(4, batch, dtype=torch.int32, device=device)
         page_reasons = torch.empty(batch, max_pages, dtype=torch.int8, device=device)
-        return cls(violations=counts[0], reasons=counts[1], pages_checked=counts[2],
-                   beyond_table=counts[3], page_reasons=page_reasons)
+        return cls(
+            violations=counts[0],
+            reasons=counts[1],
+            pages_checked=counts[2],
+            beyond_table=counts[3],
+            page_reasons=page_reasons,
+        )
 
     def ok(self) -> torch.Tensor:
         """``[B]`` bool on the device: True where the sequence had no refused page. No sync."""
@@ -71,8 +77,10 @@ class OwnershipReport:
         beyond = self.beyond_table.cpu()
         out: dict[int, list[tuple[int, Violation]]] = {}
         for b in torch.nonzero(violations).flatten().tolist():
-            pages = [(int(i), Violation(int(page_reasons[b, i])))
-                     for i in torch.nonzero(page_reasons[b]).flatten().tolist()]
+            pages = [
+                (int(i), Violation(int(page_reasons[b, i])))
+                for i in torch.nonzero(page_reasons[b]).flatten().tolist()
+            ]
             if beyond[b]:
                 pages.append((-1, Violation.OUT_OF_RANGE))
             out[b] = pages
@@ -99,7 +107,9 @@ class OwnershipReport:
         if refusals:
             raise KVOwnershipError(
                 "KV ownership check refused pages; their slots were masked out of attention:\n"
-                + self.summary(), refusals)
+                + self.summary(),
+                refusals,
+            )
 
 
 @dataclass

@@ -20,6 +20,7 @@ A reader accepts a page for owner ``e`` when ``1 <= e <= OWNER_MAX`` and ``tag &
 (e << OWNER_SHIFT) | WRITTEN``: one compare tests the state, the owner and bit 63; ``valid_len``
 then masks the slots.
 """
+
 from __future__ import annotations
 
 import enum
@@ -157,8 +158,9 @@ def describe_tag(tag: int) -> str:
     return "FREE"
 
 
-def page_reason(tag: torch.Tensor, in_range: torch.Tensor, expected: torch.Tensor,
-                slots_read: torch.Tensor) -> torch.Tensor:
+def page_reason(
+    tag: torch.Tensor, in_range: torch.Tensor, expected: torch.Tensor, slots_read: torch.Tensor
+) -> torch.Tensor:
     """Reason (a :class:`Violation` value per element, 0 when accepted) for pages read by a sequence.
 
     All arguments broadcast together. ``tag`` must already be 0 where ``in_range`` is False (the

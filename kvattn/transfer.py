@@ -26,6 +26,7 @@ then, per layer in order, the K then the V bytes of slots ``[0, valid_len)`` of 
 pools' logical NHD order ``[slot, kv_head, head_dim]``. It is computed on the host (the pages are
 copied there); both sides must lay the pages out alike (same dtype, heads and head dim).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,20 +52,32 @@ class PageAttestation:
 
     @classmethod
     def from_json(cls, value) -> PageAttestation:
-        if (not isinstance(value, (list, tuple)) or len(value) != 2 or isinstance(value[0], bool)
-                or not isinstance(value[0], int) or not isinstance(value[1], str)):
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) != 2
+            or isinstance(value[0], bool)
+            or not isinstance(value[0], int)
+            or not isinstance(value[1], str)
+        ):
             raise ValueError(f"attestation: expected [valid_len, digest hex], got {value!r}")
         return cls(int(value[0]), value[1])
 
 
-def page_digest(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], page: int,
-                valid_len: int, context: bytes = b"") -> str:
+def page_digest(
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
+    page: int,
+    valid_len: int,
+    context: bytes = b"",
+) -> str:
     """The digest of slots ``[0, valid_len)`` of ``page`` over every layer's K and V pools
     (NHD views ``[num_pages, page_size, kv_heads, head_dim]``, any strides), as hex.
     ``context``: bytes both sides derive on their own for this page (an engine's digest of the
     token prefix the page ends, say), so that the page verifies only where it belongs."""
-    h = hashlib.blake2b(int(valid_len).to_bytes(4, "little") + len(context).to_bytes(4, "little")
-                        + context, digest_size=DIGEST_BYTES)
+    h = hashlib.blake2b(
+        int(valid_len).to_bytes(4, "little") + len(context).to_bytes(4, "little") + context,
+        digest_size=DIGEST_BYTES,
+    )
     for k, v in zip(k_caches, v_caches, strict=True):
         for pool in (k, v):
             rows = pool[page, :valid_len].contiguous().cpu()
@@ -72,10 +85,16 @@ def page_digest(k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tenso
     return h.hexdigest()
 
 
-def attest_pages(page_tags: torch.Tensor, owner, pages: Sequence[int],
-                 k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], *,
-                 digests: bool = True, contexts: Sequence[bytes] | None = None
-                 ) -> list[PageAttestation]:
+def attest_pages(
+    page_tags: torch.Tensor,
+    owner,
+    pages: Sequence[int],
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
+    *,
+    digests: bool = True,
+    contexts: Sequence[bytes] | None = None,
+) -> list[PageAttestation]:
     """The sender's attestation of ``pages`` for a request: ``owner`` is the owner each page must
     carry for it, an int or one per page (a prefix-cache hit carries the owner that wrote it).
 
@@ -91,14 +110,21 @@ def attest_pages(page_tags: torch.Tensor, owner, pages: Sequence[int],
     mine = (tag_state(rows) == STATE_WRITTEN) & (tag_owner(rows) == owners)
     lens = torch.where(mine, tag_valid_len(rows), 0).min(dim=0).values.tolist()
     contexts = [b""] * len(lens) if contexts is None else list(contexts)
-    return [PageAttestation(n, page_digest(k_caches, v_caches, p, n, c) if digests else "")
-            for p, n, c in zip(pages, lens, contexts, strict=True)]
+    return [
+        PageAttestation(n, page_digest(k_caches, v_caches, p, n, c) if digests else "")
+        for p, n, c in zip(pages, lens, contexts, strict=True)
+    ]
 
 
-def verify_arrived(attested: Sequence[PageAttestation | None], pages: Sequence[int],
-                   k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor], *,
-                   check_bytes: bool = True, contexts: Sequence[bytes] | None = None
-                   ) -> tuple[list[int], list[str | None]]:
+def verify_arrived(
+    attested: Sequence[PageAttestation | None],
+    pages: Sequence[int],
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
+    *,
+    check_bytes: bool = True,
+    contexts: Sequence[bytes] | None = None,
+) -> tuple[list[int], list[str | None]]:
     """The receiver's side: for each of its ``pages`` (whose bytes the transfer engine reported
     arrived) and the sender's attestation of the page it came from, the length to commit and
     None, or 0 and why not (``"not attested"``, ``"digest mismatch"``). ``check_bytes=False``
@@ -116,8 +142,10 @@ def verify_arrived(attested: Sequence[PageAttestation | None], pages: Sequence[i
         elif not 0 <= claim.valid_len <= page_size:
             lens.append(0)
             reasons.append(f"attested length {claim.valid_len} outside [0, {page_size}]")
-        elif check_bytes and page_digest(k_caches, v_caches, page, claim.valid_len,
-                                         context) != claim.digest:
+        elif (
+            check_bytes
+            and page_digest(k_caches, v_caches, page, claim.valid_len, context) != claim.digest
+        ):
             lens.append(0)
             reasons.append("digest mismatch")
         else:

@@ -91,6 +91,7 @@ the sequences those values belong to (all of them for shared values) (output 0, 
 report is unchanged (the values are not an ownership matter). The kernels state the same rule next
 to a pointer here.
 """
+
 from __future__ import annotations
 
 import math
@@ -106,12 +107,12 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # and multiply by KV scales there: a value outside the normal float32 range would flush to 0 or
 # overflow to inf. The range of ``scale`` (kvattn.layout), of ``logits_soft_cap`` and of the KV
 # scales.
-MIN_SCALE = 2.0 ** -126
-MAX_SCALE = 2.0 ** 126
+MIN_SCALE = 2.0**-126
+MAX_SCALE = 2.0**126
 # ALiBi adds slope * distance, and a distance is below 2**31 in magnitude (positions are int32):
 # slopes up to 2**32 keep that product below 2**63, finite in float32 (also times log2(e), the
 # kernels' base 2), whatever the lengths.
-ALIBI_SLOPE_MAX = 2.0 ** 32
+ALIBI_SLOPE_MAX = 2.0**32
 
 
 def scale_ok(x):
@@ -158,9 +159,10 @@ class Variant:
         given = {name: t for name, t in self._scales().items() if t is not None}
         if len({t.dim() for t in given.values()}) > 1:
             # The kernels read every scale with one per-sequence stride.
-            raise ValueError(f"{', '.join(given)}: expected the same form (all per sequence or "
-                             "none), got shapes "
-                             + ", ".join(str(tuple(t.shape)) for t in given.values()))
+            raise ValueError(
+                f"{', '.join(given)}: expected the same form (all per sequence or "
+                "none), got shapes " + ", ".join(str(tuple(t.shape)) for t in given.values())
+            )
 
     def _scales(self) -> dict:
         return {"k_scale": self.k_scale, "v_scale": self.v_scale, "q_scale": self.q_scale}
@@ -196,17 +198,22 @@ class Variant:
         """The switches of sequences ``seqs`` (``[S]`` int64 indices, or one index) as a call
         over just those: per-sequence slopes and scales keep their rows ``seqs``, the rest is
         shared."""
+
         def rows(t):
-            return t[seqs:seqs + 1] if isinstance(seqs, int) else t.index_select(0, seqs)
-        pick = {name: rows(getattr(self, name))
-                for name in ("alibi_slopes", "k_scale", "v_scale", "q_scale")
-                if _seq_stride(getattr(self, name))}
+            return t[seqs : seqs + 1] if isinstance(seqs, int) else t.index_select(0, seqs)
+
+        pick = {
+            name: rows(getattr(self, name))
+            for name in ("alibi_slopes", "k_scale", "v_scale", "q_scale")
+            if _seq_stride(getattr(self, name))
+        }
         return replace(self, **pick) if pick else self
 
     def heads_read(self, num_heads: int) -> torch.Tensor | None:
         """``[num_heads]`` bool, or ``[batch, num_heads]`` when a switch is per sequence: False
         for a query head that reads nothing because its sink or slope, or a scale of its KV head
-        (``k_scale``, ``v_scale``, ``q_scale``), is invalid (the module docstring's rule for unvalidated values); None when no switch
+        (``k_scale``, ``v_scale``, ``q_scale``), is invalid (the module docstring's rule for
+        unvalidated values); None when no switch
         carries per-head values."""
         ok = None
         if self.sinks is not None:
@@ -224,11 +231,16 @@ class Variant:
 
     def switches(self) -> list[str]:
         """Names of the switches that are on (for the backends' refusal reasons)."""
-        on = [("window_left", self.windowed), ("window_right", self.right_windowed),
-              ("logits_soft_cap", self.logits_soft_cap > 0),
-              ("sinks", self.sinks is not None), ("alibi_slopes", self.alibi_slopes is not None),
-              ("fp8 KV", self.fp8), ("fp8 queries", self.q_fp8),
-              ("custom_mask", self.custom_mask is not None)]
+        on = [
+            ("window_left", self.windowed),
+            ("window_right", self.right_windowed),
+            ("logits_soft_cap", self.logits_soft_cap > 0),
+            ("sinks", self.sinks is not None),
+            ("alibi_slopes", self.alibi_slopes is not None),
+            ("fp8 KV", self.fp8),
+            ("fp8 queries", self.q_fp8),
+            ("custom_mask", self.custom_mask is not None),
+        ]
         return [name for name, active in on if active]
 
 
@@ -243,8 +255,9 @@ def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def _per_head(name: str, t, num_heads: int, device, batch: int | None = None
-              ) -> torch.Tensor | None:
+def _per_head(
+    name: str, t, num_heads: int, device, batch: int | None = None
+) -> torch.Tensor | None:
     """A ``[num_heads]`` float32 tensor on ``device``, or with ``batch`` also ``[batch,
     num_heads]`` (one row per sequence)."""
     if t is None:
@@ -255,17 +268,21 @@ def _per_head(name: str, t, num_heads: int, device, batch: int | None = None
         raise TypeError(f"{name}: expected dtype float32, got {str(t.dtype).replace('torch.', '')}")
     shapes = [(num_heads,)] + ([(batch, num_heads)] if batch is not None else [])
     if tuple(t.shape) not in shapes:
-        what = (f"shape ({num_heads},) (one value per query head)" if batch is None else
-                f"shape ({num_heads},) or ({batch}, {num_heads}) (per query head, or per "
-                "sequence and query head)")
+        what = (
+            f"shape ({num_heads},) (one value per query head)"
+            if batch is None
+            else f"shape ({num_heads},) or ({batch}, {num_heads}) (per query head, or per "
+            "sequence and query head)"
+        )
         _fail(name, what, f"{tuple(t.shape)}")
     if t.device != device:
         _fail(name, f"a tensor on {device} (the device of q)", f"one on {t.device}")
     return t.contiguous()
 
 
-def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q",
-              batch: int | None = None) -> torch.Tensor:
+def _kv_scale(
+    name: str, value, num_kv_heads: int, device, device_of: str = "q", batch: int | None = None
+) -> torch.Tensor:
     """A per-tensor or per-head dequantisation scale as a ``[num_kv_heads]`` float32 tensor, or,
     with ``batch`` (the readers), a per-sequence one ``[batch, num_kv_heads]`` as given
     (``device_of``: the argument whose device the scale must be on, for the message)."""
@@ -278,60 +295,99 @@ def _kv_scale(name: str, value, num_kv_heads: int, device, device_of: str = "q",
             _fail(name, "a positive finite scale in [2**-126, 2**126]", repr(value))
         return torch.full((num_kv_heads,), float(value), dtype=torch.float32, device=device)
     if value.dtype != torch.float32:
-        raise TypeError(f"{name}: expected dtype float32, got {str(value.dtype).replace('torch.', '')}")
+        raise TypeError(
+            f"{name}: expected dtype float32, got {str(value.dtype).replace('torch.', '')}"
+        )
     if value.device != device:
         _fail(name, f"a tensor on {device} (the device of {device_of})", f"one on {value.device}")
     if value.numel() == 1 and value.dim() <= 1:
         return value.reshape(1).expand(num_kv_heads).contiguous()
     if tuple(value.shape) == (num_kv_heads,) or (
-            batch is not None and tuple(value.shape) == (batch, num_kv_heads)):
+        batch is not None and tuple(value.shape) == (batch, num_kv_heads)
+    ):
         return value.contiguous()
-    shapes = f"(), (1,) or ({num_kv_heads},)" if batch is None else (
-        f"(), (1,), ({num_kv_heads},) or ({batch}, {num_kv_heads})")
+    shapes = (
+        f"(), (1,) or ({num_kv_heads},)"
+        if batch is None
+        else (f"(), (1,), ({num_kv_heads},) or ({batch}, {num_kv_heads})")
+    )
     if batch is None and value.dim() == 2:
         shapes += " (per-sequence scales are for the readers: a page holds one scale)"
     _fail(name, f"shape {shapes}", f"{tuple(value.shape)}")
 
 
-def check_variant(q: torch.Tensor, k_cache: torch.Tensor, batch: int, *, window_left=-1,
-                  logits_soft_cap=0.0, sinks=None, alibi_slopes=None, k_scale=None, v_scale=None,
-                  window_right=-1, q_scale=None) -> Variant:
+def check_variant(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    batch: int,
+    *,
+    window_left=-1,
+    logits_soft_cap=0.0,
+    sinks=None,
+    alibi_slopes=None,
+    k_scale=None,
+    v_scale=None,
+    window_right=-1,
+    q_scale=None,
+) -> Variant:
     """Validate the switches of a decode or extend call of ``batch`` sequences against ``q``
     ``[rows, num_heads, D]`` and the pools (``window_right``: extend only; ``q`` fp8 only with fp8
     pools, checked by :mod:`kvattn.layout`); returns :data:`PLAIN` when none is on."""
     for name, edge in (("window_left", window_left), ("window_right", window_right)):
         if isinstance(edge, bool) or not isinstance(edge, int):
             raise TypeError(f"{name}: expected an int, got {type(edge).__name__}")
-        if edge < -1 or edge >= 2 ** 31 - 1:
+        if edge < -1 or edge >= 2**31 - 1:
             _fail(name, "-1 (no window) or a key count in [0, 2**31 - 1)", edge)
     if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
         raise TypeError(f"logits_soft_cap: expected a float, got {type(logits_soft_cap).__name__}")
     if logits_soft_cap != 0 and not MIN_SCALE <= logits_soft_cap <= MAX_SCALE:  # False for NaN
-        _fail("logits_soft_cap", "0 (off) or a positive finite cap in [2**-126, 2**126]",
-              repr(logits_soft_cap))
+        _fail(
+            "logits_soft_cap",
+            "0 (off) or a positive finite cap in [2**-126, 2**126]",
+            repr(logits_soft_cap),
+        )
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     sinks = _per_head("sinks", sinks, num_heads, q.device)
     alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads, q.device, batch)
     fp8 = k_cache.dtype in FP8_DTYPES
     if not fp8 and (k_scale is not None or v_scale is not None):
-        _fail("k_scale" if k_scale is not None else "v_scale",
-              "None with float16/bfloat16/float32 pools (scales dequantise fp8 pools)",
-              f"a scale with {str(k_cache.dtype).replace('torch.', '')} pools")
+        _fail(
+            "k_scale" if k_scale is not None else "v_scale",
+            "None with float16/bfloat16/float32 pools (scales dequantise fp8 pools)",
+            f"a scale with {str(k_cache.dtype).replace('torch.', '')} pools",
+        )
     q_fp8 = q.dtype in FP8_DTYPES
     if not q_fp8 and q_scale is not None:
-        _fail("q_scale", "None with a float16/bfloat16/float32 q (it dequantises an fp8 q)",
-              f"a scale with a {str(q.dtype).replace('torch.', '')} q")
-    given = {name: _kv_scale(name, value, num_kv_heads, q.device, batch=batch)
-             for name, value, on in (("k_scale", k_scale, fp8), ("v_scale", v_scale, fp8),
-                                     ("q_scale", q_scale, q_fp8)) if on}
+        _fail(
+            "q_scale",
+            "None with a float16/bfloat16/float32 q (it dequantises an fp8 q)",
+            f"a scale with a {str(q.dtype).replace('torch.', '')} q",
+        )
+    given = {
+        name: _kv_scale(name, value, num_kv_heads, q.device, batch=batch)
+        for name, value, on in (
+            ("k_scale", k_scale, fp8),
+            ("v_scale", v_scale, fp8),
+            ("q_scale", q_scale, q_fp8),
+        )
+        if on
+    }
     widened = ()
     if len({t.dim() for t in given.values()}) > 1:
         # The kernels read every scale with one stride per sequence.
         widened = tuple(name for name, t in given.items() if t.dim() == 1)
         given = {name: t.expand(batch, num_kv_heads).contiguous() for name, t in given.items()}
-    variant = Variant(window_left, float(logits_soft_cap), sinks, alibi_slopes,
-                      given.get("k_scale"), given.get("v_scale"), window_right=window_right,
-                      widened=widened, q_scale=given.get("q_scale"))
+    variant = Variant(
+        window_left,
+        float(logits_soft_cap),
+        sinks,
+        alibi_slopes,
+        given.get("k_scale"),
+        given.get("v_scale"),
+        window_right=window_right,
+        widened=widened,
+        q_scale=given.get("q_scale"),
+    )
     return PLAIN if not variant.switches() else variant
 
 
@@ -347,8 +403,13 @@ def check_values(variant: Variant) -> None:
     if variant.sinks is not None:
         _check_each("sinks", variant.sinks, sink_ok, "finite sink logits or -inf (no sink)", "head")
     if variant.alibi_slopes is not None:
-        _check_each("alibi_slopes", variant.alibi_slopes, slope_ok,
-                    "finite slopes with |slope| <= 2**32", "head")
+        _check_each(
+            "alibi_slopes",
+            variant.alibi_slopes,
+            slope_ok,
+            "finite slopes with |slope| <= 2**32",
+            "head",
+        )
     for name, scale in variant._scales().items():
         if scale is not None:
             check_scale_values(name, scale[0] if name in variant.widened else scale)

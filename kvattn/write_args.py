@@ -3,8 +3,10 @@ registry and the writer backends receive, as :class:`kvattn.layout.DecodeArgs` i
 and the owner-id checks every writer shares.
 
 The pools and tags follow :mod:`kvattn.layout`; the new tokens' ``k``/``v`` are ``[T, num_kv_heads,
-head_dim]`` (``v``: ``head_dim_v``, its pool's) in the cache dtype (fp8 pools also take float16/bfloat16/float32 tokens, which the writer
-quantises by ``k_scale``/``v_scale``: :func:`kvattn.write_kv`), ``slot_mapping`` ``[T]`` int32/int64 (``page * page_size + slot``,
+head_dim]`` (``v``: ``head_dim_v``, its pool's) in the cache dtype (fp8 pools also take
+float16/bfloat16/float32 tokens, which the writer
+quantises by ``k_scale``/``v_scale``: :func:`kvattn.write_kv`), ``slot_mapping`` ``[T]``
+int32/int64 (``page * page_size + slot``,
 negative = padding, any stride), the owners one int64 per token.
 
 Value checks of the writers (owner ids in ``[1, OWNER_MAX]``, page ids in the pool) run where the
@@ -13,14 +15,21 @@ tensors too (one synchronisation), ``validate=False`` on no tensor. Unchecked, t
 closed (docs/ownership.md section 4): an owner outside ``[1, OWNER_MAX]`` holds no page and no tag
 ever carries it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from .layout import (KV_DTYPES, check_apart, check_kv_pools, check_last_dim_contiguous, check_page_tags,
-                     check_tensor)
+from .layout import (
+    KV_DTYPES,
+    check_apart,
+    check_kv_pools,
+    check_last_dim_contiguous,
+    check_page_tags,
+    check_tensor,
+)
 from .tags import OWNER_MAX
 from .variants import FP8_DTYPES, _kv_scale, check_scale_values
 
@@ -74,8 +83,15 @@ class WriteArgs:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """``(k, v, k_cache, v_cache, slot_mapping, page_tags, owners)``, the launchers' order."""
-        return (self.k, self.v, self.k_cache, self.v_cache, self.slot_mapping, self.page_tags,
-                self.owners)
+        return (
+            self.k,
+            self.v,
+            self.k_cache,
+            self.v_cache,
+            self.slot_mapping,
+            self.page_tags,
+            self.owners,
+        )
 
 
 def on_host(values, validate: bool | None) -> bool:
@@ -95,19 +111,24 @@ def check_owner_values(name: str, owners: torch.Tensor) -> None:
     if bad.numel():
         i = int(bad[0])
         where = f"{name}[{i}]" if owners.dim() else name
-        raise ValueError(f"{name}: expected owner ids in [1, {OWNER_MAX}], got {where} = {int(flat[i])}")
+        raise ValueError(
+            f"{name}: expected owner ids in [1, {OWNER_MAX}], got {where} = {int(flat[i])}"
+        )
 
 
-def owner_ids(owner, n: int, device, *, name: str = "owner", validate: bool | None = None
-              ) -> torch.Tensor:
+def owner_ids(
+    owner, n: int, device, *, name: str = "owner", validate: bool | None = None
+) -> torch.Tensor:
     """Owner ids as an int64 tensor of ``n`` on ``device``. A Python int is always checked; a
     tensor (0-d or ``[n]``) when :func:`on_host` says so. An unchecked id outside ``[1,
     OWNER_MAX]`` holds no page, so the writers refuse it on the device."""
     if isinstance(owner, torch.Tensor):
         check_tensor(name, owner, dtypes=(torch.int64,))
         if owner.dim() != 0 and tuple(owner.shape) != (n,):
-            raise ValueError(f"{name}: expected an int or an int64 tensor of shape ({n},), "
-                             f"got shape {tuple(owner.shape)}")
+            raise ValueError(
+                f"{name}: expected an int or an int64 tensor of shape ({n},), "
+                f"got shape {tuple(owner.shape)}"
+            )
         if on_host(owner, validate):
             check_owner_values(name, owner)
         owner = owner.to(device)
@@ -123,8 +144,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def write_scales(k_dtype, k_cache, k_scale, v_scale, validate: bool | None
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def write_scales(
+    k_dtype, k_cache, k_scale, v_scale, validate: bool | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(k_scale, v_scale)`` as ``[num_kv_heads]`` float32 tensors when the writer quantises (fp8
     pools, ``k`` not fp8), else ``(None, None)``. A scale is a float or a float32 tensor ``[]``,
     ``[1]`` or ``[num_kv_heads]`` (:mod:`kvattn.variants`), in ``[2**-126, 2**126]``: checked for
@@ -135,11 +157,15 @@ def write_scales(k_dtype, k_cache, k_scale, v_scale, validate: bool | None
         if scale is None:
             continue
         if not fp8_pool:
-            raise ValueError(f"{name}: expected None with {_dtype_name(k_cache.dtype)} pools (scales "
-                             f"quantise into fp8 pools), got a scale")
+            raise ValueError(
+                f"{name}: expected None with {_dtype_name(k_cache.dtype)} pools (scales "
+                f"quantise into fp8 pools), got a scale"
+            )
         if k_dtype == k_cache.dtype:
-            raise ValueError(f"{name}: expected None when k and v are already "
-                             f"{_dtype_name(k_cache.dtype)} (stored as they are), got a scale")
+            raise ValueError(
+                f"{name}: expected None when k and v are already "
+                f"{_dtype_name(k_cache.dtype)} (stored as they are), got a scale"
+            )
     if not fp8_pool or k_dtype == k_cache.dtype:
         return None, None
     scales = []
@@ -157,17 +183,31 @@ def check_fp8_rounding(fp8_rounding, quantises: bool) -> str:
     if not isinstance(fp8_rounding, str):
         raise TypeError(f"fp8_rounding: expected a str, got {type(fp8_rounding).__name__}")
     if fp8_rounding not in FP8_ROUNDINGS:
-        raise ValueError(f"fp8_rounding: expected one of {list(FP8_ROUNDINGS)}, "
-                         f"got {fp8_rounding!r}")
+        raise ValueError(
+            f"fp8_rounding: expected one of {list(FP8_ROUNDINGS)}, got {fp8_rounding!r}"
+        )
     if fp8_rounding != "nearest" and not quantises:
-        raise ValueError(f"fp8_rounding: expected 'nearest' when the writer does not quantise "
-                         f"(fp8 pools and wider k/v), got {fp8_rounding!r}")
+        raise ValueError(
+            f"fp8_rounding: expected 'nearest' when the writer does not quantise "
+            f"(fp8 pools and wider k/v), got {fp8_rounding!r}"
+        )
     return fp8_rounding
 
 
-def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
-                      validate: bool | None = None, k_scale=None, v_scale=None,
-                      fp8_rounding: str = "nearest") -> WriteArgs:
+def validate_write_kv(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    page_tags,
+    owner,
+    *,
+    validate: bool | None = None,
+    k_scale=None,
+    v_scale=None,
+    fp8_rounding: str = "nearest",
+) -> WriteArgs:
     """The argument checks of :func:`kvattn.write_kv`; raise ValueError/TypeError naming the
     argument, what was expected and what was got."""
     check_kv_pools(k_cache, v_cache)
@@ -182,9 +222,11 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
     check_tensor("v", v, ndim=3, dtypes=(k.dtype,), device=device)
     for name, t, dim in (("k", k, head_dim), ("v", v, v_cache.shape[3])):
         if tuple(t.shape) != (num_tokens, num_kv_heads, dim):
-            raise ValueError(f"{name}: expected shape ({num_tokens}, {num_kv_heads}, {dim}) "
-                             f"(tokens of slot_mapping, heads and head dim of its pool), "
-                             f"got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: expected shape ({num_tokens}, {num_kv_heads}, {dim}) "
+                f"(tokens of slot_mapping, heads and head dim of its pool), "
+                f"got {tuple(t.shape)}"
+            )
         check_last_dim_contiguous(name, t)
     owners = owner_ids(owner, num_tokens, device, validate=validate)
     # The kernels read slot_mapping, the owners and the tags again after storing K/V (the stamp):
@@ -197,5 +239,6 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *,
     check_apart("k_scale", k_scale, written)
     check_apart("v_scale", v_scale, written)
     fp8_rounding = check_fp8_rounding(fp8_rounding, k_scale is not None)
-    return WriteArgs(k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale, v_scale,
-                     fp8_rounding)
+    return WriteArgs(
+        k, v, k_cache, v_cache, slot_mapping, page_tags, owners, k_scale, v_scale, fp8_rounding
+    )

@@ -34,14 +34,21 @@ default, ``validate=False``) the writers fail closed on the same values: an owne
 holds no page (``NOT_HELD``) and is never written into a tag (reserve and reassign make such a
 page FREE instead), an out-of-range page id changes nothing.
 """
+
 from __future__ import annotations
 
 import torch
 
 from . import backends
 from .backends.torch.writer import max_rows, put_rows, reserved, written
-from .layout import (MAX_PAGE_SIZE, check_apart, check_distinct_elements, check_page_tags,
-                     check_tensor, is_page_size)
+from .layout import (
+    MAX_PAGE_SIZE,
+    check_apart,
+    check_distinct_elements,
+    check_page_tags,
+    check_tensor,
+    is_page_size,
+)
 from .report import WriteResult
 from .tags import FREE_TAG, OWNER_SHIFT, WriteDrop, held_by, valid_owner
 from .write_args import INDEX_DTYPES, on_host, owner_ids, validate_write_kv
@@ -60,11 +67,15 @@ def _layer_rows(page_tags) -> torch.Tensor:
     if isinstance(page_tags, torch.Tensor) and page_tags.dim() == 2:
         check_tensor("page_tags", page_tags, ndim=2, dtypes=(torch.int64,))
         if page_tags.shape[0] < 1 or page_tags.shape[1] < 1:
-            raise ValueError(f"page_tags: expected at least one layer and one page, got shape "
-                             f"{tuple(page_tags.shape)}")
+            raise ValueError(
+                f"page_tags: expected at least one layer and one page, got shape "
+                f"{tuple(page_tags.shape)}"
+            )
         if page_tags.shape[1] > 1 and page_tags.stride(1) != 1:
-            raise ValueError(f"page_tags: expected contiguous rows (one per layer, stride 1), got "
-                             f"strides {page_tags.stride()}")
+            raise ValueError(
+                f"page_tags: expected contiguous rows (one per layer, stride 1), got "
+                f"strides {page_tags.stride()}"
+            )
         # Rows sharing words (stride 0, or folded onto each other) would let a write for one
         # layer's page land in another layer's page.
         check_distinct_elements("page_tags", page_tags)
@@ -110,8 +121,12 @@ def reserve_pages(page_tags: torch.Tensor, pages, owner, *, validate: bool | Non
     check_apart("owner", owners, dict(page_tags=page_tags))
     tags = torch.where(valid_owner(owners), reserved(owners), FREE_TAG)
     width = rows.shape[0]
-    put_rows(rows, _every_layer(rows, safe), tags.repeat_interleave(width),
-             in_range.repeat_interleave(width))
+    put_rows(
+        rows,
+        _every_layer(rows, safe),
+        tags.repeat_interleave(width),
+        in_range.repeat_interleave(width),
+    )
 
 
 def _pages_held(page_tags, pages, owner, validate):
@@ -128,8 +143,9 @@ def _pages_held(page_tags, pages, owner, validate):
     return safe, tag, owners, in_range, in_range & held_by(tag, owners)
 
 
-def reassign_pages(page_tags: torch.Tensor, pages, owner, new_owner, *,
-                   validate: bool | None = None) -> WriteResult:
+def reassign_pages(
+    page_tags: torch.Tensor, pages, owner, new_owner, *, validate: bool | None = None
+) -> WriteResult:
     """Hand ``pages`` held by ``owner`` over to ``new_owner``, keeping their state and ``valid_len``.
 
     For a lease that ends while other leases still read pages it wrote (a shared prefix): under a
@@ -140,7 +156,9 @@ def reassign_pages(page_tags: torch.Tensor, pages, owner, new_owner, *,
     readers are refused) and is counted ``NOT_HELD`` (the heir cannot hold it).
     """
     safe, tag, _, in_range, held = _pages_held(page_tags, pages, owner, validate)
-    heirs = owner_ids(new_owner, safe.numel(), page_tags.device, name="new_owner", validate=validate)
+    heirs = owner_ids(
+        new_owner, safe.numel(), page_tags.device, name="new_owner", validate=validate
+    )
     check_apart("new_owner", heirs, dict(page_tags=page_tags))
     kept = tag & ((1 << OWNER_SHIFT) - 1)
     handed = torch.where(valid_owner(heirs), (heirs << OWNER_SHIFT) | kept, FREE_TAG)
@@ -151,8 +169,9 @@ def reassign_pages(page_tags: torch.Tensor, pages, owner, new_owner, *,
     return WriteResult(landed, reasons, (~landed).sum())
 
 
-def release_pages(page_tags: torch.Tensor, pages, owner=None, *,
-                  validate: bool | None = None) -> WriteResult:
+def release_pages(
+    page_tags: torch.Tensor, pages, owner=None, *, validate: bool | None = None
+) -> WriteResult:
     """Mark ``pages`` FREE. The K/V bytes are left as they are.
 
     ``page_tags``: ``[num_pages]``, or ``[num_layers, num_pages]`` for the pages of every layer.
@@ -186,16 +205,26 @@ def check_page_size(page_size) -> int:
     """``page_size`` given apart from the pools (:func:`commit_pages`): an int in
     ``[1, MAX_PAGE_SIZE]``, as the pools' dimension 1 must be."""
     if isinstance(page_size, bool) or not isinstance(page_size, int):
-        raise TypeError(f"page_size: expected an int (the pools' dim 1), got "
-                        f"{type(page_size).__name__}")
+        raise TypeError(
+            f"page_size: expected an int (the pools' dim 1), got {type(page_size).__name__}"
+        )
     if not is_page_size(page_size):
-        raise ValueError(f"page_size: expected an int in [1, {MAX_PAGE_SIZE}] (the pools' "
-                         f"dim 1), got {page_size}")
+        raise ValueError(
+            f"page_size: expected an int in [1, {MAX_PAGE_SIZE}] (the pools' "
+            f"dim 1), got {page_size}"
+        )
     return page_size
 
 
-def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: int, *,
-                 validate: bool | None = None) -> WriteResult:
+def commit_pages(
+    page_tags: torch.Tensor,
+    pages,
+    owner,
+    valid_lens,
+    page_size: int,
+    *,
+    validate: bool | None = None,
+) -> WriteResult:
     """Transfer receive: mark ``pages`` WRITTEN for ``owner`` with ``valid_lens`` leading slots.
 
     ``valid_lens`` must be the number of tokens the receiver accounted for (bytes it saw arrive),
@@ -211,8 +240,9 @@ def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: i
     safe, _, owners, in_range, held = _pages_held(page_tags, pages, owner, validate)
     lens = _as_index("valid_lens", valid_lens, page_tags)
     if lens.numel() != safe.numel():
-        raise ValueError(f"valid_lens: expected {safe.numel()} lengths (one per page), "
-                         f"got {lens.numel()}")
+        raise ValueError(
+            f"valid_lens: expected {safe.numel()} lengths (one per page), got {lens.numel()}"
+        )
     good_len = (lens >= 0) & (lens <= page_size)
     landed = held & good_len
     reasons = torch.where(good_len, 0, int(WriteDrop.BAD_LENGTH))
@@ -222,16 +252,29 @@ def commit_pages(page_tags: torch.Tensor, pages, owner, valid_lens, page_size: i
     return WriteResult(landed, reasons, (~landed).sum())
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, page_tags: torch.Tensor, owner, *,
-             backend: str = "auto", validate: bool | None = None, k_scale=None,
-             v_scale=None, fp8_rounding: str = "nearest") -> WriteResult:
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_tags: torch.Tensor,
+    owner,
+    *,
+    backend: str = "auto",
+    validate: bool | None = None,
+    k_scale=None,
+    v_scale=None,
+    fp8_rounding: str = "nearest",
+) -> WriteResult:
     """Append new tokens' K/V to their page slots, then stamp the pages (``reshape_and_cache``).
 
     ``k``, ``v``: ``[T, num_kv_heads, head_dim]`` (``v``: the head dim of ``v_cache``), the cache
-    dtype (or, for fp8 pools, float16/bfloat16/float32 to quantise: see ``k_scale``). ``slot_mapping``: ``[T]`` int32/
+    dtype (or, for fp8 pools, float16/bfloat16/float32 to quantise: see ``k_scale``).
+    ``slot_mapping``: ``[T]`` int32/
     int64 (any stride), ``page * page_size + slot`` per token; a negative entry is padding and is
-    skipped without being counted. ``owner``: the writer's lease id, an int or an int64 tensor ``[T]`` (one per
+    skipped without being counted. ``owner``: the writer's lease id, an int or an int64 tensor
+    ``[T]`` (one per
     token). Pools and tags as in :mod:`kvattn.layout`.
 
     A token lands only if all hold, else nothing of it is written and it is counted as dropped:
@@ -283,9 +326,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     built, else ``triton``, and ``torch`` for CPU tensors (the interpreter would run one slow
     program per token). All give the same result, except in that race.
     """
-    args = validate_write_kv(k, v, k_cache, v_cache, slot_mapping, page_tags, owner,
-                             validate=validate, k_scale=k_scale, v_scale=v_scale,
-                             fp8_rounding=fp8_rounding)
+    args = validate_write_kv(
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        page_tags,
+        owner,
+        validate=validate,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        fp8_rounding=fp8_rounding,
+    )
     impl = backends.select(args, backend, op="write_kv")
     if args.num_tokens == 0:
         return WriteResult.empty(k_cache.device)

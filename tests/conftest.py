@@ -14,8 +14,9 @@ if os.environ.get("KVATTN_SIM_MODULE"):
     import importlib.util
     import sys
 
-    _spec = importlib.util.spec_from_file_location("kvattn.backends.cuda_sim._sim",
-                                                   os.environ["KVATTN_SIM_MODULE"])
+    _spec = importlib.util.spec_from_file_location(
+        "kvattn.backends.cuda_sim._sim", os.environ["KVATTN_SIM_MODULE"]
+    )
     _module = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_module)
     sys.modules[_spec.name] = _module
@@ -66,6 +67,7 @@ def pytest_pyfunc_call(pyfuncitem):
     """A test that needs a kernel instantiation its module was built without (a subset of
     csrc/instantiations.py: KVATTN_CUDA_DTYPES, _HEAD_DIMS, _VARIANTS) skips, saying which."""
     from kvattn.backends.cuda.launch import NotBuilt
+
     try:
         return (yield)
     except NotBuilt as e:

@@ -20,6 +20,7 @@ on an H200, their waves over those resident slots and a model of their bandwidth
 
     python tools/static_sm90.py [--json FILE] [--markdown FILE] [--cuda-object kvattn/backends/cuda/_C...so]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,7 +90,9 @@ _COUNTED = {
 
 
 def _counts(insns) -> dict[str, int]:
-    return {name: sum(1 for _, op, args in insns if test(op, args)) for name, test in _COUNTED.items()}
+    return {
+        name: sum(1 for _, op, args in insns if test(op, args)) for name, test in _COUNTED.items()
+    }
 
 
 def loops(insns) -> list[tuple[int, int]]:
@@ -98,13 +101,14 @@ def loops(insns) -> list[tuple[int, int]]:
     Branches back out of the out-of-line paths that ``BRA.DIV`` jumps to (the compiler's fallback
     for warp-collective instructions reached by a possibly divergent warp) are not loops: each such
     path runs from a ``BRA.DIV`` target to its first unconditional branch."""
+
     def target(args):
         m = _BRA_TARGET.search(args)
         return int(m.group(1), 16) if m else None
 
     addresses = [a for a, _, _ in insns]
     fallback = set()
-    for addr, op, args in insns:
+    for _, op, args in insns:
         if op.startswith("BRA.DIV") and target(args) is not None:
             i = addresses.index(target(args)) if target(args) in addresses else len(insns)
             while i < len(insns):
@@ -144,8 +148,9 @@ def sass_figures(insns) -> dict:
 
 
 def _cuobjdump(path: str, *flags: str) -> str:
-    return subprocess.run([_tool("cuobjdump"), *flags, path], capture_output=True, text=True,
-                          check=True).stdout
+    return subprocess.run(
+        [_tool("cuobjdump"), *flags, path], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def resource_usage(text: str) -> dict[str, dict[str, int]]:
@@ -157,17 +162,21 @@ def resource_usage(text: str) -> dict[str, dict[str, int]]:
             current = m.group(1)
             continue
         if current and "REG:" in line:
-            usage[current] = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+            usage[current] = {
+                k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)
+            }
     return usage
 
 
 # ---- Triton, compiled as the GPU would JIT it -------------------------------------------------
+
 
 class _StandInDriver:
     """Triton's CUDA driver without a GPU: an sm_90 target, device 0, stream 0, CPU tensors."""
 
     def __init__(self):
         from triton.backends.nvidia.driver import CudaDriver
+
         self._real = CudaDriver.__new__(CudaDriver)
 
     def __getattr__(self, name):
@@ -229,7 +238,9 @@ def compile_only():
 def ttgir_pipelining(ttgir: str) -> dict:
     """K/V shared-memory buffers (leading dimension of the 3-D mutable allocations) and the loop's
     deepest ``async_wait`` count (copies still in flight while computing)."""
-    buffers = [int(m) for m in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)]
+    buffers = [
+        int(m) for m in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)
+    ]
     waits = [int(m) for m in re.findall(r"async_wait[^\n]*\{num = (\d+)", ttgir)]
     return {"kv_buffers": max(buffers, default=0), "async_wait_max": max(waits, default=0)}
 
@@ -241,10 +252,15 @@ def triton_kernel_figures(kernel) -> dict:
         usage = next(iter(resource_usage(_cuobjdump(f.name, "--dump-resource-usage")).values()))
         functions = parse_sass(_cuobjdump(f.name, "--dump-sass"))
     insns = next(iter(functions.values()))
-    return dict(registers=usage["REG"], local=usage["LOCAL"] + usage["STACK"],
-                shared=int(kernel.metadata.shared), num_warps=kernel.metadata.num_warps,
-                num_stages=kernel.metadata.num_stages, **ttgir_pipelining(kernel.asm["ttgir"]),
-                **sass_figures(insns))
+    return dict(
+        registers=usage["REG"],
+        local=usage["LOCAL"] + usage["STACK"],
+        shared=int(kernel.metadata.shared),
+        num_warps=kernel.metadata.num_warps,
+        num_stages=kernel.metadata.num_stages,
+        **ttgir_pipelining(kernel.asm["ttgir"]),
+        **sass_figures(insns),
+    )
 
 
 # Shapes of the configurations: (name, op, dtype, head_dim, page_size, num_heads, num_kv_heads),
@@ -264,19 +280,59 @@ TRITON_CONFIGS = [
     ("extend bf16 d256 p16 gqa8", "extend", torch.bfloat16, 256, 16, 64, 8),
     ("extend bf16 d512 p16 gqa8", "extend", torch.bfloat16, 512, 16, 64, 8),
     ("extend fp16 d128 p80 gqa4", "extend", torch.float16, 128, 80, 32, 8),
-    ("decode bf16 d128 p16 gqa4 window+softcap+sinks+alibi", "decode", torch.bfloat16, 128, 16,
-     32, 8, "scores"),
+    (
+        "decode bf16 d128 p16 gqa4 window+softcap+sinks+alibi",
+        "decode",
+        torch.bfloat16,
+        128,
+        16,
+        32,
+        8,
+        "scores",
+    ),
     ("decode bf16 d128 p16 gqa4 fp8-e4m3 KV", "decode", torch.bfloat16, 128, 16, 32, 8, "fp8"),
-    ("extend bf16 d128 p16 gqa4 window+softcap+sinks+alibi", "extend", torch.bfloat16, 128, 16,
-     32, 8, "scores"),
+    (
+        "extend bf16 d128 p16 gqa4 window+softcap+sinks+alibi",
+        "extend",
+        torch.bfloat16,
+        128,
+        16,
+        32,
+        8,
+        "scores",
+    ),
     ("extend bf16 d128 p16 gqa4 fp8-e4m3 KV", "extend", torch.bfloat16, 128, 16, 32, 8, "fp8"),
     ("extend bf16 d128 p16 gqa4 custom_mask", "extend", torch.bfloat16, 128, 16, 32, 8, "mask"),
-    ("extend bf16 d128 p16 gqa4 two-sided window", "extend", torch.bfloat16, 128, 16, 32, 8,
-     "two-sided"),
-    ("decode bf16 d128 p16 gqa4 fp8-e4m3 KV per-seq scales+alibi", "decode", torch.bfloat16,
-     128, 16, 32, 8, "per-seq"),
-    ("extend bf16 d128 p16 gqa4 fp8-e4m3 KV per-seq scales+alibi", "extend", torch.bfloat16,
-     128, 16, 32, 8, "per-seq"),
+    (
+        "extend bf16 d128 p16 gqa4 two-sided window",
+        "extend",
+        torch.bfloat16,
+        128,
+        16,
+        32,
+        8,
+        "two-sided",
+    ),
+    (
+        "decode bf16 d128 p16 gqa4 fp8-e4m3 KV per-seq scales+alibi",
+        "decode",
+        torch.bfloat16,
+        128,
+        16,
+        32,
+        8,
+        "per-seq",
+    ),
+    (
+        "extend bf16 d128 p16 gqa4 fp8-e4m3 KV per-seq scales+alibi",
+        "extend",
+        torch.bfloat16,
+        128,
+        16,
+        32,
+        8,
+        "per-seq",
+    ),
     # DeepSeek's non-absorbed attention: 192-dim queries and keys, 128-dim values.
     ("decode bf16 dk192 dv128 p16 gqa4", "decode", torch.bfloat16, 192, 16, 32, 8, "dv128"),
     ("extend bf16 dk192 dv128 p16 gqa4", "extend", torch.bfloat16, 192, 16, 32, 8, "dv128"),
@@ -305,13 +361,20 @@ def _variant(name: str | None, num_heads: int, num_kv_heads: int, batch: int) ->
     mask (added by :func:`_inputs`, which knows the lengths); "dv128" is a value pool of its own
     head dim, 128 (also :func:`_inputs`)."""
     if name == "scores":
-        return dict(window_left=4095, logits_soft_cap=30.0, sinks=torch.zeros(num_heads),
-                    alibi_slopes=torch.ones(num_heads))
+        return dict(
+            window_left=4095,
+            logits_soft_cap=30.0,
+            sinks=torch.zeros(num_heads),
+            alibi_slopes=torch.ones(num_heads),
+        )
     if name == "fp8":
         return dict(k_scale=0.5, v_scale=0.5)
     if name == "per-seq":
-        return dict(k_scale=torch.ones(batch, num_kv_heads), v_scale=torch.ones(batch, num_kv_heads),
-                    alibi_slopes=torch.ones(batch, num_heads))
+        return dict(
+            k_scale=torch.ones(batch, num_kv_heads),
+            v_scale=torch.ones(batch, num_kv_heads),
+            alibi_slopes=torch.ones(batch, num_heads),
+        )
     if name == "two-sided":
         return dict(window_left=4095, window_right=4095)
     return {}
@@ -333,23 +396,27 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads, variant=Non
     expected = torch.ones(batch, dtype=torch.int64)
     if op == "mla_decode":
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
-        return kvattn.layout.validate_mla_decode(q, k, table, lens, tags, expected,
-                                                 kv_lora_rank=MLA_LORA, validate=False)
+        return kvattn.layout.validate_mla_decode(
+            q, k, table, lens, tags, expected, kv_lora_rank=MLA_LORA, validate=False
+        )
     if op == "mla_extend":
         q = torch.zeros(batch * 77, num_heads, head_dim, dtype=dtype)
         cu = torch.arange(0, batch + 1, dtype=torch.int32) * 77
-        return kvattn.layout.validate_mla_extend(q, k, cu, table, lens, tags, expected,
-                                                 kv_lora_rank=MLA_LORA, validate=False)
+        return kvattn.layout.validate_mla_extend(
+            q, k, cu, table, lens, tags, expected, kv_lora_rank=MLA_LORA, validate=False
+        )
     if op == "decode":
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
-        return kvattn.layout.validate_decode(q, k, v, table, lens, tags, expected, validate=False,
-                                             **switches)
+        return kvattn.layout.validate_decode(
+            q, k, v, table, lens, tags, expected, validate=False, **switches
+        )
     q = torch.zeros(batch * 77, num_heads, head_dim, dtype=dtype)
     cu = torch.arange(0, batch + 1, dtype=torch.int32) * 77
     if variant == "mask":
         switches = dict(custom_mask=torch.ones(batch * 77 * 100, dtype=torch.bool))
-    return kvattn.layout.validate_extend(q, k, v, cu, table, lens, tags, expected, validate=False,
-                                         **switches)
+    return kvattn.layout.validate_extend(
+        q, k, v, cu, table, lens, tags, expected, validate=False, **switches
+    )
 
 
 def _planned_per_sm(op: str, args) -> int | None:
@@ -377,27 +444,45 @@ def triton_records(configs=TRITON_CONFIGS) -> list[dict]:
                 getattr(triton_backend, op)(args, check=check, out=out, lse=lse)
                 planned = _planned_per_sm(op, args)
             for kernel_name, kernel in compiled:
-                extra = dict(planned_per_sm=planned) if kernel_name.startswith("paged_") and planned else {}
+                extra = (
+                    dict(planned_per_sm=planned)
+                    if kernel_name.startswith("paged_") and planned
+                    else {}
+                )
                 figures = triton_kernel_figures(kernel)
-                records.append(dict(backend="triton", config=name, op=op, kernel=kernel_name,
-                                    check=check, **figures, **extra,
-                                    resident_per_sm=resident_per_sm(figures["registers"], figures["shared"],
-                                                                    figures["num_warps"])))
+                records.append(
+                    dict(
+                        backend="triton",
+                        config=name,
+                        op=op,
+                        kernel=kernel_name,
+                        check=check,
+                        **figures,
+                        **extra,
+                        resident_per_sm=resident_per_sm(
+                            figures["registers"], figures["shared"], figures["num_warps"]
+                        ),
+                    )
+                )
     return records
 
 
 # ---- CUDA, from the nvcc build ----------------------------------------------------------------
 
+
 def _demangle(names: list[str]) -> dict[str, str]:
-    result = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
-                            check=False)
+    result = subprocess.run(
+        ["c++filt"], input="\n".join(names), capture_output=True, text=True, check=False
+    )
     lines = result.stdout.splitlines()
     return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
 
 
 def _instantiations():
     """csrc/instantiations.py, the table the CUDA module is generated from (loaded by path)."""
-    spec = importlib.util.spec_from_file_location("kvattn_instantiations", ROOT / "csrc" / "instantiations.py")
+    spec = importlib.util.spec_from_file_location(
+        "kvattn_instantiations", ROOT / "csrc" / "instantiations.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -405,7 +490,9 @@ def _instantiations():
 
 
 INSTANTIATIONS = _instantiations()
-CUDA_MODULE = ROOT / "kvattn" / "backends" / "cuda" / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])
+CUDA_MODULE = (
+    ROOT / "kvattn" / "backends" / "cuda" / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])
+)
 _CUDA_FP8 = {"e4m3": "fp8 e4m3", "e5m2": "fp8 e5m2"}
 
 
@@ -419,11 +506,23 @@ def cuda_config(row) -> str:
     copies = "" if fp8 or row.vec is None else ("16B" if row.vec else "elementwise")
     switches = ""
     if row.variant:
-        switches = {"extend": "two-sided window+softcap+sinks+alibi+mask",
-                    "decode": "window+softcap+sinks+alibi"}
+        switches = {
+            "extend": "two-sided window+softcap+sinks+alibi+mask",
+            "decode": "window+softcap+sinks+alibi",
+        }
         switches = switches[row.op] if row.head_dim else "window+sinks"
-    return " ".join(x for x in (row.op, row.dtype or "", f"d{row.head_dim}" if row.head_dim else "", copies,
-                                fp8, switches) if x)
+    return " ".join(
+        x
+        for x in (
+            row.op,
+            row.dtype or "",
+            f"d{row.head_dim}" if row.head_dim else "",
+            copies,
+            fp8,
+            switches,
+        )
+        if x
+    )
 
 
 def _cuda_layouts() -> dict:
@@ -442,8 +541,12 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
     layouts = _cuda_layouts()
     table, seen = INSTANTIATIONS.by_name(), set()
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([_tool("cuobjdump"), "--extract-elf", "all", str(obj.resolve())], cwd=tmp,
-                       capture_output=True, check=True)
+        subprocess.run(
+            [_tool("cuobjdump"), "--extract-elf", "all", str(obj.resolve())],
+            cwd=tmp,
+            capture_output=True,
+            check=True,
+        )
         cubins = [p for p in pathlib.Path(tmp).iterdir() if "sm_90" in p.name]
         records = []
         for cubin in cubins:
@@ -455,26 +558,43 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
                 name = re.sub(r"^void\s+|\(.*\)$", "", names[mangled])
                 row = table.get(name)
                 if row is None:
-                    raise RuntimeError(f"{obj}: kernel {names[mangled]} is not a row of csrc/instantiations.py")
+                    raise RuntimeError(
+                        f"{obj}: kernel {names[mangled]} is not a row of csrc/instantiations.py"
+                    )
                 if row in seen:
                     raise RuntimeError(f"{obj}: kernel {row.name} is compiled twice")
                 seen.add(row)
                 table_key = row.op + "_fp8" if row.pool else row.op
-                layout = layouts.get(table_key, {}).get(row.head_dim, {}) if row.kernel.startswith("paged_") else {}
+                layout = (
+                    layouts.get(table_key, {}).get(row.head_dim, {})
+                    if row.kernel.startswith("paged_")
+                    else {}
+                )
                 shared = layout.get("shared_bytes", u.get("SHARED", 0))
                 extra = {}
                 if row.kernel.startswith("paged_") and u.get("REG"):
                     extra["resident_per_sm"] = resident_per_sm(u["REG"], shared, CUDA_DECODE_WARPS)
                 if row.kernel == "paged_decode_kernel":
                     from kvattn.backends.cuda import launch as cuda_launch
+
                     extra["planned_per_sm"] = cuda_launch.decode_blocks_per_sm(
-                        row.head_dim, fp8=bool(row.pool), scores=bool(row.variant))
-                records.append(dict(backend="cuda", config=cuda_config(row), op=row.op, kernel=row.kernel,
-                                    check=bool(row.check),
-                                    registers=u.get("REG"),
-                                    local=u.get("LOCAL", 0) + u.get("STACK", 0),
-                                    shared=shared,
-                                    kv_buffers=layout.get("stages"), **sass_figures(insns), **extra))
+                        row.head_dim, fp8=bool(row.pool), scores=bool(row.variant)
+                    )
+                records.append(
+                    dict(
+                        backend="cuda",
+                        config=cuda_config(row),
+                        op=row.op,
+                        kernel=row.kernel,
+                        check=bool(row.check),
+                        registers=u.get("REG"),
+                        local=u.get("LOCAL", 0) + u.get("STACK", 0),
+                        shared=shared,
+                        kv_buffers=layout.get("stages"),
+                        **sass_figures(insns),
+                        **extra,
+                    )
+                )
     records.sort(key=lambda r: (r["op"], r["kernel"], r["config"], r["check"]))
     return records
 
@@ -513,8 +633,9 @@ def resident_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 
 def record_residency(record: dict) -> int:
-    return resident_per_sm(record["registers"], record["shared"],
-                           record.get("num_warps") or CUDA_DECODE_WARPS)
+    return resident_per_sm(
+        record["registers"], record["shared"], record.get("num_warps") or CUDA_DECODE_WARPS
+    )
 
 
 def _goal_args(batch: int, context: int):
@@ -527,9 +648,16 @@ def _goal_args(batch: int, context: int):
     k = torch.zeros(num_pages, page, 8, 128, dtype=torch.bfloat16)
     table = torch.zeros(batch, context // page, dtype=torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
-    return kvattn.layout.validate_decode(q, k, torch.zeros_like(k), table, lens,
-                                         torch.zeros(num_pages, dtype=torch.int64),
-                                         torch.ones(batch, dtype=torch.int64), validate=False)
+    return kvattn.layout.validate_decode(
+        q,
+        k,
+        torch.zeros_like(k),
+        table,
+        lens,
+        torch.zeros(num_pages, dtype=torch.int64),
+        torch.ones(batch, dtype=torch.int64),
+        validate=False,
+    )
 
 
 def model_time(programs: list[tuple[float, int, float]], slots: int, cap: float) -> float:
@@ -563,8 +691,18 @@ def model_time(programs: list[tuple[float, int, float]], slots: int, cap: float)
 REPORT_PROGRAMS = {"triton": "column", "cuda": "after"}
 
 
-def decode_model(backend: str, check: bool, batch: int, splits: int, attention_per_split: int,
-                 bounds, slots: int, in_flight: int, tile_bytes: int, head_dim: int) -> float:
+def decode_model(
+    backend: str,
+    check: bool,
+    batch: int,
+    splits: int,
+    attention_per_split: int,
+    bounds,
+    slots: int,
+    in_flight: int,
+    tile_bytes: int,
+    head_dim: int,
+) -> float:
     """Modelled microseconds of one decode call (the kernel, then the merge when split): programs
     in launch order (the split is the slowest grid dimension), checked with the report's programs
     or work as ``REPORT_PROGRAMS`` says: one pass over a split's table entries and tags per 128
@@ -597,8 +735,13 @@ def decode_grids(records: list[dict]) -> list[dict]:
 
     rows = []
     for backend, config in GOAL_CONFIGS.items():
-        found = {r["check"]: r for r in records if r["backend"] == backend
-                 and r["kernel"] == "paged_decode_kernel" and r["config"] == config}
+        found = {
+            r["check"]: r
+            for r in records
+            if r["backend"] == backend
+            and r["kernel"] == "paged_decode_kernel"
+            and r["config"] == config
+        }
         if len(found) < 2:
             continue
         resident = min(record_residency(r) for r in found.values())
@@ -625,46 +768,95 @@ def decode_grids(records: list[dict]) -> list[dict]:
                 programs = per_split * splits
                 waves, tail = grids.grid_waves(programs, slots)
                 bounds = grids.split_bounds(context, splits, align, min_chunk)
-                times = {check: decode_model(backend, check, batch, splits, attention, bounds, slots,
-                                             in_flight, tile_bytes, args.head_dim)
-                         for check in (False, True)}
-                copy_us = batch * context * args.num_kv_heads * args.head_dim * 2 * 2 / COPY_BYTES_PER_US
-                rows.append(dict(backend=backend, batch=batch, context=context, splits=splits,
-                                 programs=programs, resident_per_sm=resident,
-                                 planned_per_sm=planned, slots=slots, waves=round(waves, 3),
-                                 tail=round(tail, 3), most_splits=min(-(-context // min_chunk), grids.MAX_SPLITS),
-                                 modelled_bandwidth=round(copy_us / times[False], 3),
-                                 modelled_check_cost=round(times[True] / times[False] - 1, 3)))
+                times = {
+                    check: decode_model(
+                        backend,
+                        check,
+                        batch,
+                        splits,
+                        attention,
+                        bounds,
+                        slots,
+                        in_flight,
+                        tile_bytes,
+                        args.head_dim,
+                    )
+                    for check in (False, True)
+                }
+                copy_us = (
+                    batch * context * args.num_kv_heads * args.head_dim * 2 * 2 / COPY_BYTES_PER_US
+                )
+                rows.append(
+                    dict(
+                        backend=backend,
+                        batch=batch,
+                        context=context,
+                        splits=splits,
+                        programs=programs,
+                        resident_per_sm=resident,
+                        planned_per_sm=planned,
+                        slots=slots,
+                        waves=round(waves, 3),
+                        tail=round(tail, 3),
+                        most_splits=min(-(-context // min_chunk), grids.MAX_SPLITS),
+                        modelled_bandwidth=round(copy_us / times[False], 3),
+                        modelled_check_cost=round(times[True] / times[False] - 1, 3),
+                    )
+                )
     return rows
 
 
 def grids_markdown(rows: list[dict]) -> str:
-    lines = ["## decode grids at the goal shapes", "",
-             "bf16, head dim 128, 32 query / 8 KV heads, pages of 16, a table as wide as the context, "
-             f"on {H200_SMS} SMs. Resident programs per SM from the registers and shared memory of "
-             "both variants above; tail: the share of the slots' time the last, partial wave "
-             "leaves idle (0 for one wave or less). The model (tools/static_sm90.py `decode_model`, "
-             "NOT speed): programs take the slots in launch order, wait their dependent start "
-             "loads, stream their K/V at most at their buffers in flight per loaded latency (and "
-             "one tile per exposed per-iteration load chain), sharing "
-             f"{COPY_BYTES_PER_US / 1e6:g} TB/s of copy bandwidth; then the merge. Unchecked: the "
-             "modelled share of the copy bandwidth; checked: the modelled time over unchecked.", "",
-             "| backend | batch | context | splits | programs | resident/SM | slots | waves | tail "
-             "| model: unchecked % of copy | model: checked cost |", "|" + "---|" * 11]
+    lines = [
+        "## decode grids at the goal shapes",
+        "",
+        "bf16, head dim 128, 32 query / 8 KV heads, pages of 16, a table as wide as the context, "
+        f"on {H200_SMS} SMs. Resident programs per SM from the registers and shared memory of "
+        "both variants above; tail: the share of the slots' time the last, partial wave "
+        "leaves idle (0 for one wave or less). The model (tools/static_sm90.py `decode_model`, "
+        "NOT speed): programs take the slots in launch order, wait their dependent start "
+        "loads, stream their K/V at most at their buffers in flight per loaded latency (and "
+        "one tile per exposed per-iteration load chain), sharing "
+        f"{COPY_BYTES_PER_US / 1e6:g} TB/s of copy bandwidth; then the merge. Unchecked: the "
+        "modelled share of the copy bandwidth; checked: the modelled time over unchecked.",
+        "",
+        "| backend | batch | context | splits | programs | resident/SM | slots | waves | tail "
+        "| model: unchecked % of copy | model: checked cost |",
+        "|" + "---|" * 11,
+    ]
     for r in rows:
-        lines.append(f"| {r['backend']} | {r['batch']} | {r['context']} | {r['splits']} | "
-                     f"{r['programs']} | {r['resident_per_sm']} | {r['slots']} | {r['waves']:.2f} | "
-                     f"{100 * r['tail']:.0f}% | {100 * r['modelled_bandwidth']:.0f}% | "
-                     f"{100 * r['modelled_check_cost']:+.1f}% |")
+        lines.append(
+            f"| {r['backend']} | {r['batch']} | {r['context']} | {r['splits']} | "
+            f"{r['programs']} | {r['resident_per_sm']} | {r['slots']} | {r['waves']:.2f} | "
+            f"{100 * r['tail']:.0f}% | {100 * r['modelled_bandwidth']:.0f}% | "
+            f"{100 * r['modelled_check_cost']:+.1f}% |"
+        )
     return "\n".join(lines) + "\n"
 
 
 # ---- Launches per call --------------------------------------------------------------------------
 
 # Aten ops that launch nothing on a GPU: allocations and views.
-_NO_LAUNCH = {"empty", "empty_like", "new_empty", "empty_strided", "view", "_unsafe_view", "as_strided",
-              "select", "slice", "alias", "detach", "t", "transpose", "expand", "unsqueeze",
-              "squeeze", "reshape", "lift_fresh"}
+_NO_LAUNCH = {
+    "empty",
+    "empty_like",
+    "new_empty",
+    "empty_strided",
+    "view",
+    "_unsafe_view",
+    "as_strided",
+    "select",
+    "slice",
+    "alias",
+    "detach",
+    "t",
+    "transpose",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "reshape",
+    "lift_fresh",
+}
 
 
 def launches_per_call(configs=TRITON_CONFIGS) -> list[dict]:
@@ -694,39 +886,69 @@ def launches_per_call(configs=TRITON_CONFIGS) -> list[dict]:
             out = args.q.new_empty(args.q.shape)
             with compile_only() as compiled, Ops() as ops:
                 triton_backend.extend(args, check=check, out=out, lse=None)
-            rows.append(dict(config=name, check=check, torch_ops=len(ops.names),
-                             kernels=[k for k, _ in compiled]))
+            rows.append(
+                dict(
+                    config=name,
+                    check=check,
+                    torch_ops=len(ops.names),
+                    kernels=[k for k, _ in compiled],
+                )
+            )
     return rows
 
 
 def launches_markdown(rows: list[dict]) -> str:
-    lines = ["## extend launches per call (Triton)", "",
-             "Device launches of one `kvattn.paged_extend` call on the triton backend: host-side torch "
-             "ops that launch a kernel on a GPU (allocations and views launch none), then the Triton "
-             "kernels, counted while the launcher runs.", "",
-             "| config | variant | torch ops | Triton kernels | launches |", "|---|---|---|---|---|"]
+    lines = [
+        "## extend launches per call (Triton)",
+        "",
+        "Device launches of one `kvattn.paged_extend` call on the triton backend: host-side torch "
+        "ops that launch a kernel on a GPU (allocations and views launch none), then the Triton "
+        "kernels, counted while the launcher runs.",
+        "",
+        "| config | variant | torch ops | Triton kernels | launches |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['config']} | {'checked' if r['check'] else 'unchecked'} | {r['torch_ops']} | "
-                     f"{', '.join(r['kernels'])} | {r['torch_ops'] + len(r['kernels'])} |")
+        lines.append(
+            f"| {r['config']} | {'checked' if r['check'] else 'unchecked'} | {r['torch_ops']} | "
+            f"{', '.join(r['kernels'])} | {r['torch_ops'] + len(r['kernels'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 # ---- Output -----------------------------------------------------------------------------------
 
-COLUMNS = [("registers", "regs"), ("local", "local B"), ("shared", "smem B"), ("kv_buffers", "K/V bufs"),
-           ("async_wait_max", "in flight"), ("sass", "SASS"), ("loop_sass", "loop SASS"),
-           ("loop_ldgsts_128", "loop LDGSTS.128"), ("loop_ldg_128", "loop LDG.128"), ("loop_mma", "loop MMA"),
-           ("loop_bar", "loop BAR"), ("loop_membar", "loop MEMBAR")]
+COLUMNS = [
+    ("registers", "regs"),
+    ("local", "local B"),
+    ("shared", "smem B"),
+    ("kv_buffers", "K/V bufs"),
+    ("async_wait_max", "in flight"),
+    ("sass", "SASS"),
+    ("loop_sass", "loop SASS"),
+    ("loop_ldgsts_128", "loop LDGSTS.128"),
+    ("loop_ldg_128", "loop LDG.128"),
+    ("loop_mma", "loop MMA"),
+    ("loop_bar", "loop BAR"),
+    ("loop_membar", "loop MEMBAR"),
+]
 
 
 def markdown(records: list[dict], header: str) -> str:
-    lines = [header, "", "| backend | kernel | config | variant | "
-             + " | ".join(label for _, label in COLUMNS) + " |",
-             "|" + "---|" * (4 + len(COLUMNS))]
+    lines = [
+        header,
+        "",
+        "| backend | kernel | config | variant | "
+        + " | ".join(label for _, label in COLUMNS)
+        + " |",
+        "|" + "---|" * (4 + len(COLUMNS)),
+    ]
     for r in records:
         cells = [str(r.get(key, "")) if r.get(key) is not None else "" for key, _ in COLUMNS]
-        lines.append(f"| {r['backend']} | {r['kernel']} | {r.get('config', '')} | "
-                     f"{'checked' if r['check'] else 'unchecked'} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['backend']} | {r['kernel']} | {r.get('config', '')} | "
+            f"{'checked' if r['check'] else 'unchecked'} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -747,15 +969,28 @@ def main(argv=None) -> int:
     # a subset of the table (KVATTN_CUDA_DTYPES, _HEAD_DIMS, _VARIANTS) says so.
     full = len(INSTANTIATIONS.TABLE)
     cuda_name = ("absent" if not obj.exists() else "_C" if obj == CUDA_MODULE else obj.name) + (
-        f" (a subset: {len(cuda)} of {full} instantiations)" if obj.exists() and len(cuda) < full else "")
-    header = (f"Static sm_90 figures (NOT speed): Triton {triton.__version__}, "
-              f"torch {torch.__version__}, CUDA module {cuda_name}")
+        f" (a subset: {len(cuda)} of {full} instantiations)"
+        if obj.exists() and len(cuda) < full
+        else ""
+    )
+    header = (
+        f"Static sm_90 figures (NOT speed): Triton {triton.__version__}, "
+        f"torch {torch.__version__}, CUDA module {cuda_name}"
+    )
     decode_grid_rows = decode_grids(records)
     launch_rows = [] if args.no_triton else launches_per_call(configs)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(dict(header=header, records=records,
-                                                           decode_grids=decode_grid_rows,
-                                                           extend_launches=launch_rows), indent=1))
+        pathlib.Path(args.json).write_text(
+            json.dumps(
+                dict(
+                    header=header,
+                    records=records,
+                    decode_grids=decode_grid_rows,
+                    extend_launches=launch_rows,
+                ),
+                indent=1,
+            )
+        )
     table = markdown(records, header)
     if decode_grid_rows:
         table += "\n" + grids_markdown(decode_grid_rows)

@@ -21,6 +21,7 @@ names the backend for calls that say ``"auto"``, for every op that backend imple
 lacks stays on auto). A named backend that cannot run the inputs raises ``ValueError`` with its
 reason; it never falls back silently.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -56,9 +57,12 @@ AUTO_ORDER = {
 # the same result in a few tensor ops.
 # The readers' PyTorch ops read only the pages a sequence covers; the reference gathers the whole
 # table per query row and stays the oracle, last.
-AUTO_ORDER_CPU = {**AUTO_ORDER, "write_kv": ("torch",),
-                  "decode": ("cuda", "triton", "torch", "reference"),
-                  "extend": ("cuda", "triton", "torch", "reference")}
+AUTO_ORDER_CPU = {
+    **AUTO_ORDER,
+    "write_kv": ("torch",),
+    "decode": ("cuda", "triton", "torch", "reference"),
+    "extend": ("cuda", "triton", "torch", "reference"),
+}
 _logged: set = set()
 
 
@@ -127,22 +131,27 @@ def select(args, requested: str = "auto", op: str = "decode") -> ModuleType:
     forced = os.environ.get("KVATTN_BACKEND", "auto")
     if requested == "auto" and forced != "auto":
         if forced not in _BACKENDS:
-            raise ValueError(f"KVATTN_BACKEND: expected 'auto' or one of {list(_BACKENDS)}, "
-                             f"got {forced!r}")
+            raise ValueError(
+                f"KVATTN_BACKEND: expected 'auto' or one of {list(_BACKENDS)}, got {forced!r}"
+            )
         module = load(forced)[0]
         if module is None or hasattr(module, op):
             requested, source = forced, "KVATTN_BACKEND"
     if requested != "auto":
         if requested not in _BACKENDS:
-            raise ValueError(f"{source}: expected 'auto' or one of {list(_BACKENDS)}, got {requested!r}")
+            raise ValueError(
+                f"{source}: expected 'auto' or one of {list(_BACKENDS)}, got {requested!r}"
+            )
         module, reason = _why_not(requested, args, op)
         if reason is not None:
             raise ValueError(f"{source}: backend {requested!r} cannot run these inputs: {reason}")
         return module
     name, refused = auto_choice(args, op)
     if name is None:
-        raise ValueError(f"no backend can run {op} on these inputs: "
-                         + "; ".join(f"{n}: {r}" for n, r in refused.items()))
+        raise ValueError(
+            f"no backend can run {op} on these inputs: "
+            + "; ".join(f"{n}: {r}" for n, r in refused.items())
+        )
     device = args.k_cache.device
     key = (op, name, device.type, tuple(sorted(refused.items())))
     if key not in _logged:

@@ -16,6 +16,7 @@ SM times the SMs): every program of a grid of at most one wave runs from the sta
 just past a wave leaves its last programs running nearly alone after the rest have finished
 (:func:`grid_waves`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,7 +34,7 @@ GPU_MIN_CHUNK = 256
 TAIL_MAX = 0.10
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -56,7 +57,9 @@ def split_chunk(seq_len: int, num_splits: int, align: int, min_chunk: int) -> in
     return max(round_up(-(-max(seq_len, 0) // num_splits), align), min_chunk, align)
 
 
-def split_bounds(seq_len: int, num_splits: int, align: int, min_chunk: int) -> list[tuple[int, int]]:
+def split_bounds(
+    seq_len: int, num_splits: int, align: int, min_chunk: int
+) -> list[tuple[int, int]]:
     """``[(start, end)]`` per split; empty ranges (start >= end) do no work."""
     chunk = split_chunk(seq_len, num_splits, align, min_chunk)
     return [(s * chunk, min((s + 1) * chunk, max(seq_len, 0))) for s in range(num_splits)]
@@ -82,8 +85,13 @@ def fit_splits(programs_per_split: int, slots: int, most: int) -> int:
     return next((s for s, tail in tails.items() if tail <= TAIL_MAX), min(tails, key=tails.get))
 
 
-def plan_num_splits(args, align: int, programs_per_sm: int, num_splits: int | None = None,
-                    programs_per_split: int | None = None) -> tuple[int, int]:
+def plan_num_splits(
+    args,
+    align: int,
+    programs_per_sm: int,
+    num_splits: int | None = None,
+    programs_per_split: int | None = None,
+) -> tuple[int, int]:
     """``(num_splits, min_chunk)`` for a decode launch of ``programs_per_split`` programs per split
     (default ``batch * num_kv_heads``). On a GPU: :func:`fit_splits` over the device's resident
     slots, ``programs_per_sm`` (the kernel's occupancy) times the SMs, with no more splits than
@@ -101,9 +109,14 @@ def plan_num_splits(args, align: int, programs_per_sm: int, num_splits: int | No
             num_splits = max(1, min(capacity // 1024, 4))
         else:
             per_split = programs_per_split or args.batch * args.num_kv_heads
-            num_splits = fit_splits(per_split, programs_per_sm * sms,
-                                    min(-(-capacity // min_chunk), MAX_SPLITS))
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 1 <= num_splits <= 65535:
+            num_splits = fit_splits(
+                per_split, programs_per_sm * sms, min(-(-capacity // min_chunk), MAX_SPLITS)
+            )
+    if (
+        not isinstance(num_splits, int)
+        or isinstance(num_splits, bool)
+        or not 1 <= num_splits <= 65535
+    ):
         raise ValueError(f"num_splits: expected an int in [1, 65535], got {num_splits!r}")
     return num_splits, min_chunk
 

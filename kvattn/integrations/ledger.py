@@ -26,6 +26,7 @@ forward begins, a prefix cache hits, a transfer arrives, a request must fail. Th
 
 It knows nothing of any engine's classes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,26 +50,30 @@ class IntegrationError(RuntimeError):
     """An engine was configured in a way its adapter does not support, or called it out of order."""
 
 
-def check_version(adapter: str, engine: str, version: str, supported: Sequence[str],
-                  advice: str) -> None:
+def check_version(
+    adapter: str, engine: str, version: str, supported: Sequence[str], advice: str
+) -> None:
     """Raise RuntimeError unless ``version`` of ``engine`` is one ``adapter`` was tested with: the
     adapters hook private parts of their engines, which change between releases."""
     if version not in supported:
         raise RuntimeError(
             f"kvattn.integrations.{adapter}: {engine} {version} is not supported; the integration "
             f"hooks private parts of the engine and was tested with {list(supported)} only. "
-            f"{advice}")
+            f"{advice}"
+        )
 
 
 def refuse(adapter: str, reasons: Sequence[str], advice: str = "") -> None:
     """Raise :class:`IntegrationError` naming every unsupported part of a configuration at once."""
     if reasons:
-        raise IntegrationError(f"kvattn.integrations.{adapter} does not support "
-                               + "; ".join(reasons) + advice)
+        raise IntegrationError(
+            f"kvattn.integrations.{adapter} does not support " + "; ".join(reasons) + advice
+        )
 
 
-def prefix_digests(tokens, page_size: int, known: list[bytes] | None = None,
-                   domain: bytes = b"") -> list[bytes]:
+def prefix_digests(
+    tokens, page_size: int, known: list[bytes] | None = None, domain: bytes = b""
+) -> list[bytes]:
     """Digest of the token prefix through each full page (a hash chain, like vLLM's block
     hashes); ``known`` digests of the first pages are kept. ``domain`` seeds the chain: KV computed
     under another domain (an adapter, a cache salt) never matches."""
@@ -76,9 +81,9 @@ def prefix_digests(tokens, page_size: int, known: list[bytes] | None = None,
     parent = digests[-1] if digests else domain
     first, end = len(digests), len(tokens) // page_size
     # Only the pages not digested yet are read: a decode step adds at most one.
-    new = torch.as_tensor(list(tokens[first * page_size:end * page_size]), dtype=torch.int64)
+    new = torch.as_tensor(list(tokens[first * page_size : end * page_size]), dtype=torch.int64)
     for i in range(end - first):
-        block = new[i * page_size:(i + 1) * page_size]
+        block = new[i * page_size : (i + 1) * page_size]
         parent = hashlib.blake2b(parent + block.numpy().tobytes(), digest_size=16).digest()
         digests.append(parent)
     return digests
@@ -123,34 +128,70 @@ class Step:
     reports: list = field(default_factory=list)  # (layer name, OwnershipReport)
     drops: list = field(default_factory=list)  # (layer name, drop_reasons [num_slots])
 
-    def write(self, layer: str, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
-              v_pages: torch.Tensor, slots: torch.Tensor, tags: torch.Tensor,
-              **scales) -> WriteResult:
+    def write(
+        self,
+        layer: str,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        slots: torch.Tensor,
+        tags: torch.Tensor,
+        **scales,
+    ) -> WriteResult:
         """One layer's cache write of the step's new tokens (``slots``: ``page * page_size +
         slot`` per token, -1 padding) under each token's request owner: a write into a page its
         request does not hold is dropped and counted against that request."""
         n = slots.shape[0]
-        result = write_kv(k[:n], v[:n], k_pages, v_pages, slots, tags, self.token_owner[:n],
-                          backend=self.write_backend, validate=False, **scales)
+        result = write_kv(
+            k[:n],
+            v[:n],
+            k_pages,
+            v_pages,
+            slots,
+            tags,
+            self.token_owner[:n],
+            backend=self.write_backend,
+            validate=False,
+            **scales,
+        )
         rows = self.token_row.shape[0]
-        self.dropped.index_add_(0, self.token_row,
-                                (result.drop_reasons[:rows] != 0).to(torch.int32))
+        self.dropped.index_add_(
+            0, self.token_row, (result.drop_reasons[:rows] != 0).to(torch.int32)
+        )
         self.drops.append((layer, result.drop_reasons))
         return result
 
-    def attend(self, layer: str, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-               tags: torch.Tensor, **kwargs) -> torch.Tensor:
+    def attend(
+        self,
+        layer: str,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        tags: torch.Tensor,
+        **kwargs,
+    ) -> torch.Tensor:
         """One layer's attention over the step's pages (``kwargs``: ``scale``, ``out`` and the
         switches of :mod:`kvattn.variants`): a causal extend, or a decode when every row has one
         new token; its report is added to the step's."""
         common = dict(check=self.check, backend=self.backend, validate=False, **kwargs)
         if self.decode_only:
-            out, report = api.paged_decode(q, k_pages, v_pages, self.block_table, self.seq_lens,
-                                           tags, self.expected, **common)
+            out, report = api.paged_decode(
+                q, k_pages, v_pages, self.block_table, self.seq_lens, tags, self.expected, **common
+            )
         else:
-            out, report = api.paged_extend(q, k_pages, v_pages, self.cu_seqlens_q,
-                                           self.block_table, self.seq_lens, tags, self.expected,
-                                           causal=True, **common)
+            out, report = api.paged_extend(
+                q,
+                k_pages,
+                v_pages,
+                self.cu_seqlens_q,
+                self.block_table,
+                self.seq_lens,
+                tags,
+                self.expected,
+                causal=True,
+                **common,
+            )
         if report is not None:
             self.refused += report.violations
             self.pages_checked += report.pages_checked
@@ -165,8 +206,16 @@ class Step:
         return sorted(seen)
 
 
-def failure_message(name: str, row: int, token_row: torch.Tensor, drops: list, reports: list,
-                    table: list[int], received: list[str], unit: str = "page") -> str:
+def failure_message(
+    name: str,
+    row: int,
+    token_row: torch.Tensor,
+    drops: list,
+    reports: list,
+    table: list[int],
+    received: list[str],
+    unit: str = "page",
+) -> str:
     """The failure of one request, summed over the layers of a forward: what its transfer did not
     commit (``received``, the adapter's lines), its dropped writes (usually the cause), then its
     refused reads by reason and logical page, with the physical page (``table``: the row's
@@ -193,16 +242,22 @@ def failure_message(name: str, row: int, token_row: torch.Tensor, drops: list, r
     lines = list(received)
     if counted:
         counts = ", ".join(f"{n} {reason}" for reason, n in sorted(counted.items()))
-        lines.append(f"writes: {counts} dropped write(s) of its new tokens, in "
-                     f"{len(drop_layers)} of {len(drops)} layer(s): {names(drop_layers)}")
+        lines.append(
+            f"writes: {counts} dropped write(s) of its new tokens, in "
+            f"{len(drop_layers)} of {len(drops)} layer(s): {names(drop_layers)}"
+        )
     for reason, pages in sorted(reads.items()):
         shown = [("past the table" if p < 0 else f"{p} ({unit} {table[p]})") for p in sorted(pages)]
         more = f", ... ({len(shown) - 8} more)" if len(shown) > 8 else ""
-        lines.append(f"reads: {reason} on logical page(s) {', '.join(shown[:8])}{more}, in "
-                     f"{max(pages.values())} of {len(reports)} layer(s): "
-                     f"{names(read_layers[reason])}")
-    return (f"kvattn ownership check failed for request {name!r}: its KV pages could not be "
-            "proven to hold its own tokens, so the request was stopped.\n" + "\n".join(lines))
+        lines.append(
+            f"reads: {reason} on logical page(s) {', '.join(shown[:8])}{more}, in "
+            f"{max(pages.values())} of {len(reports)} layer(s): "
+            f"{names(read_layers[reason])}"
+        )
+    return (
+        f"kvattn ownership check failed for request {name!r}: its KV pages could not be "
+        "proven to hold its own tokens, so the request was stopped.\n" + "\n".join(lines)
+    )
 
 
 def write_backend_for(backend: str) -> str:
@@ -230,8 +285,14 @@ class Ledger:
     unit = "page"
     lease_type = Lease
 
-    def __init__(self, page_size: int, *, backend: str = "auto", check: bool = True,
-                 prefix_caching: bool = True):
+    def __init__(
+        self,
+        page_size: int,
+        *,
+        backend: str = "auto",
+        check: bool = True,
+        prefix_caching: bool = True,
+    ):
         self.page_size = page_size
         self.backend = backend
         self.check = check
@@ -301,8 +362,9 @@ class Ledger:
         """``owner`` wrote full page ``page``, whose key (prefix digest) is ``key``."""
         self.content[page] = (owner, key)
 
-    def writer_of(self, page: int, key: Hashable,
-                  pending: dict[int, tuple[int, Hashable]] | None = None) -> int | None:
+    def writer_of(
+        self, page: int, key: Hashable, pending: dict[int, tuple[int, Hashable]] | None = None
+    ) -> int | None:
         """The owner a prefix-cache hit on ``page`` must carry for a reader whose key for it is
         ``key``: its writer's, if the writer's key is the same (``pending``: pages written in this
         very step, which every layer stores before it attends); None if nothing proves it."""
@@ -325,11 +387,21 @@ class Ledger:
 
     # -- one forward --------------------------------------------------------------------------
 
-    def start_step(self, ids: list, owners: list[int], q_lens: list[int],
-                   block_table: torch.Tensor, expected: torch.Tensor, seq_lens, *,
-                   names: list[str] | None = None, decode_only: bool | None = None,
-                   cu_seqlens_q: torch.Tensor | None = None, num_slots: int | None = None,
-                   group: int = 0) -> Step:
+    def start_step(
+        self,
+        ids: list,
+        owners: list[int],
+        q_lens: list[int],
+        block_table: torch.Tensor,
+        expected: torch.Tensor,
+        seq_lens,
+        *,
+        names: list[str] | None = None,
+        decode_only: bool | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        num_slots: int | None = None,
+        group: int = 0,
+    ) -> Step:
         """This forward's :class:`Step` of KV cache group ``group``, built on the host: ``ids``
         the lease keys of the rows, ``owners`` their owners (0: no lease), ``q_lens`` their new
         tokens, ``block_table``/``expected`` ``[B, W]`` (moved to the table's device),
@@ -339,8 +411,9 @@ class Ledger:
         counts = torch.tensor(q_lens, dtype=torch.int64)
         total = int(counts.sum())
         token_owner = torch.zeros(max(total, num_slots or 0), dtype=torch.int64)
-        token_owner[:total] = torch.repeat_interleave(torch.tensor(owners, dtype=torch.int64),
-                                                      counts)
+        token_owner[:total] = torch.repeat_interleave(
+            torch.tensor(owners, dtype=torch.int64), counts
+        )
         if cu_seqlens_q is None:
             cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
             cu[1:] = torch.cumsum(counts, 0)
@@ -349,23 +422,32 @@ class Ledger:
             seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         batch = len(q_lens)
         step = Step(
-            ids=list(ids), names=[str(i) for i in ids] if names is None else list(names),
+            ids=list(ids),
+            names=[str(i) for i in ids] if names is None else list(names),
             decode_only=all(n == 1 for n in q_lens) if decode_only is None else decode_only,
-            block_table=block_table, expected=expected.to(device), seq_lens=seq_lens,
-            cu_seqlens_q=cu_seqlens_q, token_owner=token_owner.to(device),
+            block_table=block_table,
+            expected=expected.to(device),
+            seq_lens=seq_lens,
+            cu_seqlens_q=cu_seqlens_q,
+            token_owner=token_owner.to(device),
             token_row=torch.repeat_interleave(torch.arange(batch), counts).to(device),
             refused=torch.zeros(batch, dtype=torch.int32, device=device),
             dropped=torch.zeros(batch, dtype=torch.int32, device=device),
             pages_checked=torch.zeros(batch, dtype=torch.int32, device=device),
-            backend=self.backend, write_backend=write_backend_for(self.backend), check=self.check)
+            backend=self.backend,
+            write_backend=write_backend_for(self.backend),
+            check=self.check,
+        )
         self.steps[group] = step
         return step
 
     def step(self, group: int = 0) -> Step:
         step = self.steps.get(group)
         if step is None:
-            raise IntegrationError(f"kvattn.integrations.{self.adapter}: a cache write or "
-                                   "attention call came outside a forward; no request owns it")
+            raise IntegrationError(
+                f"kvattn.integrations.{self.adapter}: a cache write or "
+                "attention call came outside a forward; no request owns it"
+            )
         return step
 
     def finish(self) -> dict[Hashable, tuple[Step, int, str]]:
@@ -378,9 +460,11 @@ class Ledger:
             return {}
         self.forwards += 1
         groups = sorted(steps)
-        sums = [t for g in groups
-                for t in (steps[g].refused.sum(), steps[g].dropped.sum(),
-                          steps[g].pages_checked.sum())]
+        sums = [
+            t
+            for g in groups
+            for t in (steps[g].refused.sum(), steps[g].dropped.sum(), steps[g].pages_checked.sum())
+        ]
         totals = torch.stack([t.to(torch.int64) for t in sums]).tolist()
         refused, dropped = sum(totals[0::3]), sum(totals[1::3])
         self.counts["refused_pages"] += refused
@@ -395,9 +479,16 @@ class Ledger:
                 key = step.ids[row]
                 if key is None or key in failed:
                     continue
-                message = failure_message(step.names[row], row, step.token_row, step.drops,
-                                          step.reports, step.block_table[row].tolist(),
-                                          self.receive_notes.get(key, []), unit=self.unit)
+                message = failure_message(
+                    step.names[row],
+                    row,
+                    step.token_row,
+                    step.drops,
+                    step.reports,
+                    step.block_table[row].tolist(),
+                    self.receive_notes.get(key, []),
+                    unit=self.unit,
+                )
                 failed[key] = (step, row, message)
                 self.failures.append((step.names[row], message))
                 logger.error("%s", message)
@@ -416,26 +507,54 @@ class Ledger:
             if n == P and i < len(keys):
                 out.append(keys[i])
                 continue
-            part = tokens[i * P: i * P + n]
+            part = tokens[i * P : i * P + n]
             parent = keys[i - 1] if 0 < i <= len(keys) else b""
-            out.append(hashlib.blake2b(parent + torch.tensor(part, dtype=torch.int64).numpy()
-                                       .tobytes(), digest_size=16).digest())
+            out.append(
+                hashlib.blake2b(
+                    parent + torch.tensor(part, dtype=torch.int64).numpy().tobytes(), digest_size=16
+                ).digest()
+            )
         return out
 
-    def attest(self, owners: list[int], pages: list[int], indices: list[int], tokens: list[int],
-               k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], *,
-               digests: bool = True) -> list[PageAttestation]:
+    def attest(
+        self,
+        owners: list[int],
+        pages: list[int],
+        indices: list[int],
+        tokens: list[int],
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        *,
+        digests: bool = True,
+    ) -> list[PageAttestation]:
         """The sending side: what this ledger's tags say ``pages`` (logical pages ``indices`` of a
         request whose tokens are ``tokens``; ``owners`` the owner each must carry) hold."""
         # The lengths first: each page's context covers the tokens its tags hold.
-        lens = [a.valid_len for a in attest_pages(self.tags, owners, pages, k_pools, v_pools,
-                                                  digests=False)]
-        return attest_pages(self.tags, owners, pages, k_pools, v_pools, digests=digests,
-                            contexts=self.contexts(tokens, indices, lens))
+        lens = [
+            a.valid_len
+            for a in attest_pages(self.tags, owners, pages, k_pools, v_pools, digests=False)
+        ]
+        return attest_pages(
+            self.tags,
+            owners,
+            pages,
+            k_pools,
+            v_pools,
+            digests=digests,
+            contexts=self.contexts(tokens, indices, lens),
+        )
 
-    def verify(self, attested: list | None, indices: list[int], pages: list[int],
-               tokens: list[int], k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], *,
-               check_bytes: bool = True) -> tuple[list[int], list[str | None]]:
+    def verify(
+        self,
+        attested: list | None,
+        indices: list[int],
+        pages: list[int],
+        tokens: list[int],
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        *,
+        check_bytes: bool = True,
+    ) -> tuple[list[int], list[str | None]]:
         """The receiving side: ``pages`` (the request's logical pages ``indices``) arrived, each
         to be verified against the sender's attestation of the page it came from (``attested``:
         JSON values aligned with ``pages``, None where none came) in the context of the receiver's
@@ -450,12 +569,26 @@ class Ledger:
                 except ValueError:
                     malformed.add(j)
         contexts = self.contexts(tokens, indices, [c.valid_len if c else 0 for c in claims])
-        lens, reasons = verify_arrived(claims, pages, k_pools, v_pools, check_bytes=check_bytes,
-                                       contexts=contexts)
-        return lens, ["malformed attestation" if j in malformed
-                      else why if why is not None or n else "the sender attests no written slot"
-                      for j, (why, n) in enumerate(zip(reasons, lens))]
+        lens, reasons = verify_arrived(
+            claims, pages, k_pools, v_pools, check_bytes=check_bytes, contexts=contexts
+        )
+        return lens, [
+            "malformed attestation"
+            if j in malformed
+            else why
+            if why is not None or n
+            else "the sender attests no written slot"
+            for j, (why, n) in enumerate(zip(reasons, lens))
+        ]
 
 
-__all__ = ["IntegrationError", "Lease", "Ledger", "Step", "check_version", "failure_message",
-           "prefix_digests", "refuse"]
+__all__ = [
+    "IntegrationError",
+    "Lease",
+    "Ledger",
+    "Step",
+    "check_version",
+    "failure_message",
+    "prefix_digests",
+    "refuse",
+]

@@ -59,6 +59,7 @@ attention, encoder-decoder and cross attention; in prefill/decode disaggregation
 backends other than ``mooncake`` and ``fake``, tensor and pipeline parallelism, staging buffers;
 beam-search requests are refused one by one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,7 +69,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import sglang_transfer
-from .ledger import IntegrationError, Lease, Ledger, check_version as _check_version, refuse
+from .ledger import IntegrationError, Lease, Ledger, refuse
+from .ledger import check_version as _check_version
 
 SUPPORTED_VERSIONS = ("0.5.23",)
 BACKEND_NAME = "kvattn"
@@ -82,9 +84,15 @@ def check_version(version: str | None = None) -> None:
     """Raise RuntimeError unless the installed SGLang (or ``version``) is a tested one."""
     if version is None:
         import sglang
+
         version = sglang.__version__
-    _check_version("sglang", "SGLang", version, SUPPORTED_VERSIONS,
-                   "Install one of those, or choose another --attention-backend.")
+    _check_version(
+        "sglang",
+        "SGLang",
+        version,
+        SUPPORTED_VERSIONS,
+        "Install one of those, or choose another --attention-backend.",
+    )
 
 
 def commit_transfer_hook(original, queue, decode_req, *args, **kwargs):
@@ -110,8 +118,8 @@ def fused_write_hook(original, *args, **kwargs):
     """Around ``sglang.srt.models.utils.enable_fused_set_kv_buffer``: models whose rotary kernel
     can store K/V itself (Qwen3-MoE, gpt-oss, ...) do so past ``set_kv_buffer``, and their pages
     would never be stamped; under kvattn they write through the pool instead."""
-    from sglang.srt.model_executor.forward_context import (get_token_to_kv_pool,
-                                                           has_forward_context)
+    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool, has_forward_context
+
     if has_forward_context() and _kvattn_pool(get_token_to_kv_pool()):
         return False
     return original(*args, **kwargs)
@@ -122,8 +130,10 @@ def beam_hook(original, coordinator, req, *args, **kwargs):
     without a request (``alloc_rows``), so no lease could hold their pages; refused, saying why."""
     pool = getattr(getattr(coordinator, "tree_cache", None), "req_to_token_pool", None)
     if pool is not None and state_for(pool) is not None:
-        return ("Beam search is not supported with --attention-backend kvattn (its member rows "
-                "are taken without a request, so no ownership lease covers their pages).")
+        return (
+            "Beam search is not supported with --attention-backend kvattn (its member rows "
+            "are taken without a request, so no ownership lease covers their pages)."
+        )
     return original(coordinator, req, *args, **kwargs)
 
 
@@ -143,6 +153,7 @@ def decode_outputs_hook(original, processor, *args, **kwargs):
 
 def _aborted(req) -> bool:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
     return isinstance(req.finished_reason, FINISH_ABORT) or isinstance(req.to_finish, FINISH_ABORT)
 
 
@@ -180,18 +191,23 @@ def attach(runner) -> SGLangOwnership:
         _STATES[id(runner.req_to_token_pool)] = state
         logging.getLogger("sglang.kvattn").info(
             "kvattn: ownership-checked attention (page size %d, kvattn backend %r)",
-            state.page_size, state.backend)
+            state.page_size,
+            state.backend,
+        )
     return state
 
 
 def _refuse_unsupported(runner) -> None:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
     pool = runner.token_to_kv_pool
     args = runner.server_args
     reasons = []
     if type(pool) is not MHATokenToKVPool:
-        reasons.append(f"KV pool {type(pool).__name__} (MHATokenToKVPool only: MLA, hybrid, "
-                       f"quantized and page-major pools are not followed)")
+        reasons.append(
+            f"KV pool {type(pool).__name__} (MHATokenToKVPool only: MLA, hybrid, "
+            f"quantized and page-major pools are not followed)"
+        )
     elif pool.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         reasons.append(f"KV cache dtype {pool.dtype} (the model's float dtype only)")
     elif pool.kv_cache_layout != "nhd":
@@ -201,8 +217,10 @@ def _refuse_unsupported(runner) -> None:
     if getattr(args, "speculative_algorithm", None):
         reasons.append("speculative decoding")
     if not getattr(args, "disable_cuda_graph", False):
-        reasons.append("CUDA graphs (start with --disable-cuda-graph: the ledger resolves each "
-                       "forward on the host, which a replayed graph skips)")
+        reasons.append(
+            "CUDA graphs (start with --disable-cuda-graph: the ledger resolves each "
+            "forward on the host, which a replayed graph skips)"
+        )
     if getattr(args, "enable_dp_attention", False):
         reasons.append("DP attention (padded idle batches)")
     if getattr(runner.model_config, "is_encoder_decoder", False):
@@ -218,17 +236,25 @@ def _disaggregation_refusals(mode: str, transfer: str, args) -> list[str]:
     """What the attestation (:mod:`kvattn.integrations.sglang_transfer`) does not cover yet."""
     reasons = []
     if transfer not in TRANSFER_BACKENDS:
-        reasons.append(f"a {mode} instance on transfer backend {transfer!r} (attested transfers "
-                       f"run on {', '.join(map(repr, TRANSFER_BACKENDS))})")
+        reasons.append(
+            f"a {mode} instance on transfer backend {transfer!r} (attested transfers "
+            f"run on {', '.join(map(repr, TRANSFER_BACKENDS))})"
+        )
     if getattr(args, "tp_size", 1) > 1:
-        reasons.append(f"tensor parallelism in a {mode} instance (each rank would attest and "
-                       "commit its own heads' pages; not covered yet)")
+        reasons.append(
+            f"tensor parallelism in a {mode} instance (each rank would attest and "
+            "commit its own heads' pages; not covered yet)"
+        )
     if getattr(args, "pp_size", 1) > 1:
-        reasons.append(f"pipeline parallelism in a {mode} instance (layers split across ranks; "
-                       "not covered yet)")
+        reasons.append(
+            f"pipeline parallelism in a {mode} instance (layers split across ranks; "
+            "not covered yet)"
+        )
     if os.environ.get("SGLANG_DISAGG_STAGING_BUFFER", "").strip().lower() in ("1", "true"):
-        reasons.append("staging buffers (SGLANG_DISAGG_STAGING_BUFFER: pages reach the decode's "
-                       "pool by a scatter the attestation does not follow)")
+        reasons.append(
+            "staging buffers (SGLANG_DISAGG_STAGING_BUFFER: pages reach the decode's "
+            "pool by a scatter the attestation does not follow)"
+        )
     return reasons
 
 
@@ -252,9 +278,11 @@ class SGLangOwnership(Ledger):
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.token_to_kv_pool
         self.allocator = runner.token_to_kv_pool_allocator
-        super().__init__(int(self.kv_pool.page_size), backend=os.environ.get(BACKEND_ENV, "auto"),
-                         prefix_caching=not getattr(runner.server_args, "disable_radix_cache",
-                                                    False))
+        super().__init__(
+            int(self.kv_pool.page_size),
+            backend=os.environ.get(BACKEND_ENV, "auto"),
+            prefix_caching=not getattr(runner.server_args, "disable_radix_cache", False),
+        )
         slots = self.kv_pool.k_buffer[0].shape[0]
         self.num_pages = slots // self.page_size
         self.allocate_tags(self.kv_pool.layer_num, self.num_pages, self.kv_pool.k_buffer[0].device)
@@ -287,10 +315,12 @@ class SGLangOwnership(Ledger):
 
         pool.alloc, pool.free = alloc_hook, free_hook
         if free_rows is not None:
+
             def free_rows_hook(indices):
                 for row in indices:
                     self.close_lease(int(row))
                 return free_rows(indices)
+
             pool.free_rows = free_rows_hook
         # Every path that frees pages ends here: the paged allocator's page ids, or the token
         # allocator's slots (one slot per page) outside a free group.
@@ -300,6 +330,7 @@ class SGLangOwnership(Ledger):
             def release_hook(*page_ids):
                 self._freed(torch.cat([p.reshape(-1) for p in page_ids]) if page_ids else None)
                 return release(*page_ids)
+
             allocator._release_page_ids = release_hook
         else:
             token_free = allocator.free
@@ -308,6 +339,7 @@ class SGLangOwnership(Ledger):
                 if allocator.free_group is None:
                     self._freed(free_index)
                 return token_free(free_index)
+
             allocator.free = token_free_hook
         kv.set_kv_buffer = self.set_kv_buffer
 
@@ -342,7 +374,7 @@ class SGLangOwnership(Ledger):
         del tokens[computed:]
         if len(tokens) < computed:
             req = lease.req
-            tokens += (list(req.origin_input_ids) + list(req.output_ids))[len(tokens):computed]
+            tokens += (list(req.origin_input_ids) + list(req.output_ids))[len(tokens) : computed]
         tokens += new
         return tokens
 
@@ -355,8 +387,9 @@ class SGLangOwnership(Ledger):
         req_to_token = self.req_pool.req_to_token
         index = torch.tensor(rows, dtype=torch.int64, device=req_to_token.device)
         cols = min(width * P, req_to_token.shape[1])
-        slots = torch.full((len(rows), width * P), -1, dtype=torch.int64,
-                           device=req_to_token.device)
+        slots = torch.full(
+            (len(rows), width * P), -1, dtype=torch.int64, device=req_to_token.device
+        )
         slots[:, :cols] = req_to_token[index, :cols].to(torch.int64)
         slots = slots.view(len(rows), width, P)  # [B, W, P]
         pages = torch.div(slots[:, :, 0], P, rounding_mode="floor")  # [B, W]
@@ -371,8 +404,10 @@ class SGLangOwnership(Ledger):
         """The ownership inputs of this forward (``fb``: SGLang's ForwardBatch), resolved on the
         host: each lease's pages against its row, hits against the pages' writers."""
         rows = [int(r) for r in fb.req_pool_indices.tolist()]
-        seq_lens = [int(n) for n in (fb.seq_lens_cpu if fb.seq_lens_cpu is not None
-                                     else fb.seq_lens).tolist()]
+        seq_lens = [
+            int(n)
+            for n in (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
+        ]
         decode = fb.forward_mode.is_decode()
         q_lens = [1] * len(rows) if decode else [int(n) for n in fb.extend_seq_lens_cpu]
         table = self._table(rows, seq_lens)
@@ -392,28 +427,50 @@ class SGLangOwnership(Ledger):
                 continue
             owners[b], keys[b], names[b] = lease.owner, row, lease.req.rid
             computed = seq_lens[b] - q_lens[b]
-            tokens = self._tokens(lease, computed, ids[starts[b]:starts[b + 1]])
-            self._sync(lease, tokens, pages[b][: -(-seq_lens[b] // self.page_size)], computed,
-                       seq_lens[b], reserve, written)
+            tokens = self._tokens(lease, computed, ids[starts[b] : starts[b + 1]])
+            self._sync(
+                lease,
+                tokens,
+                pages[b][: -(-seq_lens[b] // self.page_size)],
+                computed,
+                seq_lens[b],
+                reserve,
+                written,
+            )
             expected[b, : len(lease.expected[0])] = torch.tensor(lease.expected[0][:width])
         self._reserve(reserve, written)
         device = fb.seq_lens.device
-        self.start_step(keys, owners, q_lens, table.to(device), expected, seq_lens, names=names,
-                        decode_only=decode)
+        self.start_step(
+            keys,
+            owners,
+            q_lens,
+            table.to(device),
+            expected,
+            seq_lens,
+            names=names,
+            decode_only=decode,
+        )
 
-    def _sync(self, lease: _Lease, tokens: list[int], pages: list[int], computed: int,
-              seq_len: int, reserve: dict[int, list[int]],
-              written: dict[int, tuple[int, bytes]]) -> None:
+    def _sync(
+        self,
+        lease: _Lease,
+        tokens: list[int],
+        pages: list[int],
+        computed: int,
+        seq_len: int,
+        reserve: dict[int, list[int]],
+        written: dict[int, tuple[int, bytes]],
+    ) -> None:
         """Bring ``lease`` up to its row's ``pages`` (a forward over ``seq_len`` tokens whose first
         ``computed`` are already in the cache): a page at a position of its new tokens is its own
         (to ``reserve`` unless it holds it); a page of computed tokens it does not hold is a hit
         (:meth:`Ledger.hit_owner`). The full pages it writes go to ``written``."""
         P = self.page_size
         held_pages, expected = lease.pages[0], lease.expected[0]
-        del lease.keys[len(tokens) // P:]
+        del lease.keys[len(tokens) // P :]
         if self.prefix_caching and len(lease.keys) < len(tokens) // P:
             lease.keys = self.digests(tokens, lease.keys)
-        del held_pages[len(pages):], expected[len(pages):]
+        del held_pages[len(pages) :], expected[len(pages) :]
         # A row usually changes only past what the lease held (one compare, in C); SGLang rewrites
         # earlier entries when the radix cache dedups a chunk, and then every entry is compared.
         held = len(held_pages)
@@ -447,40 +504,68 @@ class SGLangOwnership(Ledger):
         local = layer_id - self.kv_pool.start_layer
         n = self.num_pages * self.page_size
         k, v = self.kv_pool.k_buffer[local], self.kv_pool.v_buffer[local]
-        return (k[:n].view(self.num_pages, self.page_size, *k.shape[1:]),
-                v[:n].view(self.num_pages, self.page_size, *v.shape[1:]))
+        return (
+            k[:n].view(self.num_pages, self.page_size, *k.shape[1:]),
+            v[:n].view(self.num_pages, self.page_size, *v.shape[1:]),
+        )
 
     def layer_tags(self, layer_id: int) -> torch.Tensor:
         return self.tags[layer_id - self.kv_pool.start_layer]
 
-    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None,
-                      layer_id_override=None, dcp_kv_mask=None) -> None:
+    def set_kv_buffer(
+        self,
+        layer,
+        loc_info,
+        cache_k,
+        cache_v,
+        k_scale=None,
+        v_scale=None,
+        layer_id_override=None,
+        dcp_kv_mask=None,
+    ) -> None:
         """In place of the pool's ``set_kv_buffer``: kvattn's append and stamp, under the owner of
         each token's request in this forward."""
         from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
+
         step = self.step()
         if k_scale is not None or v_scale is not None or dcp_kv_mask is not None:
-            raise IntegrationError("kvattn.integrations.sglang: scaled or masked KV writes are "
-                                   "not supported")
+            raise IntegrationError(
+                "kvattn.integrations.sglang: scaled or masked KV writes are not supported"
+            )
         loc, _, _ = unwrap_write_loc(loc_info)
         if loc.shape[0] != step.token_row.shape[0]:
-            raise IntegrationError(f"kvattn.integrations.sglang: {loc.shape[0]} KV slots written "
-                                   f"for a forward of {step.token_row.shape[0]} tokens")
+            raise IntegrationError(
+                f"kvattn.integrations.sglang: {loc.shape[0]} KV slots written "
+                f"for a forward of {step.token_row.shape[0]} tokens"
+            )
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
         k_pages, v_pages = self.pools(layer_id)
         heads, dim = k_pages.shape[2], k_pages.shape[3]
-        step.write(f"layer {layer_id}", cache_k.reshape(-1, heads, dim).to(k_pages.dtype),
-                   cache_v.reshape(-1, heads, v_pages.shape[3]).to(v_pages.dtype),
-                   k_pages, v_pages, loc, self.layer_tags(layer_id))
+        step.write(
+            f"layer {layer_id}",
+            cache_k.reshape(-1, heads, dim).to(k_pages.dtype),
+            cache_v.reshape(-1, heads, v_pages.shape[3]).to(v_pages.dtype),
+            k_pages,
+            v_pages,
+            loc,
+            self.layer_tags(layer_id),
+        )
 
     def attend(self, q, layer, out) -> None:
         """Layer ``layer``'s attention of this forward into ``out`` ([T, Hq, Dv])."""
         k_pages, v_pages = self.pools(layer.layer_id)
         window = layer.sliding_window_size
-        self.step().attend(f"layer {layer.layer_id}", q, k_pages, v_pages,
-                           self.layer_tags(layer.layer_id), scale=float(layer.scaling), out=out,
-                           logits_soft_cap=float(layer.logit_cap or 0.0),
-                           window_left=window if window is not None and window > -1 else -1)
+        self.step().attend(
+            f"layer {layer.layer_id}",
+            q,
+            k_pages,
+            v_pages,
+            self.layer_tags(layer.layer_id),
+            scale=float(layer.scaling),
+            out=out,
+            logits_soft_cap=float(layer.logit_cap or 0.0),
+            window_left=window if window is not None and window > -1 else -1,
+        )
 
     def end_forward(self) -> dict[str, str]:
         """After the forward: abort the requests with refused pages or dropped writes (one read);
@@ -491,6 +576,7 @@ class SGLangOwnership(Ledger):
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
         out = {}
         for row, (_, _, message) in failed.items():
             lease = self.leases.get(row)
@@ -501,24 +587,29 @@ class SGLangOwnership(Ledger):
             # output is dropped, the request finishes with the reason (an error status), and its
             # KV is not put in the radix cache.
             lease.req.discard_output_reason = FINISH_ABORT(
-                message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVOwnershipError")
+                message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVOwnershipError"
+            )
             lease.req.skip_radix_cache_insert = True
         return out
 
     # -- KV that arrived by a transfer --------------------------------------------------------
 
-    def attest_sent(self, req, indices: list[int], pages: list[int], *,
-                    digests: bool = True) -> dict[int, list]:
+    def attest_sent(
+        self, req, indices: list[int], pages: list[int], *, digests: bool = True
+    ) -> dict[int, list]:
         """The prefill side: ``pages`` (logical pages ``indices`` of ``req``) are about to be sent.
         Per logical page, ``[valid_len, digest]`` from this ledger's tags under the owner the
         request expects there (a radix hit: its writer's); a page the request's lease does not
         map there attests nothing (0)."""
         lease = self.leases.get(req.kv.req_pool_idx)
         held = lease.pages[0] if lease is not None else []
-        owners = [lease.expected[0][i] if lease is not None and i < len(held) and held[i] == p
-                  else 0 for i, p in zip(indices, pages)]
-        attested = self.attest(owners, pages, indices, list(req.origin_input_ids),
-                               *self._all_pools(), digests=digests)
+        owners = [
+            lease.expected[0][i] if lease is not None and i < len(held) and held[i] == p else 0
+            for i, p in zip(indices, pages)
+        ]
+        attested = self.attest(
+            owners, pages, indices, list(req.origin_input_ids), *self._all_pools(), digests=digests
+        )
         self.counts["attested_pages"] += len(pages)
         return {i: a.to_json() for i, a in zip(indices, attested)}
 
@@ -548,8 +639,11 @@ class SGLangOwnership(Ledger):
         self._sync(lease, tokens, pages, computed, computed, reserve, {})
         self._reserve(reserve, {})
         P = self.page_size
-        own = [i for i, page in enumerate(pages)
-               if page >= 0 and lease.expected[0][i] == lease.owner and i * P >= computed]
+        own = [
+            i
+            for i, page in enumerate(pages)
+            if page >= 0 and lease.expected[0][i] == lease.owner and i * P >= computed
+        ]
         if frames is None:
             count, how = received_tokens(receiver)
             end = min(total, computed + max(0, count))
@@ -566,8 +660,9 @@ class SGLangOwnership(Ledger):
                     self.remember(pages[i], lease.owner, lease.keys[i])
         self.receive_notes[row] = [f"received: {note}; {len(commit)} page(s) committed"]
 
-    def _verified(self, frames: list[bytes], own: list[int], pages: list[int],
-                  prompt: list[int]) -> tuple[dict[int, int], str]:
+    def _verified(
+        self, frames: list[bytes], own: list[int], pages: list[int], prompt: list[int]
+    ) -> tuple[dict[int, int], str]:
         """Per logical page of ``own``, the length the prefill's attestation proves here (pages
         it does not prove are left out), and a line saying what arrived."""
         claims, why = sglang_transfer.parse(frames)
@@ -575,11 +670,19 @@ class SGLangOwnership(Ledger):
         if claims is None:
             self.counts["received_pages_refused"] += len(own)
             return {}, why
-        lens, reasons = self.verify([claims.get(i) for i in own], own, [pages[i] for i in own],
-                                    prompt, *self._all_pools(),
-                                    check_bytes=sglang_transfer.check_bytes())
-        refused = [f"logical page {i} (page {pages[i]}): {why}"
-                   for i, why in zip(own, reasons) if why is not None]
+        lens, reasons = self.verify(
+            [claims.get(i) for i in own],
+            own,
+            [pages[i] for i in own],
+            prompt,
+            *self._all_pools(),
+            check_bytes=sglang_transfer.check_bytes(),
+        )
+        refused = [
+            f"logical page {i} (page {pages[i]}): {why}"
+            for i, why in zip(own, reasons)
+            if why is not None
+        ]
         self.counts["received_pages_committed"] += sum(1 for n in lens if n)
         self.counts["received_pages_refused"] += len(refused)
         note = f"attestation of {len(claims)} page(s) from the prefill"
@@ -588,7 +691,18 @@ class SGLangOwnership(Ledger):
             note += f"; not committed: {'; '.join(refused[:8])}{more}"
         return {i: n for i, n in zip(own, lens) if n}, note
 
-__all__ = ["BACKEND_NAME", "SUPPORTED_VERSIONS", "IntegrationError", "SGLangOwnership", "attach",
-           "beam_hook", "check_version", "commit_transfer_hook", "decode_outputs_hook",
-           "fused_write_hook",
-           "received_tokens", "state_for"]
+
+__all__ = [
+    "BACKEND_NAME",
+    "SUPPORTED_VERSIONS",
+    "IntegrationError",
+    "SGLangOwnership",
+    "attach",
+    "beam_hook",
+    "check_version",
+    "commit_transfer_hook",
+    "decode_outputs_hook",
+    "fused_write_hook",
+    "received_tokens",
+    "state_for",
+]

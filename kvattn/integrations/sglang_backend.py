@@ -8,6 +8,7 @@ ledger reads off ``req_to_token``, checked against the owners of
 Imported by SGLang's plugin loader (the ``sglang.srt.plugins`` entry point), so only where SGLang
 is installed.
 """
+
 from __future__ import annotations
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -34,6 +35,7 @@ class KVAttnSGLangBackend(AttentionBackend):
                 return forward(*args, **kwargs)
             finally:
                 self.state.end_forward()
+
         # The scheduler reads the requests' state after the runner's forward: a request failed
         # here is aborted before its token is processed.
         model_runner.forward = forward_hook
@@ -45,7 +47,8 @@ class KVAttnSGLangBackend(AttentionBackend):
         if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
             raise integration.IntegrationError(
                 f"kvattn.integrations.sglang supports decoder self-attention only, got layer "
-                f"{layer.layer_id} of type {layer.attn_type}")
+                f"{layer.layer_id} of type {layer.attn_type}"
+            )
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool):
         self._refuse(layer)
@@ -73,13 +76,17 @@ def register() -> None:
     hooks that act only on engines whose backend is kvattn's: the decode side's transfer commit,
     the transfer attestation on the prefill -> decode channel
     (:mod:`kvattn.integrations.sglang_transfer`), models' fused rotary-and-KV writes (which would
-    bypass the pool's ``set_kv_buffer``) turned off, beam requests refused. A version of SGLang other than a tested one is refused when
+    bypass the pool's ``set_kv_buffer``) turned off, beam requests refused. A version of SGLang
+    other than a tested one is refused when
     ``kvattn`` is selected, with the reason, so that installing kvattn breaks no other backend.
     Idempotent.
     """
-    from sglang.srt.layers.attention.attention_registry import (ATTENTION_BACKENDS,
-                                                                 register_attention_backend)
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
     name = integration.BACKEND_NAME
     if name not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([name])
@@ -95,16 +102,24 @@ def register() -> None:
     import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
     import sglang.srt.models.utils  # noqa: F401
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
     for target, hook in (
-            ("sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
-             integration.commit_transfer_hook),
-            ("sglang.srt.models.utils.enable_fused_set_kv_buffer", integration.fused_write_hook),
-            ("sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init",
-             integration.beam_hook),
-            ("sglang.srt.managers.scheduler_components.batch_result_processor."
-             "SchedulerBatchResultProcessor._normalize_decode_outputs",
-             integration.decode_outputs_hook),
-            *sglang_transfer.HOOKS):
+        (
+            "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req",
+            integration.commit_transfer_hook,
+        ),
+        ("sglang.srt.models.utils.enable_fused_set_kv_buffer", integration.fused_write_hook),
+        (
+            "sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init",
+            integration.beam_hook,
+        ),
+        (
+            "sglang.srt.managers.scheduler_components.batch_result_processor."
+            "SchedulerBatchResultProcessor._normalize_decode_outputs",
+            integration.decode_outputs_hook,
+        ),
+        *sglang_transfer.HOOKS,
+    ):
         HookRegistry.register(target, hook, HookType.AROUND)
 
 

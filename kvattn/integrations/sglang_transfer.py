@@ -31,6 +31,7 @@ Attestation digests are on by default; ``KVATTN_SGLANG_CHECK_BYTES=0`` on both i
 them out (the ownership half of the check: lengths from the sender's tags, bytes trusted to the
 transport; ``docs/transfer.md``).
 """
+
 from __future__ import annotations
 
 import json
@@ -80,6 +81,7 @@ def _any_ledger() -> bool:
 
 # -- prefill side -------------------------------------------------------------------------------
 
+
 def send_chunk_hook(original, scheduler, req, *args, **kwargs):
     """Around ``_send_kv_chunk``: the request whose pages the sender is about to be given."""
     state = _ledger_of(scheduler)
@@ -98,10 +100,13 @@ def sender_send_hook(original, sender, kv_indices, *args, **kwargs):
         state, req = current
         pages = [int(p) for p in kv_indices]
         first = int(req.start_send_idx) // state.page_size
-        attested = state.attest_sent(req, list(range(first, first + len(pages))), pages,
-                                     digests=check_bytes())
+        attested = state.attest_sent(
+            req, list(range(first, first + len(pages))), pages, digests=check_bytes()
+        )
         with _lock:
-            _pending.setdefault((id(sender.kv_mgr), int(sender.bootstrap_room)), {}).update(attested)
+            _pending.setdefault((id(sender.kv_mgr), int(sender.bootstrap_room)), {}).update(
+                attested
+            )
     return original(sender, kv_indices, *args, **kwargs)
 
 
@@ -109,6 +114,7 @@ def status_hook(original, manager, *args, **kwargs):
     """Around ``CommonKVManager.send_kv_status_message``: a room's attestation goes out on the
     same sockets just before its Success; a Failed drops it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
+
     room, status = kwargs.get("bootstrap_room"), kwargs.get("status")
     targets = kwargs.get("targets") or []
     if room is not None and status in (KVPoll.Success, KVPoll.Failed):
@@ -121,17 +127,27 @@ def status_hook(original, manager, *args, **kwargs):
 
 def _send_frame(manager, room: int, pages: dict[int, list], targets) -> None:
     from sglang.srt.utils.network import NetworkAddress
-    payload = json.dumps({"v": FORMAT_VERSION,
-                          "pages": [[i, *pages[i]] for i in sorted(pages)]}).encode()
-    frame = [ATTEST_TAG, str(room).encode("ascii"),
-             str(manager._prefill_unique_rank()).encode("ascii"), payload]
+
+    payload = json.dumps(
+        {"v": FORMAT_VERSION, "pages": [[i, *pages[i]] for i in sorted(pages)]}
+    ).encode()
+    frame = [
+        ATTEST_TAG,
+        str(room).encode("ascii"),
+        str(manager._prefill_unique_rank()).encode("ascii"),
+        payload,
+    ]
     for endpoint, port in targets:
         address = NetworkAddress(endpoint, port)
         try:
             manager._send_multipart_locked(address.to_tcp(), frame, is_ipv6=address.is_ipv6)
         except Exception as e:  # the decode then commits nothing for the room: fails closed
-            logger.warning("kvattn: the attestation of room %s did not go to %s: %s", room,
-                           address.to_host_port_str(), e)
+            logger.warning(
+                "kvattn: the attestation of room %s did not go to %s: %s",
+                room,
+                address.to_host_port_str(),
+                e,
+            )
 
 
 def sender_clear_hook(original, sender, *args, **kwargs):
@@ -144,6 +160,7 @@ def sender_clear_hook(original, sender, *args, **kwargs):
 
 
 # -- decode side --------------------------------------------------------------------------------
+
 
 def parse_status_hook(original, manager, msg, *args, **kwargs):
     """Around ``CommonKVManager.parse_kv_status_message``: an attestation frame is kept for its
@@ -175,6 +192,7 @@ def take(receiver) -> list[bytes] | None:
     """The attestation payloads that arrived for ``receiver``'s room, once; None for a receiver
     that is not a transfer engine's (SGLang's fake backend, a counting test receiver)."""
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
     if not isinstance(receiver, CommonKVReceiver):
         return None
     with _lock:
@@ -194,8 +212,10 @@ def parse(payloads: list[bytes]) -> tuple[dict[int, list] | None, str | None]:
     """``({logical page: [valid_len, digest]}, None)`` from the frames of one transfer, or
     ``(None, why)``: none arrived, several that disagree, or one that is not an attestation."""
     if not payloads:
-        return None, ("no attestation arrived from the prefill instance (one without kvattn, or "
-                      "a transfer it did not attest)")
+        return None, (
+            "no attestation arrived from the prefill instance (one without kvattn, or "
+            "a transfer it did not attest)"
+        )
     if len(set(payloads)) > 1:
         return None, f"{len(set(payloads))} different attestations arrived for one transfer"
     try:
@@ -205,8 +225,7 @@ def parse(payloads: list[bytes]) -> tuple[dict[int, list] | None, str | None]:
         pages: dict[int, list] = {}
         for entry in value["pages"]:
             index, claim = entry[0], entry[1:]
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0 \
-                    or index in pages:
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0 or index in pages:
                 raise ValueError("index")
             pages[index] = claim
     except (ValueError, KeyError, TypeError, IndexError):
@@ -216,14 +235,17 @@ def parse(payloads: list[bytes]) -> tuple[dict[int, list] | None, str | None]:
 
 # (target, hook) pairs the plugin registers.
 HOOKS = (
-    ("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk",
-     send_chunk_hook),
+    (
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk",
+        send_chunk_hook,
+    ),
     ("sglang.srt.disaggregation.common.conn.CommonKVSender.send", sender_send_hook),
     ("sglang.srt.disaggregation.common.conn.CommonKVSender.clear", sender_clear_hook),
-    ("sglang.srt.disaggregation.common.conn.CommonKVManager.send_kv_status_message",
-     status_hook),
-    ("sglang.srt.disaggregation.common.conn.CommonKVManager.parse_kv_status_message",
-     parse_status_hook),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager.send_kv_status_message", status_hook),
+    (
+        "sglang.srt.disaggregation.common.conn.CommonKVManager.parse_kv_status_message",
+        parse_status_hook,
+    ),
     ("sglang.srt.disaggregation.common.conn.CommonKVReceiver._clear", receiver_clear_hook),
 )
 

@@ -50,11 +50,13 @@ How it hooks in (all installed on entry, restored on exit, for caches created in
   message, before its token is accepted. The other requests of the batch proceed unchanged: refused
   slots are masked, never attended, so nothing leaks across requests.
 
-Not supported (refused with a message when the engine is set up): CUDA graphs, torch.compile of the forward, async batching, forking (``num_return_sequences > 1``). The
+Not supported (refused with a message when the engine is set up): CUDA graphs, torch.compile of the
+forward, async batching, forking (``num_return_sequences > 1``). The
 engine's decode fast path (a block table for flash's own cache write) is switched off so every cache
 write goes through the stamping writer. CPU offloading of requests restores KV bytes without a
 writer: such requests fail closed (their restored pages are RESERVED, not WRITTEN).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,20 +65,32 @@ from dataclasses import dataclass, field
 import torch
 
 from ..report import KVOwnershipError
-from .ledger import IntegrationError, Ledger, check_version as _check_version, refuse
+from .ledger import IntegrationError, Ledger, refuse
+from .ledger import check_version as _check_version
 
 SUPPORTED_VERSIONS = ("5.24.0",)
-ATTENTION_NAMES = ("sdpa", "paged|eager", "flash_attention_2", "flash_attention_3",
-                   "flash_attention_4")
+ATTENTION_NAMES = (
+    "sdpa",
+    "paged|eager",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+)
 
 
 def check_version(version: str | None = None) -> None:
     """Raise RuntimeError unless the installed transformers (or ``version``) is a tested one."""
     if version is None:
         import transformers
+
         version = transformers.__version__
-    _check_version("transformers", "transformers", version, SUPPORTED_VERSIONS,
-                   f"Install one of those (pip install transformers=={SUPPORTED_VERSIONS[-1]}).")
+    _check_version(
+        "transformers",
+        "transformers",
+        version,
+        SUPPORTED_VERSIONS,
+        f"Install one of those (pip install transformers=={SUPPORTED_VERSIONS[-1]}).",
+    )
 
 
 @dataclass
@@ -103,10 +117,12 @@ class _State(Ledger):
 
     def __init__(self, cache, backend: str, check: bool, stats: Stats):
         from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
+
         if set(cache.cache_allocators) != {FULL_ATTENTION}:
             raise IntegrationError(
                 "kvattn.integrations.transformers: only full-attention and sliding-window layers are "
-                f"supported, got attention types {sorted(cache.cache_allocators)}")
+                f"supported, got attention types {sorted(cache.cache_allocators)}"
+            )
         allocator = cache.cache_allocators[FULL_ATTENTION]
         super().__init__(allocator.tokens_per_page, backend=backend, check=check)
         self.allocator = allocator
@@ -119,8 +135,10 @@ class _State(Ledger):
         self.num_blocks = blocks.shape[0]
         self.block_stride = allocator.block_physical_stride  # rows of the token view per block
         self.trash_blocks = 2 * allocator.blocks_per_sector  # the engine's padding sectors
-        self.pages = {layer: (blocks[:, i, 0], blocks[:, i, 1])
-                      for i, layer in enumerate(allocator.layer_indices)}
+        self.pages = {
+            layer: (blocks[:, i, 0], blocks[:, i, 1])
+            for i, layer in enumerate(allocator.layer_indices)
+        }
         self.layer_row = {layer: i for i, layer in enumerate(allocator.layer_indices)}
         self.allocate_tags(len(self.layer_row), self.num_blocks, rows.device)
         self.device = rows.device
@@ -194,8 +212,14 @@ class _State(Ledger):
             table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             row = self.leases[rid].expected[0][: len(blocks)]
             expected[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
-        self.start_step([rid for rid, _, _ in requests], owners, [q for _, _, q in requests],
-                        table.to(self.device), expected, [p + q for _, p, q in requests])
+        self.start_step(
+            [rid for rid, _, _ in requests],
+            owners,
+            [q for _, _, q in requests],
+            table.to(self.device),
+            expected,
+            [p + q for _, p, q in requests],
+        )
 
     def write(self, layer: int, key_states, value_states, write_index: torch.Tensor) -> None:
         """The engine's cache write of ``layer`` at ``write_index`` (rows of its token view), done by
@@ -207,11 +231,13 @@ class _State(Ledger):
             raise IntegrationError(
                 f"kvattn.integrations.transformers: expected {step.token_row.shape[0]} new tokens "
                 f"(the batch the engine prepared), got {k.shape[0]} key rows and "
-                f"{write_index.shape[0]} write indices (padded inputs are not supported)")
+                f"{write_index.shape[0]} write indices (padded inputs are not supported)"
+            )
         block = torch.div(write_index, self.block_stride, rounding_mode="floor")
         slot = write_index - block * self.block_stride
-        slots = torch.where(slot < self.page_size, block * self.page_size + slot,
-                            self.num_blocks * self.page_size)  # not a slot of a page: refused
+        slots = torch.where(
+            slot < self.page_size, block * self.page_size + slot, self.num_blocks * self.page_size
+        )  # not a slot of a page: refused
         slots = torch.where(block < self.trash_blocks, -1, slots)  # the engine's padding writes
         k_pages, v_pages = self.pages[layer]
         step.write(f"layer {layer}", k, v, k_pages, v_pages, slots, self.layer_tags(layer))
@@ -219,13 +245,16 @@ class _State(Ledger):
     def layer_tags(self, layer: int) -> torch.Tensor:
         return self.tags[self.layer_row[layer]]
 
-    def attend(self, layer: int, query: torch.Tensor, scale: float | None, **variant) -> torch.Tensor:
+    def attend(
+        self, layer: int, query: torch.Tensor, scale: float | None, **variant
+    ) -> torch.Tensor:
         """kvattn's attention of ``layer`` for the prepared batch; ``variant``: the switches of
         :mod:`kvattn.variants` the layer uses (:func:`_variant`)."""
         q = query[0].transpose(0, 1)  # [T, heads, head_dim]
         k_pages, v_pages = self.pages[layer]
-        out = self.step().attend(f"layer {layer}", q, k_pages, v_pages, self.layer_tags(layer),
-                                 scale=scale, **variant)
+        out = self.step().attend(
+            f"layer {layer}", q, k_pages, v_pages, self.layer_tags(layer), scale=scale, **variant
+        )
         self.stats.attention_calls += 1
         return out.unsqueeze(0)  # [1, T, heads, head_dim], the engine's attention output layout
 
@@ -240,8 +269,10 @@ class _State(Ledger):
         self.stats.refused_pages += self.counts["refused_pages"] - before[1]
         self.stats.dropped_writes += self.counts["dropped_writes"] - before[2]
         self.stats.failed_requests += list(failed)
-        return {rid: KVOwnershipError(message, {row: step.refusals(row)})
-                for rid, (step, row, message) in failed.items()}
+        return {
+            rid: KVOwnershipError(message, {row: step.refusals(row)})
+            for rid, (step, row, message) in failed.items()
+        }
 
 
 def _variant(kwargs: dict, device: torch.device) -> dict:
@@ -252,9 +283,11 @@ def _variant(kwargs: dict, device: torch.device) -> dict:
     window = kwargs.get("sliding_window")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise IntegrationError("kvattn.integrations.transformers: expected sliding_window to "
-                                   "be a positive int (keys a query attends, itself included), "
-                                   f"got {window!r}")
+            raise IntegrationError(
+                "kvattn.integrations.transformers: expected sliding_window to "
+                "be a positive int (keys a query attends, itself included), "
+                f"got {window!r}"
+            )
         variant["window_left"] = window - 1
     cap = kwargs.get("softcap")
     if cap is not None and cap != 0:
@@ -269,14 +302,17 @@ def _all_full_attention(original):
     """transformers' grouping of layers by attention type, with sliding-window layers grouped with
     the full-attention ones: they keep all their tokens in pages, and kvattn applies the window
     (the module docstring says why). Other attention types stay apart, and the cache refuses them."""
-    from transformers.generation.continuous_batching.cache_allocators import (FULL_ATTENTION,
-                                                                              SLIDING_ATTENTION)
+    from transformers.generation.continuous_batching.cache_allocators import (
+        FULL_ATTENTION,
+        SLIDING_ATTENTION,
+    )
 
     def group_layers_by_attn_type(config):
         groups = original(config)
         if not set(groups) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
             return groups
         return {FULL_ATTENTION: sorted(i for layers in groups.values() for i in layers)}
+
     return group_layers_by_attn_type
 
 
@@ -301,7 +337,10 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
     from transformers.generation.continuous_batching import cache as cb_cache
     from transformers.generation.continuous_batching import continuous_api, input_outputs
     from transformers.generation.continuous_batching.cache_allocators import (
-        CacheAllocator, CachePool, FullAttentionCacheAllocator)
+        CacheAllocator,
+        CachePool,
+        FullAttentionCacheAllocator,
+    )
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     Cache = cb_cache.PagedAttentionCache
@@ -326,6 +365,7 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             self.max_blocks_per_request = 0
             self.max_decode_fast_path_length = 0
             self._kvattn_state = self.pool._kvattn_state = state.allocator._kvattn_state = state
+
         return __init__
 
     def cache_update(original):
@@ -339,6 +379,7 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             state.write(layer_idx, key_states, value_states, kwargs["write_index"][allocator.index])
             kwargs["kvattn_state"] = state
             return key_states, value_states
+
         return update
 
     def cache_reset(original):
@@ -346,6 +387,7 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             original(self)
             if _state_of(self) is not None:
                 _state_of(self).reset()
+
         return reset
 
     def allocate(original):
@@ -354,6 +396,7 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             original(self, request_id, past_length, query_length)
             if _state_of(self) is not None:
                 _state_of(self).reserved(request_id, self.block_table[request_id][before:])
+
         return allocate_cache_to_request
 
     def acquire(original):
@@ -364,6 +407,7 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
                 state.forget(request_id)
                 for i, block in enumerate(self.block_table[request_id]):
                     state.shared(request_id, i, block)
+
         return acquire_prefix_blocks
 
     def mark_complete(original):
@@ -378,14 +422,18 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
                 for i, (old, new) in enumerate(zip(before, self.block_table[request_id])):
                     if old != new:
                         state.shared(request_id, i, new)
+
         return mark_complete_blocks
 
     def fork(original):
         def fork_blocks(self, source_request_id, dest_request_id, past_length):
             if _state_of(self) is not None:
-                raise IntegrationError("kvattn.integrations.transformers: forking requests "
-                                       "(num_return_sequences > 1) is not supported")
+                raise IntegrationError(
+                    "kvattn.integrations.transformers: forking requests "
+                    "(num_return_sequences > 1) is not supported"
+                )
             return original(self, source_request_id, dest_request_id, past_length)
+
         return fork_blocks
 
     def free_request(original):
@@ -393,6 +441,7 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             original(self, request_id, no_cache)
             if _state_of(self) is not None:
                 _state_of(self).forget(request_id)
+
         return free_blocks
 
     def pool_free(original):
@@ -401,16 +450,20 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             state = _state_of(self)
             if state is not None and index == state.allocator.index:
                 state.released(list(block_ids))
+
         return free_blocks
 
     def prepare(original):
         def prepare_batch_tensors(self, requests_in_batch, *args, **kwargs):
-            rows = [(fs.state.request_id, fs.state.position_offset, fs.query_length)
-                    for fs in requests_in_batch]
+            rows = [
+                (fs.state.request_id, fs.state.position_offset, fs.query_length)
+                for fs in requests_in_batch
+            ]
             original(self, requests_in_batch, *args, **kwargs)
             state = _state_of(self.cache)
             if state is not None:
                 state.begin_batch(rows)
+
         return prepare_batch_tensors
 
     def update_batch(original):
@@ -448,6 +501,7 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             for request in failed_states:
                 self._handle_request_error(failed[request.request_id], request)
                 self.scheduler.finish_request(request.request_id)
+
         return update
 
     def attention(original):
@@ -455,8 +509,10 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             state = kwargs.get("kvattn_state")
             if state is None:
                 return original(module, query, key, value, attention_mask, *args, **kwargs)
-            return state.attend(module.layer_idx, query, kwargs.get("scaling"),
-                                **_variant(kwargs, query.device)), None
+            return state.attend(
+                module.layer_idx, query, kwargs.get("scaling"), **_variant(kwargs, query.device)
+            ), None
+
         return attention_forward
 
     try:

@@ -50,6 +50,7 @@ block sizes, speculative decoding with other proposers (a draft model, tree draf
 scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing, multimodal and
 encoder-decoder models.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,7 +63,8 @@ import torch
 from ..report import KVOwnershipError
 from ..tags import Violation
 from ..writers import commit_pages
-from .ledger import IntegrationError, Lease, Ledger, Step, check_version as _check_version, refuse
+from .ledger import IntegrationError, Lease, Ledger, Step, refuse
+from .ledger import check_version as _check_version
 
 SUPPORTED_VERSIONS = ("0.32.0",)
 # Proposers whose draft tokens the verify step reads as a causal extend of the request's own KV.
@@ -80,17 +82,22 @@ logger = logging.getLogger("kvattn")
 NULL_BLOCK = 0
 
 # vLLM's fp8 KV cache dtypes (``--kv-cache-dtype``) and the format of their bytes ("fp8" is e4m3).
-FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                    "fp8_e5m2": torch.float8_e5m2}
+FP8_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def check_version(version: str | None = None) -> None:
     """Raise RuntimeError unless the installed vLLM (or ``version``) is a tested one."""
     if version is None:
         import vllm
+
         version = vllm.__version__
-    _check_version("vllm", "vLLM", version, SUPPORTED_VERSIONS,
-                   f"Install one of those, or unset {ENABLE_ENV}.")
+    _check_version(
+        "vllm", "vLLM", version, SUPPORTED_VERSIONS, f"Install one of those, or unset {ENABLE_ENV}."
+    )
 
 
 def enabled() -> bool:
@@ -109,11 +116,15 @@ def register() -> None:
         return
     check_version()
     from vllm.platforms import current_platform
+
     if not current_platform.is_cpu():
-        raise RuntimeError(f"kvattn.integrations.vllm: only vLLM's CPU platform is tested; this "
-                           f"process runs on {current_platform.device_name!r}. Unset "
-                           f"{ENABLE_ENV}.")
+        raise RuntimeError(
+            f"kvattn.integrations.vllm: only vLLM's CPU platform is tested; this "
+            f"process runs on {current_platform.device_name!r}. Unset "
+            f"{ENABLE_ENV}."
+        )
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     _install_hooks()
 
@@ -121,6 +132,7 @@ def register() -> None:
 def _install_hooks() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     if getattr(GPUModelRunner, "_kvattn_hooked", False):
         return
     execute_model = GPUModelRunner.execute_model
@@ -163,6 +175,7 @@ def _finish_failed(scheduler, failed: dict[str, str], outputs: dict) -> None:
     vLLM's own outputs do with the first token: the stats are taken while it holds its blocks."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.request import RequestStatus
+
     stats = {}
     for rid in failed:
         request = scheduler.requests.get(rid)
@@ -172,10 +185,14 @@ def _finish_failed(scheduler, failed: dict[str, str], outputs: dict) -> None:
             stats[rid] = prefill
     for request in scheduler.finish_requests(failed.keys(), RequestStatus.FINISHED_ERROR):
         logger.error("%s", failed[request.request_id])
-        final = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
-                                 finish_reason=request.get_finished_reason(),
-                                 events=request.take_events(), trace_headers=request.trace_headers,
-                                 prefill_stats=stats.get(request.request_id))
+        final = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.get_finished_reason(),
+            events=request.take_events(),
+            trace_headers=request.trace_headers,
+            prefill_stats=stats.get(request.request_id),
+        )
         if request.client_index in outputs:
             outputs[request.client_index].outputs.append(final)
         else:
@@ -214,10 +231,15 @@ def attach(vllm_config, layer_names: list[str], block_size: int, check: bool) ->
         # Through vLLM's logger, so that a user sees in the engine's own log that kvattn runs.
         logging.getLogger("vllm.kvattn").info(
             "kvattn: ownership-checked attention in place of vLLM's CPU attention (block size "
-            "%d, kvattn backend %r)", block_size, state.backend)
+            "%d, kvattn backend %r)",
+            block_size,
+            state.backend,
+        )
     elif state.page_size != block_size:
-        raise IntegrationError(f"kvattn.integrations.vllm: one block size is supported, got "
-                               f"{state.page_size} and {block_size}")
+        raise IntegrationError(
+            f"kvattn.integrations.vllm: one block size is supported, got "
+            f"{state.page_size} and {block_size}"
+        )
     state.add_layers(layer_names)
     return state
 
@@ -229,12 +251,16 @@ def _refuse_unsupported(vllm_config) -> None:
         # A draft model runs attention layers of its own (with drafting metadata), and a tree
         # proposal is verified under a tree mask by vLLM's tree attention backend: neither is
         # followed here. The n-gram proposer's chain is verified by a causal extend.
-        reasons.append(f"speculative decoding with method {spec.method!r} (supported: "
-                       f"{', '.join(map(repr, SPECULATIVE_METHODS))}, which need no draft model)")
+        reasons.append(
+            f"speculative decoding with method {spec.method!r} (supported: "
+            f"{', '.join(map(repr, SPECULATIVE_METHODS))}, which need no draft model)"
+        )
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None, *FP8_CACHE_DTYPES):
-        reasons.append(f"KV cache dtype {cache_dtype!r} (use 'auto' or one of "
-                       f"{', '.join(map(repr, FP8_CACHE_DTYPES))})")
+        reasons.append(
+            f"KV cache dtype {cache_dtype!r} (use 'auto' or one of "
+            f"{', '.join(map(repr, FP8_CACHE_DTYPES))})"
+        )
     if vllm_config.scheduler_config.async_scheduling:
         reasons.append("async scheduling")
     model = vllm_config.model_config
@@ -242,8 +268,10 @@ def _refuse_unsupported(vllm_config) -> None:
         # vLLM's block hashes carry the hashes of the images (or audio) behind placeholder
         # tokens; the ledger's prefix digests carry token ids only, so they could not prove a
         # prefix-cache hit holds the reader's own inputs.
-        reasons.append("multimodal models (prefix digests cover token ids, not the media behind "
-                       "placeholder tokens)")
+        reasons.append(
+            "multimodal models (prefix digests cover token ids, not the media behind "
+            "placeholder tokens)"
+        )
     if model.is_encoder_decoder:
         reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
     refuse("vllm", reasons)
@@ -268,8 +296,12 @@ class WorkerOwnership(Ledger):
     lease_type = _Lease
 
     def __init__(self, vllm_config, block_size: int, check: bool):
-        super().__init__(block_size, backend=os.environ.get(BACKEND_ENV, "auto"), check=check,
-                         prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching))
+        super().__init__(
+            block_size,
+            backend=os.environ.get(BACKEND_ENV, "auto"),
+            check=check,
+            prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+        )
         self.vllm_config = vllm_config
         self.layer_rows: dict[str, int] = {}
         self.holders: Counter = Counter()  # block -> live leases that map it
@@ -369,7 +401,9 @@ class WorkerOwnership(Ledger):
             if new.req_id in self.arrivals:
                 self._commit_arrival(new.req_id, self.arrivals.pop(new.req_id))
 
-    def _leave_window(self, lease: _Lease, num_computed: int, released: dict[int, list[int]]) -> None:
+    def _leave_window(
+        self, lease: _Lease, num_computed: int, released: dict[int, list[int]]
+    ) -> None:
         """The blocks vLLM freed from a running request because its window left them, when it
         scheduled this step: every block wholly before ``num_computed - window + 1`` (vLLM's
         ``get_num_skipped_tokens``), replaced by the null block as in the scheduler's list. No
@@ -388,36 +422,49 @@ class WorkerOwnership(Ledger):
     def _allocate_tags(self, runner) -> None:
         config = runner.kv_cache_config
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
         # vLLM's sliding-window manager frees the blocks a request's window has left, inside the
         # live request (SlidingWindowManager.remove_skipped_blocks); the ledger follows it.
-        self.windows = [group.kv_cache_spec.sliding_window
-                        if isinstance(group.kv_cache_spec, SlidingWindowSpec) else None
-                        for group in config.kv_cache_groups]
-        self.layer_group = {name: g for g, group in enumerate(config.kv_cache_groups)
-                            for name in group.layer_names}
+        self.windows = [
+            group.kv_cache_spec.sliding_window
+            if isinstance(group.kv_cache_spec, SlidingWindowSpec)
+            else None
+            for group in config.kv_cache_groups
+        ]
+        self.layer_group = {
+            name: g for g, group in enumerate(config.kv_cache_groups) for name in group.layer_names
+        }
         unknown = sorted(set(self.layer_rows) - set(self.layer_group))
         if unknown:
-            raise IntegrationError(f"kvattn.integrations.vllm: layers {unknown} are in no KV "
-                                   "cache group")
+            raise IntegrationError(
+                f"kvattn.integrations.vllm: layers {unknown} are in no KV cache group"
+            )
         self.allocate_tags(len(self.layer_rows), config.num_blocks, runner.device)
 
     def _check_groups(self, block_ids) -> None:
         if len(block_ids) != len(self.windows):
-            raise IntegrationError(f"kvattn.integrations.vllm: {len(self.windows)} KV cache "
-                                   f"groups, got block ids for {len(block_ids)}")
+            raise IntegrationError(
+                f"kvattn.integrations.vllm: {len(self.windows)} KV cache "
+                f"groups, got block ids for {len(block_ids)}"
+            )
 
     def _new_lease(self, rid, block_ids, tokens) -> _Lease:
         """A new owner for ``rid`` holding ``block_ids``; its expected owners are set by
         :meth:`_resolve_hits` once the step's writes are known."""
         self._check_groups(block_ids)
-        lease = self.open_lease(rid, pages=[list(ids) for ids in block_ids],
-                                expected=[[] for _ in block_ids], keys=self.digests(tokens))
+        lease = self.open_lease(
+            rid,
+            pages=[list(ids) for ids in block_ids],
+            expected=[[] for _ in block_ids],
+            keys=self.digests(tokens),
+        )
         for blocks in lease.pages:
             self._hold(blocks)
         return lease
 
-    def _resolve_hits(self, lease: _Lease, num_computed: int,
-                      writes: dict[int, tuple[int, bytes]]) -> list[int]:
+    def _resolve_hits(
+        self, lease: _Lease, num_computed: int, writes: dict[int, tuple[int, bytes]]
+    ) -> list[int]:
         """Set the owner each of the lease's blocks must carry; returns the blocks it writes
         itself (to reserve). The full blocks the scheduler reports as computed are prefix-cache
         hits (:meth:`_computed_owner`); the rest are the lease's own."""
@@ -436,8 +483,9 @@ class WorkerOwnership(Ledger):
                 expected.append(owner)
         return fresh
 
-    def _computed_owner(self, block: int, keys: list[bytes], index: int,
-                        writes: dict[int, tuple[int, bytes]]) -> int | None:
+    def _computed_owner(
+        self, block: int, keys: list[bytes], index: int, writes: dict[int, tuple[int, bytes]]
+    ) -> int | None:
         """The owner a block the scheduler reports as computed must carry.
 
         A prefix-cache hit: the owner that wrote the block (in an earlier step, or in this one:
@@ -485,8 +533,9 @@ class WorkerOwnership(Ledger):
             return []
         return list(state.prompt_token_ids or ()) + list(state.output_token_ids)
 
-    def _step_writes(self, runner, scheduled: dict[str, int], computed: dict[str, int]
-                     ) -> dict[int, tuple[int, bytes]]:
+    def _step_writes(
+        self, runner, scheduled: dict[str, int], computed: dict[str, int]
+    ) -> dict[int, tuple[int, bytes]]:
         """Full blocks this step writes under their lease's own owner, with their prefix digest
         (what a prefix-cache hit on them must hold): block -> (owner, digest). Blocks past a
         lease's computed tokens are its own, including those of a lease admitted in this step
@@ -534,8 +583,10 @@ class WorkerOwnership(Ledger):
             return self.steps[group]
         runner = self.runner
         if runner is None:
-            raise IntegrationError("kvattn.integrations.vllm: attention metadata was built outside "
-                                   "a step of the model runner")
+            raise IntegrationError(
+                "kvattn.integrations.vllm: attention metadata was built outside "
+                "a step of the model runner"
+            )
         num_reqs = common.num_reqs
         req_ids = list(runner.input_batch.req_ids[:num_reqs])
         starts = common.query_start_loc_cpu[: num_reqs + 1].tolist()
@@ -551,11 +602,17 @@ class WorkerOwnership(Ledger):
             expected[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
             owners[b] = lease.owner
         return self.start_step(
-            req_ids, owners, [hi - lo for lo, hi in zip(starts, starts[1:])],
-            common.block_table_tensor[:num_reqs, :width], expected, common.seq_lens[:num_reqs],
+            req_ids,
+            owners,
+            [hi - lo for lo, hi in zip(starts, starts[1:])],
+            common.block_table_tensor[:num_reqs, :width],
+            expected,
+            common.seq_lens[:num_reqs],
             decode_only=common.max_query_len == 1,
             cu_seqlens_q=common.query_start_loc[: num_reqs + 1],
-            num_slots=common.slot_mapping.shape[0], group=group)
+            num_slots=common.slot_mapping.shape[0],
+            group=group,
+        )
 
     def end_step(self, output) -> None:
         """After the step: fail the requests with refused pages or dropped writes (one read)."""
@@ -606,17 +663,28 @@ class WorkerOwnership(Ledger):
             prompt = list(request.prompt_token_ids or ())
             if computed.get(rid, 0) + count < len(prompt):
                 continue  # a chunk of the prompt: attested when its last chunk runs
-            pairs = [(i, b, o) for i, (b, o) in enumerate(zip(lease.pages[0], lease.expected[0]))
-                     if b != NULL_BLOCK]
+            pairs = [
+                (i, b, o)
+                for i, (b, o) in enumerate(zip(lease.pages[0], lease.expected[0]))
+                if b != NULL_BLOCK
+            ]
             indices, blocks, owners = ([x[k] for x in pairs] for k in range(3))
             pools = pools or self._layer_pools()
-            attested = self.attest(owners, blocks, indices, prompt, *pools,
-                                   digests=self.transfer_digests)
+            attested = self.attest(
+                owners, blocks, indices, prompt, *pools, digests=self.transfer_digests
+            )
             out[rid] = {b: a.to_json() for b, a in zip(blocks, attested)}
         return out
 
-    def receive(self, rid: str, first: int, blocks: list[int], attested: list | None,
-                tokens: list[int], check_bytes: bool = True) -> list[str]:
+    def receive(
+        self,
+        rid: str,
+        first: int,
+        blocks: list[int],
+        attested: list | None,
+        tokens: list[int],
+        check_bytes: bool = True,
+    ) -> list[str]:
         """The receiving side: a transfer engine reported the bytes of ``blocks`` (KV cache group
         0, the request's logical blocks ``first, first + 1, ...``; ``tokens``: its prompt)
         arrived. Each block is verified against the sender's attestation of the block it came
@@ -624,17 +692,28 @@ class WorkerOwnership(Ledger):
         tokens (:meth:`Ledger.verify`), and remembered by its verified length until the request's
         lease is made, when it is committed. Returns one line per block that will not be
         committed, saying why."""
-        lens, reasons = self.verify(attested, [first + j for j in range(len(blocks))], blocks,
-                                    tokens, *self._layer_pools(), check_bytes=check_bytes)
+        lens, reasons = self.verify(
+            attested,
+            [first + j for j in range(len(blocks))],
+            blocks,
+            tokens,
+            *self._layer_pools(),
+            check_bytes=check_bytes,
+        )
         self.arrivals[rid] = [(first + j, b, n) for j, (b, n) in enumerate(zip(blocks, lens)) if n]
         self.counts["received_blocks"] += len(blocks)
-        notes = [f"block {b} (logical {first + j}): {why}"
-                 for j, (b, why) in enumerate(zip(blocks, reasons)) if why is not None]
+        notes = [
+            f"block {b} (logical {first + j}): {why}"
+            for j, (b, why) in enumerate(zip(blocks, reasons))
+            if why is not None
+        ]
         self.counts["received_blocks_refused"] += len(notes)
         if notes:
             more = f"; ... ({len(notes) - 8} more)" if len(notes) > 8 else ""
-            self.receive_notes[rid] = [f"received: {len(notes)} transferred block(s) not "
-                                       f"committed: {'; '.join(notes[:8])}{more}"]
+            self.receive_notes[rid] = [
+                f"received: {len(notes)} transferred block(s) not "
+                f"committed: {'; '.join(notes[:8])}{more}"
+            ]
         return notes
 
     def _commit_arrival(self, rid: str, arrived: list[tuple[int, int, int]]) -> None:
@@ -642,8 +721,11 @@ class WorkerOwnership(Ledger):
         (a block the lease does not hold as its own at that position stays as it is)."""
         lease = self.leases[rid]
         blocks, expected = lease.pages[0], lease.expected[0]
-        mine = [(i, b, n) for i, b, n in arrived
-                if i < len(blocks) and blocks[i] == b and expected[i] == lease.owner]
+        mine = [
+            (i, b, n)
+            for i, b, n in arrived
+            if i < len(blocks) and blocks[i] == b and expected[i] == lease.owner
+        ]
         if not mine:
             return
         landed = self.commit([b for _, b, _ in mine], lease.owner, [n for _, _, n in mine])
@@ -663,8 +745,12 @@ class WorkerOwnership(Ledger):
         blocks = torch.div(slots, self.page_size, rounding_mode="floor")
         offsets = slots - blocks * self.page_size
         group = self.layer_group.get(layer_name, 0)
-        page_owner = {b: lease.owner for lease in self.leases.values()
-                      for b, e in zip(lease.pages[group], lease.expected[group]) if e == lease.owner}
+        page_owner = {
+            b: lease.owner
+            for lease in self.leases.values()
+            for b, e in zip(lease.pages[group], lease.expected[group])
+            if e == lease.owner
+        }
         lens: dict[int, int] = {}
         for block, offset in zip(blocks.tolist(), offsets.tolist()):
             if offset == lens.get(block, 0):
@@ -672,9 +758,25 @@ class WorkerOwnership(Ledger):
         pages = [b for b in lens if b in page_owner]
         if not pages:
             return
-        commit_pages(self.layer_tags(layer_name), pages, torch.tensor([page_owner[b] for b in pages]),
-                     [lens[b] for b in pages], self.page_size)
+        commit_pages(
+            self.layer_tags(layer_name),
+            pages,
+            torch.tensor([page_owner[b] for b in pages]),
+            [lens[b] for b in pages],
+            self.page_size,
+        )
 
 
-__all__ = ["SUPPORTED_VERSIONS", "ENABLE_ENV", "IntegrationError", "KVOwnershipError", "Step",
-           "Violation", "WorkerOwnership", "check_version", "enabled", "register", "state_for"]
+__all__ = [
+    "SUPPORTED_VERSIONS",
+    "ENABLE_ENV",
+    "IntegrationError",
+    "KVOwnershipError",
+    "Step",
+    "Violation",
+    "WorkerOwnership",
+    "check_version",
+    "enabled",
+    "register",
+    "state_for",
+]

@@ -5,6 +5,7 @@ checked against the owners of :class:`kvattn.integrations.vllm.WorkerOwnership`.
 
 Imported by vLLM (through the registry path) only in processes that run the model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,8 +13,14 @@ from typing import ClassVar
 
 import torch
 from vllm.config import get_current_vllm_config
-from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
-                                       AttentionType, CommonAttentionMetadata, MultipleOf)
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ..layout import MAX_PAGE_SIZE
@@ -85,15 +92,19 @@ class KVAttnMetadata:
 
 
 class KVAttnMetadataBuilder(AttentionMetadataBuilder[KVAttnMetadata]):
-
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.layer_names = list(layer_names)
-        self.state = integration.attach(vllm_config, self.layer_names, kv_cache_spec.block_size,
-                                        check=True)
+        self.state = integration.attach(
+            vllm_config, self.layer_names, kv_cache_spec.block_size, check=True
+        )
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> KVAttnMetadata:
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> KVAttnMetadata:
         common = common_attn_metadata
         num_reqs = common.num_reqs
         return KVAttnMetadata(
@@ -108,11 +119,20 @@ class KVAttnMetadataBuilder(AttentionMetadataBuilder[KVAttnMetadata]):
 
 
 class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
-
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
-                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
-                 sinks=None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype: str,
+        logits_soft_cap=None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name=None,
+        sinks=None,
+    ) -> None:
         # Sliding window, soft-cap, ALiBi and sinks are score switches of kvattn's kernels with
         # vLLM's own definitions (kvattn.variants): vLLM's window W is the query and the W - 1
         # keys before it.
@@ -122,15 +142,17 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         if kv_cache_dtype != "auto" and kv_cache_dtype not in integration.FP8_CACHE_DTYPES:
             unsupported.append(f"kv_cache_dtype {kv_cache_dtype!r}")
         if unsupported:
-            raise integration.IntegrationError("kvattn.integrations.vllm does not support "
-                                               + ", ".join(unsupported))
+            raise integration.IntegrationError(
+                "kvattn.integrations.vllm does not support " + ", ".join(unsupported)
+            )
         # vLLM's CPU cache of an fp8 model is uint8 bytes of this format, one per-tensor scale
         # per layer (``layer._k_scale_float``); None: the model's dtype.
         self.fp8 = integration.FP8_CACHE_DTYPES.get(kv_cache_dtype)
         self.window_left = sliding_window - 1 if sliding_window else -1
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
-        self.alibi_slopes = (None if alibi_slopes is None
-                             else torch.tensor(alibi_slopes, dtype=torch.float32))
+        self.alibi_slopes = (
+            None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
+        )
         # The layer's parameter, loaded after this constructor: read (as float32) at each call.
         self.sinks = sinks
         self.num_heads = num_heads
@@ -147,7 +169,8 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         state = integration.state_for(self.vllm_config)
         if state is None:
             raise integration.IntegrationError(
-                "kvattn.integrations.vllm: attention ran before the KV cache was set up")
+                "kvattn.integrations.vllm: attention ran before the KV cache was set up"
+            )
         return state
 
     def _pools(self, kv_cache: torch.Tensor):
@@ -174,14 +197,34 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         # Into an fp8 cache with vLLM's CPU rounding (toward zero): the bytes vLLM's own writer
         # would store.
         rounding = {} if self.fp8 is None else dict(fp8_rounding="toward_zero")
-        step.write(layer.layer_name, key, value, k_pages, v_pages, slot_mapping,
-                   state.layer_tags(layer.layer_name), **self._scales(layer), **rounding)
+        step.write(
+            layer.layer_name,
+            key,
+            value,
+            k_pages,
+            v_pages,
+            slot_mapping,
+            state.layer_tags(layer.layer_name),
+            **self._scales(layer),
+            **rounding,
+        )
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None) -> torch.Tensor:
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise integration.IntegrationError(
-                "kvattn.integrations.vllm does not support fused output quantization")
+                "kvattn.integrations.vllm does not support fused output quantization"
+            )
         if attn_metadata is None:  # profiling run
             return output
         state = self._state()
@@ -190,8 +233,17 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         sinks = None if self.sinks is None else self.sinks.to(torch.float32)
         alibi = None if self.alibi_slopes is None else self.alibi_slopes.to(query.device)
         attn_metadata.batch.attend(
-            layer.layer_name, query[:n], k_pages, v_pages, state.layer_tags(layer.layer_name),
-            scale=self.scale, out=output[:n].view(n, self.num_heads, self.head_size),
-            window_left=self.window_left, logits_soft_cap=self.logits_soft_cap, sinks=sinks,
-            alibi_slopes=alibi, **self._scales(layer))
+            layer.layer_name,
+            query[:n],
+            k_pages,
+            v_pages,
+            state.layer_tags(layer.layer_name),
+            scale=self.scale,
+            out=output[:n].view(n, self.num_heads, self.head_size),
+            window_left=self.window_left,
+            logits_soft_cap=self.logits_soft_cap,
+            sinks=sinks,
+            alibi_slopes=alibi,
+            **self._scales(layer),
+        )
         return output

@@ -17,6 +17,7 @@ every slot), and, when kvattn's attention is active (``KVATTN_VLLM=1``), marks t
 sent stay RESERVED, so a decode over them fails the ownership check instead of reading another
 request's KV (docs/ownership.md section 4, "commit").
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +25,9 @@ import logging
 import safetensors.torch
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
-    ExampleConnector, ExampleConnectorMetadata)
+    ExampleConnector,
+    ExampleConnectorMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
 from . import vllm as integration
@@ -38,8 +41,10 @@ class CheckedExampleConnector(ExampleConnector):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, ExampleConnectorMetadata):
-            raise TypeError(f"connector metadata: expected ExampleConnectorMetadata, got "
-                            f"{type(metadata).__name__}")
+            raise TypeError(
+                f"connector metadata: expected ExampleConnectorMetadata, got "
+                f"{type(metadata).__name__}"
+            )
         if forward_context.attn_metadata is None:
             return
         state = integration.state_for(self._vllm_config)
@@ -50,17 +55,23 @@ class CheckedExampleConnector(ExampleConnector):
                 kv_cache = getattr(layer, "kv_cache", None)
                 if kv_cache is None:
                     continue
-                filename = self._generate_filename_debug(layer_name, request.token_ids,
-                                                         request.mm_hashes)
+                filename = self._generate_filename_debug(
+                    layer_name, request.token_ids, request.mm_hashes
+                )
                 rows = safetensors.torch.load_file(filename)["kv_cache"]
                 arrived = min(rows.shape[0], request.slot_mapping.shape[0])
                 slots = request.slot_mapping[:arrived].to(torch.int64)
                 if arrived < request.slot_mapping.shape[0]:
-                    logger.warning("kvattn: %s: %d of the %d claimed KV rows arrived",
-                                   layer_name, arrived, request.slot_mapping.shape[0])
+                    logger.warning(
+                        "kvattn: %s: %d of the %d claimed KV rows arrived",
+                        layer_name,
+                        arrived,
+                        request.slot_mapping.shape[0],
+                    )
                 blocks = torch.div(slots, self._block_size, rounding_mode="floor")
                 kv_cache[blocks, :, slots - blocks * self._block_size] = rows[:arrived].to(
-                    kv_cache.device, kv_cache.dtype)
+                    kv_cache.device, kv_cache.dtype
+                )
                 if state is not None:
                     state.commit_received(layer_name, slots)
 
@@ -124,8 +135,10 @@ class CheckedNixlConnector(NixlPullConnector):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         params = request.kv_transfer_params or {}
         if num_external_tokens > 0 and params.get("do_remote_prefill"):
-            self._for_worker[request.request_id] = (params.get(ATTESTATION_KEY),
-                                                    list(request.prompt_token_ids or ()))
+            self._for_worker[request.request_id] = (
+                params.get(ATTESTATION_KEY),
+                list(request.prompt_token_ids or ()),
+            )
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
@@ -162,9 +175,13 @@ class CheckedNixlConnector(NixlPullConnector):
                 # vLLM reads remote[-len(local):] into the local blocks after a local prefix hit
                 # of first[g] blocks; a list shorter than that would stop its receiver.
                 if len(theirs) < first[g] + len(mine):
-                    logger.warning("kvattn: request %s: the prefill instance offers %d block(s) "
-                                   "for %d; the rest stay unread", req_id, len(theirs),
-                                   first[g] + len(mine))
+                    logger.warning(
+                        "kvattn: request %s: the prefill instance offers %d block(s) "
+                        "for %d; the rest stay unread",
+                        req_id,
+                        len(theirs),
+                        first[g] + len(mine),
+                    )
                     local[g] = list(mine)[: max(0, len(theirs) - first[g])]
             meta.local_block_ids = tuple(local)
             if meta.awaiting_kvs:
@@ -188,12 +205,23 @@ class CheckedNixlConnector(NixlPullConnector):
             attested = getattr(meta, "kvattn_pages", None)
             # Local block j holds logical block first + j only when the remote list covers the
             # prompt's blocks exactly (vLLM tail-aligns it otherwise).
-            lined_up = (isinstance(attested, list)
-                        and len(remote) == first + len(local) == len(attested))
+            lined_up = isinstance(attested, list) and len(remote) == first + len(local) == len(
+                attested
+            )
             claims = attested[first:] if lined_up else None
-            notes = state.receive(req_id, first, local, claims, getattr(meta, "kvattn_tokens", []),
-                                  check_bytes=self._check_bytes())
+            notes = state.receive(
+                req_id,
+                first,
+                local,
+                claims,
+                getattr(meta, "kvattn_tokens", []),
+                check_bytes=self._check_bytes(),
+            )
             if notes:
-                logger.warning("kvattn: request %s: %d received block(s) not committed: %s",
-                               req_id, len(notes), "; ".join(notes[:8]))
+                logger.warning(
+                    "kvattn: request %s: %d received block(s) not committed: %s",
+                    req_id,
+                    len(notes),
+                    "; ".join(notes[:8]),
+                )
         return results

@@ -6,6 +6,7 @@ build (backend ``cuda``). The harness itself is tested too: its 16-bit conversio
 hardware, and two deliberately broken builds of the kernel source (a missing barrier, an off-by-one
 in the report's page loop) must disagree with the reference.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -21,7 +22,6 @@ import kvattn
 from kvattn import Violation, backends, tags
 from kvattn.backends import grids
 from kvattn.backends.cuda import launch
-
 from kvattn_testing.build import built_cuda_kernels, ptxas_log
 from kvattn_testing.extend import Extend
 from kvattn_testing.util import Batch, assert_reports_equal, backends_under_test, tolerance
@@ -44,14 +44,34 @@ def module_of(backend: str):
     return module
 
 
-def make(backend: str, *, dtype=F16, page_size=16, head_dim=64, num_heads=4, num_kv_heads=2,
-         seq_lens=(1, 37, 80), layout="NHD", seed=0, extra_pages=0) -> Batch:
+def make(
+    backend: str,
+    *,
+    dtype=F16,
+    page_size=16,
+    head_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    seq_lens=(1, 37, 80),
+    layout="NHD",
+    seed=0,
+    extra_pages=0,
+) -> Batch:
     """A NaN-poisoned batch on the backend's device; ``layout="offset"`` moves the pools one element
     off 16-byte alignment, which forces the kernels' element-wise (non-vector) loads."""
-    batch = Batch.random(batch=len(seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, page_size=page_size, seq_lens=list(seq_lens), dtype=dtype,
-                         layout="HND" if layout == "HND" else "NHD", seed=seed,
-                         extra_pages=extra_pages, device=device_of(backend))
+    batch = Batch.random(
+        batch=len(seq_lens),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        seq_lens=list(seq_lens),
+        dtype=dtype,
+        layout="HND" if layout == "HND" else "NHD",
+        seed=seed,
+        extra_pages=extra_pages,
+        device=device_of(backend),
+    )
     if layout == "offset":
         for name in ("k_cache", "v_cache"):
             pool = getattr(batch, name)
@@ -67,19 +87,30 @@ def run(backend: str, batch: Batch, *, check=True, num_splits=None, args=None, p
     args = args if args is not None else batch.args()
     out = torch.full_like(batch.q, float("nan"))
     lse = torch.full(batch.q.shape[:2], float("nan"), device=batch.q.device)
-    report = module_of(backend).decode(args, check=check, out=out, lse=lse, num_splits=num_splits,
-                                       plan=plan)
+    report = module_of(backend).decode(
+        args, check=check, out=out, lse=lse, num_splits=num_splits, plan=plan
+    )
     return out, lse, report
 
 
 def assert_matches_reference(batch: Batch, out, lse, report, *, check=True, args=None):
     if args is None:
-        ref_out, ref_lse, ref_report = batch.reference(check=check, return_lse=True,
-                                                       compute_dtype=torch.float64)
+        ref_out, ref_lse, ref_report = batch.reference(
+            check=check, return_lse=True, compute_dtype=torch.float64
+        )
     else:
         ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
-            args.q, args.k_cache, args.v_cache, args.block_table, args.seq_lens, args.page_tags,
-            args.expected, check=check, return_lse=True, compute_dtype=torch.float64)
+            args.q,
+            args.k_cache,
+            args.v_cache,
+            args.block_table,
+            args.seq_lens,
+            args.page_tags,
+            args.expected,
+            check=check,
+            return_lse=True,
+            compute_dtype=torch.float64,
+        )
     assert not torch.isnan(out).any(), "output holds NaN: a poisoned slot was read or not written"
     torch.testing.assert_close(out.double(), ref_out, **tolerance(batch.q.dtype))
     torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOL)
@@ -118,8 +149,17 @@ def case_id(case) -> str:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_matrix_matches_reference(backend, case):
     dtype, page, dim, heads, kv_heads, lens, splits, layout = case
-    batch = make(backend, dtype=dtype, page_size=page, head_dim=dim, num_heads=heads,
-                 num_kv_heads=kv_heads, seq_lens=lens, layout=layout, seed=len(lens) + dim)
+    batch = make(
+        backend,
+        dtype=dtype,
+        page_size=page,
+        head_dim=dim,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        seq_lens=lens,
+        layout=layout,
+        seed=len(lens) + dim,
+    )
     plan = {}
     out_c, lse_c, report = run(backend, batch, num_splits=splits, plan=plan)
     ref_out = assert_matches_reference(batch, out_c, lse_c, report)
@@ -150,10 +190,16 @@ def test_matrix_covers_the_contract():
 
 # ---- ownership scenarios (docs/ownership.md section 6), each with its clean twin ----
 
+
 def sentinel_pool(backend, dtype, num_pages, page, kv_heads, dim, q):
     """Tenant A's pages: K aligned with q (dominates any softmax), V = 100; then released."""
     device = device_of(backend)
-    k = (8 * q[0, ::q.shape[1] // kv_heads]).to(dtype).expand(num_pages, page, kv_heads, dim).contiguous()
+    k = (
+        (8 * q[0, :: q.shape[1] // kv_heads])
+        .to(dtype)
+        .expand(num_pages, page, kv_heads, dim)
+        .contiguous()
+    )
     v = torch.full((num_pages, page, kv_heads, dim), 100.0, dtype=dtype, device=device)
     tags_ = torch.zeros(num_pages, dtype=torch.int64, device=device)
     return k, v, tags_
@@ -192,11 +238,21 @@ def test_incident_replay(backend, n_pages):
     torch.testing.assert_close(out[0].float(), one_token, **tolerance(dtype))
 
     out_u, _, _ = run(backend, batch, check=False)
-    assert (out_u[0].float() - one_token).abs().max() > 10, "unchecked read did not show the sentinel"
+    assert (out_u[0].float() - one_token).abs().max() > 10, (
+        "unchecked read did not show the sentinel"
+    )
 
 
-BAD_ENTRIES = ["free", "reserved", "out_of_range", "negative", "duplicate_of_other", "swapped_rows",
-               "owner_mismatch", "unwritten_tail"]
+BAD_ENTRIES = [
+    "free",
+    "reserved",
+    "out_of_range",
+    "negative",
+    "duplicate_of_other",
+    "swapped_rows",
+    "owner_mismatch",
+    "unwritten_tail",
+]
 
 
 @pytest.mark.parametrize("kind", BAD_ENTRIES)
@@ -297,9 +353,16 @@ def test_fully_masked_rows_and_splits(backend, num_splits):
 def test_seq_len_beyond_table_counts_once_and_reads_nothing_past_it(backend):
     batch = make(backend, dtype=F16, page_size=4, head_dim=64, seq_lens=(8, 5), seed=9)
     batch.seq_lens[0] = 8 + 7  # the table holds 2 pages of 4
-    args = kvattn.layout.validate_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_table,
-                                         batch.seq_lens, batch.page_tags, batch.expected,
-                                         validate=False)
+    args = kvattn.layout.validate_decode(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.page_tags,
+        batch.expected,
+        validate=False,
+    )
     out, lse, report = run(backend, batch, args=args)
     assert_matches_reference(batch, out, lse, report, args=args)
     assert int(report.beyond_table[0]) == 1 and int(report.violations[0]) == 1
@@ -314,7 +377,9 @@ def test_late_writer_is_dropped_and_reader_unchanged(backend):
     page = int(batch.block_table[0, 0])
     late_k = torch.full((1, 2, 64), 50.0, dtype=F16, device=batch.q.device)
     slot = torch.tensor([page * 8 + 3], device=batch.q.device)
-    result = kvattn.write_kv(late_k, late_k, batch.k_cache, batch.v_cache, slot, batch.page_tags, owner=99)
+    result = kvattn.write_kv(
+        late_k, late_k, batch.k_cache, batch.v_cache, slot, batch.page_tags, owner=99
+    )
     assert result.dropped_count() == 1
     out, lse, report = run(backend, batch)
     assert torch.equal(out, clean) and torch.equal(lse, clean_lse)
@@ -346,6 +411,7 @@ def test_public_api_runs_the_backend(backend):
 
 # ---- the harness, the build and the registry ----
 
+
 def midpoints(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Exact float32 midpoints between the 16-bit values ``bits`` and their successors (ties)."""
     lo = bits.to(torch.int16).view(dtype).double()
@@ -361,10 +427,25 @@ def test_harness_rounds_like_the_hardware():
     scaled = torch.randn(4000, generator=g) * 10.0 ** torch.randint(-9, 6, (4000,), generator=g)
     finite_half = torch.randint(0, 0x7BFF, (2000,), generator=g, dtype=torch.int32)
     finite_bf16 = torch.randint(0, 0x7F7F, (2000,), generator=g, dtype=torch.int32)
-    specials = torch.tensor([65504.0, 65519.0, 65520.0, 7e4, 2.0 ** -24, 2.0 ** -25, 3e-8, 0.0, -0.0,
-                             float("inf"), float("-inf")])
-    for dtype, to_bits, finite in ((torch.float16, sim.float_to_half_bits, finite_half),
-                                   (torch.bfloat16, sim.float_to_bf16_bits, finite_bf16)):
+    specials = torch.tensor(
+        [
+            65504.0,
+            65519.0,
+            65520.0,
+            7e4,
+            2.0**-24,
+            2.0**-25,
+            3e-8,
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+        ]
+    )
+    for dtype, to_bits, finite in (
+        (torch.float16, sim.float_to_half_bits, finite_half),
+        (torch.bfloat16, sim.float_to_bf16_bits, finite_bf16),
+    ):
         ties = midpoints(finite, dtype)
         xs = torch.cat([scaled, ties, -ties, specials])
         got = torch.tensor(to_bits(xs.tolist()), dtype=torch.int32)
@@ -380,8 +461,12 @@ def test_harness_rounds_like_the_hardware():
 
 
 def built_modules() -> list:
-    names = ["kvattn.backends.cuda_sim._sim", "kvattn.backends.cuda_sim._sim_break_barrier",
-             "kvattn.backends.cuda_sim._sim_break_pages", "kvattn.backends.cuda_sim._sim_break_fragment"]
+    names = [
+        "kvattn.backends.cuda_sim._sim",
+        "kvattn.backends.cuda_sim._sim_break_barrier",
+        "kvattn.backends.cuda_sim._sim_break_pages",
+        "kvattn.backends.cuda_sim._sim_break_fragment",
+    ]
     mods = [importlib.import_module(n) for n in names]
     try:
         mods.append(importlib.import_module("kvattn.backends.cuda._C"))
@@ -392,9 +477,21 @@ def built_modules() -> list:
 
 def test_built_modules_use_the_tag_layout_of_kvattn_tags():
     """The C++ header is generated from kvattn/tags.py; a stale build would fail here."""
-    want = {name: getattr(tags, name) for name in
-            ("STATE_MASK", "STATE_FREE", "STATE_RESERVED", "STATE_WRITTEN", "VALID_LEN_SHIFT",
-             "VALID_LEN_BITS", "VALID_LEN_MAX", "OWNER_SHIFT", "OWNER_BITS", "OWNER_MAX")}
+    want = {
+        name: getattr(tags, name)
+        for name in (
+            "STATE_MASK",
+            "STATE_FREE",
+            "STATE_RESERVED",
+            "STATE_WRITTEN",
+            "VALID_LEN_SHIFT",
+            "VALID_LEN_BITS",
+            "VALID_LEN_MAX",
+            "OWNER_SHIFT",
+            "OWNER_BITS",
+            "OWNER_MAX",
+        )
+    }
     want.update({f"Violation_{f.name}": int(f) for f in Violation if f})
     want.update({f"WriteDrop_{f.name}": int(f) for f in kvattn.WriteDrop if f})
     for module in built_modules():
@@ -405,15 +502,27 @@ def broken_disagrees(module_name: str, seed: int) -> tuple[bool, bool]:
     """(output differs, report differs) between a harness build and the reference on one batch."""
     module = importlib.import_module(module_name)
     module.set_seed(seed)
-    batch = make("cuda_sim", dtype=F16, page_size=4, head_dim=64, num_heads=4, num_kv_heads=1,
-                 seq_lens=(70, 23, 41), seed=seed)
+    batch = make(
+        "cuda_sim",
+        dtype=F16,
+        page_size=4,
+        head_dim=64,
+        num_heads=4,
+        num_kv_heads=1,
+        seq_lens=(70, 23, 41),
+        seed=seed,
+    )
     args = batch.args()
     out = torch.full_like(batch.q, float("nan"))
-    report = module_of("cuda_sim").decode(args, check=True, out=out, lse=None, num_splits=2, module=module)
+    report = module_of("cuda_sim").decode(
+        args, check=True, out=out, lse=None, num_splits=2, module=module
+    )
     ref_out, ref_report = batch.reference(compute_dtype=torch.float64)
     out_wrong = not torch.allclose(out.double(), ref_out, **tolerance(F16))
-    report_wrong = any(not torch.equal(getattr(report, f), getattr(ref_report, f))
-                       for f in ("violations", "reasons", "pages_checked", "page_reasons"))
+    report_wrong = any(
+        not torch.equal(getattr(report, f), getattr(ref_report, f))
+        for f in ("violations", "reasons", "pages_checked", "page_reasons")
+    )
     return out_wrong, report_wrong
 
 
@@ -441,13 +550,23 @@ def test_harness_catches_a_wrong_mma_fragment_index(seed):
     out_wrong, report_wrong = broken_disagrees("kvattn.backends.cuda_sim._sim_break_fragment", seed)
     assert out_wrong and not report_wrong
     broken = importlib.import_module("kvattn.backends.cuda_sim._sim_break_fragment")
-    e = Extend.random([5, 17], [3, 20], num_heads=4, num_kv_heads=1, head_dim=64, page_size=4, seed=seed)
+    e = Extend.random(
+        [5, 17], [3, 20], num_heads=4, num_kv_heads=1, head_dim=64, page_size=4, seed=seed
+    )
     args = kvattn.layout.validate_extend(*e.inputs())
     ref = e.reference(compute_dtype=torch.float64)[0]
-    for module, wrong in ((importlib.import_module("kvattn.backends.cuda_sim._sim"), False), (broken, True)):
+    for module, wrong in (
+        (importlib.import_module("kvattn.backends.cuda_sim._sim"), False),
+        (broken, True),
+    ):
         out = torch.full_like(e.q, float("nan"))
         launch.extend(module, args, check=True, out=out, lse=None)
         assert (not torch.allclose(out.double(), ref, **tolerance(F16))) == wrong, module.__name__
+
+
+def _bits(x: torch.Tensor) -> list[int]:
+    """The 16-bit words of a half-precision tensor, as the harness takes them."""
+    return (x.view(torch.int16).to(torch.int32) & 0xFFFF).flatten().tolist()
 
 
 def test_harness_mma_and_ldmatrix_follow_the_ptx_fragment_layout():
@@ -458,14 +577,16 @@ def test_harness_mma_and_ldmatrix_follow_the_ptx_fragment_layout():
     for dtype, bf16 in ((F16, False), (BF16, True)):
         a = torch.randn(16, 16, generator=g_).to(dtype)
         b = torch.randn(16, 8, generator=g_).to(dtype)
-        bits = lambda x: (x.view(torch.int16).to(torch.int32) & 0xFFFF).flatten().tolist()  # noqa: E731
-        frags, d, error = sim.mma_selftest(bits(a), bits(b), bf16)
+        frags, d, error = sim.mma_selftest(_bits(a), _bits(b), bf16)
         assert error == ""
-        half = lambda reg, hi: torch.tensor([(reg >> 16) if hi else (reg & 0xFFFF)],  # noqa: E731
-                                            dtype=torch.int32).to(torch.int16).view(dtype)[0]
+
+        def half(reg, hi, dtype=dtype):
+            word = (reg >> 16) if hi else (reg & 0xFFFF)
+            return torch.tensor([word], dtype=torch.int32).to(torch.int16).view(dtype)[0]
+
         for lane in range(32):
             gi, t = lane // 4, lane % 4
-            regs = frags[lane * 6:(lane + 1) * 6]
+            regs = frags[lane * 6 : (lane + 1) * 6]
             want_a = [(gi, 2 * t), (gi + 8, 2 * t), (gi, 2 * t + 8), (gi + 8, 2 * t + 8)]
             for reg, (row, col) in zip(regs[:4], want_a):
                 assert half(reg, False) == a[row, col] and half(reg, True) == a[row, col + 1]
@@ -484,12 +605,19 @@ def test_page_division_is_exact_for_every_page_size():
     """The kernels split a token index into (page, slot) by multiply-shift; it must equal floor
     division for every supported page size at every page boundary and up to the 2**31 capacity."""
     sim = importlib.import_module("kvattn.backends.cuda_sim._sim")
-    top = 2 ** 31 - 1
+    top = 2**31 - 1
     for size in range(1, 1025):
         last = top // size
         pages = [0, 1, 2, 3, 1000, 65535, last - 1, last]
-        ns = sorted({n for k in pages for n in (k * size - 1, k * size, k * size + size - 1)
-                     if 0 <= n <= top} | {top})
+        ns = sorted(
+            {
+                n
+                for k in pages
+                for n in (k * size - 1, k * size, k * size + size - 1)
+                if 0 <= n <= top
+            }
+            | {top}
+        )
         assert sim.page_div(size, ns) == [n // size for n in ns], f"page size {size}"
 
 
@@ -497,11 +625,13 @@ def test_launcher_errors_raise_naming_the_kernel():
     batch = make("cuda_sim", dtype=F16, head_dim=64, page_size=1024, seq_lens=(4,))
     args = batch.args()
     # 2**21 table columns of 1024-token pages: the launcher's own capacity limit refuses, not a crash
-    args.block_table = args.block_table[:, :1].expand(args.batch, 2 ** 21).contiguous()
-    args.expected = args.expected[:, :1].expand(args.batch, 2 ** 21).contiguous()
+    args.block_table = args.block_table[:, :1].expand(args.batch, 2**21).contiguous()
+    args.expected = args.expected[:, :1].expand(args.batch, 2**21).contiguous()
     out = torch.empty_like(args.q)
     sim = importlib.import_module("kvattn.backends.cuda_sim._sim")
-    with pytest.raises(RuntimeError, match=r"paged_decode .*table capacity must stay below 2\*\*31 tokens"):
+    with pytest.raises(
+        RuntimeError, match=r"paged_decode .*table capacity must stay below 2\*\*31 tokens"
+    ):
         launch.decode(sim, args, check=True, out=out, lse=None, num_splits=1)
 
 
@@ -518,10 +648,14 @@ def test_why_not_gives_reasons():
     big = make("cuda_sim", dtype=F16, head_dim=520, page_size=4, seq_lens=(3,)).args()
     assert "head_dim 520" in module_of("cuda_sim").why_not(big)
     fp32 = make("cuda_sim", dtype=F32, head_dim=16, page_size=4, seq_lens=(3,)).args()
-    assert "float32" in module_of("cuda_sim").why_not(fp32) and "triton" in module_of("cuda_sim").why_not(fp32)
+    assert "float32" in module_of("cuda_sim").why_not(fp32) and "triton" in module_of(
+        "cuda_sim"
+    ).why_not(fp32)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the scenario suites probe CUDA tensors")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU the scenario suites probe CUDA tensors"
+)
 def test_scenario_suites_include_the_harness():
     assert "cuda_sim" in backends_under_test()
 
@@ -546,24 +680,40 @@ def test_ptxas_resources_have_no_local_memory():
 
 def test_ptxas_check_fails_on_spills():
     report = _load_ptxas_report()
-    log = ("ptxas info    : Compiling entry function '_ZN6kvattn19paged_decode_kernelIfLb1EEEvNS_12DecodeParamsE'"
-           " for 'sm_90'\nptxas info    : Function properties for x\n"
-           "    64 bytes stack frame, 32 bytes spill stores, 32 bytes spill loads\n"
-           "ptxas info    : Used 255 registers, used 1 barriers, 912 bytes cmem[0]\n")
+    log = (
+        "ptxas info    : Compiling entry function "
+        "'_ZN6kvattn19paged_decode_kernelIfLb1EEEvNS_12DecodeParamsE'"
+        " for 'sm_90'\nptxas info    : Function properties for x\n"
+        "    64 bytes stack frame, 32 bytes spill stores, 32 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers, 912 bytes cmem[0]\n"
+    )
     records = report.parse(log)
     assert records[0]["registers"] == 255 and records[0]["spill_stores"] == 32
     assert report.local_memory_problems(records)
-    assert report.summary(records) == "1 kernels (1 for sm_90), 255-255 registers, 1 with local memory"
+    assert (
+        report.summary(records) == "1 kernels (1 for sm_90), 255-255 registers, 1 with local memory"
+    )
 
 
 def test_the_build_prints_one_line_of_the_ptxas_figures_and_files_the_table():
     """make build prints the summary line (units, instantiations, ptxas figures), not the table of
     every kernel, which it writes to build/cuda/ptxas-table.txt."""
     report = _load_ptxas_report()
-    records = [dict(kernel=f"k{i}", arch=arch, registers=40 + i, smem_static=0, stack_frame=0,
-                    spill_stores=0, spill_loads=0) for i, arch in enumerate(("sm_80", "sm_80", "sm_90"))]
-    assert report.summary(records) == ("3 kernels (2 for sm_80, 1 for sm_90), 40-42 registers, "
-                                       "no spills, no stack frames")
+    records = [
+        dict(
+            kernel=f"k{i}",
+            arch=arch,
+            registers=40 + i,
+            smem_static=0,
+            stack_frame=0,
+            spill_stores=0,
+            spill_loads=0,
+        )
+        for i, arch in enumerate(("sm_80", "sm_80", "sm_90"))
+    ]
+    assert report.summary(records) == (
+        "3 kernels (2 for sm_80, 1 for sm_90), 40-42 registers, no spills, no stack frames"
+    )
     source = (ROOT / "setup.py").read_text()
     assert "print(report.table(" not in source and "report.summary(records)" in source
     ptxas_log()  # skips where the last build compiled no CUDA module
@@ -580,20 +730,30 @@ def _load_ptxas_report():
 
 # ---- the stamping writer ----
 
+
 def writer_case(seed: int, device, dtype=F16, layout="NHD"):
     """Pages in every state and a slot mapping with runs, gaps, out-of-order and duplicate-free
     slots, padding, out-of-range pages and a late writer; returns the arguments of write_kv."""
     g = torch.Generator().manual_seed(seed)
     num_pages, page, kv_heads, dim = 6, 4, 2, 16
-    shape = (num_pages, kv_heads, page, dim) if layout == "HND" else (num_pages, page, kv_heads, dim)
+    shape = (
+        (num_pages, kv_heads, page, dim) if layout == "HND" else (num_pages, page, kv_heads, dim)
+    )
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)
     if layout == "HND":
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     owner, other = 5, 9
-    page_tags = torch.tensor([kvattn.reserved_tag(owner), kvattn.written_tag(owner, 2),
-                              kvattn.written_tag(owner, 4), kvattn.FREE_TAG,
-                              kvattn.written_tag(other, 3), kvattn.reserved_tag(other)])
+    page_tags = torch.tensor(
+        [
+            kvattn.reserved_tag(owner),
+            kvattn.written_tag(owner, 2),
+            kvattn.written_tag(owner, 4),
+            kvattn.FREE_TAG,
+            kvattn.written_tag(other, 3),
+            kvattn.reserved_tag(other),
+        ]
+    )
     page_tags = page_tags[torch.randperm(num_pages, generator=g)]
     slots: list[int] = []
     while len(slots) < 20:
@@ -635,7 +795,9 @@ def test_write_kv_equals_the_python_writer(backend, seed):
     assert torch.equal(got.drop_reasons.cpu(), want.drop_reasons.cpu())
     assert got.dropped_count() == want.dropped_count()
     assert torch.equal(ours[5].cpu(), theirs[5].cpu()), "page tags differ"
-    assert torch.equal(bits(ours[2]), bits(theirs[2])) and torch.equal(bits(ours[3]), bits(theirs[3]))
+    assert torch.equal(bits(ours[2]), bits(theirs[2])) and torch.equal(
+        bits(ours[3]), bits(theirs[3])
+    )
     if seed == 0:
         reasons = set(want.drop_reasons.tolist())
         assert {0, int(kvattn.WriteDrop.NOT_HELD), int(kvattn.WriteDrop.GAP)} <= reasons
@@ -667,14 +829,26 @@ def test_write_kv_then_decode_reads_only_landed_tokens(backend):
     k = torch.randn(11, kv_heads, dim, generator=g).to(F16).to(device)
     v = torch.randn(11, kv_heads, dim, generator=g).to(F16).to(device)
     slots = torch.tensor([16 + s for s in range(8)] + [0, 1, 2], device=device)
-    assert kvattn.write_kv(k, v, k_cache, v_cache, slots, page_tags, 3, backend=backend).dropped_count() == 0
-    late = kvattn.write_kv(k[:1] * 50, v[:1] * 50, k_cache, v_cache, slots[:1], page_tags, 4,
-                           backend=backend)
+    assert (
+        kvattn.write_kv(
+            k, v, k_cache, v_cache, slots, page_tags, 3, backend=backend
+        ).dropped_count()
+        == 0
+    )
+    late = kvattn.write_kv(
+        k[:1] * 50, v[:1] * 50, k_cache, v_cache, slots[:1], page_tags, 4, backend=backend
+    )
     assert late.dropped_count() == 1 and int(late.drop_reasons[0]) == int(kvattn.WriteDrop.NOT_HELD)
     q = torch.randn(1, 4, dim, generator=g).to(F16).to(device)
-    batch = Batch(q, k_cache, v_cache, torch.tensor([[2, 0]], dtype=torch.int32, device=device),
-                  torch.tensor([11], dtype=torch.int32, device=device), page_tags,
-                  torch.tensor([3], dtype=torch.int64, device=device))
+    batch = Batch(
+        q,
+        k_cache,
+        v_cache,
+        torch.tensor([[2, 0]], dtype=torch.int32, device=device),
+        torch.tensor([11], dtype=torch.int32, device=device),
+        page_tags,
+        torch.tensor([3], dtype=torch.int64, device=device),
+    )
     out, lse, report = run(backend, batch)
     assert_matches_reference(batch, out, lse, report)
     assert int(report.violations.sum()) == 0
@@ -711,7 +885,9 @@ def test_real_module_turns_a_cuda_error_into_an_exception_naming_the_kernel():
         pytest.skip(real._NOT_BUILT)
     batch = make("cuda_sim", dtype=F16, head_dim=64, seq_lens=(3,))
     args = batch.args()
-    with pytest.raises(RuntimeError, match=r"kvattn: paged_decode_kernel<check=true> failed: .+ \(error \d+\)"):
+    with pytest.raises(
+        RuntimeError, match=r"kvattn: paged_decode_kernel<check=true> failed: .+ \(error \d+\)"
+    ):
         launch.decode(real._C, args, check=True, out=torch.empty_like(args.q), lse=None)
 
 
@@ -729,19 +905,30 @@ class Recorder:
     """A binding that records the argument dict a launcher hands it, then refuses to launch."""
 
     EXTEND_ROWS = importlib.import_module("kvattn.backends.cuda_sim._sim").EXTEND_ROWS
-    SELECTION = importlib.import_module("kvattn.backends.cuda_sim._sim").SELECTION  # the whole table
+    SELECTION = importlib.import_module(
+        "kvattn.backends.cuda_sim._sim"
+    ).SELECTION  # the whole table
 
     def __getattr__(self, op):
         def record(params, *rest):
             self.params = params
             raise StopIteration
+
         return record
 
 
 # What the binding reads beyond the lists (csrc/module.cpp fill_attention): derived fields; and the
 # extend's custom mask (csrc/module.cpp extend).
-DERIVED = {"page_size", "kv_dtype", "window_left", "window_right", "soft_cap", "alibi", "alibi_stride",
-           "sinks"}
+DERIVED = {
+    "page_size",
+    "kv_dtype",
+    "window_left",
+    "window_right",
+    "soft_cap",
+    "alibi",
+    "alibi_stride",
+    "sinks",
+}
 EXTEND_DERIVED = {"custom_mask", "mask_start", "mask_numel"}
 
 
@@ -750,25 +937,46 @@ def test_launchers_pass_exactly_the_arguments_params_h_lists(op):
     """A launcher's dict names every argument of its kernel's lists and nothing else: params.h's
     lists declare the structs and drive the binding, so one list is the whole contract."""
     lists = param_lists()
-    want = {"decode": set(lists["KVATTN_ATTENTION_ARGS"] + lists["KVATTN_DECODE_ARGS"]) | DERIVED,
-            "extend": set(lists["KVATTN_ATTENTION_ARGS"] + lists["KVATTN_EXTEND_ARGS"]) | DERIVED
-            | EXTEND_DERIVED,
-            "write_kv": set(lists["KVATTN_WRITE_KV_ARGS"])}[op]
+    want = {
+        "decode": set(lists["KVATTN_ATTENTION_ARGS"] + lists["KVATTN_DECODE_ARGS"]) | DERIVED,
+        "extend": set(lists["KVATTN_ATTENTION_ARGS"] + lists["KVATTN_EXTEND_ARGS"])
+        | DERIVED
+        | EXTEND_DERIVED,
+        "write_kv": set(lists["KVATTN_WRITE_KV_ARGS"]),
+    }[op]
     batch = make("cuda_sim", seq_lens=(5, 9))
     binding = Recorder()
     with pytest.raises(StopIteration):
         if op == "decode":
-            launch.decode(binding, batch.args(), check=True, out=torch.empty_like(batch.q), lse=None)
+            launch.decode(
+                binding, batch.args(), check=True, out=torch.empty_like(batch.q), lse=None
+            )
         elif op == "extend":
             args = kvattn.layout.validate_extend(
-                batch.q, batch.k_cache, batch.v_cache, torch.tensor([0, 1, 2], dtype=torch.int32),
-                batch.block_table, batch.seq_lens, batch.page_tags, batch.expected)
+                batch.q,
+                batch.k_cache,
+                batch.v_cache,
+                torch.tensor([0, 1, 2], dtype=torch.int32),
+                batch.block_table,
+                batch.seq_lens,
+                batch.page_tags,
+                batch.expected,
+            )
             launch.extend(binding, args, check=True, out=torch.empty_like(batch.q), lse=None)
         else:
             k = torch.randn(2, batch.k_cache.shape[2], batch.k_cache.shape[3], dtype=F16)
-            launch.write_kv(binding, kvattn.write_args.validate_write_kv(
-                k, k, batch.k_cache, batch.v_cache, torch.tensor([0, 1], dtype=torch.int64),
-                batch.page_tags, 1))
+            launch.write_kv(
+                binding,
+                kvattn.write_args.validate_write_kv(
+                    k,
+                    k,
+                    batch.k_cache,
+                    batch.v_cache,
+                    torch.tensor([0, 1], dtype=torch.int64),
+                    batch.page_tags,
+                    1,
+                ),
+            )
     assert set(binding.params) == want
 
 

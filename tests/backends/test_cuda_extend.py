@@ -5,6 +5,7 @@ the host compiler against csrc/sim/simt.h, shuffled thread order, poisoned share
 the same tests run the nvcc build (backend ``cuda``) too. Outputs start as NaN, so a row the kernel
 should write and does not shows; the pools hold NaN wherever a reader must not look.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,6 @@ import torch
 
 import kvattn
 from kvattn import backends
-
 from kvattn_testing.build import built_cuda_kernels, ptxas_log
 from kvattn_testing.extend import Extend, assert_prefix_scenario, corrupt
 from kvattn_testing.util import assert_reports_equal, tolerance
@@ -23,7 +23,9 @@ from kvattn_testing.util import assert_reports_equal, tolerance
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BACKENDS = ["cuda_sim"] + (["cuda"] if torch.cuda.is_available() else [])
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-LSE_TOL = dict(atol=1e-4, rtol=1e-4)  # float32 log-sum-exp of float32 logits (exp2/log2 in the kernel)
+LSE_TOL = dict(
+    atol=1e-4, rtol=1e-4
+)  # float32 log-sum-exp of float32 logits (exp2/log2 in the kernel)
 
 
 def on(backend: str, e: Extend) -> Extend:
@@ -35,8 +37,9 @@ def on(backend: str, e: Extend) -> Extend:
     return Extend(e.q.to(device), e.cu.to(device), p)
 
 
-def launch(backend: str, e: Extend, *, check=True, causal=True, tokens=None, plan=None,
-           validate=None):
+def launch(
+    backend: str, e: Extend, *, check=True, causal=True, tokens=None, plan=None, validate=None
+):
     """The backend's extend launcher with NaN-filled ``out`` and ``lse``."""
     args = kvattn.layout.validate_extend(*e.inputs(), causal=causal, validate=validate)
     module, reason = backends.load(backend)
@@ -76,17 +79,29 @@ CASES = [
 
 
 @pytest.mark.parametrize("tokens", [None, 3])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c)
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_extend_matches_reference(backend, case, tokens):
     """Default tiles, and 3-token query tiles (a chunk spans several tiles; causal tiles past the
     tile's last query are skipped)."""
     dtype, page_size, head_dim, num_heads, num_kv_heads, causal, layout = case
     q_lens, prefixes = chunks_and_prefixes(page_size)
-    e = on(backend, Extend.random(q_lens, prefixes, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                  head_dim=head_dim, page_size=page_size, dtype=dtype,
-                                  layout="NHD" if layout == "offset" else layout,
-                                  seed=page_size + head_dim))
+    e = on(
+        backend,
+        Extend.random(
+            q_lens,
+            prefixes,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            dtype=dtype,
+            layout="NHD" if layout == "offset" else layout,
+            seed=page_size + head_dim,
+        ),
+    )
     if layout == "offset":
         e = Extend(e.q, e.cu, offset_pools(e.pages))
     group = num_heads // num_kv_heads
@@ -95,7 +110,9 @@ def test_extend_matches_reference(backend, case, tokens):
     plan = {}
     out, lse, report = launch(backend, e, causal=causal, tokens=tokens, plan=plan)
     ref, ref_lse, ref_report = e.reference(causal=causal, compute_dtype=torch.float64)
-    assert torch.isfinite(out).all(), "NaN in the output: a poisoned slot was read or a row not written"
+    assert torch.isfinite(out).all(), (
+        "NaN in the output: a poisoned slot was read or a row not written"
+    )
     torch.testing.assert_close(out.cpu().double(), ref.cpu(), **tolerance(dtype))
     torch.testing.assert_close(lse.cpu().double(), ref_lse.cpu(), **LSE_TOL)
     assert_reports_equal(report, ref_report)
@@ -121,9 +138,14 @@ def offset_pools(pages):
 
 
 def test_matrix_covers_the_contract():
-    dtypes, pages, dims, groups, causal = (set(x) for x in zip(*[
-        (c[0], c[1], c[2], c[3] // c[4], c[5]) for c in CASES]))
-    assert dtypes == {F16, BF16} and pages >= {1, 4, 5, 8, 16, 20} and dims >= {13, 16, 64, 72, 80, 128, 256, 512}
+    dtypes, pages, dims, groups, causal = (
+        set(x) for x in zip(*[(c[0], c[1], c[2], c[3] // c[4], c[5]) for c in CASES])
+    )
+    assert (
+        dtypes == {F16, BF16}
+        and pages >= {1, 4, 5, 8, 16, 20}
+        and dims >= {13, 16, 64, 72, 80, 128, 256, 512}
+    )
     assert groups >= {1, 4, 80} and causal == {True, False}
 
 
@@ -132,8 +154,19 @@ def test_matrix_covers_the_contract():
 def test_all_valid_checked_equals_unchecked(backend, dtype):
     """With every page valid the check changes no bit (same kernel source, check compiled out)."""
     q_lens, prefixes = chunks_and_prefixes(4)
-    e = on(backend, Extend.random(q_lens, prefixes, num_heads=4, num_kv_heads=1, head_dim=64,
-                                  page_size=4, dtype=dtype, seed=5))
+    e = on(
+        backend,
+        Extend.random(
+            q_lens,
+            prefixes,
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=64,
+            page_size=4,
+            dtype=dtype,
+            seed=5,
+        ),
+    )
     checked, lse, report = launch(backend, e, tokens=2)
     unchecked, unchecked_lse, none = launch(backend, e, check=False, tokens=2)
     assert none is None and int(report.violations.sum()) == 0
@@ -170,8 +203,9 @@ def test_prefix_scenario_is_real_unchecked(backend, scenario):
 def test_malformed_lengths_fail_closed(backend):
     """Unvalidated: more queries than tokens reads nothing (0, lse -inf) while its pages are still
     reported; a seq_len past the table counts one OUT_OF_RANGE; all-foreign pages give 0, -inf."""
-    e = Extend.random([5, 2, 2], [1, 4, 3], num_heads=2, num_kv_heads=1, head_dim=16, page_size=4,
-                      seed=13)
+    e = Extend.random(
+        [5, 2, 2], [1, 4, 3], num_heads=2, num_kv_heads=1, head_dim=16, page_size=4, seed=13
+    )
     p = e.pages
     p.seq_lens[0] = 4  # 5 queries, 4 tokens
     p.seq_lens[1] = 6 + 4 * p.block_table.shape[1]
@@ -207,8 +241,19 @@ def test_clamped_offsets_leave_uncovered_rows_unwritten(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_public_api_and_registry(backend):
     """paged_extend(backend=...) runs this kernel; why_not accepts extend arguments."""
-    e = on(backend, Extend.random([4, 1], [3, 6], num_heads=4, num_kv_heads=1, head_dim=32,
-                                  page_size=4, dtype=BF16, seed=2))
+    e = on(
+        backend,
+        Extend.random(
+            [4, 1],
+            [3, 6],
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=32,
+            page_size=4,
+            dtype=BF16,
+            seed=2,
+        ),
+    )
     args = kvattn.layout.validate_extend(*e.inputs())
     assert backends.explain(args, op="extend")[backend] is None
     assert backends.select(args, backend, op="extend").NAME == backend
@@ -234,6 +279,7 @@ def test_float32_runs_on_triton_not_cuda():
 
 def nvcc_present() -> bool:
     import shutil
+
     return shutil.which("nvcc") is not None or pathlib.Path("/usr/local/cuda/bin/nvcc").exists()
 
 
@@ -247,5 +293,7 @@ def test_ptxas_extend_kernels_have_no_local_memory():
     log = ptxas_log()
     records = [r for r in report.check(log) if "paged_extend_kernel" in r["kernel"]]
     assert {(r["kernel"], r["arch"]) for r in records} == built_cuda_kernels("paged_extend_kernel")
-    assert all(0 < r["registers"] <= 255 and not r["spill_stores"] and not r["stack_frame"]
-               for r in records)
+    assert all(
+        0 < r["registers"] <= 255 and not r["spill_stores"] and not r["stack_frame"]
+        for r in records
+    )

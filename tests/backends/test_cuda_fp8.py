@@ -4,11 +4,13 @@ The kernel reads fp8 bytes into shared memory and builds its tensor-core fragmen
 (csrc/kvattn/attention.cuh, qk_scores_fp8 / accumulate_fp8): Q's dims are stored permuted for the
 QK^T reads and the output dims come back permuted from P V, so every head-dim padding, head split
 (d_split) and GQA chunking is compared here with the reference. The extend's element-wise kernels
-convert the codes on the copy into their 16-bit tiles (csrc/kvattn/kv_copy.cuh copy_chunk_fp8). The conversion of fp8.h is checked
+convert the codes on the copy into their 16-bit tiles (csrc/kvattn/kv_copy.cuh copy_chunk_fp8). The
+conversion of fp8.h is checked
 against torch for all 256 bytes of each format. The element-wise fp8 scenarios (NaN-poisoned
 foreign pages, the float64 formula) run on cuda_sim through tests/readers/test_variants.py and
 tests/contract/test_variant_scenarios.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -46,8 +48,17 @@ def test_conversion_rejects_unknown_formats_and_bytes():
 def fp8_batch(fmt, q_dtype, *, head_dim, heads, kv_heads, page, lens, seed=0):
     """A NaN-poisoned batch over fp8 pools, values stored at 4x their size (read back at the
     scales below), with a foreign page full of NaN in the last sequence's second entry."""
-    pages = Batch.random(batch=len(lens), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                         page_size=page, seq_lens=lens, dtype=torch.float32, pool_factor=2, seed=seed)
+    pages = Batch.random(
+        batch=len(lens),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page,
+        seq_lens=lens,
+        dtype=torch.float32,
+        pool_factor=2,
+        seed=seed,
+    )
     used = set(pages.block_table.flatten().tolist())
     spare = next(p for p in range(pages.k_cache.shape[0]) if p not in used)
     pages.page_tags[spare] = kvattn.written_tag(FOREIGN_OWNER, page)
@@ -68,12 +79,29 @@ def scales(kv_heads):
 def claimed_decode(pages, splits, **kwargs):
     """``(args, reference (out, lse, report) in float64, cuda_sim's (out, lse, report, plan))`` of
     a checked decode over ``pages`` that cuda_sim claims."""
-    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
-                                         pages.seq_lens, pages.page_tags, pages.expected, **kwargs)
+    args = kvattn.layout.validate_decode(
+        pages.q,
+        pages.k_cache,
+        pages.v_cache,
+        pages.block_table,
+        pages.seq_lens,
+        pages.page_tags,
+        pages.expected,
+        **kwargs,
+    )
     assert backends.explain(args, op="decode")["cuda_sim"] is None
     ref = kvattn.reference.paged_decode(
-        pages.q, pages.k_cache, pages.v_cache, pages.block_table, pages.seq_lens, pages.page_tags,
-        pages.expected, return_lse=True, compute_dtype=torch.float64, **kwargs)
+        pages.q,
+        pages.k_cache,
+        pages.v_cache,
+        pages.block_table,
+        pages.seq_lens,
+        pages.page_tags,
+        pages.expected,
+        return_lse=True,
+        compute_dtype=torch.float64,
+        **kwargs,
+    )
     out = torch.empty_like(pages.q)
     lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
     plan = {}
@@ -89,9 +117,16 @@ CASES = {
     "fp16-e4m3-d64-gqa20": (torch.float16, "e4m3", 64, 20, 1, 16, 1, {}),
     "bf16-e5m2-d80-split3": (torch.bfloat16, "e5m2", 80, 4, 2, 5, 3, {}),
     "fp16-e5m2-d128": (torch.float16, "e5m2", 128, 4, 2, 16, 1, {}),
-    "bf16-e4m3-d256-switches": (torch.bfloat16, "e4m3", 256, 4, 2, 8, 2,
-                                dict(window_left=30, logits_soft_cap=3.0,
-                                     sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]))),
+    "bf16-e4m3-d256-switches": (
+        torch.bfloat16,
+        "e4m3",
+        256,
+        4,
+        2,
+        8,
+        2,
+        dict(window_left=30, logits_soft_cap=3.0, sinks=torch.tensor([0.5, -1.0, 0.0, 1.0])),
+    ),
     "bf16-e4m3-d512": (torch.bfloat16, "e4m3", 512, 2, 1, 16, 1, {}),
 }
 
@@ -99,13 +134,26 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_decode_matches_the_reference(case):
     q_dtype, fmt, head_dim, heads, kv_heads, page, splits, switches = CASES[case]
-    pages = fp8_batch(fmt, q_dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads, page=page,
-                      lens=[3, 2 * page + 1, 40])
+    pages = fp8_batch(
+        fmt,
+        q_dtype,
+        head_dim=head_dim,
+        heads=heads,
+        kv_heads=kv_heads,
+        page=page,
+        lens=[3, 2 * page + 1, 40],
+    )
     k_scale, v_scale = scales(kv_heads)
     args, (ref_out, ref_lse, ref_report), (out, lse, report, plan) = claimed_decode(
-        pages, splits, k_scale=k_scale, v_scale=v_scale, **switches)
+        pages, splits, k_scale=k_scale, v_scale=v_scale, **switches
+    )
     assert plan["num_splits"] == splits and plan["vec"] == 1
-    assert plan["smem_bytes"] == sim.tile_layouts()["decode_fp8"][max(64, 1 << (head_dim - 1).bit_length())]["shared_bytes"]
+    assert (
+        plan["smem_bytes"]
+        == sim.tile_layouts()["decode_fp8"][max(64, 1 << (head_dim - 1).bit_length())][
+            "shared_bytes"
+        ]
+    )
     assert torch.isfinite(out).all(), "a refused slot was read"
     # K and V convert exactly to the query's 16-bit type; the kernel rounds the probabilities to it
     # before P V as in the 16-bit pools, so the bound is that of the query dtype.
@@ -118,11 +166,21 @@ def test_fp8_decode_matches_the_reference(case):
 
 def test_unchecked_fp8_decode_reads_the_foreign_page():
     """The violation twin: the same call unchecked reads the foreign page's NaN."""
-    pages = fp8_batch("e4m3", torch.float16, head_dim=64, heads=2, kv_heads=1, page=8, lens=[20, 20])
+    pages = fp8_batch(
+        "e4m3", torch.float16, head_dim=64, heads=2, kv_heads=1, page=8, lens=[20, 20]
+    )
     k_scale, v_scale = scales(1)
-    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
-                                         pages.seq_lens, pages.page_tags, pages.expected,
-                                         k_scale=k_scale, v_scale=v_scale)
+    args = kvattn.layout.validate_decode(
+        pages.q,
+        pages.k_cache,
+        pages.v_cache,
+        pages.block_table,
+        pages.seq_lens,
+        pages.page_tags,
+        pages.expected,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     out = torch.empty_like(pages.q)
     launch.decode(sim, args, check=False, out=out, lse=None, num_splits=1)
     assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
@@ -135,9 +193,17 @@ def test_fp8_scales_apply_per_kv_head():
     k_scale, v_scale = scales(2)
 
     def decode(vs):
-        args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
-                                             pages.seq_lens, pages.page_tags, pages.expected,
-                                             k_scale=k_scale, v_scale=vs)
+        args = kvattn.layout.validate_decode(
+            pages.q,
+            pages.k_cache,
+            pages.v_cache,
+            pages.block_table,
+            pages.seq_lens,
+            pages.page_tags,
+            pages.expected,
+            k_scale=k_scale,
+            v_scale=vs,
+        )
         out = torch.empty_like(pages.q)
         launch.decode(sim, args, check=True, out=out, lse=None, num_splits=1)
         return out
@@ -160,8 +226,15 @@ def unaligned_batch(case, q_dtype=torch.bfloat16, fmt="e5m2", lens=(3, 17, 40)):
     through a view starting 3 codes into wider rows."""
     spec = UNALIGNED[case]
     offset = spec.get("offset", 0)
-    pages = fp8_batch(fmt, q_dtype, head_dim=spec["head_dim"] + offset, heads=4, kv_heads=2, page=8,
-                      lens=list(lens))
+    pages = fp8_batch(
+        fmt,
+        q_dtype,
+        head_dim=spec["head_dim"] + offset,
+        heads=4,
+        kv_heads=2,
+        page=8,
+        lens=list(lens),
+    )
     if offset:
         pages.k_cache = pages.k_cache[..., offset:]
         pages.v_cache = pages.v_cache[..., offset:]
@@ -178,8 +251,13 @@ def test_unaligned_fp8_decode_runs_the_extend_kernels(case):
     pages = unaligned_batch(case)
     k_scale, v_scale = scales(2)
     args, (ref_out, ref_lse, ref_report), (out, lse, report, plan) = claimed_decode(
-        pages, 2, k_scale=k_scale, v_scale=v_scale, window_left=30,
-        sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]))
+        pages,
+        2,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        window_left=30,
+        sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]),
+    )
     assert plan["tokens_per_tile"] >= 1 and plan["vec"] == 0 and plan["fp8_wide"] == (case == "d24")
     assert torch.isfinite(out).all(), "a refused slot was read"
     torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.bfloat16))
@@ -188,9 +266,17 @@ def test_unaligned_fp8_decode_runs_the_extend_kernels(case):
     assert report.violations.tolist() == [0, 0, 1]
     launch.decode(sim, args, check=False, out=out, lse=None)
     assert torch.isnan(out[2]).all() and torch.isfinite(out[:2]).all()
-    params = dict(launch._attention_params(args, out, None, None), part_acc=0, part_ml=0,
-                  part_report=0, stride_qb=pages.q.stride(0), stride_ob=out.stride(0),
-                  num_splits=1, align=8, min_chunk=8)
+    params = dict(
+        launch._attention_params(args, out, None, None),
+        part_acc=0,
+        part_ml=0,
+        part_report=0,
+        stride_qb=pages.q.stride(0),
+        stride_ob=out.stride(0),
+        num_splits=1,
+        align=8,
+        min_chunk=8,
+    )
     with pytest.raises(RuntimeError, match="fp8 pools need 16-byte aligned rows"):
         sim.decode(params, launch.DTYPE_CODES[out.dtype], False, 0)
 
@@ -202,8 +288,17 @@ def fp8_extend(pages, q_lens, seed=1, **kwargs):
     heads, dim = pages.q.shape[1:]
     q = torch.randn(sum(q_lens), heads, dim, generator=g).to(pages.q.dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    args = kvattn.layout.validate_extend(q, pages.k_cache, pages.v_cache, cu, pages.block_table,
-                                         pages.seq_lens, pages.page_tags, pages.expected, **kwargs)
+    args = kvattn.layout.validate_extend(
+        q,
+        pages.k_cache,
+        pages.v_cache,
+        cu,
+        pages.block_table,
+        pages.seq_lens,
+        pages.page_tags,
+        pages.expected,
+        **kwargs,
+    )
     return args, q, cu
 
 
@@ -215,15 +310,46 @@ def fp8_extend(pages, q_lens, seed=1, **kwargs):
 EXTEND_CASES = {
     "fp16-e4m3-d64-gqa4-tiles": (torch.float16, "e4m3", 64, 8, 2, 16, [3, 7, 12], {}, 4),
     "bf16-e5m2-d20-bytes": (torch.bfloat16, "e5m2", 20, 2, 1, 5, [1, 4, 9], {}, None),
-    "fp16-e5m2-d128-noncausal": (torch.float16, "e5m2", 128, 4, 2, 16, [2, 5, 6],
-                                 dict(causal=False), None),
-    "bf16-e4m3-d256-per-seq": (torch.bfloat16, "e4m3", 256, 4, 2, 8, [1, 3, 2],
-                               dict(per_sequence=True), None),
+    "fp16-e5m2-d128-noncausal": (
+        torch.float16,
+        "e5m2",
+        128,
+        4,
+        2,
+        16,
+        [2, 5, 6],
+        dict(causal=False),
+        None,
+    ),
+    "bf16-e4m3-d256-per-seq": (
+        torch.bfloat16,
+        "e4m3",
+        256,
+        4,
+        2,
+        8,
+        [1, 3, 2],
+        dict(per_sequence=True),
+        None,
+    ),
     "fp16-e4m3-d512": (torch.float16, "e4m3", 512, 2, 1, 16, [2, 1, 4], {}, None),
-    "bf16-e4m3-d128-switches-mask": (torch.bfloat16, "e4m3", 128, 4, 2, 8, [2, 6, 5],
-                                     dict(window_left=30, logits_soft_cap=3.0,
-                                          alibi_slopes=torch.tensor([0.1, 0.2, 0.3, 0.4]),
-                                          sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]), mask=True), None),
+    "bf16-e4m3-d128-switches-mask": (
+        torch.bfloat16,
+        "e4m3",
+        128,
+        4,
+        2,
+        8,
+        [2, 6, 5],
+        dict(
+            window_left=30,
+            logits_soft_cap=3.0,
+            alibi_slopes=torch.tensor([0.1, 0.2, 0.3, 0.4]),
+            sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]),
+            mask=True,
+        ),
+        None,
+    ),
 }
 
 
@@ -235,25 +361,41 @@ def test_fp8_extend_matches_the_reference(case):
     q_dtype, fmt, head_dim, heads, kv_heads, page, q_lens, switches, tokens = EXTEND_CASES[case]
     switches = dict(switches)
     lens = [3, 2 * page + 1, 40]
-    pages = fp8_batch(fmt, q_dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads, page=page,
-                      lens=lens)
+    pages = fp8_batch(
+        fmt, q_dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads, page=page, lens=lens
+    )
     k_scale, v_scale = scales(kv_heads)
     if switches.pop("per_sequence", False):
         k_scale = k_scale * torch.tensor([[1.0], [2.0], [0.5]])
         v_scale = v_scale * torch.tensor([[0.5], [1.0], [4.0]])
     if switches.pop("mask", False):
         g = torch.Generator().manual_seed(5)
-        switches["custom_mask"] = torch.rand(sum(n * m for n, m in zip(q_lens, lens)), generator=g) < 0.7
+        switches["custom_mask"] = (
+            torch.rand(sum(n * m for n, m in zip(q_lens, lens)), generator=g) < 0.7
+        )
     args, q, cu = fp8_extend(pages, q_lens, k_scale=k_scale, v_scale=v_scale, **switches)
     assert backends.explain(args, op="extend")["cuda_sim"] is None
     ref_out, ref_lse, ref_report = kvattn.reference.paged_extend(
-        q, pages.k_cache, pages.v_cache, cu, pages.block_table, pages.seq_lens, pages.page_tags,
-        pages.expected, return_lse=True, compute_dtype=torch.float64, k_scale=k_scale,
-        v_scale=v_scale, **switches)
+        q,
+        pages.k_cache,
+        pages.v_cache,
+        cu,
+        pages.block_table,
+        pages.seq_lens,
+        pages.page_tags,
+        pages.expected,
+        return_lse=True,
+        compute_dtype=torch.float64,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        **switches,
+    )
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32)
     plan = {}
-    report = launch.extend(sim, args, check=True, out=out, lse=lse, tokens_per_tile=tokens, plan=plan)
+    report = launch.extend(
+        sim, args, check=True, out=out, lse=lse, tokens_per_tile=tokens, plan=plan
+    )
     assert plan["vec"] == 0 and plan["fp8_wide"] == (head_dim % 8 == 0)
     assert torch.isfinite(out).all(), "a refused slot was read"
     assert ref_out.abs().max() > 10 * tolerance(q_dtype)["atol"]
@@ -268,7 +410,9 @@ def test_fp8_extend_matches_the_reference(case):
 def test_unchecked_fp8_extend_reads_the_foreign_page():
     """The violation twin: the same extend unchecked reads the foreign page's NaN (sequence 1's
     rows), while sequence 0, whose pages are its own, stays finite."""
-    pages = fp8_batch("e5m2", torch.float16, head_dim=64, heads=2, kv_heads=1, page=8, lens=[20, 20])
+    pages = fp8_batch(
+        "e5m2", torch.float16, head_dim=64, heads=2, kv_heads=1, page=8, lens=[20, 20]
+    )
     k_scale, v_scale = scales(1)
     args, q, _ = fp8_extend(pages, [2, 3], k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(q)
@@ -301,11 +445,28 @@ def test_fp8_extend_scales_apply_per_kv_head():
 
 def test_binding_rejects_an_unknown_pool_dtype_code():
     pages = fp8_batch("e4m3", torch.float16, head_dim=16, heads=2, kv_heads=1, page=4, lens=[9])
-    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
-                                         pages.seq_lens, pages.page_tags, pages.expected, k_scale=0.5)
+    args = kvattn.layout.validate_decode(
+        pages.q,
+        pages.k_cache,
+        pages.v_cache,
+        pages.block_table,
+        pages.seq_lens,
+        pages.page_tags,
+        pages.expected,
+        k_scale=0.5,
+    )
     out = torch.empty_like(pages.q)
-    params = dict(launch._attention_params(args, out, None, None), part_acc=0, part_ml=0, part_report=0,
-                  stride_qb=pages.q.stride(0), stride_ob=out.stride(0), num_splits=1, align=4,
-                  min_chunk=4, kv_dtype=3)
+    params = dict(
+        launch._attention_params(args, out, None, None),
+        part_acc=0,
+        part_ml=0,
+        part_report=0,
+        stride_qb=pages.q.stride(0),
+        stride_ob=out.stride(0),
+        num_splits=1,
+        align=4,
+        min_chunk=4,
+        kv_dtype=3,
+    )
     with pytest.raises(ValueError, match="kv_dtype must be 0"):
         sim.decode(params, launch.DTYPE_CODES[pages.q.dtype], True, 0)

@@ -3,6 +3,7 @@ gates come from: its rows are the dispatch's axes written out, the generated uni
 once, a subset build is read from the environment, and a module built from a subset refuses the
 rest with the axis that is missing, in the binding and in the registry (the test-only harness
 builds are such a subset: fp16 at head dims up to 64, no score switch)."""
+
 from __future__ import annotations
 
 import pathlib
@@ -33,19 +34,40 @@ def test_the_table_is_the_dispatchs_axes_written_out():
     names = [row.name for row in table.TABLE]
     assert len(names) == len(set(names))
     hd, bools = table.TILES, ("true", "false")
-    want = {f"kvattn::paged_decode_kernel<{t}, {kv}, {d}, {c}, {v}, {s}>"
-            for t in ("__half", "__nv_bfloat16") for kv in (t, "kvattn::Fp8E4M3", "kvattn::Fp8E5M2")
-            for d in hd for c in bools for v in (bools if kv == t else ("true",)) for s in bools}
+    want = {
+        f"kvattn::paged_decode_kernel<{t}, {kv}, {d}, {c}, {v}, {s}>"
+        for t in ("__half", "__nv_bfloat16")
+        for kv in (t, "kvattn::Fp8E4M3", "kvattn::Fp8E5M2")
+        for d in hd
+        for c in bools
+        for v in (bools if kv == t else ("true",))
+        for s in bools
+    }
     # the MLA latent tile: 16-bit pools, 16-byte copies, no score switch
-    want |= {f"kvattn::paged_decode_kernel<{t}, {t}, {table.LATENT}, {c}, true, false>"
-             for t in ("__half", "__nv_bfloat16") for c in bools}
-    want |= {f"kvattn::merge_splits_kernel<{t}, {s}>" for t in ("__half", "__nv_bfloat16") for s in bools}
-    want |= {f"kvattn::paged_extend_kernel<{t}, {d}, {c}, {v}, {s}>" for t in ("__half", "__nv_bfloat16")
-             for d in hd for c in bools for v in bools for s in bools}
+    want |= {
+        f"kvattn::paged_decode_kernel<{t}, {t}, {table.LATENT}, {c}, true, false>"
+        for t in ("__half", "__nv_bfloat16")
+        for c in bools
+    }
+    want |= {
+        f"kvattn::merge_splits_kernel<{t}, {s}>" for t in ("__half", "__nv_bfloat16") for s in bools
+    }
+    want |= {
+        f"kvattn::paged_extend_kernel<{t}, {d}, {c}, {v}, {s}>"
+        for t in ("__half", "__nv_bfloat16")
+        for d in hd
+        for c in bools
+        for v in bools
+        for s in bools
+    }
     want |= {"kvattn::resolve_pages_kernel", "kvattn::write_kv_verdict_kernel"}
     floats, fp8 = ("float", "__half", "__nv_bfloat16"), ("kvattn::Fp8E4M3", "kvattn::Fp8E5M2")
-    want |= {f"kvattn::write_kv_copy_kernel<{t}, {kv}>" for t in floats + fp8 for kv in (t, *fp8)
-             if kv == t or t in floats}
+    want |= {
+        f"kvattn::write_kv_copy_kernel<{t}, {kv}>"
+        for t in floats + fp8
+        for kv in (t, *fp8)
+        if kv == t or t in floats
+    }
     assert set(names) == want
 
 
@@ -72,26 +94,53 @@ def test_selection_from_the_environment():
     table = instantiations()
     full = table.selection_from_env({})
     assert full.full and len(table.select(full)) == len(table.TABLE)
-    sub = table.selection_from_env({"KVATTN_CUDA_DTYPES": "bf16, fp16", "KVATTN_CUDA_HEAD_DIMS": "128",
-                                    "KVATTN_CUDA_VARIANTS": "0"})
-    assert sub.dtypes == ("fp16", "bf16") and sub.head_dims == (128,) and not sub.variants and not sub.full
+    sub = table.selection_from_env(
+        {
+            "KVATTN_CUDA_DTYPES": "bf16, fp16",
+            "KVATTN_CUDA_HEAD_DIMS": "128",
+            "KVATTN_CUDA_VARIANTS": "0",
+        }
+    )
+    assert (
+        sub.dtypes == ("fp16", "bf16")
+        and sub.head_dims == (128,)
+        and not sub.variants
+        and not sub.full
+    )
     rows = table.select(sub)
-    assert {row.kernel for row in rows} == {"paged_decode_kernel", "merge_splits_kernel", "paged_extend_kernel",
-                                            "resolve_pages_kernel", "write_kv_copy_kernel",
-                                            "write_kv_verdict_kernel"}
+    assert {row.kernel for row in rows} == {
+        "paged_decode_kernel",
+        "merge_splits_kernel",
+        "paged_extend_kernel",
+        "resolve_pages_kernel",
+        "write_kv_copy_kernel",
+        "write_kv_verdict_kernel",
+    }
     assert all(row.head_dim in (None, 128) and not row.variant and row.pool is None for row in rows)
-    assert len([r for r in rows if r.kernel == "paged_decode_kernel"]) == 2 * 2 * 2  # dtype, check, copy
+    assert (
+        len([r for r in rows if r.kernel == "paged_decode_kernel"]) == 2 * 2 * 2
+    )  # dtype, check, copy
     # No 16-bit attention type: no attention kernel and no pre-pass; the fp32 writer stays.
-    assert {r.name for r in table.select(table.selection_from_env({"KVATTN_CUDA_DTYPES": "fp32"}))} == {
-        "kvattn::write_kv_copy_kernel<float, float>", "kvattn::write_kv_verdict_kernel"}
+    assert {
+        r.name for r in table.select(table.selection_from_env({"KVATTN_CUDA_DTYPES": "fp32"}))
+    } == {"kvattn::write_kv_copy_kernel<float, float>", "kvattn::write_kv_verdict_kernel"}
     # With an fp8 format: its pass-through copy and the quantising copies from the selected types.
-    assert {r.name for r in table.select(table.selection_from_env({"KVATTN_CUDA_DTYPES": "bf16,e5m2"}))
-            if r.op == "write_kv"} == {
+    assert {
+        r.name
+        for r in table.select(table.selection_from_env({"KVATTN_CUDA_DTYPES": "bf16,e5m2"}))
+        if r.op == "write_kv"
+    } == {
         "kvattn::write_kv_copy_kernel<__nv_bfloat16, __nv_bfloat16>",
         "kvattn::write_kv_copy_kernel<kvattn::Fp8E5M2, kvattn::Fp8E5M2>",
-        "kvattn::write_kv_copy_kernel<__nv_bfloat16, kvattn::Fp8E5M2>", "kvattn::write_kv_verdict_kernel"}
-    for env in ({"KVATTN_CUDA_DTYPES": "fp8"}, {"KVATTN_CUDA_HEAD_DIMS": "96"}, {"KVATTN_CUDA_VARIANTS": "no"},
-                {"KVATTN_CUDA_DTYPES": ","}):
+        "kvattn::write_kv_copy_kernel<__nv_bfloat16, kvattn::Fp8E5M2>",
+        "kvattn::write_kv_verdict_kernel",
+    }
+    for env in (
+        {"KVATTN_CUDA_DTYPES": "fp8"},
+        {"KVATTN_CUDA_HEAD_DIMS": "96"},
+        {"KVATTN_CUDA_VARIANTS": "no"},
+        {"KVATTN_CUDA_DTYPES": ","},
+    ):
         with pytest.raises(ValueError, match=next(iter(env))):
             table.selection_from_env(env)
 
@@ -104,16 +153,31 @@ def test_generated_headers_name_the_selection(tmp_path):
     assert "struct Built<DecodeKernel<__half, kvattn::Fp8E4M3, 64, true, true, false>>" in built
     assert "ResolvePagesKernel" in built and "__nv_bfloat16" not in built and "128" not in built
     macros = (tmp_path / "kvattn_selection.h").read_text()
-    assert "#define KVATTN_BUILT_DTYPE_E4M3 1" in macros and "#define KVATTN_BUILT_DTYPE_BF16 0" in macros
-    assert "#define KVATTN_BUILT_HEAD_DIM_128 0" in macros and "#define KVATTN_BUILT_VARIANTS 0" in macros
-    assert (tmp_path / "kvattn_head_dims.h").read_text() == table.head_dims_header()  # the table's, whole
-    assert [p.name for p in units] == ["decode_fp16_d64.cu", "decode_merge.cu", "extend_fp16_d64.cu",
-                                       "extend_resolve.cu", "write_kv.cu"]
+    assert (
+        "#define KVATTN_BUILT_DTYPE_E4M3 1" in macros
+        and "#define KVATTN_BUILT_DTYPE_BF16 0" in macros
+    )
+    assert (
+        "#define KVATTN_BUILT_HEAD_DIM_128 0" in macros
+        and "#define KVATTN_BUILT_VARIANTS 0" in macros
+    )
+    assert (
+        tmp_path / "kvattn_head_dims.h"
+    ).read_text() == table.head_dims_header()  # the table's, whole
+    assert [p.name for p in units] == [
+        "decode_fp16_d64.cu",
+        "decode_merge.cu",
+        "extend_fp16_d64.cu",
+        "extend_resolve.cu",
+        "write_kv.cu",
+    ]
     assert "DecodeKernel<__half, kvattn::Fp8E4M3, 64, true, true, false>;" in units[0].read_text()
     before = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
     table.write_generated(tmp_path, sub)  # unchanged: nothing rewritten, so nothing recompiles
     assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
-    table.write_generated(tmp_path, table.Selection(dtypes=("fp16",), head_dims=(128,), variants=False))
+    table.write_generated(
+        tmp_path, table.Selection(dtypes=("fp16",), head_dims=(128,), variants=False)
+    )
     assert not (tmp_path / "decode_fp16_d64.cu").exists()  # a unit of an earlier selection goes
 
 
@@ -124,18 +188,28 @@ def test_the_head_dim_tiles_are_the_tables():
     table = instantiations()
     header = table.head_dims_header()
     firsts = [1, *(t + 1 for t in table.TILES[:-1])]
-    assert "#define KVATTN_HEAD_DIM_TILES(X) " + " ".join(
-        f"X({t}, {f})" for t, f in zip(table.TILES, firsts)) + "\n" in header
+    assert (
+        "#define KVATTN_HEAD_DIM_TILES(X) "
+        + " ".join(f"X({t}, {f})" for t, f in zip(table.TILES, firsts))
+        + "\n"
+        in header
+    )
     assert f"#define KVATTN_MAX_HEAD_DIM_TILE {max(table.TILES)}\n" in header
     assert f"#define KVATTN_LATENT_DIM {table.LATENT}\n" in header
-    for name in ("DECODE_BLOCKS_PER_SM", "DECODE_BLOCKS_PER_SM_SWITCHED", "DECODE_BLOCKS_PER_SM_FP8"):
+    for name in (
+        "DECODE_BLOCKS_PER_SM",
+        "DECODE_BLOCKS_PER_SM_SWITCHED",
+        "DECODE_BLOCKS_PER_SM_FP8",
+    ):
         assert tuple(sorted(getattr(launch, name))) == table.HEAD_DIMS, (
             f"kvattn/backends/cuda/launch.py {name}: one figure per head-dim tile of csrc/instantiations.py "
-            f"{table.HEAD_DIMS}")
+            f"{table.HEAD_DIMS}"
+        )
     assert launch.HEAD_DIM_TILES == table.HEAD_DIMS and launch.LATENT_DIM == table.LATENT
     assert launch.MAX_HEAD_DIM == max(table.TILES)
-    assert [launch.padded_head_dim(d) for d in (1, *table.TILES, *(t + 1 for t in table.TILES[:-1]))] == [
-        table.TILES[0], *table.TILES, *table.TILES[1:]]
+    assert [
+        launch.padded_head_dim(d) for d in (1, *table.TILES, *(t + 1 for t in table.TILES[:-1]))
+    ] == [table.TILES[0], *table.TILES, *table.TILES[1:]]
     sim = built_module("kvattn.backends.cuda_sim._sim")
     layouts = sim.tile_layouts()
     assert tuple(layouts["decode"]) == table.HEAD_DIMS
@@ -147,21 +221,42 @@ def test_modules_report_their_selection():
     table = instantiations()
     assert sim.SELECTION["full"] and sim.SELECTION["instantiations"] == len(table.TABLE)
     assert subset.SELECTION["text"] == "dtypes fp16; head dims 64; variants off"
-    assert subset.SELECTION["instantiations"] == len(table.select(table.Selection(("fp16",), (64,), False)))
+    assert subset.SELECTION["instantiations"] == len(
+        table.select(table.Selection(("fp16",), (64,), False))
+    )
 
 
 def _decode_args(dtype=F16, head_dim=64, **variant):
-    batch = Batch.random(batch=2, num_heads=4, num_kv_heads=1, head_dim=head_dim, page_size=4,
-                         seq_lens=[5, 9], dtype=dtype, device=torch.device("cpu"))
-    return kvattn.layout.validate_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_table,
-                                         batch.seq_lens, batch.page_tags, batch.expected, **variant)
+    batch = Batch.random(
+        batch=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        page_size=4,
+        seq_lens=[5, 9],
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    return kvattn.layout.validate_decode(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.page_tags,
+        batch.expected,
+        **variant,
+    )
 
 
-@pytest.mark.parametrize("case, axis", [
-    (dict(dtype=BF16), "dtype bf16"),
-    (dict(head_dim=65), "head_dim 65 (tile 128)"),
-    (dict(sinks=torch.zeros(4)), "the score switches (sinks)"),
-])
+@pytest.mark.parametrize(
+    "case, axis",
+    [
+        (dict(dtype=BF16), "dtype bf16"),
+        (dict(head_dim=65), "head_dim 65 (tile 128)"),
+        (dict(sinks=torch.zeros(4)), "the score switches (sinks)"),
+    ],
+)
 def test_a_subset_module_refuses_what_it_lacks(case, axis, monkeypatch):
     """The launcher refuses before any launch (launch.NotBuilt, the registry's reason too), and the
     binding itself refuses in the same words if asked anyway."""
@@ -174,11 +269,18 @@ def test_a_subset_module_refuses_what_it_lacks(case, axis, monkeypatch):
     with pytest.raises(launch.NotBuilt, match=re.escape(reason)):
         launch.decode(subset, args, check=True, out=out, lse=None, num_splits=2)
     monkeypatch.setattr(launch, "not_built", lambda ext, args: None)
-    binding = {"dtype bf16": "dtype", "head_dim 65 (tile 128)": "head_dim 65..128 (tile 128)",
-               "the score switches (sinks)":
-               "score switches (window, soft-cap, ALiBi, sinks, custom mask)"}[axis]
-    with pytest.raises(RuntimeError, match=re.escape(f"{binding} not built into this module (it has: dtypes "
-                                                     f"fp16; head dims 64; variants off)")):
+    binding = {
+        "dtype bf16": "dtype",
+        "head_dim 65 (tile 128)": "head_dim 65..128 (tile 128)",
+        "the score switches (sinks)": "score switches (window, soft-cap, ALiBi, sinks, custom mask)",
+    }[axis]
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
+            f"{binding} not built into this module (it has: dtypes "
+            f"fp16; head dims 64; variants off)"
+        ),
+    ):
         launch.decode(subset, args, check=True, out=out, lse=None, num_splits=2)
 
 
@@ -198,7 +300,10 @@ def test_the_registry_gives_the_subset_reason(monkeypatch):
     sim_backend = backends.load("cuda_sim")[0]
     monkeypatch.setattr(sim_backend, "_sim", subset)
     assert backends.explain(_decode_args())["cuda_sim"] is None
-    assert "dtype bf16 not built into this module" in backends.explain(_decode_args(dtype=BF16))["cuda_sim"]
+    assert (
+        "dtype bf16 not built into this module"
+        in backends.explain(_decode_args(dtype=BF16))["cuda_sim"]
+    )
 
 
 def _ninja_deps() -> dict[str, set[str]]:
@@ -206,7 +311,9 @@ def _ninja_deps() -> dict[str, set[str]]:
     ninja, build = shutil.which("ninja"), ROOT / "build" / "cuda"
     if ninja is None or not (build / "build.ninja").exists():
         pytest.skip("no ninja build of the CUDA module here (make build)")
-    out = subprocess.run([ninja, "-C", str(build), "-t", "deps"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [ninja, "-C", str(build), "-t", "deps"], capture_output=True, text=True, check=True
+    ).stdout
     deps, current = {}, None
     for line in out.splitlines():
         if line and not line[0].isspace():
@@ -221,8 +328,11 @@ def test_a_decode_edit_recompiles_no_extend_unit():
     """nvcc's own dependency lists: each attention unit reads its op's header and not the other's,
     and the dispatch compiles neither (it holds no kernel)."""
     deps = _ninja_deps()
-    units = {name: members for name, members in instantiations().units(instantiations().select()).items()
-             if f"{name}.o" in deps}
+    units = {
+        name: members
+        for name, members in instantiations().units(instantiations().select()).items()
+        if f"{name}.o" in deps
+    }
     if not units:
         pytest.skip("the last CUDA build has no unit of the table")
     for name, members in units.items():

@@ -6,6 +6,7 @@ checked against unchecked, main-loop instruction counts, 16-byte async K/V loads
 The figures come from the Triton the H200 image has (3.6.0, installed by `make static-env` into
 build/venv-triton36); the committed table benchmarks/results/static_sm90.md must equal a fresh one
 (`make static` rewrites it)."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,13 @@ def static(tmp_path_factory):
     python = str(VENV_PY) if VENV_PY.exists() else sys.executable
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    run = subprocess.run([python, str(TOOL), "--json", str(out / "s.json"), "--markdown", str(out / "s.md")],
-                         capture_output=True, text=True, env=env, cwd=ROOT)
+    run = subprocess.run(
+        [python, str(TOOL), "--json", str(out / "s.json"), "--markdown", str(out / "s.md")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads((out / "s.json").read_text())
     return data, (out / "s.md").read_text()
@@ -113,7 +119,9 @@ def test_extend_runs_on_tensor_cores(static, backend):
     records = static[0]["records"]
     if backend not in backends_of(records):
         pytest.skip("no CUDA module (nvcc absent)")
-    extend = [r for r in records if r["backend"] == backend and r["kernel"] == "paged_extend_kernel"]
+    extend = [
+        r for r in records if r["backend"] == backend and r["kernel"] == "paged_extend_kernel"
+    ]
     assert extend and {r["check"] for r in extend} == {True, False}
     for r in extend:
         assert r["loop_mma"] > 0, r
@@ -130,29 +138,46 @@ def test_checked_decode_loop_within_ten_percent_at_page_16(static, capsys):
     for (kernel, config), pair in pairs(records, "cuda").items():
         if kernel == "paged_decode_kernel" and "elementwise" not in config:  # every page size
             ratios["cuda " + config] = pair[True]["loop_sass"] / pair[False]["loop_sass"]
-    extend = {c: p[True]["loop_sass"] / p[False]["loop_sass"]
-              for b in ("triton", "cuda") for (k, c), p in pairs(records, b).items() if k == "paged_extend_kernel"}
+    extend = {
+        c: p[True]["loop_sass"] / p[False]["loop_sass"]
+        for b in ("triton", "cuda")
+        for (k, c), p in pairs(records, b).items()
+        if k == "paged_extend_kernel"
+    }
     with capsys.disabled():
-        print("\ndecode checked/unchecked main-loop instructions:",
-              ", ".join(f"{c}: {r:.3f}" for c, r in sorted(ratios.items())))
-        print("extend checked/unchecked main-loop instructions:",
-              ", ".join(f"{c}: {r:.3f}" for c, r in sorted(extend.items())))
+        print(
+            "\ndecode checked/unchecked main-loop instructions:",
+            ", ".join(f"{c}: {r:.3f}" for c, r in sorted(ratios.items())),
+        )
+        print(
+            "extend checked/unchecked main-loop instructions:",
+            ", ".join(f"{c}: {r:.3f}" for c, r in sorted(extend.items())),
+        )
     assert ratios
     for config, ratio in ratios.items():
-        assert ratio <= (FP8_DECODE_RATIO_MAX if "fp8" in config else DECODE_RATIO_MAX), (config, ratio)
+        assert ratio <= (FP8_DECODE_RATIO_MAX if "fp8" in config else DECODE_RATIO_MAX), (
+            config,
+            ratio,
+        )
 
 
 def test_committed_table_is_current(static):
     data, table = static
     if GPU_TRITON not in data["header"]:
-        pytest.skip(f"figures from another Triton than the GPU image's {GPU_TRITON}: {data['header']}")
+        pytest.skip(
+            f"figures from another Triton than the GPU image's {GPU_TRITON}: {data['header']}"
+        )
     if "absent" in data["header"]:
         pytest.skip("no CUDA module (nvcc absent)")
     if "a subset" in data["header"]:
-        pytest.skip(f"the CUDA module holds a subset of csrc/instantiations.py, the committed table all of "
-                    f"it: {data['header']}")
+        pytest.skip(
+            f"the CUDA module holds a subset of csrc/instantiations.py, the committed table all of "
+            f"it: {data['header']}"
+        )
     assert COMMITTED.exists(), "run `make static`"
-    assert COMMITTED.read_text() == table, "benchmarks/results/static_sm90.md is stale: run `make static`"
+    assert COMMITTED.read_text() == table, (
+        "benchmarks/results/static_sm90.md is stale: run `make static`"
+    )
 
 
 def test_cuda_kernels_are_the_tables_rows(static):
@@ -163,12 +188,20 @@ def test_cuda_kernels_are_the_tables_rows(static):
     if not records:
         pytest.skip("no CUDA module (nvcc absent)")
     table, record = instantiations(), cuda_build_record()
-    selection = table.Selection(**{k: tuple(v) if isinstance(v, list) else v
-                                   for k, v in record.get("selection", {}).items()
-                                   if k in ("dtypes", "head_dims", "variants")})
+    selection = table.Selection(
+        **{
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in record.get("selection", {}).items()
+            if k in ("dtypes", "head_dims", "variants")
+        }
+    )
     rows = table.select(selection)
-    assert len({(r["kernel"], r["config"], r["check"]) for r in records}) == len(records) == len(rows)
-    assert sorted((r["kernel"], r["check"]) for r in records) == sorted((row.kernel, bool(row.check)) for row in rows)
+    assert (
+        len({(r["kernel"], r["config"], r["check"]) for r in records}) == len(records) == len(rows)
+    )
+    assert sorted((r["kernel"], r["check"]) for r in records) == sorted(
+        (row.kernel, bool(row.check)) for row in rows
+    )
 
 
 @pytest.mark.parametrize("kernel", ["paged_mla_decode_kernel", "paged_mla_extend_kernel"])
@@ -194,7 +227,9 @@ def test_docs_static_summary_matches_committed_table():
         if r["kernel"].startswith("paged_"):
             loops.setdefault((r["backend"], r["config"]), {})[r["check"]] = r["loop_sass"]
     summary = (ROOT / "docs" / "kernels.md").read_text()
-    rows = re.findall(r"^\| (Triton|CUDA|MLA) [^|]*\| `([^`]+)` \| (\d+) \| (\d+) \| ([\d.]+) \|$", summary, re.M)
+    rows = re.findall(
+        r"^\| (Triton|CUDA|MLA) [^|]*\| `([^`]+)` \| (\d+) \| (\d+) \| ([\d.]+) \|$", summary, re.M
+    )
     assert len(rows) >= 4
     for name, config, unchecked, checked, ratio in rows:
         pair = loops[("cuda" if name == "CUDA" else "triton", config)]
@@ -236,4 +271,6 @@ def test_triton_extend_is_one_launch_and_the_check_one_more(static):
     assert rows and {r["check"] for r in rows} == {False, True}
     for r in rows:
         assert r["torch_ops"] == 0, r
-        assert r["kernels"] == (["resolve_pages_kernel"] if r["check"] else []) + ["paged_extend_kernel"], r
+        assert r["kernels"] == (["resolve_pages_kernel"] if r["check"] else []) + [
+            "paged_extend_kernel"
+        ], r

@@ -1,6 +1,7 @@
 """The benchmark harnesses (decode, extend and MLA decode) end to end on tiny CPU points: they check every
 provider before timing it, refuse a wrong one, and write their files labelled as not a GPU
 measurement."""
+
 import csv
 import dataclasses
 import importlib.util
@@ -12,10 +13,20 @@ import torch
 from benchmarks import decode, extend, mla, providers
 from benchmarks.common import Device, ExtendPoint, MLAPoint, Point, TimingConfig
 
-TINY = Point(batch=1, context=40, page_size=16, num_heads=4, num_kv_heads=2, head_dim=32, dtype="fp16")
+TINY = Point(
+    batch=1, context=40, page_size=16, num_heads=4, num_kv_heads=2, head_dim=32, dtype="fp16"
+)
 # Two pages per sequence, the last one partly read; the prefix ends inside the first page.
-TINY_EXTEND = ExtendPoint(batch=2, chunk=8, prefix=12, page_size=16, num_heads=4, num_kv_heads=2,
-                          head_dim=32, dtype="fp16")
+TINY_EXTEND = ExtendPoint(
+    batch=2,
+    chunk=8,
+    prefix=12,
+    page_size=16,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    dtype="fp16",
+)
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the harness")
 
 
@@ -25,20 +36,32 @@ def _cpu() -> Device:
 
 @CPU_ONLY
 def test_run_point_times_checked_providers_and_pairs_the_ratio():
-    chosen = providers.select(["kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"])
-    rows = decode.run_point(TINY, chosen, _cpu(), TimingConfig(cpu_runs=1, repeats=2, graphs=False),
-                            copy_tbps=1.0, log=print)
+    chosen = providers.select(
+        ["kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"]
+    )
+    rows = decode.run_point(
+        TINY,
+        chosen,
+        _cpu(),
+        TimingConfig(cpu_runs=1, repeats=2, graphs=False),
+        copy_tbps=1.0,
+        log=print,
+    )
     ok = {r["provider"]: r for r in rows if r["status"] == "ok"}
     assert set(ok) == {p.name for p in chosen}
     for r in ok.values():
         assert r["max_abs_err"] <= 1e-2 and r["median_ms"] > 0 and len(r["times_ms"]) == 2
     checked, unchecked = ok["kvattn-triton-checked"], ok["kvattn-triton-unchecked"]
-    assert checked["total_bytes"] - unchecked["total_bytes"] == 8 * 3 + 8 + 3 + 16  # tags, expected, report
+    assert (
+        checked["total_bytes"] - unchecked["total_bytes"] == 8 * 3 + 8 + 3 + 16
+    )  # tags, expected, report
     assert checked["ratio_min"] <= checked["ratio_vs_unchecked"] <= checked["ratio_max"]
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("bench, point", [(decode, TINY), (extend, TINY_EXTEND)], ids=["decode", "extend"])
+@pytest.mark.parametrize(
+    "bench, point", [(decode, TINY), (extend, TINY_EXTEND)], ids=["decode", "extend"]
+)
 def test_run_point_refuses_a_provider_with_wrong_output(bench, point):
     def build(inp):
         out = torch.empty_like(inp.q)
@@ -46,11 +69,18 @@ def test_run_point_refuses_a_provider_with_wrong_output(bench, point):
         def run(i):
             out.copy_(inp.q)  # finite, right shape, wrong values
             return out, None
+
         return run, out
 
     wrong = providers.Provider("wrong", "wrong", False, lambda inp: None, build)
-    rows = bench.run_point(point, [wrong], _cpu(), TimingConfig(cpu_runs=1, repeats=1, graphs=False),
-                           copy_tbps=1.0, log=print)
+    rows = bench.run_point(
+        point,
+        [wrong],
+        _cpu(),
+        TimingConfig(cpu_runs=1, repeats=1, graphs=False),
+        copy_tbps=1.0,
+        log=print,
+    )
     assert len(rows) == 1
     assert rows[0]["status"].startswith("failed: AssertionError") and "median_ms" not in rows[0]
 
@@ -80,8 +110,9 @@ def _quick_run(tmp_path, monkeypatch, bench, point, table: str, plots: set[str])
 
 @CPU_ONLY
 def test_quick_run_writes_labelled_files(tmp_path, monkeypatch):
-    run_dir, meta = _quick_run(tmp_path, monkeypatch, decode, TINY, "decode",
-                               {"overhead.png", "bandwidth.png"})
+    run_dir, meta = _quick_run(
+        tmp_path, monkeypatch, decode, TINY, "decode", {"overhead.png", "bandwidth.png"}
+    )
     with (run_dir / "writer.csv").open() as f:
         writer = [r for r in csv.DictReader(f) if r["status"] == "ok"]
     assert {r["provider"] for r in writer} == {"kvattn-write_kv", "index_put"}
@@ -90,10 +121,23 @@ def test_quick_run_writes_labelled_files(tmp_path, monkeypatch):
 
 @CPU_ONLY
 def test_extend_run_point_times_checked_providers_and_pairs_the_ratio():
-    chosen = providers.select(["kvattn-triton-checked", "kvattn-triton-unchecked", "kvattn-cuda-checked",
-                               "torch-sdpa-gather"], op="extend")
-    rows = extend.run_point(TINY_EXTEND, chosen, _cpu(), TimingConfig(cpu_runs=1, repeats=2, graphs=False),
-                            copy_tbps=1.0, log=print)
+    chosen = providers.select(
+        [
+            "kvattn-triton-checked",
+            "kvattn-triton-unchecked",
+            "kvattn-cuda-checked",
+            "torch-sdpa-gather",
+        ],
+        op="extend",
+    )
+    rows = extend.run_point(
+        TINY_EXTEND,
+        chosen,
+        _cpu(),
+        TimingConfig(cpu_runs=1, repeats=2, graphs=False),
+        copy_tbps=1.0,
+        log=print,
+    )
     ok = {r["provider"]: r for r in rows if r["status"] == "ok"}
     assert set(ok) == {"kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"}
     (cuda,) = [r for r in rows if r["provider"] == "kvattn-cuda-checked"]
@@ -104,34 +148,53 @@ def test_extend_run_point_times_checked_providers_and_pairs_the_ratio():
         assert r["flops"] == 4 * 2 * 4 * 32 * pairs and r["tflops"] > 0
     checked, unchecked = ok["kvattn-triton-checked"], ok["kvattn-triton-unchecked"]
     assert checked["total_bytes"] - unchecked["total_bytes"] == 8 * 4 + 8 * 2 + 4 + 16 * 2
-    assert unchecked["other_bytes"] == 2 * 16 * 4 * 32 * 2 + 4 * 4 + 2 * 4 + 3 * 4  # q/o, table, lens, cu
+    assert (
+        unchecked["other_bytes"] == 2 * 16 * 4 * 32 * 2 + 4 * 4 + 2 * 4 + 3 * 4
+    )  # q/o, table, lens, cu
     assert checked["ratio_min"] <= checked["ratio_vs_unchecked"] <= checked["ratio_max"]
 
 
 @CPU_ONLY
 def test_extend_quick_run_writes_labelled_files(tmp_path, monkeypatch):
-    run_dir, meta = _quick_run(tmp_path, monkeypatch, extend, TINY_EXTEND, "extend",
-                               {"extend_overhead.png", "extend_tflops.png"})
+    run_dir, meta = _quick_run(
+        tmp_path,
+        monkeypatch,
+        extend,
+        TINY_EXTEND,
+        "extend",
+        {"extend_overhead.png", "extend_tflops.png"},
+    )
     assert run_dir.name.endswith("_extend") and meta["op"] == "extend"
 
 
-TINY_MLA = MLAPoint(batch=2, context=40, page_size=16, num_heads=4, kv_lora_rank=32, rope_dim=16,
-                    dtype="fp16")
+TINY_MLA = MLAPoint(
+    batch=2, context=40, page_size=16, num_heads=4, kv_lora_rank=32, rope_dim=16, dtype="fp16"
+)
 
 
 @CPU_ONLY
 def test_mla_run_point_times_checked_providers_and_pairs_the_ratio():
-    chosen = providers.select(["kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"],
-                              op="mla_decode")
-    rows = mla.run_point(TINY_MLA, chosen, _cpu(), TimingConfig(cpu_runs=1, repeats=2, graphs=False),
-                         copy_tbps=1.0, log=print)
+    chosen = providers.select(
+        ["kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"], op="mla_decode"
+    )
+    rows = mla.run_point(
+        TINY_MLA,
+        chosen,
+        _cpu(),
+        TimingConfig(cpu_runs=1, repeats=2, graphs=False),
+        copy_tbps=1.0,
+        log=print,
+    )
     ok = {r["provider"]: r for r in rows if r["status"] == "ok"}
     assert set(ok) == {p.name for p in chosen}
     for r in ok.values():
         assert r["max_abs_err"] <= 1e-2 and r["median_ms"] > 0 and len(r["times_ms"]) == 2
     checked, unchecked = ok["kvattn-triton-checked"], ok["kvattn-triton-unchecked"]
     # One latent row per token read once; q of 48 dims read, o of 32 written per head.
-    assert unchecked["kv_bytes"] == 2 * 40 * 48 * 2 and unchecked["other_bytes"] == 2 * 4 * 80 * 2 + 6 * 4 + 2 * 4
+    assert (
+        unchecked["kv_bytes"] == 2 * 40 * 48 * 2
+        and unchecked["other_bytes"] == 2 * 4 * 80 * 2 + 6 * 4 + 2 * 4
+    )
     assert checked["total_bytes"] - unchecked["total_bytes"] == 8 * 6 + 8 * 2 + 6 + 16 * 2
     assert checked["ratio_min"] <= checked["ratio_vs_unchecked"] <= checked["ratio_max"]
 
@@ -143,10 +206,17 @@ TINY_MLA_EXTEND = dataclasses.replace(TINY_MLA, q_len=3)
 def test_mla_extend_point_runs_the_extend_and_skips_the_decode_only_peer():
     """A point with 3 query rows per sequence times kvattn's MLA extend (checked against the
     extend reference row by row) and refuses SDPA-over-gathered-rows, which is decode only."""
-    chosen = providers.select(["kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"],
-                              op="mla_decode")
-    rows = mla.run_point(TINY_MLA_EXTEND, chosen, _cpu(),
-                         TimingConfig(cpu_runs=1, repeats=1, graphs=False), copy_tbps=1.0, log=print)
+    chosen = providers.select(
+        ["kvattn-triton-checked", "kvattn-triton-unchecked", "torch-sdpa-gather"], op="mla_decode"
+    )
+    rows = mla.run_point(
+        TINY_MLA_EXTEND,
+        chosen,
+        _cpu(),
+        TimingConfig(cpu_runs=1, repeats=1, graphs=False),
+        copy_tbps=1.0,
+        log=print,
+    )
     status = {r["provider"]: r["status"] for r in rows}
     assert status["kvattn-triton-checked"] == status["kvattn-triton-unchecked"] == "ok"
     assert "decode points only" in status["torch-sdpa-gather"]
@@ -157,6 +227,7 @@ def test_mla_extend_point_runs_the_extend_and_skips_the_decode_only_peer():
 @CPU_ONLY
 def test_mla_extend_point_refuses_rows_from_the_wrong_positions():
     """The twin: decode's answer (every row reading the whole sequence) is not the extend's."""
+
     def build(inp):
         out = inp.q.new_empty(*inp.q.shape[:2], 32)
 
@@ -164,11 +235,18 @@ def test_mla_extend_point_refuses_rows_from_the_wrong_positions():
             full, report = inp.call(i, causal=False, backend="reference")
             out.copy_(full)
             return out, report
+
         return run, out
 
     wrong = providers.Provider("wrong", "wrong", True, lambda inp: None, build)
-    rows = mla.run_point(TINY_MLA_EXTEND, [wrong], _cpu(),
-                         TimingConfig(cpu_runs=1, repeats=1, graphs=False), copy_tbps=1.0, log=print)
+    rows = mla.run_point(
+        TINY_MLA_EXTEND,
+        [wrong],
+        _cpu(),
+        TimingConfig(cpu_runs=1, repeats=1, graphs=False),
+        copy_tbps=1.0,
+        log=print,
+    )
     assert len(rows) == 1 and rows[0]["status"].startswith("failed: AssertionError")
 
 
@@ -180,29 +258,44 @@ def test_mla_run_point_refuses_a_provider_with_wrong_output():
         def run(i):
             out.copy_(inp.q[..., :32])  # finite, right shape, wrong values
             return out, None
+
         return run, out
 
     wrong = providers.Provider("wrong", "wrong", False, lambda inp: None, build)
-    rows = mla.run_point(TINY_MLA, [wrong], _cpu(), TimingConfig(cpu_runs=1, repeats=1, graphs=False),
-                         copy_tbps=1.0, log=print)
+    rows = mla.run_point(
+        TINY_MLA,
+        [wrong],
+        _cpu(),
+        TimingConfig(cpu_runs=1, repeats=1, graphs=False),
+        copy_tbps=1.0,
+        log=print,
+    )
     assert len(rows) == 1 and rows[0]["status"].startswith("failed: AssertionError")
 
 
 @CPU_ONLY
 def test_mla_quick_run_writes_labelled_files(tmp_path, monkeypatch):
-    run_dir, meta = _quick_run(tmp_path, monkeypatch, mla, TINY_MLA, "mla",
-                               {"mla_overhead.png", "mla_bandwidth.png"})
+    run_dir, meta = _quick_run(
+        tmp_path, monkeypatch, mla, TINY_MLA, "mla", {"mla_overhead.png", "mla_bandwidth.png"}
+    )
     assert run_dir.name.endswith("_mla") and meta["op"] == "mla_decode"
 
 
 def test_headline_presets_hold_the_goal_points_and_the_sweeps_can_leave_them_out():
     from benchmarks.sweep import HEADLINE_PRESETS, Sweep, parse_args
+
     labels = [p.label() for p in decode.preset_points("headline")]
-    assert labels == [f"B{b}_ctx{c}_p16_h32x8_d128_bf16" for b, c in
-                      ((16, 8192), (16, 32768), (64, 8192), (64, 32768), (1, 4096), (1, 32768))]
-    assert [(p.batch, p.chunk, p.prefix) for p in extend.preset_points("headline")] == [(1, 4096, 0),
-                                                                                         (1, 512, 8192)]
-    args = parse_args("decode", "", ["--preset", "gpu-suite", "--skip-preset", "headline"], HEADLINE_PRESETS)
+    assert labels == [
+        f"B{b}_ctx{c}_p16_h32x8_d128_bf16"
+        for b, c in ((16, 8192), (16, 32768), (64, 8192), (64, 32768), (1, 4096), (1, 32768))
+    ]
+    assert [(p.batch, p.chunk, p.prefix) for p in extend.preset_points("headline")] == [
+        (1, 4096, 0),
+        (1, 512, 8192),
+    ]
+    args = parse_args(
+        "decode", "", ["--preset", "gpu-suite", "--skip-preset", "headline"], HEADLINE_PRESETS
+    )
     sweep = Sweep.start(args, decode.preset_points, "decode")
     left = {p.label() for p in sweep.points}
     assert not left & set(labels) and len(left) == len(decode.preset_points("gpu-suite")) - 6
@@ -211,6 +304,7 @@ def test_headline_presets_hold_the_goal_points_and_the_sweeps_can_leave_them_out
 def test_tune_times_the_default_first_then_the_split_counts_that_fill_the_slots():
     from benchmarks import tune
     from kvattn.backends.triton import configs
+
     default = configs.decode_config(torch.device("cpu"), torch.bfloat16, 128, 16)
     units, slots = 16 * 8, default.programs_per_sm * 132  # batch 16 x 8 KV heads on an H200
     for planner in (-(-slots // units), slots // units):  # a planner that rounds up, one that fits
@@ -222,13 +316,19 @@ def test_tune_times_the_default_first_then_the_split_counts_that_fill_the_slots(
         neighbours = [config for rule, config, n in candidates if rule == "neighbour"]
         assert neighbours and all(n is None for rule, _, n in candidates if rule == "neighbour")
         for config in neighbours:  # one field one step away
-            assert sum(getattr(config, f) != getattr(default, f) for f in
-                       ("block_n", "num_warps", "num_stages", "programs_per_sm")) == 1
+            assert (
+                sum(
+                    getattr(config, f) != getattr(default, f)
+                    for f in ("block_n", "num_warps", "num_stages", "programs_per_sm")
+                )
+                == 1
+            )
     assert tune.split_candidates(64, 8, None, 64) == [("planner", 64)]  # capped, no duplicates
 
 
 def test_tune_shares_the_budget_by_op_then_by_point():
     from benchmarks import tune
+
     now = [0.0]
     shares = tune.Shares(100.0, list(tune.OPS), clock=lambda: now[0])
     assert shares.start_op("triton-decode", 3) == pytest.approx(50.0)  # weights 2 : 1 : 1
@@ -247,16 +347,20 @@ def test_flex_times_the_first_call_apart():
     from types import SimpleNamespace
 
     from benchmarks import flex
+
     calls = []
 
     def build(inp):
         def run(i):
             calls.append(i)
             return inp.q, None
+
         return run, None
 
     record = {}
-    prov = flex.first_call_timed(providers.Provider("p", "p", False, lambda inp: None, build), record)
+    prov = flex.first_call_timed(
+        providers.Provider("p", "p", False, lambda inp: None, build), record
+    )
     run, _ = prov.build(SimpleNamespace(q=torch.zeros(1)))
     run(0)
     first = dict(record)
@@ -269,18 +373,39 @@ def test_flex_times_the_first_call_apart():
 @CPU_ONLY
 def test_the_kernels_for_nsight_compute_run(capsys):
     from benchmarks import ncu_kernels
+
     assert ncu_kernels.main() == 0
     ran = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ran")]
-    assert [line.split(": ")[1].split()[0] for line in ran] == ["decode-checked", "decode-unchecked",
-                                                               "extend-checked"]
+    assert [line.split(": ")[1].split()[0] for line in ran] == [
+        "decode-checked",
+        "decode-unchecked",
+        "extend-checked",
+    ]
 
 
 def test_transfer_digest_benchmark_writes_its_table(tmp_path):
     """The checked receive's cost script on a tiny pool: both steps timed, labelled as CPU."""
     from benchmarks import transfer_digest
+
     out = tmp_path / "digest.md"
-    transfer_digest.main(["--layers", "2", "--pages", "3", "--page-size", "4", "--kv-heads", "1",
-                          "--head-dim", "8", "--repeats", "1", "--markdown", str(out)])
+    transfer_digest.main(
+        [
+            "--layers",
+            "2",
+            "--pages",
+            "3",
+            "--page-size",
+            "4",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "8",
+            "--repeats",
+            "1",
+            "--markdown",
+            str(out),
+        ]
+    )
     text = out.read_text()
     assert "not a GPU measurement" in text
     assert "| sender: `attest_pages`" in text and "| receiver: `verify_arrived`" in text

@@ -8,6 +8,7 @@ Nothing here depends on how fast or loaded this machine is: the dry runs get a b
 scale far past what their tiny presets need, so no step is skipped or stopped for time, and no
 assertion reads a duration. The subprocesses' timeout only keeps a hung suite from hanging the
 test run. Each dry run is one test, so that parallel workers do not run it twice."""
+
 from __future__ import annotations
 
 import json
@@ -27,17 +28,40 @@ pytestmark = pytest.mark.host_only
 
 # The steps in the order the suite must take them: what answers the goals (Triton, checked against
 # unchecked) first, while the CUDA module builds; the CUDA rows once it is built; the rest after.
-ORDER = ["cuda-build", "versions", "headline-triton-decode", "headline-triton-extend", "tune-triton",
-         "tune-cuda", "headline-cuda-decode", "headline-cuda-extend", "flex", "sweep-decode", "sweep-mla",
-         "sweep-extend", "smoke", "tests", "ncu", "done"]
+ORDER = [
+    "cuda-build",
+    "versions",
+    "headline-triton-decode",
+    "headline-triton-extend",
+    "tune-triton",
+    "tune-cuda",
+    "headline-cuda-decode",
+    "headline-cuda-extend",
+    "flex",
+    "sweep-decode",
+    "sweep-mla",
+    "sweep-extend",
+    "smoke",
+    "tests",
+    "ncu",
+    "done",
+]
 HANG_GUARD_S = 3600
 MARKER = re.compile(r"^== \[\d+ s\] ([\w-]+)[:]", re.M)
 
 
 def _env(out: pathlib.Path, runs: pathlib.Path) -> dict:
-    env = dict(os.environ, OUT=str(out), SUITE_SKIP_BUILD="1", SUITE_SKIP_TESTS="1",
-               SUITE_PRESET="cpu-tiny", SUITE_RESULTS=str(runs), KVATTN_COMMIT="dry-run",
-               SUITE_BUDGET_S="10000000", SUITE_TIME_SCALE="100")
+    env = dict(
+        os.environ,
+        OUT=str(out),
+        SUITE_SKIP_BUILD="1",
+        SUITE_SKIP_TESTS="1",
+        SUITE_PRESET="cpu-tiny",
+        SUITE_RESULTS=str(runs),
+        KVATTN_COMMIT="dry-run",
+        SUITE_BUDGET_S="10000000",
+        SUITE_TIME_SCALE="100",
+    )
     env.pop("TRITON_INTERPRET", None)  # the benchmarks choose it themselves
     return env
 
@@ -67,8 +91,14 @@ def test_dry_run(tmp_path):
     """One whole dry run (each check below reads it; one test, so that parallel workers do not
     each run the suite)."""
     out, runs = tmp_path / "out", tmp_path / "runs"
-    run = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=_env(out, runs), capture_output=True,
-                         text=True, timeout=HANG_GUARD_S)
+    run = subprocess.run(
+        ["bash", str(SCRIPT)],
+        cwd=ROOT,
+        env=_env(out, runs),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     _takes_the_steps_in_the_order_that_answers_the_goals_first(out)
     _leaves_at_most_8_files_and_packs_every_run(out, runs)
@@ -102,13 +132,27 @@ def _leaves_at_most_8_files_and_packs_every_run(out, runs):
     suffixes = [re.sub(r"^\d{8}-\d{6}_cpu_[\w.-]*?(?=_|$)", "", f) for f in folders]
     # headline decode and extend, Triton then CUDA; tuning, Triton ops then CUDA; FlexAttention;
     # the three sweeps
-    assert sorted(suffixes) == sorted(["", "_extend", "_tune-triton-decode-triton-extend",
-                                       "_tune-cuda-decode", "", "_extend", "_flex", "", "_mla",
-                                       "_extend"]), suffixes
+    assert sorted(suffixes) == sorted(
+        [
+            "",
+            "_extend",
+            "_tune-triton-decode-triton-extend",
+            "_tune-cuda-decode",
+            "",
+            "_extend",
+            "_flex",
+            "",
+            "_mla",
+            "_extend",
+        ]
+    ), suffixes
     summary = (out / "summary.md").read_text()
     assert "NOT a GPU measurement" in summary
     assert summary.count("<!-- ") == len(folders)  # each run's summary, appended as it ended
-    assert "## MLA decode and extend (NOT a GPU measurement)" in summary and "# Tuning sweep" in summary
+    assert (
+        "## MLA decode and extend (NOT a GPU measurement)" in summary
+        and "# Tuning sweep" in summary
+    )
     assert "# FlexAttention against kvattn" in summary
 
 
@@ -126,9 +170,15 @@ def _streams_every_row_with_its_run(out, runs):
     for op in ("triton-decode", "triton-extend"):
         first = [r for r in tuned if r["op"] == op][:2]
         assert [r["default"] for r in first] == [True, True] and {r["variant"] for r in first} == {
-            "checked", "unchecked"}, first
+            "checked",
+            "unchecked",
+        }, first
     flex = [r for r in rows if r["run"].endswith("_flex")]
-    assert {r["provider"] for r in flex} == {"flex-paged", "kvattn-triton-checked", "kvattn-triton-unchecked"}
+    assert {r["provider"] for r in flex} == {
+        "flex-paged",
+        "kvattn-triton-checked",
+        "kvattn-triton-unchecked",
+    }
     assert all(r["status"].startswith("skipped") for r in flex if r["provider"] == "flex-paged")
 
 
@@ -138,8 +188,14 @@ def test_a_killed_run_keeps_every_finished_step(tmp_path):
     the suite ran."""
     out, runs = tmp_path / "out", tmp_path / "runs"
     out.mkdir()
-    proc = subprocess.Popen(["bash", str(SCRIPT)], cwd=ROOT, env=_env(out, runs),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT)],
+        cwd=ROOT,
+        env=_env(out, runs),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     log = out / "suite.log"
     started = time.monotonic()
     try:
@@ -180,8 +236,9 @@ def test_every_step_runs_under_timeout_k_within_the_budget():
     timeouts = re.findall(r"(?<![\w-])timeout (.*)", code)  # the command, not pytest's --timeout
     assert len(timeouts) >= 6 and all(t.startswith("-k ") for t in timeouts), timeouts
     limits = re.findall(r"^\s*(?:t=\$\(cap \d+\); )?run (\S+) (\S+) ", code, flags=re.M)
-    assert len(limits) >= 12 and all(limit in ('"$t"', '"$limit"') or limit.startswith('"$(cap')
-                                     for _, limit in limits), limits
+    assert len(limits) >= 12 and all(
+        limit in ('"$t"', '"$limit"') or limit.startswith('"$(cap') for _, limit in limits
+    ), limits
     assert re.search(r"BUDGET=\$\{SUITE_BUDGET_S:-470\}", script)
     # Results go straight into $OUT: nothing is copied out of a temporary folder at the end.
     assert "cp -r" not in code

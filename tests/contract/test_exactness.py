@@ -17,6 +17,7 @@ valid, so a test that passed by accident would show. One section per rule:
   are on the host, and unvalidated make the head read nothing (output 0, lse -inf);
 - 9: the page-level writers refuse layered tags whose rows overlap in memory.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,14 @@ import torch
 
 import kvattn
 from kvattn import backends
-from kvattn_testing.exactness import (F16, READERS, SPLIT_READERS, assert_agrees,
-                                      assert_reads_nothing, run)
+from kvattn_testing.exactness import (
+    F16,
+    READERS,
+    SPLIT_READERS,
+    assert_agrees,
+    assert_reads_nothing,
+    run,
+)
 from kvattn_testing.extend import Extend
 from kvattn_testing.util import Batch, assert_reports_equal, claims, launcher, raises, tolerance
 
@@ -36,13 +43,30 @@ NAN = math.nan
 
 
 def decode_batch(seq_lens, page_size=4, seed=0, **kwargs) -> Batch:
-    return Batch.random(batch=len(seq_lens), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                        page_size=page_size, seq_lens=seq_lens, pool_factor=2, seed=seed, **kwargs)
+    return Batch.random(
+        batch=len(seq_lens),
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=page_size,
+        seq_lens=seq_lens,
+        pool_factor=2,
+        seed=seed,
+        **kwargs,
+    )
 
 
 def extend_batch(q_lens, prefixes, page_size=4, seed=0) -> Extend:
-    return Extend.random(q_lens, prefixes, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                         page_size=page_size, pool_factor=2, seed=seed)
+    return Extend.random(
+        q_lens,
+        prefixes,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=page_size,
+        pool_factor=2,
+        seed=seed,
+    )
 
 
 def poison_slots(pages: Batch, b: int, first: int, last: int) -> None:
@@ -114,8 +138,9 @@ EXTEND_WINDOWS = [(3, 26, 5, 4), (4, 13, 3, 2)]  # (page size, prefix, q_len, wi
 @pytest.mark.parametrize("backend", READERS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("page, prefix, q_len, window", EXTEND_WINDOWS)
-def test_extend_window_never_reads_before_every_rows_window(backend, causal, page, prefix, q_len,
-                                                            window):
+def test_extend_window_never_reads_before_every_rows_window(
+    backend, causal, page, prefix, q_len, window
+):
     """Row 0 sits at position prefix and reads keys from prefix - window on, every later row from
     further on: the slots of that key's page before it are read by no row. Poisoned, they must
     reach no row (a kernel that loads them for the tile gives every row 0 * NaN)."""
@@ -145,7 +170,7 @@ def test_extend_window_reaching_the_poison_reads_it(backend, causal):
 
 # (seq_len, window_left, alibi): the table holds 12 tokens (3 pages of 4).
 BEYOND = [(14, 5, False), (14, 5, True), (13, 1, True), (30, 3, False), (15, 20, True)]
-SLOPES = [0.5, 0.25, 0.125, 2.0 ** -10]
+SLOPES = [0.5, 0.25, 0.125, 2.0**-10]
 
 
 def beyond_the_table(op: str, seq_len: int, held: int = 12):
@@ -200,9 +225,17 @@ def test_window_past_the_table_across_splits(backend, num_splits, seq_len, windo
     pages = beyond_the_table("decode", seq_len, held=36)
     kwargs = variant_args(window, alibi)
     want = run("decode", pages, "reference", validate=False, **kwargs)
-    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
-                                         pages.seq_lens, pages.page_tags, pages.expected,
-                                         validate=False, **kwargs)
+    args = kvattn.layout.validate_decode(
+        pages.q,
+        pages.k_cache,
+        pages.v_cache,
+        pages.block_table,
+        pages.seq_lens,
+        pages.page_tags,
+        pages.expected,
+        validate=False,
+        **kwargs,
+    )
     out = torch.empty_like(pages.q)
     lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
     report = launcher(backend).decode(args, check=True, out=out, lse=lse, num_splits=num_splits)
@@ -222,8 +255,9 @@ def test_window_inside_the_table_agrees(backend, op):
 
 # --- 6, 7: soft-caps and float scales outside the float32 normal range ----------------------------
 
+
 @pytest.mark.parametrize("op", ["decode", "extend"])
-@pytest.mark.parametrize("cap", [1e39, 2.0 ** 127, 1e-39, 2.0 ** -127, 10 ** 400])
+@pytest.mark.parametrize("cap", [1e39, 2.0**127, 1e-39, 2.0**-127, 10**400])
 def test_soft_cap_outside_the_float32_normal_range_is_named(op, cap):
     x = refused_batch(op)
     with raises(ValueError, "logits_soft_cap", repr(cap)):
@@ -234,7 +268,7 @@ def test_soft_cap_outside_the_float32_normal_range_is_named(op, cap):
 def test_soft_cap_at_the_upper_end_is_taken(op):
     """The twin: 2**126 is a valid cap, which leaves logits of order 1 as they are."""
     x = refused_batch(op)
-    want = run(op, x, "reference", logits_soft_cap=2.0 ** 126)
+    want = run(op, x, "reference", logits_soft_cap=2.0**126)
     torch.testing.assert_close(want[0], run(op, x, "reference")[0], **tolerance(F16))
 
 
@@ -243,8 +277,8 @@ def test_soft_cap_at_the_upper_end_is_taken(op):
 def test_soft_cap_at_the_lower_end_agrees(backend, op):
     """2**-126 is valid too: it flattens the logits to uniform weights, on every backend."""
     x = refused_batch(op)
-    want = run(op, x, "reference", logits_soft_cap=2.0 ** -126)
-    assert_agrees(run(op, x, backend, logits_soft_cap=2.0 ** -126), want)
+    want = run(op, x, "reference", logits_soft_cap=2.0**-126)
+    assert_agrees(run(op, x, backend, logits_soft_cap=2.0**-126), want)
 
 
 def fp8_batch(op: str):
@@ -256,7 +290,7 @@ def fp8_batch(op: str):
     return x
 
 
-FLOAT_SCALES = [1e39, 1e300, 2.0 ** 127, 1e-39, 2.0 ** -127]
+FLOAT_SCALES = [1e39, 1e300, 2.0**127, 1e-39, 2.0**-127]
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
@@ -298,12 +332,13 @@ def test_float_scale_outside_the_range_is_named_by_the_writers(writer, name, bad
 
 
 @pytest.mark.parametrize("writer", fp8_writers())
-@pytest.mark.parametrize("scale", [2.0 ** -126, 2.0 ** 126])
+@pytest.mark.parametrize("scale", [2.0**-126, 2.0**126])
 def test_float_scales_at_the_range_ends_write(writer, scale):
     """The twin: the ends of the range are scales the writers take."""
     k, v, k_cache, v_cache, mapping, tags = fp8_writer_args()
-    result = kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, 1, backend=writer,
-                             k_scale=scale, v_scale=scale)
+    result = kvattn.write_kv(
+        k, v, k_cache, v_cache, mapping, tags, 1, backend=writer, k_scale=scale, v_scale=scale
+    )
     assert result.landed.tolist() == [True, True]
 
 
@@ -363,8 +398,11 @@ def test_unvalidated_invalid_sink_head_reads_nothing(backend, op, bad):
 
 
 @pytest.mark.parametrize("backend", SPLIT_READERS)
-@pytest.mark.parametrize("sinks", [NO_SINK, MIXED_SINKS, [0.5, NAN, math.inf, -math.inf]],
-                         ids=["all", "mixed", "invalid"])
+@pytest.mark.parametrize(
+    "sinks",
+    [NO_SINK, MIXED_SINKS, [0.5, NAN, math.inf, -math.inf]],
+    ids=["all", "mixed", "invalid"],
+)
 def test_sinks_across_splits(backend, sinks):
     """The merge of split-KV decode: a -inf sink is no sink there too, an invalid one reads nothing,
     and a refused sequence merges to 0 and -inf (sequence 0's 40 tokens span three 16-token
@@ -372,9 +410,17 @@ def test_sinks_across_splits(backend, sinks):
     pages = refused_batch("decode", first_len=40)
     sinks = torch.tensor(sinks)
     want = run("decode", pages, "reference", validate=False, sinks=sinks)
-    args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache, pages.block_table,
-                                         pages.seq_lens, pages.page_tags, pages.expected,
-                                         validate=False, sinks=sinks)
+    args = kvattn.layout.validate_decode(
+        pages.q,
+        pages.k_cache,
+        pages.v_cache,
+        pages.block_table,
+        pages.seq_lens,
+        pages.page_tags,
+        pages.expected,
+        validate=False,
+        sinks=sinks,
+    )
     out = torch.empty_like(pages.q)
     lse = torch.empty(pages.q.shape[:2], dtype=torch.float32)
     report = launcher(backend).decode(args, check=True, out=out, lse=lse, num_splits=3)
@@ -383,15 +429,23 @@ def test_sinks_across_splits(backend, sinks):
 
 # --- 5: fp8 scale tensors -------------------------------------------------------------------------
 
-BAD_SCALES = [NAN, math.inf, 0.0, -0.5, 2.0 ** 127, 2.0 ** -127]
+BAD_SCALES = [NAN, math.inf, 0.0, -0.5, 2.0**127, 2.0**-127]
 
 
 def fp8_readers(op: str, x, **kwargs) -> list[str]:
     pages = x if op == "decode" else x.pages
     if op == "decode":
-        args = kvattn.layout.validate_decode(pages.q, pages.k_cache, pages.v_cache,
-                                             pages.block_table, pages.seq_lens, pages.page_tags,
-                                             pages.expected, validate=False, **kwargs)
+        args = kvattn.layout.validate_decode(
+            pages.q,
+            pages.k_cache,
+            pages.v_cache,
+            pages.block_table,
+            pages.seq_lens,
+            pages.page_tags,
+            pages.expected,
+            validate=False,
+            **kwargs,
+        )
     else:
         args = kvattn.layout.validate_extend(*x.inputs(), validate=False, **kwargs)
     return [n for n in claims(args, op) if n in READERS]
@@ -436,7 +490,7 @@ def test_scales_in_range_read_on_every_backend(op):
     """The twin: valid scales are read, identically on every backend (2**-126, the range's lower
     end, flattens KV head 1's logits to uniform weights); a refused sequence still gives 0."""
     x = fp8_batch(op)
-    scales = dict(k_scale=torch.tensor([0.125, 2.0 ** -126]), v_scale=torch.tensor([0.25, 0.0625]))
+    scales = dict(k_scale=torch.tensor([0.125, 2.0**-126]), v_scale=torch.tensor([0.25, 0.0625]))
     want = run(op, x, "reference", **scales)
     assert_reads_nothing(want[0], want[1], rows_of(op, 1), list(range(HEADS)))
     names = fp8_readers(op, x, **scales)
@@ -448,10 +502,13 @@ def test_scales_in_range_read_on_every_backend(op):
 @pytest.mark.parametrize("op", ["decode", "extend"])
 def test_scale_tensors_at_the_range_ends_pass_the_host_check(op):
     x = fp8_batch(op)
-    ends = torch.tensor([2.0 ** -126, 2.0 ** 126])
+    ends = torch.tensor([2.0**-126, 2.0**126])
     validate = kvattn.layout.validate_decode if op == "decode" else kvattn.layout.validate_extend
-    inputs = ((x.q, x.k_cache, x.v_cache, x.block_table, x.seq_lens, x.page_tags, x.expected)
-              if op == "decode" else x.inputs())
+    inputs = (
+        (x.q, x.k_cache, x.v_cache, x.block_table, x.seq_lens, x.page_tags, x.expected)
+        if op == "decode"
+        else x.inputs()
+    )
     args = validate(*inputs, validate=True, k_scale=ends, v_scale=ends.flip(0))
     assert torch.equal(args.variant.k_scale, ends)
 
@@ -462,13 +519,22 @@ def test_writer_scale_tensor_outside_the_range_is_refused(writer):
     positive but outside it."""
     k, v, k_cache, v_cache, mapping, tags = fp8_writer_args()
     with raises(ValueError, "k_scale", "KV head 1"):
-        kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, 1, backend=writer,
-                        k_scale=torch.tensor([1.0, 2.0 ** 127]))
+        kvattn.write_kv(
+            k,
+            v,
+            k_cache,
+            v_cache,
+            mapping,
+            tags,
+            1,
+            backend=writer,
+            k_scale=torch.tensor([1.0, 2.0**127]),
+        )
 
 
 # --- 8: ALiBi slopes ------------------------------------------------------------------------------
 
-BAD_SLOPES = [NAN, math.inf, -1e38, 2.0 ** 32 * (1 + 2 ** -20)]
+BAD_SLOPES = [NAN, math.inf, -1e38, 2.0**32 * (1 + 2**-20)]
 
 
 @pytest.mark.parametrize("backend", READERS)
@@ -481,8 +547,11 @@ def test_invalid_alibi_slope_is_refused_on_the_host(backend, op, bad):
 
 
 @pytest.mark.parametrize("backend", READERS)
-@pytest.mark.parametrize("op, causal", [("decode", True), ("extend", True), ("extend", False)],
-                         ids=["decode", "extend-causal", "extend-full"])
+@pytest.mark.parametrize(
+    "op, causal",
+    [("decode", True), ("extend", True), ("extend", False)],
+    ids=["decode", "extend-causal", "extend-full"],
+)
 @pytest.mark.parametrize("bad", BAD_SLOPES)
 def test_unvalidated_invalid_slope_head_reads_nothing(backend, op, causal, bad):
     """Both ALiBi forms (causal and not): the head with the invalid slope reads nothing, the
@@ -506,13 +575,14 @@ def test_unvalidated_invalid_slope_head_reads_nothing(backend, op, causal, bad):
 def test_slopes_at_the_bound_agree(backend, op):
     """The twin: |slope| = 2**32 is valid; such a head attends to the key nearest its query."""
     x = refused_batch(op)
-    slopes = torch.tensor([2.0 ** 32, -(2.0 ** 32), 0.5, 0.0])
+    slopes = torch.tensor([2.0**32, -(2.0**32), 0.5, 0.0])
     want = run(op, x, "reference", alibi_slopes=slopes)
     assert torch.isfinite(want[0]).all()
     assert_agrees(run(op, x, backend, alibi_slopes=slopes), want)
 
 
 # --- 9: layered tags whose rows overlap -----------------------------------------------------------
+
 
 def folded_layers():
     """``[2, 6]`` tags over 10 words: layer 1's page 1 is layer 0's page 5."""
@@ -533,8 +603,11 @@ def test_layered_tags_whose_rows_overlap_are_refused(fn, case):
     words, tags = overlapping_tags(case)
     words[5] = kvattn.written_tag(1, 4)
     before = words.clone()
-    call = (lambda: kvattn.reserve_pages(tags, [1], 2)) if fn == "reserve" else (
-        lambda: kvattn.release_pages(tags, [1]))
+    call = (
+        (lambda: kvattn.reserve_pages(tags, [1], 2))
+        if fn == "reserve"
+        else (lambda: kvattn.release_pages(tags, [1]))
+    )
     with raises(ValueError, "page_tags", "do not overlap", str(tags.stride())):
         call()
     assert torch.equal(words, before)

@@ -4,6 +4,7 @@ docs/ownership.md section 3 one condition at a time, on every backend (the refer
 Expected outputs are computed by hand from the list of slots the rule allows; everything else in the
 pool is NaN, so a slot read against the rule shows as NaN.
 """
+
 import math
 
 import pytest
@@ -12,8 +13,15 @@ import torch
 import kvattn
 from kvattn import Violation
 from kvattn.tags import STATE_MASK
-from kvattn_testing.util import (DEVICE, LSE_TOLERANCE, backends_under_test, decode, lse_tolerance,
-                                 poisoned_pool, tolerance)
+from kvattn_testing.util import (
+    DEVICE,
+    LSE_TOLERANCE,
+    backends_under_test,
+    decode,
+    lse_tolerance,
+    poisoned_pool,
+    tolerance,
+)
 
 PAGE = 4
 HEAD_DIM = 8
@@ -25,7 +33,7 @@ def dense_attention(q, k_cache, v_cache, tokens, scale=None):
     ``(physical page, slot)``), KV head ``h // (H // Hkv)``. Empty: output 0, lse -inf."""
     batch, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[2]
-    scale = head_dim ** -0.5 if scale is None else scale
+    scale = head_dim**-0.5 if scale is None else scale
     out = torch.zeros(batch, num_heads, head_dim, dtype=torch.float64)
     lse = torch.full((batch, num_heads), float("-inf"), dtype=torch.float64)
     for b in range(batch):
@@ -60,8 +68,9 @@ def page_slots(page, count):
     return [(page, s) for s in range(count)]
 
 
-def check_result(result, want_tokens, q, k, v, *, violations, reasons, page_reasons, pages_checked,
-                 beyond=None):
+def check_result(
+    result, want_tokens, q, k, v, *, violations, reasons, page_reasons, pages_checked, beyond=None
+):
     out, lse, report = result
     want_out, want_lse = dense_attention(q, k, v, want_tokens)
     assert torch.isfinite(out).all()
@@ -76,6 +85,7 @@ def check_result(result, want_tokens, q, k, v, *, violations, reasons, page_reas
 
 
 # --- The oracle is attention --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("permuted", [False, True], ids=["identity", "permuted"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 1), (8, 2)])
@@ -107,8 +117,17 @@ def test_oracle_equals_dense_float64_attention(permuted, num_heads, num_kv_heads
             want_lse[b, h] = torch.logsumexp(logits, 0)
 
     out, lse, report = kvattn.reference.paged_decode(
-        q, k, v, table, seq_lens, tags, expected, scale=scale, return_lse=True,
-        compute_dtype=torch.float64)
+        q,
+        k,
+        v,
+        table,
+        seq_lens,
+        tags,
+        expected,
+        scale=scale,
+        return_lse=True,
+        compute_dtype=torch.float64,
+    )
     assert out.dtype == torch.float64 and lse.dtype == torch.float64
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)
@@ -141,6 +160,7 @@ def test_oracle_gqa_grouping_uses_head_div_group():
 
 # --- The reader's rule, one condition at a time, on every backend ------------------------------
 
+
 @pytest.fixture(params=backends_under_test())
 def backend(request):
     return request.param
@@ -161,18 +181,35 @@ def test_all_valid_no_violation(backend):
     k, v, tags = two_page_setup()
     q = query(1)
     result = decode(backend, q, k, v, [[5, 2]], [2 * PAGE], tags, [3], return_lse=True)
-    check_result(result, [page_slots(5, PAGE) + page_slots(2, PAGE)], q, k, v, violations=[0],
-                 reasons=[0], page_reasons=[[0, 0]], pages_checked=[2])
+    check_result(
+        result,
+        [page_slots(5, PAGE) + page_slots(2, PAGE)],
+        q,
+        k,
+        v,
+        violations=[0],
+        reasons=[0],
+        page_reasons=[[0, 0]],
+        pages_checked=[2],
+    )
 
 
-@pytest.mark.parametrize("bad_page", [NUM_PAGES, NUM_PAGES + 100, -1, -(2 ** 31)])
+@pytest.mark.parametrize("bad_page", [NUM_PAGES, NUM_PAGES + 100, -1, -(2**31)])
 def test_out_of_range_page_refused_and_never_read(backend, bad_page):
     k, v, tags = two_page_setup()
     q = query(1)
     result = decode(backend, q, k, v, [[bad_page, 2]], [2 * PAGE], tags, [3], return_lse=True)
-    check_result(result, [page_slots(2, PAGE)], q, k, v, violations=[1],
-                 reasons=[Violation.OUT_OF_RANGE], page_reasons=[[Violation.OUT_OF_RANGE, 0]],
-                 pages_checked=[2])
+    check_result(
+        result,
+        [page_slots(2, PAGE)],
+        q,
+        k,
+        v,
+        violations=[1],
+        reasons=[Violation.OUT_OF_RANGE],
+        page_reasons=[[Violation.OUT_OF_RANGE, 0]],
+        pages_checked=[2],
+    )
 
 
 @pytest.mark.parametrize("state", ["free", "state3"])
@@ -182,17 +219,34 @@ def test_free_page_refused(backend, state):
     k, v, tags = two_page_setup(first_tag=tag)
     q = query(1)
     result = decode(backend, q, k, v, [[5, 2]], [2 * PAGE], tags, [3], return_lse=True)
-    check_result(result, [page_slots(2, PAGE)], q, k, v, violations=[1], reasons=[Violation.FREE],
-                 page_reasons=[[Violation.FREE, 0]], pages_checked=[2])
+    check_result(
+        result,
+        [page_slots(2, PAGE)],
+        q,
+        k,
+        v,
+        violations=[1],
+        reasons=[Violation.FREE],
+        page_reasons=[[Violation.FREE, 0]],
+        pages_checked=[2],
+    )
 
 
 def test_reserved_page_refused(backend):
     k, v, tags = two_page_setup(first_tag=kvattn.reserved_tag(3))
     q = query(1)
     result = decode(backend, q, k, v, [[5, 2]], [2 * PAGE], tags, [3], return_lse=True)
-    check_result(result, [page_slots(2, PAGE)], q, k, v, violations=[1],
-                 reasons=[Violation.RESERVED], page_reasons=[[Violation.RESERVED, 0]],
-                 pages_checked=[2])
+    check_result(
+        result,
+        [page_slots(2, PAGE)],
+        q,
+        k,
+        v,
+        violations=[1],
+        reasons=[Violation.RESERVED],
+        page_reasons=[[Violation.RESERVED, 0]],
+        pages_checked=[2],
+    )
 
 
 @pytest.mark.parametrize("per_entry", [False, True], ids=["expected[B]", "expected[B,max_pages]"])
@@ -201,9 +255,17 @@ def test_owner_mismatch_refused(backend, per_entry):
     q = query(1)
     expected = [[3, 3]] if per_entry else [3]
     result = decode(backend, q, k, v, [[5, 2]], [2 * PAGE], tags, expected, return_lse=True)
-    check_result(result, [page_slots(2, PAGE)], q, k, v, violations=[1],
-                 reasons=[Violation.OWNER_MISMATCH], page_reasons=[[Violation.OWNER_MISMATCH, 0]],
-                 pages_checked=[2])
+    check_result(
+        result,
+        [page_slots(2, PAGE)],
+        q,
+        k,
+        v,
+        violations=[1],
+        reasons=[Violation.OWNER_MISMATCH],
+        page_reasons=[[Violation.OWNER_MISMATCH, 0]],
+        pages_checked=[2],
+    )
 
 
 def test_per_entry_expected_accepts_what_per_sequence_refuses(backend):
@@ -211,8 +273,17 @@ def test_per_entry_expected_accepts_what_per_sequence_refuses(backend):
     k, v, tags = two_page_setup(first_tag=kvattn.written_tag(4, PAGE))
     q = query(1)
     result = decode(backend, q, k, v, [[5, 2]], [2 * PAGE], tags, [[4, 3]], return_lse=True)
-    check_result(result, [page_slots(5, PAGE) + page_slots(2, PAGE)], q, k, v, violations=[0],
-                 reasons=[0], page_reasons=[[0, 0]], pages_checked=[2])
+    check_result(
+        result,
+        [page_slots(5, PAGE) + page_slots(2, PAGE)],
+        q,
+        k,
+        v,
+        violations=[0],
+        reasons=[0],
+        page_reasons=[[0, 0]],
+        pages_checked=[2],
+    )
 
 
 def test_unwritten_slots_refused_but_written_prefix_used(backend):
@@ -221,9 +292,17 @@ def test_unwritten_slots_refused_but_written_prefix_used(backend):
     k, v, tags = two_page_setup(second_count=2)
     q = query(1)
     result = decode(backend, q, k, v, [[5, 2]], [2 * PAGE], tags, [3], return_lse=True)
-    check_result(result, [page_slots(5, PAGE) + page_slots(2, 2)], q, k, v, violations=[1],
-                 reasons=[Violation.UNWRITTEN], page_reasons=[[0, Violation.UNWRITTEN]],
-                 pages_checked=[2])
+    check_result(
+        result,
+        [page_slots(5, PAGE) + page_slots(2, 2)],
+        q,
+        k,
+        v,
+        violations=[1],
+        reasons=[Violation.UNWRITTEN],
+        page_reasons=[[0, Violation.UNWRITTEN]],
+        pages_checked=[2],
+    )
 
 
 def test_partial_page_within_valid_len_is_no_violation(backend):
@@ -232,8 +311,17 @@ def test_partial_page_within_valid_len_is_no_violation(backend):
     k, v, tags = two_page_setup(second_count=2)
     q = query(1)
     result = decode(backend, q, k, v, [[5, 2]], [PAGE + 2], tags, [3], return_lse=True)
-    check_result(result, [page_slots(5, PAGE) + page_slots(2, 2)], q, k, v, violations=[0],
-                 reasons=[0], page_reasons=[[0, 0]], pages_checked=[2])
+    check_result(
+        result,
+        [page_slots(5, PAGE) + page_slots(2, 2)],
+        q,
+        k,
+        v,
+        violations=[0],
+        reasons=[0],
+        page_reasons=[[0, 0]],
+        pages_checked=[2],
+    )
 
 
 def test_length_mask_is_not_a_violation(backend):
@@ -243,28 +331,58 @@ def test_length_mask_is_not_a_violation(backend):
     q = query(2)
     table = [[5, 2, -7], [5, NUM_PAGES + 3, 2]]
     result = decode(backend, q, k, v, table, [3, PAGE], tags, [3, 3], return_lse=True)
-    check_result(result, [page_slots(5, 3), page_slots(5, PAGE)], q, k, v, violations=[0, 0],
-                 reasons=[0, 0], page_reasons=[[0, 0, 0], [0, 0, 0]], pages_checked=[1, 1])
+    check_result(
+        result,
+        [page_slots(5, 3), page_slots(5, PAGE)],
+        q,
+        k,
+        v,
+        violations=[0, 0],
+        reasons=[0, 0],
+        page_reasons=[[0, 0, 0], [0, 0, 0]],
+        pages_checked=[1, 1],
+    )
 
 
 def test_seq_len_beyond_table_counts_once_and_reads_nothing_beyond(backend):
     k, v, tags = two_page_setup()
     q = query(1)
     # validate=False: on the CPU the host check would reject this length before the kernel runs.
-    result = decode(backend, q, k, v, [[5, 2]], [2 * PAGE + 3], tags, [3], return_lse=True,
-                    validate=False)
-    check_result(result, [page_slots(5, PAGE) + page_slots(2, PAGE)], q, k, v, violations=[1],
-                 reasons=[Violation.OUT_OF_RANGE], page_reasons=[[0, 0]], pages_checked=[2],
-                 beyond=[1])
+    result = decode(
+        backend, q, k, v, [[5, 2]], [2 * PAGE + 3], tags, [3], return_lse=True, validate=False
+    )
+    check_result(
+        result,
+        [page_slots(5, PAGE) + page_slots(2, PAGE)],
+        q,
+        k,
+        v,
+        violations=[1],
+        reasons=[Violation.OUT_OF_RANGE],
+        page_reasons=[[0, 0]],
+        pages_checked=[2],
+        beyond=[1],
+    )
 
 
 def test_seq_len_at_table_capacity_is_not_beyond(backend):
     k, v, tags = two_page_setup()
     q = query(1)
-    result = decode(backend, q, k, v, [[5, 2]], [2 * PAGE], tags, [3], return_lse=True,
-                    validate=False)
-    check_result(result, [page_slots(5, PAGE) + page_slots(2, PAGE)], q, k, v, violations=[0],
-                 reasons=[0], page_reasons=[[0, 0]], pages_checked=[2], beyond=[0])
+    result = decode(
+        backend, q, k, v, [[5, 2]], [2 * PAGE], tags, [3], return_lse=True, validate=False
+    )
+    check_result(
+        result,
+        [page_slots(5, PAGE) + page_slots(2, PAGE)],
+        q,
+        k,
+        v,
+        violations=[0],
+        reasons=[0],
+        page_reasons=[[0, 0]],
+        pages_checked=[2],
+        beyond=[0],
+    )
 
 
 def test_seq_len_zero_gives_zero_output_and_minus_inf_lse(backend):
@@ -274,15 +392,28 @@ def test_seq_len_zero_gives_zero_output_and_minus_inf_lse(backend):
     out, lse, _ = result
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert torch.isneginf(lse[0]).all()
-    check_result(result, [[], page_slots(5, PAGE)], q, k, v, violations=[0, 0], reasons=[0, 0],
-                 page_reasons=[[0, 0], [0, 0]], pages_checked=[0, 1])
+    check_result(
+        result,
+        [[], page_slots(5, PAGE)],
+        q,
+        k,
+        v,
+        violations=[0, 0],
+        reasons=[0, 0],
+        page_reasons=[[0, 0], [0, 0]],
+        pages_checked=[0, 1],
+    )
 
 
 # (tag of logical page 0, expected owner, slots read) -> the first failing condition of Violation.
 PRECEDENCE = {
     "reserved_beats_owner": (kvattn.reserved_tag(9), 3, PAGE, Violation.RESERVED),
-    "free_state3_beats_owner_and_length": (kvattn.written_tag(9, 1) | STATE_MASK, 3, PAGE,
-                                           Violation.FREE),
+    "free_state3_beats_owner_and_length": (
+        kvattn.written_tag(9, 1) | STATE_MASK,
+        3,
+        PAGE,
+        Violation.FREE,
+    ),
     "owner_beats_unwritten": (kvattn.written_tag(9, 1), 3, PAGE, Violation.OWNER_MISMATCH),
     "unwritten_when_owner_right": (kvattn.written_tag(3, 1), 3, PAGE, Violation.UNWRITTEN),
     "valid_len_zero_written": (kvattn.written_tag(3, 0), 3, 1, Violation.UNWRITTEN),
@@ -296,8 +427,17 @@ def test_reason_precedence_is_first_failing_condition(backend, case):
     q = query(1)
     result = decode(backend, q, k, v, [[5, 2]], [slots], tags, [owner], return_lse=True)
     want = kvattn.tag_valid_len(tag) if reason == Violation.UNWRITTEN else 0
-    check_result(result, [page_slots(5, min(want, slots))], q, k, v, violations=[1],
-                 reasons=[reason], page_reasons=[[reason, 0]], pages_checked=[1])
+    check_result(
+        result,
+        [page_slots(5, min(want, slots))],
+        q,
+        k,
+        v,
+        violations=[1],
+        reasons=[reason],
+        page_reasons=[[reason, 0]],
+        pages_checked=[1],
+    )
 
 
 def test_out_of_range_beats_everything_and_reasons_or_per_sequence(backend):
@@ -312,14 +452,34 @@ def test_out_of_range_beats_everything_and_reasons_or_per_sequence(backend):
     q = query(2)
     table = [[0, -1, 1, 2, 3, 4], [6, 6, 6, 6, 6, 6]]
     result = decode(backend, q, k, v, table, [6 * PAGE, 2 * PAGE], tags, [3, 5], return_lse=True)
-    all_reasons = (Violation.OUT_OF_RANGE | Violation.OWNER_MISMATCH | Violation.UNWRITTEN
-                   | Violation.RESERVED | Violation.FREE)
-    check_result(result, [page_slots(0, PAGE) + page_slots(2, 1), page_slots(6, PAGE) * 2], q, k, v,
-                 violations=[5, 0], reasons=[all_reasons, 0],
-                 page_reasons=[[0, Violation.OUT_OF_RANGE, Violation.OWNER_MISMATCH,
-                                Violation.UNWRITTEN, Violation.RESERVED, Violation.FREE],
-                               [0, 0, 0, 0, 0, 0]],
-                 pages_checked=[6, 2])
+    all_reasons = (
+        Violation.OUT_OF_RANGE
+        | Violation.OWNER_MISMATCH
+        | Violation.UNWRITTEN
+        | Violation.RESERVED
+        | Violation.FREE
+    )
+    check_result(
+        result,
+        [page_slots(0, PAGE) + page_slots(2, 1), page_slots(6, PAGE) * 2],
+        q,
+        k,
+        v,
+        violations=[5, 0],
+        reasons=[all_reasons, 0],
+        page_reasons=[
+            [
+                0,
+                Violation.OUT_OF_RANGE,
+                Violation.OWNER_MISMATCH,
+                Violation.UNWRITTEN,
+                Violation.RESERVED,
+                Violation.FREE,
+            ],
+            [0, 0, 0, 0, 0, 0],
+        ],
+        pages_checked=[6, 2],
+    )
 
 
 def test_pages_checked_is_pages_read_clipped_to_table(backend):
@@ -331,5 +491,14 @@ def test_pages_checked_is_pages_read_clipped_to_table(backend):
     q = query(len(lens))
     result = decode(backend, q, k, v, table, lens, tags, [1] * len(lens), return_lse=True)
     want_tokens = [[(table[b][t // PAGE], t % PAGE) for t in range(n)] for b, n in enumerate(lens)]
-    check_result(result, want_tokens, q, k, v, violations=[0] * 6, reasons=[0] * 6,
-                 page_reasons=[[0, 0, 0]] * 6, pages_checked=[math.ceil(n / PAGE) for n in lens])
+    check_result(
+        result,
+        want_tokens,
+        q,
+        k,
+        v,
+        violations=[0] * 6,
+        reasons=[0] * 6,
+        page_reasons=[[0, 0, 0]] * 6,
+        pages_checked=[math.ceil(n / PAGE) for n in lens],
+    )

@@ -1,6 +1,7 @@
 """The report is written whole by every kernel: no memset precedes a call, so buffers start as
 whatever memory held. Poisoned report buffers must come back equal to the reference's report, on
 every backend, for decode with one split and several and for extend, with and without refusals."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,14 @@ import torch
 import kvattn
 from kvattn.report import OwnershipReport
 from kvattn_testing.extend import Extend
-from kvattn_testing.util import (Batch, assert_reports_equal, backends_under_test, kernel_backends,
-                                 precise_dtype, split_kv_backends)
+from kvattn_testing.util import (
+    Batch,
+    assert_reports_equal,
+    backends_under_test,
+    kernel_backends,
+    precise_dtype,
+    split_kv_backends,
+)
 
 
 @pytest.fixture
@@ -23,6 +30,7 @@ def poisoned_reports(monkeypatch):
             getattr(report, field).fill_(-7)
         report.page_reasons.fill_(99)
         return report
+
     monkeypatch.setattr(OwnershipReport, "allocate", classmethod(allocate))
 
 
@@ -33,21 +41,43 @@ def launcher(backend):
 
 
 @pytest.mark.parametrize("refused", [False, True], ids=["clean", "refused"])
-@pytest.mark.parametrize("backend,splits", [(b, s) for b in kernel_backends()
-                                            for s in ([1, 3] if b in split_kv_backends() else [None])])
+@pytest.mark.parametrize(
+    "backend,splits",
+    [(b, s) for b in kernel_backends() for s in ([1, 3] if b in split_kv_backends() else [None])],
+)
 def test_decode_writes_every_report_entry(poisoned_reports, backend, splits, refused):
-    batch = Batch.random(batch=3, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
-                         seq_lens=[0, 9, 30], dtype=precise_dtype(backend), extra_pages=2)
+    batch = Batch.random(
+        batch=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        seq_lens=[0, 9, 30],
+        dtype=precise_dtype(backend),
+        extra_pages=2,
+    )
     if refused:
         batch.page_tags[int(batch.block_table[2, 3])] = kvattn.reserved_tag(3)
         batch.seq_lens[1] = 4 * batch.block_table.shape[1] + 5  # past the table
-    args = kvattn.layout.validate_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_table,
-                                         batch.seq_lens, batch.page_tags, batch.expected, validate=False)
+    args = kvattn.layout.validate_decode(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.page_tags,
+        batch.expected,
+        validate=False,
+    )
     out = torch.empty_like(batch.q)
     split = {} if splits is None else dict(num_splits=splits)
     report = launcher(backend).decode(args, check=True, out=out, lse=None, **split)
-    _, ref = kvattn.reference.paged_decode(*[getattr(args, n) for n in (
-        "q", "k_cache", "v_cache", "block_table", "seq_lens", "page_tags", "expected")])
+    _, ref = kvattn.reference.paged_decode(
+        *[
+            getattr(args, n)
+            for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "page_tags", "expected")
+        ]
+    )
     assert_reports_equal(report, ref)
     assert bool(report.any()) == refused
 
@@ -55,8 +85,16 @@ def test_decode_writes_every_report_entry(poisoned_reports, backend, splits, ref
 @pytest.mark.parametrize("refused", [False, True], ids=["clean", "refused"])
 @pytest.mark.parametrize("backend", kernel_backends())
 def test_extend_writes_every_report_entry(poisoned_reports, backend, refused):
-    e = Extend.random([3, 1], [5, 0], num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
-                      dtype=precise_dtype(backend), extra_pages=2)
+    e = Extend.random(
+        [3, 1],
+        [5, 0],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=precise_dtype(backend),
+        extra_pages=2,
+    )
     if refused:
         e.pages.page_tags[int(e.pages.block_table[0, 1])] = kvattn.FREE_TAG
     args = kvattn.layout.validate_extend(*e.inputs())

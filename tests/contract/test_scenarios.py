@@ -6,6 +6,7 @@ Every slot a reader must not use holds NaN or a sentinel engineered to dominate 
 results must be finite and equal the reference over the slots the rule allows. Each "no violation"
 case has a "violation detected" twin.
 """
+
 import dataclasses
 import importlib
 
@@ -14,11 +15,26 @@ import torch
 
 import kvattn
 from kvattn import KVOwnershipError, Violation
-from kvattn_testing.scenarios import (DEFAULT, SENTINEL_V, Geometry, cache_batch, incident,
-                                      shared_prefix_cache)
-from kvattn_testing.util import (DEVICE, LSE_TOLERANCE, Batch, assert_close_to_reference,
-                                 assert_reports_equal, backends_under_test, decode, precise_dtype,
-                                 runs_float32, tolerance)
+from kvattn_testing.scenarios import (
+    DEFAULT,
+    SENTINEL_V,
+    Geometry,
+    cache_batch,
+    incident,
+    shared_prefix_cache,
+)
+from kvattn_testing.util import (
+    DEVICE,
+    LSE_TOLERANCE,
+    Batch,
+    assert_close_to_reference,
+    assert_reports_equal,
+    backends_under_test,
+    decode,
+    precise_dtype,
+    runs_float32,
+    tolerance,
+)
 
 GEOMETRIES = [DEFAULT, Geometry(page=5, head_dim=32), Geometry(page=4, head_dim=512)]
 
@@ -46,31 +62,50 @@ def check_against_reference(batch, backend, **kwargs):
 
 # --- 1. Incident replay ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("num_pages_b", [1, 4])
 def test_incident_replay_checked_refuses_and_reports(backend, geo, num_pages_b):
     cache, lease_b, q, k1, v1 = incident(geo, num_pages_b)
     table, _, expected = cache.batch([lease_b])
     # The decode node believes the whole prompt arrived: it attends over every reserved page.
     seq_lens = torch.tensor([num_pages_b * geo.page], dtype=torch.int32, device=DEVICE)
-    out, lse, report = decode(backend, q, cache.k_cache, cache.v_cache, table, seq_lens,
-                              cache.page_tags, expected, return_lse=True)
+    out, lse, report = decode(
+        backend,
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        table,
+        seq_lens,
+        cache.page_tags,
+        expected,
+        return_lse=True,
+    )
     assert report.violations.tolist() == [num_pages_b]
     want_reasons = Violation.UNWRITTEN | (Violation.RESERVED if num_pages_b > 1 else 0)
     assert report.reasons.tolist() == [int(want_reasons)]
-    assert report.page_reasons[0].tolist() == ([int(Violation.UNWRITTEN)]
-                                               + [int(Violation.RESERVED)] * (num_pages_b - 1))
+    assert report.page_reasons[0].tolist() == (
+        [int(Violation.UNWRITTEN)] + [int(Violation.RESERVED)] * (num_pages_b - 1)
+    )
     assert report.pages_checked.tolist() == [num_pages_b]
 
     # Attention over B's one token: the reference over a one-token sequence, which is v1 itself.
     ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
-        q, cache.k_cache, cache.v_cache, table[:, :1], torch.tensor([1], dtype=torch.int32,
-                                                                    device=DEVICE),
-        cache.page_tags, expected[:, :1], return_lse=True, compute_dtype=torch.float64)
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        table[:, :1],
+        torch.tensor([1], dtype=torch.int32, device=DEVICE),
+        cache.page_tags,
+        expected[:, :1],
+        return_lse=True,
+        compute_dtype=torch.float64,
+    )
     assert not ref_report.any()
     assert_close_to_reference(out, ref_out, q.dtype)
     torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
-    torch.testing.assert_close(out.float(), v1.float().repeat_interleave(2, dim=1),
-                               **tolerance(q.dtype))
+    torch.testing.assert_close(
+        out.float(), v1.float().repeat_interleave(2, dim=1), **tolerance(q.dtype)
+    )
     assert out.abs().max() < 10, "sentinel influence"
 
 
@@ -80,8 +115,17 @@ def test_incident_replay_unchecked_shows_the_sentinel(backend, geo, num_pages_b)
     cache, lease_b, q, _, _ = incident(geo, num_pages_b)
     table, _, expected = cache.batch([lease_b])
     seq_lens = torch.tensor([num_pages_b * geo.page], dtype=torch.int32, device=DEVICE)
-    out, report = decode(backend, q, cache.k_cache, cache.v_cache, table, seq_lens,
-                         cache.page_tags, expected, check=False)
+    out, report = decode(
+        backend,
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        table,
+        seq_lens,
+        cache.page_tags,
+        expected,
+        check=False,
+    )
     assert report is None
     assert (out.float() > 0.9 * SENTINEL_V).all()
 
@@ -91,11 +135,13 @@ def test_incident_replay_truthful_length_is_clean(backend, geo):
     reports nothing and gives the same answer."""
     cache, lease_b, q, _, v1 = incident(geo, 4)
     table, seq_lens, expected = cache.batch([lease_b])
-    out, report = decode(backend, q, cache.k_cache, cache.v_cache, table, seq_lens,
-                         cache.page_tags, expected)
+    out, report = decode(
+        backend, q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags, expected
+    )
     assert not report.any() and report.pages_checked.tolist() == [1]
-    torch.testing.assert_close(out.float(), v1.float().repeat_interleave(2, dim=1),
-                               **tolerance(q.dtype))
+    torch.testing.assert_close(
+        out.float(), v1.float().repeat_interleave(2, dim=1), **tolerance(q.dtype)
+    )
 
 
 # --- 3. FREE / RESERVED pages, padding, bad indices, duplicates, swapped rows ------------------
@@ -134,15 +180,18 @@ def test_padding_page_that_is_read_is_refused(backend, geo):
     batch.seq_lens[0] = 2 * geo.page + 1
     _, _, report = check_against_reference(batch, backend)
     # Page 1 of seq 0 holds 1 written slot of a page now read; page 2 is seq 1's.
-    assert report.page_reasons[0].tolist()[:3] == [0, int(Violation.UNWRITTEN),
-                                                   int(Violation.OWNER_MISMATCH)]
+    assert report.page_reasons[0].tolist()[:3] == [
+        0,
+        int(Violation.UNWRITTEN),
+        int(Violation.OWNER_MISMATCH),
+    ]
 
 
 @pytest.mark.parametrize("bad", ["past_pool", "negative", "int32_min"])
 def test_out_of_range_and_negative_indices_are_refused(backend, geo, bad):
     batch = geo.small_batch(geo.lens3)
     num_pages = batch.k_cache.shape[0]
-    batch.block_table[2, 1] = {"past_pool": num_pages, "negative": -1, "int32_min": -2 ** 31}[bad]
+    batch.block_table[2, 1] = {"past_pool": num_pages, "negative": -1, "int32_min": -(2**31)}[bad]
     _, _, report = check_against_reference(batch, backend)
     assert report.violations.tolist() == [0, 0, 1]
     assert report.page_reasons[2].tolist() == [0, int(Violation.OUT_OF_RANGE), 0]
@@ -176,6 +225,7 @@ def test_swapped_rows_are_refused(backend, geo):
 
 # --- 4. Partial pages with stale tails ---------------------------------------------------------
 
+
 def stale_tails(batch):
     """Sentinel V (and large K) in every slot past each page's valid_len: a previous owner's data."""
     for p in range(batch.k_cache.shape[0]):
@@ -196,8 +246,9 @@ def test_partial_pages_at_page_boundaries_are_clean(backend, geo, pages, slots):
     assert out.abs().max() < 10
 
 
-@pytest.mark.parametrize("written,read", [((1, -1), (1, 0)), ((0, 1), (1, 0)), ((1, 1), (2, 0)),
-                                          ((2, -1), (2, 1))])
+@pytest.mark.parametrize(
+    "written,read", [((1, -1), (1, 0)), ((0, 1), (1, 0)), ((1, 1), (2, 0)), ((2, -1), (2, 1))]
+)
 def test_reading_past_valid_len_is_refused(backend, geo, written, read):
     """The twin: the table claims more tokens than were written; the stale tail stays out.
     ``written`` and ``read`` are (pages, slots) lengths: pages * page_size + slots."""
@@ -215,6 +266,7 @@ def test_reading_past_valid_len_is_refused(backend, geo, written, read):
 
 
 # --- 5. Prefix sharing ---------------------------------------------------------------------------
+
 
 def test_prefix_sharing_with_per_entry_expected_passes(backend, geo):
     cache, parent, child, other, q = shared_prefix_cache(geo)
@@ -240,14 +292,17 @@ def test_prefix_sharing_with_wrong_expected_fails(backend, geo):
     _, _, report = check_against_reference(batch, backend)
     assert report.violations.tolist() == [2, 2, 0]
     assert report.page_reasons[:2, :2].tolist() == [[int(Violation.OWNER_MISMATCH)] * 2] * 2
-    per_sequence = torch.tensor([parent.owner, child.owner, other.owner], dtype=torch.int64,
-                                device=DEVICE)
-    _, _, report = check_against_reference(dataclasses.replace(batch, expected=per_sequence),
-                                           backend)
+    per_sequence = torch.tensor(
+        [parent.owner, child.owner, other.owner], dtype=torch.int64, device=DEVICE
+    )
+    _, _, report = check_against_reference(
+        dataclasses.replace(batch, expected=per_sequence), backend
+    )
     assert report.violations.tolist() == [0, 2, 0]
 
 
 # --- 6. All valid: checked == unchecked, bitwise ------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_all_valid_checked_equals_unchecked_bitwise(backend, geo, dtype):
@@ -277,6 +332,7 @@ def test_one_refused_page_makes_checked_differ_from_unchecked(backend, geo):
 
 # --- 7. Fully masked sequences and splits --------------------------------------------------------
 
+
 def test_fully_masked_sequences_give_zero_and_minus_inf(backend, geo):
     batch = geo.small_batch([2 * geo.page + 1, 3 * geo.page, 1, geo.page + 1])
     for i in range(3):
@@ -293,8 +349,16 @@ def test_masked_split_leaves_other_splits_exact(backend):
     """A 2048-token sequence (two splits in the Triton CPU plan) whose first half is refused, next to
     a clean one: the merge of an empty split and a full one equals the reference."""
     dtype = precise_dtype(backend)
-    batch = Batch.random(batch=2, num_heads=2, num_kv_heads=1, head_dim=16, page_size=64,
-                         seq_lens=[2048, 2048], dtype=dtype, pool_factor=1)
+    batch = Batch.random(
+        batch=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=64,
+        seq_lens=[2048, 2048],
+        dtype=dtype,
+        pool_factor=1,
+    )
     for i in range(16):
         batch.page_tags[int(batch.block_table[0, i])] = kvattn.FREE_TAG
     if backend == "triton":
@@ -307,6 +371,7 @@ def test_masked_split_leaves_other_splits_exact(backend):
 
 
 # --- on_violation="raise" and the report API ----------------------------------------------------
+
 
 def test_raise_names_sequences_pages_and_reasons(backend):
     batch = DEFAULT.small_batch(DEFAULT.lens3)

@@ -10,11 +10,13 @@ exactly what the model's reader rule predicts and output exactly attention over 
 allows. Every token's K/V is a unique signature and never-written slots are NaN, so a slot that
 contributed without the model's leave shows in the output.
 """
+
 import functools
 from unittest import mock
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvattn
 from kvattn import Violation
@@ -88,15 +90,21 @@ def test_corrupted_tables_are_reported_and_masked():
     assert t.check_decode([a, b], [("swap", 0, 1)]) == [[mismatch] * 2, [mismatch] * 2]
     oor = int(Violation.OUT_OF_RANGE)
     assert t.check_decode([a, b], [("oor", 0, 1, NUM_PAGES), ("oor", 1, 0, -1)]) == [
-        [0, oor], [oor, 0]]
+        [0, oor],
+        [oor, 0],
+    ]
     free_page = next(p for p in range(NUM_PAGES) if t.model.pages[p].state == FREE)
-    assert t.check_decode([a, b], [("stale", 1, 1, free_page)]) == [[0, 0], [0, int(Violation.FREE)]]
+    assert t.check_decode([a, b], [("stale", 1, 1, free_page)]) == [
+        [0, 0],
+        [0, int(Violation.FREE)],
+    ]
     c = t.allocate(2)
     reserved = int(Violation.RESERVED)
     assert t.check_decode([c], [("overlong", 0)]) == [[reserved]]
 
 
 # --- random traces -------------------------------------------------------------------------------
+
 
 @settings(max_examples=30)
 @given(data=st.data(), page_size=st.sampled_from([2, 4]), layout=st.sampled_from(["NHD", "HND"]))
@@ -118,9 +126,11 @@ KERNEL_WRITERS = ["triton"] + (["cuda_sim"] if "cuda_sim" in backends_under_test
 @given(data=st.data(), page_size=st.sampled_from([2, 4]))
 def test_random_traces_with_kernel_writers(writer, data, page_size):
     real = kvattn.writers.write_kv
-    with mock.patch.object(kvattn.writers, "write_kv", functools.partial(real, backend=writer)), \
-            mock.patch.object(kvattn.cache, "write_kv", functools.partial(real, backend=writer)), \
-            mock.patch.object(kvattn, "write_kv", functools.partial(real, backend=writer)):
+    with (
+        mock.patch.object(kvattn.writers, "write_kv", functools.partial(real, backend=writer)),
+        mock.patch.object(kvattn.cache, "write_kv", functools.partial(real, backend=writer)),
+        mock.patch.object(kvattn, "write_kv", functools.partial(real, backend=writer)),
+    ):
         t = Trace(page_size, "NHD")
         _prefill(t, data)
         for step in range(data.draw(st.integers(2, 5), label="steps")):

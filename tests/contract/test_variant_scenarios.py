@@ -6,6 +6,7 @@ call; every slot a reader must not use holds NaN or a sentinel engineered to dom
 The window used here covers every sequence (what a window refuses is in
 tests/readers/test_variants.py).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -94,7 +95,7 @@ POOLS = {
     "fp8-per-seq": as_fp8,
     "fp8-q": as_fp8_q,
     "fp8-q-per-seq": as_fp8_q,
-    "v-narrow": lambda b: with_v(b, b.v_cache[..., :b.v_cache.shape[3] // 2]),
+    "v-narrow": lambda b: with_v(b, b.v_cache[..., : b.v_cache.shape[3] // 2]),
     "v-wide": lambda b: with_v(b, torch.cat([b.v_cache, b.v_cache], dim=3)),
 }
 
@@ -111,14 +112,16 @@ def test_scenario_under_each_switch(scenario, switch):
     if callable(kwargs):
         kwargs = kwargs(batch.q.shape[0], batch.k_cache.shape[2])
     ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
-        *inputs(batch), return_lse=True, compute_dtype=torch.float64, **kwargs)
+        *inputs(batch), return_lse=True, compute_dtype=torch.float64, **kwargs
+    )
     assert_reports_equal(ref_report, plain)
     args = kvattn.layout.validate_decode(*inputs(batch), **kwargs)
     names = [n for n, why in backends.explain(args).items() if why is None]
     assert "reference" in names
     for backend in names:
-        out, lse, report = kvattn.paged_decode(*inputs(batch), backend=backend, return_lse=True,
-                                               **kwargs)
+        out, lse, report = kvattn.paged_decode(
+            *inputs(batch), backend=backend, return_lse=True, **kwargs
+        )
         assert torch.isfinite(out).all(), f"{backend}: a refused slot was read"
         torch.testing.assert_close(out.double(), ref_out, **tolerance(out.dtype))
         torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)

@@ -3,6 +3,7 @@ per-layer reports and writer results of one forward: summarised per request acro
 writer's dropped writes (usually the cause) before the refused reads, read back once by
 ``Ledger.finish``. Needs no engine install: the ledger is plain kvattn code. The adapters' own
 set-up checks: vllm/test_vllm_setup.py, sglang/test_sglang_setup.py."""
+
 import torch
 
 import kvattn
@@ -17,17 +18,33 @@ def _failed_step(layers: int, drop: bool, refuse: bool) -> dict:
     layer (an early free) and its two pages then refused as UNWRITTEN and RESERVED in every layer;
     request 0 is clean. Returns what ``finish`` says of it."""
     ledger = Ledger(16)
-    step = ledger.start_step(["req_0", "req_1"], [1, 2], [1, 1],
-                             torch.tensor([[3, 0, 0], [5, 6, 0]], dtype=torch.int32),
-                             torch.zeros(2, 3, dtype=torch.int64), [1, 6])
+    step = ledger.start_step(
+        ["req_0", "req_1"],
+        [1, 2],
+        [1, 1],
+        torch.tensor([[3, 0, 0], [5, 6, 0]], dtype=torch.int32),
+        torch.zeros(2, 3, dtype=torch.int64),
+        [1, 6],
+    )
     for layer in range(layers):
-        reasons = torch.tensor([[0, 0, 0], [int(Violation.UNWRITTEN), int(Violation.RESERVED), 0]]
-                               if refuse else [[0, 0, 0], [0, 0, 0]], dtype=torch.int8)
+        reasons = torch.tensor(
+            [[0, 0, 0], [int(Violation.UNWRITTEN), int(Violation.RESERVED), 0]]
+            if refuse
+            else [[0, 0, 0], [0, 0, 0]],
+            dtype=torch.int8,
+        )
         count = (reasons != 0).sum(1).to(torch.int32)
-        bits = torch.tensor([0, int(Violation.UNWRITTEN | Violation.RESERVED) if refuse else 0],
-                            dtype=torch.int32)
-        step.reports.append((f"layer {layer}", kvattn.OwnershipReport(
-            count, bits, torch.tensor([1, 2]), reasons, torch.zeros(2, dtype=torch.int32))))
+        bits = torch.tensor(
+            [0, int(Violation.UNWRITTEN | Violation.RESERVED) if refuse else 0], dtype=torch.int32
+        )
+        step.reports.append(
+            (
+                f"layer {layer}",
+                kvattn.OwnershipReport(
+                    count, bits, torch.tensor([1, 2]), reasons, torch.zeros(2, dtype=torch.int32)
+                ),
+            )
+        )
         step.refused += count
         drops = torch.tensor([0, NOT_HELD if drop else 0], dtype=torch.int8)
         step.drops.append((f"layer {layer}", drops))
@@ -60,8 +77,14 @@ def test_failure_without_drops_shows_reads_only():
 
 def test_a_clean_step_fails_nobody_and_counts_its_checks():
     ledger = Ledger(16)
-    step = ledger.start_step(["a"], [7], [1], torch.zeros(1, 1, dtype=torch.int32),
-                             torch.zeros(1, 1, dtype=torch.int64), [1])
+    step = ledger.start_step(
+        ["a"],
+        [7],
+        [1],
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.zeros(1, 1, dtype=torch.int64),
+        [1],
+    )
     step.pages_checked += 4
     assert ledger.finish() == {} and ledger.failures == []
     assert ledger.pages_checked == 4 and ledger.forwards == 1

@@ -2,6 +2,7 @@
 (csrc/instantiations.py, loaded by path as setup.py loads it), the last build's record
 (kvattn/_build.json) and the kernels it compiled, and the compiled harness modules, the test-only
 subset build among them."""
+
 from __future__ import annotations
 
 import functools
@@ -31,7 +32,9 @@ def built_module(name):
 @functools.lru_cache(maxsize=1)
 def instantiations():
     """csrc/instantiations.py, the CUDA kernel instantiations (setup.py loads it by path too)."""
-    spec = importlib.util.spec_from_file_location("kvattn_instantiations", ROOT / "csrc" / "instantiations.py")
+    spec = importlib.util.spec_from_file_location(
+        "kvattn_instantiations", ROOT / "csrc" / "instantiations.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -47,11 +50,19 @@ def built_cuda_kernels(kernel: str) -> set:
     """``{(demangled signature, arch)}`` the last CUDA build compiled of ``kernel``: its recorded
     selection of csrc/instantiations.py on its recorded architectures."""
     table, record = instantiations(), cuda_build_record()
-    selection = table.Selection(**{k: tuple(v) if isinstance(v, list) else v
-                                   for k, v in record.get("selection", {}).items()
-                                   if k in ("dtypes", "head_dims", "variants")})
-    return {(row.signature, f"sm_{arch}") for row in table.select(selection) if row.kernel == kernel
-            for arch in record.get("archs", ("80", "90"))}
+    selection = table.Selection(
+        **{
+            k: tuple(v) if isinstance(v, list) else v
+            for k, v in record.get("selection", {}).items()
+            if k in ("dtypes", "head_dims", "variants")
+        }
+    )
+    return {
+        (row.signature, f"sm_{arch}")
+        for row in table.select(selection)
+        if row.kernel == kernel
+        for arch in record.get("archs", ("80", "90"))
+    }
 
 
 def ptxas_log():
@@ -59,10 +70,11 @@ def ptxas_log():
     why, where that build did not compile the CUDA module (``KVATTN_SKIP_CUDA_BUILD=1``, no nvcc)."""
     record = cuda_build_record()
     if record.get("status") != "built":
-        pytest.skip(f"the last build did not compile the CUDA module "
-                    f"({record.get('status', 'no build record')}: {record.get('reason', '')}); "
-                    "there is no ptxas report")
+        pytest.skip(
+            f"the last build did not compile the CUDA module "
+            f"({record.get('status', 'no build record')}: {record.get('reason', '')}); "
+            "there is no ptxas report"
+        )
     log = ROOT / "build" / "cuda" / "ptxas.log"
     assert log.exists(), "build/cuda/ptxas.log missing although the CUDA module was built"
     return log
-

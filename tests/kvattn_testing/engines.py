@@ -3,6 +3,7 @@ vllm-env``: build/venv-vllm; ``make sglang-env``: build/venv-sglang), the vLLM t
 processes run in that environment whose JSON results are computed once per test run and shared by
 the xdist workers (:class:`Runs`), and OpenAI servers started and stopped. The vLLM test files use
 all of it; test_sglang the environment check and the once-per-run results."""
+
 from __future__ import annotations
 
 import fcntl
@@ -15,7 +16,9 @@ import time
 import urllib.error
 import urllib.request
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository: tests/kvattn_testing/engines.py
+ROOT = (
+    pathlib.Path(__file__).resolve().parents[2]
+)  # the repository: tests/kvattn_testing/engines.py
 # The scripts run in vLLM's environment: the driver, the model writer and their siblings.
 VLLM_SCRIPTS = ROOT / "tests" / "integrations" / "vllm"
 VENV = ROOT / "build" / "venv-vllm"
@@ -29,8 +32,9 @@ def why_not_ready(engine: str, venv: str, target: str) -> str | None:
         return None
     log = ROOT / "build" / f"{venv}.log"
     tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
-    return (f"{engine} is not installed in build/{venv} (make {target})"
-            + (": " + " | ".join(tail) if tail else ""))
+    return f"{engine} is not installed in build/{venv} (make {target})" + (
+        ": " + " | ".join(tail) if tail else ""
+    )
 
 
 def why_no_vllm() -> str | None:
@@ -49,8 +53,9 @@ def env(kvattn: bool) -> dict:
 
 def post(url: str, body: dict) -> tuple[int, dict]:
     """POST ``body`` as JSON to an OpenAI server: ``(status, JSON reply)``, error statuses too."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, json.loads(response.read())
@@ -72,8 +77,9 @@ def wait_healthy(base: str, server: subprocess.Popen, log_path, timeout_s: float
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not come up in {timeout_s:.0f} s:\n"
-                               + log_path.read_text()[-3000:])
+            raise RuntimeError(
+                f"the server did not come up in {timeout_s:.0f} s:\n" + log_path.read_text()[-3000:]
+            )
         time.sleep(1)
 
 
@@ -113,11 +119,17 @@ class Runs:
         """The random-weight model of ``family`` (vllm_model.py), written once."""
         model = self.dir / ("model" if family == "llama" else f"model-{family}")
         if not (model / "config.json").exists():
-            subprocess.run([str(VENV_PY), str(VLLM_SCRIPTS / "vllm_model.py"), str(model), "--family", family],
-                           check=True, capture_output=True, timeout=300)
+            subprocess.run(
+                [str(VENV_PY), str(VLLM_SCRIPTS / "vllm_model.py"), str(model), "--family", family],
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
         return model
 
-    def drive(self, jobs: list[tuple[str, pathlib.Path, bool, tuple]], family: str = "llama") -> dict:
+    def drive(
+        self, jobs: list[tuple[str, pathlib.Path, bool, tuple]], family: str = "llama"
+    ) -> dict:
         """Run ``(key, script, kvattn, args)`` jobs as ``script ARG0 MODEL OUT ARGS...`` (the
         first argument names the scenario) on the model of ``family``, two at a time (the machine
         has two cores); returns ``{key: result}``."""
@@ -127,9 +139,13 @@ class Runs:
             out = self.dir / f"{key}.out.json"
             log = open(self.dir / f"{key}.log", "w")
             first, *extra = args
-            proc = subprocess.Popen([str(VENV_PY), str(script), str(first), str(model), str(out),
-                                     *map(str, extra)], env=env(kvattn), stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=ROOT)
+            proc = subprocess.Popen(
+                [str(VENV_PY), str(script), str(first), str(model), str(out), *map(str, extra)],
+                env=env(kvattn),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
             running.append((key, proc, out, log))
             if len(running) == 2:
                 self._wait(running.pop(0), results)

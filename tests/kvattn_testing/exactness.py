@@ -2,13 +2,19 @@
 (:data:`READERS`, :data:`SPLIT_READERS`), :func:`validated` and :func:`run` of either op, and the
 checks that a call agrees with the reference (:func:`assert_agrees`) or reads nothing
 (:func:`assert_reads_nothing`)."""
+
 from __future__ import annotations
 
 import torch
 
 import kvattn
-from kvattn_testing.util import (LSE_TOLERANCE, assert_reports_equal, backends_under_test,
-                                 split_kv_backends, tolerance)
+from kvattn_testing.util import (
+    LSE_TOLERANCE,
+    assert_reports_equal,
+    backends_under_test,
+    split_kv_backends,
+    tolerance,
+)
 
 F16 = torch.float16
 READERS = backends_under_test()
@@ -19,8 +25,9 @@ def validated(op: str, x, **kwargs):
     """The validated inputs (``DecodeArgs``, ``ExtendArgs``) of decode (``x`` a Batch) or extend
     (``x`` an Extend) with ``kwargs``."""
     if op == "decode":
-        return kvattn.layout.validate_decode(x.q, x.k_cache, x.v_cache, x.block_table, x.seq_lens,
-                                             x.page_tags, x.expected, **kwargs)
+        return kvattn.layout.validate_decode(
+            x.q, x.k_cache, x.v_cache, x.block_table, x.seq_lens, x.page_tags, x.expected, **kwargs
+        )
     return kvattn.layout.validate_extend(*x.inputs(), **kwargs)
 
 

@@ -3,6 +3,7 @@
 attention from the definition), the ownership scenarios on a prefix page (:func:`corrupt`) and
 what a run over one must give (:func:`assert_prefix_scenario`), the extend backends that run here.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -28,12 +29,31 @@ class Extend:
     pages: Batch
 
     @classmethod
-    def random(cls, q_lens, prefix_lens, *, num_heads=2, num_kv_heads=1, head_dim=16,
-               page_size=4, dtype=torch.float16, seed=0, **kwargs) -> "Extend":
+    def random(
+        cls,
+        q_lens,
+        prefix_lens,
+        *,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=4,
+        dtype=torch.float16,
+        seed=0,
+        **kwargs,
+    ) -> Extend:
         seq_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
-        pages = Batch.random(batch=len(q_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, page_size=page_size, seq_lens=seq_lens,
-                             dtype=dtype, seed=seed, **kwargs)
+        pages = Batch.random(
+            batch=len(q_lens),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            seq_lens=seq_lens,
+            dtype=dtype,
+            seed=seed,
+            **kwargs,
+        )
         g = torch.Generator().manual_seed(seed + 1)
         q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype).to(DEVICE)
         cu = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)
@@ -41,8 +61,16 @@ class Extend:
 
     def inputs(self):
         p = self.pages
-        return (self.q, p.k_cache, p.v_cache, self.cu, p.block_table, p.seq_lens, p.page_tags,
-                p.expected)
+        return (
+            self.q,
+            p.k_cache,
+            p.v_cache,
+            self.cu,
+            p.block_table,
+            p.seq_lens,
+            p.page_tags,
+            p.expected,
+        )
 
     def run(self, backend="auto", **kwargs):
         return kvattn.paged_extend(*self.inputs(), backend=backend, **kwargs)
@@ -52,8 +80,9 @@ class Extend:
         args = kvattn.layout.validate_extend(*self.inputs(), causal=causal)
         out = torch.empty_like(self.q)
         lse = torch.empty(self.q.shape[:2], dtype=torch.float32, device=DEVICE)
-        report = TRITON_EXTEND.extend(args, check=check, out=out, lse=lse, block_m=block_m,
-                                      block_n=block_n)
+        report = TRITON_EXTEND.extend(
+            args, check=check, out=out, lse=lse, block_m=block_m, block_n=block_n
+        )
         return out, lse, report
 
     def reference(self, **kwargs):
@@ -117,8 +146,9 @@ KERNELS = [name for name in EXTEND_BACKENDS if name != "reference"]
 
 
 # The package re-exports the launcher under the module's name, so import the module by path.
-TRITON_EXTEND = (importlib.import_module("kvattn.backends.triton.paged_extend") if "triton" in KERNELS
-                 else None)
+TRITON_EXTEND = (
+    importlib.import_module("kvattn.backends.triton.paged_extend") if "triton" in KERNELS else None
+)
 
 
 def corrupt(e: Extend, scenario: str):
@@ -146,10 +176,16 @@ def corrupt(e: Extend, scenario: str):
         return Violation.OUT_OF_RANGE, allowed
     p.k_cache[page] = float("nan")
     p.v_cache[page] = float("nan")
-    p.page_tags[page] = {"foreign": written_tag(77, size), "reserved": reserved_tag(1),
-                         "free": kvattn.FREE_TAG}[scenario]
-    return {"foreign": Violation.OWNER_MISMATCH, "reserved": Violation.RESERVED,
-            "free": Violation.FREE}[scenario], allowed
+    p.page_tags[page] = {
+        "foreign": written_tag(77, size),
+        "reserved": reserved_tag(1),
+        "free": kvattn.FREE_TAG,
+    }[scenario]
+    return {
+        "foreign": Violation.OWNER_MISMATCH,
+        "reserved": Violation.RESERVED,
+        "free": Violation.FREE,
+    }[scenario], allowed
 
 
 def assert_prefix_scenario(e, out, lse, report, reason, allowed) -> None:
@@ -158,8 +194,9 @@ def assert_prefix_scenario(e, out, lse, report, reason, allowed) -> None:
     keys, values = zip(*(e.tokens(b) for b in range(2)))
     keys = [torch.nan_to_num(k) for k in keys]  # dense oracle never selects refused tokens anyway
     values = [torch.nan_to_num(v) for v in values]
-    want, want_lse = dense_extend(e.q, e.cu, keys, values, [allowed, [True] * len(keys[1])],
-                                  e.q.shape[-1] ** -0.5)
+    want, want_lse = dense_extend(
+        e.q, e.cu, keys, values, [allowed, [True] * len(keys[1])], e.q.shape[-1] ** -0.5
+    )
     assert_close(out, want, torch.float16)
     torch.testing.assert_close(lse.cpu().double(), want_lse, **LSE_TOL)
     expected_pages = torch.zeros(2, e.pages.block_table.shape[1], dtype=torch.int8)
@@ -169,4 +206,3 @@ def assert_prefix_scenario(e, out, lse, report, reason, allowed) -> None:
     assert report.reasons.tolist() == [int(reason), 0]
     assert report.pages_checked.tolist() == [4, 2]
     assert_reports_equal(report, e.reference()[2])
-

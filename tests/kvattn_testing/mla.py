@@ -5,6 +5,7 @@ must not use), the rows a reader may use and attention over them from the defini
 incident (:func:`incident`, a freed tenant's :data:`SENTINEL` rows under a new lease) and a shared
 prefix (:func:`shared_prefix`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,19 @@ class MLABatch:
     kv_lora_rank: int
 
     @classmethod
-    def random(cls, *, seq_lens, num_heads=4, lora=32, rope=16, page_size=4, dtype=torch.float16,
-               pool_factor=3, extra_pages=0, seed=0) -> "MLABatch":
+    def random(
+        cls,
+        *,
+        seq_lens,
+        num_heads=4,
+        lora=32,
+        rope=16,
+        page_size=4,
+        dtype=torch.float16,
+        pool_factor=3,
+        extra_pages=0,
+        seed=0,
+    ) -> MLABatch:
         """Sequence ``b`` owns ``ceil(seq_lens[b] / page_size)`` (+ ``extra_pages``) pages of a
         randomly permuted pool ``pool_factor`` times larger than needed, WRITTEN for owner ``b + 1``
         up to its tokens (RESERVED when empty); every other slot holds NaN and every other page is
@@ -55,22 +67,37 @@ class MLABatch:
             for i, p in enumerate(pages):
                 filled = min(page_size, max(0, length - i * page_size))
                 kv[p, :filled] = torch.randn(filled, 1, lora + rope, generator=g).to(dtype)
-                tags[p] = kvattn.written_tag(b + 1, filled) if filled else kvattn.reserved_tag(b + 1)
+                tags[p] = (
+                    kvattn.written_tag(b + 1, filled) if filled else kvattn.reserved_tag(b + 1)
+                )
         q = torch.randn(len(seq_lens), num_heads, lora + rope, generator=g).to(dtype)
-        return cls(q.to(DEVICE), kv.to(DEVICE), table.to(DEVICE),
-                   torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), tags.to(DEVICE),
-                   torch.arange(1, len(seq_lens) + 1, dtype=torch.int64, device=DEVICE), lora)
+        return cls(
+            q.to(DEVICE),
+            kv.to(DEVICE),
+            table.to(DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            tags.to(DEVICE),
+            torch.arange(1, len(seq_lens) + 1, dtype=torch.int64, device=DEVICE),
+            lora,
+        )
 
     def inputs(self):
-        return (self.q, self.kv_cache, self.block_table, self.seq_lens, self.page_tags,
-                self.expected)
+        return (
+            self.q,
+            self.kv_cache,
+            self.block_table,
+            self.seq_lens,
+            self.page_tags,
+            self.expected,
+        )
 
     def as_layer_view(self) -> None:
         """The latent pool becomes a per-layer view of a larger buffer (rows two pools apart, NaN
         between them) and ``expected`` is given per block-table entry."""
         n, page, _, dim = self.kv_cache.shape
-        layers = torch.full((n, page, 2, dim), float("nan"), dtype=self.kv_cache.dtype,
-                            device=DEVICE)
+        layers = torch.full(
+            (n, page, 2, dim), float("nan"), dtype=self.kv_cache.dtype, device=DEVICE
+        )
         layers[:, :, 1:2] = self.kv_cache
         self.kv_cache = layers[:, :, 1:2]
         self.expected = self.expected[:, None].expand(-1, self.block_table.shape[1]).contiguous()
@@ -81,15 +108,23 @@ class MLABatch:
         if backend.startswith(EXTEND):
             kwargs.pop("num_splits", None)
             cu = torch.arange(self.q.shape[0] + 1, dtype=torch.int32, device=DEVICE)
-            return kvattn.paged_mla_extend(self.q, self.kv_cache, cu, *self.inputs()[2:],
-                                           kv_lora_rank=self.kv_lora_rank,
-                                           backend=backend[len(EXTEND):], **kwargs)
-        return kvattn.paged_mla_decode(*self.inputs(), kv_lora_rank=self.kv_lora_rank,
-                                       backend=backend, **kwargs)
+            return kvattn.paged_mla_extend(
+                self.q,
+                self.kv_cache,
+                cu,
+                *self.inputs()[2:],
+                kv_lora_rank=self.kv_lora_rank,
+                backend=backend[len(EXTEND) :],
+                **kwargs,
+            )
+        return kvattn.paged_mla_decode(
+            *self.inputs(), kv_lora_rank=self.kv_lora_rank, backend=backend, **kwargs
+        )
 
     def reference(self, **kwargs):
-        return kvattn.reference.paged_mla_decode(*self.inputs(), kv_lora_rank=self.kv_lora_rank,
-                                                 compute_dtype=torch.float64, **kwargs)
+        return kvattn.reference.paged_mla_decode(
+            *self.inputs(), kv_lora_rank=self.kv_lora_rank, compute_dtype=torch.float64, **kwargs
+        )
 
 
 def readable_latent(batch: MLABatch, b: int, check: bool = True) -> list:
@@ -106,8 +141,11 @@ def readable_latent(batch: MLABatch, b: int, check: bool = True) -> list:
             continue
         owner = int(expected[b] if expected.dim() == 1 else expected[b, t // page])
         tag = int(tags[p])
-        if check and (kvattn.tag_state(tag) != STATE_WRITTEN or kvattn.tag_owner(tag) != owner
-                      or t % page >= kvattn.tag_valid_len(tag)):
+        if check and (
+            kvattn.tag_state(tag) != STATE_WRITTEN
+            or kvattn.tag_owner(tag) != owner
+            or t % page >= kvattn.tag_valid_len(tag)
+        ):
             continue
         rows.append((t, kv[p, t % page, 0].double()))
     return rows
@@ -178,4 +216,3 @@ def shared_prefix(page, dtype=torch.float16):
     per_entry = torch.tensor([[1, 1, 1], [1, 1, 2], [3, 3, 3]], dtype=torch.int64, device=DEVICE)
     q = torch.randn(3, 4, dim, generator=g).to(dtype).to(DEVICE)
     return MLABatch(q, kv, table, lens, tags, per_entry, 32)
-

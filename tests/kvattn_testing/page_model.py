@@ -7,6 +7,7 @@ re-derived here from the docstrings of kvattn.writers and docs/ownership.md sect
 over Python ints, sharing nothing with kvattn but the flag values, so the tests compare two
 independent readings of the contract.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -73,8 +74,9 @@ class PageModel:
         shared = min(num_tokens, parent.num_tokens) // self.page_size
         assert owner > self.last_owner
         self.last_owner = owner
-        child = LeaseState(owner, parent.pages[:shared], parent.page_owners[:shared],
-                           shared * self.page_size)
+        child = LeaseState(
+            owner, parent.pages[:shared], parent.page_owners[:shared], shared * self.page_size
+        )
         for p in child.pages:
             self.refs[p] += 1
         self.leases[owner] = child
@@ -102,17 +104,23 @@ class PageModel:
                     ps = self.pages[p]
                     ps.owner = heir
                     # The heir holds the bytes written for the ended lease: same tokens, new owner.
-                    ps.slots = [(heir, c[1]) if c is not None and c[0] == lease.owner else c
-                                for c in ps.slots]
+                    ps.slots = [
+                        (heir, c[1]) if c is not None and c[0] == lease.owner else c
+                        for c in ps.slots
+                    ]
             for other in self.leases.values():
                 if other.live:
-                    other.page_owners = [heir if (o == lease.owner and p in kept) else o
-                                         for p, o in zip(other.pages, other.page_owners)]
+                    other.page_owners = [
+                        heir if (o == lease.owner and p in kept) else o
+                        for p, o in zip(other.pages, other.page_owners)
+                    ]
         return released
 
     def slot_ids(self, lease: LeaseState, start: int, count: int) -> list:
-        return [lease.pages[t // self.page_size] * self.page_size + t % self.page_size
-                for t in range(start, start + count)]
+        return [
+            lease.pages[t // self.page_size] * self.page_size + t % self.page_size
+            for t in range(start, start + count)
+        ]
 
     # --- tags and bytes ----------------------------------------------------------------------
 
@@ -154,8 +162,7 @@ class PageModel:
         prefix = [self._prefix(page[i]) if in_range[i] else 0 for i in range(n)]
         start = list(range(n))
         for i in range(1, n):
-            if (held[i] and held[i - 1] and page[i] == page[i - 1]
-                    and slot[i] == slot[i - 1] + 1):
+            if held[i] and held[i - 1] and page[i] == page[i - 1] and slot[i] == slot[i - 1] + 1:
                 start[i] = start[i - 1]
         landed = [held[i] and slot[start[i]] <= prefix[i] for i in range(n)]
         reasons = []
@@ -188,9 +195,16 @@ class PageModel:
         held = [in_range[i] and self._held(pages[i], owners[i]) for i in range(n)]
         good = [0 <= length <= self.page_size for length in lens]
         landed = [held[i] and good[i] for i in range(n)]
-        reasons = [0 if landed[i] else int(WriteDrop.OUT_OF_RANGE) if not in_range[i]
-                   else int(WriteDrop.NOT_HELD) if not held[i] else int(WriteDrop.BAD_LENGTH)
-                   for i in range(n)]
+        reasons = [
+            0
+            if landed[i]
+            else int(WriteDrop.OUT_OF_RANGE)
+            if not in_range[i]
+            else int(WriteDrop.NOT_HELD)
+            if not held[i]
+            else int(WriteDrop.BAD_LENGTH)
+            for i in range(n)
+        ]
         for i in range(n):
             if landed[i]:
                 ps = self.pages[pages[i]]
@@ -206,7 +220,8 @@ class PageModel:
                     cell = ps.slots[s]
                     assert cell is not None and cell[0] == ps.owner, (
                         f"page {p} slot {s}: tag WRITTEN(owner={ps.owner}, valid_len="
-                        f"{ps.valid_len}) but the slot holds {cell}")
+                        f"{ps.valid_len}) but the slot holds {cell}"
+                    )
 
     # --- the reader's rule -------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ cache (:func:`shared_prefix_cache`, :func:`cache_batch`), and the refusing decod
 switch is run over (:data:`SCENARIOS`). Every slot a reader must not use holds NaN or a sentinel
 (:data:`SENTINEL_V`) engineered to dominate attention.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,9 +24,17 @@ class Geometry:
     head_dim: int
 
     def small_batch(self, seq_lens, *, dtype=torch.float16, seed=0, **kwargs):
-        return Batch.random(batch=len(seq_lens), num_heads=4, num_kv_heads=2,
-                            head_dim=self.head_dim, page_size=self.page, seq_lens=seq_lens,
-                            dtype=dtype, seed=seed, **kwargs)
+        return Batch.random(
+            batch=len(seq_lens),
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=self.head_dim,
+            page_size=self.page,
+            seq_lens=seq_lens,
+            dtype=dtype,
+            seed=seed,
+            **kwargs,
+        )
 
     @property
     def lens3(self):
@@ -84,11 +93,19 @@ def shared_prefix_cache(geo, dtype=torch.float16):
 
 def cache_batch(cache, leases, q, expected=None):
     table, seq_lens, per_entry = cache.batch(leases)
-    return Batch(q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags,
-                 per_entry if expected is None else expected)
+    return Batch(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        table,
+        seq_lens,
+        cache.page_tags,
+        per_entry if expected is None else expected,
+    )
 
 
 # --- decode batches that refuse something, for the scenarios under each switch -------------------
+
 
 def incident_batch() -> Batch:
     cache, lease_b, q, _, _ = incident(DEFAULT, 4)

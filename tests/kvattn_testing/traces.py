@@ -5,6 +5,7 @@ the model), the steps of a random trace drawn by Hypothesis (:func:`_prefill`, :
 :func:`_decode_step`, :func:`_stray_slots`), and :class:`Interleave`, which runs another operation
 at the moment a spied call first writes into a tensor (the writers' races).
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,9 @@ from kvattn_testing.util import DEVICE, backends_under_test, precise_dtype, tole
 
 NUM_PAGES, HEADS, KV_HEADS, DIM = 8, 2, 1, 16
 MAX_TOKENS = 1024
-DECODE_BACKENDS = [b for b in backends_under_test() if b in ("reference", "triton", "cuda", "cuda_sim")]
+DECODE_BACKENDS = [
+    b for b in backends_under_test() if b in ("reference", "triton", "cuda", "cuda_sim")
+]
 
 
 def _signatures():
@@ -47,8 +50,9 @@ class Trace:
 
     def __init__(self, page_size, layout="NHD"):
         self.page_size = page_size
-        self.cache = kvattn.PagedKVCache(NUM_PAGES, page_size, KV_HEADS, DIM, dtype=torch.float32,
-                                         device=DEVICE, layout=layout)
+        self.cache = kvattn.PagedKVCache(
+            NUM_PAGES, page_size, KV_HEADS, DIM, dtype=torch.float32, device=DEVICE, layout=layout
+        )
         self.cache.k_cache.fill_(float("nan"))
         self.cache.v_cache.fill_(float("nan"))
         self.model = PageModel(NUM_PAGES, page_size)
@@ -132,7 +136,9 @@ class Trace:
         before = len(real.pages)
         result = self.cache.append(real, k, v)
         self.model.take(m, real.pages[before:])
-        expected = self.model.write(self.model.slot_ids(m, m.num_tokens, count), [owner] * count, ids)
+        expected = self.model.write(
+            self.model.slot_ids(m, m.num_tokens, count), [owner] * count, ids
+        )
         m.num_tokens += count
         self.assert_result(result, *expected)
         return result
@@ -176,8 +182,9 @@ class Trace:
         if kind == "write":
             k, v = self.signatures(b)
             mapping = torch.tensor(a, dtype=torch.int64, device=DEVICE)
-            result = kvattn.write_kv(k, v, self.cache.k_cache, self.cache.v_cache, mapping,
-                                     self.cache.page_tags, owner)
+            result = kvattn.write_kv(
+                k, v, self.cache.k_cache, self.cache.v_cache, mapping, self.cache.page_tags, owner
+            )
             landed, reasons = self.model.write(a, [owner] * len(a), b)
         else:
             result = kvattn.commit_pages(self.cache.page_tags, a, owner, b, self.page_size)
@@ -199,7 +206,7 @@ class Trace:
         child = self.cache.share_prefix(self.leases[parent], num_tokens, capacity)
         self.leases[child.owner] = child
         cm = self.model.share(pm, child.owner, num_tokens)
-        self.model.take(cm, child.pages[len(cm.pages):])
+        self.model.take(cm, child.pages[len(cm.pages) :])
         return child.owner
 
     def stray(self, slot_ids, owner):
@@ -207,8 +214,9 @@ class Trace:
         ids = self.tokens(len(slot_ids))
         k, v = self.signatures(ids)
         mapping = torch.tensor(slot_ids, dtype=torch.int64, device=DEVICE)
-        result = kvattn.write_kv(k, v, self.cache.k_cache, self.cache.v_cache, mapping,
-                                 self.cache.page_tags, owner)
+        result = kvattn.write_kv(
+            k, v, self.cache.k_cache, self.cache.v_cache, mapping, self.cache.page_tags, owner
+        )
         self.assert_result(result, *self.model.write(slot_ids, [owner] * len(slot_ids), ids))
         return result
 
@@ -221,12 +229,20 @@ class Trace:
         for owner, real in self.leases.items():
             m = model.leases[owner]
             assert (real.pages, real.page_owners, real.num_tokens, real.freed) == (
-                m.pages, m.page_owners, m.num_tokens, not m.live)
+                m.pages,
+                m.page_owners,
+                m.num_tokens,
+                not m.live,
+            )
         tags = []
         for ps in model.pages:
-            tags.append(kvattn.written_tag(ps.owner, ps.valid_len) if ps.state == WRITTEN
-                        else kvattn.reserved_tag(ps.owner) if ps.state == RESERVED
-                        else kvattn.FREE_TAG)
+            tags.append(
+                kvattn.written_tag(ps.owner, ps.valid_len)
+                if ps.state == WRITTEN
+                else kvattn.reserved_tag(ps.owner)
+                if ps.state == RESERVED
+                else kvattn.FREE_TAG
+            )
         assert self.cache.page_tags.tolist() == tags
         want_k = torch.full((NUM_PAGES, self.page_size, KV_HEADS, DIM), float("nan"))
         want_v = want_k.clone()
@@ -250,7 +266,11 @@ class Trace:
             table.append(m.pages + [0] * pad)
             seq_lens.append(m.num_tokens)
             expected.append(m.page_owners + [0] * pad)
-        assert (table_t.tolist(), lens_t.tolist(), expected_t.tolist()) == (table, seq_lens, expected)
+        assert (table_t.tolist(), lens_t.tolist(), expected_t.tolist()) == (
+            table,
+            seq_lens,
+            expected,
+        )
         for c in corruptions:
             if c[0] == "swap":
                 table[c[1]], table[c[2]] = table[c[2]], table[c[1]]
@@ -275,10 +295,15 @@ class Trace:
             want.append(_attention(q[b], [c[1] for c in cells]))
         want = torch.stack(want)
 
-        args = (q.to(DEVICE), self.cache.k_cache, self.cache.v_cache,
-                torch.tensor(table, dtype=torch.int32, device=DEVICE),
-                torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), self.cache.page_tags,
-                torch.tensor(expected, dtype=torch.int64, device=DEVICE))
+        args = (
+            q.to(DEVICE),
+            self.cache.k_cache,
+            self.cache.v_cache,
+            torch.tensor(table, dtype=torch.int32, device=DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            self.cache.page_tags,
+            torch.tensor(expected, dtype=torch.int64, device=DEVICE),
+        )
         page_reasons = [r for r, _ in verdicts]
         for backend in DECODE_BACKENDS:
             dtype = precise_dtype(backend)  # the CUDA kernels read float16 copies of the pools
@@ -286,12 +311,16 @@ class Trace:
             out, report = kvattn.paged_decode(q_, k_, v_, *args[3:], backend=backend)
             assert report.page_reasons.tolist() == page_reasons, backend
             assert report.violations.tolist() == [sum(r != 0 for r in rs) for rs in page_reasons]
-            assert report.reasons.tolist() == [functools.reduce(operator.or_, rs, 0)
-                                               for rs in page_reasons], backend
-            assert report.pages_checked.tolist() == [min(max_pages, -(-n // size)) for n in seq_lens]
+            assert report.reasons.tolist() == [
+                functools.reduce(operator.or_, rs, 0) for rs in page_reasons
+            ], backend
+            assert report.pages_checked.tolist() == [
+                min(max_pages, -(-n // size)) for n in seq_lens
+            ]
             assert torch.isfinite(out).all(), backend
-            torch.testing.assert_close(out.double().cpu(), want, **tolerance(dtype),
-                                       msg=lambda m: f"{backend}: {m}")
+            torch.testing.assert_close(
+                out.double().cpu(), want, **tolerance(dtype), msg=lambda m: f"{backend}: {m}"
+            )
         return page_reasons
 
 
@@ -301,14 +330,31 @@ def _attention(q, token_ids):
         return torch.zeros(HEADS, DIM, dtype=torch.float64)
     k = K_SIG[token_ids].double().repeat_interleave(HEADS // KV_HEADS, dim=1)  # [N, H, D]
     v = V_SIG[token_ids].double().repeat_interleave(HEADS // KV_HEADS, dim=1)
-    logits = torch.einsum("hd,nhd->hn", q.double(), k) * DIM ** -0.5
+    logits = torch.einsum("hd,nhd->hn", q.double(), k) * DIM**-0.5
     return torch.einsum("hn,nhd->hd", torch.softmax(logits, dim=-1), v)
 
 
 # --- random traces -------------------------------------------------------------------------------
 
-OPS = ("append", "append", "transfer", "transfer", "abort", "abort", "replay", "replay", "replay",
-       "free", "share", "share", "stray", "stray", "stray", "allocate", "allocate")
+OPS = (
+    "append",
+    "append",
+    "transfer",
+    "transfer",
+    "abort",
+    "abort",
+    "replay",
+    "replay",
+    "replay",
+    "free",
+    "share",
+    "share",
+    "stray",
+    "stray",
+    "stray",
+    "allocate",
+    "allocate",
+)
 
 
 def _stray_slots(t, data, target):
@@ -319,28 +365,42 @@ def _stray_slots(t, data, target):
     if m.pages and data.draw(st.booleans()):
         lo = max(0, m.num_tokens - 2)
         hi = min(len(m.pages) * size, m.num_tokens + size) - 1
-        positions = data.draw(st.lists(st.integers(min(lo, hi), hi), min_size=1, max_size=4,
-                                       unique=True))
+        positions = data.draw(
+            st.lists(st.integers(min(lo, hi), hi), min_size=1, max_size=4, unique=True)
+        )
         return [m.pages[x // size] * size + x % size for x in positions]
-    return data.draw(st.lists(st.integers(-1, (NUM_PAGES + 1) * size - 1), min_size=1, max_size=4,
-                              unique=True))
+    return data.draw(
+        st.lists(st.integers(-1, (NUM_PAGES + 1) * size - 1), min_size=1, max_size=4, unique=True)
+    )
 
 
 def _step(t, data):
     live, size = t.live(), t.page_size
-    ops = [op for op in OPS if op == "allocate" or (op == "replay" and t.pending)
-           or (op not in ("allocate", "replay") and live)]
+    ops = [
+        op
+        for op in OPS
+        if op == "allocate"
+        or (op == "replay" and t.pending)
+        or (op not in ("allocate", "replay") and live)
+    ]
     op = data.draw(st.sampled_from(ops), label="op")
     if op == "allocate":
         _prefill(t, data)
     elif op == "append":
         t.append(data.draw(st.sampled_from(live)), data.draw(st.integers(1, size + 2)))
     elif op == "transfer":
-        t.transfer(data.draw(st.sampled_from(live)), data.draw(st.integers(1, 2 * size)),
-                   data.draw(st.integers(0, 2)), data.draw(st.none() | st.sampled_from([0, 0.5])))
+        t.transfer(
+            data.draw(st.sampled_from(live)),
+            data.draw(st.integers(1, 2 * size)),
+            data.draw(st.integers(0, 2)),
+            data.draw(st.none() | st.sampled_from([0, 0.5])),
+        )
     elif op == "abort":
-        t.abort(data.draw(st.sampled_from(live)), data.draw(st.sampled_from(["write", "commit"])),
-                data.draw(st.integers(1, size + 1)))
+        t.abort(
+            data.draw(st.sampled_from(live)),
+            data.draw(st.sampled_from(["write", "commit"])),
+            data.draw(st.integers(1, size + 1)),
+        )
     elif op == "replay":
         t.replay(data.draw(st.integers(0, len(t.pending) - 1)))
     elif op == "free":
@@ -392,12 +452,17 @@ def _decode_step(t, data, seed):
 
 # --- races: another operation at the moment a call first writes -----------------------------------
 
+
 def _written_storage(func, args, kwargs):
     """Storage pointers of the tensors an aten op writes (its mutable arguments)."""
     out = []
     for i, arg in enumerate(func._schema.arguments):
         value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+        if (
+            arg.alias_info is not None
+            and arg.alias_info.is_write
+            and isinstance(value, torch.Tensor)
+        ):
             out.append(value.untyped_storage().data_ptr())
     return out
 
@@ -421,4 +486,3 @@ class Interleave(TorchDispatchMode):
         if not self.done:
             self.done = True
             self.other()
-

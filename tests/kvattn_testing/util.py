@@ -1,6 +1,7 @@
 """Shared test helpers: paged batches built from a random permutation of an oversized pool, NaN
 poison in every slot that must not be read, the backends under test and what each claims, and
 precision-based tolerances."""
+
 from __future__ import annotations
 
 import inspect
@@ -19,8 +20,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository: tests/kvat
 
 def backends_under_test() -> list[str]:
     """Every registered backend that can run on this machine (the reference included)."""
-    probe = Batch.random(batch=1, num_heads=2, num_kv_heads=1, head_dim=16, page_size=4,
-                         seq_lens=[3], dtype=torch.float16)
+    probe = Batch.random(
+        batch=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=4,
+        seq_lens=[3],
+        dtype=torch.float16,
+    )
     reasons = backends.explain(probe.args())
     return [name for name, reason in reasons.items() if reason is None]
 
@@ -33,8 +41,15 @@ def claims(args, op: str) -> list[str]:
 
 def runs_float32(backend: str) -> bool:
     """Whether ``backend`` runs float32 pools (the CUDA kernels are fp16/bf16 tensor-core kernels)."""
-    probe = Batch.random(batch=1, num_heads=2, num_kv_heads=1, head_dim=16, page_size=4,
-                         seq_lens=[3], dtype=torch.float32)
+    probe = Batch.random(
+        batch=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=4,
+        seq_lens=[3],
+        dtype=torch.float32,
+    )
     return backends.explain(probe.args())[backend] is None
 
 
@@ -73,10 +88,23 @@ class Batch:
     expected: torch.Tensor
 
     @classmethod
-    def random(cls, *, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-               page_size: int, seq_lens, dtype=torch.float16, pool_factor: int = 3,
-               extra_pages: int = 0, layout: str = "NHD", seed: int = 0, device=DEVICE,
-               head_dim_v: int | None = None) -> "Batch":
+    def random(
+        cls,
+        *,
+        batch: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        seq_lens,
+        dtype=torch.float16,
+        pool_factor: int = 3,
+        extra_pages: int = 0,
+        layout: str = "NHD",
+        seed: int = 0,
+        device=DEVICE,
+        head_dim_v: int | None = None,
+    ) -> Batch:
         """Sequence ``b`` owns ``ceil(seq_lens[b] / page_size)`` (+ ``extra_pages``) physical pages
         drawn from a random permutation of a pool ``pool_factor`` times larger than needed. Its
         pages are WRITTEN for owner ``b + 1`` with ``valid_len`` covering exactly its tokens; the
@@ -107,26 +135,57 @@ class Batch:
                 filled = min(page_size, max(0, length - i * page_size))
                 k[p, :filled] = torch.randn(filled, num_kv_heads, head_dim, generator=g).to(dtype)
                 v[p, :filled] = torch.randn(filled, num_kv_heads, head_dim_v, generator=g).to(dtype)
-                tags[p] = kvattn.written_tag(b + 1, filled) if filled else kvattn.reserved_tag(b + 1)
+                tags[p] = (
+                    kvattn.written_tag(b + 1, filled) if filled else kvattn.reserved_tag(b + 1)
+                )
         q = torch.randn(batch, num_heads, head_dim, generator=g).to(dtype)
         expected = torch.arange(1, batch + 1, dtype=torch.int64)
         to = dict(device=device)
-        return cls(q.to(**to), k.to(**to), v.to(**to), table.to(**to),
-                   torch.tensor(seq_lens, dtype=torch.int32, device=device), tags.to(**to),
-                   expected.to(**to))
+        return cls(
+            q.to(**to),
+            k.to(**to),
+            v.to(**to),
+            table.to(**to),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            tags.to(**to),
+            expected.to(**to),
+        )
 
     def args(self) -> kvattn.DecodeArgs:
-        return kvattn.layout.validate_decode(self.q, self.k_cache, self.v_cache, self.block_table,
-                                             self.seq_lens, self.page_tags, self.expected)
+        return kvattn.layout.validate_decode(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_table,
+            self.seq_lens,
+            self.page_tags,
+            self.expected,
+        )
 
     def decode(self, backend: str, **kwargs):
-        return kvattn.paged_decode(self.q, self.k_cache, self.v_cache, self.block_table,
-                                   self.seq_lens, self.page_tags, self.expected, backend=backend,
-                                   **kwargs)
+        return kvattn.paged_decode(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_table,
+            self.seq_lens,
+            self.page_tags,
+            self.expected,
+            backend=backend,
+            **kwargs,
+        )
 
     def reference(self, **kwargs):
-        return kvattn.reference.paged_decode(self.q, self.k_cache, self.v_cache, self.block_table,
-                                             self.seq_lens, self.page_tags, self.expected, **kwargs)
+        return kvattn.reference.paged_decode(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_table,
+            self.seq_lens,
+            self.page_tags,
+            self.expected,
+            **kwargs,
+        )
 
 
 def assert_reports_equal(report, ref) -> None:
@@ -157,8 +216,11 @@ def kernel_backends() -> list[str]:
 def split_kv_backends() -> list[str]:
     """The backends under test whose decode launcher splits the keys (takes ``num_splits``); the
     torch backend and the reference attend over a sequence's keys in one piece."""
-    return [name for name in kernel_backends()
-            if "num_splits" in inspect.signature(launcher(name).decode).parameters]
+    return [
+        name
+        for name in kernel_backends()
+        if "num_splits" in inspect.signature(launcher(name).decode).parameters
+    ]
 
 
 def launcher(backend: str):
@@ -168,8 +230,15 @@ def launcher(backend: str):
     return module
 
 
-def poisoned_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
-                  dtype=torch.float32, device=DEVICE):
+def poisoned_pool(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    dtype=torch.float32,
+    device=DEVICE,
+):
     """``(k_cache, v_cache, page_tags)``: NaN in every slot, every page FREE."""
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     k = torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -189,8 +258,9 @@ def decode(backend: str, q, k_cache, v_cache, block_table, seq_lens, page_tags, 
         seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     if not isinstance(expected, torch.Tensor):
         expected = torch.tensor(expected, dtype=torch.int64, device=device)
-    return kvattn.paged_decode(q, k_cache, v_cache, block_table, seq_lens, page_tags, expected,
-                               backend=backend, **kwargs)
+    return kvattn.paged_decode(
+        q, k_cache, v_cache, block_table, seq_lens, page_tags, expected, backend=backend, **kwargs
+    )
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -204,6 +274,7 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch
 
 def raises(error, *words):
     """``pytest.raises`` of exactly ``error`` (not a subclass) whose message holds every word."""
+
     class Check:
         def __enter__(self):
             self.ctx = pytest.raises(error)
@@ -216,4 +287,5 @@ def raises(error, *words):
             for word in words:
                 assert word in str(self.info.value), f"{word!r} not in {self.info.value}"
             return suppressed
+
     return Check()

@@ -4,6 +4,7 @@ K/V by plain indexing (:func:`tokens`), attention written out one query row at a
 (:func:`dense`), the switch cases (:data:`CASES`), fp8 pools (:func:`to_fp8`), and the check that
 every backend claiming a call gives the definition's result (:func:`assert_every_claim_matches`).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,15 @@ HEADS, KV_HEADS, DIM = 4, 2, 16
 
 
 def inputs(pages: Batch) -> tuple:
-    return (pages.q, pages.k_cache, pages.v_cache, pages.block_table, pages.seq_lens,
-            pages.page_tags, pages.expected)
+    return (
+        pages.q,
+        pages.k_cache,
+        pages.v_cache,
+        pages.block_table,
+        pages.seq_lens,
+        pages.page_tags,
+        pages.expected,
+    )
 
 
 def plant_foreign_page(pages: Batch, b: int, i: int) -> None:
@@ -40,7 +48,9 @@ def tokens(pages: Batch, b: int, k_scale=None, v_scale=None):
     size = pages.k_cache.shape[1]
     idx = torch.arange(n)
     phys = pages.block_table[b].long().cpu()[idx // size]
-    ok = [int(pages.page_tags[p]) >> kvattn.tags.OWNER_SHIFT != FOREIGN_OWNER for p in phys.tolist()]
+    ok = [
+        int(pages.page_tags[p]) >> kvattn.tags.OWNER_SHIFT != FOREIGN_OWNER for p in phys.tolist()
+    ]
     k = pages.k_cache.cpu()[phys, idx % size].double()
     v = pages.v_cache.cpu()[phys, idx % size].double()
     if k_scale is not None:
@@ -49,8 +59,20 @@ def tokens(pages: Batch, b: int, k_scale=None, v_scale=None):
     return k, v, ok
 
 
-def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=None, sinks=None,
-          blocks=None, window_right=-1):
+def dense(
+    q,
+    cu,
+    seqs,
+    scale,
+    *,
+    causal=True,
+    window_left=-1,
+    cap=0.0,
+    slopes=None,
+    sinks=None,
+    blocks=None,
+    window_right=-1,
+):
     """Attention from the definitions, float64, one row and head at a time. ``seqs``: per sequence
     ``(k, v, ok)`` as from :func:`tokens`. Row ``j`` of sequence ``b`` sits at ``len(k) - q_len + j``.
     ``slopes``: ``[H]``, or ``[B, H]`` (sequence ``b`` uses row ``b``).
@@ -67,10 +89,15 @@ def dense(q, cu, seqs, scale, *, causal=True, window_left=-1, cap=0.0, slopes=No
         seq_slopes = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
         for j in range(q_len):
             pos = len(k) - q_len + j
-            keys = [t for t in range(len(k)) if ok[t] and (not causal or t <= pos)
-                    and (window_left < 0 or t >= pos - window_left)
-                    and (window_right < 0 or t <= pos + window_right)
-                    and (blocks is None or bool(blocks[b][j, t]))]
+            keys = [
+                t
+                for t in range(len(k))
+                if ok[t]
+                and (not causal or t <= pos)
+                and (window_left < 0 or t >= pos - window_left)
+                and (window_right < 0 or t <= pos + window_right)
+                and (blocks is None or bool(blocks[b][j, t]))
+            ]
             if not keys:
                 continue
             row = starts[b] + j
@@ -125,8 +152,10 @@ def switch_cases():
         "softcap": (dict(logits_soft_cap=0.7), dict(cap=0.7)),
         "sinks": (dict(sinks=sinks), dict(sinks=sinks)),
         "alibi": (dict(alibi_slopes=slopes), dict(slopes=slopes)),
-        "all": (dict(window_left=6, logits_soft_cap=1.5, sinks=sinks, alibi_slopes=slopes),
-                dict(window_left=6, cap=1.5, sinks=sinks, slopes=slopes)),
+        "all": (
+            dict(window_left=6, logits_soft_cap=1.5, sinks=sinks, alibi_slopes=slopes),
+            dict(window_left=6, cap=1.5, sinks=sinks, slopes=slopes),
+        ),
     }
 
 
@@ -137,8 +166,16 @@ def decode_batch(page, seed=0):
     """Lengths around page boundaries and past the window; a foreign page in the last sequence's
     second entry (read by every case here: it is inside every window used below)."""
     lens = [1, page + 1, 3 * page + 2, 3 * page]
-    pages = Batch.random(batch=len(lens), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                         page_size=page, seq_lens=lens, pool_factor=2, seed=seed)
+    pages = Batch.random(
+        batch=len(lens),
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=page,
+        seq_lens=lens,
+        pool_factor=2,
+        seed=seed,
+    )
     plant_foreign_page(pages, 3, 2)
     return pages
 
@@ -153,8 +190,9 @@ def to_fp8(pages: Batch, dtype) -> Batch:
     return pages
 
 
-def assert_every_claim_matches(op: str, x, want_out, want_lse, violations=(0, 0, 0, 1),
-                               **kwargs) -> None:
+def assert_every_claim_matches(
+    op: str, x, want_out, want_lse, violations=(0, 0, 0, 1), **kwargs
+) -> None:
     """Every backend claiming ``x`` (a Batch for decode, an Extend for extend) with ``kwargs``, at
     least one beside the reference, gives the definition's output (as wide as V) and lse, and
     refuses ``violations`` pages per sequence (by default sequence 3's foreign page alone)."""

@@ -7,6 +7,7 @@ that reads a tensor's value on the host (``.item()``, ``nonzero``, ...); report-
 lengths and tags in place, replay, and compare with an eager call on the new inputs (outputs and
 reports), including a replay where a changed tag turns into a reported violation.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvattn
 from kvattn_testing.util import Batch, backends_under_test
 
-HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal",
-              "aten.item", "aten.repeat_interleave.Tensor")
+HOST_READS = (
+    "aten._local_scalar_dense",
+    "aten.nonzero",
+    "aten.is_nonzero",
+    "aten.equal",
+    "aten.item",
+    "aten.repeat_interleave.Tensor",
+)
 
 
 class HostReadSpy(TorchDispatchMode):
@@ -33,18 +40,46 @@ class HostReadSpy(TorchDispatchMode):
 
 def _batch(device=None):
     kwargs = {} if device is None else dict(device=device)
-    return Batch.random(batch=3, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
-                        seq_lens=[5, 9, 1], dtype=torch.float16, extra_pages=1, **kwargs)
+    return Batch.random(
+        batch=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        seq_lens=[5, 9, 1],
+        dtype=torch.float16,
+        extra_pages=1,
+        **kwargs,
+    )
 
 
 def _decode(b: Batch, **kwargs):
-    return kvattn.paged_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens, b.page_tags,
-                               b.expected, validate=False, **kwargs)
+    return kvattn.paged_decode(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.block_table,
+        b.seq_lens,
+        b.page_tags,
+        b.expected,
+        validate=False,
+        **kwargs,
+    )
 
 
 def _extend(b: Batch, q, cu, **kwargs):
-    return kvattn.paged_extend(q, b.k_cache, b.v_cache, cu, b.block_table, b.seq_lens,
-                               b.page_tags, b.expected, validate=False, **kwargs)
+    return kvattn.paged_extend(
+        q,
+        b.k_cache,
+        b.v_cache,
+        cu,
+        b.block_table,
+        b.seq_lens,
+        b.page_tags,
+        b.expected,
+        validate=False,
+        **kwargs,
+    )
 
 
 def _extend_query(b: Batch):
@@ -80,8 +115,17 @@ def test_spy_sees_host_reads():
     """The twin: the same spy flags a call that synchronises (validation and raise mode)."""
     b = _batch()
     with HostReadSpy() as spy:
-        kvattn.paged_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens, b.page_tags,
-                            b.expected, backend="triton", validate=True)
+        kvattn.paged_decode(
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            b.block_table,
+            b.seq_lens,
+            b.page_tags,
+            b.expected,
+            backend="triton",
+            validate=True,
+        )
     assert spy.reads
 
 
@@ -125,6 +169,7 @@ def _assert_same(graph_result, eager_result):
 
 def _mutations(b: Batch, other: Batch):
     """In-place changes between replays: new tables, lengths and tags; then one page's tag freed."""
+
     def new_inputs():
         b.block_table.copy_(other.block_table)
         b.seq_lens.copy_(other.seq_lens)
@@ -134,6 +179,7 @@ def _mutations(b: Batch, other: Batch):
 
     def free_a_page():
         b.page_tags[b.block_table[1, 0].long()] = kvattn.FREE_TAG
+
     return [new_inputs, free_a_page]
 
 
@@ -143,9 +189,18 @@ def test_capture_then_replay_with_changed_inputs(op):
     device = torch.device("cuda")
     b = _batch(device)
     # Same shapes, other contents: different pages, lengths and owners' layout.
-    other = Batch.random(batch=3, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
-                         seq_lens=[8, 10, 3], dtype=torch.float16, extra_pages=1, seed=7,
-                         device=device)
+    other = Batch.random(
+        batch=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        seq_lens=[8, 10, 3],
+        dtype=torch.float16,
+        extra_pages=1,
+        seed=7,
+        device=device,
+    )
     assert other.block_table.shape == b.block_table.shape
     assert other.k_cache.shape == b.k_cache.shape
     q, cu = _extend_query(b)

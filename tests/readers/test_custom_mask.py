@@ -7,6 +7,7 @@ the unwritten tails of pages, and keys the mask removes from every row of their 
 loaded). A mask only removes keys: one that selects a refused page's keys still reads nothing of
 it, and an all-True mask is the call without one.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,15 @@ import kvattn
 from kvattn import Violation
 from kvattn_testing.extend import Extend
 from kvattn_testing.scenarios import SCENARIOS, SENTINEL_V
-from kvattn_testing.util import (DEVICE, LSE_TOLERANCE, assert_reports_equal, backends_under_test,
-                                 claims, launcher, tolerance)
+from kvattn_testing.util import (
+    DEVICE,
+    LSE_TOLERANCE,
+    assert_reports_equal,
+    backends_under_test,
+    claims,
+    launcher,
+    tolerance,
+)
 from kvattn_testing.variants import DIM, HEADS, KV_HEADS, dense, inputs, plant_foreign_page, tokens
 
 
@@ -69,8 +77,16 @@ def tree_batch(page=4, seed=0):
     prefix)."""
     trees = [[-1], [-1, 0, 0, 1, 1], [-1, 0, 1, 0, 3, 3, 2], [-1, 0, 0, 2]]
     prefixes = [3, 0, 9, 12]
-    ext = Extend.random([len(t) for t in trees], prefixes, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                        head_dim=DIM, page_size=page, pool_factor=2, seed=seed)
+    ext = Extend.random(
+        [len(t) for t in trees],
+        prefixes,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=page,
+        pool_factor=2,
+        seed=seed,
+    )
     plant_foreign_page(ext.pages, 3, 1)
     return ext, [tree_rows(p, t) for p, t in zip(prefixes, trees)]
 
@@ -78,8 +94,16 @@ def tree_batch(page=4, seed=0):
 def random_batch(density: float, seed=0):
     """Random masks over four sequences (one without query rows); keys no row reads are poisoned."""
     q_lens, prefixes = [3, 6, 0, 2], [5, 2, 4, 13]
-    ext = Extend.random(q_lens, prefixes, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                        page_size=4, pool_factor=2, seed=seed)
+    ext = Extend.random(
+        q_lens,
+        prefixes,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        pool_factor=2,
+        seed=seed,
+    )
     g = torch.Generator().manual_seed(seed + 5)
     blocks = [torch.rand(n, n + p, generator=g) < density for n, p in zip(q_lens, prefixes)]
     plant_foreign_page(ext.pages, 3, 2)
@@ -94,7 +118,7 @@ def test_tree_masks_match_the_definition(page):
     names = claims(args, "extend")
     assert {"reference", "torch"} <= set(names)
     seqs = [tokens(ext.pages, b) for b in range(4)]
-    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM ** -0.5, blocks=blocks)
+    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM**-0.5, blocks=blocks)
     unmasked = ext.run("reference")[1]
     for backend in names:
         out, lse, report = ext.run(backend, return_lse=True, custom_mask=mask)
@@ -109,7 +133,7 @@ def test_a_tree_mask_changes_the_answer():
     with it (siblings read each other), so a backend ignoring the mask would fail there."""
     ext, blocks = tree_batch()
     seqs = [tokens(ext.pages, b) for b in range(4)]
-    want_out, _ = dense(ext.q, ext.cu, seqs, DIM ** -0.5, blocks=blocks)
+    want_out, _ = dense(ext.q, ext.cu, seqs, DIM**-0.5, blocks=blocks)
     out = ext.run("reference")[0]
     assert (out.cpu().double() - want_out).abs().max() > 0.1
 
@@ -124,8 +148,9 @@ def test_random_masks_with_the_other_masks(density, causal, window_left):
     kwargs = dict(causal=causal, window_left=window_left, custom_mask=mask)
     args = kvattn.layout.validate_extend(*ext.inputs(), **kwargs)
     seqs = [tokens(ext.pages, b) for b in range(4)]
-    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM ** -0.5, blocks=blocks, causal=causal,
-                               window_left=window_left)
+    want_out, want_lse = dense(
+        ext.q, ext.cu, seqs, DIM**-0.5, blocks=blocks, causal=causal, window_left=window_left
+    )
     plain = ext.run("reference", causal=causal, window_left=window_left)[1]
     for backend in claims(args, "extend"):
         out, lse, report = ext.run(backend, return_lse=True, **kwargs)
@@ -153,7 +178,7 @@ def test_a_mask_never_makes_a_refused_page_readable():
     ext, blocks = tree_batch()
     page = ext.pages.k_cache.shape[1]
     only_foreign = torch.zeros_like(blocks[3])
-    only_foreign[:, page:2 * page] = True  # logical page 1 of sequence 3: the foreign one
+    only_foreign[:, page : 2 * page] = True  # logical page 1 of sequence 3: the foreign one
     blocks[3] = only_foreign
     mask = flatten(blocks)
     args = kvattn.layout.validate_extend(*ext.inputs(), custom_mask=mask)
@@ -198,8 +223,10 @@ def test_malformed_masks_name_the_argument():
     with pytest.raises(ValueError, match="custom_mask: expected a 1-D tensor"):
         ext.run("reference", custom_mask=mask[None])
     with pytest.raises(ValueError, match="custom_mask: expected a contiguous last dimension"):
-        ext.run("reference", custom_mask=torch.ones(2 * mask.numel(), dtype=torch.bool,
-                                                    device=DEVICE)[::2])
+        ext.run(
+            "reference",
+            custom_mask=torch.ones(2 * mask.numel(), dtype=torch.bool, device=DEVICE)[::2],
+        )
 
 
 def test_kernels_across_query_and_key_tiles():
@@ -208,8 +235,16 @@ def test_kernels_across_query_and_key_tiles():
     its 64-key tiles. Keys no row of a tile reads are NaN only where no row of the sequence reads
     them; a key is read by some tile and skipped by the others."""
     q_lens, prefixes = [21, 2], [110, 40]
-    ext = Extend.random(q_lens, prefixes, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                        page_size=4, pool_factor=2, seed=3)
+    ext = Extend.random(
+        q_lens,
+        prefixes,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        pool_factor=2,
+        seed=3,
+    )
     g = torch.Generator().manual_seed(9)
     blocks = []
     for n, p in zip(q_lens, prefixes):
@@ -221,8 +256,9 @@ def test_kernels_across_query_and_key_tiles():
     plant_foreign_page(ext.pages, 0, 30)  # tokens 120-123: some rows select them
     mask = flatten(blocks)
     args = kvattn.layout.validate_extend(*ext.inputs(), custom_mask=mask)
-    want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(2)],
-                               DIM ** -0.5, blocks=blocks)
+    want_out, want_lse = dense(
+        ext.q, ext.cu, [tokens(ext.pages, b) for b in range(2)], DIM**-0.5, blocks=blocks
+    )
     ref = ext.run("reference")[1]
     launches = {"triton": dict(block_m=16, block_n=16), "cuda_sim": dict(tokens_per_tile=3)}
     ran = 0
@@ -244,8 +280,16 @@ def test_unchecked_kernels_apply_the_mask():
     """``check=False`` (the unchecked variant) masks as the checked one: the same output on a
     batch with nothing to refuse, masked-out keys poisoned."""
     q_lens, prefixes = [3, 6, 0, 2], [5, 2, 4, 13]
-    ext = Extend.random(q_lens, prefixes, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                        page_size=4, pool_factor=2, seed=2)
+    ext = Extend.random(
+        q_lens,
+        prefixes,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        pool_factor=2,
+        seed=2,
+    )
     g = torch.Generator().manual_seed(4)
     blocks = [torch.rand(n, n + p, generator=g) < 0.4 for n, p in zip(q_lens, prefixes)]
     assert poison_unread(ext, blocks) > 0
@@ -275,14 +319,16 @@ def test_ownership_scenarios_under_a_mask(scenario):
     mask = flatten([torch.rand(1, n, generator=g) < 0.6 for n in lens])
     q, k, v, table, seq_lens, tags, expected = inputs(batch)
     call = (q, k, v, cu, table, seq_lens, tags, expected)
-    ref_out, ref_lse, _ = kvattn.reference.paged_extend(*call, return_lse=True, custom_mask=mask,
-                                                         compute_dtype=torch.float64)
+    ref_out, ref_lse, _ = kvattn.reference.paged_extend(
+        *call, return_lse=True, custom_mask=mask, compute_dtype=torch.float64
+    )
     args = kvattn.layout.validate_extend(*call, custom_mask=mask)
     names = claims(args, "extend")
     assert {"reference", "triton", "torch"} <= set(names)
     for backend in names:
-        out, lse, report = kvattn.paged_extend(*call, backend=backend, return_lse=True,
-                                               custom_mask=mask)
+        out, lse, report = kvattn.paged_extend(
+            *call, backend=backend, return_lse=True, custom_mask=mask
+        )
         assert torch.isfinite(out).all(), f"{backend}: a refused slot was read"
         torch.testing.assert_close(out.double(), ref_out, **tolerance(q.dtype))
         finite = torch.isfinite(ref_lse)
@@ -292,22 +338,32 @@ def test_ownership_scenarios_under_a_mask(scenario):
         assert out.float().abs().max() < 0.5 * SENTINEL_V, f"{backend}: sentinel influence"
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(6, 2, 96), (8, 1, 256)],
-                         ids=["gqa3-d96", "gqa8-d256"])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim", [(6, 2, 96), (8, 1, 256)], ids=["gqa3-d96", "gqa8-d256"]
+)
 def test_groups_and_head_dims_of_the_kernels(num_heads, num_kv_heads, head_dim):
     """A GQA group of 3 (the Triton tile pads it to 4 rows a token under a mask) and the wide
     heads' layouts (CUDA tiles of 128 and 256: 64- and 32-key tiles, two blocks per head at 256)."""
     q_lens, prefixes = [5, 1, 3], [9, 30, 0]
-    ext = Extend.random(q_lens, prefixes, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, page_size=4, pool_factor=2, seed=6)
+    ext = Extend.random(
+        q_lens,
+        prefixes,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=4,
+        pool_factor=2,
+        seed=6,
+    )
     g = torch.Generator().manual_seed(8)
     blocks = [torch.rand(n, n + p, generator=g) < 0.5 for n, p in zip(q_lens, prefixes)]
     assert poison_unread(ext, blocks) > 0
     plant_foreign_page(ext.pages, 1, 3)
     mask = flatten(blocks)
     args = kvattn.layout.validate_extend(*ext.inputs(), custom_mask=mask)
-    want_out, want_lse = dense(ext.q, ext.cu, [tokens(ext.pages, b) for b in range(3)],
-                               head_dim ** -0.5, blocks=blocks)
+    want_out, want_lse = dense(
+        ext.q, ext.cu, [tokens(ext.pages, b) for b in range(3)], head_dim**-0.5, blocks=blocks
+    )
     plain = ext.run("reference")[1]
     for backend in claims(args, "extend"):
         out, lse, report = ext.run(backend, return_lse=True, custom_mask=mask)

@@ -5,6 +5,7 @@ Pools come from :class:`kvattn_testing.util.Batch`: pages drawn from a random pe
 oversized pool, NaN in every slot that is not its reader's, so an address or mask error shows as NaN
 or a large error.
 """
+
 import dataclasses
 import importlib
 import itertools
@@ -15,9 +16,15 @@ import torch
 import kvattn
 from kvattn import Violation
 from kvattn.backends import grids
-from kvattn_testing.util import (LSE_TOLERANCE, Batch, assert_close_to_reference,
-                                 assert_reports_equal, backends_under_test, kernel_backends,
-                                 runs_float32)
+from kvattn_testing.util import (
+    LSE_TOLERANCE,
+    Batch,
+    assert_close_to_reference,
+    assert_reports_equal,
+    backends_under_test,
+    kernel_backends,
+    runs_float32,
+)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 PAGE_SIZES = [1, 2, 16, 64, 256]
@@ -31,9 +38,15 @@ def covering_cases():
     and 1 or 2 KV heads rotate through them."""
     cases = []
     for i in range(15):
-        cases.append(dict(head_dim=HEAD_DIMS[i % 5], page_size=PAGE_SIZES[(i + i // 5) % 5],
-                          dtype=DTYPES[i // 5], group=GROUPS[i % 3],
-                          num_kv_heads=1 + (i // 2) % 2))
+        cases.append(
+            dict(
+                head_dim=HEAD_DIMS[i % 5],
+                page_size=PAGE_SIZES[(i + i // 5) % 5],
+                dtype=DTYPES[i // 5],
+                group=GROUPS[i % 3],
+                num_kv_heads=1 + (i // 2) % 2,
+            )
+        )
     return cases
 
 
@@ -41,8 +54,10 @@ CASES = covering_cases()
 
 
 def case_id(case):
-    return (f"d{case['head_dim']}-p{case['page_size']}-{str(case['dtype'])[6:]}"
-            f"-g{case['group']}-kv{case['num_kv_heads']}")
+    return (
+        f"d{case['head_dim']}-p{case['page_size']}-{str(case['dtype'])[6:]}"
+        f"-g{case['group']}-kv{case['num_kv_heads']}"
+    )
 
 
 def boundary_lens(page_size):
@@ -58,19 +73,29 @@ def for_backend(case, backend):
 
 
 def make_batch(case, seq_lens, **kwargs):
-    return Batch.random(batch=len(seq_lens), num_heads=case["group"] * case["num_kv_heads"],
-                        num_kv_heads=case["num_kv_heads"], head_dim=case["head_dim"],
-                        page_size=case["page_size"], seq_lens=seq_lens, dtype=case["dtype"],
-                        **kwargs)
+    return Batch.random(
+        batch=len(seq_lens),
+        num_heads=case["group"] * case["num_kv_heads"],
+        num_kv_heads=case["num_kv_heads"],
+        head_dim=case["head_dim"],
+        page_size=case["page_size"],
+        seq_lens=seq_lens,
+        dtype=case["dtype"],
+        **kwargs,
+    )
 
 
 def test_covering_design_covers():
     for key, values in [("head_dim", HEAD_DIMS), ("page_size", PAGE_SIZES)]:
         pairs = {(c[key], c["dtype"]) for c in CASES}
         assert pairs == set(itertools.product(values, DTYPES))
-    for value_key, other_key in [("head_dim", "page_size"), ("page_size", "head_dim"),
-                                 ("group", "head_dim"), ("group", "page_size"),
-                                 ("group", "dtype")]:
+    for value_key, other_key in [
+        ("head_dim", "page_size"),
+        ("page_size", "head_dim"),
+        ("group", "head_dim"),
+        ("group", "page_size"),
+        ("group", "dtype"),
+    ]:
         for value in {c[value_key] for c in CASES}:
             assert len({c[other_key] for c in CASES if c[value_key] == value}) >= 3
     assert {c["group"] for c in CASES} == set(GROUPS)
@@ -139,11 +164,14 @@ def test_bf16_output_is_not_garbage(backend):
     ref_out, _ = batch.reference(compute_dtype=torch.float64)
     assert_close_to_reference(out, ref_out, torch.bfloat16)
     # The dominant token carries most of the weight, so the output points along its V row.
-    cos = torch.nn.functional.cosine_similarity(out[0].float(), batch.v_cache[p, 3, 0].float()[None])
+    cos = torch.nn.functional.cosine_similarity(
+        out[0].float(), batch.v_cache[p, 3, 0].float()[None]
+    )
     assert (cos > 0.9).all()
 
 
 # --- Splits of split-KV ------------------------------------------------------------------------
+
 
 def triton_decode_module():
     # kvattn.backends.triton re-exports the launcher under the submodule's name; fetch the module.
@@ -190,8 +218,9 @@ def test_split_counts_match_reference(backend, num_splits, check):
     last_start, last_end = split_plan(batch, num_splits, seq=0)[-1]
     assert num_splits == 1 or last_start >= last_end  # the 1-token sequence leaves splits empty
     out, lse, report = run_splits(batch, num_splits, check=check)
-    ref_out, ref_lse, ref_report = batch.reference(check=check, return_lse=True,
-                                                   compute_dtype=torch.float64)
+    ref_out, ref_lse, ref_report = batch.reference(
+        check=check, return_lse=True, compute_dtype=torch.float64
+    )
     assert_close_to_reference(out, ref_out, torch.float16)
     torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
     if check:
@@ -231,14 +260,17 @@ def test_grid_waves_and_tail():
     assert grids.grid_waves(1848, 924) == (2.0, 0.0)
 
 
-@pytest.mark.parametrize("per_split, slots, most, splits", [
-    (128, 924, 64, 7),   # batch 16 x 8 KV heads on 7 x 132 slots: 896 programs, one wave
-    (512, 924, 64, 1),   # batch 64: 512, more splits would spill into a second wave
-    (8, 924, 16, 16),    # batch 1 at 4K: the table's chunks of 256 tokens limit it
-    (8, 924, 64, 64),    # and MAX_SPLITS
-    (1000, 924, 64, 5),  # the batch alone overflows a wave: 5.41 waves, 9.8% of their time idle
-    (2000, 924, 1, 1),   # no split to give
-])
+@pytest.mark.parametrize(
+    "per_split, slots, most, splits",
+    [
+        (128, 924, 64, 7),  # batch 16 x 8 KV heads on 7 x 132 slots: 896 programs, one wave
+        (512, 924, 64, 1),  # batch 64: 512, more splits would spill into a second wave
+        (8, 924, 16, 16),  # batch 1 at 4K: the table's chunks of 256 tokens limit it
+        (8, 924, 64, 64),  # and MAX_SPLITS
+        (1000, 924, 64, 5),  # the batch alone overflows a wave: 5.41 waves, 9.8% of their time idle
+        (2000, 924, 1, 1),  # no split to give
+    ],
+)
 def test_fit_splits(per_split, slots, most, splits):
     assert grids.fit_splits(per_split, slots, most) == splits
     waves, tail = grids.grid_waves(per_split * splits, slots)
@@ -260,9 +292,15 @@ def test_gpu_split_plan_fits_the_slots(monkeypatch, backend):
         q = torch.zeros(b, 32, 128, dtype=torch.bfloat16)
         pool = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
         args = kvattn.layout.validate_decode(
-            q, pool, pool.clone(), torch.zeros(b, context // 16, dtype=torch.int32),
-            torch.full((b,), context, dtype=torch.int32), torch.zeros(4, dtype=torch.int64),
-            torch.ones(b, dtype=torch.int64), validate=False)
+            q,
+            pool,
+            pool.clone(),
+            torch.zeros(b, context // 16, dtype=torch.int32),
+            torch.full((b,), context, dtype=torch.int32),
+            torch.zeros(4, dtype=torch.int64),
+            torch.ones(b, dtype=torch.int64),
+            validate=False,
+        )
         splits, min_chunk, align = module.plan_splits(args)
         programs = b * 8 * splits
         assert min_chunk % align == 0 and align % 16 == 0 and min_chunk >= grids.GPU_MIN_CHUNK
@@ -275,6 +313,7 @@ def test_gpu_split_plan_fits_the_slots(monkeypatch, backend):
 
 # --- Strided pools, out= and return_lse --------------------------------------------------------
 
+
 def restride(batch, how):
     """The batch's pools copied into a view with other strides; slots outside the view are NaN."""
     k, v = batch.k_cache, batch.v_cache
@@ -284,16 +323,22 @@ def restride(batch, how):
         buf = torch.full((pages, 2, page, heads, dim), nan, dtype=k.dtype, device=k.device)
         new_k, new_v = buf[:, 0], buf[:, 1]
     elif how == "layer_inner":  # [pages, layers, page, heads, dim], layer 1 of 3
-        bufs = [torch.full((pages, 3, page, heads, dim), nan, dtype=k.dtype, device=k.device)
-                for _ in range(2)]
+        bufs = [
+            torch.full((pages, 3, page, heads, dim), nan, dtype=k.dtype, device=k.device)
+            for _ in range(2)
+        ]
         new_k, new_v = bufs[0][:, 1], bufs[1][:, 1]
     elif how == "layer_outer_hnd":  # [layers, pages, heads, page, dim], layer 2 of 3, head-major
-        bufs = [torch.full((3, pages, heads, page, dim), nan, dtype=k.dtype, device=k.device)
-                for _ in range(2)]
+        bufs = [
+            torch.full((3, pages, heads, page, dim), nan, dtype=k.dtype, device=k.device)
+            for _ in range(2)
+        ]
         new_k, new_v = bufs[0][2].transpose(1, 2), bufs[1][2].transpose(1, 2)
     elif how == "padded_head_dim":  # rows padded to dim + 8 elements
-        bufs = [torch.full((pages, page, heads, dim + 8), nan, dtype=k.dtype, device=k.device)
-                for _ in range(2)]
+        bufs = [
+            torch.full((pages, page, heads, dim + 8), nan, dtype=k.dtype, device=k.device)
+            for _ in range(2)
+        ]
         new_k, new_v = bufs[0][..., :dim], bufs[1][..., :dim]
     else:
         raise ValueError(how)
@@ -303,9 +348,11 @@ def restride(batch, how):
     return dataclasses.replace(batch, k_cache=new_k, v_cache=new_v)
 
 
-STRIDE_CASES = [dict(head_dim=64, page_size=16, dtype=torch.float16, group=4, num_kv_heads=2),
-                dict(head_dim=80, page_size=2, dtype=torch.bfloat16, group=1, num_kv_heads=2),
-                dict(head_dim=128, page_size=64, dtype=torch.float32, group=8, num_kv_heads=1)]
+STRIDE_CASES = [
+    dict(head_dim=64, page_size=16, dtype=torch.float16, group=4, num_kv_heads=2),
+    dict(head_dim=80, page_size=2, dtype=torch.bfloat16, group=1, num_kv_heads=2),
+    dict(head_dim=128, page_size=64, dtype=torch.float32, group=8, num_kv_heads=1),
+]
 
 
 STRIDINGS = ["HND", "kv_interleaved", "layer_inner", "layer_outer_hnd", "padded_head_dim"]
@@ -323,8 +370,9 @@ def test_strided_pools(backend, how):
         batch = restride(make_batch(case, lens, seed=4), how)
     for check in (True, False):
         out, lse, report = batch.decode(backend, check=check, return_lse=True)
-        ref_out, ref_lse, ref_report = batch.reference(check=check, return_lse=True,
-                                                       compute_dtype=torch.float64)
+        ref_out, ref_lse, ref_report = batch.reference(
+            check=check, return_lse=True, compute_dtype=torch.float64
+        )
         assert_close_to_reference(out, ref_out, case["dtype"])
         torch.testing.assert_close(lse.double(), ref_lse, **LSE_TOLERANCE)
         if check:
@@ -337,7 +385,9 @@ def test_out_buffer_is_written_in_place_and_nothing_else(backend):
     batch = make_batch(case, boundary_lens(case["page_size"]), seed=6)
     dim = case["head_dim"]
     # A strided out: rows of dim + 16 elements; the padding must keep its sentinel.
-    buf = torch.full(batch.q.shape[:2] + (dim + 16,), 7.0, dtype=case["dtype"], device=batch.q.device)
+    buf = torch.full(
+        batch.q.shape[:2] + (dim + 16,), 7.0, dtype=case["dtype"], device=batch.q.device
+    )
     out_view = buf[..., :dim]
     out, report = batch.decode(backend, out=out_view)
     assert out.data_ptr() == out_view.data_ptr()

@@ -5,6 +5,7 @@ prefill, shared prefix and prefill-then-decode paths.
 Shapes are tiny: under the Triton interpreter every program costs milliseconds per loop iteration.
 Tile overrides (``block_m``/``block_n`` = 16) make short sequences span several query and KV tiles.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,17 @@ import torch
 
 import kvattn
 from kvattn import Violation, backends, reserved_tag, written_tag
-from kvattn_testing.extend import (EXTEND_BACKENDS, KERNELS, LSE_TOL, TRITON_EXTEND, Extend,
-                                   assert_close, assert_prefix_scenario, corrupt, dense_extend)
+from kvattn_testing.extend import (
+    EXTEND_BACKENDS,
+    KERNELS,
+    LSE_TOL,
+    TRITON_EXTEND,
+    Extend,
+    assert_close,
+    assert_prefix_scenario,
+    corrupt,
+    dense_extend,
+)
 from kvattn_testing.util import DEVICE, assert_reports_equal, tolerance
 
 needs_triton = pytest.mark.skipif(TRITON_EXTEND is None, reason="Triton backend cannot run here")
@@ -30,16 +40,23 @@ def mixed(page_size: int):
 
 # --- the reference against the definition ------------------------------------------------------
 
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("page_size,num_heads,num_kv_heads", [(1, 2, 2), (4, 4, 1), (16, 4, 2)])
 def test_reference_matches_dense_attention(page_size, num_heads, num_kv_heads, causal):
     q_lens, prefixes = mixed(page_size)
-    e = Extend.random(q_lens, prefixes, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                      page_size=page_size, dtype=torch.float32)
+    e = Extend.random(
+        q_lens,
+        prefixes,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        dtype=torch.float32,
+    )
     out, lse, report = e.reference(causal=causal, compute_dtype=torch.float64)
     keys, values = zip(*(e.tokens(b) for b in range(len(q_lens))))
     allowed = [[True] * len(k) for k in keys]
-    want, want_lse = dense_extend(e.q, e.cu, keys, values, allowed, 16 ** -0.5, causal)
+    want, want_lse = dense_extend(e.q, e.cu, keys, values, allowed, 16**-0.5, causal)
     torch.testing.assert_close(out.cpu(), want, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-10, rtol=1e-10)
     assert int(report.violations.sum()) == 0
@@ -50,6 +67,7 @@ def test_reference_matches_dense_attention(page_size, num_heads, num_kv_heads, c
 
 # --- every extend backend against the reference ------------------------------------------------
 
+
 @pytest.mark.skipif(not KERNELS, reason="no extend kernel can run here")
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -58,8 +76,15 @@ def test_extend_matches_reference(backend, dtype, page_size):
     """Default tiles through the public API; GQA 1 and 4 alternate with the page size."""
     q_lens, prefixes = mixed(page_size)
     num_heads, num_kv_heads = (4, 1) if page_size == 4 else (2, 2)
-    e = Extend.random(q_lens, prefixes, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                      page_size=page_size, dtype=dtype, seed=page_size)
+    e = Extend.random(
+        q_lens,
+        prefixes,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        dtype=dtype,
+        seed=page_size,
+    )
     out, lse, report = e.run(backend, return_lse=True)
     ref, ref_lse, ref_report = e.reference()
     assert_close(out, ref, dtype)
@@ -70,16 +95,28 @@ def test_extend_matches_reference(backend, dtype, page_size):
 
 @needs_triton
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dtype,page_size,num_heads,num_kv_heads", [
-    (torch.float16, 1, 4, 1), (torch.bfloat16, 4, 2, 2), (torch.float32, 4, 4, 1),
-    (torch.float16, 16, 2, 2),
-])
+@pytest.mark.parametrize(
+    "dtype,page_size,num_heads,num_kv_heads",
+    [
+        (torch.float16, 1, 4, 1),
+        (torch.bfloat16, 4, 2, 2),
+        (torch.float32, 4, 4, 1),
+        (torch.float16, 16, 2, 2),
+    ],
+)
 def test_triton_small_tiles_match_reference(dtype, page_size, num_heads, num_kv_heads, causal):
     """16-row query tiles and 16-token KV tiles: chunks span several tiles, causal tiles are
     skipped, and only tile 0 of head 0 writes the report."""
     q_lens, prefixes = mixed(page_size)
-    e = Extend.random(q_lens, prefixes, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                      page_size=page_size, dtype=dtype, seed=3)
+    e = Extend.random(
+        q_lens,
+        prefixes,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page_size,
+        dtype=dtype,
+        seed=3,
+    )
     out, lse, report = e.launch(causal=causal)
     ref, ref_lse, ref_report = e.reference(causal=causal)
     assert_close(out, ref, dtype)
@@ -171,14 +208,33 @@ def test_incident_replay_prefill_over_reserved_pages(backend):
     table, _, expected = cache.batch([b])
     seq_lens = torch.tensor([4 * size], dtype=torch.int32, device=DEVICE)
     cu = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
-    out, report = kvattn.paged_extend(q, cache.k_cache, cache.v_cache, cu, table, seq_lens,
-                                      cache.page_tags, expected, backend=backend)
+    out, report = kvattn.paged_extend(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cu,
+        table,
+        seq_lens,
+        cache.page_tags,
+        expected,
+        backend=backend,
+    )
     torch.testing.assert_close(out, v0[:, 0].expand(3, heads, 16), **tolerance(torch.float32))
     assert report.violations.tolist() == [4]
     reserved = [int(Violation.RESERVED)] * 3
     assert report.page_reasons[0].tolist() == [int(Violation.UNWRITTEN)] + reserved
-    leaked, _ = kvattn.paged_extend(q, cache.k_cache, cache.v_cache, cu, table, seq_lens,
-                                    cache.page_tags, expected, backend=backend, check=False)
+    leaked, _ = kvattn.paged_extend(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        cu,
+        table,
+        seq_lens,
+        cache.page_tags,
+        expected,
+        backend=backend,
+        check=False,
+    )
     assert (leaked - 100.0).abs().max() < 1.0
 
 
@@ -207,10 +263,13 @@ def test_malformed_lengths_fail_closed(backend):
 
 # --- the allocator: chunked prefill, shared prefix, prefill then decode --------------------------
 
+
 def _prompt(length, dtype, seed, heads=4, kv_heads=2, dim=16):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(length, h, dim, generator=g).to(dtype).to(DEVICE)
-            for h in (heads, kv_heads, kv_heads)]
+    return [
+        torch.randn(length, h, dim, generator=g).to(dtype).to(DEVICE)
+        for h in (heads, kv_heads, kv_heads)
+    ]
 
 
 def _chunked_prefill(chunks, q, k, v, dtype, page_size=4):
@@ -218,8 +277,9 @@ def _chunked_prefill(chunks, q, k, v, dtype, page_size=4):
     lease = cache.allocate(0)
     outs, start = [], 0
     for n in chunks:
-        out, report = cache.prefill(q[start:start + n], k[start:start + n], v[start:start + n],
-                                    [lease], [n])
+        out, report = cache.prefill(
+            q[start : start + n], k[start : start + n], v[start : start + n], [lease], [n]
+        )
         assert int(report.violations.sum()) == 0
         outs.append(out)
         start += n
@@ -276,32 +336,55 @@ def test_shared_prefix_passes_and_foreign_prefix_is_refused():
 
 # --- validation ----------------------------------------------------------------------------------
 
+
 def _bad(e: Extend, **changes):
-    names = ["q", "k_cache", "v_cache", "cu_seqlens_q", "block_table", "seq_lens", "page_tags",
-             "expected"]
+    names = [
+        "q",
+        "k_cache",
+        "v_cache",
+        "cu_seqlens_q",
+        "block_table",
+        "seq_lens",
+        "page_tags",
+        "expected",
+    ]
     args = dict(zip(names, e.inputs()))
     kwargs = {key: changes.pop(key) for key in ("causal", "out", "scale") if key in changes}
     args.update(changes)
     return lambda: kvattn.paged_extend(*args.values(), backend="reference", **kwargs)
 
 
-@pytest.mark.parametrize("change,name", [
-    (dict(cu_seqlens_q=torch.tensor([0, 2, 5])), "cu_seqlens_q"),  # int64
-    (dict(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32)), "cu_seqlens_q"),  # shape
-    (dict(cu_seqlens_q=torch.tensor([1, 2, 5], dtype=torch.int32)), "cu_seqlens_q"),  # start
-    (dict(cu_seqlens_q=torch.tensor([0, 4, 3], dtype=torch.int32)), "cu_seqlens_q"),  # decreasing
-    (dict(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)), "cu_seqlens_q"),  # != total_q
-    (dict(seq_lens=torch.tensor([1, 4], dtype=torch.int32)), "seq_lens"),  # 2 queries, 1 token
-    (dict(seq_lens=torch.tensor([2, 400], dtype=torch.int32)), "seq_lens"),  # past the table
-    (dict(q=torch.zeros(5, 2, 16, dtype=torch.float16)[:, :, None]), "q"),
-    (dict(q=torch.zeros(5, 3, 16, dtype=torch.float16),  # 3 query heads over 2 KV heads
-          k_cache=torch.zeros(24, 4, 2, 16, dtype=torch.float16),
-          v_cache=torch.zeros(24, 4, 2, 16, dtype=torch.float16)), "k_cache"),
-    (dict(block_table=torch.zeros(3, 2, dtype=torch.int32)), "cu_seqlens_q"),
-    (dict(out=torch.zeros(4, 2, 16, dtype=torch.float16)), "out"),
-    (dict(causal=1), "causal"),
-    (dict(expected=torch.tensor([1, 0])), "expected"),
-])
+@pytest.mark.parametrize(
+    "change,name",
+    [
+        (dict(cu_seqlens_q=torch.tensor([0, 2, 5])), "cu_seqlens_q"),  # int64
+        (dict(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32)), "cu_seqlens_q"),  # shape
+        (dict(cu_seqlens_q=torch.tensor([1, 2, 5], dtype=torch.int32)), "cu_seqlens_q"),  # start
+        (
+            dict(cu_seqlens_q=torch.tensor([0, 4, 3], dtype=torch.int32)),
+            "cu_seqlens_q",
+        ),  # decreasing
+        (
+            dict(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)),
+            "cu_seqlens_q",
+        ),  # != total_q
+        (dict(seq_lens=torch.tensor([1, 4], dtype=torch.int32)), "seq_lens"),  # 2 queries, 1 token
+        (dict(seq_lens=torch.tensor([2, 400], dtype=torch.int32)), "seq_lens"),  # past the table
+        (dict(q=torch.zeros(5, 2, 16, dtype=torch.float16)[:, :, None]), "q"),
+        (
+            dict(
+                q=torch.zeros(5, 3, 16, dtype=torch.float16),  # 3 query heads over 2 KV heads
+                k_cache=torch.zeros(24, 4, 2, 16, dtype=torch.float16),
+                v_cache=torch.zeros(24, 4, 2, 16, dtype=torch.float16),
+            ),
+            "k_cache",
+        ),
+        (dict(block_table=torch.zeros(3, 2, dtype=torch.int32)), "cu_seqlens_q"),
+        (dict(out=torch.zeros(4, 2, 16, dtype=torch.float16)), "out"),
+        (dict(causal=1), "causal"),
+        (dict(expected=torch.tensor([1, 0])), "expected"),
+    ],
+)
 def test_validation_names_the_argument(change, name):
     e = Extend.random([2, 3], [1, 2], num_heads=2, num_kv_heads=1, page_size=4)
     with pytest.raises((ValueError, TypeError)) as err:

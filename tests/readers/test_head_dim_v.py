@@ -3,9 +3,11 @@ values, FlashAttention 3's ``dv``): the readers' output is as wide as V, the sco
 
 Against :func:`kvattn_testing.variants.dense`, the float64 definition one row at a time, with a
 foreign page (NaN in K and V) planted where a sequence reads it, on every backend that claims the
-shapes; the CUDA kernels run a V narrower than K and refuse a wider one, saying so. V narrower and wider than K, and a width no tile has (24).
+shapes; the CUDA kernels run a V narrower than K and refuse a wider one, saying so. V narrower and
+wider than K, and a width no tile has (24).
 The twins: a clean batch reports nothing; the narrow V's output is the wide one's first columns.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,11 +18,27 @@ from kvattn import backends
 from kvattn.backends.triton.configs import ExtendConfig, extend_config
 from kvattn_testing.exactness import SPLIT_READERS, run, validated
 from kvattn_testing.extend import Extend
-from kvattn_testing.util import (DEVICE, Batch, assert_reports_equal, backends_under_test, claims,
-                                 launcher, raises)
-from kvattn_testing.variants import (FP8, HEADS, KV_HEADS, assert_every_claim_matches,
-                                     assert_matches, decode_rows, dense, inputs, plant_foreign_page,
-                                     tokens)
+from kvattn_testing.util import (
+    DEVICE,
+    Batch,
+    assert_reports_equal,
+    backends_under_test,
+    claims,
+    launcher,
+    raises,
+)
+from kvattn_testing.variants import (
+    FP8,
+    HEADS,
+    KV_HEADS,
+    assert_every_claim_matches,
+    assert_matches,
+    decode_rows,
+    dense,
+    inputs,
+    plant_foreign_page,
+    tokens,
+)
 
 # (K's head dim, V's): V narrower (DeepSeek's 192/128), wider, and not a power of two.
 DIMS = [(32, 16), (16, 32), (16, 24)]
@@ -29,9 +47,17 @@ DIM_IDS = [f"dk{k}-dv{v}" for k, v in DIMS]
 
 def decode_batch(dk: int, dv: int, page: int = 4, seed: int = 0, foreign: bool = True) -> Batch:
     """Four sequences of 3, 9, 1 and 14 tokens; sequence 3's second entry a foreign page."""
-    pages = Batch.random(batch=4, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=dk,
-                         head_dim_v=dv, page_size=page, seq_lens=[3, 9, 1, 14], pool_factor=2,
-                         seed=seed)
+    pages = Batch.random(
+        batch=4,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=dk,
+        head_dim_v=dv,
+        page_size=page,
+        seq_lens=[3, 9, 1, 14],
+        pool_factor=2,
+        seed=seed,
+    )
     if foreign:
         plant_foreign_page(pages, 3, 1)
     return pages
@@ -40,8 +66,17 @@ def decode_batch(dk: int, dv: int, page: int = 4, seed: int = 0, foreign: bool =
 def extend_batch(dk: int, dv: int, seed: int = 0) -> Extend:
     """Four sequences of 1, 5, 3 and 2 new rows after 3, 0, 9 and 12 cached tokens; sequence 3's
     third entry a foreign page (tokens 8-11: read by every row of it)."""
-    ext = Extend.random([1, 5, 3, 2], [3, 0, 9, 12], num_heads=HEADS, num_kv_heads=KV_HEADS,
-                        head_dim=dk, head_dim_v=dv, page_size=4, pool_factor=2, seed=seed)
+    ext = Extend.random(
+        [1, 5, 3, 2],
+        [3, 0, 9, 12],
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=dk,
+        head_dim_v=dv,
+        page_size=4,
+        pool_factor=2,
+        seed=seed,
+    )
     plant_foreign_page(ext.pages, 3, 2)
     return ext
 
@@ -50,8 +85,9 @@ def definition(x, op: str, **switches):
     pages = x if op == "decode" else x.pages
     rows = decode_rows(pages) if op == "decode" else x.cu
     seqs = [tokens(pages, b) for b in range(pages.seq_lens.shape[0])]
-    return dense(x.q if op == "extend" else pages.q, rows, seqs, pages.q.shape[2] ** -0.5,
-                 **switches)
+    return dense(
+        x.q if op == "extend" else pages.q, rows, seqs, pages.q.shape[2] ** -0.5, **switches
+    )
 
 
 def assert_claims_match(x, op: str, want_violations, *, theirs=None, **kwargs) -> None:
@@ -100,8 +136,12 @@ def test_fp8_pools_with_their_own_v_width(op):
     pages.k_cache = pages.k_cache.to(FP8["e4m3"])
     pages.v_cache = pages.v_cache.to(FP8["e4m3"])
     seqs = [tokens(pages, b, k_scale.cpu(), v_scale.cpu()) for b in range(4)]
-    want_out, want_lse = dense(x.q if op == "extend" else pages.q,
-                               decode_rows(pages) if op == "decode" else x.cu, seqs, 32 ** -0.5)
+    want_out, want_lse = dense(
+        x.q if op == "extend" else pages.q,
+        decode_rows(pages) if op == "decode" else x.cu,
+        seqs,
+        32**-0.5,
+    )
     args = validated(op, x, k_scale=k_scale, v_scale=v_scale)
     names = claims(args, op)
     assert "triton" in names or "triton" not in backends_under_test(), backends.explain(args, op)
@@ -115,9 +155,17 @@ def test_fp8_pools_with_their_own_v_width(op):
 @pytest.mark.parametrize("dims", DIMS, ids=DIM_IDS)
 def test_split_decode_merges_v_wide_partials(dims, num_splits):
     """The split-KV path stores and merges partial sums as wide as V."""
-    pages = Batch.random(batch=4, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=dims[0],
-                         head_dim_v=dims[1], page_size=4, seq_lens=[90, 17, 1, 64], pool_factor=2,
-                         seed=7)
+    pages = Batch.random(
+        batch=4,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=dims[0],
+        head_dim_v=dims[1],
+        page_size=4,
+        seq_lens=[90, 17, 1, 64],
+        pool_factor=2,
+        seed=7,
+    )
     plant_foreign_page(pages, 0, 20)
     args = validated("decode", pages)
     want_out, want_lse = definition(pages, "decode")
@@ -139,6 +187,7 @@ def test_triton_extend_splits_v_columns(d_split):
     if "triton" not in backends_under_test():
         pytest.skip("triton cannot run here")
     from kvattn.backends.triton import paged_extend
+
     ext = extend_batch(16, 32)
     args = validated("extend", ext)
     want_out, want_lse = definition(ext, "extend")
@@ -153,6 +202,7 @@ def test_triton_extend_splits_v_columns(d_split):
 def test_triton_extend_config_is_keyed_by_the_wider_head():
     ext = extend_batch(16, 32)
     from kvattn.backends.triton import paged_extend
+
     wide = extend_config(DEVICE, ext.q.dtype, 32, 4)
     assert paged_extend.launch_config(validated("extend", ext)) == wide
 
@@ -183,8 +233,12 @@ def test_cuda_kernels_refuse_v_wider_than_k_saying_why(op):
     args = validated(op, x)
     why = "V head dim 32 > K head dim 16"
     assert why in kvattn.backends.cuda.launch.unsupported(args)
-    assert kvattn.backends.cuda.launch.unsupported(validated(
-        op, decode_batch(32, 16) if op == "decode" else extend_batch(32, 16))) is None
+    assert (
+        kvattn.backends.cuda.launch.unsupported(
+            validated(op, decode_batch(32, 16) if op == "decode" else extend_batch(32, 16))
+        )
+        is None
+    )
     if backends.load("cuda_sim")[0]._sim is None:
         pytest.skip("the CUDA harness is not built here")
     assert why in backends.explain(args, op)["cuda_sim"]
@@ -206,9 +260,19 @@ def test_cuda_v_narrower_than_k_at_every_tile(dims):
     if backends.load("cuda_sim")[0]._sim is None:
         pytest.skip("the CUDA harness is not built here")
     dk, dv = dims
-    pages = Batch.random(batch=3, num_heads=4, num_kv_heads=2, head_dim=dk, head_dim_v=dv,
-                         page_size=8, seq_lens=[5, 30, 17], pool_factor=2, seed=3,
-                         dtype=torch.float16, device=torch.device("cpu"))
+    pages = Batch.random(
+        batch=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=dk,
+        head_dim_v=dv,
+        page_size=8,
+        seq_lens=[5, 30, 17],
+        pool_factor=2,
+        seed=3,
+        dtype=torch.float16,
+        device=torch.device("cpu"),
+    )
     plant_foreign_page(pages, 1, 2)
     args = validated("decode", pages)
     assert backends.explain(args, "decode")["cuda_sim"] is None
@@ -223,9 +287,19 @@ def test_cuda_v_narrower_than_k_at_every_tile(dims):
     launcher("cuda_sim").decode(args, check=False, out=out, lse=None, num_splits=1)
     assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
 
-    ext = Extend.random([2, 5, 1], [3, 20, 9], num_heads=4, num_kv_heads=2, head_dim=dk,
-                        head_dim_v=dv, page_size=8, pool_factor=2, seed=4, dtype=torch.float16,
-                        device=torch.device("cpu"))
+    ext = Extend.random(
+        [2, 5, 1],
+        [3, 20, 9],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=dk,
+        head_dim_v=dv,
+        page_size=8,
+        pool_factor=2,
+        seed=4,
+        dtype=torch.float16,
+        device=torch.device("cpu"),
+    )
     plant_foreign_page(ext.pages, 1, 1)
     want_out, want_lse = definition(ext, "extend")
     out, lse, report = run("extend", ext, "cuda_sim")
@@ -236,12 +310,20 @@ def test_cuda_v_narrower_than_k_at_every_tile(dims):
 
 # --- validation ------------------------------------------------------------------------------------
 
+
 def test_v_pool_must_match_k_but_for_its_head_dim():
     pages = decode_batch(32, 16)
     other_heads = pages.v_cache[:, :, :1]
     with raises(ValueError, "v_cache", "head_dim_v", f"{tuple(other_heads.shape)}"):
-        kvattn.paged_decode(pages.q, pages.k_cache, other_heads, pages.block_table,
-                            pages.seq_lens, pages.page_tags, pages.expected)
+        kvattn.paged_decode(
+            pages.q,
+            pages.k_cache,
+            other_heads,
+            pages.block_table,
+            pages.seq_lens,
+            pages.page_tags,
+            pages.expected,
+        )
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
@@ -260,6 +342,7 @@ def test_out_is_as_wide_as_v(op):
 def test_custom_ops_return_v_wide_outputs(op):
     """``torch.ops.kvattn``: the op and its fake both size the output by V."""
     from kvattn import ops
+
     x = decode_batch(32, 16) if op == "decode" else extend_batch(32, 16)
     args = (*inputs(x),) if op == "decode" else x.inputs()
     fn = ops.paged_decode if op == "decode" else ops.paged_extend
@@ -289,16 +372,25 @@ def test_writers_store_v_rows_of_their_own_width(dims):
     written = 0
     for backend in WRITERS:
         module, _ = backends.load(backend)
-        k_cache = torch.full((num_pages, page, hk, dk), float("nan"), dtype=torch.half, device=DEVICE)
-        v_cache = torch.full((num_pages, page, hk, dv), float("nan"), dtype=torch.half, device=DEVICE)
+        k_cache = torch.full(
+            (num_pages, page, hk, dk), float("nan"), dtype=torch.half, device=DEVICE
+        )
+        v_cache = torch.full(
+            (num_pages, page, hk, dv), float("nan"), dtype=torch.half, device=DEVICE
+        )
         tags = torch.tensor([0, kvattn.reserved_tag(7), kvattn.reserved_tag(7)], device=DEVICE)
         args = kvattn.write_args.validate_write_kv(k, v, k_cache, v_cache, slots, tags, 7)
         if backends.explain(args, "write_kv")[backend] is not None:
             continue
         result = kvattn.write_kv(k, v, k_cache, v_cache, slots, tags, 7, backend=backend)
         assert result.landed.all() and int(result.dropped) == 0, backend
-        assert torch.equal(k_cache.flatten(0, 1)[4:9], k) and torch.equal(v_cache.flatten(0, 1)[4:9], v)
-        assert torch.isnan(k_cache.flatten(0, 1)[9:]).all() and torch.isnan(v_cache.flatten(0, 1)[9:]).all()
+        assert torch.equal(k_cache.flatten(0, 1)[4:9], k) and torch.equal(
+            v_cache.flatten(0, 1)[4:9], v
+        )
+        assert (
+            torch.isnan(k_cache.flatten(0, 1)[9:]).all()
+            and torch.isnan(v_cache.flatten(0, 1)[9:]).all()
+        )
         assert torch.isnan(v_cache[0]).all()
         assert tags.tolist() == [0, kvattn.written_tag(7, 4), kvattn.written_tag(7, 1)], backend
         written += 1
@@ -327,8 +419,9 @@ def test_paged_kv_cache_with_its_own_v_width():
         return torch.randn(*shape, generator=g).half().to(DEVICE)
 
     leases = [cache.allocate(6), cache.allocate(5)]
-    out, report = cache.prefill(randn(11, HEADS, 32), randn(11, KV_HEADS, 32),
-                                randn(11, KV_HEADS, 16), leases, [6, 5])
+    out, report = cache.prefill(
+        randn(11, HEADS, 32), randn(11, KV_HEADS, 32), randn(11, KV_HEADS, 16), leases, [6, 5]
+    )
     assert out.shape == (11, HEADS, 16) and report.violations.tolist() == [0, 0]
     q = randn(2, HEADS, 32)
     for tamper in (False, True):
@@ -336,8 +429,9 @@ def test_paged_kv_cache_with_its_own_v_width():
             cache.page_tags[leases[1].pages[0]] = kvattn.written_tag(99, 4)
         out, report = cache.decode(q, leases)
         table, seq_lens, expected = cache.batch(leases)
-        want, _ = kvattn.reference.paged_decode(q, cache.k_cache, cache.v_cache, table, seq_lens,
-                                                cache.page_tags, expected)
+        want, _ = kvattn.reference.paged_decode(
+            q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags, expected
+        )
         assert out.shape == (2, HEADS, 16)
         torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
         assert report.violations.tolist() == ([0, 1] if tamper else [0, 0])

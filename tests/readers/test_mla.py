@@ -11,6 +11,7 @@ a large error.
 Small latents (32 + 16) keep the interpreter fast where the geometry does not matter; every
 property that depends on the tile shapes is also run at 512 + 64.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,15 +22,24 @@ import torch
 import kvattn
 from kvattn import KVOwnershipError, Violation, backends, ops
 from kvattn.tags import STATE_WRITTEN
-from kvattn_testing.mla import (EXTEND, SENTINEL, MLABatch, incident, latent_attention,
-                                readable_latent, shared_prefix)
+from kvattn_testing.mla import (
+    EXTEND,
+    SENTINEL,
+    MLABatch,
+    incident,
+    latent_attention,
+    readable_latent,
+    shared_prefix,
+)
 from kvattn_testing.util import DEVICE, LSE_TOLERANCE, assert_reports_equal, raises, tolerance
 
 BACKENDS = ["reference", "triton"]
 # The scenarios also run through the MLA extend kernel, one query row per sequence (MLABatch.decode).
 SCENARIO_BACKENDS = BACKENDS + [EXTEND + "triton"]
 # The CUDA decode's latent tile through the CPU harness: FlashMLA's 512 + 64 only.
-LATENT_TILE = ["cuda_sim"] if getattr(backends.load("cuda_sim")[0], "_sim", None) is not None else []
+LATENT_TILE = (
+    ["cuda_sim"] if getattr(backends.load("cuda_sim")[0], "_sim", None) is not None else []
+)
 
 
 def mla_formula(batch: MLABatch, *, scale=None, check=True):
@@ -50,8 +60,9 @@ def assert_matches(batch, backend, *, check=True, **kwargs):
     """``backend``'s output, lse and report against the reference (float64) and the formula;
     returns them."""
     out, lse, report = batch.decode(backend, check=check, return_lse=True, **kwargs)
-    ref_out, ref_lse, ref_report = batch.reference(check=check, return_lse=True,
-                                                   scale=kwargs.get("scale"))
+    ref_out, ref_lse, ref_report = batch.reference(
+        check=check, return_lse=True, scale=kwargs.get("scale")
+    )
     want_out, want_lse = mla_formula(batch, check=check, scale=kwargs.get("scale"))
     assert out.shape == (*batch.q.shape[:2], batch.kv_lora_rank) and out.dtype == batch.q.dtype
     assert torch.isfinite(out).all(), "a refused or masked slot was read"
@@ -87,16 +98,27 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,lora,rope,page,heads,splits", CASES,
-                         ids=[f"{str(c[0])[6:]}-{c[1]}+{c[2]}-p{c[3]}-h{c[4]}-s{c[5]}" for c in CASES])
+@pytest.mark.parametrize(
+    "dtype,lora,rope,page,heads,splits",
+    CASES,
+    ids=[f"{str(c[0])[6:]}-{c[1]}+{c[2]}-p{c[3]}-h{c[4]}-s{c[5]}" for c in CASES],
+)
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
 def test_triton_matches_reference_and_formula(dtype, lora, rope, page, heads, splits, check):
-    batch = MLABatch.random(seq_lens=boundary_lens(page), num_heads=heads, lora=lora, rope=rope,
-                            page_size=page, dtype=dtype, seed=lora + page)
+    batch = MLABatch.random(
+        seq_lens=boundary_lens(page),
+        num_heads=heads,
+        lora=lora,
+        rope=rope,
+        page_size=page,
+        dtype=dtype,
+        seed=lora + page,
+    )
     _, _, report = assert_matches(batch, "triton", check=check, num_splits=splits)
     if check:
         assert not report.any() and report.pages_checked.tolist() == [
-            -(-n // page) for n in boundary_lens(page)]
+            -(-n // page) for n in boundary_lens(page)
+        ]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -110,8 +132,15 @@ def test_peer_grid_512_plus_64_page_64(heads):
     """FlashMLA's and vLLM's MLA test geometry (latent 512 + 64, bf16, pages of 64, 16 or 128 query
     heads) on a small batch: one sequence ending a slot into its third page, one ending on a page
     boundary, both split in two."""
-    batch = MLABatch.random(seq_lens=[129, 64], num_heads=heads, lora=512, rope=64, page_size=64,
-                            dtype=torch.bfloat16, seed=heads)
+    batch = MLABatch.random(
+        seq_lens=[129, 64],
+        num_heads=heads,
+        lora=512,
+        rope=64,
+        page_size=64,
+        dtype=torch.bfloat16,
+        seed=heads,
+    )
     out, lse, report = batch.decode("triton", return_lse=True, num_splits=2)
     ref_out, ref_lse, ref_report = batch.reference(return_lse=True)
     torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.bfloat16))
@@ -123,14 +152,17 @@ def test_peer_grid_512_plus_64_page_64(heads):
 def test_bf16_output_is_not_garbage():
     """A query aligned with one latent row makes attention peaked: the output must follow that
     row's value part (the interpreter's bf16 tl.dot is wrong unless upcast)."""
-    batch = MLABatch.random(seq_lens=[70], num_heads=16, lora=512, rope=64, page_size=64,
-                            dtype=torch.bfloat16, seed=4)
+    batch = MLABatch.random(
+        seq_lens=[70], num_heads=16, lora=512, rope=64, page_size=64, dtype=torch.bfloat16, seed=4
+    )
     p = int(batch.block_table[0, 1])
     batch.q[0] = (batch.kv_cache[p, 3, 0] * 0.5).to(torch.bfloat16)
     out, _ = batch.decode("triton")
     ref_out, _ = batch.reference()
     torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.bfloat16))
-    cos = torch.nn.functional.cosine_similarity(out[0].float(), batch.kv_cache[p, 3, 0, :512].float()[None])
+    cos = torch.nn.functional.cosine_similarity(
+        out[0].float(), batch.kv_cache[p, 3, 0, :512].float()[None]
+    )
     assert (cos > 0.9).all()
 
 
@@ -143,8 +175,9 @@ def test_strided_pool_view_out_buffer_and_per_entry_expected():
     for backend in BACKENDS:
         out, report = batch.decode(backend, out=out_buf)
         assert out is out_buf and not report.any()
-        torch.testing.assert_close(out.double(), mla_formula(batch)[0].to(DEVICE),
-                                   **tolerance(batch.q.dtype))
+        torch.testing.assert_close(
+            out.double(), mla_formula(batch)[0].to(DEVICE), **tolerance(batch.q.dtype)
+        )
         out_buf.fill_(float("nan"))
 
 
@@ -152,8 +185,16 @@ def test_planned_splits_cover_the_sequence():
     """Without ``num_splits`` the planner splits a table of 2048 tokens (in two on the CPU, more on
     a GPU): the merge of the splits equals the reference."""
     from kvattn.backends.triton import paged_mla_decode as module
-    batch = MLABatch.random(seq_lens=[2048, 700], page_size=64, pool_factor=1, lora=32, rope=16,
-                            num_heads=2, dtype=torch.float32)
+
+    batch = MLABatch.random(
+        seq_lens=[2048, 700],
+        page_size=64,
+        pool_factor=1,
+        lora=32,
+        rope=16,
+        num_heads=2,
+        dtype=torch.float32,
+    )
     args = kvattn.layout.validate_mla_decode(*batch.inputs(), kv_lora_rank=32)
     assert module.plan_splits(args)[0] == (2 if DEVICE.type == "cpu" else 8)
     out, lse, report = batch.decode("triton", return_lse=True)
@@ -164,6 +205,7 @@ def test_planned_splits_cover_the_sequence():
 
 
 # --- Fully refused rows and splits ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("splits", [1, 3])
@@ -189,8 +231,15 @@ def test_clean_sequences_have_finite_rows():
 def test_refused_split_leaves_the_other_split_exact():
     """Two splits of 64 tokens; the first split's pages are all refused, so its partial is empty
     (m = -inf, l = 0) and the merge returns the second split's attention alone."""
-    batch = MLABatch.random(seq_lens=[128, 128], page_size=16, lora=512, rope=64, num_heads=16,
-                            dtype=torch.float16, seed=7)
+    batch = MLABatch.random(
+        seq_lens=[128, 128],
+        page_size=16,
+        lora=512,
+        rope=64,
+        num_heads=16,
+        dtype=torch.float16,
+        seed=7,
+    )
     for i in range(4):
         batch.page_tags[int(batch.block_table[0, i])] = kvattn.FREE_TAG
     _, _, report = assert_matches(batch, "triton", num_splits=2)
@@ -201,6 +250,7 @@ def test_refused_split_leaves_the_other_split_exact():
 # --- The scenarios of docs/ownership.md section 6 on the latent cache ----------------------------
 # Pages of 4 tokens are resolved per token by the kernel (shorter than its 32-row tile), pages of 32
 # tile by tile with one scalar tag test: each scenario runs on both paths.
+
 
 @pytest.fixture(params=[4, 32], ids=lambda p: f"p{p}")
 def page(request):
@@ -217,7 +267,10 @@ def check_incident(batch, row, backend):
     out, _, report = assert_matches(batch, backend)
     assert report.violations.tolist() == [4]
     assert report.reasons.tolist() == [int(Violation.UNWRITTEN | Violation.RESERVED)]
-    assert report.page_reasons[0].tolist() == [int(Violation.UNWRITTEN)] + [int(Violation.RESERVED)] * 3
+    assert (
+        report.page_reasons[0].tolist()
+        == [int(Violation.UNWRITTEN)] + [int(Violation.RESERVED)] * 3
+    )
     # Attention over B's one token is that token's value part, for every head.
     want = row[:lora].float().expand(out.shape[1], -1)
     torch.testing.assert_close(out[0].float(), want, **tolerance(batch.q.dtype))
@@ -246,12 +299,19 @@ def test_incident_replay_unchecked_at_512_plus_64_shows_the_sentinel(backend):
 # (dtype, page, heads, num_splits): FlashMLA's page of 64 with one and three splits, a page that
 # divides no 16-token sub-tile (5), one token a page, a GQA group over one 16-row chunk (20 heads),
 # and a few heads.
-LATENT_CASES = [(torch.bfloat16, 64, 16, 1), (torch.float16, 64, 16, 3), (torch.bfloat16, 5, 20, 2),
-                (torch.float16, 1, 3, 1)]
+LATENT_CASES = [
+    (torch.bfloat16, 64, 16, 1),
+    (torch.float16, 64, 16, 3),
+    (torch.bfloat16, 5, 20, 2),
+    (torch.float16, 1, 3, 1),
+]
 
 
-@pytest.mark.parametrize("dtype,page,heads,splits", LATENT_CASES,
-                         ids=[f"{str(c[0])[6:]}-p{c[1]}-h{c[2]}-s{c[3]}" for c in LATENT_CASES])
+@pytest.mark.parametrize(
+    "dtype,page,heads,splits",
+    LATENT_CASES,
+    ids=[f"{str(c[0])[6:]}-p{c[1]}-h{c[2]}-s{c[3]}" for c in LATENT_CASES],
+)
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
 def test_cuda_latent_tile_matches_reference_and_formula(dtype, page, heads, splits, check):
     """The decode kernel's latent tile reads each 576-dim row once, as the key and (its first 512
@@ -259,8 +319,15 @@ def test_cuda_latent_tile_matches_reference_and_formula(dtype, page, heads, spli
     (``check=False`` reads no refused page here: every page is the sequence's own)."""
     if not LATENT_TILE:
         pytest.skip("the CUDA harness is not built here")
-    batch = MLABatch.random(seq_lens=boundary_lens(page) + [40], num_heads=heads, lora=512, rope=64,
-                            page_size=page, dtype=dtype, seed=page + heads)
+    batch = MLABatch.random(
+        seq_lens=boundary_lens(page) + [40],
+        num_heads=heads,
+        lora=512,
+        rope=64,
+        page_size=page,
+        dtype=dtype,
+        seed=page + heads,
+    )
     args = kvattn.layout.validate_mla_decode(*batch.inputs(), kv_lora_rank=512, num_splits=splits)
     assert backends.explain(args, "mla_decode")["cuda_sim"] is None
     plan = {}
@@ -312,8 +379,9 @@ def test_incident_replay_truthful_length_is_clean(backend, page):
     batch.seq_lens[0] = 1
     out, _, report = assert_matches(batch, backend)
     assert not report.any() and report.pages_checked.tolist() == [1]
-    torch.testing.assert_close(out[0].float(), row[:32].float().expand(4, -1),
-                               **tolerance(batch.q.dtype))
+    torch.testing.assert_close(
+        out[0].float(), row[:32].float().expand(4, -1), **tolerance(batch.q.dtype)
+    )
 
 
 def lens3(page=4):
@@ -333,8 +401,9 @@ def test_clean_batch_has_no_violation(backend, page):
 @pytest.mark.parametrize("tag", ["free", "reserved"])
 def test_free_and_reserved_pages_are_refused(backend, page, tag):
     batch = small(page)
-    batch.page_tags[int(batch.block_table[1, 1])] = (kvattn.FREE_TAG if tag == "free"
-                                                     else kvattn.reserved_tag(2))
+    batch.page_tags[int(batch.block_table[1, 1])] = (
+        kvattn.FREE_TAG if tag == "free" else kvattn.reserved_tag(2)
+    )
     _, _, report = assert_matches(batch, backend)
     reason = Violation.FREE if tag == "free" else Violation.RESERVED
     assert report.violations.tolist() == [0, 1, 0]
@@ -345,7 +414,7 @@ def test_free_and_reserved_pages_are_refused(backend, page, tag):
 def test_out_of_range_and_negative_indices_are_refused(backend, page, bad):
     batch = small(page)
     num_pages = batch.kv_cache.shape[0]
-    batch.block_table[2, 1] = {"past_pool": num_pages, "negative": -1, "int32_min": -2 ** 31}[bad]
+    batch.block_table[2, 1] = {"past_pool": num_pages, "negative": -1, "int32_min": -(2**31)}[bad]
     _, _, report = assert_matches(batch, backend)
     assert report.violations.tolist() == [0, 0, 1]
     assert report.page_reasons[2].tolist() == [0, int(Violation.OUT_OF_RANGE), 0]
@@ -366,8 +435,11 @@ def test_padding_page_that_is_read_is_refused(backend, page):
     batch.block_table[0, 2] = int(batch.block_table[1, 0])
     batch.seq_lens[0] = 2 * page + 1
     _, _, report = assert_matches(batch, backend)
-    assert report.page_reasons[0].tolist()[:3] == [0, int(Violation.UNWRITTEN),
-                                                   int(Violation.OWNER_MISMATCH)]
+    assert report.page_reasons[0].tolist()[:3] == [
+        0,
+        int(Violation.UNWRITTEN),
+        int(Violation.OWNER_MISMATCH),
+    ]
 
 
 def test_duplicated_index_of_another_sequence_is_refused(backend, page):
@@ -392,20 +464,22 @@ def stale_tails(batch):
     for p in range(batch.kv_cache.shape[0]):
         tag = int(batch.page_tags[p])
         if kvattn.tag_state(tag) == STATE_WRITTEN:
-            batch.kv_cache[p, kvattn.tag_valid_len(tag):] = SENTINEL
+            batch.kv_cache[p, kvattn.tag_valid_len(tag) :] = SENTINEL
     return batch
 
 
 @pytest.mark.parametrize("pages,slots", [(1, -1), (1, 0), (1, 1), (2, 0), (2, 1)])
 def test_partial_pages_at_page_boundaries_are_clean(backend, page, pages, slots):
-    batch = stale_tails(MLABatch.random(seq_lens=[pages * page + slots, 1, 3 * page],
-                                        page_size=page))
+    batch = stale_tails(
+        MLABatch.random(seq_lens=[pages * page + slots, 1, 3 * page], page_size=page)
+    )
     out, _, report = assert_matches(batch, backend)
     assert not report.any() and out.abs().max() < 10
 
 
-@pytest.mark.parametrize("written,read", [((1, -1), (1, 0)), ((0, 1), (1, 0)), ((1, 1), (2, 0)),
-                                          ((2, -1), (2, 1))])
+@pytest.mark.parametrize(
+    "written,read", [((1, -1), (1, 0)), ((0, 1), (1, 0)), ((1, 1), (2, 0)), ((2, -1), (2, 1))]
+)
 def test_reading_past_valid_len_is_refused(backend, page, written, read):
     """The twin: the table claims more tokens than were written; the stale tail stays out.
     ``written`` and ``read`` are (pages, slots) lengths: pages * page_size + slots."""
@@ -501,6 +575,7 @@ def test_seq_len_inside_the_table_is_not_beyond_it(backend, page):
 
 # --- Validation, registry, custom op --------------------------------------------------------------
 
+
 def _mutations():
     def replace(**changes):
         return lambda b: dataclasses.replace(b, **changes)
@@ -510,32 +585,58 @@ def _mutations():
 
     return {
         "q_2d": (lambda b: call(dataclasses.replace(b, q=b.q[0])), ValueError, ("q:", "3-D")),
-        "two_latent_heads": (lambda b: call(replace(kv_cache=b.kv_cache.expand(-1, -1, 2, -1)
-                                                    .contiguous())(b)),
-                             ValueError, ("kv_cache:", "one latent head")),
-        "dim_mismatch": (lambda b: call(replace(q=b.q[..., :40].contiguous())(b)), ValueError,
-                         ("kv_cache:", "q's dim 2")),
-        "dtype_mismatch": (lambda b: call(replace(q=b.q.float())(b)), TypeError,
-                           ("kv_cache:", "float32")),
+        "two_latent_heads": (
+            lambda b: call(replace(kv_cache=b.kv_cache.expand(-1, -1, 2, -1).contiguous())(b)),
+            ValueError,
+            ("kv_cache:", "one latent head"),
+        ),
+        "dim_mismatch": (
+            lambda b: call(replace(q=b.q[..., :40].contiguous())(b)),
+            ValueError,
+            ("kv_cache:", "q's dim 2"),
+        ),
+        "dtype_mismatch": (
+            lambda b: call(replace(q=b.q.float())(b)),
+            TypeError,
+            ("kv_cache:", "float32"),
+        ),
         "lora_bool": (lambda b: call(b, kv_lora_rank=True), TypeError, ("kv_lora_rank:",)),
         "lora_too_big": (lambda b: call(b, kv_lora_rank=49), ValueError, ("kv_lora_rank:", "49")),
         "lora_zero": (lambda b: call(b, kv_lora_rank=0), ValueError, ("kv_lora_rank:",)),
-        "out_shape": (lambda b: call(b, out=torch.empty_like(b.q)), ValueError,
-                      ("out:", "(3, 4, 32)")),
+        "out_shape": (
+            lambda b: call(b, out=torch.empty_like(b.q)),
+            ValueError,
+            ("out:", "(3, 4, 32)"),
+        ),
         "out_overlaps_q": (lambda b: call(b, out=b.q[..., :32]), ValueError, ("out:",)),
         "splits_zero": (lambda b: call(b, num_splits=0), ValueError, ("num_splits:",)),
         "splits_float": (lambda b: call(b, num_splits=2.0), ValueError, ("num_splits:",)),
         "scale_nan": (lambda b: call(b, scale=float("nan")), ValueError, ("scale:",)),
-        "table_int64": (lambda b: call(replace(block_table=b.block_table.long())(b)), TypeError,
-                        ("block_table:",)),
-        "expected_shape": (lambda b: call(replace(expected=b.expected[:2])(b)), ValueError,
-                           ("expected:",)),
-        "seq_len_past_table": (lambda b: call(replace(seq_lens=b.seq_lens + 100)(b), validate=True),
-                               ValueError, ("seq_lens:",)),
-        "owner_zero": (lambda b: call(replace(expected=b.expected * 0)(b), validate=True),
-                       ValueError, ("expected:",)),
-        "raise_unchecked": (lambda b: call(b, check=False, on_violation="raise"), ValueError,
-                            ("on_violation:",)),
+        "table_int64": (
+            lambda b: call(replace(block_table=b.block_table.long())(b)),
+            TypeError,
+            ("block_table:",),
+        ),
+        "expected_shape": (
+            lambda b: call(replace(expected=b.expected[:2])(b)),
+            ValueError,
+            ("expected:",),
+        ),
+        "seq_len_past_table": (
+            lambda b: call(replace(seq_lens=b.seq_lens + 100)(b), validate=True),
+            ValueError,
+            ("seq_lens:",),
+        ),
+        "owner_zero": (
+            lambda b: call(replace(expected=b.expected * 0)(b), validate=True),
+            ValueError,
+            ("expected:",),
+        ),
+        "raise_unchecked": (
+            lambda b: call(b, check=False, on_violation="raise"),
+            ValueError,
+            ("on_violation:",),
+        ),
     }
 
 
@@ -574,8 +675,10 @@ def test_registry_reasons_and_auto_choice():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck_paged_mla_decode(backend):
     batch = MLABatch.random(seq_lens=[5, 2], dtype=torch.float32)
-    torch.library.opcheck(torch.ops.kvattn.paged_mla_decode.default,
-                          batch.inputs() + (32, None, True, backend, True, None, None))
+    torch.library.opcheck(
+        torch.ops.kvattn.paged_mla_decode.default,
+        batch.inputs() + (32, None, True, backend, True, None, None),
+    )
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -583,13 +686,15 @@ def test_mla_op_equals_direct_call(corrupt):
     batch = MLABatch.random(seq_lens=[5, 9, 2], dtype=torch.float32)
     if corrupt:  # sequence 0 reads sequence 1's first page: OWNER_MISMATCH
         batch.block_table[0, 0] = batch.block_table[1, 0]
-    out, lse, report = ops.paged_mla_decode(*batch.inputs(), kv_lora_rank=32, backend="triton",
-                                            return_lse=True, num_splits=2)
+    out, lse, report = ops.paged_mla_decode(
+        *batch.inputs(), kv_lora_rank=32, backend="triton", return_lse=True, num_splits=2
+    )
     ref_out, ref_lse, ref_report = batch.decode("triton", return_lse=True, num_splits=2)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert_reports_equal(report, ref_report)
     assert bool(report.violations[0]) == corrupt
     if corrupt:
         with pytest.raises(KVOwnershipError, match="OWNER_MISMATCH"):
-            ops.paged_mla_decode(*batch.inputs(), kv_lora_rank=32, backend="reference",
-                                 on_violation="raise")
+            ops.paged_mla_decode(
+                *batch.inputs(), kv_lora_rank=32, backend="reference", on_violation="raise"
+            )

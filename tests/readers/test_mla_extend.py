@@ -10,6 +10,7 @@ The scenarios of docs/ownership.md section 6 with one row per sequence run in :m
 through this kernel too. Pools are :class:`kvattn_testing.mla.MLABatch`'s: NaN in every slot a
 reader must not use.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,18 +37,19 @@ class ExtendBatch:
     causal: bool = True
 
     @classmethod
-    def random(cls, *, seq_lens, q_lens, causal=True, seed=0, **kwargs) -> "ExtendBatch":
+    def random(cls, *, seq_lens, q_lens, causal=True, seed=0, **kwargs) -> ExtendBatch:
         pools = MLABatch.random(seq_lens=seq_lens, seed=seed, **kwargs)
         return cls.over(pools, q_lens, causal, seed)
 
     @classmethod
-    def over(cls, pools: MLABatch, q_lens, causal=True, seed=0) -> "ExtendBatch":
+    def over(cls, pools: MLABatch, q_lens, causal=True, seed=0) -> ExtendBatch:
         """New query rows (``q_lens[b]`` for sequence ``b``) over existing pools."""
         g = torch.Generator().manual_seed(seed + 1)
         heads, dim = pools.q.shape[1:]
         q = torch.randn(sum(q_lens), heads, dim, generator=g).to(pools.q.dtype).to(DEVICE)
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
-                          device=DEVICE)
+        cu = torch.tensor(
+            [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+        )
         return cls(pools, q, cu, causal)
 
     def inputs(self):
@@ -56,14 +58,18 @@ class ExtendBatch:
 
     def run(self, backend, **kwargs):
         kwargs.setdefault("causal", self.causal)
-        return kvattn.paged_mla_extend(*self.inputs(), kv_lora_rank=self.pools.kv_lora_rank,
-                                       backend=backend, **kwargs)
+        return kvattn.paged_mla_extend(
+            *self.inputs(), kv_lora_rank=self.pools.kv_lora_rank, backend=backend, **kwargs
+        )
 
     def reference(self, **kwargs):
         kwargs.setdefault("causal", self.causal)
-        return kvattn.reference.paged_mla_extend(*self.inputs(),
-                                                 kv_lora_rank=self.pools.kv_lora_rank,
-                                                 compute_dtype=torch.float64, **kwargs)
+        return kvattn.reference.paged_mla_extend(
+            *self.inputs(),
+            kv_lora_rank=self.pools.kv_lora_rank,
+            compute_dtype=torch.float64,
+            **kwargs,
+        )
 
 
 def extend_formula(batch: ExtendBatch, *, scale=None, check=True, causal=None):
@@ -86,8 +92,9 @@ def extend_formula(batch: ExtendBatch, *, scale=None, check=True, causal=None):
             pos = lens[b] - q_len + j
             keys = [row for t, row in rows if not causal or t <= pos]
             for h in range(q.shape[1]):
-                out[cu[b] + j, h], lse[cu[b] + j, h] = latent_attention(q[cu[b] + j, h], keys,
-                                                                        lora, scale)
+                out[cu[b] + j, h], lse[cu[b] + j, h] = latent_attention(
+                    q[cu[b] + j, h], keys, lora, scale
+                )
     return out, lse
 
 
@@ -95,8 +102,9 @@ def assert_matches(batch: ExtendBatch, backend, *, check=True, **kwargs):
     """``backend``'s output, lse and report against the reference (float64) and the formula, and
     the report against MLA decode's for the same lengths; returns them."""
     out, lse, report = batch.run(backend, check=check, return_lse=True, **kwargs)
-    ref_out, ref_lse, ref_report = batch.reference(check=check, return_lse=True,
-                                                   scale=kwargs.get("scale"))
+    ref_out, ref_lse, ref_report = batch.reference(
+        check=check, return_lse=True, scale=kwargs.get("scale")
+    )
     want_out, want_lse = extend_formula(batch, check=check, scale=kwargs.get("scale"))
     assert out.shape == (*batch.q.shape[:2], batch.pools.kv_lora_rank)
     assert out.dtype == batch.q.dtype
@@ -133,13 +141,27 @@ CASES = [
 LENS, Q_LENS = [21, 13, 9, 6, 16], [21, 9, 1, 0, 4]
 
 
-@pytest.mark.parametrize("dtype,lora,rope,page,heads,causal", CASES,
-                         ids=[f"{str(c[0])[6:]}-{c[1]}+{c[2]}-p{c[3]}-h{c[4]}-"
-                              f"{'causal' if c[5] else 'full'}" for c in CASES])
+@pytest.mark.parametrize(
+    "dtype,lora,rope,page,heads,causal",
+    CASES,
+    ids=[
+        f"{str(c[0])[6:]}-{c[1]}+{c[2]}-p{c[3]}-h{c[4]}-{'causal' if c[5] else 'full'}"
+        for c in CASES
+    ],
+)
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
 def test_triton_matches_reference_and_formula(dtype, lora, rope, page, heads, causal, check):
-    batch = ExtendBatch.random(seq_lens=LENS, q_lens=Q_LENS, causal=causal, num_heads=heads,
-                               lora=lora, rope=rope, page_size=page, dtype=dtype, seed=lora + page)
+    batch = ExtendBatch.random(
+        seq_lens=LENS,
+        q_lens=Q_LENS,
+        causal=causal,
+        num_heads=heads,
+        lora=lora,
+        rope=rope,
+        page_size=page,
+        dtype=dtype,
+        seed=lora + page,
+    )
     _, _, report = assert_matches(batch, "triton", check=check)
     if check:
         assert not report.any() and report.pages_checked.tolist() == [-(-n // page) for n in LENS]
@@ -149,8 +171,16 @@ def test_triton_matches_reference_and_formula(dtype, lora, rope, page, heads, ca
 def test_peer_grid_512_plus_64_page_64(heads, q_lens):
     """FlashInfer's and SGLang's MLA geometry (latent 512 + 64, bf16, pages of 64, 16 or 128 query
     heads): a chunk crossing a page boundary over a cached prefix, a short verify chunk."""
-    batch = ExtendBatch.random(seq_lens=[129, 64], q_lens=q_lens, num_heads=heads, lora=512,
-                               rope=64, page_size=64, dtype=torch.bfloat16, seed=heads)
+    batch = ExtendBatch.random(
+        seq_lens=[129, 64],
+        q_lens=q_lens,
+        num_heads=heads,
+        lora=512,
+        rope=64,
+        page_size=64,
+        dtype=torch.bfloat16,
+        seed=heads,
+    )
     out, lse, report = batch.run("triton", return_lse=True)
     ref_out, ref_lse, ref_report = batch.reference(return_lse=True)
     torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.bfloat16))
@@ -161,8 +191,9 @@ def test_peer_grid_512_plus_64_page_64(heads, q_lens):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scale_is_applied(backend):
-    assert_matches(ExtendBatch.random(seq_lens=[9, 3], q_lens=[4, 3], page_size=4), backend,
-                   scale=0.37)
+    assert_matches(
+        ExtendBatch.random(seq_lens=[9, 3], q_lens=[4, 3], page_size=4), backend, scale=0.37
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -191,8 +222,16 @@ def test_bf16_rows_follow_their_peaked_key():
     """Each query row aligned with a different latent row at or before its position (rows 0..5
     sit at 64..69; row 1 picks its own token): the rows' outputs follow those rows' value parts
     (catches rows mixed up across tokens or heads in a tile)."""
-    batch = ExtendBatch.random(seq_lens=[70], q_lens=[6], num_heads=16, lora=512, rope=64,
-                               page_size=64, dtype=torch.bfloat16, seed=4)
+    batch = ExtendBatch.random(
+        seq_lens=[70],
+        q_lens=[6],
+        num_heads=16,
+        lora=512,
+        rope=64,
+        page_size=64,
+        dtype=torch.bfloat16,
+        seed=4,
+    )
     kv, table = batch.pools.kv_cache, batch.pools.block_table
     picks = [(0, 10), (1, 1), (0, 63), (1, 3), (0, 0), (1, 5)]  # (logical page, slot) per row
     for j, (i, s) in enumerate(picks):
@@ -212,12 +251,14 @@ def test_strided_pool_view_out_buffer_and_per_entry_expected():
     for backend in BACKENDS:
         out, report = batch.run(backend, out=out_buf)
         assert out is out_buf and not report.any()
-        torch.testing.assert_close(out.double(), extend_formula(batch)[0].to(DEVICE),
-                                   **tolerance(batch.q.dtype))
+        torch.testing.assert_close(
+            out.double(), extend_formula(batch)[0].to(DEVICE), **tolerance(batch.q.dtype)
+        )
         out_buf.fill_(float("nan"))
 
 
 # --- Ownership with several rows per sequence ----------------------------------------------------
+
 
 @pytest.fixture(params=[4, 32], ids=lambda p: f"p{p}")
 def page(request):
@@ -243,9 +284,13 @@ def test_incident_replay_with_a_chunk_refuses_every_row(backend, page):
     batch, row = incident_chunk(page)
     out, _, report = assert_matches(batch, backend)
     assert report.violations.tolist() == [4]
-    assert report.page_reasons[0].tolist() == [int(Violation.UNWRITTEN)] + [int(Violation.RESERVED)] * 3
-    torch.testing.assert_close(out.float(), row[:32].float().expand(3, 4, -1),
-                               **tolerance(batch.q.dtype))
+    assert (
+        report.page_reasons[0].tolist()
+        == [int(Violation.UNWRITTEN)] + [int(Violation.RESERVED)] * 3
+    )
+    torch.testing.assert_close(
+        out.float(), row[:32].float().expand(3, 4, -1), **tolerance(batch.q.dtype)
+    )
 
 
 def test_incident_replay_with_a_chunk_unchecked_shows_the_sentinel(backend, page):
@@ -326,11 +371,13 @@ def test_raise_names_sequences_pages_and_reasons(backend):
         batch.run(backend, on_violation="raise")
     assert info.value.refusals == {0: [(0, Violation.OUT_OF_RANGE)], 2: [(1, Violation.RESERVED)]}
     out, report = ExtendBatch.random(seq_lens=[5, 12], q_lens=[2, 3], page_size=4).run(
-        backend, on_violation="raise")
+        backend, on_violation="raise"
+    )
     assert torch.isfinite(out).all() and not report.any()
 
 
 # --- Malformed lengths and offsets, unvalidated: fail closed -------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_causal_sequence_with_more_rows_than_tokens_reads_nothing(backend):
@@ -341,8 +388,9 @@ def test_causal_sequence_with_more_rows_than_tokens_reads_nothing(backend):
     batch.pools.page_tags[int(batch.pools.block_table[0, 1])] = kvattn.FREE_TAG
     out, lse, report = batch.run(backend, validate=False, return_lse=True)
     assert torch.equal(out[:8], torch.zeros_like(out[:8])) and torch.isneginf(lse[:8]).all()
-    torch.testing.assert_close(out[8:].double(), extend_formula(batch)[0][8:].to(DEVICE),
-                               **tolerance(batch.q.dtype))
+    torch.testing.assert_close(
+        out[8:].double(), extend_formula(batch)[0][8:].to(DEVICE), **tolerance(batch.q.dtype)
+    )
     assert report.violations.tolist() == [1, 0] and report.pages_checked.tolist() == [2, 3]
 
 
@@ -385,6 +433,7 @@ def test_seq_len_past_the_table_reads_nothing_past_it(backend):
 
 # --- Validation, registry, custom op --------------------------------------------------------------
 
+
 def _mutations():
     def call(b, **kwargs):
         return kvattn.paged_mla_extend(*b.inputs(), **{"kv_lora_rank": 32, **kwargs})
@@ -394,24 +443,43 @@ def _mutations():
 
     return {
         "q_2d": (lambda b: call(dataclasses.replace(b, q=b.q[0])), ValueError, ("q:", "3-D")),
-        "dim_mismatch": (lambda b: call(dataclasses.replace(b, q=b.q[..., :40].contiguous())),
-                         ValueError, ("kv_cache:", "q's dim 2")),
+        "dim_mismatch": (
+            lambda b: call(dataclasses.replace(b, q=b.q[..., :40].contiguous())),
+            ValueError,
+            ("kv_cache:", "q's dim 2"),
+        ),
         "lora_too_big": (lambda b: call(b, kv_lora_rank=49), ValueError, ("kv_lora_rank:", "49")),
-        "cu_int64": (lambda b: call(dataclasses.replace(b, cu=b.cu.long())), TypeError,
-                     ("cu_seqlens_q:",)),
+        "cu_int64": (
+            lambda b: call(dataclasses.replace(b, cu=b.cu.long())),
+            TypeError,
+            ("cu_seqlens_q:",),
+        ),
         "cu_shape": (with_cu([0, 2, 5]), ValueError, ("cu_seqlens_q:", "(4,)")),
         "cu_not_from_0": (with_cu([1, 2, 5, 7]), ValueError, ("cu_seqlens_q:", "= 0")),
         "cu_decreasing": (with_cu([0, 3, 2, 7]), ValueError, ("cu_seqlens_q:", "non-decreasing")),
         "cu_short_end": (with_cu([0, 2, 5, 6]), ValueError, ("cu_seqlens_q:", "total_q = 7")),
         "causal_int": (lambda b: call(b, causal=1), TypeError, ("causal:",)),
-        "out_shape": (lambda b: call(b, out=torch.empty_like(b.q)), ValueError,
-                      ("out:", "(7, 4, 32)")),
+        "out_shape": (
+            lambda b: call(b, out=torch.empty_like(b.q)),
+            ValueError,
+            ("out:", "(7, 4, 32)"),
+        ),
         "out_overlaps_q": (lambda b: call(b, out=b.q[..., :32]), ValueError, ("out:",)),
         "scale_nan": (lambda b: call(b, scale=float("nan")), ValueError, ("scale:",)),
-        "owner_zero": (lambda b: call(dataclasses.replace(b, pools=dataclasses.replace(
-            b.pools, expected=b.pools.expected * 0))), ValueError, ("expected:",)),
-        "raise_unchecked": (lambda b: call(b, check=False, on_violation="raise"), ValueError,
-                            ("on_violation:",)),
+        "owner_zero": (
+            lambda b: call(
+                dataclasses.replace(
+                    b, pools=dataclasses.replace(b.pools, expected=b.pools.expected * 0)
+                )
+            ),
+            ValueError,
+            ("expected:",),
+        ),
+        "raise_unchecked": (
+            lambda b: call(b, check=False, on_violation="raise"),
+            ValueError,
+            ("on_violation:",),
+        ),
     }
 
 
@@ -450,8 +518,10 @@ def test_registry_reasons_and_auto_choice():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck_paged_mla_extend(backend):
     batch = ExtendBatch.random(seq_lens=[5, 2], q_lens=[3, 2], dtype=torch.float32)
-    torch.library.opcheck(torch.ops.kvattn.paged_mla_extend.default,
-                          batch.inputs() + (32, None, True, True, backend, True, None))
+    torch.library.opcheck(
+        torch.ops.kvattn.paged_mla_extend.default,
+        batch.inputs() + (32, None, True, True, backend, True, None),
+    )
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -459,13 +529,15 @@ def test_op_equals_direct_call(corrupt):
     batch = ExtendBatch.random(seq_lens=[5, 9, 2], q_lens=[2, 4, 1], dtype=torch.float32)
     if corrupt:  # sequence 0 reads sequence 1's first page: OWNER_MISMATCH
         batch.pools.block_table[0, 0] = batch.pools.block_table[1, 0]
-    out, lse, report = ops.paged_mla_extend(*batch.inputs(), kv_lora_rank=32, backend="triton",
-                                            return_lse=True)
+    out, lse, report = ops.paged_mla_extend(
+        *batch.inputs(), kv_lora_rank=32, backend="triton", return_lse=True
+    )
     ref_out, ref_lse, ref_report = batch.run("triton", return_lse=True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert_reports_equal(report, ref_report)
     assert bool(report.violations[0]) == corrupt
     if corrupt:
         with pytest.raises(KVOwnershipError, match="OWNER_MISMATCH"):
-            ops.paged_mla_extend(*batch.inputs(), kv_lora_rank=32, backend="reference",
-                                 on_violation="raise")
+            ops.paged_mla_extend(
+                *batch.inputs(), kv_lora_rank=32, backend="reference", on_violation="raise"
+            )

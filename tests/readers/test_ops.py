@@ -5,6 +5,7 @@ twin), and torch.compile with ``fullgraph=True`` on the CPU.
 The op bodies run the same backends as the direct calls on the same inputs, so outputs are compared
 exactly. Shapes are tiny: the Triton kernels run under the interpreter here.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,16 @@ from kvattn_testing.util import DEVICE, Batch, assert_reports_equal
 
 
 def _batch(**kwargs):
-    return Batch.random(batch=3, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
-                        seq_lens=[5, 9, 1], dtype=torch.float32, **kwargs)
+    return Batch.random(
+        batch=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        seq_lens=[5, 9, 1],
+        dtype=torch.float32,
+        **kwargs,
+    )
 
 
 def _args(b: Batch):
@@ -52,28 +61,37 @@ def _tree_mask(inputs) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_opcheck_paged_decode(backend):
-    torch.library.opcheck(torch.ops.kvattn.paged_decode.default,
-                          _args(_batch()) + (None, True, backend, True, None) + PLAIN)
+    torch.library.opcheck(
+        torch.ops.kvattn.paged_decode.default,
+        _args(_batch()) + (None, True, backend, True, None) + PLAIN,
+    )
 
 
 def test_opcheck_paged_extend():
     inputs = _extend_inputs()
-    torch.library.opcheck(torch.ops.kvattn.paged_extend.default,
-                          inputs + (None, True, True, "reference", False, None) + PLAIN_EXTEND)
-    torch.library.opcheck(torch.ops.kvattn.paged_extend.default,
-                          inputs + (None, True, True, "reference", False, None) + PLAIN
-                          + (_tree_mask(inputs), -1))
+    torch.library.opcheck(
+        torch.ops.kvattn.paged_extend.default,
+        inputs + (None, True, True, "reference", False, None) + PLAIN_EXTEND,
+    )
+    torch.library.opcheck(
+        torch.ops.kvattn.paged_extend.default,
+        inputs + (None, True, True, "reference", False, None) + PLAIN + (_tree_mask(inputs), -1),
+    )
 
 
 def test_opcheck_write_kv():
-    k_cache, v_cache, tags = (torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16),
-                              torch.zeros(4, dtype=torch.int64))
+    k_cache, v_cache, tags = (
+        torch.zeros(4, 4, 2, 16),
+        torch.zeros(4, 4, 2, 16),
+        torch.zeros(4, dtype=torch.int64),
+    )
     kvattn.reserve_pages(tags, [1, 2], 7)
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     slots = torch.tensor([4, 5, 12])  # page 1 slots 0-1 land; page 3 is not held by owner 7
     owner = torch.tensor(7, dtype=torch.int64)
-    torch.library.opcheck(torch.ops.kvattn.write_kv.default,
-                          (k, v, k_cache, v_cache, slots, tags, owner))
+    torch.library.opcheck(
+        torch.ops.kvattn.write_kv.default, (k, v, k_cache, v_cache, slots, tags, owner)
+    )
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -82,8 +100,9 @@ def test_decode_op_equals_direct_call(corrupt):
     if corrupt:  # sequence 0 reads sequence 1's first page: OWNER_MISMATCH
         b.block_table[0, 0] = b.block_table[1, 0]
     out, lse, report = ops.paged_decode(*_args(b), backend="reference", return_lse=True)
-    ref_out, ref_lse, ref_report = kvattn.paged_decode(*_args(b), backend="reference",
-                                                       return_lse=True)
+    ref_out, ref_lse, ref_report = kvattn.paged_decode(
+        *_args(b), backend="reference", return_lse=True
+    )
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     assert_reports_equal(report, ref_report)
     assert bool(report.violations[0]) == corrupt
@@ -130,14 +149,31 @@ def test_extend_and_write_ops_equal_direct_calls():
 def test_ops_validate_like_direct_calls():
     b = _batch()
     with pytest.raises(ValueError, match="seq_lens"):
-        ops.paged_decode(b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens + 100,
-                         b.page_tags, b.expected, backend="reference")
+        ops.paged_decode(
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            b.block_table,
+            b.seq_lens + 100,
+            b.page_tags,
+            b.expected,
+            backend="reference",
+        )
     with pytest.raises(TypeError, match="block_table"):
-        ops.paged_decode(b.q, b.k_cache, b.v_cache, b.block_table.long(), b.seq_lens,
-                         b.page_tags, b.expected, backend="reference")
+        ops.paged_decode(
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            b.block_table.long(),
+            b.seq_lens,
+            b.page_tags,
+            b.expected,
+            backend="reference",
+        )
     with pytest.raises(ValueError, match="owner"):
-        ops.write_kv(b.q[:1, :2], b.q[:1, :2], b.k_cache, b.v_cache,
-                     torch.tensor([0]), b.page_tags, 0)
+        ops.write_kv(
+            b.q[:1, :2], b.q[:1, :2], b.k_cache, b.v_cache, torch.tensor([0]), b.page_tags, 0
+        )
 
 
 def test_torch_compile_fullgraph_on_cpu():

@@ -8,6 +8,7 @@ differ from each other, so a kernel reading another sequence's row, or row 0 for
 twins: equal rows give exactly the per-head call; an invalid value read unvalidated silences only
 its own sequence's head.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,20 +18,41 @@ import torch
 
 import kvattn
 from kvattn import Violation
-from kvattn_testing.exactness import (READERS, SPLIT_READERS, assert_agrees, assert_reads_nothing,
-                                      run)
+from kvattn_testing.exactness import (
+    READERS,
+    SPLIT_READERS,
+    assert_agrees,
+    assert_reads_nothing,
+    run,
+)
 from kvattn_testing.extend import Extend
 from kvattn_testing.util import DEVICE, Batch, assert_reports_equal, claims, launcher, raises
-from kvattn_testing.variants import (DIM, FP8, HEADS, KV_HEADS, assert_every_claim_matches,
-                                     assert_matches, decode_batch, decode_rows, dense, inputs,
-                                     plant_foreign_page, to_fp8, tokens)
+from kvattn_testing.variants import (
+    DIM,
+    FP8,
+    HEADS,
+    KV_HEADS,
+    assert_every_claim_matches,
+    assert_matches,
+    decode_batch,
+    decode_rows,
+    dense,
+    inputs,
+    plant_foreign_page,
+    to_fp8,
+    tokens,
+)
 
 # Four sequences: each row its own slopes, of both signs and sizes, so every sequence's scores
 # differ from every other's.
-SLOPES = torch.tensor([[0.5, 0.25, 0.125, 0.0625],
-                       [-0.25, 1.0, 0.0, 0.375],
-                       [2.0, -0.5, 0.75, 0.01],
-                       [0.03125, 0.0, -1.0, 1.5]])
+SLOPES = torch.tensor(
+    [
+        [0.5, 0.25, 0.125, 0.0625],
+        [-0.25, 1.0, 0.0, 0.375],
+        [2.0, -0.5, 0.75, 0.01],
+        [0.03125, 0.0, -1.0, 1.5],
+    ]
+)
 K_SCALES = torch.tensor([[0.125, 0.0625], [0.25, 0.03125], [0.0625, 0.5], [0.1875, 0.125]])
 V_SCALES = torch.tensor([[0.25, 0.5], [0.125, 0.0625], [0.375, 0.25], [0.5, 0.03125]])
 
@@ -47,8 +69,16 @@ def per_seq_tokens(pages: Batch, k_scale=None, v_scale=None):
 def extend_batch(seed=0) -> Extend:
     """Four sequences of 1, 5, 3 and 2 new rows after 3, 0, 9 and 12 cached tokens; sequence 3's
     third entry a foreign page (tokens 8-11: read by every row of it)."""
-    ext = Extend.random([1, 5, 3, 2], [3, 0, 9, 12], num_heads=HEADS, num_kv_heads=KV_HEADS,
-                        head_dim=DIM, page_size=4, pool_factor=2, seed=seed)
+    ext = Extend.random(
+        [1, 5, 3, 2],
+        [3, 0, 9, 12],
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        pool_factor=2,
+        seed=seed,
+    )
     plant_foreign_page(ext.pages, 3, 2)
     return ext
 
@@ -65,12 +95,14 @@ def assert_equal_rows_agree(op: str, x, names, shared: dict, rows: dict) -> None
 
 # --- ALiBi [batch, num_heads] ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("page", [4, 5])
 def test_decode_per_sequence_slopes_match_the_definition(page):
     pages = decode_batch(page)
     slopes = SLOPES.to(DEVICE)
-    want_out, want_lse = dense(pages.q, decode_rows(pages), per_seq_tokens(pages), DIM ** -0.5,
-                               slopes=slopes)
+    want_out, want_lse = dense(
+        pages.q, decode_rows(pages), per_seq_tokens(pages), DIM**-0.5, slopes=slopes
+    )
     assert_every_claim_matches("decode", pages, want_out, want_lse, alibi_slopes=slopes)
 
 
@@ -78,10 +110,12 @@ def test_decode_per_sequence_slopes_match_the_definition(page):
 def test_extend_per_sequence_slopes_match_the_definition(causal):
     ext = extend_batch()
     slopes = SLOPES.to(DEVICE)
-    want_out, want_lse = dense(ext.q, ext.cu, per_seq_tokens(ext.pages), DIM ** -0.5,
-                               causal=causal, slopes=slopes)
-    assert_every_claim_matches("extend", ext, want_out, want_lse, causal=causal,
-                               alibi_slopes=slopes)
+    want_out, want_lse = dense(
+        ext.q, ext.cu, per_seq_tokens(ext.pages), DIM**-0.5, causal=causal, slopes=slopes
+    )
+    assert_every_claim_matches(
+        "extend", ext, want_out, want_lse, causal=causal, alibi_slopes=slopes
+    )
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
@@ -90,8 +124,13 @@ def test_equal_rows_are_the_per_head_call(op):
     ``[num_heads]`` set give that call's output and report, bit for bit, on every backend."""
     x = decode_batch(4) if op == "decode" else extend_batch()
     shared = SLOPES[1].to(DEVICE)
-    assert_equal_rows_agree(op, x, READERS, dict(alibi_slopes=shared),
-                            dict(alibi_slopes=shared.expand(4, HEADS).contiguous()))
+    assert_equal_rows_agree(
+        op,
+        x,
+        READERS,
+        dict(alibi_slopes=shared),
+        dict(alibi_slopes=shared.expand(4, HEADS).contiguous()),
+    )
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
@@ -126,12 +165,14 @@ def scales_of(form: str):
 def test_decode_per_sequence_scales_match_the_definition(fmt, form):
     pages = to_fp8(decode_batch(4), FP8[fmt])
     (k_scale, v_scale), (ks, vs) = scales_of(form)
-    want_out, want_lse = dense(pages.q, decode_rows(pages), per_seq_tokens(pages, ks, vs),
-                               DIM ** -0.5)
+    want_out, want_lse = dense(
+        pages.q, decode_rows(pages), per_seq_tokens(pages, ks, vs), DIM**-0.5
+    )
     args = kvattn.layout.validate_decode(*inputs(pages), k_scale=k_scale, v_scale=v_scale)
     assert tuple(args.variant.v_scale.shape) == (4, KV_HEADS)
-    assert_every_claim_matches("decode", pages, want_out, want_lse, k_scale=k_scale,
-                               v_scale=v_scale)
+    assert_every_claim_matches(
+        "decode", pages, want_out, want_lse, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 @pytest.mark.parametrize("form", SCALE_FORMS)
@@ -140,9 +181,8 @@ def test_extend_per_sequence_scales_match_the_definition(fmt, form):
     ext = extend_batch()
     to_fp8(ext.pages, FP8[fmt])
     (k_scale, v_scale), (ks, vs) = scales_of(form)
-    want_out, want_lse = dense(ext.q, ext.cu, per_seq_tokens(ext.pages, ks, vs), DIM ** -0.5)
-    assert_every_claim_matches("extend", ext, want_out, want_lse, k_scale=k_scale,
-                               v_scale=v_scale)
+    want_out, want_lse = dense(ext.q, ext.cu, per_seq_tokens(ext.pages, ks, vs), DIM**-0.5)
+    assert_every_claim_matches("extend", ext, want_out, want_lse, k_scale=k_scale, v_scale=v_scale)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
@@ -150,15 +190,27 @@ def test_split_decode_reads_each_sequence_s_values(num_splits):
     """The split-KV path with both per-sequence switches: each split of a sequence applies that
     sequence's slopes and scales (V's once, before the merge)."""
     lens = [90, 17, 1, 64]
-    pages = Batch.random(batch=4, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                         page_size=4, seq_lens=lens, pool_factor=2, seed=7)
+    pages = Batch.random(
+        batch=4,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        seq_lens=lens,
+        pool_factor=2,
+        seed=7,
+    )
     plant_foreign_page(pages, 0, 20)
     to_fp8(pages, torch.float8_e4m3fn)
     slopes = (SLOPES / 16).to(DEVICE)  # 90 keys: distances large enough to matter, not to swamp
     switches = dict(alibi_slopes=slopes, k_scale=K_SCALES.to(DEVICE), v_scale=V_SCALES.to(DEVICE))
-    want_out, want_lse = dense(pages.q, decode_rows(pages),
-                               per_seq_tokens(pages, K_SCALES, V_SCALES), DIM ** -0.5,
-                               slopes=slopes)
+    want_out, want_lse = dense(
+        pages.q,
+        decode_rows(pages),
+        per_seq_tokens(pages, K_SCALES, V_SCALES),
+        DIM**-0.5,
+        slopes=slopes,
+    )
     args = kvattn.layout.validate_decode(*inputs(pages), **switches)
     kernels = [n for n in claims(args, "decode") if n in SPLIT_READERS]
     assert kernels, "every split-KV backend reads fp8 pools with ALiBi"
@@ -172,13 +224,30 @@ def test_split_decode_reads_each_sequence_s_values(num_splits):
 
 # --- values: refused on the host, or silencing one sequence's head ---------------------------------
 
+
 def clean_batch(op: str):
     """Two sequences that both read (no refused page), so a silenced head shows in one only."""
     if op == "decode":
-        return Batch.random(batch=2, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                            page_size=4, seq_lens=[5, 9], pool_factor=2, seed=2)
-    return Extend.random([2, 3], [3, 6], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                         page_size=4, pool_factor=2, seed=2)
+        return Batch.random(
+            batch=2,
+            num_heads=HEADS,
+            num_kv_heads=KV_HEADS,
+            head_dim=DIM,
+            page_size=4,
+            seq_lens=[5, 9],
+            pool_factor=2,
+            seed=2,
+        )
+    return Extend.random(
+        [2, 3],
+        [3, 6],
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        pool_factor=2,
+        seed=2,
+    )
 
 
 def rows_of(op: str, b: int) -> list[int]:
@@ -196,15 +265,18 @@ def as_fp8(x, op: str):
 def fp8_readers(op: str, x, **scales) -> list[str]:
     """The backends under test that claim ``x`` over fp8 pools with ``scales``."""
     pages = x if op == "decode" else x.pages
-    args = (kvattn.layout.validate_decode(*inputs(pages), validate=False, **scales) if op == "decode"
-            else kvattn.layout.validate_extend(*x.inputs(), validate=False, **scales))
+    args = (
+        kvattn.layout.validate_decode(*inputs(pages), validate=False, **scales)
+        if op == "decode"
+        else kvattn.layout.validate_extend(*x.inputs(), validate=False, **scales)
+    )
     names = [n for n in READERS if n in claims(args, op)]
     assert "reference" in names and len(names) >= 2
     return names
 
 
 @pytest.mark.parametrize("op", ["decode", "extend"])
-@pytest.mark.parametrize("bad", [math.nan, math.inf, 2.0 ** 33])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 2.0**33])
 def test_invalid_per_sequence_slope_is_refused_on_the_host(op, bad):
     slopes = SLOPES[:2].clone()
     slopes[1, 2] = bad
@@ -251,8 +323,14 @@ def test_a_widened_scale_s_error_names_its_kv_head_only():
     x = as_fp8(clean_batch("decode"), "decode")
     v_scale = torch.tensor([0.25, math.inf], device=DEVICE)
     with pytest.raises(ValueError) as info:
-        run("decode", x, "reference", validate=True, k_scale=K_SCALES[:2].to(DEVICE),
-            v_scale=v_scale)
+        run(
+            "decode",
+            x,
+            "reference",
+            validate=True,
+            k_scale=K_SCALES[:2].to(DEVICE),
+            v_scale=v_scale,
+        )
     message = str(info.value)
     assert "v_scale" in message and "for KV head 1" in message and "sequence" not in message
 
@@ -280,15 +358,29 @@ def test_unvalidated_invalid_scale_silences_only_its_sequence(op, name):
 
 # --- shapes --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("change,words", [
-    (dict(alibi_slopes=torch.zeros(5, HEADS)), ["alibi_slopes", f"(4, {HEADS})", f"(5, {HEADS})"]),
-    (dict(alibi_slopes=torch.zeros(4, HEADS + 1)), ["alibi_slopes", f"({HEADS},)",
-                                                    f"(4, {HEADS + 1})"]),
-    (dict(alibi_slopes=torch.zeros(4, HEADS, 1)), ["alibi_slopes", f"(4, {HEADS}, 1)"]),
-    (dict(k_scale=torch.ones(3, KV_HEADS)), ["k_scale", f"(4, {KV_HEADS})", f"(3, {KV_HEADS})"]),
-    (dict(v_scale=torch.ones(4, KV_HEADS + 1)), ["v_scale", f"({KV_HEADS},)",
-                                                 f"(4, {KV_HEADS + 1})"]),
-])
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (
+            dict(alibi_slopes=torch.zeros(5, HEADS)),
+            ["alibi_slopes", f"(4, {HEADS})", f"(5, {HEADS})"],
+        ),
+        (
+            dict(alibi_slopes=torch.zeros(4, HEADS + 1)),
+            ["alibi_slopes", f"({HEADS},)", f"(4, {HEADS + 1})"],
+        ),
+        (dict(alibi_slopes=torch.zeros(4, HEADS, 1)), ["alibi_slopes", f"(4, {HEADS}, 1)"]),
+        (
+            dict(k_scale=torch.ones(3, KV_HEADS)),
+            ["k_scale", f"(4, {KV_HEADS})", f"(3, {KV_HEADS})"],
+        ),
+        (
+            dict(v_scale=torch.ones(4, KV_HEADS + 1)),
+            ["v_scale", f"({KV_HEADS},)", f"(4, {KV_HEADS + 1})"],
+        ),
+    ],
+)
 @pytest.mark.parametrize("op", ["decode", "extend"])
 def test_per_sequence_shapes_are_named(op, change, words):
     """The batch is the sequences' count: decode's rows, extend's ``cu_seqlens_q`` entries (11
@@ -329,13 +421,12 @@ def test_the_writer_takes_no_per_sequence_scale():
     k = torch.randn(2, KV_HEADS, DIM, generator=torch.Generator().manual_seed(0)).half()
     mapping = torch.tensor([4, 5])
     with raises(ValueError, "k_scale", f"({KV_HEADS},)", f"(3, {KV_HEADS})", "for the readers"):
-        kvattn.write_kv(k, k, k_cache, v_cache, mapping, tags, 1, k_scale=K_SCALES[:3],
-                        v_scale=0.5)
+        kvattn.write_kv(k, k, k_cache, v_cache, mapping, tags, 1, k_scale=K_SCALES[:3], v_scale=0.5)
     with raises(ValueError, "v_scale", f"(3, {KV_HEADS})"):
-        kvattn.write_kv(k, k, k_cache, v_cache, mapping, tags, 1, k_scale=0.5,
-                        v_scale=V_SCALES[:3])
-    result = kvattn.write_kv(k, k, k_cache, v_cache, mapping, tags, 1, k_scale=K_SCALES[0],
-                             v_scale=0.5)
+        kvattn.write_kv(k, k, k_cache, v_cache, mapping, tags, 1, k_scale=0.5, v_scale=V_SCALES[:3])
+    result = kvattn.write_kv(
+        k, k, k_cache, v_cache, mapping, tags, 1, k_scale=K_SCALES[0], v_scale=0.5
+    )
     assert result.landed.tolist() == [True, True]
 
 
@@ -345,12 +436,14 @@ def test_a_refused_sequence_stays_refused_whatever_its_values():
     pages = to_fp8(decode_batch(4), torch.float8_e4m3fn)
     for i in range(4):  # all four pages of its 14 tokens
         plant_foreign_page(pages, 2, i)
-    switches = dict(alibi_slopes=SLOPES.to(DEVICE), k_scale=K_SCALES.to(DEVICE),
-                    v_scale=V_SCALES.to(DEVICE))
+    switches = dict(
+        alibi_slopes=SLOPES.to(DEVICE), k_scale=K_SCALES.to(DEVICE), v_scale=V_SCALES.to(DEVICE)
+    )
     args = kvattn.layout.validate_decode(*inputs(pages), **switches)
     for backend in claims(args, "decode"):
-        out, lse, report = kvattn.paged_decode(*inputs(pages), backend=backend, return_lse=True,
-                                               **switches)
+        out, lse, report = kvattn.paged_decode(
+            *inputs(pages), backend=backend, return_lse=True, **switches
+        )
         assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
         assert report.violations.tolist() == [0, 0, 4, 1]
         assert int(report.reasons[2]) & int(Violation.OWNER_MISMATCH)

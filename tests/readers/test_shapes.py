@@ -5,6 +5,7 @@ Every case runs on every backend against the reference and against :func:`test_e
 (float64 attention written from the definition, told which tokens are allowed by the test rather
 than by the tag rule), with a NaN-filled foreign page placed where a sequence reads it.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,13 @@ import torch
 import kvattn
 from kvattn import Violation, backends
 from kvattn_testing.extend import Extend, assert_close, dense_extend
-from kvattn_testing.util import (DEVICE, LSE_TOLERANCE, Batch, assert_reports_equal,
-                                 backends_under_test)
+from kvattn_testing.util import (
+    DEVICE,
+    LSE_TOLERANCE,
+    Batch,
+    assert_reports_equal,
+    backends_under_test,
+)
 
 FOREIGN_OWNER = 99
 
@@ -44,8 +50,9 @@ def gather(pages: Batch, b: int):
     size = pages.k_cache.shape[1]
     idx = torch.arange(n)
     phys = pages.block_table[b].long().cpu()[idx // size]
-    allowed = [int(pages.page_tags[p]) >> kvattn.tags.OWNER_SHIFT != FOREIGN_OWNER
-               for p in phys.tolist()]
+    allowed = [
+        int(pages.page_tags[p]) >> kvattn.tags.OWNER_SHIFT != FOREIGN_OWNER for p in phys.tolist()
+    ]
     return pages.k_cache.cpu()[phys, idx % size], pages.v_cache.cpu()[phys, idx % size], allowed
 
 
@@ -63,9 +70,16 @@ def backends_for(dtype, op="decode", **shape) -> list[str]:
     args = probe.args()
     if op == "extend":
         cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
-        args = kvattn.layout.validate_extend(probe.q, probe.k_cache, probe.v_cache, cu,
-                                             probe.block_table, probe.seq_lens, probe.page_tags,
-                                             probe.expected)
+        args = kvattn.layout.validate_extend(
+            probe.q,
+            probe.k_cache,
+            probe.v_cache,
+            cu,
+            probe.block_table,
+            probe.seq_lens,
+            probe.page_tags,
+            probe.expected,
+        )
     return [name for name, why in backends.explain(args, op=op).items() if why is None]
 
 
@@ -95,8 +109,15 @@ PAGE_SIZES = [3, 5, 48, 80, 512, 1000, 1024]
 @pytest.mark.parametrize("backend", backends_under_test())
 def test_decode_any_page_size_at_page_boundaries(backend, page):
     lens = boundary_lens(page)
-    pages = Batch.random(batch=len(lens) + 1, num_heads=4, num_kv_heads=2, head_dim=16,
-                         page_size=page, seq_lens=lens + [2 * page + 1], pool_factor=2)
+    pages = Batch.random(
+        batch=len(lens) + 1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=page,
+        seq_lens=lens + [2 * page + 1],
+        pool_factor=2,
+    )
     plant_foreign_page(pages, len(lens), 1)
     check_decode(pages, backend, refused={len(lens): 1})
 
@@ -106,8 +127,15 @@ def test_decode_any_page_size_at_page_boundaries(backend, page):
 def test_decode_any_page_size_without_the_foreign_page_is_clean(backend, page):
     """The twin: the same lengths with every page the reader's own report nothing."""
     lens = boundary_lens(page)
-    pages = Batch.random(batch=len(lens), num_heads=4, num_kv_heads=2, head_dim=16,
-                         page_size=page, seq_lens=lens, pool_factor=2)
+    pages = Batch.random(
+        batch=len(lens),
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=page,
+        seq_lens=lens,
+        pool_factor=2,
+    )
     check_decode(pages, backend, refused={})
 
 
@@ -137,8 +165,9 @@ def test_decode_any_head_dim(head_dim, page):
 
 
 def test_head_dim_past_512_is_refused_by_the_kernels_with_the_reason():
-    probe = Batch.random(batch=1, num_heads=1, num_kv_heads=1, head_dim=520, page_size=4,
-                         seq_lens=[3]).args()
+    probe = Batch.random(
+        batch=1, num_heads=1, num_kv_heads=1, head_dim=520, page_size=4, seq_lens=[3]
+    ).args()
     reasons = backends.explain(probe)
     # PyTorch ops have no register tile to outgrow.
     assert reasons["reference"] is None and reasons["torch"] is None
@@ -148,13 +177,15 @@ def test_head_dim_past_512_is_refused_by_the_kernels_with_the_reason():
 
 # --- extend -------------------------------------------------------------------------------------
 
+
 def check_extend(ext: Extend, backend: str, causal: bool, refused: dict[int, int]):
     out, lse, report = ext.run(backend, causal=causal, return_lse=True)
     ref_out, ref_lse, ref_report = ext.reference(causal=causal, compute_dtype=torch.float64)
     p = ext.pages
     keys, values, allowed = zip(*(gather(p, b) for b in range(len(ext.cu) - 1)))
-    want_out, want_lse = dense_extend(ext.q, ext.cu, keys, values, allowed,
-                                      ext.q.shape[-1] ** -0.5, causal=causal)
+    want_out, want_lse = dense_extend(
+        ext.q, ext.cu, keys, values, allowed, ext.q.shape[-1] ** -0.5, causal=causal
+    )
     assert_close(out, want_out, ext.q.dtype)
     torch.testing.assert_close(ref_out.cpu(), want_out, atol=1e-9, rtol=1e-9)
     finite = torch.isfinite(want_lse)
@@ -185,16 +216,24 @@ def test_extend_new_shapes(page, head_dim, causal):
 def more_queries_than_keys(head_dim=16, page=5) -> Extend:
     """Sequence 0: 7 query rows over 3 keys; 1: 6 rows, no key at all; 2: 2 rows over 9 keys."""
     q_lens, seq_lens = [7, 6, 2], [3, 0, 9]
-    pages = Batch.random(batch=3, num_heads=4, num_kv_heads=1, head_dim=head_dim, page_size=page,
-                         seq_lens=seq_lens, pool_factor=2)
+    pages = Batch.random(
+        batch=3,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        page_size=page,
+        seq_lens=seq_lens,
+        pool_factor=2,
+    )
     g = torch.Generator().manual_seed(3)
     q = torch.randn(sum(q_lens), 4, head_dim, generator=g).to(torch.float16).to(DEVICE)
     cu = torch.tensor([0, 7, 13, 15], dtype=torch.int32, device=DEVICE)
     return Extend(q, cu, pages)
 
 
-@pytest.mark.parametrize("backend", extend_backends(torch.float16, num_heads=4, num_kv_heads=1,
-                                                    head_dim=16, page_size=5))
+@pytest.mark.parametrize(
+    "backend", extend_backends(torch.float16, num_heads=4, num_kv_heads=1, head_dim=16, page_size=5)
+)
 def test_non_causal_extend_with_more_queries_than_keys(backend):
     """Every row reads every key of its sequence; rows of a sequence without keys give 0 and
     LSE -inf. A foreign page in sequence 2 is refused for all its rows."""
@@ -215,18 +254,23 @@ def test_causal_extend_with_more_queries_than_keys_stays_an_error():
 
 # --- writers at any page size --------------------------------------------------------------------
 
+
 def writer_backends() -> list[str]:
     from kvattn.write_args import validate_write_kv
+
     pool = torch.zeros(2, 5, 1, 16)
     tags = torch.zeros(2, dtype=torch.int64)
-    args = validate_write_kv(pool[0, :1], pool[0, :1], pool, pool.clone(),
-                             torch.zeros(1, dtype=torch.int64), tags, 1)
+    args = validate_write_kv(
+        pool[0, :1], pool[0, :1], pool, pool.clone(), torch.zeros(1, dtype=torch.int64), tags, 1
+    )
     return [n for n, why in backends.explain(args, op="write_kv").items() if why is None]
 
 
 # The Triton writer walks each token's run back to the page's written prefix, one slot per step:
 # under the interpreter a 1000-token page costs minutes, so it runs the smaller pages only.
-WRITER_CASES = [(b, p) for b in writer_backends() for p in (5, 48, 1000) if (b, p) != ("triton", 1000)]
+WRITER_CASES = [
+    (b, p) for b in writer_backends() for p in (5, 48, 1000) if (b, p) != ("triton", 1000)
+]
 
 
 @pytest.mark.parametrize("backend,page", WRITER_CASES)
@@ -250,14 +294,23 @@ def test_write_kv_stamps_exact_lengths_at_any_page_size(backend, page):
         result = kvattn.write_kv(k, -k, k_cache, v_cache, mapping, tags, owner, backend=backend)
         assert result.dropped_count() == 0 and bool(result.landed.all())
         assert torch.equal(k_cache.view(-1, heads, dim)[mapping], k)
-    late = kvattn.write_kv(k[:1], k[:1], k_cache, v_cache, torch.tensor([5 * page + page - 1]),
-                           tags, 1, backend=backend)
+    late = kvattn.write_kv(
+        k[:1],
+        k[:1],
+        k_cache,
+        v_cache,
+        torch.tensor([5 * page + page - 1]),
+        tags,
+        1,
+        backend=backend,
+    )
     assert late.dropped_count() == 1  # owner 1 does not hold page 5
     assert [kvattn.tag_valid_len(int(t)) for t in tags[[4, 0, 2, 5]]] == [page, page, 1, page - 1]
     q = torch.randn(2, 4, dim, generator=g).half()
     table = torch.tensor([[4, 0, 2], [5, 5, 5]], dtype=torch.int32)
     seq_lens = torch.tensor([lens[1], lens[2]], dtype=torch.int32)
     expected = torch.tensor([1, 2])
-    out, report = kvattn.paged_decode(q, k_cache, v_cache, table, seq_lens, tags, expected,
-                                      backend="reference")
+    out, report = kvattn.paged_decode(
+        q, k_cache, v_cache, table, seq_lens, tags, expected, backend="reference"
+    )
     assert torch.isfinite(out).all() and not report.any()

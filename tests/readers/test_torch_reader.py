@@ -8,6 +8,7 @@ must not be read.
 Tolerances: float32 data and float32 compute on both sides of the comparison, so outputs differ by
 summation order only (``tolerance(float32)``) and LSEs by float32 rounding (``LSE_TOLERANCE``).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,12 @@ F32 = torch.float32
 VARIANTS = {
     "plain": {},
     "window": dict(window_left=9),
-    "all": dict(window_left=21, logits_soft_cap=4.0, alibi_slopes=torch.linspace(0.05, 0.3, HEADS),
-                sinks=torch.linspace(-1.0, 1.0, HEADS)),
+    "all": dict(
+        window_left=21,
+        logits_soft_cap=4.0,
+        alibi_slopes=torch.linspace(0.05, 0.3, HEADS),
+        sinks=torch.linspace(-1.0, 1.0, HEADS),
+    ),
 }
 LENS = [0, 1, 3, 17, 40, 90, 200, 7]
 
@@ -53,8 +58,17 @@ def test_decode_of_mixed_lengths_in_several_gathers(name, foreign):
     """Lengths from 0 to 50 pages fall into several gathers; one sequence's every page and
     another's page inside every window are foreign (NaN), the twin has none."""
     variant = on_device(VARIANTS[name])
-    pages = Batch.random(batch=len(LENS), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                         page_size=4, seq_lens=LENS, dtype=F32, pool_factor=2, seed=3)
+    pages = Batch.random(
+        batch=len(LENS),
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        seq_lens=LENS,
+        dtype=F32,
+        pool_factor=2,
+        seed=3,
+    )
     counts = [-(-n // 4) for n in LENS]
     assert len(torch_attention._buckets(counts, [b for b in range(len(LENS)) if counts[b]])) > 2
     if foreign:
@@ -77,8 +91,17 @@ def test_extend_in_query_tiles(monkeypatch, name, causal):
     read, and a foreign page read by some rows only is refused and never contributes."""
     variant = on_device(VARIANTS[name])
     monkeypatch.setattr(torch_attention, "TILE_ELEMENTS", 3 * HEADS * 48)
-    ext = Extend.random([23, 3, 9, 0], [37, 29, 0, 5], num_heads=HEADS, num_kv_heads=KV_HEADS,
-                        head_dim=DIM, page_size=4, dtype=F32, pool_factor=2, seed=5)
+    ext = Extend.random(
+        [23, 3, 9, 0],
+        [37, 29, 0, 5],
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        dtype=F32,
+        pool_factor=2,
+        seed=5,
+    )
     plant_foreign_page(ext.pages, 0, 13)  # tokens 52-55: read by the later rows of sequence 0
     out, lse, report = ext.run("torch", causal=causal, return_lse=True, **variant)
     ref = ext.reference(causal=causal, compute_dtype=torch.float64, **variant)
@@ -89,8 +112,17 @@ def test_extend_in_query_tiles(monkeypatch, name, causal):
 def test_decode_does_not_gather_pages_before_the_window(monkeypatch):
     """A 50-page sequence with a 9-key window gathers its last 3 pages only (the table entries
     before the window name pages outside the pool: never dereferenced, never reported)."""
-    pages = Batch.random(batch=1, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                         page_size=4, seq_lens=[200], dtype=F32, pool_factor=2, seed=8)
+    pages = Batch.random(
+        batch=1,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        seq_lens=[200],
+        dtype=F32,
+        pool_factor=2,
+        seed=8,
+    )
     pages.block_table[0, :40] = pages.k_cache.shape[0] + 7
     gathered = []
     real = torch_attention._gather
@@ -98,10 +130,15 @@ def test_decode_does_not_gather_pages_before_the_window(monkeypatch):
     def spy(a, pool, scale, index, allowed):
         gathered.append(index.shape[1])
         return real(a, pool, scale, index, allowed)
+
     monkeypatch.setattr(torch_attention, "_gather", spy)
     out, lse, report = pages.decode("torch", return_lse=True, window_left=9)
-    compare(out, lse, report, *pages.reference(return_lse=True, compute_dtype=torch.float64,
-                                               window_left=9))
+    compare(
+        out,
+        lse,
+        report,
+        *pages.reference(return_lse=True, compute_dtype=torch.float64, window_left=9),
+    )
     assert gathered == [3, 3] and report.pages_checked.tolist() == [3]
     assert not report.any()
 
@@ -110,10 +147,19 @@ def test_auto_reads_cpu_tensors_with_the_torch_backend(monkeypatch):
     """``auto`` on CPU tensors takes the torch readers before the reference (the Triton
     interpreter, when a test run turns it on, comes first)."""
     monkeypatch.delenv("KVATTN_BACKEND", raising=False)
-    probe = Batch.random(batch=1, num_heads=2, num_kv_heads=1, head_dim=16, page_size=4,
-                         seq_lens=[3], device=torch.device("cpu"))
+    probe = Batch.random(
+        batch=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=4,
+        seq_lens=[3],
+        device=torch.device("cpu"),
+    )
     ext = Extend.random([2], [3])
-    for op, args in (("decode", probe.args()),
-                     ("extend", kvattn.layout.validate_extend(*(t.cpu() for t in ext.inputs())))):
+    for op, args in (
+        ("decode", probe.args()),
+        ("extend", kvattn.layout.validate_extend(*(t.cpu() for t in ext.inputs()))),
+    ):
         name, refused = kvattn.backends.auto_choice(args, op)
         assert name in ("triton", "torch") and "torch" not in refused, (op, name, refused)

@@ -1,5 +1,6 @@
 """`make demo`'s replay and prefix scenes run and reach their verdicts (the demo exits non-zero when
 the unchecked call does not leak or the checked call is not clean)."""
+
 from kvattn import demo
 
 

@@ -6,6 +6,7 @@ build's line and ``python -m kvattn.env`` say them; a count in prose drifts, as 
 ``cuda_sim`` is a registry name a caller may pass (the CUDA kernels' source on the CPU harness,
 run only when named), so the docstrings name it too, as the CPU harness.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -20,8 +21,13 @@ from kvattn_testing.build import instantiations
 from kvattn_testing.util import ROOT
 
 # public op -> the registry's op (kvattn.backends.OPS)
-OPS = {kvattn.paged_decode: "decode", kvattn.paged_extend: "extend", kvattn.paged_mla_decode: "mla_decode",
-       kvattn.paged_mla_extend: "mla_extend", kvattn.write_kv: "write_kv"}
+OPS = {
+    kvattn.paged_decode: "decode",
+    kvattn.paged_extend: "extend",
+    kvattn.paged_mla_decode: "mla_decode",
+    kvattn.paged_mla_extend: "mla_extend",
+    kvattn.write_kv: "write_kv",
+}
 
 
 def backend_entry(doc: str) -> str:
@@ -32,7 +38,7 @@ def backend_entry(doc: str) -> str:
     indent = len(lines[start]) - len(lines[start].lstrip())
     paragraph = lines[start].lstrip().startswith("``")
     entry = [lines[start]]
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip() or (not paragraph and len(line) - len(line.lstrip()) <= indent):
             break
         entry.append(line)
@@ -51,7 +57,9 @@ def registry_backends(op: str) -> set[str]:
     for name in backends.names():
         module, reason = backends.load(name)
         if module is None:
-            pytest.skip(f"backend {name} does not import here ({reason}): which ops it has is unknown")
+            pytest.skip(
+                f"backend {name} does not import here ({reason}): which ops it has is unknown"
+            )
         if hasattr(module, op):
             names.add(name)
     return names
@@ -61,9 +69,11 @@ def mismatch(func, op: str) -> str | None:
     documented, registered = documented_backends(func.__doc__), registry_backends(op)
     if documented == registered:
         return None
-    return (f"{func.__module__}.{func.__name__}'s backend line names {sorted(documented)}; the "
-            f"registry has {sorted(registered)} for {op} (missing: {sorted(registered - documented)}, "
-            f"not a backend of it: {sorted(documented - registered)})")
+    return (
+        f"{func.__module__}.{func.__name__}'s backend line names {sorted(documented)}; the "
+        f"registry has {sorted(registered)} for {op} (missing: {sorted(registered - documented)}, "
+        f"not a backend of it: {sorted(documented - registered)})"
+    )
 
 
 @pytest.mark.parametrize("func", list(OPS), ids=lambda f: f.__name__)
@@ -117,7 +127,10 @@ def test_the_docs_head_dims_are_the_backends_and_the_tables():
     triton, reason = backends.load("triton")
     if triton is None:
         pytest.skip(f"the triton backend does not import here ({reason})")
-    for path, words in ((ROOT / "docs" / "backends.md", "head dim"), (ROOT / "README.md", "head dims")):
+    for path, words in (
+        (ROOT / "docs" / "backends.md", "head dim"),
+        (ROOT / "README.md", "head dims"),
+    ):
         stated = re.search(rf"{words} 1\.\.(\d+)", _row(path, "triton"))
         assert stated and int(stated.group(1)) == triton.MAX_HEAD_DIM, path.name
 
@@ -133,11 +146,20 @@ def count_statements(text: str) -> list[str]:
 def test_no_prose_counts_the_builds_instantiations_or_units():
     """The build's counts change with the table; where they are described (the docs, the table's
     and the build's docstrings, the record's format) they are not stated."""
-    files = [ROOT / "README.md", ROOT / "setup.py", ROOT / "kvattn" / "extensions.py",
-             *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "csrc").glob("*.py"))]
-    found = {str(path.relative_to(ROOT)): hits for path in files
-             if (hits := count_statements(path.read_text()))}
+    files = [
+        ROOT / "README.md",
+        ROOT / "setup.py",
+        ROOT / "kvattn" / "extensions.py",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "csrc").glob("*.py")),
+    ]
+    found = {
+        str(path.relative_to(ROOT)): hits
+        for path in files
+        if (hits := count_statements(path.read_text()))
+    }
     assert found == {}
-    assert count_statements("201 kernel instantiations; Ninja compiles the 19 units; 2 units of 16") == [
-        "201 kernel instantiations", "19 units", "2 units"]
+    assert count_statements(
+        "201 kernel instantiations; Ninja compiles the 19 units; 2 units of 16"
+    ) == ["201 kernel instantiations", "19 units", "2 units"]
     assert count_statements("decode in units of 16 rows, one unit per tile") == ["units of 16"]

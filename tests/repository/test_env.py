@@ -1,5 +1,6 @@
 """``kvattn.info()`` / ``python -m kvattn.env``, and the build status of the extensions
 (:mod:`kvattn.extensions`): built, not built and build failed say different things."""
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -40,7 +41,9 @@ def test_info_says_which_backend_accepts_which_op_and_why_the_others_refuse():
     assert cpu["mla_decode"]["auto"] == ("triton" if interpreted() else "reference")
     assert cpu["mla_decode"]["reasons"]["torch"] == "no mla_decode kernel"
     assert cpu["mla_extend"]["auto"] == ("triton" if interpreted() else "reference")
-    assert cpu["mla_extend"]["reasons"]["cuda"] and cpu["mla_extend"]["reasons"]["reference"] is None
+    assert (
+        cpu["mla_extend"]["reasons"]["cuda"] and cpu["mla_extend"]["reasons"]["reference"] is None
+    )
     if not interpreted():
         assert "TRITON_INTERPRET=1" in cpu["decode"]["reasons"]["triton"]
 
@@ -63,21 +66,37 @@ def test_info_gives_the_state_of_every_extension_and_agrees_with_the_registry():
 
 def test_report_lays_out_versions_backends_extensions_and_resources():
     data = kvattn.info()
-    data["cuda_resources"] = [dict(kernel="void kvattn::paged_decode_kernel<__half, true>"
-                                          "(kvattn::DecodeParams)", arch="sm_90", registers=56,
-                                   smem_static=1024, stack_frame=0, spill_stores=0, spill_loads=0)]
+    data["cuda_resources"] = [
+        dict(
+            kernel="void kvattn::paged_decode_kernel<__half, true>(kvattn::DecodeParams)",
+            arch="sm_90",
+            registers=56,
+            smem_static=1024,
+            stack_frame=0,
+            spill_stores=0,
+            spill_loads=0,
+        )
+    ]
     data["cuda_resources"].append(dict(data["cuda_resources"][0], registers=128, spill_stores=8))
     text = env.report(data)
-    for heading in ("kvattn environment", "Backends for a probe input", "Extensions:",
-                    "CUDA module, static resources (ptxas"):
+    for heading in (
+        "kvattn environment",
+        "Backends for a probe input",
+        "Extensions:",
+        "CUDA module, static resources (ptxas",
+    ):
         assert heading in text
     assert "write_kv on cpu: auto takes torch" in text
-    assert ("  sm_90: 2 kernels, at most 128 registers, 1024 bytes of static shared memory, 0 bytes "
-            "of stack; 1 kernel(s) spill") in text
+    assert (
+        "  sm_90: 2 kernels, at most 128 registers, 1024 bytes of static shared memory, 0 bytes "
+        "of stack; 1 kernel(s) spill"
+    ) in text
     data["cuda_selection"] = dict(full=False, text="dtypes fp16; head dims 128; variants off")
     data["cuda_units"] = dict(instantiations=21, units=5)
-    assert ("  a subset (dtypes fp16; head dims 128; variants off) of csrc/instantiations.py: 21 in 5 "
-            "translation units") in env.report(data)
+    assert (
+        "  a subset (dtypes fp16; head dims 128; variants off) of csrc/instantiations.py: 21 in 5 "
+        "translation units"
+    ) in env.report(data)
     text = env.report(data, kernels=True)
     assert "CUDA module, static resources per kernel" in text
     row = next(line for line in text.splitlines() if "paged_decode_kernel<__half, true>" in line)
@@ -85,8 +104,13 @@ def test_report_lays_out_versions_backends_extensions_and_resources():
 
 
 def test_env_command_prints_the_report_and_json():
-    run = dict(cwd=ROOT, capture_output=True, text=True, timeout=300,
-               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run = dict(
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     text = subprocess.run([sys.executable, "-m", "kvattn.env"], **run)
     assert text.returncode == 0, text.stderr
     assert "RuntimeWarning" not in text.stderr, text.stderr  # runpy: kvattn.env imported twice
@@ -118,22 +142,38 @@ def test_a_module_never_built_says_run_make_build(monkeypatch):
 
 
 def test_a_module_the_build_skipped_says_why(monkeypatch):
-    _record(monkeypatch, {"kvattn.backends.cuda._absent": {"status": "skipped",
-                                                           "reason": "nvcc not found on PATH"}})
+    _record(
+        monkeypatch,
+        {"kvattn.backends.cuda._absent": {"status": "skipped", "reason": "nvcc not found on PATH"}},
+    )
     _, status = extensions.load("kvattn.backends.cuda._absent")
     assert status.state == extensions.NOT_BUILT
-    assert status.line() == "not built: run `make build` (setup.py skipped it: nvcc not found on PATH)"
+    assert (
+        status.line() == "not built: run `make build` (setup.py skipped it: nvcc not found on PATH)"
+    )
 
 
 def test_a_failed_build_is_not_reported_as_not_built(monkeypatch, tmp_path):
-    _record(monkeypatch, {"kvattn.backends.cuda._absent": {"status": "failed",
-                                                           "reason": "CalledProcessError: nvcc"},
-                          "json": {"status": "failed", "reason": "CalledProcessError: nvcc"}})
+    _record(
+        monkeypatch,
+        {
+            "kvattn.backends.cuda._absent": {
+                "status": "failed",
+                "reason": "CalledProcessError: nvcc",
+            },
+            "json": {"status": "failed", "reason": "CalledProcessError: nvcc"},
+        },
+    )
     _, status = extensions.load("kvattn.backends.cuda._absent")
-    assert status.state == extensions.FAILED and "the last build failed (CalledProcessError" in status.line()
+    assert (
+        status.state == extensions.FAILED
+        and "the last build failed (CalledProcessError" in status.line()
+    )
     # An older build still loads: it is used, and the report says the last build failed.
     module, status = extensions.load("json")
-    assert module is not None and status.state == extensions.FAILED and "older build" in status.reason
+    assert (
+        module is not None and status.state == extensions.FAILED and "older build" in status.reason
+    )
 
     # A module file that does not load (a broken or foreign build).
     package = tmp_path / "fakekv"
@@ -150,11 +190,19 @@ def test_a_failed_build_is_not_reported_as_not_built(monkeypatch, tmp_path):
 def test_the_cuda_backend_says_not_built_without_the_circular_import_noise():
     """With ``_C`` absent, the registry's reason is the clean one (Python's own ImportError for
     ``from . import _C`` speaks of a circular import)."""
-    code = ("import sys; sys.modules['kvattn.backends.cuda._C'] = None\n"
-            "import kvattn.backends.cuda as cuda\n"
-            "print(cuda._NOT_BUILT)\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    code = (
+        "import sys; sys.modules['kvattn.backends.cuda._C'] = None\n"
+        "import kvattn.backends.cuda as cuda\n"
+        "print(cuda._NOT_BUILT)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     reason = result.stdout.strip()
     assert reason.startswith("not built: run `make build` where nvcc is installed"), reason
@@ -166,7 +214,10 @@ def test_a_built_extension_leaves_no_reason(backend):
     module, _ = backends.load(backend)
     if module.STATUS.path is None:
         pytest.skip(f"{backend}: {module.STATUS.line()}")
-    assert module._NOT_BUILT is None and module.STATUS.state in (extensions.BUILT, extensions.FAILED)
+    assert module._NOT_BUILT is None and module.STATUS.state in (
+        extensions.BUILT,
+        extensions.FAILED,
+    )
 
 
 @pytest.mark.parametrize("backend", ["cuda", "cuda_sim"])
@@ -203,7 +254,11 @@ def test_the_source_digest_follows_every_compiled_file(tmp_path):
     first = extensions.source_digest(tmp_path)
     (tmp_path / "csrc" / "notes.md").write_text("edited\n")
     assert extensions.source_digest(tmp_path) == first
-    for path, text in ((header, "// kernel, edited\n"), (tags, "OWNER_SHIFT = 17\n"), (table, "TABLE = (1,)\n")):
+    for path, text in (
+        (header, "// kernel, edited\n"),
+        (tags, "OWNER_SHIFT = 17\n"),
+        (table, "TABLE = (1,)\n"),
+    ):
         path.write_text(text)
         assert extensions.source_digest(tmp_path) != first
         first = extensions.source_digest(tmp_path)

@@ -11,6 +11,7 @@ machine; where no index answers (the GPU machine), the build runs without isolat
 the installed setuptools and pybind11. The test then looks at the installed package from outside
 the repository.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,33 +67,80 @@ def _cuda_skipped_because() -> str | None:
 def _source_files() -> list[str]:
     """What a clone holds: tracked files, plus new files git does not ignore."""
     try:
-        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
-                                 "--exclude-standard"], capture_output=True, check=False)
+        listed = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(ROOT),
+                "ls-files",
+                "-z",
+                "--cached",
+                "--others",
+                "--exclude-standard",
+            ],
+            capture_output=True,
+            check=False,
+        )
     except OSError:  # no git on this machine
         listed = None
     if listed is not None and listed.returncode == 0:
         return [f for f in listed.stdout.decode().split("\0") if f and (ROOT / f).is_file()]
     # A tree that travelled without .git: everything but what builds and runs leave behind.
     skip = {"build", "dist", ".git", "__pycache__", ".pytest_cache", ".hypothesis", ".benchmarks"}
-    return [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
-            if p.is_file() and not skip & set(p.relative_to(ROOT).parts)
-            and p.suffix not in (".so", ".o", ".pyc") and p.name != "_build.json"]
+    return [
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("*")
+        if p.is_file()
+        and not skip & set(p.relative_to(ROOT).parts)
+        and p.suffix not in (".so", ".o", ".pyc")
+        and p.name != "_build.json"
+    ]
 
 
 def _clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "KVATTN_SKIP_EXTENSIONS", "KVATTN_SKIP_CUDA_BUILD",
-                        "KVATTN_CUDA_BUILD", "KVATTN_CUDA_ARCHS", "KVATTN_CUDA_DTYPES",
-                        "KVATTN_CUDA_HEAD_DIMS", "KVATTN_CUDA_VARIANTS", "KVATTN_BACKEND")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "PYTHONPATH",
+            "KVATTN_SKIP_EXTENSIONS",
+            "KVATTN_SKIP_CUDA_BUILD",
+            "KVATTN_CUDA_BUILD",
+            "KVATTN_CUDA_ARCHS",
+            "KVATTN_CUDA_DTYPES",
+            "KVATTN_CUDA_HEAD_DIMS",
+            "KVATTN_CUDA_VARIANTS",
+            "KVATTN_BACKEND",
+        )
+    }
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
     return env
 
 
 def _index_answers(python: str, scratch: pathlib.Path) -> bool:
     """Whether pip can fetch the build requirements (bounded: no retries, short timeout)."""
-    probe = subprocess.run([python, "-m", "pip", "download", "--no-deps", "--retries", "0",
-                            "--timeout", "15", "-q", "-d", str(scratch), *BUILD_REQUIREMENTS],
-                           capture_output=True, text=True, env=_clean_env(), timeout=300)
+    probe = subprocess.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--retries",
+            "0",
+            "--timeout",
+            "15",
+            "-q",
+            "-d",
+            str(scratch),
+            *BUILD_REQUIREMENTS,
+        ],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=300,
+    )
     return probe.returncode == 0
 
 
@@ -111,22 +159,39 @@ def installed(tmp_path_factory):
     python = str(base / "venv" / "bin" / "python")
     site_dir = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True).stdout.strip()
-    paths = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-                           *site.getsitepackages()])
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    paths = dict.fromkeys(
+        [
+            sysconfig.get_paths()["purelib"],
+            sysconfig.get_paths()["platlib"],
+            *site.getsitepackages(),
+        ]
+    )
     pathlib.Path(site_dir, "kvattn-parent.pth").write_text("\n".join(paths) + "\n")
     command = [python, "-m", "pip", "install", "-v", "."]
     if not _index_answers(python, base / "requirements"):
         # setup.py builds without ninja (plain nvcc calls), not without these two.
-        missing = [m for m in ("setuptools", "pybind11")
-                   if subprocess.run([python, "-c", f"import {m}"], capture_output=True).returncode]
+        missing = [
+            m
+            for m in ("setuptools", "pybind11")
+            if subprocess.run([python, "-c", f"import {m}"], capture_output=True).returncode
+        ]
         if missing:
             pytest.skip(f"no package index answers and {missing} are not installed: cannot build")
         command.append("--no-build-isolation")
     start = time.perf_counter()
     # The timeout only stops a hung build; the time is printed, never compared.
-    result = subprocess.run(command, cwd=src, capture_output=True, text=True,
-                            env=_clean_env(KVATTN_CUDA_ARCHS="90"), timeout=3600)
+    result = subprocess.run(
+        command,
+        cwd=src,
+        capture_output=True,
+        text=True,
+        env=_clean_env(KVATTN_CUDA_ARCHS="90"),
+        timeout=3600,
+    )
     seconds = time.perf_counter() - start
     log = result.stdout + result.stderr
     assert result.returncode == 0, f"pip install failed after {seconds:.0f} s:\n{log[-6000:]}"
@@ -137,8 +202,9 @@ def installed(tmp_path_factory):
 def _run_installed(python: str, code: str, cwd: pathlib.Path) -> str:
     """Run ``code`` with the environment's Python outside the repository (so the checkout's kvattn
     cannot shadow the installed one)."""
-    result = subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True,
-                            env=_clean_env(), timeout=300)
+    result = subprocess.run(
+        [python, "-c", code], cwd=cwd, capture_output=True, text=True, env=_clean_env(), timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -146,7 +212,8 @@ def _run_installed(python: str, code: str, cwd: pathlib.Path) -> str:
 PROBE = r"""
 import json, torch, kvattn
 from kvattn import extensions
-k = torch.randn(4, 16, 1, 64).half(); v = torch.randn(4, 16, 1, 64).half(); tags = torch.zeros(4, dtype=torch.int64)
+k = torch.randn(4, 16, 1, 64).half(); v = torch.randn(4, 16, 1, 64).half()
+tags = torch.zeros(4, dtype=torch.int64)
 kvattn.reserve_pages(tags, [2], owner=3)
 written = kvattn.write_kv(k[0, :5], v[0, :5], k, v, torch.arange(32, 37), tags, 3, backend="cuda_sim")
 out, report = kvattn.paged_decode(torch.randn(1, 2, 64).half(), k, v, torch.tensor([[2]], dtype=torch.int32),
@@ -204,8 +271,11 @@ def _check_installed_modules(python: str, cwd: pathlib.Path) -> None:
 
 
 def _check_the_one_line(log: str) -> None:
-    lines = [line.strip() for line in log.splitlines()
-             if re.match(r"\s*kvattn: built .*(skipped|failed)", line)]
+    lines = [
+        line.strip()
+        for line in log.splitlines()
+        if re.match(r"\s*kvattn: built .*(skipped|failed)", line)
+    ]
     assert len(lines) == 1, lines
     skipped = _cuda_skipped_because()
     if skipped is None:
@@ -215,8 +285,14 @@ def _check_the_one_line(log: str) -> None:
 
 
 def _check_environment_report(python: str, cwd: pathlib.Path) -> None:
-    result = subprocess.run([python, "-m", "kvattn.env"], cwd=cwd, capture_output=True,
-                            text=True, env=_clean_env(), timeout=300)
+    result = subprocess.run(
+        [python, "-m", "kvattn.env"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        timeout=300,
+    )
     assert result.returncode == 0 and "RuntimeWarning" not in result.stderr, result.stderr
     assert "Extensions:" in result.stdout and SIM in result.stdout
     if _cuda_skipped_because() is None:

@@ -1,4 +1,5 @@
 """The README's first example runs as printed (on the CPU: device strings swapped)."""
+
 import os
 import re
 

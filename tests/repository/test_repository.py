@@ -1,5 +1,6 @@
 """The repository stands on its own: no file refers to a path outside it, and the import graph of
 the kvattn package has no cycle."""
+
 from __future__ import annotations
 
 import ast
@@ -18,8 +19,20 @@ PACKAGE = ROOT / "kvattn"
 
 def _repository_files() -> list[str]:
     try:
-        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
-                                 "--exclude-standard"], capture_output=True, check=False)
+        listed = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(ROOT),
+                "ls-files",
+                "-z",
+                "--cached",
+                "--others",
+                "--exclude-standard",
+            ],
+            capture_output=True,
+            check=False,
+        )
     except OSError:
         pytest.skip("no git on this machine: the repository's files are not known")
     if listed.returncode != 0:
@@ -73,11 +86,17 @@ def test_the_scanner_finds_each_kind_of_outside_reference(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "machine.md").write_text("")
     up = "../"  # spelled apart: this file is scanned too
-    text = (f"see {up}{up}notes/machine.md and {up}pkg/mod.h; {tmp_path}/notes/machine.md; "
-            "notes/machine.md; pkg/mod.h; mod.h")
+    text = (
+        f"see {up}{up}notes/machine.md and {up}pkg/mod.h; {tmp_path}/notes/machine.md; "
+        "notes/machine.md; pkg/mod.h; mod.h"
+    )
     found = outside_references("pkg/readme.md", text, repo)
     assert len(found) == 3, found
-    assert "climbs out" in found[0] and "absolute path" in found[1] and "beside the repository" in found[2]
+    assert (
+        "climbs out" in found[0]
+        and "absolute path" in found[1]
+        and "beside the repository" in found[2]
+    )
 
 
 def test_no_file_refers_to_a_path_outside_the_repository():
@@ -124,7 +143,7 @@ def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
                     depend(alias.name)
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
                     origin = ".".join(base + ([node.module] if node.module else []))
                 else:
                     origin = node.module
@@ -149,7 +168,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         state[node] = 2
@@ -171,7 +190,11 @@ def test_the_cycle_finder_sees_relative_and_function_level_imports():
         "pkg.backends": ("", True),
         "pkg.backends.cuda": ("from ..writers import WriteResult\n", False),
     }
-    assert find_cycle(import_graph(sources)) == ["pkg.backends.cuda", "pkg.writers", "pkg.backends.cuda"]
+    assert find_cycle(import_graph(sources)) == [
+        "pkg.backends.cuda",
+        "pkg.writers",
+        "pkg.backends.cuda",
+    ]
     sources["pkg.backends.cuda"] = ("from ..report import WriteResult\n", False)
     assert find_cycle(import_graph(sources)) is None
     # A module taking a name its own package defines, while the package imports it, is a circle.
@@ -181,8 +204,10 @@ def test_the_cycle_finder_sees_relative_and_function_level_imports():
 
 
 def test_the_kvattn_import_graph_has_no_cycle():
-    sources = {_module_name(p, ROOT): (p.read_text(), p.name == "__init__.py")
-               for p in PACKAGE.rglob("*.py")}
+    sources = {
+        _module_name(p, ROOT): (p.read_text(), p.name == "__init__.py")
+        for p in PACKAGE.rglob("*.py")
+    }
     graph = import_graph(sources)
     assert "kvattn.backends.cuda" in graph["kvattn.backends.cuda_sim"]  # the graph is not empty
     cycle = find_cycle(graph)
@@ -220,14 +245,19 @@ def test_every_test_file_is_in_one_lane(pytestconfig):
     assert len(folders) == len(set(folders)), folders
     tests = ROOT / "tests"
     files = sorted(tests.rglob("test_*.py"))
-    outside = [str(p.relative_to(tests)) for p in files
-               if p.parent == tests or p.relative_to(tests).parts[0] not in folders]
+    outside = [
+        str(p.relative_to(tests))
+        for p in files
+        if p.parent == tests or p.relative_to(tests).parts[0] not in folders
+    ]
     assert not outside, f"test files outside every lane's folder: {outside}"
     assert all((tests / folder).is_dir() for folder in folders), folders
     names = [p.stem for p in files]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
-    importers = {str(p.relative_to(tests)): sorted(_imported_modules(p) & set(names))
-                 for p in tests.rglob("*.py")}
+    importers = {
+        str(p.relative_to(tests)): sorted(_imported_modules(p) & set(names))
+        for p in tests.rglob("*.py")
+    }
     importers = {path: imported for path, imported in importers.items() if imported}
     assert not importers, f"test modules imported as libraries: {importers}"
     markers = (ROOT / "pytest.ini").read_text()
@@ -245,15 +275,28 @@ def triton_launches(folder: pathlib.Path = ROOT / "kvattn" / "backends" / "trito
     for tree in trees.values():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(
-                    ast.unparse(d).endswith("jit") for d in node.decorator_list):
+                ast.unparse(d).endswith("jit") for d in node.decorator_list
+            ):
                 kernels[node.name] = [a.arg for a in node.args.args]
     launches = []
     for path, tree in trees.items():
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id in kernels):
-                launches.append((path.name, node.lineno, node.func.value.id, node.args,
-                                 node.keywords, kernels[node.func.value.id]))
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in kernels
+            ):
+                launches.append(
+                    (
+                        path.name,
+                        node.lineno,
+                        node.func.value.id,
+                        node.args,
+                        node.keywords,
+                        kernels[node.func.value.id],
+                    )
+                )
     return launches
 
 
@@ -279,6 +322,9 @@ def test_triton_kernels_are_launched_by_keyword():
 def test_the_launch_check_sees_positional_and_unknown_arguments(tmp_path):
     (tmp_path / "k.py").write_text(
         "import triton\n@triton.jit\ndef kern(x_ptr, n, BLOCK: 'tl.constexpr'):\n    pass\n"
-        "def go(x):\n    kern[(1,)](x, n=1, BLOCK=4)\n    kern[(1,)](x_ptr=x, m=1, BLOCK=4, num_warps=4)\n")
+        "def go(x):\n    kern[(1,)](x, n=1, BLOCK=4)\n    kern[(1,)](x_ptr=x, m=1, BLOCK=4, num_warps=4)\n"
+    )
     assert launch_problems(triton_launches(tmp_path)) == [
-        "k.py:6: kern launched with positional arguments", "k.py:7: kern has no parameter ['m']"]
+        "k.py:6: kern launched with positional arguments",
+        "k.py:7: kern has no parameter ['m']",
+    ]

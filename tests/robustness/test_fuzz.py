@@ -12,6 +12,7 @@ with another's on the same pages.
 interpreter costs tens of milliseconds per call, so shapes stay tiny). Run with e.g.
 ``KVATTN_FUZZ_EXAMPLES=500`` to search harder.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,8 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvattn
 from kvattn import OwnershipReport, Violation, WriteDrop
@@ -31,8 +33,11 @@ from kvattn_testing.traces import Interleave, Trace, _decode_step, _prefill, _st
 from kvattn_testing.util import backends_under_test, tolerance
 
 EXAMPLES = int(os.environ.get("KVATTN_FUZZ_EXAMPLES", "12"))
-fuzz = settings(max_examples=EXAMPLES, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+fuzz = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 READERS = backends_under_test()
 WRITERS = [w for w in ("torch", "triton", "cuda_sim") if w == "torch" or w in READERS]
 F16 = torch.float16
@@ -45,10 +50,18 @@ FREE, RESERVED, WRITTEN = 0, 1, 2
 OOR, V_FREE, V_RESERVED, MISMATCH, UNWRITTEN = 1, 2, 4, 8, 16
 D_OOR, D_NOT_HELD, D_GAP, D_BAD_LENGTH = 1, 2, 4, 8
 assert [OOR, V_FREE, V_RESERVED, MISMATCH, UNWRITTEN] == [
-    Violation.OUT_OF_RANGE, Violation.FREE, Violation.RESERVED, Violation.OWNER_MISMATCH,
-    Violation.UNWRITTEN]
+    Violation.OUT_OF_RANGE,
+    Violation.FREE,
+    Violation.RESERVED,
+    Violation.OWNER_MISMATCH,
+    Violation.UNWRITTEN,
+]
 assert [D_OOR, D_NOT_HELD, D_GAP, D_BAD_LENGTH] == [
-    WriteDrop.OUT_OF_RANGE, WriteDrop.NOT_HELD, WriteDrop.GAP, WriteDrop.BAD_LENGTH]
+    WriteDrop.OUT_OF_RANGE,
+    WriteDrop.NOT_HELD,
+    WriteDrop.GAP,
+    WriteDrop.BAD_LENGTH,
+]
 
 
 def state(tag: int) -> int:
@@ -88,14 +101,18 @@ def owners(valid_only=False):
 
 def tags(page_size: int):
     """Tags a writer produces (valid lengths up to the page and past it) and words none does."""
-    written = st.builds(lambda o, n: (o << 16) | (n << 2) | WRITTEN, st.sampled_from(OWNERS),
-                        st.integers(0, page_size) | st.integers(0, (1 << 14) - 1))
+    written = st.builds(
+        lambda o, n: (o << 16) | (n << 2) | WRITTEN,
+        st.sampled_from(OWNERS),
+        st.integers(0, page_size) | st.integers(0, (1 << 14) - 1),
+    )
     reserved = st.builds(lambda o: (o << 16) | RESERVED, st.sampled_from(OWNERS))
     malformed = st.one_of(
         st.builds(lambda t: int64(t | (1 << 63)), written | reserved),
         st.builds(lambda t: (t & ~3) | 3, written),
         st.builds(lambda n: int64((-1 << 16) | (n << 2) | WRITTEN), st.integers(0, page_size)),
-        st.integers(-(1 << 63), (1 << 63) - 1))
+        st.integers(-(1 << 63), (1 << 63) - 1),
+    )
     return st.one_of(st.just(0), reserved, written, written, malformed)
 
 
@@ -106,8 +123,13 @@ def pool_world(draw, max_pages=5):
     page_size = draw(st.sampled_from([1, 2, 4]))
     kv_heads = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2]))
-    return num_pages, page_size, kv_heads, group, draw(st.lists(tags(page_size), min_size=num_pages,
-                                                                max_size=num_pages))
+    return (
+        num_pages,
+        page_size,
+        kv_heads,
+        group,
+        draw(st.lists(tags(page_size), min_size=num_pages, max_size=num_pages)),
+    )
 
 
 @st.composite
@@ -118,21 +140,35 @@ def read_world(draw):
     batch = draw(st.integers(1, 3))
     max_pages = draw(st.integers(1, 3))
     entry = st.integers(-2, num_pages + 1) | st.sampled_from([-(1 << 31), (1 << 31) - 1])
-    table = draw(st.lists(st.lists(entry, min_size=max_pages, max_size=max_pages),
-                          min_size=batch, max_size=batch))
+    table = draw(
+        st.lists(
+            st.lists(entry, min_size=max_pages, max_size=max_pages), min_size=batch, max_size=batch
+        )
+    )
     capacity = max_pages * page_size
     length = st.integers(-2, capacity + 2) | st.sampled_from([-(1 << 31), (1 << 31) - 1])
     seq_lens = draw(st.lists(length, min_size=batch, max_size=batch))
     per_entry = draw(st.booleans())
     shape = (batch, max_pages) if per_entry else (batch,)
     flat = draw(st.lists(owners(), min_size=math.prod(shape), max_size=math.prod(shape)))
-    seed = draw(st.integers(0, 2 ** 16))
-    return dict(num_pages=num_pages, page_size=page_size, kv_heads=kv_heads, group=group,
-                tags=tag_list, table=table, seq_lens=seq_lens, expected=flat, per_entry=per_entry,
-                max_pages=max_pages, seed=seed)
+    seed = draw(st.integers(0, 2**16))
+    return dict(
+        num_pages=num_pages,
+        page_size=page_size,
+        kv_heads=kv_heads,
+        group=group,
+        tags=tag_list,
+        table=table,
+        seq_lens=seq_lens,
+        expected=flat,
+        per_entry=per_entry,
+        max_pages=max_pages,
+        seed=seed,
+    )
 
 
 # --- the reader's rule ---------------------------------------------------------------------------
+
 
 def reader_oracle(w):
     """``(allowed, report)``: ``allowed[b]`` the ``(page, slot, key position)`` a sequence may read,
@@ -154,21 +190,41 @@ def reader_oracle(w):
                 continue
             tag = w["tags"][p]
             s = state(tag)
-            reason = (V_FREE if s == FREE else V_RESERVED if s == RESERVED
-                      else MISMATCH if not good_owner(exp) or owner_of(tag) != exp
-                      else UNWRITTEN if valid_len(tag) < slots_read else 0)
+            reason = (
+                V_FREE
+                if s == FREE
+                else V_RESERVED
+                if s == RESERVED
+                else MISMATCH
+                if not good_owner(exp) or owner_of(tag) != exp
+                else UNWRITTEN
+                if valid_len(tag) < slots_read
+                else 0
+            )
             reasons.append(reason)
             if s == WRITTEN and good_owner(exp) and owner_of(tag) == exp:
-                mine += [(p, slot, i * size + slot) for slot in range(min(slots_read, valid_len(tag)))]
+                mine += [
+                    (p, slot, i * size + slot) for slot in range(min(slots_read, valid_len(tag)))
+                ]
         beyond = int(w["seq_lens"][b] > capacity)
         bits = functools.reduce(lambda x, y: x | y, reasons, 0) | (OOR if beyond else 0)
-        rows.append((sum(r != 0 for r in reasons) + beyond, bits,
-                     sum(min(max(length - i * size, 0), size) > 0 for i in range(max_pages)),
-                     reasons, beyond))
+        rows.append(
+            (
+                sum(r != 0 for r in reasons) + beyond,
+                bits,
+                sum(min(max(length - i * size, 0), size) > 0 for i in range(max_pages)),
+                reasons,
+                beyond,
+            )
+        )
         allowed.append(mine)
-    report = dict(violations=[r[0] for r in rows], reasons=[r[1] for r in rows],
-                  pages_checked=[r[2] for r in rows], page_reasons=[r[3] for r in rows],
-                  beyond_table=[r[4] for r in rows])
+    report = dict(
+        violations=[r[0] for r in rows],
+        reasons=[r[1] for r in rows],
+        pages_checked=[r[2] for r in rows],
+        page_reasons=[r[3] for r in rows],
+        beyond_table=[r[4] for r in rows],
+    )
     return allowed, report
 
 
@@ -184,10 +240,14 @@ def materialise(w):
         k[p, slot] = torch.randn(w["kv_heads"], HEAD_DIM, generator=g).to(F16)
         v[p, slot] = torch.randn(w["kv_heads"], HEAD_DIM, generator=g).to(F16)
     exp = torch.tensor(w["expected"], dtype=torch.int64)
-    return dict(k_cache=k, v_cache=v, block_table=torch.tensor(w["table"], dtype=torch.int32),
-                seq_lens=torch.tensor(w["seq_lens"], dtype=torch.int32),
-                page_tags=torch.tensor(w["tags"], dtype=torch.int64),
-                expected=exp.view(len(w["table"]), -1) if w["per_entry"] else exp)
+    return dict(
+        k_cache=k,
+        v_cache=v,
+        block_table=torch.tensor(w["table"], dtype=torch.int32),
+        seq_lens=torch.tensor(w["seq_lens"], dtype=torch.int32),
+        page_tags=torch.tensor(w["tags"], dtype=torch.int64),
+        expected=exp.view(len(w["table"]), -1) if w["per_entry"] else exp,
+    )
 
 
 def attend(q, keys, values, scale):
@@ -195,8 +255,9 @@ def attend(q, keys, values, scale):
     ``(zeros, -inf)`` over nothing."""
     heads = q.shape[0]
     if keys.shape[0] == 0:
-        return torch.zeros(heads, HEAD_DIM, dtype=torch.float64), torch.full((heads,), -math.inf,
-                                                                                dtype=torch.float64)
+        return torch.zeros(heads, HEAD_DIM, dtype=torch.float64), torch.full(
+            (heads,), -math.inf, dtype=torch.float64
+        )
     group = heads // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
@@ -246,22 +307,34 @@ def test_decode_on_hostile_batches_matches_the_oracle(backend, w, validate, scal
     heads = w["kv_heads"] * w["group"]
     q = torch.randn(batch, heads, HEAD_DIM, generator=torch.Generator().manual_seed(w["seed"] + 1))
     q = q.to(F16)
-    args = (q, t["k_cache"], t["v_cache"], t["block_table"], t["seq_lens"], t["page_tags"],
-            t["expected"])
+    args = (
+        q,
+        t["k_cache"],
+        t["v_cache"],
+        t["block_table"],
+        t["seq_lens"],
+        t["page_tags"],
+        t["expected"],
+    )
     if validate and not values_valid(w):
         with pytest.raises(ValueError, match="seq_lens|expected"):
             kvattn.paged_decode(*args, backend=backend, validate=True)
         return
     with poisoned_reports():
-        out, lse, report = kvattn.paged_decode(*args, backend=backend, validate=validate,
-                                               scale=scale, return_lse=True)
+        out, lse, report = kvattn.paged_decode(
+            *args, backend=backend, validate=validate, scale=scale, return_lse=True
+        )
     allowed, want = reader_oracle(w)
     assert_report(report, want, backend)
-    scale = HEAD_DIM ** -0.5 if scale is None else scale
+    scale = HEAD_DIM**-0.5 if scale is None else scale
     assert torch.isfinite(out).all(), f"{backend}: a refused (NaN) slot reached the output"
     for b, mine in enumerate(allowed):
-        keys = torch.stack([t["k_cache"][p, s] for p, s, _ in mine]) if mine else torch.zeros(0, 1, 1)
-        vals = torch.stack([t["v_cache"][p, s] for p, s, _ in mine]) if mine else torch.zeros(0, 1, 1)
+        keys = (
+            torch.stack([t["k_cache"][p, s] for p, s, _ in mine]) if mine else torch.zeros(0, 1, 1)
+        )
+        vals = (
+            torch.stack([t["v_cache"][p, s] for p, s, _ in mine]) if mine else torch.zeros(0, 1, 1)
+        )
         want_out, want_lse = attend(q[b], keys, vals, scale)
         torch.testing.assert_close(out[b].double(), want_out, **tolerance(F16))
         torch.testing.assert_close(lse[b].double(), want_lse, atol=1e-2, rtol=1e-2)
@@ -273,7 +346,9 @@ def extend_world(draw):
     batch = len(w["table"])
     total_q = draw(st.integers(0, 5))
     if draw(st.booleans()):  # well formed
-        cuts = sorted(draw(st.lists(st.integers(0, total_q), min_size=batch - 1, max_size=batch - 1)))
+        cuts = sorted(
+            draw(st.lists(st.integers(0, total_q), min_size=batch - 1, max_size=batch - 1))
+        )
         cu = [0] + cuts + [total_q]
     else:
         cu = draw(st.lists(st.integers(-3, total_q + 3), min_size=batch + 1, max_size=batch + 1))
@@ -319,33 +394,50 @@ def test_extend_on_hostile_batches_matches_the_oracle(backend, w, validate):
     g = torch.Generator().manual_seed(w["seed"] + 2)
     q = torch.randn(w["total_q"], heads, HEAD_DIM, generator=g).to(F16)
     cu = torch.tensor(w["cu"], dtype=torch.int32)
-    args = (q, t["k_cache"], t["v_cache"], cu, t["block_table"], t["seq_lens"], t["page_tags"],
-            t["expected"])
+    args = (
+        q,
+        t["k_cache"],
+        t["v_cache"],
+        cu,
+        t["block_table"],
+        t["seq_lens"],
+        t["page_tags"],
+        t["expected"],
+    )
     q_lens = [b - a for a, b in zip(w["cu"], w["cu"][1:])]
     if validate and not (offsets_valid(w) and values_valid(w, q_lens)):
         with pytest.raises(ValueError, match="cu_seqlens_q|seq_lens|expected"):
             kvattn.paged_extend(*args, backend=backend, validate=True, causal=w["causal"])
         return
     with poisoned_reports():
-        out, lse, report = kvattn.paged_extend(*args, backend=backend, validate=validate,
-                                               causal=w["causal"], return_lse=True)
+        out, lse, report = kvattn.paged_extend(
+            *args, backend=backend, validate=validate, causal=w["causal"], return_lse=True
+        )
     assert_report(report, reader_oracle(w)[1], backend)
-    assert torch.isfinite(out).all(), f"{backend}: a refused (NaN) slot or stale memory in the output"
-    want_out, want_lse = extend_oracle(w, q, t["k_cache"], t["v_cache"], HEAD_DIM ** -0.5)
+    assert torch.isfinite(out).all(), (
+        f"{backend}: a refused (NaN) slot or stale memory in the output"
+    )
+    want_out, want_lse = extend_oracle(w, q, t["k_cache"], t["v_cache"], HEAD_DIM**-0.5)
     torch.testing.assert_close(out.double(), want_out, **tolerance(F16))
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-2, rtol=1e-2)
 
 
 # --- hostile arguments: only ValueError or TypeError ---------------------------------------------
 
+
 def _base_call(op):
     """A valid decode or extend call as a dict of arguments (fp16, 16-byte aligned pools)."""
     k = torch.randn(3, 2, 1, HEAD_DIM).to(F16)
-    base = dict(k_cache=k, v_cache=k.clone(), block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
-                seq_lens=torch.tensor([3, 2], dtype=torch.int32),
-                page_tags=torch.tensor([(1 << 16) | (2 << 2) | 2, (1 << 16) | (2 << 2) | 2,
-                                        (2 << 16) | (2 << 2) | 2]),
-                expected=torch.tensor([1, 2]))
+    base = dict(
+        k_cache=k,
+        v_cache=k.clone(),
+        block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 2], dtype=torch.int32),
+        page_tags=torch.tensor(
+            [(1 << 16) | (2 << 2) | 2, (1 << 16) | (2 << 2) | 2, (2 << 16) | (2 << 2) | 2]
+        ),
+        expected=torch.tensor([1, 2]),
+    )
     if op == "decode":
         base["q"] = torch.randn(2, 2, HEAD_DIM).to(F16)
     else:
@@ -356,8 +448,19 @@ def _base_call(op):
 
 def _hostile(name, t):
     """Replacements of a tensor argument a caller might pass by mistake or on purpose."""
-    out = [None, 3, "x", t.tolist(), t.double(), t.to(torch.int16), t.unsqueeze(0), t.flatten()[:1],
-           t[:0], t.to("meta"), torch.empty(0)]
+    out = [
+        None,
+        3,
+        "x",
+        t.tolist(),
+        t.double(),
+        t.to(torch.int16),
+        t.unsqueeze(0),
+        t.flatten()[:1],
+        t[:0],
+        t.to("meta"),
+        torch.empty(0),
+    ]
     if t.dim() >= 1 and t.shape[0] > 1:
         out.append(t[:1].expand(t.shape))  # stride 0 over dim 0
     if t.dim() >= 2:
@@ -372,10 +475,15 @@ def _hostile_calls(op):
     for name in _base_call(op):
         for i in range(len(_hostile(name, _base_call(op)[name]))):
             calls.append(("tensor", name, i))
-    for key, values in (("scale", [0, -1, math.inf, math.nan, 10 ** 400, 1e-300, "0.1", True, 1j]),
-                        ("out", ["q", "k_cache", "page_tags", "expected", "stride0", "wrong_dtype"]),
-                        ("check", [1, None]), ("on_violation", ["warn", None]),
-                        ("backend", ["tpu", 3]), ("causal", [1, "yes"]), ("return_lse", [True])):
+    for key, values in (
+        ("scale", [0, -1, math.inf, math.nan, 10**400, 1e-300, "0.1", True, 1j]),
+        ("out", ["q", "k_cache", "page_tags", "expected", "stride0", "wrong_dtype"]),
+        ("check", [1, None]),
+        ("on_violation", ["warn", None]),
+        ("backend", ["tpu", 3]),
+        ("causal", [1, "yes"]),
+        ("return_lse", [True]),
+    ):
         if key != "causal" or op == "extend":
             calls += [("kwarg", key, v) for v in values]
     return calls
@@ -394,10 +502,12 @@ def _apply(op, kind, key, value):
             kwargs["out"] = torch.zeros(q.shape)
         else:
             t = args[value]
-            buf = torch.zeros(max(t.numel() * t.element_size(), q.numel() * 2) + 16, dtype=torch.uint8)
-            args[value] = buf[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            buf = torch.zeros(
+                max(t.numel() * t.element_size(), q.numel() * 2) + 16, dtype=torch.uint8
+            )
+            args[value] = buf[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             args[value].copy_(t)
-            kwargs["out"] = buf[:q.numel() * 2].view(q.dtype).view(q.shape)
+            kwargs["out"] = buf[: q.numel() * 2].view(q.dtype).view(q.shape)
     else:
         kwargs[key] = value
     return args, kwargs
@@ -411,12 +521,16 @@ def test_hostile_arguments_raise_only_value_or_type_errors(backend, op):
     for kind, key, value in _hostile_calls(op):
         args, kwargs = _apply(op, kind, key, value)
         fn = kvattn.paged_decode if op == "decode" else kvattn.paged_extend
-        order = ["q", "k_cache", "v_cache"] + (["cu_seqlens_q"] if op == "extend" else []) + [
-            "block_table", "seq_lens", "page_tags", "expected"]
+        order = (
+            ["q", "k_cache", "v_cache"]
+            + (["cu_seqlens_q"] if op == "extend" else [])
+            + ["block_table", "seq_lens", "page_tags", "expected"]
+        )
         try:
             with poisoned_reports():
-                result = fn(*(args[n] for n in order), backend=kwargs.pop("backend", backend),
-                            **kwargs)
+                result = fn(
+                    *(args[n] for n in order), backend=kwargs.pop("backend", backend), **kwargs
+                )
         except (ValueError, TypeError):
             continue
         except Exception as e:  # noqa: BLE001 - the property is about the exception's type
@@ -427,11 +541,14 @@ def test_hostile_arguments_raise_only_value_or_type_errors(backend, op):
 
 # --- the writers -------------------------------------------------------------------------------
 
+
 @st.composite
 def write_world(draw):
     num_pages, page_size, kv_heads, _, tag_list = draw(pool_world())
     n = draw(st.integers(0, 8))
-    slot = st.integers(-2, (num_pages + 1) * page_size) | st.sampled_from([-(1 << 31), (1 << 31) - 1])
+    slot = st.integers(-2, (num_pages + 1) * page_size) | st.sampled_from(
+        [-(1 << 31), (1 << 31) - 1]
+    )
     slots = []
     for _ in range(n):
         if slots and slots[-1] >= 0 and draw(st.booleans()):
@@ -448,10 +565,18 @@ def write_world(draw):
     stride = draw(st.sampled_from([1, 1, 2, 3]))
     # A single valid owner goes in as a Python int as often as in a tensor.
     as_int = not per_token and good_owner(own) and draw(st.booleans())
-    return dict(num_pages=num_pages, page_size=page_size, kv_heads=kv_heads, tags=tag_list,
-                slots=unique, owners=own, stride=stride, seed=draw(st.integers(0, 2 ** 16)),
-                as_int=as_int,
-                int32=draw(st.booleans()) and all(-(1 << 31) <= s < (1 << 31) for s in unique))
+    return dict(
+        num_pages=num_pages,
+        page_size=page_size,
+        kv_heads=kv_heads,
+        tags=tag_list,
+        slots=unique,
+        owners=own,
+        stride=stride,
+        seed=draw(st.integers(0, 2**16)),
+        as_int=as_int,
+        int32=draw(st.booleans()) and all(-(1 << 31) <= s < (1 << 31) for s in unique),
+    )
 
 
 def write_oracle(w):
@@ -473,8 +598,16 @@ def write_oracle(w):
         return valid_len(tag) if state(tag) == WRITTEN else 0
 
     landed = [hold[i] and slot[start[i]] <= prefix(i) for i in range(n)]
-    reasons = [0 if slots[i] < 0 or landed[i] else D_OOR if not in_range[i]
-               else D_NOT_HELD if not hold[i] else D_GAP for i in range(n)]
+    reasons = [
+        0
+        if slots[i] < 0 or landed[i]
+        else D_OOR
+        if not in_range[i]
+        else D_NOT_HELD
+        if not hold[i]
+        else D_GAP
+        for i in range(n)
+    ]
     tags_after = list(w["tags"])
     for i in range(n):
         if landed[i]:
@@ -493,7 +626,10 @@ def test_write_kv_on_hostile_inputs_matches_the_oracle(writer, w, validate, devi
     k = torch.randn(n, heads, HEAD_DIM, generator=g).to(F16)
     v = torch.randn(n, heads, HEAD_DIM, generator=g).to(F16)
     shape = (w["num_pages"], size, heads, HEAD_DIM)
-    k_cache, v_cache = torch.full(shape, math.nan, dtype=F16), torch.full(shape, math.nan, dtype=F16)
+    k_cache, v_cache = (
+        torch.full(shape, math.nan, dtype=F16),
+        torch.full(shape, math.nan, dtype=F16),
+    )
     page_tags = torch.tensor(w["tags"], dtype=torch.int64)
     dtype = torch.int32 if w["int32"] else torch.int64
     wide = torch.full((max(n, 1), w["stride"]), -7, dtype=dtype)
@@ -505,12 +641,22 @@ def test_write_kv_on_hostile_inputs_matches_the_oracle(writer, w, validate, devi
     with mock.patch.object(torch_writer, "rows_on_host", lambda t: not device_path):
         if bad_owner and validate is None:
             with pytest.raises(ValueError, match="owner"):
-                kvattn.write_kv(k, v, k_cache, v_cache, mapping, page_tags, owner, backend=writer,
-                                validate=validate)
+                kvattn.write_kv(
+                    k,
+                    v,
+                    k_cache,
+                    v_cache,
+                    mapping,
+                    page_tags,
+                    owner,
+                    backend=writer,
+                    validate=validate,
+                )
             assert page_tags.tolist() == w["tags"] and torch.isnan(k_cache).all()
             return
-        result = kvattn.write_kv(k, v, k_cache, v_cache, mapping, page_tags, owner, backend=writer,
-                                 validate=validate)
+        result = kvattn.write_kv(
+            k, v, k_cache, v_cache, mapping, page_tags, owner, backend=writer, validate=validate
+        )
     landed, reasons, tags_after = write_oracle(w)
     assert result.landed.tolist() == landed and result.drop_reasons.tolist() == reasons, writer
     assert result.dropped_count() == sum(r != 0 for r in reasons)
@@ -527,6 +673,7 @@ def test_write_kv_on_hostile_inputs_matches_the_oracle(writer, w, validate, devi
 
 # --- the page-level writers ----------------------------------------------------------------------
 
+
 @st.composite
 def page_calls(draw):
     num_pages, page_size, _, _, tag_list = draw(pool_world())
@@ -536,8 +683,16 @@ def page_calls(draw):
     own = draw(st.lists(owners(), min_size=n, max_size=n))
     heirs = draw(st.lists(owners(), min_size=n, max_size=n))
     lens = draw(st.lists(st.integers(-2, page_size + 2), min_size=n, max_size=n))
-    return dict(num_pages=num_pages, page_size=page_size, tags=tag_list, fn=fn, pages=pages,
-                owners=own, heirs=heirs, lens=lens)
+    return dict(
+        num_pages=num_pages,
+        page_size=page_size,
+        tags=tag_list,
+        fn=fn,
+        pages=pages,
+        owners=own,
+        heirs=heirs,
+        lens=lens,
+    )
 
 
 def page_oracle(c):
@@ -576,16 +731,21 @@ def page_oracle(c):
 def test_page_writers_on_hostile_inputs_match_the_oracle(c, device_path):
     """Unchecked (validate=False): the oracle; checked: a ValueError exactly when an id is bad."""
     pages = torch.tensor(c["pages"], dtype=torch.int64)
-    own, heirs = torch.tensor(c["owners"], dtype=torch.int64), torch.tensor(c["heirs"], dtype=torch.int64)
+    own, heirs = (
+        torch.tensor(c["owners"], dtype=torch.int64),
+        torch.tensor(c["heirs"], dtype=torch.int64),
+    )
     lens = torch.tensor(c["lens"], dtype=torch.int64)
 
     def call(tags, validate):
-        return {"reserve": lambda: kvattn.reserve_pages(tags, pages, own, validate=validate),
-                "release": lambda: kvattn.release_pages(tags, pages, validate=validate),
-                "commit": lambda: kvattn.commit_pages(tags, pages, own, lens, c["page_size"],
-                                                      validate=validate),
-                "reassign": lambda: kvattn.reassign_pages(tags, pages, own, heirs, validate=validate),
-                }[c["fn"]]()
+        return {
+            "reserve": lambda: kvattn.reserve_pages(tags, pages, own, validate=validate),
+            "release": lambda: kvattn.release_pages(tags, pages, validate=validate),
+            "commit": lambda: kvattn.commit_pages(
+                tags, pages, own, lens, c["page_size"], validate=validate
+            ),
+            "reassign": lambda: kvattn.reassign_pages(tags, pages, own, heirs, validate=validate),
+        }[c["fn"]]()
 
     # Duplicate pages set outright race (either value wins): keep the oracle's single answer.
     duplicates = len(set(c["pages"])) != len(c["pages"])
@@ -598,10 +758,12 @@ def test_page_writers_on_hostile_inputs_match_the_oracle(c, device_path):
         if want_result is not None:
             assert (result.landed.tolist(), result.drop_reasons.tolist()) == want_result, c
         checked = torch.tensor(c["tags"], dtype=torch.int64)
-        bad_pages = c["fn"] in ("reserve", "release") and any(not 0 <= p < c["num_pages"]
-                                                             for p in c["pages"])
+        bad_pages = c["fn"] in ("reserve", "release") and any(
+            not 0 <= p < c["num_pages"] for p in c["pages"]
+        )
         bad_ids = (c["fn"] != "release" and not all(map(good_owner, c["owners"]))) or (
-            c["fn"] == "reassign" and not all(map(good_owner, c["heirs"])))
+            c["fn"] == "reassign" and not all(map(good_owner, c["heirs"]))
+        )
         if bad_pages or bad_ids:
             with pytest.raises(ValueError, match="pages|owner|new_owner"):
                 call(checked, None)
@@ -609,6 +771,7 @@ def test_page_writers_on_hostile_inputs_match_the_oracle(c, device_path):
 
 
 # --- traces with interleaved writers -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("device_path", [False, True])
 @fuzz
@@ -654,18 +817,27 @@ def _interleaved_writes(t, data):
     def second():
         k, v = t.signatures(second_ids)
         mapping = torch.tensor(second_slots, dtype=torch.int64)
-        results["second"] = kvattn.write_kv(k, v, t.cache.k_cache, t.cache.v_cache, mapping,
-                                            t.cache.page_tags, second_owner)
+        results["second"] = kvattn.write_kv(
+            k, v, t.cache.k_cache, t.cache.v_cache, mapping, t.cache.page_tags, second_owner
+        )
 
     k, v = t.signatures(first_ids)
     spy = Interleave(t.cache.k_cache, second)
     with spy:
-        results["first"] = kvattn.write_kv(k, v, t.cache.k_cache, t.cache.v_cache,
-                                           torch.tensor(first_slots, dtype=torch.int64),
-                                           t.cache.page_tags, first_owner)
+        results["first"] = kvattn.write_kv(
+            k,
+            v,
+            t.cache.k_cache,
+            t.cache.v_cache,
+            torch.tensor(first_slots, dtype=torch.int64),
+            t.cache.page_tags,
+            first_owner,
+        )
     spy.finish()
-    t.assert_result(results["second"], *t.model.write(second_slots, [second_owner] * len(second_slots),
-                                                      second_ids))
+    t.assert_result(
+        results["second"],
+        *t.model.write(second_slots, [second_owner] * len(second_slots), second_ids),
+    )
     t.model.apply_write(first_slots, [first_owner] * count, first_ids, verdict[0])
     t.assert_result(results["first"], *verdict)
     m.num_tokens += count

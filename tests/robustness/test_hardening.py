@@ -7,6 +7,7 @@ or fails closed identically everywhere: never a crash, never a foreign, NaN-pois
 in an output, never an unwritten report entry. Each refusal has an accepted twin, and each
 fail-closed outcome a twin where the same bytes are readable, so every test can fail.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,8 @@ import torch
 
 import kvattn
 from kvattn import Violation, WriteDrop, backends
-from kvattn.tags import OWNER_MAX
 from kvattn.backends.torch import writer as torch_writer
+from kvattn.tags import OWNER_MAX
 from kvattn_testing.traces import Interleave
 from kvattn_testing.util import Batch, assert_reports_equal, backends_under_test, raises, tolerance
 
@@ -30,9 +31,15 @@ BIT63 = -(1 << 63)  # bit 63 set, as an int64 value
 
 def _writers() -> list[str]:
     pool = torch.zeros(2, 4, 1, 16, dtype=F16)
-    probe = kvattn.write_args.validate_write_kv(pool[0, :1], pool[0, :1], pool, pool.clone(),
-                                                torch.zeros(1, dtype=torch.int64),
-                                                torch.zeros(2, dtype=torch.int64), 1)
+    probe = kvattn.write_args.validate_write_kv(
+        pool[0, :1],
+        pool[0, :1],
+        pool,
+        pool.clone(),
+        torch.zeros(1, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int64),
+        1,
+    )
     reasons = backends.explain(probe, op="write_kv")
     return [name for name in ("torch", "triton", "cuda_sim") if reasons[name] is None]
 
@@ -51,8 +58,16 @@ def path(request, monkeypatch):
 
 def batch(**kwargs) -> Batch:
     """Two sequences (owners 1 and 2) over a NaN-poisoned pool of 24 pages of 4 slots."""
-    shape = dict(batch=2, num_heads=2, num_kv_heads=1, head_dim=16, page_size=4, seq_lens=[5, 8],
-                 pool_factor=6, dtype=F16)
+    shape = dict(
+        batch=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=4,
+        seq_lens=[5, 8],
+        pool_factor=6,
+        dtype=F16,
+    )
     return Batch.random(**{**shape, **kwargs})
 
 
@@ -64,12 +79,30 @@ def extend_query(b: Batch):
 
 def run(op: str, b: Batch, backend: str, q=None, cu=None, **kwargs):
     if op == "decode":
-        return kvattn.paged_decode(b.q if q is None else q, b.k_cache, b.v_cache, b.block_table,
-                                   b.seq_lens, b.page_tags, b.expected, backend=backend, **kwargs)
+        return kvattn.paged_decode(
+            b.q if q is None else q,
+            b.k_cache,
+            b.v_cache,
+            b.block_table,
+            b.seq_lens,
+            b.page_tags,
+            b.expected,
+            backend=backend,
+            **kwargs,
+        )
     eq, ecu = extend_query(b)
-    return kvattn.paged_extend(eq if q is None else q, b.k_cache, b.v_cache,
-                               ecu if cu is None else cu, b.block_table, b.seq_lens, b.page_tags,
-                               b.expected, backend=backend, **kwargs)
+    return kvattn.paged_extend(
+        eq if q is None else q,
+        b.k_cache,
+        b.v_cache,
+        ecu if cu is None else cu,
+        b.block_table,
+        b.seq_lens,
+        b.page_tags,
+        b.expected,
+        backend=backend,
+        **kwargs,
+    )
 
 
 def sharing(t: torch.Tensor, shape, dtype):
@@ -83,6 +116,7 @@ def sharing(t: torch.Tensor, shape, dtype):
 
 
 # --- empty dimensions, scale ---------------------------------------------------------------------
+
 
 def _emptied(b: Batch, case: str):
     """``(batch, q for decode, q for extend)`` with one dimension emptied."""
@@ -98,9 +132,14 @@ def _emptied(b: Batch, case: str):
 
 @pytest.mark.parametrize("backend", READERS)
 @pytest.mark.parametrize("op", ["decode", "extend"])
-@pytest.mark.parametrize("case, words", [("no_heads", ["q", "at least one head", "(2, 0, 16)"]),
-                                         ("no_head_dim", ["q", "head_dim", "(2, 2, 0)"]),
-                                         ("no_kv_heads", ["k_cache", "at least one KV head", "0"])])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("no_heads", ["q", "at least one head", "(2, 0, 16)"]),
+        ("no_head_dim", ["q", "head_dim", "(2, 2, 0)"]),
+        ("no_kv_heads", ["k_cache", "at least one KV head", "0"]),
+    ],
+)
 def test_empty_dimensions_raise_before_any_backend_runs(backend, op, case, words):
     b, q_decode, q_extend = _emptied(batch(), case)
     if op == "extend":
@@ -113,8 +152,15 @@ def test_no_kv_heads_in_a_writer_raises():
     pool = torch.zeros(2, 4, 0, 16, dtype=F16)
     k = torch.zeros(1, 0, 16, dtype=F16)
     with raises(ValueError, "k_cache", "at least one KV head"):
-        kvattn.write_kv(k, k, pool, pool.clone(), torch.zeros(1, dtype=torch.int64),
-                        torch.zeros(2, dtype=torch.int64), 1)
+        kvattn.write_kv(
+            k,
+            k,
+            pool,
+            pool.clone(),
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64),
+            1,
+        )
 
 
 @pytest.mark.parametrize("backend", READERS)
@@ -129,7 +175,7 @@ def test_the_batch_of_these_tests_runs(backend, op):
     assert_reports_equal(report, ref_report)
 
 
-BAD_SCALES = [math.inf, -math.inf, math.nan, 0.0, -0.5, 1e-40, 2.0 ** 127, 1e300]
+BAD_SCALES = [math.inf, -math.inf, math.nan, 0.0, -0.5, 1e-40, 2.0**127, 1e300]
 
 
 @pytest.mark.parametrize("backend", READERS)
@@ -141,7 +187,7 @@ def test_scale_outside_the_float32_normal_range_raises(backend, op, scale):
 
 
 @pytest.mark.parametrize("backend", READERS)
-@pytest.mark.parametrize("scale", [2.0 ** -20, 0.03, 7.5])
+@pytest.mark.parametrize("scale", [2.0**-20, 0.03, 7.5])
 def test_scales_in_range_run_and_agree(backend, scale):
     b = batch()
     out, _ = run("decode", b, backend, scale=scale)
@@ -151,8 +197,16 @@ def test_scales_in_range_run_and_agree(backend, scale):
 
 # --- out: aliasing and overlapping elements ------------------------------------------------------
 
-OUT_ALIASES = ["q", "k_cache", "v_cache", "page_tags", "block_table", "seq_lens", "expected",
-               "cu_seqlens_q"]
+OUT_ALIASES = [
+    "q",
+    "k_cache",
+    "v_cache",
+    "page_tags",
+    "block_table",
+    "seq_lens",
+    "expected",
+    "cu_seqlens_q",
+]
 
 
 @pytest.mark.parametrize("backend", READERS)
@@ -190,7 +244,11 @@ def test_out_with_overlapping_elements_raises(backend, op, case):
     b = batch()
     rows = b.q.shape[0] if op == "decode" else extend_query(b)[0].shape[0]
     shape = (rows, 2, 16)
-    out = torch.zeros(1, 2, 16, dtype=F16).expand(shape) if case == "stride_0_rows" else _folded(shape)
+    out = (
+        torch.zeros(1, 2, 16, dtype=F16).expand(shape)
+        if case == "stride_0_rows"
+        else _folded(shape)
+    )
     with raises(ValueError, "out", "elements do not overlap", str(tuple(out.stride()))):
         run(op, b, backend, out=out)
 
@@ -207,6 +265,7 @@ def test_out_apart_from_the_inputs_with_any_strides_is_written(backend, op):
 
 
 # --- pools whose pages overlap -------------------------------------------------------------------
+
 
 def _overlapping_pool(pool: torch.Tensor, case: str) -> torch.Tensor:
     if case == "page_stride_0":
@@ -226,13 +285,18 @@ def test_readers_refuse_pools_whose_pages_overlap(backend, case):
 
 def writer_pool(num_pages=6, page_size=4, heads=1, dim=16):
     shape = (num_pages, page_size, heads, dim)
-    return (torch.full(shape, math.nan, dtype=F16), torch.full(shape, math.nan, dtype=F16),
-            torch.zeros(num_pages, dtype=torch.int64))
+    return (
+        torch.full(shape, math.nan, dtype=F16),
+        torch.full(shape, math.nan, dtype=F16),
+        torch.zeros(num_pages, dtype=torch.int64),
+    )
 
 
 def tokens(n, heads=1, dim=16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, heads, dim, generator=g).to(F16), torch.randn(n, heads, dim, generator=g).to(F16)
+    return torch.randn(n, heads, dim, generator=g).to(F16), torch.randn(
+        n, heads, dim, generator=g
+    ).to(F16)
 
 
 @pytest.mark.parametrize("writer", WRITERS)
@@ -242,8 +306,16 @@ def test_writers_refuse_pools_whose_pages_overlap(writer, case):
     kvattn.reserve_pages(tags, [0, 1], 1)
     k, v = tokens(2)
     with raises(ValueError, "v_cache", "elements do not overlap"):
-        kvattn.write_kv(k, v, k_cache, _overlapping_pool(v_cache, case), torch.tensor([0, 4]), tags,
-                        1, backend=writer)
+        kvattn.write_kv(
+            k,
+            v,
+            k_cache,
+            _overlapping_pool(v_cache, case),
+            torch.tensor([0, 4]),
+            tags,
+            1,
+            backend=writer,
+        )
     assert tags.tolist()[:2] == [kvattn.reserved_tag(1)] * 2 and torch.isnan(k_cache).all()
 
 
@@ -262,9 +334,18 @@ def test_writers_land_in_distinct_strided_pages(writer):
 
 # --- writers: what they read shares no memory with what they write -------------------------------
 
+
 @pytest.mark.parametrize("writer", WRITERS)
-@pytest.mark.parametrize("case", ["slot_mapping_in_k_cache", "slot_mapping_in_page_tags",
-                                  "owner_in_page_tags", "owner_in_v_cache", "page_tags_in_k_cache"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "slot_mapping_in_k_cache",
+        "slot_mapping_in_page_tags",
+        "owner_in_page_tags",
+        "owner_in_v_cache",
+        "page_tags_in_k_cache",
+    ],
+)
 def test_writer_inputs_inside_what_it_writes_raise(writer, case):
     k_cache, v_cache, tags = writer_pool()
     kvattn.reserve_pages(tags, [0], 1)
@@ -285,11 +366,13 @@ def test_writer_inputs_inside_what_it_writes_raise(writer, case):
     else:
         k_cache, tags = sharing(k_cache, tags.shape, torch.int64)
         kvattn.reserve_pages(tags, [0], 1)
-    name, other = {"slot_mapping_in_k_cache": ("slot_mapping", "k_cache"),
-                   "slot_mapping_in_page_tags": ("slot_mapping", "page_tags"),
-                   "owner_in_page_tags": ("owner", "page_tags"),
-                   "owner_in_v_cache": ("owner", "v_cache"),
-                   "page_tags_in_k_cache": ("page_tags", "k_cache")}[case]
+    name, other = {
+        "slot_mapping_in_k_cache": ("slot_mapping", "k_cache"),
+        "slot_mapping_in_page_tags": ("slot_mapping", "page_tags"),
+        "owner_in_page_tags": ("owner", "page_tags"),
+        "owner_in_v_cache": ("owner", "v_cache"),
+        "page_tags_in_k_cache": ("page_tags", "k_cache"),
+    }[case]
     tags_before = tags.clone()
     with raises(ValueError, name, f"sharing no memory with {other}"):
         kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, owner, backend=writer)
@@ -300,16 +383,19 @@ def test_writer_inputs_inside_what_it_writes_raise(writer, case):
 def test_page_writer_indices_inside_the_tags_raise(fn):
     tags = torch.zeros(8, dtype=torch.int64)
     pages = tags[6:8]  # a view of the tag array used as page ids
-    call = {"reserve": lambda: kvattn.reserve_pages(tags, pages, 1),
-            "release": lambda: kvattn.release_pages(tags, pages),
-            "commit": lambda: kvattn.commit_pages(tags, pages, 1, [1, 1], 4),
-            "reassign": lambda: kvattn.reassign_pages(tags, pages, 1, 2)}[fn]
+    call = {
+        "reserve": lambda: kvattn.reserve_pages(tags, pages, 1),
+        "release": lambda: kvattn.release_pages(tags, pages),
+        "commit": lambda: kvattn.commit_pages(tags, pages, 1, [1, 1], 4),
+        "reassign": lambda: kvattn.reassign_pages(tags, pages, 1, 2),
+    }[fn]
     with raises(ValueError, "pages", "sharing no memory with page_tags"):
         call()
     assert tags.tolist() == [0] * 8
 
 
 # --- slot_mapping strides ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("writer", WRITERS)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -324,8 +410,12 @@ def test_every_writer_honours_the_stride_of_slot_mapping(writer, dtype):
         kvattn.reserve_pages(tags, [0, 1, 2], 1)
         k, v = tokens(len(slots))
         r = kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, 1, backend=writer)
-        results[name] = (r.landed.tolist(), r.drop_reasons.tolist(), tags.tolist(),
-                         k_cache.nan_to_num(9.0))
+        results[name] = (
+            r.landed.tolist(),
+            r.drop_reasons.tolist(),
+            tags.tolist(),
+            k_cache.nan_to_num(9.0),
+        )
     want, got = results["contiguous"], results["strided"]
     assert want[:3] == got[:3] and torch.equal(want[3], got[3])
     assert want[0] == [True, True, True, True, True, False]  # slot 5 would leave a hole: GAP
@@ -337,11 +427,12 @@ BAD_OWNERS = [0, -1, OWNER_MAX + 1, (1 << 48) + 5]
 
 
 def _page_call(fn, tags, owner, validate=None):
-    return {"reserve": lambda: kvattn.reserve_pages(tags, [1], owner, validate=validate),
-            "commit": lambda: kvattn.commit_pages(tags, [1], owner, [2], 4, validate=validate),
-            "reassign_owner": lambda: kvattn.reassign_pages(tags, [1], owner, 9, validate=validate),
-            "reassign_heir": lambda: kvattn.reassign_pages(tags, [1], 3, owner, validate=validate),
-            }[fn]()
+    return {
+        "reserve": lambda: kvattn.reserve_pages(tags, [1], owner, validate=validate),
+        "commit": lambda: kvattn.commit_pages(tags, [1], owner, [2], 4, validate=validate),
+        "reassign_owner": lambda: kvattn.reassign_pages(tags, [1], owner, 9, validate=validate),
+        "reassign_heir": lambda: kvattn.reassign_pages(tags, [1], 3, owner, validate=validate),
+    }[fn]()
 
 
 @pytest.mark.parametrize("fn", ["reserve", "commit", "reassign_owner", "reassign_heir"])
@@ -414,8 +505,9 @@ def test_write_kv_owner_tensor_checked_on_the_host_and_refused_unchecked(writer,
     owner = torch.tensor([bad, bad])
     with raises(ValueError, "owner", f"owner[0] = {bad}"):
         kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, owner, backend=writer)
-    result = kvattn.write_kv(k, v, k_cache, v_cache, mapping, tags, owner, backend=writer,
-                             validate=False)
+    result = kvattn.write_kv(
+        k, v, k_cache, v_cache, mapping, tags, owner, backend=writer, validate=False
+    )
     assert result.landed.tolist() == [False, False]
     assert result.drop_reasons.tolist() == [NOT_HELD, NOT_HELD]
     assert torch.equal(tags, before) and torch.isnan(k_cache).all() and torch.isnan(v_cache).all()
@@ -428,8 +520,17 @@ def test_write_kv_with_valid_unchecked_owners_lands(writer):
     tags[0] = kvattn.reserved_tag(5)
     tags[1] = kvattn.written_tag(OWNER_MAX, 1)
     k, v = tokens(2)
-    result = kvattn.write_kv(k, v, k_cache, v_cache, torch.tensor([0, 4]), tags,
-                             torch.tensor([5, OWNER_MAX]), backend=writer, validate=False)
+    result = kvattn.write_kv(
+        k,
+        v,
+        k_cache,
+        v_cache,
+        torch.tensor([0, 4]),
+        tags,
+        torch.tensor([5, OWNER_MAX]),
+        backend=writer,
+        validate=False,
+    )
     assert result.landed.tolist() == [True, True]
     assert tags.tolist()[:2] == [kvattn.written_tag(5, 1), kvattn.written_tag(OWNER_MAX, 1)]
 
@@ -499,8 +600,9 @@ def test_writers_never_hold_a_malformed_tag(writer, case):
     before = tags.clone()
     k, v = tokens(2)
     owner = torch.tensor([EXPECTED_FOR[case]] * 2)
-    result = kvattn.write_kv(k, v, k_cache, v_cache, torch.tensor([8, 9]), tags, owner,
-                             backend=writer, validate=False)
+    result = kvattn.write_kv(
+        k, v, k_cache, v_cache, torch.tensor([8, 9]), tags, owner, backend=writer, validate=False
+    )
     assert result.drop_reasons.tolist() == [NOT_HELD, NOT_HELD]
     assert torch.equal(tags, before) and torch.isnan(k_cache).all()
 
@@ -509,8 +611,10 @@ def test_writers_never_hold_a_malformed_tag(writer, case):
 def test_page_writers_never_hold_a_malformed_tag(case, path):
     tags = torch.tensor([0, MALFORMED_TAGS[case], 0])
     owner = torch.tensor([EXPECTED_FOR[case]])
-    for result in (kvattn.commit_pages(tags, [1], owner, [2], 4, validate=False),
-                   kvattn.reassign_pages(tags, [1], owner, 9, validate=False)):
+    for result in (
+        kvattn.commit_pages(tags, [1], owner, [2], 4, validate=False),
+        kvattn.reassign_pages(tags, [1], owner, 9, validate=False),
+    ):
         assert result.drop_reasons.tolist() == [NOT_HELD]
     assert tags.tolist() == [0, MALFORMED_TAGS[case], 0]
 
@@ -526,6 +630,7 @@ def test_writers_land_on_the_well_formed_twin(writer):
 
 # --- the latent race: a writer never writes back what it does not store --------------------------
 
+
 def _write_back_put(dst, index, values, ok):
     """The store before this change: refused rows redirected to the first accepted one, and with none
     accepted, every row writing back what it read. Kept here to prove the test sees that race."""
@@ -533,7 +638,7 @@ def _write_back_put(dst, index, values, ok):
     any_ok = ok.any()
     row_ok = ok.view(-1, *([1] * (values.dim() - 1)))
     idx = tuple(torch.where(ok, i, torch.where(any_ok, i.index_select(0, first), i)) for i in index)
-    values = values.to(dst.dtype).expand(ok.shape[0], *dst.shape[len(index):])
+    values = values.to(dst.dtype).expand(ok.shape[0], *dst.shape[len(index) :])
     fallback = torch.where(any_ok, values.index_select(0, first), dst[index].to(values.dtype))
     dst.index_put_(idx, torch.where(row_ok, values, fallback).to(dst.dtype))
 
@@ -627,8 +732,12 @@ def test_device_stores_equal_host_stores_bit_for_bit():
 
 # --- stale memory: rows no sequence covers --------------------------------------------------------
 
-MALFORMED_OFFSETS = {"ends_early": [0, 1, 2], "starts_late": [2, 3, 4], "decreasing": [0, 3, 1],
-                     "negative_start": [-3, 1, 4]}
+MALFORMED_OFFSETS = {
+    "ends_early": [0, 1, 2],
+    "starts_late": [2, 3, 4],
+    "decreasing": [0, 3, 1],
+    "negative_start": [-3, 1, 4],
+}
 UNCOVERED = {"ends_early": [2, 3], "starts_late": [0, 1], "decreasing": [3], "negative_start": []}
 
 
@@ -645,8 +754,11 @@ class _PoisonedAllocator:
 
     @staticmethod
     def empty(*shape, **kwargs):
-        return torch.full(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape,
-                          math.nan, **kwargs)
+        return torch.full(
+            shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape,
+            math.nan,
+            **kwargs,
+        )
 
 
 @pytest.mark.parametrize("backend", READERS)
@@ -662,8 +774,16 @@ def test_rows_no_sequence_covers_come_out_zero_when_kvattn_allocates(backend, ca
     for row in uncovered:
         assert torch.equal(out[row], torch.zeros_like(out[row])) and torch.isneginf(lse[row]).all()
     ref_out, ref_lse, ref_report = kvattn.reference.paged_extend(
-        q, b.k_cache, b.v_cache, cu, b.block_table, b.seq_lens, b.page_tags, b.expected,
-        return_lse=True)
+        q,
+        b.k_cache,
+        b.v_cache,
+        cu,
+        b.block_table,
+        b.seq_lens,
+        b.page_tags,
+        b.expected,
+        return_lse=True,
+    )
     torch.testing.assert_close(out.float(), ref_out, **tolerance(F16))
     torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-2)
     assert_reports_equal(report, ref_report)
@@ -698,12 +818,24 @@ def test_well_formed_offsets_write_every_row(backend, monkeypatch):
 
 # --- commit_pages(page_size=...) -----------------------------------------------------------------
 
-@pytest.mark.parametrize("page_size, error", [(0, ValueError), (-4, ValueError), (1025, ValueError),
-                                              (4096, ValueError), (True, TypeError),
-                                              (2.5, TypeError), ("4", TypeError)])
+
+@pytest.mark.parametrize(
+    "page_size, error",
+    [
+        (0, ValueError),
+        (-4, ValueError),
+        (1025, ValueError),
+        (4096, ValueError),
+        (True, TypeError),
+        (2.5, TypeError),
+        ("4", TypeError),
+    ],
+)
 def test_commit_page_size_is_checked(page_size, error, path):
     tags = torch.tensor([kvattn.reserved_tag(1)] * 2)
-    with raises(error, "page_size", repr(page_size) if error is ValueError else type(page_size).__name__):
+    with raises(
+        error, "page_size", repr(page_size) if error is ValueError else type(page_size).__name__
+    ):
         kvattn.commit_pages(tags, [0, 1], 1, [0, 1], page_size)
     assert tags.tolist() == [kvattn.reserved_tag(1)] * 2
 
@@ -721,12 +853,19 @@ def test_commit_with_a_page_size_commits(path):
 
 # --- lengths at the int32 limits -----------------------------------------------------------------
 
-INT32_MAX, INT32_MIN = 2 ** 31 - 1, -2 ** 31
+INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 
 
 @pytest.mark.parametrize("backend", READERS)
-@pytest.mark.parametrize("seq_len, cu", [(INT32_MAX, [0, 0, 0]), (INT32_MAX - 40, [0, 1, 3]),
-                                         (INT32_MIN, [0, 1, 3]), (INT32_MIN, [0, 0, 0])])
+@pytest.mark.parametrize(
+    "seq_len, cu",
+    [
+        (INT32_MAX, [0, 0, 0]),
+        (INT32_MAX - 40, [0, 1, 3]),
+        (INT32_MIN, [0, 1, 3]),
+        (INT32_MIN, [0, 0, 0]),
+    ],
+)
 def test_extend_lengths_at_the_int32_limits_fail_closed(backend, seq_len, cu):
     """Unvalidated lengths near the int32 limits on the last sequence (whose spare tile slots add
     to the positions a kernel derives from them): beyond the table they read the whole table and
@@ -736,14 +875,15 @@ def test_extend_lengths_at_the_int32_limits_fail_closed(backend, seq_len, cu):
     oracle.)"""
     b = batch()
     b.seq_lens[1] = seq_len
-    q = extend_query(b)[0][:cu[-1]]
+    q = extend_query(b)[0][: cu[-1]]
     cu_t = torch.tensor(cu, dtype=torch.int32)
     out, lse, report = run("extend", b, backend, q=q, cu=cu_t, return_lse=True, validate=False)
     # The same call with a moderate stand-in: any length past the table, or any negative one.
     stand_in = dataclasses.replace(b, seq_lens=b.seq_lens.clone())
     stand_in.seq_lens[1] = 1000 if seq_len > 0 else -5
-    ref_out, ref_lse, ref_report = run("extend", stand_in, "reference", q=q, cu=cu_t,
-                                       return_lse=True, validate=False)
+    ref_out, ref_lse, ref_report = run(
+        "extend", stand_in, "reference", q=q, cu=cu_t, return_lse=True, validate=False
+    )
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref_out.float(), **tolerance(F16))
     assert_reports_equal(report, ref_report)

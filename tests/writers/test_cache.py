@@ -1,5 +1,6 @@
 """kvattn.PagedKVCache: owner ids, reserve/append/free, prefix sharing, batches, and decode over leases
 against attention over exactly the tokens each lease appended. Pools are NaN-poisoned first."""
+
 import threading
 
 import pytest
@@ -7,7 +8,6 @@ import torch
 
 import kvattn
 from kvattn import Violation
-
 from kvattn_testing.util import DEVICE, backends_under_test, raises, tolerance
 
 PAGE, HEADS, KV_HEADS, DIM = 4, 4, 2, 16
@@ -15,8 +15,9 @@ DECODE_BACKENDS = [b for b in backends_under_test() if b in ("reference", "trito
 
 
 def make_cache(num_pages=8, layout="NHD", dtype=torch.float32):
-    cache = kvattn.PagedKVCache(num_pages, PAGE, KV_HEADS, DIM, dtype=dtype, device=DEVICE,
-                                layout=layout)
+    cache = kvattn.PagedKVCache(
+        num_pages, PAGE, KV_HEADS, DIM, dtype=dtype, device=DEVICE, layout=layout
+    )
     cache.k_cache.fill_(float("nan"))
     cache.v_cache.fill_(float("nan"))
     return cache
@@ -48,7 +49,7 @@ def attention(q, kv_rows):
     group = q.shape[0] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # [N, H, D]
     v = v.repeat_interleave(group, dim=1)
-    logits = torch.einsum("hd,nhd->hn", q.double().cpu(), k) * DIM ** -0.5
+    logits = torch.einsum("hd,nhd->hn", q.double().cpu(), k) * DIM**-0.5
     return torch.einsum("hn,nhd->hd", torch.softmax(logits, dim=-1), v)
 
 
@@ -62,6 +63,7 @@ def page_tags(cache, pages):
 
 
 # --- owners and allocation -----------------------------------------------------------------------
+
 
 def test_owner_ids_strictly_increase_across_allocate_free_share_cycles():
     cache = make_cache()
@@ -100,14 +102,23 @@ def test_reading_reserved_pages_is_refused(backend):
     a = cache.allocate(3 * PAGE)
     table, _, expected = cache.batch([a])
     seq_lens = torch.tensor([3 * PAGE], dtype=torch.int32, device=DEVICE)
-    out, report = kvattn.paged_decode(query(1), cache.k_cache, cache.v_cache, table, seq_lens,
-                                      cache.page_tags, expected, backend=backend)
+    out, report = kvattn.paged_decode(
+        query(1),
+        cache.k_cache,
+        cache.v_cache,
+        table,
+        seq_lens,
+        cache.page_tags,
+        expected,
+        backend=backend,
+    )
     assert report.violations.tolist() == [3]
     assert report.reasons.tolist() == [int(Violation.RESERVED)]
     assert torch.equal(out.cpu(), torch.zeros_like(out.cpu()))
 
 
 # --- append --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_append_writes_stamps_and_grows(layout):
@@ -120,8 +131,10 @@ def test_append_writes_stamps_and_grows(layout):
     result, k, v = tokens.append(cache, lease, PAGE + 2)
     assert result.dropped_count() == 0 and bool(result.landed.all())
     assert len(lease.pages) == 2 and lease.num_tokens == PAGE + 2
-    assert page_tags(cache, lease.pages) == [kvattn.written_tag(lease.owner, PAGE),
-                                             kvattn.written_tag(lease.owner, 2)]
+    assert page_tags(cache, lease.pages) == [
+        kvattn.written_tag(lease.owner, PAGE),
+        kvattn.written_tag(lease.owner, 2),
+    ]
     for t in range(PAGE + 2):
         page, slot = lease.pages[t // PAGE], t % PAGE
         assert torch.equal(cache.k_cache[page, slot], k[t])
@@ -130,7 +143,8 @@ def test_append_writes_stamps_and_grows(layout):
     result, k2, _ = tokens.append(cache, lease, 3)
     assert result.dropped_count() == 0
     assert page_tags(cache, lease.pages) == [kvattn.written_tag(lease.owner, PAGE)] * 2 + [
-        kvattn.written_tag(lease.owner, 1)]
+        kvattn.written_tag(lease.owner, 1)
+    ]
     assert torch.equal(cache.k_cache[lease.pages[2], 0], k2[2])
 
 
@@ -147,6 +161,7 @@ def test_append_to_pages_released_behind_the_allocator_is_dropped():
 
 
 # --- free ----------------------------------------------------------------------------------------
+
 
 def test_free_releases_pages_keeps_bytes_and_reuses_them_first():
     cache = make_cache()
@@ -178,16 +193,26 @@ def test_stale_lease_after_reuse_is_refused_while_the_new_lease_reads_clean(back
     q = query(1)
     out, report = cache.decode(q, [b], backend=backend)
     assert report.violations.tolist() == [0]
-    torch.testing.assert_close(out[0].double().cpu(), attention(q[0], tokens.written[b.owner]),
-                               **tolerance(torch.float32))
-    out, report = kvattn.paged_decode(q, cache.k_cache, cache.v_cache, table_a, lens_a,
-                                      cache.page_tags, expected_a, backend=backend)
+    torch.testing.assert_close(
+        out[0].double().cpu(), attention(q[0], tokens.written[b.owner]), **tolerance(torch.float32)
+    )
+    out, report = kvattn.paged_decode(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        table_a,
+        lens_a,
+        cache.page_tags,
+        expected_a,
+        backend=backend,
+    )
     assert report.violations.tolist() == [2]
     assert report.page_reasons[0, :2].tolist() == [int(Violation.OWNER_MISMATCH)] * 2
     assert torch.equal(out.cpu(), torch.zeros_like(out.cpu()))
 
 
 # --- prefix sharing ------------------------------------------------------------------------------
+
 
 def test_share_prefix_shares_only_full_written_pages():
     cache = make_cache(num_pages=10)
@@ -231,8 +256,10 @@ def test_shared_pages_survive_the_parent_and_are_released_after_both(layout, bac
     out, report = cache.decode(q, [child], backend=backend)
     assert report.violations.tolist() == [0]
     assert report.pages_checked.tolist() == [3]
-    rows = tokens.written[parent.owner][:2 * PAGE] + tokens.written[child.owner]
-    torch.testing.assert_close(out[0].double().cpu(), attention(q[0], rows), **tolerance(torch.float32))
+    rows = tokens.written[parent.owner][: 2 * PAGE] + tokens.written[child.owner]
+    torch.testing.assert_close(
+        out[0].double().cpu(), attention(q[0], rows), **tolerance(torch.float32)
+    )
     cache.free(child)
     assert page_tags(cache, child.pages) == [kvattn.FREE_TAG] * 3
     assert cache.num_free_pages == 8
@@ -257,24 +284,37 @@ def test_prefix_page_passes_only_for_the_owner_it_was_written_under(backend):
     out, report = cache.decode(q, [child], backend=backend)
     assert report.violations.tolist() == [0]
     rows = tokens.written[parent.owner] + tokens.written[child.owner]
-    torch.testing.assert_close(out[0].double().cpu(), attention(q[0], rows), **tolerance(torch.float32))
+    torch.testing.assert_close(
+        out[0].double().cpu(), attention(q[0], rows), **tolerance(torch.float32)
+    )
     own_rows = tokens.written[child.owner]
     for wrong in (child.owner, dead.owner, child.owner + 100):
         bad = expected.clone()
         bad[0, 0] = wrong
-        out, report = kvattn.paged_decode(q, cache.k_cache, cache.v_cache, table, seq_lens,
-                                          cache.page_tags, bad, backend=backend)
+        out, report = kvattn.paged_decode(
+            q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags, bad, backend=backend
+        )
         assert report.violations.tolist() == [1], wrong
         assert report.page_reasons.tolist() == [[int(Violation.OWNER_MISMATCH), 0]]
-        torch.testing.assert_close(out[0].double().cpu(), attention(q[0], own_rows),
-                                   **tolerance(torch.float32))
+        torch.testing.assert_close(
+            out[0].double().cpu(), attention(q[0], own_rows), **tolerance(torch.float32)
+        )
     per_sequence = torch.tensor([child.owner], dtype=torch.int64, device=DEVICE)
-    _, report = kvattn.paged_decode(q, cache.k_cache, cache.v_cache, table, seq_lens,
-                                    cache.page_tags, per_sequence, backend=backend)
+    _, report = kvattn.paged_decode(
+        q,
+        cache.k_cache,
+        cache.v_cache,
+        table,
+        seq_lens,
+        cache.page_tags,
+        per_sequence,
+        backend=backend,
+    )
     assert report.reasons.tolist() == [int(Violation.OWNER_MISMATCH)]
 
 
 # --- batch and decode ----------------------------------------------------------------------------
+
 
 def test_batch_builds_table_lengths_and_per_entry_owners():
     cache = make_cache()
@@ -306,7 +346,8 @@ def test_decode_over_leases_matches_the_reference_and_the_written_tokens(layout,
     out, lse, report = cache.decode(q, leases, backend=backend, return_lse=True)
     table, seq_lens, expected = cache.batch(leases)
     ref_out, ref_lse, ref_report = kvattn.reference.paged_decode(
-        q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags, expected, return_lse=True)
+        q, cache.k_cache, cache.v_cache, table, seq_lens, cache.page_tags, expected, return_lse=True
+    )
     torch.testing.assert_close(out.float(), ref_out, **tolerance(torch.float32))
     torch.testing.assert_close(lse, ref_lse, **tolerance(torch.float32))
     for field in ("violations", "reasons", "pages_checked", "page_reasons"):
@@ -315,12 +356,14 @@ def test_decode_over_leases_matches_the_reference_and_the_written_tokens(layout,
     assert report.pages_checked.tolist() == [1, 1, 3, 0]
     for b, lease in enumerate(leases):
         rows = tokens.written.get(lease.owner, [])
-        torch.testing.assert_close(out[b].double().cpu(), attention(q[b], rows),
-                                   **tolerance(torch.float32))
+        torch.testing.assert_close(
+            out[b].double().cpu(), attention(q[b], rows), **tolerance(torch.float32)
+        )
     assert lse[3].tolist() == [float("-inf")] * HEADS
 
 
 # --- failures ------------------------------------------------------------------------------------
+
 
 def test_pool_exhaustion_raises_and_changes_nothing():
     cache = make_cache(num_pages=4)
@@ -393,10 +436,15 @@ def test_late_write_of_a_freed_parent_cannot_touch_the_shared_prefix(backend):
     before, _ = cache.decode(q, [child], backend=backend)
     late_slots = cache.slot_mapping(parent, 0, 2)
     cache.free(parent)
-    garbage = torch.full((2, cache.k_cache.shape[2], cache.k_cache.shape[3]), 100.0,
-                         dtype=cache.k_cache.dtype, device=cache.device)
-    late = kvattn.write_kv(garbage, garbage, cache.k_cache, cache.v_cache, late_slots,
-                           cache.page_tags, parent.owner)
+    garbage = torch.full(
+        (2, cache.k_cache.shape[2], cache.k_cache.shape[3]),
+        100.0,
+        dtype=cache.k_cache.dtype,
+        device=cache.device,
+    )
+    late = kvattn.write_kv(
+        garbage, garbage, cache.k_cache, cache.v_cache, late_slots, cache.page_tags, parent.owner
+    )
     assert late.dropped_count() == 2
     assert set(late.drop_reasons.tolist()) == {int(kvattn.WriteDrop.NOT_HELD)}
     after, report = cache.decode(q, [child], backend=backend)
@@ -412,18 +460,31 @@ def test_late_write_twin_lands_while_the_parent_lives():
     parent = cache.allocate(0)
     tokens.append(cache, parent, 2 * PAGE)
     cache.share_prefix(parent, 2 * PAGE)
-    garbage = torch.full((2, cache.k_cache.shape[2], cache.k_cache.shape[3]), 100.0,
-                         dtype=cache.k_cache.dtype, device=cache.device)
-    late = kvattn.write_kv(garbage, garbage, cache.k_cache, cache.v_cache,
-                           cache.slot_mapping(parent, 0, 2), cache.page_tags, parent.owner)
+    garbage = torch.full(
+        (2, cache.k_cache.shape[2], cache.k_cache.shape[3]),
+        100.0,
+        dtype=cache.k_cache.dtype,
+        device=cache.device,
+    )
+    late = kvattn.write_kv(
+        garbage,
+        garbage,
+        cache.k_cache,
+        cache.v_cache,
+        cache.slot_mapping(parent, 0, 2),
+        cache.page_tags,
+        parent.owner,
+    )
     assert late.dropped_count() == 0
 
 
-# --- hostile use: owners across caches, foreign leases, geometry, counts ---------------------------------------------
+# --- hostile use: owners across caches, foreign leases, geometry, counts -----------------------
+
 
 def small_cache(**kwargs):
-    return kvattn.PagedKVCache(**{**dict(num_pages=4, page_size=4, num_kv_heads=1, head_dim=16),
-                                  **kwargs})
+    return kvattn.PagedKVCache(
+        **{**dict(num_pages=4, page_size=4, num_kv_heads=1, head_dim=16), **kwargs}
+    )
 
 
 def test_owner_ids_are_unique_across_caches_and_threads():
@@ -446,14 +507,20 @@ def test_owner_ids_are_unique_across_caches_and_threads():
 def _lease_misuses(b, lease):
     k = torch.zeros(1, 1, 16, dtype=torch.float16)
     q = torch.zeros(1, 2, 16, dtype=torch.float16)
-    return {"append": lambda: b.append(lease, k, k), "grow": lambda: b.grow(lease, 8),
-            "free": lambda: b.free(lease), "share_prefix": lambda: b.share_prefix(lease, 4),
-            "batch": lambda: b.batch([lease]), "decode": lambda: b.decode(q, [lease]),
-            "slot_mapping": lambda: b.slot_mapping(lease, 0, 1)}
+    return {
+        "append": lambda: b.append(lease, k, k),
+        "grow": lambda: b.grow(lease, 8),
+        "free": lambda: b.free(lease),
+        "share_prefix": lambda: b.share_prefix(lease, 4),
+        "batch": lambda: b.batch([lease]),
+        "decode": lambda: b.decode(q, [lease]),
+        "slot_mapping": lambda: b.slot_mapping(lease, 0, 1),
+    }
 
 
-@pytest.mark.parametrize("use", ["append", "grow", "free", "share_prefix", "batch", "decode",
-                                 "slot_mapping"])
+@pytest.mark.parametrize(
+    "use", ["append", "grow", "free", "share_prefix", "batch", "decode", "slot_mapping"]
+)
 def test_a_lease_of_another_cache_is_refused(use):
     """Cache A's lease used on cache B: before, both started at owner 1, so A's lease landed in B's
     lease of the same id and B then read A's tokens as its own."""
@@ -470,9 +537,15 @@ def test_a_lease_of_another_cache_is_refused(use):
 def test_a_hand_made_lease_is_refused_and_a_non_lease_is_a_type_error():
     c = small_cache()
     real = c.allocate(4)
-    fake = kvattn.Lease(owner=real.owner, pages=list(real.pages), page_owners=list(real.page_owners))
+    fake = kvattn.Lease(
+        owner=real.owner, pages=list(real.pages), page_owners=list(real.page_owners)
+    )
     with raises(ValueError, "lease", "issued by this cache"):
-        c.append(fake, torch.zeros(1, 1, 16, dtype=torch.float16), torch.zeros(1, 1, 16, dtype=torch.float16))
+        c.append(
+            fake,
+            torch.zeros(1, 1, 16, dtype=torch.float16),
+            torch.zeros(1, 1, 16, dtype=torch.float16),
+        )
     with raises(TypeError, "lease", "Lease", "dict"):
         c.batch([{"owner": real.owner}])
 
@@ -495,33 +568,39 @@ def test_the_issuing_cache_takes_its_own_leases():
     assert c.batch([lease])[1].tolist() == [2]  # a stale lease of this cache may still be read
 
 
-@pytest.mark.parametrize("field, value, error, words", [
-    ("num_pages", 0, ValueError, ["num_pages", ">= 1", "0"]),
-    ("num_pages", -3, ValueError, ["num_pages", "-3"]),
-    ("page_size", 1025, ValueError, ["page_size", "[1, 1024]", "1025"]),
-    ("page_size", -2, ValueError, ["page_size", "-2"]),
-    ("page_size", 0, ValueError, ["page_size", "0"]),
-    ("num_kv_heads", 0, ValueError, ["num_kv_heads", "0"]),
-    ("head_dim", 0, ValueError, ["head_dim", "0"]),
-    ("head_dim", True, TypeError, ["head_dim", "bool"]),
-    ("page_size", 2.5, TypeError, ["page_size", "float"]),
-    ("num_pages", "8", TypeError, ["num_pages", "str"]),
-])
+@pytest.mark.parametrize(
+    "field, value, error, words",
+    [
+        ("num_pages", 0, ValueError, ["num_pages", ">= 1", "0"]),
+        ("num_pages", -3, ValueError, ["num_pages", "-3"]),
+        ("page_size", 1025, ValueError, ["page_size", "[1, 1024]", "1025"]),
+        ("page_size", -2, ValueError, ["page_size", "-2"]),
+        ("page_size", 0, ValueError, ["page_size", "0"]),
+        ("num_kv_heads", 0, ValueError, ["num_kv_heads", "0"]),
+        ("head_dim", 0, ValueError, ["head_dim", "0"]),
+        ("head_dim", True, TypeError, ["head_dim", "bool"]),
+        ("page_size", 2.5, TypeError, ["page_size", "float"]),
+        ("num_pages", "8", TypeError, ["num_pages", "str"]),
+    ],
+)
 def test_cache_geometry_is_validated_at_construction(field, value, error, words):
     with raises(error, *words):
         small_cache(**{field: value})
 
 
-@pytest.mark.parametrize("call, error, words", [
-    (lambda c, lease: c.allocate(-5), ValueError, ["num_tokens", ">= 0", "-5"]),
-    (lambda c, lease: c.allocate(True), TypeError, ["num_tokens", "bool"]),
-    (lambda c, lease: c.allocate(2.5), TypeError, ["num_tokens", "float"]),
-    (lambda c, lease: c.grow(lease, -1), ValueError, ["num_tokens", "-1"]),
-    (lambda c, lease: c.share_prefix(lease, -4), ValueError, ["num_tokens", "-4"]),
-    (lambda c, lease: c.share_prefix(lease, 4, capacity=-1), ValueError, ["capacity", "-1"]),
-    (lambda c, lease: c.slot_mapping(lease, -1, 1), ValueError, ["start", "-1"]),
-    (lambda c, lease: c.slot_mapping(lease, 2, 3), ValueError, ["count", "1 page(s)"]),
-])
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda c, lease: c.allocate(-5), ValueError, ["num_tokens", ">= 0", "-5"]),
+        (lambda c, lease: c.allocate(True), TypeError, ["num_tokens", "bool"]),
+        (lambda c, lease: c.allocate(2.5), TypeError, ["num_tokens", "float"]),
+        (lambda c, lease: c.grow(lease, -1), ValueError, ["num_tokens", "-1"]),
+        (lambda c, lease: c.share_prefix(lease, -4), ValueError, ["num_tokens", "-4"]),
+        (lambda c, lease: c.share_prefix(lease, 4, capacity=-1), ValueError, ["capacity", "-1"]),
+        (lambda c, lease: c.slot_mapping(lease, -1, 1), ValueError, ["start", "-1"]),
+        (lambda c, lease: c.slot_mapping(lease, 2, 3), ValueError, ["count", "1 page(s)"]),
+    ],
+)
 def test_bad_token_counts_raise(call, error, words):
     c = small_cache()
     lease = c.allocate(4)

@@ -5,6 +5,7 @@ trips against float64 attention over the dequantised values, with NaN-filled for
 writer's refusals with fp8 pools; which writers claim fp8 pools; the scales' validation;
 PagedKVCache with fp8 pools.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,12 +41,13 @@ def code_values(dtype) -> np.ndarray:
         elif e == 0:
             values[c] = sign * m * 2.0 ** (1 - bias - mant_bits)
         else:
-            values[c] = sign * (1 + m / 2 ** mant_bits) * 2.0 ** (e - bias)
+            values[c] = sign * (1 + m / 2**mant_bits) * 2.0 ** (e - bias)
     return values
 
 
-def expected_codes(x: torch.Tensor, scale: np.ndarray, dtype, rounding: str = "nearest"
-                   ) -> np.ndarray:
+def expected_codes(
+    x: torch.Tensor, scale: np.ndarray, dtype, rounding: str = "nearest"
+) -> np.ndarray:
     """The codes the writer must store for ``x`` (any float dtype, ``[..., heads, dim]``) with the
     per-head ``scale``: the float32 quotient, saturated to the largest finite value, then
     ``"nearest"``: the nearest code of the same sign, ties to the even code, NaN as 0x7f;
@@ -88,8 +90,9 @@ def probe_values(dtype) -> torch.Tensor:
     values = code_values(dtype)
     mags = np.unique(np.abs(values[np.isfinite(values)]))
     mids = ((mags[:-1] + mags[1:]) / 2).astype(np.float32)
-    around = np.concatenate([mids, np.nextafter(mids, np.float32(np.inf)),
-                             np.nextafter(mids, np.float32(0))])
+    around = np.concatenate(
+        [mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0))]
+    )
     top = mags.max()
     past = np.array([top * 1.03, top * 1.07, top * 2, 1e30, np.inf], dtype=np.float32)
     tiny = np.array([0.0, 1e-40, mags[1] / 4, mags[1] / 2], dtype=np.float32)
@@ -128,10 +131,19 @@ def test_stored_codes_follow_the_rounding_rule(fmt, src, writer, rounding):
     num_tokens = k.shape[0]
     k_cache, v_cache = poisoned_pools(-(-num_tokens // page), page, dtype)
     tags = torch.full((k_cache.shape[0],), kvattn.reserved_tag(1), device=DEVICE)
-    r = kvattn.write_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache,
-                        torch.arange(num_tokens, device=DEVICE), tags, 1, backend=writer,
-                        k_scale=torch.tensor(k_scale, dtype=torch.float32, device=DEVICE),
-                        v_scale=3.0, fp8_rounding=rounding)
+    r = kvattn.write_kv(
+        k.to(DEVICE),
+        v.to(DEVICE),
+        k_cache,
+        v_cache,
+        torch.arange(num_tokens, device=DEVICE),
+        tags,
+        1,
+        backend=writer,
+        k_scale=torch.tensor(k_scale, dtype=torch.float32, device=DEVICE),
+        v_scale=3.0,
+        fp8_rounding=rounding,
+    )
     assert bool(r.landed.all())
     got_k = k_cache.view(torch.uint8).reshape(-1)[: k.numel()].cpu().numpy()
     got_v = v_cache.view(torch.uint8).reshape(-1)[: v.numel()].cpu().numpy()
@@ -156,17 +168,32 @@ def test_every_writer_stores_identical_bytes(fmt, rounding):
     k = (torch.randn(12, KV_HEADS, 32, generator=g) * torch.logspace(-6, 3, 32)).to(torch.bfloat16)
     v = (torch.randn(12, KV_HEADS, 32, generator=g) * 500).to(torch.bfloat16)
     slots = torch.tensor([0, 1, 2, 9, 10, 4, 5, 30, 12, 13, 14, 15])
-    tags = torch.tensor([kvattn.reserved_tag(1), kvattn.written_tag(1, 1), kvattn.reserved_tag(2),
-                         kvattn.reserved_tag(1)])
+    tags = torch.tensor(
+        [
+            kvattn.reserved_tag(1),
+            kvattn.written_tag(1, 1),
+            kvattn.reserved_tag(2),
+            kvattn.reserved_tag(1),
+        ]
+    )
     results = []
     for writer in WRITERS:
         k_cache, v_cache = poisoned_pools(4, 4, dtype)
         t = tags.clone().to(DEVICE)
-        r = kvattn.write_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE), t, 1,
-                            backend=writer, k_scale=torch.tensor([0.5, 0.01], device=DEVICE),
-                            v_scale=torch.tensor(2.0, device=DEVICE), fp8_rounding=rounding)
-        results.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8), t,
-                        r.drop_reasons))
+        r = kvattn.write_kv(
+            k.to(DEVICE),
+            v.to(DEVICE),
+            k_cache,
+            v_cache,
+            slots.to(DEVICE),
+            t,
+            1,
+            backend=writer,
+            k_scale=torch.tensor([0.5, 0.01], device=DEVICE),
+            v_scale=torch.tensor(2.0, device=DEVICE),
+            fp8_rounding=rounding,
+        )
+        results.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8), t, r.drop_reasons))
     for writer, result in zip(WRITERS[1:], results[1:]):
         for a, b in zip(results[0], result):
             assert torch.equal(a, b), writer
@@ -174,6 +201,7 @@ def test_every_writer_stores_identical_bytes(fmt, rounding):
 
 
 # --- write, then read ----------------------------------------------------------------------------
+
 
 def rewrite_as_fp8(ext: Extend, dtype, writer, k_scale, v_scale):
     """Replace the batch's pools by fp8 pools that only the writer fills: every sequence's tokens
@@ -198,9 +226,18 @@ def rewrite_as_fp8(ext: Extend, dtype, writer, k_scale, v_scale):
         phys = p.block_table[b].long()[idx // page]
         slot = phys * page + idx % page
         mine = ~foreign[phys]
-        r = kvattn.write_kv(p.k_cache[phys, idx % page][mine], p.v_cache[phys, idx % page][mine],
-                            k_cache, v_cache, slot[mine], tags, b + 1, backend=writer,
-                            k_scale=k_scale, v_scale=v_scale)
+        r = kvattn.write_kv(
+            p.k_cache[phys, idx % page][mine],
+            p.v_cache[phys, idx % page][mine],
+            k_cache,
+            v_cache,
+            slot[mine],
+            tags,
+            b + 1,
+            backend=writer,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         assert bool(r.landed.all())
     assert torch.equal(tags, want_tags), "the writer's stamps differ from the pages' contents"
     p.k_cache, p.v_cache = k_cache, v_cache
@@ -210,7 +247,7 @@ def rewrite_as_fp8(ext: Extend, dtype, writer, k_scale, v_scale):
 # fp8 keeps 3 (e4m3) or 2 (e5m2) mantissa bits: round to nearest is off by at most half a unit in
 # the last place, 2**-4 (e4m3) or 2**-3 (e5m2) of the value, in the normal range; below it the
 # error is at most half the smallest subnormal, times the scale.
-RELATIVE = {"e4m3": 2.0 ** -4, "e5m2": 2.0 ** -3}
+RELATIVE = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
 
 
 @pytest.mark.parametrize("writer", WRITERS)
@@ -221,8 +258,15 @@ def test_write_then_read_matches_dense_attention(fmt, writer, foreign):
     sequence 2's table entries names a page written for another owner, full of NaN (violation
     detected: reported, its tokens left out, the output finite)."""
     dtype = FP8[fmt]
-    ext = Extend.random([1, 3, 2], [6, 9, 4], num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                        page_size=4, pool_factor=2)
+    ext = Extend.random(
+        [1, 3, 2],
+        [6, 9, 4],
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=4,
+        pool_factor=2,
+    )
     if foreign:
         plant_foreign_page(ext.pages, 2, 0)
     k_scale = torch.tensor([0.125, 0.5], device=DEVICE)
@@ -231,14 +275,23 @@ def test_write_then_read_matches_dense_attention(fmt, writer, foreign):
     p = ext.pages
     vs = torch.full((KV_HEADS,), v_scale)
     seqs = [tokens(p, b, k_scale.cpu(), vs) for b in range(3)]
-    orig = [(before[0][p.block_table[b].long()[torch.arange(int(p.seq_lens[b])) // 4],
-                       torch.arange(int(p.seq_lens[b])) % 4].cpu().double()) for b in range(3)]
+    orig = [
+        (
+            before[0][
+                p.block_table[b].long()[torch.arange(int(p.seq_lens[b])) // 4],
+                torch.arange(int(p.seq_lens[b])) % 4,
+            ]
+            .cpu()
+            .double()
+        )
+        for b in range(3)
+    ]
     smallest = code_values(dtype)[1]
     for (k, _, ok), x in zip(seqs, orig):
         keep = torch.tensor(ok)
         err = (k[keep] - x[keep]).abs()
         assert (err <= RELATIVE[fmt] * x[keep].abs() + smallest / 2 * 0.5).all()
-    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM ** -0.5)
+    want_out, want_lse = dense(ext.q, ext.cu, seqs, DIM**-0.5)
     expect_violations = [0, 0, 1] if foreign else [0, 0, 0]
     for backend in ("reference", "triton"):
         out, lse, report = ext.run(backend, return_lse=True, k_scale=k_scale, v_scale=v_scale)
@@ -246,9 +299,19 @@ def test_write_then_read_matches_dense_attention(fmt, writer, foreign):
         assert report.violations.tolist() == expect_violations
         # Decode of each sequence's last row over the same pages.
         last = ext.cu[1:].long() - 1
-        out, lse, report = kvattn.paged_decode(ext.q[last], p.k_cache, p.v_cache, p.block_table,
-                                               p.seq_lens, p.page_tags, p.expected, backend=backend,
-                                               return_lse=True, k_scale=k_scale, v_scale=v_scale)
+        out, lse, report = kvattn.paged_decode(
+            ext.q[last],
+            p.k_cache,
+            p.v_cache,
+            p.block_table,
+            p.seq_lens,
+            p.page_tags,
+            p.expected,
+            backend=backend,
+            return_lse=True,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         assert_matches(out, lse, want_out[last.cpu()], want_lse[last.cpu()], ext.q.dtype)
         assert report.violations.tolist() == expect_violations
         if foreign:
@@ -261,8 +324,11 @@ REFUSALS = {
     # (tags of pages 0 and 1, slots, expected drop reason of every token)
     "not-held": ([kvattn.written_tag(2, 4), kvattn.reserved_tag(1)], [0, 1], WriteDrop.NOT_HELD),
     "gap": ([kvattn.reserved_tag(1), kvattn.reserved_tag(1)], [2, 3], WriteDrop.GAP),
-    "out-of-range": ([kvattn.reserved_tag(1), kvattn.reserved_tag(1)], [8, 9],
-                     WriteDrop.OUT_OF_RANGE),
+    "out-of-range": (
+        [kvattn.reserved_tag(1), kvattn.reserved_tag(1)],
+        [8, 9],
+        WriteDrop.OUT_OF_RANGE,
+    ),
 }
 
 
@@ -274,10 +340,22 @@ def test_refused_tokens_leave_fp8_pools_and_tags_untouched(case, fmt, writer):
     k_cache, v_cache = poisoned_pools(2, 4, FP8[fmt])
     tags = torch.tensor(tag_list, device=DEVICE)
     k = torch.randn(2, KV_HEADS, 32, device=DEVICE)
-    r = kvattn.write_kv(k, k, k_cache, v_cache, torch.tensor(slots, device=DEVICE), tags, 1,
-                        backend=writer, k_scale=0.5, v_scale=0.5)
+    r = kvattn.write_kv(
+        k,
+        k,
+        k_cache,
+        v_cache,
+        torch.tensor(slots, device=DEVICE),
+        tags,
+        1,
+        backend=writer,
+        k_scale=0.5,
+        v_scale=0.5,
+    )
     assert r.drop_reasons.tolist() == [int(reason)] * 2 and int(r.dropped) == 2
-    assert (k_cache.view(torch.uint8) == NAN_CODE).all() and (v_cache.view(torch.uint8) == NAN_CODE).all()
+    assert (k_cache.view(torch.uint8) == NAN_CODE).all() and (
+        v_cache.view(torch.uint8) == NAN_CODE
+    ).all()
     assert tags.tolist() == tag_list
 
 
@@ -288,8 +366,18 @@ def test_held_tokens_land_in_fp8_pools(fmt, writer):
     k_cache, v_cache = poisoned_pools(2, 4, FP8[fmt])
     tags = torch.tensor([kvattn.reserved_tag(1), kvattn.reserved_tag(1)], device=DEVICE)
     k = torch.randn(2, KV_HEADS, 32, device=DEVICE)
-    r = kvattn.write_kv(k, k, k_cache, v_cache, torch.tensor([0, 1], device=DEVICE), tags, 1,
-                        backend=writer, k_scale=0.5, v_scale=0.5)
+    r = kvattn.write_kv(
+        k,
+        k,
+        k_cache,
+        v_cache,
+        torch.tensor([0, 1], device=DEVICE),
+        tags,
+        1,
+        backend=writer,
+        k_scale=0.5,
+        v_scale=0.5,
+    )
     assert r.drop_reasons.tolist() == [0, 0]
     assert tags.tolist() == [kvattn.written_tag(1, 2), kvattn.reserved_tag(1)]
     want = expected_codes(k.cpu(), np.array([0.5, 0.5]), FP8[fmt])
@@ -299,12 +387,20 @@ def test_held_tokens_land_in_fp8_pools(fmt, writer):
 
 # --- which writers claim fp8 pools -------------------------------------------------------------
 
+
 def write_args(pool_dtype, k_dtype=torch.float16, **scales):
     k_cache = torch.zeros(2, 4, KV_HEADS, 32, dtype=pool_dtype)
     k = torch.zeros(1, KV_HEADS, 32, dtype=k_dtype)
-    return kvattn.write_args.validate_write_kv(k, k, k_cache, k_cache.clone(),
-                                               torch.zeros(1, dtype=torch.int64),
-                                               torch.zeros(2, dtype=torch.int64), 1, **scales)
+    return kvattn.write_args.validate_write_kv(
+        k,
+        k,
+        k_cache,
+        k_cache.clone(),
+        torch.zeros(1, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int64),
+        1,
+        **scales,
+    )
 
 
 @pytest.mark.parametrize("k_dtype", [torch.float16, "fp8"], ids=["quantised", "as-is"])
@@ -331,8 +427,16 @@ def test_fp8_tokens_are_stored_as_they_are(fmt):
     for writer in WRITERS:
         k_cache, v_cache = poisoned_pools(2, 4, dtype)
         tags = torch.tensor([kvattn.reserved_tag(1), kvattn.written_tag(1, 1)], device=DEVICE)
-        r = kvattn.write_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache,
-                            torch.tensor([0, 1, 6], device=DEVICE), tags, 1, backend=writer)
+        r = kvattn.write_kv(
+            k.to(DEVICE),
+            v.to(DEVICE),
+            k_cache,
+            v_cache,
+            torch.tensor([0, 1, 6], device=DEVICE),
+            tags,
+            1,
+            backend=writer,
+        )
         assert r.drop_reasons.tolist() == [0, 0, int(WriteDrop.GAP)], writer
         got = k_cache.view(torch.uint8)
         assert torch.equal(got[0, :2], k[:2].view(torch.uint8)), writer
@@ -356,7 +460,9 @@ def test_a_module_built_without_fp8_refuses_fp8_pools(k_dtype, monkeypatch):
     subset = built_module(SUBSET_MODULE)
     monkeypatch.setattr(backends.load("cuda_sim")[0], "_sim", subset)
     k_dtype = torch.float8_e4m3fn if k_dtype == "fp8" else k_dtype
-    reason = backends.explain(write_args(torch.float8_e4m3fn, k_dtype=k_dtype), "write_kv")["cuda_sim"]
+    reason = backends.explain(write_args(torch.float8_e4m3fn, k_dtype=k_dtype), "write_kv")[
+        "cuda_sim"
+    ]
     want = "dtype e4m3" if k_dtype == torch.float8_e4m3fn else "pool dtype e4m3"
     assert reason.startswith(f"{want} not built into this module (it has: dtypes fp16;"), reason
     assert "KVATTN_CUDA_DTYPES builds more" in reason
@@ -394,20 +500,35 @@ def test_k_and_v_of_different_dtypes_are_refused():
     k_cache = torch.zeros(2, 4, KV_HEADS, 32, dtype=torch.float8_e4m3fn)
     k = torch.zeros(1, KV_HEADS, 32, dtype=torch.float16)
     with pytest.raises(TypeError, match="v: expected dtype float16, got float32"):
-        kvattn.write_kv(k, k.float(), k_cache, k_cache.clone(), torch.zeros(1, dtype=torch.int64),
-                        torch.zeros(2, dtype=torch.int64), 1)
+        kvattn.write_kv(
+            k,
+            k.float(),
+            k_cache,
+            k_cache.clone(),
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int64),
+            1,
+        )
 
 
 # --- PagedKVCache ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("stale", [False, True], ids=["live", "stale-lease"])
 def test_paged_kv_cache_with_fp8_pools(stale):
     """A cache of e4m3 pools quantises what it appends and dequantises what it reads: decode
     matches dense attention over the dequantised tokens. ``stale-lease``: the lease was freed and
     its pages handed to another lease before the read (violation detected, nothing read)."""
-    cache = kvattn.PagedKVCache(num_pages=6, page_size=4, num_kv_heads=KV_HEADS, head_dim=DIM,
-                                dtype=torch.float8_e4m3fn, device=DEVICE,
-                                k_scale=torch.tensor([0.25, 0.5], device=DEVICE), v_scale=0.125)
+    cache = kvattn.PagedKVCache(
+        num_pages=6,
+        page_size=4,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        dtype=torch.float8_e4m3fn,
+        device=DEVICE,
+        k_scale=torch.tensor([0.25, 0.5], device=DEVICE),
+        v_scale=0.125,
+    )
     g = torch.Generator().manual_seed(5)
     kv = torch.randn(7, KV_HEADS, DIM, generator=g).to(torch.float16).to(DEVICE)
     lease = cache.allocate(7)
@@ -417,7 +538,7 @@ def test_paged_kv_cache_with_fp8_pools(stale):
     k, v = k * torch.tensor([0.25, 0.5]).double()[:, None], v * 0.125
     # fp8 e4m3 dequantised values are within 2**-4 (relative) of what was appended, plus half the
     # smallest subnormal (2**-10) times the scale near zero.
-    assert ((k - kv.cpu().double()).abs() <= kv.cpu().double().abs() / 16 + 2.0 ** -10 * 0.5).all()
+    assert ((k - kv.cpu().double()).abs() <= kv.cpu().double().abs() / 16 + 2.0**-10 * 0.5).all()
     q = torch.randn(1, HEADS, DIM, generator=g).to(torch.float16).to(DEVICE)
     if stale:
         cache.free(lease)
@@ -427,7 +548,7 @@ def test_paged_kv_cache_with_fp8_pools(stale):
     if stale:
         assert report.violations.tolist() == [2] and (out == 0).all()
         return
-    want, _ = dense(q, torch.tensor([0, 1]), [(k, v, [True] * 7)], DIM ** -0.5)
+    want, _ = dense(q, torch.tensor([0, 1]), [(k, v, [True] * 7)], DIM**-0.5)
     assert report.violations.tolist() == [0]
     torch.testing.assert_close(out.cpu().double(), want, atol=8e-3, rtol=8e-3)
 
@@ -439,12 +560,14 @@ def test_paged_kv_cache_refuses_scales_with_wide_pools():
 
 # --- the custom op -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("held", [True, False], ids=["held", "not-held"])
 def test_write_kv_op_quantises_like_the_direct_call(held):
     """``kvattn.ops.write_kv`` with scales stores the direct call's bytes and drops what it drops
     (``not-held``: owner 8 holds no page, every token is refused); opcheck passes with scales
     (but its schema test, which multiplies the mutated tensors, a CPU op torch lacks for fp8)."""
     from kvattn import ops
+
     g = torch.Generator().manual_seed(2)
     k = torch.randn(3, KV_HEADS, 32, generator=g) * 40
     v = torch.randn(3, KV_HEADS, 32, generator=g)
@@ -456,18 +579,36 @@ def test_write_kv_op_quantises_like_the_direct_call(held):
         k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
         tags = torch.zeros(3, dtype=torch.int64)
         kvattn.reserve_pages(tags, [1], 7)
-        r = write(k, v, k_cache, v_cache, slots, tags, owner, k_scale=torch.tensor([0.5, 2.0]),
-                  v_scale=0.25)
-        results.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8), tags,
-                        r.drop_reasons))
+        r = write(
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slots,
+            tags,
+            owner,
+            k_scale=torch.tensor([0.5, 2.0]),
+            v_scale=0.25,
+        )
+        results.append((k_cache.view(torch.uint8), v_cache.view(torch.uint8), tags, r.drop_reasons))
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert bool((results[0][3] == 0).all()) == held
     k_cache, v_cache = poisoned_pools(3, 4, torch.float8_e5m2)
     tags = torch.zeros(3, dtype=torch.int64)
     kvattn.reserve_pages(tags, [1], 7)
-    torch.library.opcheck(torch.ops.kvattn.write_kv.default,
-                          (k, v, k_cache.cpu(), v_cache.cpu(), slots, tags,
-                           torch.tensor(owner), torch.tensor([0.5, 2.0]), torch.tensor([0.25, 0.25])),
-                          test_utils=("test_autograd_registration", "test_faketensor",
-                                      "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        torch.ops.kvattn.write_kv.default,
+        (
+            k,
+            v,
+            k_cache.cpu(),
+            v_cache.cpu(),
+            slots,
+            tags,
+            torch.tensor(owner),
+            torch.tensor([0.5, 2.0]),
+            torch.tensor([0.25, 0.25]),
+        ),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )

@@ -1,6 +1,7 @@
 """kvattn.transfer, the checked receive: the sender's attestation follows its tags (written slots
 for the request's owner, nothing for a page it does not hold), the receiver commits a page only by
 an attested length whose digest its own bytes reproduce; every refusal beside its clean twin."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,18 +17,31 @@ OWNER, OTHER = 7, 9
 def pools(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     shape = (PAGES, PAGE, HEADS, DIM)
-    return ([torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
-             for _ in range(LAYERS)],
-            [torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
-             for _ in range(LAYERS)])
+    return (
+        [
+            torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+            for _ in range(LAYERS)
+        ],
+        [
+            torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+            for _ in range(LAYERS)
+        ],
+    )
 
 
 def sender_tags():
     """Page 0 full and page 1 five slots WRITTEN for OWNER in both layers; page 2 written for
     OTHER; page 3 RESERVED for OWNER; page 4 FREE; page 5 written 6 slots in layer 0, 3 in 1."""
-    row = torch.tensor([kvattn.written_tag(OWNER, PAGE), kvattn.written_tag(OWNER, 5),
-                        kvattn.written_tag(OTHER, PAGE), kvattn.reserved_tag(OWNER), 0,
-                        kvattn.written_tag(OWNER, 6)])
+    row = torch.tensor(
+        [
+            kvattn.written_tag(OWNER, PAGE),
+            kvattn.written_tag(OWNER, 5),
+            kvattn.written_tag(OTHER, PAGE),
+            kvattn.reserved_tag(OWNER),
+            0,
+            kvattn.written_tag(OWNER, 6),
+        ]
+    )
     tags = torch.stack([row, row.clone()])
     tags[1, 5] = kvattn.written_tag(OWNER, 3)
     return tags

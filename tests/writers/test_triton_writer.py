@@ -1,13 +1,13 @@
 """The Triton stamping writer against the torch writer (kvattn.writers.write_kv's own steps) on
 random batches full of the cases the semantics define: padding, out-of-range ids, foreign and
 free pages, runs that start past the written prefix, overwrites, per-token owners."""
+
 import random
 
 import pytest
 import torch
 
 import kvattn
-
 from kvattn_testing.util import DEVICE
 
 

@@ -1,5 +1,6 @@
 """``write_kv`` picks its implementation through the backend registry, like the readers, and says
 why it refused the others."""
+
 from __future__ import annotations
 
 import logging
@@ -46,7 +47,8 @@ def test_auto_on_cpu_takes_the_pytorch_writer_and_logs_it_once(monkeypatch, capl
             result = kvattn.write_kv(k, v, k_cache, v_cache, slots, tags, 5)
             assert result.dropped_count() == 0
     assert [r.getMessage() for r in caplog.records].count(
-        "kvattn: write_kv uses backend 'torch' on cpu (first choice)") == 1
+        "kvattn: write_kv uses backend 'torch' on cpu (first choice)"
+    ) == 1
     assert kvattn.describe_tag(int(tags[1])) == "WRITTEN(owner=5, valid_len=2)"
     assert torch.equal(k_cache[1, :2], k)
 
@@ -54,19 +56,31 @@ def test_auto_on_cpu_takes_the_pytorch_writer_and_logs_it_once(monkeypatch, capl
 def test_a_named_writer_that_cannot_run_raises_with_its_reason(monkeypatch):
     monkeypatch.delenv("KVATTN_BACKEND", raising=False)
     inputs = _write_inputs()
-    with pytest.raises(ValueError, match="backend 'reference' cannot run these inputs: no write_kv kernel"):
+    with pytest.raises(
+        ValueError, match="backend 'reference' cannot run these inputs: no write_kv kernel"
+    ):
         kvattn.write_kv(*inputs, 5, backend="reference")
     with pytest.raises(ValueError, match="backend 'cuda' cannot run these inputs"):
         kvattn.write_kv(*inputs, 5, backend="cuda")
-    with pytest.raises(ValueError, match=r"backend argument: expected 'auto' or one of .*'torch'.*got 'tpu'"):
+    with pytest.raises(
+        ValueError, match=r"backend argument: expected 'auto' or one of .*'torch'.*got 'tpu'"
+    ):
         kvattn.write_kv(*inputs, 5, backend="tpu")
     assert kvattn.describe_tag(int(inputs[-1][1])) == "RESERVED(owner=5)"  # nothing written
 
 
 def test_kvattn_backend_forces_the_writer_only_where_that_backend_has_one(monkeypatch):
     args = validate_write_kv(*_write_inputs(), 5)
-    decode_args = Batch.random(batch=1, num_heads=2, num_kv_heads=1, head_dim=16, page_size=4,
-                               seq_lens=[3], dtype=torch.float32, device="cpu").args()
+    decode_args = Batch.random(
+        batch=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=4,
+        seq_lens=[3],
+        dtype=torch.float32,
+        device="cpu",
+    ).args()
     monkeypatch.setenv("KVATTN_BACKEND", "reference")
     assert backends.select(decode_args, "auto", op="decode").NAME == "reference"
     assert backends.select(args, "auto", op="write_kv").NAME == "torch"  # reference has no writer
@@ -80,5 +94,9 @@ def test_kvattn_backend_forces_the_writer_only_where_that_backend_has_one(monkey
 
 def test_an_unknown_op_is_refused():
     args = validate_write_kv(*_write_inputs(), 5)
-    with pytest.raises(ValueError, match=r"op: expected one of \['decode', 'extend', 'write_kv', 'mla_decode', 'mla_extend'\], got 'prefill'"):
+    with pytest.raises(
+        ValueError,
+        match=r"op: expected one of \['decode', 'extend', 'write_kv', 'mla_decode', "
+        r"'mla_extend'\], got 'prefill'",
+    ):
         backends.select(args, "auto", op="prefill")

@@ -1,16 +1,20 @@
 """The writers of kvattn.writers against their docstrings: what lands, what is refused and why, and that
 refused bytes never reach the pool. Pools start as NaN; "untouched" is checked bit for bit."""
+
 import pytest
 import torch
 
 import kvattn
 from kvattn import WriteDrop
-
 from kvattn_testing.util import DEVICE, backends_under_test
 
 NUM_PAGES, PAGE, HEADS, DIM = 6, 4, 2, 16
-OOR, NOT_HELD, GAP, BAD_LENGTH = (int(WriteDrop.OUT_OF_RANGE), int(WriteDrop.NOT_HELD),
-                                  int(WriteDrop.GAP), int(WriteDrop.BAD_LENGTH))
+OOR, NOT_HELD, GAP, BAD_LENGTH = (
+    int(WriteDrop.OUT_OF_RANGE),
+    int(WriteDrop.NOT_HELD),
+    int(WriteDrop.GAP),
+    int(WriteDrop.BAD_LENGTH),
+)
 LAYOUTS = ("NHD", "HND", "strided")
 DECODE_BACKENDS = [b for b in backends_under_test() if b in ("reference", "triton", "cuda")]
 _INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -30,7 +34,9 @@ class Pool:
             shape = (num_pages, HEADS, page_size, DIM)
             self.bufs = [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in "kv"]
         elif layout == "strided":
-            self.bufs = [torch.full((2, *shape[:3], 2 * DIM), float("nan"), dtype=dtype, device=DEVICE)]
+            self.bufs = [
+                torch.full((2, *shape[:3], 2 * DIM), float("nan"), dtype=dtype, device=DEVICE)
+            ]
         else:
             raise AssertionError(layout)
         self.k, self.v = self.views(self.bufs)
@@ -64,7 +70,9 @@ def assert_bits_equal(got, want):
     """Bitwise equality (NaN payloads included), which ``torch.equal`` cannot say of NaN."""
     int_dtype = _INT_OF[got.dtype]
     diff = got.view(int_dtype) != want.view(int_dtype)
-    assert not diff.any(), f"{int(diff.sum())} elements differ, first at {diff.nonzero()[0].tolist()}"
+    assert not diff.any(), (
+        f"{int(diff.sum())} elements differ, first at {diff.nonzero()[0].tolist()}"
+    )
 
 
 def kv(num_tokens, seed=0, dtype=torch.float16):
@@ -93,6 +101,7 @@ def result_lists(result):
 
 
 # --- write_kv: landing and stamping --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_write_lands_in_its_slots_and_stamps_the_landed_prefix(layout):
@@ -146,7 +155,9 @@ def test_write_to_pages_not_held_is_dropped_and_touches_nothing(layout):
     kvattn.reserve_pages(pool.tags, [1], owner=8)
     tags_before, before = pool.tags.clone(), pool.snapshot()
     k, v = kv(6)
-    mapping = slots((3, 0), (3, 1), (1, 0), (1, 1), (4, 0), (4, 1))  # owner 8's page, then a FREE one
+    mapping = slots(
+        (3, 0), (3, 1), (1, 0), (1, 1), (4, 0), (4, 1)
+    )  # owner 8's page, then a FREE one
     result = write(pool, k, v, mapping, 9)
     assert result_lists(result) == ([False] * 6, [NOT_HELD] * 6, 6)
     assert torch.equal(pool.tags, tags_before)
@@ -176,6 +187,7 @@ def test_write_to_the_last_page_lands():
 
 
 # --- runs, gaps, order, overwrites ---------------------------------------------------------------
+
 
 def test_run_starting_at_the_prefix_extends_it():
     pool = Pool()
@@ -224,7 +236,9 @@ def test_prefix_is_the_one_before_the_call():
     assert result_lists(result) == ([True, True, True, False, False], [0, 0, 0, GAP, GAP], 2)
     assert tag(pool, 2) == kvattn.written_tag(3, 2)
     assert tag(pool, 4) == kvattn.written_tag(3, 1)
-    pool.assert_bufs(pool.expect(before, [(2, 0, k[0], v[0]), (2, 1, k[1], v[1]), (4, 0, k[2], v[2])]))
+    pool.assert_bufs(
+        pool.expect(before, [(2, 0, k[0], v[0]), (2, 1, k[1], v[1]), (4, 0, k[2], v[2])])
+    )
 
 
 def test_out_of_order_tokens_land_only_where_no_hole_is_left():
@@ -296,7 +310,9 @@ def test_padding_is_neither_written_nor_counted():
     assert result_lists(result) == ([True, True, False, True, False], [0] * 5, 0)
     assert tag(pool, 1) == kvattn.written_tag(4, 2)
     assert tag(pool, 2) == kvattn.written_tag(4, 1)
-    pool.assert_bufs(pool.expect(before, [(1, 0, k[0], v[0]), (1, 1, k[1], v[1]), (2, 0, k[3], v[3])]))
+    pool.assert_bufs(
+        pool.expect(before, [(1, 0, k[0], v[0]), (1, 1, k[1], v[1]), (2, 0, k[3], v[3])])
+    )
 
 
 def test_padding_only_write_changes_nothing():
@@ -333,6 +349,7 @@ def test_empty_write_returns_empty_result():
 
 # --- owners per token ----------------------------------------------------------------------------
 
+
 def test_owner_tensor_per_token_and_mixed_owners_in_one_call():
     pool = Pool()
     kvattn.reserve_pages(pool.tags, [1], owner=10)
@@ -344,8 +361,11 @@ def test_owner_tensor_per_token_and_mixed_owners_in_one_call():
     result = write(pool, k, v, mapping, owners)
     # Interleaved pages break the runs: (1, 1) and (4, 1) start runs past the empty prefix. The
     # last token is owner 10 aiming at owner 11's page.
-    assert result_lists(result) == ([True, True, False, False, False],
-                                    [0, 0, GAP, GAP, NOT_HELD], 3)
+    assert result_lists(result) == (
+        [True, True, False, False, False],
+        [0, 0, GAP, GAP, NOT_HELD],
+        3,
+    )
     assert tag(pool, 1) == kvattn.written_tag(10, 1)
     assert tag(pool, 4) == kvattn.written_tag(11, 1)
     pool.assert_bufs(pool.expect(before, [(1, 0, k[0], v[0]), (4, 0, k[1], v[1])]))
@@ -363,8 +383,11 @@ def test_mixed_owner_runs_in_slot_order_extend_each_page():
     assert result_lists(result) == ([True] * 4, [0] * 4, 0)
     assert tag(pool, 1) == kvattn.written_tag(10, 2)
     assert tag(pool, 4) == kvattn.written_tag(11, 2)
-    pool.assert_bufs(pool.expect(before, [(1, 0, k[0], v[0]), (1, 1, k[1], v[1]),
-                                          (4, 0, k[2], v[2]), (4, 1, k[3], v[3])]))
+    pool.assert_bufs(
+        pool.expect(
+            before, [(1, 0, k[0], v[0]), (1, 1, k[1], v[1]), (4, 0, k[2], v[2]), (4, 1, k[3], v[3])]
+        )
+    )
 
 
 def test_owner_as_zero_dim_tensor():
@@ -401,10 +424,14 @@ def test_owner_zero_in_a_checked_tensor_raises():
 
 # --- a dropped and a landed token aimed at one slot ----------------------------------------------
 
+
 @pytest.mark.parametrize("order", ["dropped_first", "landed_first", "landed_between"])
 def test_landed_token_wins_over_a_dropped_one_at_the_same_slot(order):
-    owners_of = {"dropped_first": [9, 9, 3], "landed_first": [3, 9, 9],
-                 "landed_between": [9, 3, 9]}[order]
+    owners_of = {
+        "dropped_first": [9, 9, 3],
+        "landed_first": [3, 9, 9],
+        "landed_between": [9, 3, 9],
+    }[order]
     for repeat in range(3):
         pool = Pool()
         kvattn.reserve_pages(pool.tags, [2], owner=3)
@@ -444,6 +471,7 @@ def test_out_of_range_token_does_not_clobber_a_landed_one_on_the_clamped_page():
 
 # --- late writer (docs/ownership.md 6.2) ---------------------------------------------------------
 
+
 def _late_writer_setup(layout):
     """A holds pages 1 and 3, writes 2 tokens, keeps a write of 2 more (page 1, slots 2-3) in flight
     and is aborted; B reserves the same pages and writes 5 tokens, over the slots the late write aims
@@ -469,8 +497,9 @@ def _decode_b(pool, b, backend):
     table = torch.tensor([[1, 3]], dtype=torch.int32, device=DEVICE)
     seq_lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
     expected = torch.tensor([b], dtype=torch.int64, device=DEVICE)
-    out, report = kvattn.paged_decode(q, pool.k, pool.v, table, seq_lens, pool.tags, expected,
-                                      backend=backend)
+    out, report = kvattn.paged_decode(
+        q, pool.k, pool.v, table, seq_lens, pool.tags, expected, backend=backend
+    )
     return out, report
 
 
@@ -524,11 +553,13 @@ def test_write_before_release_lands_for_its_owner():
 
 # --- reserve / release / commit ------------------------------------------------------------------
 
+
 def test_reserve_and_release_set_tags_and_leave_bytes():
     pool = Pool()
     kvattn.reserve_pages(pool.tags, torch.tensor([0, 5], dtype=torch.int32), owner=12)
     assert [tag(pool, p) for p in range(NUM_PAGES)] == (
-        [kvattn.reserved_tag(12)] + [0] * 4 + [kvattn.reserved_tag(12)])
+        [kvattn.reserved_tag(12)] + [0] * 4 + [kvattn.reserved_tag(12)]
+    )
     k, v = kv(2)
     write(pool, k, v, slots((0, 0), (5, 0)), 12)
     before = pool.snapshot()
@@ -550,8 +581,11 @@ def test_reserve_over_a_written_page_resets_it_for_the_new_owner():
 @pytest.mark.parametrize("fn", ["reserve", "release"])
 def test_reserve_and_release_refuse_page_ids_outside_the_pool(fn):
     pool = Pool()
-    call = ((lambda pages: kvattn.reserve_pages(pool.tags, pages, owner=1)) if fn == "reserve"
-            else (lambda pages: kvattn.release_pages(pool.tags, pages)))
+    call = (
+        (lambda pages: kvattn.reserve_pages(pool.tags, pages, owner=1))
+        if fn == "reserve"
+        else (lambda pages: kvattn.release_pages(pool.tags, pages))
+    )
     for bad in ([NUM_PAGES], [-1], [0, NUM_PAGES + 3]):
         with pytest.raises(ValueError, match="pages"):
             call(bad)
@@ -581,7 +615,10 @@ def test_commit_marks_reserved_pages_written_with_the_accounted_length():
     result = commit(pool, [1, 2, 3], 6, [4, 3, 0])
     assert result_lists(result) == ([True] * 3, [0] * 3, 0)
     assert [tag(pool, p) for p in (1, 2, 3)] == [
-        kvattn.written_tag(6, 4), kvattn.written_tag(6, 3), kvattn.written_tag(6, 0)]
+        kvattn.written_tag(6, 4),
+        kvattn.written_tag(6, 3),
+        kvattn.written_tag(6, 0),
+    ]
 
 
 def test_commit_to_pages_not_held_is_dropped():
@@ -671,6 +708,7 @@ def test_commit_validates_arguments():
 
 # --- write_kv argument validation ----------------------------------------------------------------
 
+
 def test_write_validates_arguments():
     pool = Pool()
     kvattn.reserve_pages(pool.tags, [1], owner=1)
@@ -692,8 +730,15 @@ def test_write_validates_arguments():
         (ValueError, "k_cache", dict(k_cache=pool.k[:, :0], v_cache=pool.v[:, :0])),
     ]
     for error, name, change in cases:
-        args = dict(k=k, v=v, k_cache=pool.k, v_cache=pool.v, slot_mapping=mapping,
-                    page_tags=pool.tags, owner=1)
+        args = dict(
+            k=k,
+            v=v,
+            k_cache=pool.k,
+            v_cache=pool.v,
+            slot_mapping=mapping,
+            page_tags=pool.tags,
+            owner=1,
+        )
         args.update(change)
         with pytest.raises(error, match=name):
             kvattn.write_kv(**args)
@@ -702,15 +747,26 @@ def test_write_validates_arguments():
 
 
 def test_reassign_pages_hands_written_pages_to_the_heir():
-    tags = torch.tensor([kvattn.written_tag(3, 5), kvattn.reserved_tag(3), kvattn.written_tag(4, 2),
-                         kvattn.FREE_TAG], device=DEVICE)
+    tags = torch.tensor(
+        [
+            kvattn.written_tag(3, 5),
+            kvattn.reserved_tag(3),
+            kvattn.written_tag(4, 2),
+            kvattn.FREE_TAG,
+        ],
+        device=DEVICE,
+    )
     result = kvattn.reassign_pages(tags, [0, 1, 2, 3], owner=3, new_owner=9)
     assert result.landed.tolist() == [True, True, False, False]
     assert result.drop_reasons.tolist() == [0, 0, int(WriteDrop.NOT_HELD), int(WriteDrop.NOT_HELD)]
     assert int(result.dropped) == 2
     # State and valid_len kept, owner replaced; pages of other owners (and FREE ones) untouched.
-    assert tags.tolist() == [kvattn.written_tag(9, 5), kvattn.reserved_tag(9),
-                             kvattn.written_tag(4, 2), kvattn.FREE_TAG]
+    assert tags.tolist() == [
+        kvattn.written_tag(9, 5),
+        kvattn.reserved_tag(9),
+        kvattn.written_tag(4, 2),
+        kvattn.FREE_TAG,
+    ]
 
 
 def test_reassign_pages_refuses_an_owner_that_does_not_hold_them():

@@ -2,6 +2,7 @@
 ending lease still holds become FREE) and tags of many layers in one ``[num_layers, num_pages]``
 array, reserved and released in one call. Each scoped case has a twin showing that the unscoped
 release would have freed the page."""
+
 import pytest
 import torch
 
@@ -92,12 +93,15 @@ def test_unchecked_out_of_range_pages_change_nothing_and_are_counted():
     assert result.drop_reasons.tolist() == [OOR] * LAYERS
 
 
-@pytest.mark.parametrize("bad, error", [
-    (torch.zeros(2, 3, 4, dtype=torch.int64), ValueError),
-    (torch.zeros(LAYERS, PAGES, dtype=torch.int32), TypeError),
-    (torch.zeros(PAGES, LAYERS, dtype=torch.int64).t(), ValueError),
-    (torch.zeros(0, PAGES, dtype=torch.int64), ValueError),
-])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (torch.zeros(2, 3, 4, dtype=torch.int64), ValueError),
+        (torch.zeros(LAYERS, PAGES, dtype=torch.int32), TypeError),
+        (torch.zeros(PAGES, LAYERS, dtype=torch.int64).t(), ValueError),
+        (torch.zeros(0, PAGES, dtype=torch.int64), ValueError),
+    ],
+)
 def test_malformed_layer_tags_raise_naming_page_tags(bad, error):
     for call in (lambda: kvattn.reserve_pages(bad, [0], 1), lambda: kvattn.release_pages(bad, [0])):
         with pytest.raises(error, match="page_tags"):

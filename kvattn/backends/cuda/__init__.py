@@ -3,6 +3,7 @@
 The binding takes raw pointers, so this module imports on any machine; :func:`why_not` says why it
 cannot run (not built, no GPU, tensors not on a GPU, unsupported dtype or shape).
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,33 +42,64 @@ def why_not_write_kv(args: WriteArgs) -> str | None:
     return _why_not_here(args.k_cache.device) or launch.not_built_write_kv(_C, args)
 
 
-def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           num_splits: int | None = None, plan: dict | None = None) -> OwnershipReport | None:
+def decode(
+    args: DecodeArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    num_splits: int | None = None,
+    plan: dict | None = None,
+) -> OwnershipReport | None:
     """Enqueue the decode on the current stream; a CUDA error raises RuntimeError naming the kernel."""
     with torch.cuda.device(args.q.device):
         stream = torch.cuda.current_stream().cuda_stream
-        return launch.decode(_C, args, check=check, out=out, lse=lse, num_splits=num_splits, stream=stream,
-                                 plan=plan)
+        return launch.decode(
+            _C, args, check=check, out=out, lse=lse, num_splits=num_splits, stream=stream, plan=plan
+        )
 
 
-def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           tokens_per_tile: int | None = None, plan: dict | None = None
-           ) -> OwnershipReport | None:
+def extend(
+    args: ExtendArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    tokens_per_tile: int | None = None,
+    plan: dict | None = None,
+) -> OwnershipReport | None:
     """Enqueue the extend on the current stream; a CUDA error raises RuntimeError naming the kernel."""
     with torch.cuda.device(args.q.device):
         stream = torch.cuda.current_stream().cuda_stream
-        return launch.extend(_C, args, check=check, out=out, lse=lse, stream=stream,
-                             tokens_per_tile=tokens_per_tile, plan=plan)
+        return launch.extend(
+            _C,
+            args,
+            check=check,
+            out=out,
+            lse=lse,
+            stream=stream,
+            tokens_per_tile=tokens_per_tile,
+            plan=plan,
+        )
 
 
 def why_not_mla_decode(args: MLADecodeArgs) -> str | None:
     """None if the latent decode tile can run ``args``, else the reason it cannot."""
-    return _why_not_here(args.q.device) or launch.unsupported_mla(args) or launch.not_built(
-        _C, launch.mla_as_decode(args))
+    return (
+        _why_not_here(args.q.device)
+        or launch.unsupported_mla(args)
+        or launch.not_built(_C, launch.mla_as_decode(args))
+    )
 
 
-def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-               plan: dict | None = None) -> OwnershipReport | None:
+def mla_decode(
+    args: MLADecodeArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    plan: dict | None = None,
+) -> OwnershipReport | None:
     """Enqueue the MLA decode on the current stream (the decode kernel's latent tile)."""
     with torch.cuda.device(args.q.device):
         stream = torch.cuda.current_stream().cuda_stream
@@ -82,5 +114,14 @@ def write_kv(args: WriteArgs) -> WriteResult:
         return launch.write_kv(_C, args, stream=stream)
 
 
-__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "mla_decode", "why_not",
-           "why_not_mla_decode", "why_not_write_kv", "write_kv"]
+__all__ = [
+    "NAME",
+    "WRITE_SWITCHES",
+    "decode",
+    "extend",
+    "mla_decode",
+    "why_not",
+    "why_not_mla_decode",
+    "why_not_write_kv",
+    "write_kv",
+]

@@ -6,6 +6,7 @@ arguments arrive validated by :func:`kvattn.layout.validate_decode` /
 :func:`~kvattn.layout.validate_extend`; this module plans the launch and passes pointers, sizes and
 strides. :func:`write_kv` receives arguments validated by :func:`kvattn.writers.write_kv`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,9 @@ LATENT_DIM, LATENT_RANK = 576, 512
 # mask exists for the extend only); fp8 pools are read by both (the decode by fp8 instantiations,
 # the extend by its element-wise ones, converting on the copy), and so are fp8 queries over them
 # (converted as they are staged).
-SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap", "sinks", "alibi_slopes",
-                      "custom_mask"})
+SWITCHES = frozenset(
+    {"window_left", "window_right", "logits_soft_cap", "sinks", "alibi_slopes", "custom_mask"}
+)
 READ_SWITCHES = SWITCHES | {"fp8 KV", "fp8 queries"}
 # Decode blocks resident on one H100/H200 SM (228 KB of shared memory, 64K registers, 4 warps a
 # block) per head-dim tile of csrc/instantiations.py (TILES, then LATENT: a tile added to the table
@@ -66,19 +68,26 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
     # they are staged) the output's, bfloat16 unless the caller's out says otherwise.
     if args.output_dtype not in TENSOR_CORE_DTYPES:
         what = "out dtype" if args.variant.q_fp8 else "dtype"
-        return (f"{what} {str(args.output_dtype).replace('torch.', '')} is not supported (the CUDA kernels "
-                "run fp16/bf16 on tensor cores; the triton backend runs float32)")
+        return (
+            f"{what} {str(args.output_dtype).replace('torch.', '')} is not supported (the CUDA kernels "
+            "run fp16/bf16 on tensor cores; the triton backend runs float32)"
+        )
     if args.head_dim > MAX_HEAD_DIM and not _latent_rows(args):
         return f"head_dim {args.head_dim} > {MAX_HEAD_DIM}"
     if args.head_dim_v > args.head_dim:
-        return (f"V head dim {args.head_dim_v} > K head dim {args.head_dim} (the CUDA kernels' "
-                "tiles are sized by K's; the triton backend runs it)")
+        return (
+            f"V head dim {args.head_dim_v} > K head dim {args.head_dim} (the CUDA kernels' "
+            "tiles are sized by K's; the triton backend runs it)"
+        )
     missing = [s for s in args.variant.switches() if s not in READ_SWITCHES]
     if missing:
         return f"no kernel for {', '.join(missing)}"
-    if args.max_pages * args.page_size >= 2 ** 31:
+    if args.max_pages * args.page_size >= 2**31:
         return f"a table of {args.max_pages} pages of {args.page_size} tokens holds 2**31 tokens or more"
-    if args.batch >= 2 ** 31 or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 32767:
+    if (
+        args.batch >= 2**31
+        or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 32767
+    ):
         return f"grid too large (batch {args.batch}, {args.num_heads} heads)"
     return None
 
@@ -104,8 +113,10 @@ def not_built(ext, args: DecodeArgs | ExtendArgs) -> str | None:
         missing = (f"the score switches ({', '.join(switches)})", "VARIANTS")
     else:
         return None
-    return (f"{missing[0]} not built into this module (it has: {selection['text']}; "
-            f"KVATTN_CUDA_{missing[1]} builds more)")
+    return (
+        f"{missing[0]} not built into this module (it has: {selection['text']}; "
+        f"KVATTN_CUDA_{missing[1]} builds more)"
+    )
 
 
 def not_built_write_kv(ext, args: WriteArgs) -> str | None:
@@ -116,8 +127,10 @@ def not_built_write_kv(ext, args: WriteArgs) -> str | None:
     names = {**DTYPE_NAMES, **FP8_NAMES}
     for what, dtype in (("dtype", args.k.dtype), ("pool dtype", args.k_cache.dtype)):
         if names[dtype] not in selection["dtypes"]:
-            return (f"{what} {names[dtype]} not built into this module (it has: {selection['text']}; "
-                    f"KVATTN_CUDA_DTYPES builds more)")
+            return (
+                f"{what} {names[dtype]} not built into this module (it has: {selection['text']}; "
+                f"KVATTN_CUDA_DTYPES builds more)"
+            )
     return None
 
 
@@ -125,18 +138,29 @@ def _latent_rows(args) -> bool:
     """Whether a decode's pools are MLA latent rows the latent tile runs: one KV head of 16-bit,
     16-byte aligned 576-dim rows whose first 512 dims are V (a view of the same rows), no switch."""
     k, v = args.k_cache, args.v_cache
-    return (isinstance(args, DecodeArgs) and args.head_dim == LATENT_DIM and args.head_dim_v == LATENT_RANK
-            and args.num_kv_heads == 1 and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
-            and not args.variant.switches() and k.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in k.stride()[:3]))
+    return (
+        isinstance(args, DecodeArgs)
+        and args.head_dim == LATENT_DIM
+        and args.head_dim_v == LATENT_RANK
+        and args.num_kv_heads == 1
+        and v.data_ptr() == k.data_ptr()
+        and v.stride() == k.stride()
+        and not args.variant.switches()
+        and k.data_ptr() % 16 == 0
+        and all(s % 8 == 0 for s in k.stride()[:3])
+    )
 
 
 def _rows_of_16_bytes(args) -> bool:
     """Whether the fp8 decode kernels can copy these pools: by 16-byte cp.async only (16 fp8
     elements a copy)."""
     pools = (args.k_cache, args.v_cache)
-    return (args.head_dim % 16 == 0 and args.head_dim_v % 16 == 0
-            and all(t.data_ptr() % 16 == 0 for t in pools)
-            and all(s % 16 == 0 for t in pools for s in t.stride()[:3]))
+    return (
+        args.head_dim % 16 == 0
+        and args.head_dim_v % 16 == 0
+        and all(t.data_ptr() % 16 == 0 for t in pools)
+        and all(s % 16 == 0 for t in pools for s in t.stride()[:3])
+    )
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -160,8 +184,9 @@ def decode_blocks_per_split(args: DecodeArgs) -> int:
     return args.batch * args.num_kv_heads * -(-group // 16) * d_split
 
 
-def plan_splits(args: DecodeArgs, num_splits: int | None = None,
-                blocks_per_sm: int | None = None) -> tuple[int, int, int]:
+def plan_splits(
+    args: DecodeArgs, num_splits: int | None = None, blocks_per_sm: int | None = None
+) -> tuple[int, int, int]:
     """``(num_splits, min_chunk, align)``: :func:`kvattn.backends.grids.plan_num_splits` over the
     blocks of a split, with chunks of whole pages (and whole 16-token sub-tiles when one of page and
     sub-tile divides the other); ``blocks_per_sm`` overrides the occupancy target (for tuning)."""
@@ -170,8 +195,9 @@ def plan_splits(args: DecodeArgs, num_splits: int | None = None,
     sw = args.variant
     scores = any(s in SWITCHES for s in sw.switches())
     target = blocks_per_sm or decode_blocks_per_sm(args.head_dim, fp8=sw.fp8, scores=scores)
-    splits, min_chunk = plan_num_splits(args, align, target, num_splits,
-                                        programs_per_split=decode_blocks_per_split(args))
+    splits, min_chunk = plan_num_splits(
+        args, align, target, num_splits, programs_per_split=decode_blocks_per_split(args)
+    )
     return splits, min_chunk, align
 
 
@@ -185,33 +211,68 @@ def _attention_params(args, out: torch.Tensor, lse, report) -> dict:
     q, k, v = args.q, args.k_cache, args.v_cache
     r = report
     return dict(
-        q=_ptr(q), k=_ptr(k), v=_ptr(v), block_table=_ptr(args.block_table),
-        seq_lens=_ptr(args.seq_lens), page_tags=_ptr(args.page_tags), expected=_ptr(args.expected),
-        out=_ptr(out), lse=_ptr(lse),
-        violations=_ptr(r and r.violations), reasons=_ptr(r and r.reasons),
-        pages_checked=_ptr(r and r.pages_checked), beyond_table=_ptr(r and r.beyond_table),
+        q=_ptr(q),
+        k=_ptr(k),
+        v=_ptr(v),
+        block_table=_ptr(args.block_table),
+        seq_lens=_ptr(args.seq_lens),
+        page_tags=_ptr(args.page_tags),
+        expected=_ptr(args.expected),
+        out=_ptr(out),
+        lse=_ptr(lse),
+        violations=_ptr(r and r.violations),
+        reasons=_ptr(r and r.reasons),
+        pages_checked=_ptr(r and r.pages_checked),
+        beyond_table=_ptr(r and r.beyond_table),
         page_reasons=_ptr(r and r.page_reasons),
-        stride_qh=q.stride(1), stride_kp=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-        stride_vp=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
-        stride_bt_b=args.block_table.stride(0), stride_bt_p=args.block_table.stride(1),
-        stride_sl=args.seq_lens.stride(0), stride_eb=args.expected.stride(0),
-        stride_ep=args.expected.stride(1), stride_oh=out.stride(1),
-        num_pages=args.num_pages, scale_log2=args.scale * LOG2E, batch=args.batch,
-        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-        head_dim_v=args.head_dim_v, page_size=args.page_size, max_pages=args.max_pages,
-        window_left=args.variant.window_left, window_right=args.variant.window_right,
+        stride_qh=q.stride(1),
+        stride_kp=k.stride(0),
+        stride_ks=k.stride(1),
+        stride_kh=k.stride(2),
+        stride_vp=v.stride(0),
+        stride_vs=v.stride(1),
+        stride_vh=v.stride(2),
+        stride_bt_b=args.block_table.stride(0),
+        stride_bt_p=args.block_table.stride(1),
+        stride_sl=args.seq_lens.stride(0),
+        stride_eb=args.expected.stride(0),
+        stride_ep=args.expected.stride(1),
+        stride_oh=out.stride(1),
+        num_pages=args.num_pages,
+        scale_log2=args.scale * LOG2E,
+        batch=args.batch,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        head_dim_v=args.head_dim_v,
+        page_size=args.page_size,
+        max_pages=args.max_pages,
+        window_left=args.variant.window_left,
+        window_right=args.variant.window_right,
         soft_cap=args.variant.logits_soft_cap,
-        alibi=_ptr(args.variant.alibi_slopes), alibi_stride=args.variant.alibi_stride,
-        sinks=_ptr(args.variant.sinks), kv_dtype=FP8_CODES.get(k.dtype, 0),
-        k_scale=_ptr(args.variant.k_scale), v_scale=_ptr(args.variant.v_scale),
-        scale_stride=args.variant.scale_stride, q_dtype=FP8_CODES.get(q.dtype, 0),
+        alibi=_ptr(args.variant.alibi_slopes),
+        alibi_stride=args.variant.alibi_stride,
+        sinks=_ptr(args.variant.sinks),
+        kv_dtype=FP8_CODES.get(k.dtype, 0),
+        k_scale=_ptr(args.variant.k_scale),
+        v_scale=_ptr(args.variant.v_scale),
+        scale_stride=args.variant.scale_stride,
+        q_dtype=FP8_CODES.get(q.dtype, 0),
         q_scale=_ptr(args.variant.q_scale),
     )
 
 
-def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           num_splits: int | None = None, stream: int = 0, plan: dict | None = None
-           ) -> OwnershipReport | None:
+def decode(
+    ext,
+    args: DecodeArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    num_splits: int | None = None,
+    stream: int = 0,
+    plan: dict | None = None,
+) -> OwnershipReport | None:
     """Enqueue the decode on ``stream`` with the binding ``ext``; writes ``out`` (and ``lse``).
     A CUDA or harness error raises RuntimeError naming the kernel. ``plan``, when given, receives
     the launcher's choices (num_chunks, smem_bytes, num_splits, align, min_chunk)."""
@@ -222,24 +283,36 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
         # The fp8 decode kernels copy rows by cp.async alone; other fp8 pools run the extend's
         # element-wise kernels with one query row per sequence: the same rows, positions, rule
         # and report, without splits (num_splits is not applied).
-        return extend(ext, as_one_row_extend(args), check=check, out=out, lse=lse, stream=stream, plan=plan)
+        return extend(
+            ext, as_one_row_extend(args), check=check, out=out, lse=lse, stream=stream, plan=plan
+        )
     q = args.q
     device = q.device
     splits, min_chunk, align = plan_splits(args, num_splits)
     report = OwnershipReport.allocate(args.batch, args.max_pages, device) if check else None
     part_acc = part_ml = part_report = None
     if splits > 1:
-        part_acc = torch.empty(args.batch * args.num_heads * splits * args.head_dim_v, dtype=torch.float32,
-                               device=device)
-        part_ml = torch.empty(args.batch * args.num_heads * splits * 2, dtype=torch.float32, device=device)
+        part_acc = torch.empty(
+            args.batch * args.num_heads * splits * args.head_dim_v,
+            dtype=torch.float32,
+            device=device,
+        )
+        part_ml = torch.empty(
+            args.batch * args.num_heads * splits * 2, dtype=torch.float32, device=device
+        )
         if check:
             part_report = torch.empty(args.batch * splits * 3, dtype=torch.int32, device=device)
     if lse is not None and not lse.is_contiguous():
         raise ValueError(f"lse: expected a contiguous tensor, got strides {lse.stride()}")
     params = dict(
         _attention_params(args, out, lse, report),
-        part_acc=_ptr(part_acc), part_ml=_ptr(part_ml), part_report=_ptr(part_report),
-        stride_qb=q.stride(0), stride_ob=out.stride(0), num_splits=splits, align=align,
+        part_acc=_ptr(part_acc),
+        part_ml=_ptr(part_ml),
+        part_report=_ptr(part_report),
+        stride_qb=q.stride(0),
+        stride_ob=out.stride(0),
+        num_splits=splits,
+        align=align,
         min_chunk=min_chunk,
     )
     chosen = ext.decode(params, DTYPE_CODES[out.dtype], check, stream)
@@ -251,15 +324,21 @@ def decode(ext, args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.
 def unsupported_mla(args: MLADecodeArgs) -> str | None:
     """Why the latent decode tile cannot run these (validated) MLA inputs, or None."""
     if args.q.dtype not in TENSOR_CORE_DTYPES:
-        return (f"dtype {str(args.q.dtype).replace('torch.', '')} is not supported (the CUDA MLA decode "
-                "runs fp16/bf16 on tensor cores; the triton backend runs float32)")
+        return (
+            f"dtype {str(args.q.dtype).replace('torch.', '')} is not supported (the CUDA MLA decode "
+            "runs fp16/bf16 on tensor cores; the triton backend runs float32)"
+        )
     if (args.kv_lora_rank, args.rope_dim) != (LATENT_RANK, LATENT_DIM - LATENT_RANK):
-        return (f"latent {args.kv_lora_rank} + {args.rope_dim}: the CUDA MLA decode is FlashMLA's "
-                f"{LATENT_RANK} + {LATENT_DIM - LATENT_RANK} (the triton backend runs others)")
+        return (
+            f"latent {args.kv_lora_rank} + {args.rope_dim}: the CUDA MLA decode is FlashMLA's "
+            f"{LATENT_RANK} + {LATENT_DIM - LATENT_RANK} (the triton backend runs others)"
+        )
     kv = args.kv_cache
     if kv.data_ptr() % 16 or any(s % 8 for s in kv.stride()[:3]):
-        return (f"latent rows not 16-byte aligned (kv_cache strides {kv.stride()}): the CUDA MLA "
-                "decode copies them by cp.async (the triton backend runs them)")
+        return (
+            f"latent rows not 16-byte aligned (kv_cache strides {kv.stride()}): the CUDA MLA "
+            "decode copies them by cp.async (the triton backend runs them)"
+        )
     return unsupported(mla_as_decode(args))
 
 
@@ -267,25 +346,61 @@ def mla_as_decode(args: MLADecodeArgs) -> DecodeArgs:
     """The MLA decode as a decode of one KV head whose keys are the latent rows and whose values
     their first ``kv_lora_rank`` dims (a view of the same rows: the latent tile reads them once)."""
     kv = args.kv_cache
-    return DecodeArgs(args.q, kv, kv[..., :args.kv_lora_rank], args.block_table, args.seq_lens,
-                      args.page_tags, args.expected, args.scale)
+    return DecodeArgs(
+        args.q,
+        kv,
+        kv[..., : args.kv_lora_rank],
+        args.block_table,
+        args.seq_lens,
+        args.page_tags,
+        args.expected,
+        args.scale,
+    )
 
 
 def as_one_row_extend(args: DecodeArgs) -> ExtendArgs:
     """The decode ``args`` as an extend of one query row per sequence: row ``b`` sits at
     ``seq_lens[b] - 1``, as the decode's query does, and reads what it reads."""
     rows = torch.arange(args.batch + 1, dtype=torch.int32, device=args.q.device)
-    return ExtendArgs(args.q, args.k_cache, args.v_cache, rows, args.block_table, args.seq_lens,
-                      args.page_tags, args.expected, args.scale, causal=True, rows_covered=True,
-                      variant=args.variant, out_dtype=args.out_dtype)
+    return ExtendArgs(
+        args.q,
+        args.k_cache,
+        args.v_cache,
+        rows,
+        args.block_table,
+        args.seq_lens,
+        args.page_tags,
+        args.expected,
+        args.scale,
+        causal=True,
+        rows_covered=True,
+        variant=args.variant,
+        out_dtype=args.out_dtype,
+    )
 
 
-def mla_decode(ext, args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-               stream: int = 0, plan: dict | None = None) -> OwnershipReport | None:
+def mla_decode(
+    ext,
+    args: MLADecodeArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    stream: int = 0,
+    plan: dict | None = None,
+) -> OwnershipReport | None:
     """:func:`kvattn.paged_mla_decode` on the latent tile (arguments accepted by
     :func:`unsupported_mla`): the decode of :func:`mla_as_decode`, with its splits and report."""
-    return decode(ext, mla_as_decode(args), check=check, out=out, lse=lse, num_splits=args.num_splits,
-                  stream=stream, plan=plan)
+    return decode(
+        ext,
+        mla_as_decode(args),
+        check=check,
+        out=out,
+        lse=lse,
+        num_splits=args.num_splits,
+        stream=stream,
+        plan=plan,
+    )
 
 
 def extend_tiles(ext, args: ExtendArgs, tokens_per_tile: int | None = None) -> tuple[int, int]:
@@ -297,14 +412,24 @@ def extend_tiles(ext, args: ExtendArgs, tokens_per_tile: int | None = None) -> t
     if tokens_per_tile is None:
         return rows // heads, heads
     if not 1 <= tokens_per_tile <= rows // heads:
-        raise ValueError(f"tokens_per_tile: expected 1 .. {rows // heads} for {heads} heads per tile, "
-                         f"got {tokens_per_tile}")
+        raise ValueError(
+            f"tokens_per_tile: expected 1 .. {rows // heads} for {heads} heads per tile, "
+            f"got {tokens_per_tile}"
+        )
     return tokens_per_tile, heads
 
 
-def extend(ext, args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           stream: int = 0, tokens_per_tile: int | None = None, plan: dict | None = None
-           ) -> OwnershipReport | None:
+def extend(
+    ext,
+    args: ExtendArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    stream: int = 0,
+    tokens_per_tile: int | None = None,
+    plan: dict | None = None,
+) -> OwnershipReport | None:
     """Enqueue the extend on ``stream`` with the binding ``ext`` (after the page pre-pass when
     checked); writes ``out`` (and ``lse``) for every row of every sequence. The tile map (the
     triton launcher's) is built with device ops, and the grid, ``ceil(total_q / tokens_per_tile) + B``
@@ -327,15 +452,25 @@ def extend(ext, args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.
     if mask is not None:
         # One byte per entry; an empty mask (every entry past its end, so none readable) as one
         # False entry, since a null mask means none.
-        mask = mask.view(torch.uint8) if mask.numel() else torch.zeros(1, dtype=torch.uint8,
-                                                                       device=q.device)
+        mask = (
+            mask.view(torch.uint8)
+            if mask.numel()
+            else torch.zeros(1, dtype=torch.uint8, device=q.device)
+        )
     params = dict(
         _attention_params(args, out, lse, report),
-        custom_mask=_ptr(mask), mask_start=_ptr(args.variant.mask_start),
+        custom_mask=_ptr(mask),
+        mask_start=_ptr(args.variant.mask_start),
         mask_numel=0 if mask is None else mask.numel(),
-        q_start=_ptr(q_start), tile_start=_ptr(tile_start), effective=_ptr(effective),
-        stride_qt=q.stride(0), stride_ot=out.stride(0), causal=int(args.causal), num_slots=slots,
-        heads_per_tile=heads, tokens_per_tile=tokens,
+        q_start=_ptr(q_start),
+        tile_start=_ptr(tile_start),
+        effective=_ptr(effective),
+        stride_qt=q.stride(0),
+        stride_ot=out.stride(0),
+        causal=int(args.causal),
+        num_slots=slots,
+        heads_per_tile=heads,
+        tokens_per_tile=tokens,
     )
     chosen = ext.extend(params, DTYPE_CODES[out.dtype], check, stream)
     if plan is not None:
@@ -360,19 +495,40 @@ def write_kv(ext, args: WriteArgs, *, stream: int = 0) -> WriteResult:
     if num_tokens == 0:
         return WriteResult(landed, drop_reasons, dropped)
     params = dict(
-        k=k.data_ptr(), v=v.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
-        slot_mapping=slot_mapping.data_ptr(), owners=owners.data_ptr(), page_tags=page_tags.data_ptr(),
-        landed=landed.data_ptr(), drop_reasons=drop_reasons.data_ptr(), dropped=dropped.data_ptr(),
-        stride_kt=k.stride(0), stride_kh=k.stride(1), stride_kd=k.stride(2),
-        stride_vt=v.stride(0), stride_vh=v.stride(1), stride_vd=v.stride(2),
-        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kch=k_cache.stride(2),
-        stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vch=v_cache.stride(2),
-        stride_slot=slot_mapping.stride(0), stride_owner=owners.stride(0),
-        num_tokens=num_tokens, num_pages=num_pages, slot_is_int64=int(slot_mapping.dtype == torch.int64),
-        page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        slot_mapping=slot_mapping.data_ptr(),
+        owners=owners.data_ptr(),
+        page_tags=page_tags.data_ptr(),
+        landed=landed.data_ptr(),
+        drop_reasons=drop_reasons.data_ptr(),
+        dropped=dropped.data_ptr(),
+        stride_kt=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_kd=k.stride(2),
+        stride_vt=v.stride(0),
+        stride_vh=v.stride(1),
+        stride_vd=v.stride(2),
+        stride_kp=k_cache.stride(0),
+        stride_ks=k_cache.stride(1),
+        stride_kch=k_cache.stride(2),
+        stride_vp=v_cache.stride(0),
+        stride_vs=v_cache.stride(1),
+        stride_vch=v_cache.stride(2),
+        stride_slot=slot_mapping.stride(0),
+        stride_owner=owners.stride(0),
+        num_tokens=num_tokens,
+        num_pages=num_pages,
+        slot_is_int64=int(slot_mapping.dtype == torch.int64),
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         head_dim_v=v_cache.shape[3],
         kv_dtype=FP8_CODES[k_cache.dtype] if args.quantises else 0,
-        k_scale=_ptr(args.k_scale), v_scale=_ptr(args.v_scale),
+        k_scale=_ptr(args.k_scale),
+        v_scale=_ptr(args.v_scale),
         toward_zero=int(args.fp8_rounding == "toward_zero"),
     )
     ext.write_kv(params, WRITE_DTYPE_CODES[k.dtype], stream)

@@ -4,6 +4,7 @@ harness of csrc/sim/simt.h (module ``_sim``), on CPU tensors.
 This backend exists to test the CUDA kernels' logic where there is no GPU; it is slow and runs only
 when named (``backend="cuda_sim"``). Same launcher and contract as :mod:`kvattn.backends.cuda`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,31 +41,55 @@ def why_not_write_kv(args: WriteArgs) -> str | None:
     return _why_not_here(args.k_cache.device) or launch.not_built_write_kv(_sim, args)
 
 
-def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           num_splits: int | None = None, plan: dict | None = None, module=None
-           ) -> OwnershipReport | None:
+def decode(
+    args: DecodeArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    num_splits: int | None = None,
+    plan: dict | None = None,
+    module=None,
+) -> OwnershipReport | None:
     """Run the decode on the harness. ``module`` selects another harness build (the tests' broken
     variants); default ``_sim``."""
-    return launch.decode(module or _sim, args, check=check, out=out, lse=lse, num_splits=num_splits,
-                         plan=plan)
+    return launch.decode(
+        module or _sim, args, check=check, out=out, lse=lse, num_splits=num_splits, plan=plan
+    )
 
 
-def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           tokens_per_tile: int | None = None, plan: dict | None = None
-           ) -> OwnershipReport | None:
+def extend(
+    args: ExtendArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    tokens_per_tile: int | None = None,
+    plan: dict | None = None,
+) -> OwnershipReport | None:
     """Run the extend on the harness."""
-    return launch.extend(_sim, args, check=check, out=out, lse=lse, tokens_per_tile=tokens_per_tile,
-                         plan=plan)
+    return launch.extend(
+        _sim, args, check=check, out=out, lse=lse, tokens_per_tile=tokens_per_tile, plan=plan
+    )
 
 
 def why_not_mla_decode(args: MLADecodeArgs) -> str | None:
     """None if the harness's latent decode tile can run ``args``, else the reason it cannot."""
-    return _why_not_here(args.q.device) or launch.unsupported_mla(args) or launch.not_built(
-        _sim, launch.mla_as_decode(args))
+    return (
+        _why_not_here(args.q.device)
+        or launch.unsupported_mla(args)
+        or launch.not_built(_sim, launch.mla_as_decode(args))
+    )
 
 
-def mla_decode(args: MLADecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-               plan: dict | None = None) -> OwnershipReport | None:
+def mla_decode(
+    args: MLADecodeArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    plan: dict | None = None,
+) -> OwnershipReport | None:
     """Run the MLA decode (the decode kernel's latent tile) on the harness."""
     return launch.mla_decode(_sim, args, check=check, out=out, lse=lse, plan=plan)
 
@@ -75,5 +100,14 @@ def write_kv(args: WriteArgs) -> WriteResult:
     return launch.write_kv(_sim, args)
 
 
-__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "mla_decode", "why_not",
-           "why_not_mla_decode", "why_not_write_kv", "write_kv"]
+__all__ = [
+    "NAME",
+    "WRITE_SWITCHES",
+    "decode",
+    "extend",
+    "mla_decode",
+    "why_not",
+    "why_not_mla_decode",
+    "why_not_write_kv",
+    "write_kv",
+]

@@ -7,6 +7,7 @@ The package shares its name with PyTorch: its modules import siblings relatively
 absolutely (PyTorch). Once imported it is the attribute ``torch`` of :mod:`kvattn.backends`, so
 the registry binds no name ``torch`` of its own.
 """
+
 from __future__ import annotations
 
 from ...write_args import WriteArgs

@@ -9,6 +9,7 @@ page of the block table for every query row, these launchers gather ``ceil(seq_l
 pages per sequence (from the window's first page on), once per sequence, and multiply a tile of
 query rows by those keys. Decode batches sequences of similar length into one gather.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,11 @@ def _page_ranges(a, first_key: torch.Tensor) -> tuple[list[int], list[int]]:
     return lo.tolist(), hi.tolist()
 
 
-def _gather(a, pool: torch.Tensor, scale, pages: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """``[S, C * P, Hkv, D]`` float32 (``D``: the pool's head dim): logical pages ``pages`` ``[S, C]`` (indices already in the
+def _gather(
+    a, pool: torch.Tensor, scale, pages: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    """``[S, C * P, Hkv, D]`` float32 (``D``: the pool's head dim): logical pages ``pages`` ``[S,
+    C]`` (indices already in the
     pool) dequantised by ``scale`` when fp8, zero wherever ``allowed`` ``[S, C * P]`` is False:
     refused and foreign slots may hold NaN, which must not reach any product."""
     x = pool.index_select(0, pages.flatten())  # a copy, whole pages at a time
@@ -111,8 +115,10 @@ def _queries(a, q: torch.Tensor, variant: Variant) -> torch.Tensor:
     q = q.float() * a.scale
     if variant.q_fp8:
         g = a.num_heads // a.num_kv_heads
-        q = (q.view(q.shape[0], a.num_kv_heads, g, -1)
-             * variant.q_scale.view(-1, a.num_kv_heads, 1, 1)).view(q.shape)
+        q = (
+            q.view(q.shape[0], a.num_kv_heads, g, -1)
+            * variant.q_scale.view(-1, a.num_kv_heads, 1, 1)
+        ).view(q.shape)
     return q
 
 
@@ -147,14 +153,15 @@ def _buckets(counts: list[int], rows: list[int]) -> list[list[int]]:
     return groups
 
 
-def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
-           lse: torch.Tensor | None) -> OwnershipReport | None:
+def decode(
+    args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None
+) -> OwnershipReport | None:
     a, sw = args, args.variant
     first_key = reference.first_keys(a.seq_lens, 1, sw.window_left)
     allowed, report = reference.readable_slots(a, check, first_key)
     allowed = allowed.flatten(1)  # [B, M * P]
     lo, hi = _page_ranges(a, first_key)
-    counts = [h - l for l, h in zip(lo, hi)]
+    counts = [h - low for low, h in zip(lo, hi)]
     device, page = a.q.device, a.page_size
     q_pos_all = a.seq_lens.long() - 1
     g = a.num_heads // a.num_kv_heads
@@ -190,16 +197,17 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor,
         v = _gather(a, a.v_cache, variant.v_scale, pages, ok)
         q = _queries(a, a.q.index_select(0, rows), variant)
         q = q.view(len(group), a.num_kv_heads, g, 1, a.head_dim).transpose(0, 1)
-        o, l = _attend(q, k, v, mask, q_pos, key_pos, variant, causal=True)
+        o, lse_rows = _attend(q, k, v, mask, q_pos, key_pos, variant, causal=True)
         o = o.transpose(0, 1).reshape(len(group), a.num_heads, a.head_dim_v)
         out.index_copy_(0, rows, o.to(out.dtype))
         if lse is not None:
-            lse.index_copy_(0, rows, l.transpose(0, 1).reshape(len(group), a.num_heads))
+            lse.index_copy_(0, rows, lse_rows.transpose(0, 1).reshape(len(group), a.num_heads))
     return report
 
 
-def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
-           lse: torch.Tensor | None) -> OwnershipReport | None:
+def extend(
+    args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None
+) -> OwnershipReport | None:
     a, sw = args, args.variant
     offsets = query_offsets(a.cu_seqlens_q, a.total_q)
     first_key = reference.first_keys(a.seq_lens, offsets[1:] - offsets[:-1], sw.window_left)
@@ -223,7 +231,7 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
         logical = torch.arange(lo[b], hi[b], device=device)
         pages = a.block_table[b].long().index_select(0, logical).clamp(0, a.num_pages - 1)[None]
         key_pos = torch.arange(lo[b] * page, hi[b] * page, device=device)
-        ok = allowed[b, lo[b] * page:hi[b] * page][None]  # [1, N]
+        ok = allowed[b, lo[b] * page : hi[b] * page][None]  # [1, N]
         variant = sw.of_sequences(b)
         k = _gather(a, a.k_cache, variant.k_scale, pages, ok)  # [1, N, Hkv, D]
         v = _gather(a, a.v_cache, variant.v_scale, pages, ok)
@@ -238,12 +246,12 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
             k1 = min(key_pos.numel(), last + 1 - lo[b] * page) if a.causal else key_pos.numel()
             if sw.right_windowed:
                 k1 = max(0, min(k1, last + sw.window_right + 1 - lo[b] * page))
-            q = _queries(a, a.q[r0 + t0:r0 + t1], variant)  # [T, H, D]
+            q = _queries(a, a.q[r0 + t0 : r0 + t1], variant)  # [T, H, D]
             q = q.view(t1 - t0, a.num_kv_heads, g, a.head_dim).permute(1, 2, 0, 3)[:, None]
             if k1 <= k0:
-                out[r0 + t0:r0 + t1] = 0
+                out[r0 + t0 : r0 + t1] = 0
                 if lse is not None:
-                    lse[r0 + t0:r0 + t1] = float("-inf")
+                    lse[r0 + t0 : r0 + t1] = float("-inf")
                 continue
             q_pos = torch.arange(first, last + 1, device=device)[None]  # [1, T]
             kp = key_pos[k0:k1][None]
@@ -262,11 +270,17 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor,
                 # of the products (as the kernels never load a key no row of theirs reads).
                 unread = ~mask.any(dim=1)[..., None, None]  # [1, N, 1, 1]
                 kt, vt = kt.masked_fill(unread, 0), vt.masked_fill(unread, 0)
-            o, l = _attend(q, kt, vt, mask, q_pos, kp, variant, a.causal)
-            out[r0 + t0:r0 + t1] = o[:, 0].permute(2, 0, 1, 3).reshape(t1 - t0, a.num_heads,
-                                                                        a.head_dim_v).to(out.dtype)
+            o, lse_rows = _attend(q, kt, vt, mask, q_pos, kp, variant, a.causal)
+            out[r0 + t0 : r0 + t1] = (
+                o[:, 0]
+                .permute(2, 0, 1, 3)
+                .reshape(t1 - t0, a.num_heads, a.head_dim_v)
+                .to(out.dtype)
+            )
             if lse is not None:
-                lse[r0 + t0:r0 + t1] = l[:, 0].permute(2, 0, 1).reshape(t1 - t0, a.num_heads)
+                lse[r0 + t0 : r0 + t1] = (
+                    lse_rows[:, 0].permute(2, 0, 1).reshape(t1 - t0, a.num_heads)
+                )
     return report
 
 

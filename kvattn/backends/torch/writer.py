@@ -6,13 +6,22 @@ Its stores and those of the page-level writers (:mod:`kvattn.writers`) go throug
 and :func:`max_rows`, which touch the elements of accepted rows only: a refused row's element is
 never read back and rewritten, so a concurrent writer's fresh bytes or stamp cannot be undone.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ...report import WriteResult
-from ...tags import (OWNER_SHIFT, STATE_RESERVED, STATE_WRITTEN, VALID_LEN_SHIFT, WriteDrop, held_by,
-                     tag_state, tag_valid_len)
+from ...tags import (
+    OWNER_SHIFT,
+    STATE_RESERVED,
+    STATE_WRITTEN,
+    VALID_LEN_SHIFT,
+    WriteDrop,
+    held_by,
+    tag_state,
+    tag_valid_len,
+)
 from ...variants import FP8_MAX
 from ...write_args import WriteArgs
 
@@ -47,7 +56,7 @@ def put_rows(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: torch.Te
     element race (either value, per element). On CPU tensors the accepted rows are picked on the
     host (there is no device to wait for); elsewhere :func:`atomic_put_rows` sets them.
     """
-    values = values.to(dst.dtype).expand(ok.shape[0], *dst.shape[len(index):])
+    values = values.to(dst.dtype).expand(ok.shape[0], *dst.shape[len(index) :])
     if not rows_on_host(dst):
         atomic_put_rows(dst, index, values, ok)
         return
@@ -56,30 +65,41 @@ def put_rows(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: torch.Te
         dst.index_put_(tuple(i.index_select(0, rows) for i in index), values.index_select(0, rows))
 
 
-def max_rows(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor, ok: torch.Tensor) -> None:
+def max_rows(
+    dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor, ok: torch.Tensor
+) -> None:
     """``dst[index] = max(dst[index], values)`` for the rows where ``ok`` (1-D int64 ``dst``: the
     tags' stamps), touching no other element. On a device the refused rows carry the identity of
     max, which the atomic reduction leaves as it finds."""
     if not rows_on_host(dst):
         floor = torch.full_like(values, torch.iinfo(torch.int64).min)
-        dst.scatter_reduce_(0, index, torch.where(ok, values, floor), reduce="amax", include_self=True)
+        dst.scatter_reduce_(
+            0, index, torch.where(ok, values, floor), reduce="amax", include_self=True
+        )
         return
     rows = torch.nonzero(ok).flatten()
     if rows.numel():
-        dst.scatter_reduce_(0, index.index_select(0, rows), values.index_select(0, rows),
-                            reduce="amax", include_self=True)
+        dst.scatter_reduce_(
+            0,
+            index.index_select(0, rows),
+            values.index_select(0, rows),
+            reduce="amax",
+            include_self=True,
+        )
 
 
 def _element_offsets(dst: torch.Tensor, index: tuple) -> torch.Tensor:
     """``[n, m]`` storage offsets of the ``m`` elements of each row ``dst[index[0][r], ...]``."""
     base = dst.storage_offset() + sum(i * s for i, s in zip(index, dst.stride()))
     inner = torch.zeros((), dtype=torch.int64, device=dst.device)
-    for size, stride in zip(dst.shape[len(index):], dst.stride()[len(index):]):
+    for size, stride in zip(dst.shape[len(index) :], dst.stride()[len(index) :]):
         inner = inner[..., None] + torch.arange(size, device=dst.device) * stride
     return base[:, None] + inner.reshape(1, -1)
 
 
-def atomic_put_rows(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: torch.Tensor) -> None:
+def atomic_put_rows(
+    dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: torch.Tensor
+) -> None:
     """:func:`put_rows` as two reductions over an integer view of ``dst``'s storage: a min that
     takes the accepted elements to the smallest integer, then a max that raises them to their
     values' bit patterns. A refused row's elements receive the identity of each (the largest, then
@@ -96,15 +116,17 @@ def atomic_put_rows(dst: torch.Tensor, index: tuple, values: torch.Tensor, ok: t
     accepted = ok[:, None].expand_as(offsets)
     info = torch.iinfo(int_dtype)
     low, high = torch.full_like(bits, info.min), torch.full_like(bits, info.max)
-    storage = dst.view(int_dtype).as_strided((dst.untyped_storage().nbytes() // dst.element_size(),),
-                                             (1,), 0)
+    storage = dst.view(int_dtype).as_strided(
+        (dst.untyped_storage().nbytes() // dst.element_size(),), (1,), 0
+    )
     offsets = offsets.flatten()
     storage.scatter_reduce_(0, offsets, torch.where(accepted, low, high).flatten(), reduce="amin")
     storage.scatter_reduce_(0, offsets, torch.where(accepted, bits, low).flatten(), reduce="amax")
 
 
-def quantise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-             rounding: str = "nearest") -> torch.Tensor:
+def quantise(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rounding: str = "nearest"
+) -> torch.Tensor:
     """``x`` ``[T, num_kv_heads, head_dim]`` as ``dtype`` (fp8) by the per-head ``scale``, the rule
     of :func:`kvattn.write_kv`: float32 ``x / scale``, saturated to the largest finite value, then
     by ``rounding``: ``"nearest"``, torch's round-to-nearest-even cast, NaN as the positive NaN;

@@ -1,6 +1,7 @@
 """The Triton backend: one module per op's kernels (``paged_decode``, ``paged_extend``,
 ``paged_mla_decode``, ``paged_mla_extend``, ``paged_write_kv``), the reader's rule they share
 (``tag_rule``), and this facade for the registry."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,18 @@ from .paged_mla_decode import MAX_KV_LORA_RANK, MAX_ROPE_DIM, mla_decode
 from .paged_mla_extend import mla_extend
 
 # The switches of kvattn.variants the kernels compile in.
-SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap", "sinks", "alibi_slopes",
-                      "fp8 KV", "fp8 queries", "custom_mask"})
+SWITCHES = frozenset(
+    {
+        "window_left",
+        "window_right",
+        "logits_soft_cap",
+        "sinks",
+        "alibi_slopes",
+        "fp8 KV",
+        "fp8 queries",
+        "custom_mask",
+    }
+)
 
 # The switches of kvattn.variants the stamping writer implements (fp8 pools, quantising on write
 # with either rounding).
@@ -26,7 +37,9 @@ NAME = "triton"
 
 def _why_not_here(device: torch.device) -> str | None:
     if device.type == "cpu" and not interpreted():
-        return "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before importing triton)"
+        return (
+            "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before importing triton)"
+        )
     if device.type not in ("cpu", "cuda"):
         return f"device {device.type} is not supported"
     return None
@@ -52,8 +65,9 @@ def why_not_write_kv(args: WriteArgs) -> str | None:
 
 def write_kv(args: WriteArgs) -> WriteResult:
     """:mod:`.paged_write_kv`'s two launches (arguments accepted by :func:`why_not_write_kv`)."""
-    landed, reasons = paged_write_kv.write_kv(*args.tensors(), args.k_scale, args.v_scale,
-                                              args.fp8_rounding)
+    landed, reasons = paged_write_kv.write_kv(
+        *args.tensors(), args.k_scale, args.v_scale, args.fp8_rounding
+    )
     return WriteResult(landed, reasons, (reasons != 0).sum())
 
 
@@ -70,5 +84,16 @@ def why_not_mla_decode(args) -> str | None:
 
 why_not_mla_extend = why_not_mla_decode
 
-__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "mla_decode", "mla_extend", "why_not",
-           "why_not_mla_decode", "why_not_mla_extend", "why_not_write_kv", "write_kv"]
+__all__ = [
+    "NAME",
+    "WRITE_SWITCHES",
+    "decode",
+    "extend",
+    "mla_decode",
+    "mla_extend",
+    "why_not",
+    "why_not_mla_decode",
+    "why_not_mla_extend",
+    "why_not_write_kv",
+    "write_kv",
+]

@@ -6,6 +6,7 @@ A key matches an entry when every field of the entry is None (any) or equal; the
 entry wins (most non-None fields, then the later entry). The values are defaults until a recorded
 GPU sweep (``benchmarks/gpu_suite.sh``) replaces them; see ``benchmarks/results/``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -61,8 +62,10 @@ DECODE_TABLE: list[tuple[tuple, DecodeConfig]] = [
     # shared memory and at most 72 registers let 7 programs share an SM. Unbounded, ptxas gives the
     # checked kernel 80 registers, and more with variant switches; capped at 72 every variant of
     # the static table fits, without spills.
-    ((None, None, None, None), DecodeConfig(block_n=16, num_warps=4, num_stages=4, programs_per_sm=7,
-                                            max_registers=72)),
+    (
+        (None, None, None, None),
+        DecodeConfig(block_n=16, num_warps=4, num_stages=4, programs_per_sm=7, max_registers=72),
+    ),
     # Longer pages: 32-token tiles halve the per-token loop overhead; 38 KB of shared memory, 6
     # programs.
     ((None, None, None, large_pages), DecodeConfig(block_n=32, num_stages=3, programs_per_sm=6)),
@@ -71,15 +74,20 @@ DECODE_TABLE: list[tuple[tuple, DecodeConfig]] = [
     ((None, None, None, small_pages), DecodeConfig(block_n=16, num_stages=5, programs_per_sm=4)),
     # Head dim 256: 41 KB of shared memory; at most 96 registers (ptxas gives the checked kernel
     # 106 unbounded) for 5 programs.
-    ((None, None, 256, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=5, max_registers=96)),
+    (
+        (None, None, 256, None),
+        DecodeConfig(block_n=16, num_stages=3, programs_per_sm=5, max_registers=96),
+    ),
     ((None, None, 512, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=2)),
     ((None, torch.float32, None, None), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=4)),
     # Keys of 256 (192 rounded up) with values of 128, V's own head dim (5th field; the entries
     # above match any): capped at 96 registers ptxas schedules the checked loop 10% longer than
     # the unchecked (332 / 301 instructions, DeepSeek's 192 / 128), at 80 as long as d256's gap
     # (322 / 301); 80 registers and 33 KB of shared memory fit 6 programs.
-    ((None, None, 256, None, 128), DecodeConfig(block_n=16, num_stages=3, programs_per_sm=6,
-                                                max_registers=80)),
+    (
+        (None, None, 256, None, 128),
+        DecodeConfig(block_n=16, num_stages=3, programs_per_sm=6, max_registers=80),
+    ),
 ]
 
 EXTEND_TABLE: list[tuple[tuple, ExtendConfig]] = [
@@ -88,7 +96,10 @@ EXTEND_TABLE: list[tuple[tuple, ExtendConfig]] = [
     ((None, None, 512, None), ExtendConfig(block_m=128, block_n=16, d_split=2)),
     # Exact fp32 products ("ieee") hold four times the registers of a 16-bit tensor-core tile.
     ((None, torch.float32, None, None), ExtendConfig(block_m=32, block_n=32, num_warps=4)),
-    ((None, torch.float32, 512, None), ExtendConfig(block_m=32, block_n=16, num_warps=4, d_split=4)),
+    (
+        (None, torch.float32, 512, None),
+        ExtendConfig(block_m=32, block_n=16, num_warps=4, d_split=4),
+    ),
 ]
 
 
@@ -113,8 +124,14 @@ def _arch(device: torch.device) -> int | None:
     return 10 * major + minor
 
 
-def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int,
-                  head_dim_v: int | None = None, **overrides) -> DecodeConfig:
+def decode_config(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    page_size: int,
+    head_dim_v: int | None = None,
+    **overrides,
+) -> DecodeConfig:
     """The table's decode config for these inputs (``head_dim_v``: V's head dim, default
     ``head_dim``), with ``overrides`` (fields of DecodeConfig)."""
     dv = _pow2(head_dim if head_dim_v is None else head_dim_v)
@@ -122,8 +139,9 @@ def decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_
     return replace(config, **overrides) if overrides else config
 
 
-def extend_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int,
-                  **overrides) -> ExtendConfig:
+def extend_config(
+    device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int, **overrides
+) -> ExtendConfig:
     """The table's extend config for these inputs, with ``overrides`` (fields of ExtendConfig)."""
     config = _lookup(EXTEND_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size))
     return replace(config, **overrides) if overrides else config
@@ -165,8 +183,9 @@ MLA_DECODE_TABLE: list[tuple[tuple, MLADecodeConfig]] = [
 ]
 
 
-def mla_decode_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int,
-                      **overrides) -> MLADecodeConfig:
+def mla_decode_config(
+    device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int, **overrides
+) -> MLADecodeConfig:
     """The table's MLA decode config for these inputs (``head_dim``: ``kv_lora_rank +
     rope_dim``), with ``overrides`` (fields of MLADecodeConfig)."""
     config = _lookup(MLA_DECODE_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size))
@@ -199,8 +218,9 @@ MLA_EXTEND_TABLE: list[tuple[tuple, MLAExtendConfig]] = [
 ]
 
 
-def mla_extend_config(device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int,
-                      **overrides) -> MLAExtendConfig:
+def mla_extend_config(
+    device: torch.device, dtype: torch.dtype, head_dim: int, page_size: int, **overrides
+) -> MLAExtendConfig:
     """The table's MLA extend config for these inputs (``head_dim``: ``kv_lora_rank +
     rope_dim``), with ``overrides`` (fields of MLAExtendConfig)."""
     config = _lookup(MLA_EXTEND_TABLE, (_arch(device), dtype, _pow2(head_dim), page_size))

@@ -7,6 +7,7 @@ Computing the code from the float32 bit pattern with integer operations keeps th
 equal to the torch writer's, interpreted or compiled: round to nearest, ties to even, subnormals
 included.
 """
+
 from __future__ import annotations
 
 import struct
@@ -25,8 +26,13 @@ def fp8_format(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 @triton.jit
-def fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
-             TOWARD_ZERO: tl.constexpr = False):
+def fp8_bits(
+    x,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_BITS: tl.constexpr,
+    TOWARD_ZERO: tl.constexpr = False,
+):
     """The fp8 code (uint8) of float32 ``x``: saturated to the largest finite value (``MAX_BITS``,
     its float32 bit pattern), then rounded to nearest even with NaN as the positive NaN 0x7f; or,
     ``TOWARD_ZERO``, truncated with NaN as the positive largest finite value and a quotient

@@ -21,6 +21,7 @@ Nothing is zeroed by a separate launch and no atomics are used; entries of ``pag
 the sequence are zeroed by the same programs. The split planner counts the report column in both
 variants, so checked and unchecked launches split alike.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ...layout import DecodeArgs
-from ...variants import FP8_DTYPES
 from ...report import OwnershipReport
+from ...variants import FP8_DTYPES
 from ..grids import plan_num_splits
 from .configs import DecodeConfig, decode_config
 from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
@@ -66,19 +67,70 @@ def window_start(raw_len, seq_len, window_left, WINDOW: tl.constexpr, ALIGN: tl.
 
 @triton.jit
 def paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, tags_ptr, expected_ptr,
-    out_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, part_report_ptr,
-    violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, page_reasons_ptr,
-    scale_log2, num_pages, max_pages, num_splits, min_chunk,
-    window_left, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr, q_scale_ptr,
-    alibi_stride, scale_stride, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_bt, stride_eb, stride_ep, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    ALIGN: tl.constexpr, BLOCK_P: tl.constexpr, CHECK: tl.constexpr, DOT_FP32: tl.constexpr,
-    RETURN_LSE: tl.constexpr, OWNER_PER_PAGE: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    tags_ptr,
+    expected_ptr,
+    out_ptr,
+    lse_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    part_report_ptr,
+    violations_ptr,
+    reasons_ptr,
+    checked_ptr,
+    beyond_ptr,
+    page_reasons_ptr,
+    scale_log2,
+    num_pages,
+    max_pages,
+    num_splits,
+    min_chunk,
+    window_left,
+    soft_cap,
+    alibi_ptr,
+    sinks_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    q_scale_ptr,
+    alibi_stride,
+    scale_stride,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_eb,
+    stride_ep,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHECK: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    OWNER_PER_PAGE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    SINKS: tl.constexpr,
+    FP8: tl.constexpr,
     Q_FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -104,16 +156,47 @@ def paged_decode_kernel(
         bt_row = block_table_ptr + b * stride_bt
         exp_row = expected_ptr + b * stride_eb
         reasons_row = page_reasons_ptr + b * max_pages
-        store_split_report(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, part_report_ptr,
-                           violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, b, split,
-                           num_splits, num_pages, max_pages, raw_len, seq_len, first_key, start,
-                           end, PAGE, BLOCK_P)
+        store_split_report(
+            bt_row,
+            exp_row,
+            stride_ep,
+            tags_ptr,
+            reasons_row,
+            part_report_ptr,
+            violations_ptr,
+            reasons_ptr,
+            checked_ptr,
+            beyond_ptr,
+            b,
+            split,
+            num_splits,
+            num_pages,
+            max_pages,
+            raw_len,
+            seq_len,
+            first_key,
+            start,
+            end,
+            PAGE,
+            BLOCK_P,
+        )
         if WINDOW:
             # And its stripe of the entries before the splits' span (before the window).
             stripe = tl.cdiv(span_lo // PAGE, num_splits)
-            check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len,
-                        first_key, split * stripe, tl.minimum((split + 1) * stripe, span_lo // PAGE),
-                        PAGE, BLOCK_P)
+            check_pages(
+                bt_row,
+                exp_row,
+                stride_ep,
+                tags_ptr,
+                reasons_row,
+                num_pages,
+                seq_len,
+                first_key,
+                split * stripe,
+                tl.minimum((split + 1) * stripe, span_lo // PAGE),
+                PAGE,
+                BLOCK_P,
+            )
     else:
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -123,8 +206,11 @@ def paged_decode_kernel(
         g_mask = offs_g < GROUP
         d_mask = offs_d < HEAD_DIM
         dv_mask = offs_dv < HEAD_DIM_V
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_G, BLOCK_D]
         if Q_FP8:
             q = q.to(tl.bfloat16)  # exact: every e4m3 and e5m2 value is a bfloat16
         bt_row = block_table_ptr + b * stride_bt
@@ -151,25 +237,43 @@ def paged_decode_kernel(
         acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
         loop_lo = start
         if WINDOW:
-            loop_lo = tl.maximum(start, first_key // BLOCK_N * BLOCK_N)  # tiles wholly before: skipped
+            loop_lo = tl.maximum(
+                start, first_key // BLOCK_N * BLOCK_N
+            )  # tiles wholly before: skipped
         for t0 in range(loop_lo, end, BLOCK_N):
-            page, slot, live = tile_slots(t0, end, offs_n, bt_row, exp_row, stride_ep, seq_owner,
-                                          tags_ptr, num_pages, PAGE, BLOCK_N, CHECK, OWNER_PER_PAGE)
+            page, slot, live = tile_slots(
+                t0,
+                end,
+                offs_n,
+                bt_row,
+                exp_row,
+                stride_ep,
+                seq_owner,
+                tags_ptr,
+                num_pages,
+                PAGE,
+                BLOCK_N,
+                CHECK,
+                OWNER_PER_PAGE,
+            )
             if WINDOW:
                 live = live & (t0 + offs_n >= first_key)
             page = page.to(tl.int64)
             k_rows = k_head + page * stride_kp + slot * stride_ks  # [BLOCK_N]
             v_rows = v_head + page * stride_vp + slot * stride_vs
-            k = tl.load(k_rows[:, None] + offs_d[None, :], mask=live[:, None] & d_mask[None, :],
-                        other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_rows[:, None] + offs_dv[None, :], mask=live[:, None] & dv_mask[None, :],
-                        other=0.0)  # [BLOCK_N, BLOCK_DV]
+            k = tl.load(
+                k_rows[:, None] + offs_d[None, :], mask=live[:, None] & d_mask[None, :], other=0.0
+            )  # [BLOCK_N, BLOCK_D]
+            v = tl.load(
+                v_rows[:, None] + offs_dv[None, :], mask=live[:, None] & dv_mask[None, :], other=0.0
+            )  # [BLOCK_N, BLOCK_DV]
             if FP8:
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
             distance = (t0 + offs_n - q_pos).to(tl.float32)[None, :]  # [1, BLOCK_N]
-            s = variant_scores(qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance,
-                               SOFTCAP, ALIBI)
+            s = variant_scores(
+                qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance, SOFTCAP, ALIBI
+            )
             s = tl.where(live[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
@@ -178,8 +282,20 @@ def paged_decode_kernel(
         if SINKS or ALIBI or FP8:
             # A head whose switch values are invalid (kvattn.variants) reads nothing: from here on its
             # state is that of a row with nothing read, in this split and in the merge.
-            reads = heads_read(heads, g_mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
-                               q_scale_ptr, SINKS, ALIBI, FP8, Q_FP8)
+            reads = heads_read(
+                heads,
+                g_mask,
+                kv_head,
+                sinks_ptr,
+                alibi_ptr,
+                k_scale_ptr,
+                v_scale_ptr,
+                q_scale_ptr,
+                SINKS,
+                ALIBI,
+                FP8,
+                Q_FP8,
+            )
             acc = tl.where(reads[:, None], acc, 0.0)
             m_i = tl.where(reads, m_i, float("-inf"))
             l_i = tl.where(reads, l_i, 0.0)
@@ -188,8 +304,11 @@ def paged_decode_kernel(
             if SINKS:
                 sink2 = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
             out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
-            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & dv_mask[None, :])
+            tl.store(
+                out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=g_mask[:, None] & dv_mask[None, :],
+            )
             if RETURN_LSE:
                 l_safe = tl.where(l_i > 0, l_i, 1.0)
                 lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
@@ -197,19 +316,42 @@ def paged_decode_kernel(
         elif start < end:
             # Splits past the sequence's end write nothing; the merge reads only the others.
             row = (b * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]
-            tl.store(part_acc_ptr + row[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=g_mask[:, None])
+            tl.store(
+                part_acc_ptr + row[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=g_mask[:, None]
+            )
             tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
             tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
 
 
 @triton.jit
 def merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr, part_report_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
-    max_pages, num_splits, min_chunk, stride_ob, stride_oh, window_left, sinks_ptr,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_S: tl.constexpr, CHECK: tl.constexpr,
-    RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+    part_acc_ptr,
+    part_ml_ptr,
+    part_report_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    violations_ptr,
+    reasons_ptr,
+    checked_ptr,
+    beyond_ptr,
+    max_pages,
+    num_splits,
+    min_chunk,
+    stride_ob,
+    stride_oh,
+    window_left,
+    sinks_ptr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CHECK: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Combine the splits of one (sequence, head) that lie inside the sequence (their sums already
     scaled by an fp8 pool's v_scale); a split with nothing readable (or of a head that reads
@@ -250,8 +392,9 @@ def merge_splits_kernel(
         m_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
         for s0 in range(0, active, BLOCK_S):
             s = s0 + offs_s
-            m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (base + s) * 2, mask=s < active,
-                                              other=float("-inf")))
+            m_max = tl.maximum(
+                m_max, tl.load(part_ml_ptr + (base + s) * 2, mask=s < active, other=float("-inf"))
+            )
         m_top = tl.max(m_max, axis=0)
         m_ref = tl.where(m_top == float("-inf"), 0.0, m_top)
         l_sum = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -262,19 +405,26 @@ def merge_splits_kernel(
             m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_mask, other=float("-inf"))
             w = tl.exp2(m - m_ref)  # [BLOCK_S]
             l_sum += tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_mask, other=0.0) * w
-            part = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
-                           mask=s_mask[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+            part = tl.load(
+                part_acc_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :],
+                mask=s_mask[:, None],
+                other=0.0,
+            )  # [BLOCK_S, BLOCK_D]
             acc += part * w[:, None]
         l_total = tl.sum(l_sum, axis=0)
         l_safe = tl.where(l_total > 0, l_total, 1.0)
         denominator = l_safe
         if SINKS:
             # With nothing read the sink joins no denominator (a sink of -inf would give 0 / 0).
-            denominator = tl.where(l_total > 0,
-                                   l_total + tl.exp2(tl.load(sinks_ptr + head) * LOG2E_C - m_ref), 1.0)
+            denominator = tl.where(
+                l_total > 0, l_total + tl.exp2(tl.load(sinks_ptr + head) * LOG2E_C - m_ref), 1.0
+            )
         out = tl.sum(acc, axis=0) / denominator  # [BLOCK_D]
-        tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-                 mask=offs_d < HEAD_DIM)
+        tl.store(
+            out_ptr + b * stride_ob + head * stride_oh + offs_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=offs_d < HEAD_DIM,
+        )
         if RETURN_LSE:
             lse = tl.where(l_total > 0, (m_ref + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
             tl.store(lse_ptr + b * NUM_HEADS + head, lse)
@@ -299,8 +449,9 @@ def dots_in_fp32(q: torch.Tensor) -> bool:
 
 def launch_config(args: DecodeArgs, config: DecodeConfig | None = None) -> DecodeConfig:
     """The configuration a launch uses: ``config`` or the table's entry (:mod:`.configs`)."""
-    return config or decode_config(args.q.device, compute_dtype(args.q), args.head_dim, args.page_size,
-                                   args.head_dim_v)
+    return config or decode_config(
+        args.q.device, compute_dtype(args.q), args.head_dim, args.page_size, args.head_dim_v
+    )
 
 
 def split_alignment(args: DecodeArgs, config: DecodeConfig) -> int:
@@ -310,21 +461,33 @@ def split_alignment(args: DecodeArgs, config: DecodeConfig) -> int:
     return max(page, tile) if page % tile == 0 or tile % page == 0 else page
 
 
-def plan_splits(args: DecodeArgs, config: DecodeConfig | None = None,
-                num_splits: int | None = None) -> tuple[int, int, int]:
+def plan_splits(
+    args: DecodeArgs, config: DecodeConfig | None = None, num_splits: int | None = None
+) -> tuple[int, int, int]:
     """``(num_splits, min_chunk, align)`` of a launch (:func:`kvattn.backends.grids.plan_num_splits`)."""
     config = launch_config(args, config)
     align = split_alignment(args, config)
     # Per sequence and split: one program per KV head and the report's (checked; counted in both
     # variants so that they split alike).
-    splits, min_chunk = plan_num_splits(args, align, config.programs_per_sm, num_splits,
-                                        programs_per_split=args.batch * (args.num_kv_heads + 1))
+    splits, min_chunk = plan_num_splits(
+        args,
+        align,
+        config.programs_per_sm,
+        num_splits,
+        programs_per_split=args.batch * (args.num_kv_heads + 1),
+    )
     return splits, min_chunk, align
 
 
-def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           num_splits: int | None = None, config: DecodeConfig | None = None
-           ) -> OwnershipReport | None:
+def decode(
+    args: DecodeArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> OwnershipReport | None:
     """Launch the decode kernel (and the merge when split). Writes ``out`` (and ``lse``).
     ``num_splits`` and ``config`` override the planner and the configuration table (tests, tuning
     sweeps); the grid still depends on shapes only."""
@@ -338,54 +501,122 @@ def decode(args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     dot_fp32 = dots_in_fp32(q)
     report = OwnershipReport.allocate(batch, args.max_pages, q.device) if check else None
     if splits > 1:
-        part_acc = torch.empty(batch * num_heads * splits * block_dv, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(
+            batch * num_heads * splits * block_dv, dtype=torch.float32, device=q.device
+        )
         part_ml = torch.empty(batch * num_heads * splits * 2, dtype=torch.float32, device=q.device)
-        part_report = torch.empty(batch * splits * REPORT_FIELDS, dtype=torch.int32, device=q.device)
+        part_report = torch.empty(
+            batch * splits * REPORT_FIELDS, dtype=torch.int32, device=q.device
+        )
     else:
         part_acc = part_ml = part_report = out  # unused
     # Unused pointer arguments (report when unchecked, lse when not asked) get `out`: never touched.
     r = report
     lse_arg = lse if lse is not None else out
-    report_ptrs = dict(zip(REPORT_PTRS, (r.violations, r.reasons, r.pages_checked, r.beyond_table)
-                           if r else (out,) * 4))
+    report_ptrs = dict(
+        zip(
+            REPORT_PTRS,
+            (r.violations, r.reasons, r.pages_checked, r.beyond_table) if r else (out,) * 4,
+        )
+    )
     sw = args.variant
     # Switch tensors that are off get `out` as a never-read pointer.
     alibi, sinks, k_scale, v_scale, q_scale = (
         t if t is not None else out
-        for t in (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale, sw.q_scale))
+        for t in (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale, sw.q_scale)
+    )
     switches = dict(WINDOW=sw.windowed, SINKS=sw.sinks is not None, FP8=sw.fp8, Q_FP8=sw.q_fp8)
 
     paged_decode_kernel[(batch, args.num_kv_heads + int(check), splits)](
-        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, block_table_ptr=args.block_table,
-        seq_lens_ptr=args.seq_lens, tags_ptr=args.page_tags, expected_ptr=args.expected,
-        out_ptr=out, lse_ptr=lse_arg, part_acc_ptr=part_acc, part_ml_ptr=part_ml,
-        part_report_ptr=part_report, **report_ptrs, page_reasons_ptr=r.page_reasons if r else out,
-        scale_log2=args.scale * LOG2E, num_pages=args.num_pages, max_pages=args.max_pages,
-        num_splits=splits, min_chunk=min_chunk, window_left=sw.window_left,
-        soft_cap=sw.logits_soft_cap, alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale,
-        v_scale_ptr=v_scale, q_scale_ptr=q_scale, alibi_stride=sw.alibi_stride, scale_stride=sw.scale_stride,
-        stride_qb=q.stride(0), stride_qh=q.stride(1),
-        stride_kp=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
-        stride_vp=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
-        stride_bt=args.block_table.stride(0), stride_eb=args.expected.stride(0),
-        stride_ep=args.expected.stride(1), stride_ob=out.stride(0), stride_oh=out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=args.head_dim_v, BLOCK_DV=block_dv,
-        PAGE=args.page_size, BLOCK_N=config.block_n, ALIGN=align, BLOCK_P=128, CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None,
-        OWNER_PER_PAGE=args.expected.stride(1) != 0, SOFTCAP=sw.logits_soft_cap > 0,
-        ALIBI=sw.alibi_slopes is not None, **switches,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        q_ptr=q,
+        k_ptr=k_cache,
+        v_ptr=v_cache,
+        block_table_ptr=args.block_table,
+        seq_lens_ptr=args.seq_lens,
+        tags_ptr=args.page_tags,
+        expected_ptr=args.expected,
+        out_ptr=out,
+        lse_ptr=lse_arg,
+        part_acc_ptr=part_acc,
+        part_ml_ptr=part_ml,
+        part_report_ptr=part_report,
+        **report_ptrs,
+        page_reasons_ptr=r.page_reasons if r else out,
+        scale_log2=args.scale * LOG2E,
+        num_pages=args.num_pages,
+        max_pages=args.max_pages,
+        num_splits=splits,
+        min_chunk=min_chunk,
+        window_left=sw.window_left,
+        soft_cap=sw.logits_soft_cap,
+        alibi_ptr=alibi,
+        sinks_ptr=sinks,
+        k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
+        q_scale_ptr=q_scale,
+        alibi_stride=sw.alibi_stride,
+        scale_stride=sw.scale_stride,
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_kp=k_cache.stride(0),
+        stride_ks=k_cache.stride(1),
+        stride_kh=k_cache.stride(2),
+        stride_vp=v_cache.stride(0),
+        stride_vs=v_cache.stride(1),
+        stride_vh=v_cache.stride(2),
+        stride_bt=args.block_table.stride(0),
+        stride_eb=args.expected.stride(0),
+        stride_ep=args.expected.stride(1),
+        stride_ob=out.stride(0),
+        stride_oh=out.stride(1),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        HEAD_DIM_V=args.head_dim_v,
+        BLOCK_DV=block_dv,
+        PAGE=args.page_size,
+        BLOCK_N=config.block_n,
+        ALIGN=align,
+        BLOCK_P=128,
+        CHECK=check,
+        DOT_FP32=dot_fp32,
+        RETURN_LSE=lse is not None,
+        OWNER_PER_PAGE=args.expected.stride(1) != 0,
+        SOFTCAP=sw.logits_soft_cap > 0,
+        ALIBI=sw.alibi_slopes is not None,
+        **switches,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         maxnreg=config.max_registers,
     )
     if splits > 1:
         merge_splits_kernel[(batch, num_heads + int(check))](
-            part_acc_ptr=part_acc, part_ml_ptr=part_ml, part_report_ptr=part_report,
-            seq_lens_ptr=args.seq_lens, out_ptr=out, lse_ptr=lse_arg, **report_ptrs,
-            max_pages=args.max_pages, num_splits=splits, min_chunk=min_chunk,
-            stride_ob=out.stride(0), stride_oh=out.stride(1), window_left=sw.window_left,
+            part_acc_ptr=part_acc,
+            part_ml_ptr=part_ml,
+            part_report_ptr=part_report,
+            seq_lens_ptr=args.seq_lens,
+            out_ptr=out,
+            lse_ptr=lse_arg,
+            **report_ptrs,
+            max_pages=args.max_pages,
+            num_splits=splits,
+            min_chunk=min_chunk,
+            stride_ob=out.stride(0),
+            stride_oh=out.stride(1),
+            window_left=sw.window_left,
             sinks_ptr=sinks,
-            NUM_HEADS=num_heads, HEAD_DIM=args.head_dim_v, BLOCK_D=block_dv, PAGE=args.page_size,
-            ALIGN=align, BLOCK_S=16, CHECK=check, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
-            SINKS=sw.sinks is not None, num_warps=4,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=args.head_dim_v,
+            BLOCK_D=block_dv,
+            PAGE=args.page_size,
+            ALIGN=align,
+            BLOCK_S=16,
+            CHECK=check,
+            RETURN_LSE=lse is not None,
+            WINDOW=sw.windowed,
+            SINKS=sw.sinks is not None,
+            num_warps=4,
         )
     return report

@@ -30,6 +30,7 @@ With a custom mask (``CUSTOM``, :mod:`kvattn.variants`), each KV tile loads the 
 its rows and keys ``[BLOCK_M, BLOCK_N]`` before K/V: a key no row of the tile reads is not loaded,
 and the scores are masked per element.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -73,8 +74,9 @@ def query_rows(cu_seqlens_ptr, b, total_q, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def locate_tile(cu_seqlens_ptr, slot_id, batch, total_q, TOKENS: tl.constexpr,
-                BLOCK_B: tl.constexpr):
+def locate_tile(
+    cu_seqlens_ptr, slot_id, batch, total_q, TOKENS: tl.constexpr, BLOCK_B: tl.constexpr
+):
     """``(b, local tile, tiles of b, first row, query rows)`` of grid slot ``slot_id``: the tile map
     (kvattn.backends.grids.extend_tile_map) computed by each program from ``cu_seqlens_q``, clamped
     and made non-decreasing as kvattn.layout.query_offsets does. Sequence ``b`` has ``max(1,
@@ -108,17 +110,27 @@ def locate_tile(cu_seqlens_ptr, slot_id, batch, total_q, TOKENS: tl.constexpr,
 
 
 @triton.jit
-def query_tile(cu_seqlens_ptr, seq_lens_ptr, slot_id, batch, total_q, max_pages,
-               TOKENS: tl.constexpr, PAGE: tl.constexpr, BLOCK_B: tl.constexpr,
-               CAUSAL: tl.constexpr):
+def query_tile(
+    cu_seqlens_ptr,
+    seq_lens_ptr,
+    slot_id,
+    batch,
+    total_q,
+    max_pages,
+    TOKENS: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     """The query tile of grid slot ``slot_id`` and the keys it reads: ``(b, local tile, first row,
     q_len, raw seq_len, first query position, first token of the tile, kv_hi)``. A causal
     sequence's tiles are taken longest first (its last query tile, which reads the most keys,
     from local tile 0). ``kv_hi``: one past the last key the tile reads; 0 for spare slots and,
     when causal, for a sequence holding fewer tokens than it has queries (malformed: it fails
     closed and reads nothing). Positions stay int32 (64-bit masks over a tile cost registers)."""
-    b32, local, tiles, row0, q_len = locate_tile(cu_seqlens_ptr, slot_id, batch, total_q, TOKENS,
-                                                 BLOCK_B)
+    b32, local, tiles, row0, q_len = locate_tile(
+        cu_seqlens_ptr, slot_id, batch, total_q, TOKENS, BLOCK_B
+    )
     b = b32.to(tl.int64)
     tile = local
     if CAUSAL:
@@ -139,10 +151,25 @@ def query_tile(cu_seqlens_ptr, seq_lens_ptr, slot_id, batch, total_q, max_pages,
 
 @triton.jit
 def resolve_pages_kernel(
-    block_table_ptr, seq_lens_ptr, cu_seqlens_ptr, tags_ptr, expected_ptr, effective_ptr,
-    part_report_ptr, page_reasons_ptr,
-    total_q, num_pages, max_pages, stride_bt, stride_eb, stride_ep, window_left,
-    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr,
+    block_table_ptr,
+    seq_lens_ptr,
+    cu_seqlens_ptr,
+    tags_ptr,
+    expected_ptr,
+    effective_ptr,
+    part_report_ptr,
+    page_reasons_ptr,
+    total_q,
+    num_pages,
+    max_pages,
+    stride_bt,
+    stride_eb,
+    stride_ep,
+    window_left,
+    PAGE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Pages ``[BLOCK_P * k, BLOCK_P * (k + 1))`` of sequence ``b`` (grid ``(B, k)``): each table
     entry's reason (0 when accepted or not read), the effective entry ``page << 32 | readable
@@ -177,8 +204,18 @@ def resolve_pages_kernel(
 
 
 @triton.jit
-def store_report(part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, b,
-                 blocks, raw_len, capacity, BLOCK_K: tl.constexpr):
+def store_report(
+    part_report_ptr,
+    violations_ptr,
+    reasons_ptr,
+    checked_ptr,
+    beyond_ptr,
+    b,
+    blocks,
+    raw_len,
+    capacity,
+    BLOCK_K: tl.constexpr,
+):
     """Sequence ``b``'s counters from the pre-pass's ``blocks`` partial counts; a seq_len past the
     table counts once more (nothing beyond it is read)."""
     bad = tl.zeros([BLOCK_K], dtype=tl.int32)
@@ -198,8 +235,18 @@ def store_report(part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyo
 
 
 @triton.jit
-def key_entries(bt_row, eff_row, tok, kv_lo, kv_hi, num_pages, PAGE: tl.constexpr,
-                CHECK: tl.constexpr, WINDOW: tl.constexpr, TILE_PAGE: tl.constexpr = False):
+def key_entries(
+    bt_row,
+    eff_row,
+    tok,
+    kv_lo,
+    kv_hi,
+    num_pages,
+    PAGE: tl.constexpr,
+    CHECK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    TILE_PAGE: tl.constexpr = False,
+):
     """``(page int64, slot, live)`` of keys ``tok`` [BLOCK_N]: live where below ``kv_hi`` (and,
     WINDOW, at or after ``kv_lo``), in the pool and (checked) among the page's readable slots. One
     table entry per key in both variants: the effective entry (checked) or the block-table entry
@@ -236,12 +283,36 @@ def key_entries(bt_row, eff_row, tok, kv_lo, kv_hi, num_pages, PAGE: tl.constexp
 
 
 @triton.jit
-def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, stride_kp,
-                 stride_ks, stride_vp, stride_vs, offs_n, offs_d, offs_dv, mask_ptr, mask_row,
-                 mask_numel, token_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 PAGE: tl.constexpr, CHECK: tl.constexpr, WINDOW: tl.constexpr,
-                 CUSTOM: tl.constexpr, TOKENS: tl.constexpr, HEADS: tl.constexpr,
-                 BLOCK_M: tl.constexpr):
+def load_kv_tile(
+    k_head,
+    v_head,
+    bt_row,
+    eff_row,
+    t0,
+    kv_lo,
+    kv_hi,
+    num_pages,
+    stride_kp,
+    stride_ks,
+    stride_vp,
+    stride_vs,
+    offs_n,
+    offs_d,
+    offs_dv,
+    mask_ptr,
+    mask_row,
+    mask_numel,
+    token_ok,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    PAGE: tl.constexpr,
+    CHECK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    CUSTOM: tl.constexpr,
+    TOKENS: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """K ``[BLOCK_N, BLOCK_D]`` and V ``[BLOCK_N, DV]`` (this program's slice of V's head dim) of
     keys ``t0 + offs_n``, the mask of those that may be read: below ``kv_hi`` (and, WINDOW, at or
     after ``kv_lo``), in the pool and (checked) among the page's readable slots, and (CUSTOM) the
@@ -251,29 +322,59 @@ def load_kv_tile(k_head, v_head, bt_row, eff_row, t0, kv_lo, kv_hi, num_pages, s
     table entry per key in both variants: the effective entry (checked) or the block-table entry.
     A key the custom mask removes from every row of the tile is not loaded."""
     tok = t0 + offs_n  # [BLOCK_N]
-    page, slot, live = key_entries(bt_row, eff_row, tok, kv_lo, kv_hi, num_pages, PAGE, CHECK,
-                                   WINDOW)
+    page, slot, live = key_entries(
+        bt_row, eff_row, tok, kv_lo, kv_hi, num_pages, PAGE, CHECK, WINDOW
+    )
     allowed = live[None, :]
     if CUSTOM:
         idx = mask_row[:, None] + tok[None, :]  # [TOKENS, BLOCK_N] int64
-        by_token = tl.load(mask_ptr + idx, mask=token_ok[:, None] & live[None, :]
-                           & (idx < mask_numel), other=0) != 0
+        by_token = (
+            tl.load(
+                mask_ptr + idx, mask=token_ok[:, None] & live[None, :] & (idx < mask_numel), other=0
+            )
+            != 0
+        )
         live = live & (tl.max(by_token.to(tl.int32), axis=0) > 0)
         # Row r is token r // HEADS (row_layout: TOKENS * HEADS == BLOCK_M under a custom mask).
-        allowed = tl.reshape(tl.broadcast_to(by_token[:, None, :], (TOKENS, HEADS, tok.shape[0])),
-                             (BLOCK_M, tok.shape[0]))
-    k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
-                mask=live[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_dv[None, :],
-                mask=live[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)  # [BLOCK_N, DV]
+        allowed = tl.reshape(
+            tl.broadcast_to(by_token[:, None, :], (TOKENS, HEADS, tok.shape[0])),
+            (BLOCK_M, tok.shape[0]),
+        )
+    k = tl.load(
+        k_head + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
+        mask=live[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_D]
+    v = tl.load(
+        v_head + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_dv[None, :],
+        mask=live[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
+        other=0.0,
+    )  # [BLOCK_N, DV]
     return k, v, live, allowed
 
 
 @triton.jit
-def tile_scores(q, k, live, allowed, tok, q_pos, qk_scale, soft_cap, alibi2, window_left,
-                right_edge, DIAGONAL: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_FP32: tl.constexpr,
-                CUSTOM: tl.constexpr, RIGHT: tl.constexpr):
+def tile_scores(
+    q,
+    k,
+    live,
+    allowed,
+    tok,
+    q_pos,
+    qk_scale,
+    soft_cap,
+    alibi2,
+    window_left,
+    right_edge,
+    DIAGONAL: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    CUSTOM: tl.constexpr,
+    RIGHT: tl.constexpr,
+):
     """Base-2 logits [BLOCK_M, BLOCK_N] of one KV tile (keys ``tok``) for rows at ``q_pos``, -inf
     where a key may not be read (``live``), the custom mask removes it from the row (``allowed``,
     CUSTOM), it lies after the row (DIAGONAL tiles), before its window or (RIGHT) after the
@@ -283,8 +384,9 @@ def tile_scores(q, k, live, allowed, tok, q_pos, qk_scale, soft_cap, alibi2, win
         distance = (tok[None, :] - q_pos[:, None]).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         if not CAUSAL:
             distance = -tl.abs(distance)
-    s = variant_scores(qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance, SOFTCAP,
-                       ALIBI)
+    s = variant_scores(
+        qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance, SOFTCAP, ALIBI
+    )
     visible = live[None, :]
     if CUSTOM:
         visible = visible & allowed
@@ -299,20 +401,76 @@ def tile_scores(q, k, live, allowed, tok, q_pos, qk_scale, soft_cap, alibi2, win
 
 @triton.jit
 def paged_extend_kernel(
-    q_ptr, k_ptr, v_ptr, cu_seqlens_ptr, block_table_ptr, effective_ptr, seq_lens_ptr,
-    out_ptr, lse_ptr, part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr,
-    scale_log2, batch, total_q, num_pages, max_pages, num_chunks, page_blocks,
-    window_left, window_right, soft_cap, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    q_scale_ptr, alibi_stride, scale_stride, mask_ptr, mask_start_ptr, mask_numel,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_bt, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    D_SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
-    CHECK: tl.constexpr, DOT_FP32: tl.constexpr, RETURN_LSE: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8: tl.constexpr,
-    CUSTOM: tl.constexpr, RIGHT: tl.constexpr, Q_FP8: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cu_seqlens_ptr,
+    block_table_ptr,
+    effective_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    part_report_ptr,
+    violations_ptr,
+    reasons_ptr,
+    checked_ptr,
+    beyond_ptr,
+    scale_log2,
+    batch,
+    total_q,
+    num_pages,
+    max_pages,
+    num_chunks,
+    page_blocks,
+    window_left,
+    window_right,
+    soft_cap,
+    alibi_ptr,
+    sinks_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    q_scale_ptr,
+    alibi_stride,
+    scale_stride,
+    mask_ptr,
+    mask_start_ptr,
+    mask_numel,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    D_SPLIT: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    CHECK: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    SINKS: tl.constexpr,
+    FP8: tl.constexpr,
+    CUSTOM: tl.constexpr,
+    RIGHT: tl.constexpr,
+    Q_FP8: tl.constexpr,
 ):
     # Programs launch in grid order, axis 0 fastest; read that order slot-major, every column (KV
     # head, head chunk, output part) of a slot before the next slot, so that a causal sequence's
@@ -329,8 +487,17 @@ def paged_extend_kernel(
     chunk = column // D_SPLIT % num_chunks
 
     b, local, row0, q_len, raw_len, first_pos, m0, kv_hi = query_tile(
-        cu_seqlens_ptr, seq_lens_ptr, slot_id, batch, total_q, max_pages, TOKENS, PAGE, BLOCK_B,
-        CAUSAL)
+        cu_seqlens_ptr,
+        seq_lens_ptr,
+        slot_id,
+        batch,
+        total_q,
+        max_pages,
+        TOKENS,
+        PAGE,
+        BLOCK_B,
+        CAUSAL,
+    )
     if RIGHT:
         # Keys after every row's right edge are not loaded: the tile stops after its last row's
         # (in 64 bits: the edge may lie past the int32 range).
@@ -350,10 +517,13 @@ def paged_extend_kernel(
     q_pos = first_pos + q_idx
     right_edge = q_pos  # unused unless RIGHT
     if RIGHT:
-        right_edge = tl.minimum(q_pos.to(tl.int64) + window_right, 2 ** 31 - 1).to(tl.int32)
+        right_edge = tl.minimum(q_pos.to(tl.int64) + window_right, 2**31 - 1).to(tl.int32)
     rows = (row0 + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
     if Q_FP8:
         q = q.to(tl.bfloat16)  # exact: every e4m3 and e5m2 value is a bfloat16
 
@@ -405,30 +575,116 @@ def paged_extend_kernel(
         kv_lo = first_key // BLOCK_N * BLOCK_N
         diagonal = tl.maximum(diagonal, kv_lo)
     for t0 in range(kv_lo, diagonal, BLOCK_N):
-        k, v, live, allowed = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi,
-                                           num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
-                                           offs_n, offs_d, offs_dv, mask_ptr, mask_row, mask_numel,
-                                           token_ok, HEAD_DIM, HEAD_DIM_V, PAGE, CHECK, WINDOW,
-                                           CUSTOM, TOKENS, HEADS, BLOCK_M)
+        k, v, live, allowed = load_kv_tile(
+            k_head,
+            v_head,
+            bt_row,
+            eff_row,
+            t0,
+            first_key,
+            kv_hi,
+            num_pages,
+            stride_kp,
+            stride_ks,
+            stride_vp,
+            stride_vs,
+            offs_n,
+            offs_d,
+            offs_dv,
+            mask_ptr,
+            mask_row,
+            mask_numel,
+            token_ok,
+            HEAD_DIM,
+            HEAD_DIM_V,
+            PAGE,
+            CHECK,
+            WINDOW,
+            CUSTOM,
+            TOKENS,
+            HEADS,
+            BLOCK_M,
+        )
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tile_scores(q, k, live, allowed, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2,
-                        window_left, right_edge, False, CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                        DOT_FP32, CUSTOM, RIGHT)  # [BLOCK_M, BLOCK_N]
+        s = tile_scores(
+            q,
+            k,
+            live,
+            allowed,
+            t0 + offs_n,
+            q_pos,
+            qk_scale,
+            soft_cap,
+            alibi2,
+            window_left,
+            right_edge,
+            False,
+            CAUSAL,
+            WINDOW,
+            SOFTCAP,
+            ALIBI,
+            DOT_FP32,
+            CUSTOM,
+            RIGHT,
+        )  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
     for t0 in range(diagonal, kv_hi, BLOCK_N):
-        k, v, live, allowed = load_kv_tile(k_head, v_head, bt_row, eff_row, t0, first_key, kv_hi,
-                                           num_pages, stride_kp, stride_ks, stride_vp, stride_vs,
-                                           offs_n, offs_d, offs_dv, mask_ptr, mask_row, mask_numel,
-                                           token_ok, HEAD_DIM, HEAD_DIM_V, PAGE, CHECK, WINDOW,
-                                           CUSTOM, TOKENS, HEADS, BLOCK_M)
+        k, v, live, allowed = load_kv_tile(
+            k_head,
+            v_head,
+            bt_row,
+            eff_row,
+            t0,
+            first_key,
+            kv_hi,
+            num_pages,
+            stride_kp,
+            stride_ks,
+            stride_vp,
+            stride_vs,
+            offs_n,
+            offs_d,
+            offs_dv,
+            mask_ptr,
+            mask_row,
+            mask_numel,
+            token_ok,
+            HEAD_DIM,
+            HEAD_DIM_V,
+            PAGE,
+            CHECK,
+            WINDOW,
+            CUSTOM,
+            TOKENS,
+            HEADS,
+            BLOCK_M,
+        )
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tile_scores(q, k, live, allowed, t0 + offs_n, q_pos, qk_scale, soft_cap, alibi2,
-                        window_left, right_edge, CAUSAL, CAUSAL, WINDOW, SOFTCAP, ALIBI,
-                        DOT_FP32, CUSTOM, RIGHT)  # [BLOCK_M, BLOCK_N]
+        s = tile_scores(
+            q,
+            k,
+            live,
+            allowed,
+            t0 + offs_n,
+            q_pos,
+            qk_scale,
+            soft_cap,
+            alibi2,
+            window_left,
+            right_edge,
+            CAUSAL,
+            CAUSAL,
+            WINDOW,
+            SOFTCAP,
+            ALIBI,
+            DOT_FP32,
+            CUSTOM,
+            RIGHT,
+        )  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
     sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -439,14 +695,29 @@ def paged_extend_kernel(
     if SINKS or ALIBI or FP8:
         # A head whose switch values are invalid (kvattn.variants) reads nothing: its rows end as
         # rows with nothing read.
-        reads = heads_read(head, row_ok, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
-                           q_scale_ptr, SINKS, ALIBI, FP8, Q_FP8)
+        reads = heads_read(
+            head,
+            row_ok,
+            kv_head,
+            sinks_ptr,
+            alibi_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            q_scale_ptr,
+            SINKS,
+            ALIBI,
+            FP8,
+            Q_FP8,
+        )
         acc = tl.where(reads[:, None], acc, 0.0)
         l_i = tl.where(reads, l_i, 0.0)
     out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
+    )
     if RETURN_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
         # One program of a d_split group writes the LSE (a vector test: the interpreter refuses a
@@ -455,8 +726,18 @@ def paged_extend_kernel(
     if CHECK:
         if (local == 0) & (column == 0):
             # The first program of each sequence (every sequence has a tile) writes its counters.
-            store_report(part_report_ptr, violations_ptr, reasons_ptr, checked_ptr, beyond_ptr, b,
-                         page_blocks, raw_len, max_pages * PAGE, 16)
+            store_report(
+                part_report_ptr,
+                violations_ptr,
+                reasons_ptr,
+                checked_ptr,
+                beyond_ptr,
+                b,
+                page_blocks,
+                raw_len,
+                max_pages * PAGE,
+                16,
+            )
 
 
 def launch_config(args: ExtendArgs, config: ExtendConfig | None = None) -> ExtendConfig:
@@ -464,8 +745,9 @@ def launch_config(args: ExtendArgs, config: ExtendConfig | None = None) -> Exten
     if config is not None:
         return config
     # Keyed by the wider head: the query and K tiles, or V's accumulator, bound the registers.
-    config = extend_config(args.q.device, compute_dtype(args.q), max(args.head_dim, args.head_dim_v),
-                           args.page_size)
+    config = extend_config(
+        args.q.device, compute_dtype(args.q), max(args.head_dim, args.head_dim_v), args.page_size
+    )
     if args.variant.custom_mask is not None:
         # The mask's [BLOCK_M, BLOCK_N] entries beside the scores: 64-key tiles spill at d128
         # (tools/static_sm90.py), 32-key tiles do not.
@@ -493,30 +775,55 @@ def resolve_pages(args, check: bool, out: torch.Tensor, window_left: int = -1):
     never reads are ``out`` and the block table."""
     page_blocks = triton.cdiv(args.max_pages, RESOLVE_PAGES)
     if not check:
-        return None, args.block_table, args.block_table, page_blocks, dict.fromkeys(REPORT_PTRS, out)
+        return (
+            None,
+            args.block_table,
+            args.block_table,
+            page_blocks,
+            dict.fromkeys(REPORT_PTRS, out),
+        )
     device = args.q.device
     report = OwnershipReport.allocate(args.batch, args.max_pages, device)
     counts = (report.violations, report.reasons, report.pages_checked, report.beyond_table)
     effective = torch.empty(args.batch, args.max_pages, dtype=torch.int64, device=device)
-    part_report = torch.empty(args.batch * page_blocks * REPORT_FIELDS, dtype=torch.int32,
-                              device=device)
+    part_report = torch.empty(
+        args.batch * page_blocks * REPORT_FIELDS, dtype=torch.int32, device=device
+    )
     resolve_pages_kernel[(args.batch, page_blocks)](
-        block_table_ptr=args.block_table, seq_lens_ptr=args.seq_lens,
-        cu_seqlens_ptr=args.cu_seqlens_q, tags_ptr=args.page_tags, expected_ptr=args.expected,
-        effective_ptr=effective, part_report_ptr=part_report,
-        page_reasons_ptr=report.page_reasons, total_q=args.total_q, num_pages=args.num_pages,
-        max_pages=args.max_pages, stride_bt=args.block_table.stride(0),
-        stride_eb=args.expected.stride(0), stride_ep=args.expected.stride(1),
+        block_table_ptr=args.block_table,
+        seq_lens_ptr=args.seq_lens,
+        cu_seqlens_ptr=args.cu_seqlens_q,
+        tags_ptr=args.page_tags,
+        expected_ptr=args.expected,
+        effective_ptr=effective,
+        part_report_ptr=part_report,
+        page_reasons_ptr=report.page_reasons,
+        total_q=args.total_q,
+        num_pages=args.num_pages,
+        max_pages=args.max_pages,
+        stride_bt=args.block_table.stride(0),
+        stride_eb=args.expected.stride(0),
+        stride_ep=args.expected.stride(1),
         window_left=window_left,
-        PAGE=args.page_size, BLOCK_P=RESOLVE_PAGES, BLOCK_B=128, WINDOW=window_left >= 0,
+        PAGE=args.page_size,
+        BLOCK_P=RESOLVE_PAGES,
+        BLOCK_B=128,
+        WINDOW=window_left >= 0,
         num_warps=4,
     )
     return report, effective, part_report, page_blocks, dict(zip(REPORT_PTRS, counts))
 
 
-def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None,
-           block_m: int | None = None, block_n: int | None = None,
-           config: ExtendConfig | None = None) -> OwnershipReport | None:
+def extend(
+    args: ExtendArgs,
+    *,
+    check: bool,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    config: ExtendConfig | None = None,
+) -> OwnershipReport | None:
     """Launch the extend (after the page pre-pass when checked). Writes ``out`` (and ``lse``) for
     every row of every sequence. ``config`` overrides the table; ``block_m``/``block_n`` override
     its tile sizes (powers of two >= 16), for tests."""
@@ -535,38 +842,86 @@ def extend(args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tenso
     slots = triton.cdiv(args.total_q, tokens) + args.batch
     sw = args.variant
     report, effective, part_report, page_blocks, report_ptrs = resolve_pages(
-        args, check, out, sw.window_left)
+        args, check, out, sw.window_left
+    )
     # Switch tensors that are off get `out` as a never-read pointer.
     alibi, sinks, k_scale, v_scale, q_scale, mask_start = (
         t if t is not None else out
-        for t in (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale, sw.q_scale, sw.mask_start))
+        for t in (sw.alibi_slopes, sw.sinks, sw.k_scale, sw.v_scale, sw.q_scale, sw.mask_start)
+    )
     custom = sw.custom_mask is not None
     # A bool tensor as bytes: one load per entry; an empty mask (every entry past its end) is
     # never dereferenced.
     mask = sw.custom_mask.view(torch.uint8) if custom and sw.custom_mask.numel() else out
     paged_extend_kernel[(slots, args.num_kv_heads * chunks * d_split)](
-        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, cu_seqlens_ptr=args.cu_seqlens_q,
-        block_table_ptr=args.block_table, effective_ptr=effective, seq_lens_ptr=args.seq_lens,
-        out_ptr=out, lse_ptr=lse if lse is not None else out, part_report_ptr=part_report,
-        **report_ptrs, scale_log2=args.scale * LOG2E, batch=args.batch, total_q=args.total_q,
-        num_pages=args.num_pages, max_pages=args.max_pages, num_chunks=chunks,
-        page_blocks=page_blocks, window_left=sw.window_left, window_right=sw.window_right,
+        q_ptr=q,
+        k_ptr=k_cache,
+        v_ptr=v_cache,
+        cu_seqlens_ptr=args.cu_seqlens_q,
+        block_table_ptr=args.block_table,
+        effective_ptr=effective,
+        seq_lens_ptr=args.seq_lens,
+        out_ptr=out,
+        lse_ptr=lse if lse is not None else out,
+        part_report_ptr=part_report,
+        **report_ptrs,
+        scale_log2=args.scale * LOG2E,
+        batch=args.batch,
+        total_q=args.total_q,
+        num_pages=args.num_pages,
+        max_pages=args.max_pages,
+        num_chunks=chunks,
+        page_blocks=page_blocks,
+        window_left=sw.window_left,
+        window_right=sw.window_right,
         soft_cap=sw.logits_soft_cap,
-        alibi_ptr=alibi, sinks_ptr=sinks, k_scale_ptr=k_scale, v_scale_ptr=v_scale,
-        q_scale_ptr=q_scale, alibi_stride=sw.alibi_stride, scale_stride=sw.scale_stride, mask_ptr=mask, mask_start_ptr=mask_start,
+        alibi_ptr=alibi,
+        sinks_ptr=sinks,
+        k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
+        q_scale_ptr=q_scale,
+        alibi_stride=sw.alibi_stride,
+        scale_stride=sw.scale_stride,
+        mask_ptr=mask,
+        mask_start_ptr=mask_start,
         mask_numel=sw.custom_mask.numel() if custom else 0,
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kp=k_cache.stride(0),
-        stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2), stride_vp=v_cache.stride(0),
-        stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
-        stride_bt=args.block_table.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
-        NUM_HEADS=args.num_heads, GROUP=args.num_heads // args.num_kv_heads, HEADS=heads,
-        TOKENS=tokens, HEAD_DIM=args.head_dim, BLOCK_D=block_d, HEAD_DIM_V=args.head_dim_v,
-        BLOCK_DV=block_dv, PAGE=args.page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64,
-        D_SPLIT=d_split, CAUSAL=args.causal,
-        CHECK=check, DOT_FP32=dot_fp32, RETURN_LSE=lse is not None, WINDOW=sw.windowed,
-        SOFTCAP=sw.logits_soft_cap > 0, ALIBI=sw.alibi_slopes is not None,
-        SINKS=sw.sinks is not None, FP8=sw.fp8, CUSTOM=custom, RIGHT=sw.right_windowed,
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_kp=k_cache.stride(0),
+        stride_ks=k_cache.stride(1),
+        stride_kh=k_cache.stride(2),
+        stride_vp=v_cache.stride(0),
+        stride_vs=v_cache.stride(1),
+        stride_vh=v_cache.stride(2),
+        stride_bt=args.block_table.stride(0),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        NUM_HEADS=args.num_heads,
+        GROUP=args.num_heads // args.num_kv_heads,
+        HEADS=heads,
+        TOKENS=tokens,
+        HEAD_DIM=args.head_dim,
+        BLOCK_D=block_d,
+        HEAD_DIM_V=args.head_dim_v,
+        BLOCK_DV=block_dv,
+        PAGE=args.page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_B=64,
+        D_SPLIT=d_split,
+        CAUSAL=args.causal,
+        CHECK=check,
+        DOT_FP32=dot_fp32,
+        RETURN_LSE=lse is not None,
+        WINDOW=sw.windowed,
+        SOFTCAP=sw.logits_soft_cap > 0,
+        ALIBI=sw.alibi_slopes is not None,
+        SINKS=sw.sinks is not None,
+        FP8=sw.fp8,
+        CUSTOM=custom,
+        RIGHT=sw.right_windowed,
         Q_FP8=sw.q_fp8,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return report

@@ -1,5 +1,6 @@
 """The online-softmax step shared by the Triton attention kernels (decode and extend), and the
 score and epilogue rules of the variants."""
+
 from __future__ import annotations
 
 import triton
@@ -41,8 +42,9 @@ def online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def variant_scores(qk, qk_scale, soft_cap, alibi2, distance, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr):
+def variant_scores(
+    qk, qk_scale, soft_cap, alibi2, distance, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr
+):
     """Base-2 logits of raw scores ``qk`` [ROWS, BLOCK_N] under the score switches of
     kvattn.variants, in their order: ``qk_scale`` (scale * log2(e), times the fp8 scales of K and
     of the query), the
@@ -72,8 +74,20 @@ def sink_denominator(l_i, m_i, sink2, SINKS: tl.constexpr):
 
 
 @triton.jit
-def heads_read(heads, mask, kv_head, sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr, q_scale_ptr,
-               SINKS: tl.constexpr, ALIBI: tl.constexpr, FP8: tl.constexpr, Q_FP8: tl.constexpr):
+def heads_read(
+    heads,
+    mask,
+    kv_head,
+    sinks_ptr,
+    alibi_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    q_scale_ptr,
+    SINKS: tl.constexpr,
+    ALIBI: tl.constexpr,
+    FP8: tl.constexpr,
+    Q_FP8: tl.constexpr,
+):
     """Whether each query head of ``heads`` (where ``mask``) reads anything: False where its sink
     or ALiBi slope, or a scale of its KV head ``kv_head`` (K's, V's and, Q_FP8, the query's), is
     invalid. The rule and its ranges are

@@ -4,6 +4,7 @@ The constants come from :mod:`kvattn.tags` (the only place that defines the bit 
 the kernels as compile-time values; the functions below are the one Triton statement of
 ownership.md section 3, used by the decode and extend kernels, and of the writer's precondition.
 """
+
 from __future__ import annotations
 
 import triton
@@ -72,9 +73,21 @@ def page_reason(tag, in_range, exp_owner, slots_read):
 
 
 @triton.jit
-def tile_slots(t0, end, offs_n, bt_row, exp_row, stride_ep, seq_owner, tags_ptr, num_pages,
-               PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr,
-               OWNER_PER_PAGE: tl.constexpr):
+def tile_slots(
+    t0,
+    end,
+    offs_n,
+    bt_row,
+    exp_row,
+    stride_ep,
+    seq_owner,
+    tags_ptr,
+    num_pages,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHECK: tl.constexpr,
+    OWNER_PER_PAGE: tl.constexpr,
+):
     """The decode tile of tokens ``[t0, t0 + BLOCK_N)`` read before ``end``: ``(page, slot,
     live)``, the physical page(s), the slot in the page and whether each token may contribute
     (inside the length, a page id in the pool and, checked, a slot the tag certifies for the
@@ -110,8 +123,20 @@ def tile_slots(t0, end, offs_n, bt_row, exp_row, stride_ep, seq_owner, tags_ptr,
 
 
 @triton.jit
-def check_pages(bt_row, exp_row, stride_ep, tags_ptr, reasons_row, num_pages, seq_len, first_key,
-                page_lo, page_hi, PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+def check_pages(
+    bt_row,
+    exp_row,
+    stride_ep,
+    tags_ptr,
+    reasons_row,
+    num_pages,
+    seq_len,
+    first_key,
+    page_lo,
+    page_hi,
+    PAGE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     """The report for logical pages ``[page_lo, page_hi)`` of one sequence of ``seq_len`` tokens
     whose queries read keys from ``first_key`` on (a sliding window; 0 without one): writes each
     page's reason to ``reasons_row`` (0 when accepted or not read) and returns ``(refused pages, OR
@@ -147,7 +172,9 @@ def written_prefix(tag):
 def held_by(tag, owner):
     """The writer's precondition: the page is RESERVED or WRITTEN for ``owner`` (> 0)."""
     state = tag & STATE_MASK
-    return (owner > 0) & ((tag >> OWNER_SHIFT) == owner) & ((state == RESERVED) | (state == WRITTEN))
+    return (
+        (owner > 0) & ((tag >> OWNER_SHIFT) == owner) & ((state == RESERVED) | (state == WRITTEN))
+    )
 
 
 @triton.jit

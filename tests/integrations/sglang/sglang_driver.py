@@ -8,16 +8,18 @@ SGLang's engine does not run on this CPU (its CPU path needs sgl-kernel's CPU bu
 ``UnifiedRadixCache`` (``insert``, ``match_prefix``, ``evict``), ``Req``, ``ForwardBatch``
 filled as ``ForwardBatch.init_new`` fills it for extend, mixed and decode batches,
 ``RadixAttention`` layers, ``TorchNativeAttnBackend`` and the fake disaggregation receiver.
-Each layer's q, k, v are a fixed function of the request's tokens and positions, so two engines (one on SGLang's torch-native attention, one on kvattn's)
+Each layer's q, k, v are a fixed function of the request's tokens and positions, so two engines
+(one on SGLang's torch-native attention, one on kvattn's)
 given the same steps compute the same attention unless a check refuses a page.
 """
+
 from __future__ import annotations
 
 import enum
 import json
-from array import array
 import sys
 import types
+from array import array
 from types import SimpleNamespace
 
 
@@ -26,14 +28,18 @@ def _stand_in_torchvision() -> None:
     torchvision is a CUDA build that fails to load beside CPU torch, and no test reads images.
     transformers is imported first so that it sees no torchvision."""
     import transformers.utils.import_utils  # noqa: F401
-    tv, tr, fn = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms",
-                                               "torchvision.transforms.functional"))
+
+    tv, tr, fn = (
+        types.ModuleType(n)
+        for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+    )
     tv.__path__, tr.__path__ = [], []
 
     class InterpolationMode(enum.Enum):
         NEAREST = "nearest"
         BILINEAR = "bilinear"
         BICUBIC = "bicubic"
+
     fn.InterpolationMode = tr.InterpolationMode = InterpolationMode
     tv.transforms, tr.functional = tr, fn
     sys.modules.update({m.__name__: m for m in (tv, tr, fn)})
@@ -41,28 +47,33 @@ def _stand_in_torchvision() -> None:
 
 _stand_in_torchvision()
 
-import torch  # noqa: E402
-from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
-from sglang.srt.disaggregation.fake.conn import FakeKVReceiver  # noqa: E402
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
-from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req  # noqa: E402
-from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InsertParams,  # noqa: E402
-                                                    MatchPrefixParams)
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
-from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
-from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
-from sglang.srt.model_executor.forward_context import (ForwardContext,  # noqa: E402
-                                                       set_forward_context)
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+import torch
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InsertParams,
+    MatchPrefixParams,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_context import (
+    ForwardContext,
+    set_forward_context,
+)
+from sglang.srt.sampling.sampling_params import SamplingParams
 
-from kvattn.integrations import sglang as integration  # noqa: E402
-from kvattn.integrations import sglang_backend  # noqa: E402
+from kvattn.integrations import sglang as integration
+from kvattn.integrations import sglang_backend
 
 DTYPE = torch.float32
 LAYERS = 2
@@ -71,33 +82,68 @@ LAYERS = 2
 class Engine:
     """One engine's pools, allocator, requests and layers, on ``kind`` attention."""
 
-    def __init__(self, kind: str, page_size: int, heads: int = 4, kv_heads: int = 2,
-                 head_dim: int = 16, size: int = 512, radix: bool = True, overlap: bool = False):
+    def __init__(
+        self,
+        kind: str,
+        page_size: int,
+        heads: int = 4,
+        kv_heads: int = 2,
+        head_dim: int = 16,
+        size: int = 512,
+        radix: bool = True,
+        overlap: bool = False,
+    ):
         self.P = page_size
         # Overlap scheduling: a decode forward runs before the previous step's result is
         # processed, so the token it feeds is not yet in the request's output_ids.
         self.overlap = overlap
-        self.pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=DTYPE,
-                                     head_num=kv_heads, head_dim=head_dim, layer_num=LAYERS,
-                                     device="cpu", enable_memory_saver=False)
-        self.req_pool = ReqToTokenPool(size=16, max_context_len=256, device="cpu",
-                                       enable_memory_saver=False)
+        self.pool = MHATokenToKVPool(
+            size=size,
+            page_size=page_size,
+            dtype=DTYPE,
+            head_num=kv_heads,
+            head_dim=head_dim,
+            layer_num=LAYERS,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        self.req_pool = ReqToTokenPool(
+            size=16, max_context_len=256, device="cpu", enable_memory_saver=False
+        )
         if page_size == 1:
             self.allocator = TokenToKVPoolAllocator(size, DTYPE, "cpu", self.pool, need_sort=False)
         else:
-            self.allocator = PagedTokenToKVPoolAllocator(size, page_size, DTYPE, "cpu", self.pool,
-                                                         need_sort=False)
-        self.layers = [RadixAttention(num_heads=heads, head_dim=head_dim, scaling=head_dim ** -0.5,
-                                      num_kv_heads=kv_heads, layer_id=i) for i in range(LAYERS)]
+            self.allocator = PagedTokenToKVPoolAllocator(
+                size, page_size, DTYPE, "cpu", self.pool, need_sort=False
+            )
+        self.layers = [
+            RadixAttention(
+                num_heads=heads,
+                head_dim=head_dim,
+                scaling=head_dim**-0.5,
+                num_kv_heads=kv_heads,
+                layer_id=i,
+            )
+            for i in range(LAYERS)
+        ]
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.runner = SimpleNamespace(
-            device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool,
-            token_to_kv_pool_allocator=self.allocator, page_size=page_size,
-            server_args=SimpleNamespace(speculative_algorithm=None, disaggregation_mode="null",
-                                        disaggregation_transfer_backend="fake",
-                                        disable_radix_cache=not radix, disable_cuda_graph=True,
-                                        enable_dp_attention=False),
-            model_config=SimpleNamespace(is_encoder_decoder=False), forward=self._model)
+            device="cpu",
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.pool,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=page_size,
+            server_args=SimpleNamespace(
+                speculative_algorithm=None,
+                disaggregation_mode="null",
+                disaggregation_transfer_backend="fake",
+                disable_radix_cache=not radix,
+                disable_cuda_graph=True,
+                enable_dp_attention=False,
+            ),
+            model_config=SimpleNamespace(is_encoder_decoder=False),
+            forward=self._model,
+        )
         if kind == "kvattn":
             self.backend = sglang_backend.create_backend(self.runner)
             self.state = integration.state_for(self.req_pool)
@@ -105,8 +151,12 @@ class Engine:
             self.backend = TorchNativeAttnBackend(self.runner)
             self.state = None
         # SGLang's default prefix cache (registry.default_radix_cache_factory), full KV only.
-        params = CacheInitParams(disable=not radix, req_to_token_pool=self.req_pool,
-                                 token_to_kv_pool_allocator=self.allocator, page_size=page_size)
+        params = CacheInitParams(
+            disable=not radix,
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=page_size,
+        )
         params.tree_components = (ComponentType.FULL,)
         self.tree = UnifiedRadixCache(params)
         self.reqs: dict[str, Req] = {}
@@ -124,8 +174,10 @@ class Engine:
         self.req_pool.alloc([req])
         prefix = list(prefix_slots or [])
         if prefix:
-            self.req_pool.write((req.kv.req_pool_idx, slice(0, len(prefix))),
-                                torch.tensor(prefix, dtype=torch.int32))
+            self.req_pool.write(
+                (req.kv.req_pool_idx, slice(0, len(prefix))),
+                torch.tensor(prefix, dtype=torch.int32),
+            )
         req.prefix_indices = torch.tensor(prefix, dtype=torch.int64)
         self.reqs[rid], self.lens[rid], self.fed[rid] = req, len(prefix), list(tokens)
         return req
@@ -136,17 +188,23 @@ class Engine:
         holds."""
         tokens = self._tokens(rid)[: self.lens[rid]]
         done = self.inserted.get(rid, 0)  # what it inserted before: not a duplicate to free
-        self.tree.insert(InsertParams(key=RadixKey(array("q", tokens)),
-                                      value=torch.tensor(self.slots(rid), dtype=torch.int64),
-                                      prev_prefix_len=done, inserted_len=done))
+        self.tree.insert(
+            InsertParams(
+                key=RadixKey(array("q", tokens)),
+                value=torch.tensor(self.slots(rid), dtype=torch.int64),
+                prev_prefix_len=done,
+                inserted_len=done,
+            )
+        )
         self.inserted[rid] = len(tokens) // self.P * self.P
         return self.inserted[rid]
 
     def match(self, tokens: list[int]) -> list[int]:
         """The slots of the longest cached prefix of ``tokens`` (``match_prefix``)."""
         m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
-        path = self.tree.tree_core.collect_full_device_indices(m.last_device_node,
-                                                               self.tree.root_node_handle(None))
+        path = self.tree.tree_core.collect_full_device_indices(
+            m.last_device_node, self.tree.root_node_handle(None)
+        )
         return path[: m.device_prefix_len].tolist()
 
     def slots(self, rid: str) -> list[int]:
@@ -160,13 +218,18 @@ class Engine:
         if self.P == 1:
             out = self.allocator.alloc(sum(news))
         else:
-            last = torch.tensor([int(self.req_pool.req_to_token[row, p - 1]) if p else -1
-                                 for row, p in zip(rows, prefix)], dtype=torch.int64)
+            last = torch.tensor(
+                [
+                    int(self.req_pool.req_to_token[row, p - 1]) if p else -1
+                    for row, p in zip(rows, prefix)
+                ],
+                dtype=torch.int64,
+            )
             pl, sl = torch.tensor(prefix, dtype=torch.int64), torch.tensor(seq, dtype=torch.int64)
             out = self.allocator.alloc_extend(pl, pl, sl, sl, last, sum(news))
         start = 0
         for row, p, n in zip(rows, prefix, news):
-            self.req_pool.write((row, slice(p, p + n)), out[start:start + n].to(torch.int32))
+            self.req_pool.write((row, slice(p, p + n)), out[start : start + n].to(torch.int32))
             start += n
         return out
 
@@ -174,8 +237,9 @@ class Engine:
         """One forward: request -> new tokens this step (1 after its prompt: a decode). All rows
         with one token and nothing else is a decode batch; else an extend (mixed if some decode)."""
         rids, news = list(work), list(work.values())
-        decode = all(n == 1 and self.lens[r] >= len(self.reqs[r].origin_input_ids)
-                     for r, n in work.items())
+        decode = all(
+            n == 1 and self.lens[r] >= len(self.reqs[r].origin_input_ids) for r, n in work.items()
+        )
         sampled = {}
         for r, n in work.items():  # a decode feeds the token sampled last
             while self.lens[r] + n > len(self.fed[r]):
@@ -189,14 +253,22 @@ class Engine:
         seq = [p + n for p, n in zip(prefix, news)]
         ids = [t for r, p, s in zip(rids, prefix, seq) for t in self._tokens(r)[p:s]]
         positions = [i for p, s in zip(prefix, seq) for i in range(p, s)]
-        mode = ForwardMode.DECODE if decode else (
-            ForwardMode.MIXED if any(n == 1 for n in news) else ForwardMode.EXTEND)
+        mode = (
+            ForwardMode.DECODE
+            if decode
+            else (ForwardMode.MIXED if any(n == 1 for n in news) else ForwardMode.EXTEND)
+        )
         fb = ForwardBatch(
-            forward_mode=mode, batch_size=len(rids), input_ids=torch.tensor(ids),
+            forward_mode=mode,
+            batch_size=len(rids),
+            input_ids=torch.tensor(ids),
             req_pool_indices=torch.tensor([self.reqs[r].kv.req_pool_idx for r in rids]),
-            seq_lens=torch.tensor(seq, dtype=torch.int32), out_cache_loc=out,
-            seq_lens_sum=sum(seq), seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
-            positions=torch.tensor(positions))
+            seq_lens=torch.tensor(seq, dtype=torch.int32),
+            out_cache_loc=out,
+            seq_lens_sum=sum(seq),
+            seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
+            positions=torch.tensor(positions),
+        )
         if not decode:
             fb.extend_seq_lens = torch.tensor(news, dtype=torch.int32)
             fb.extend_prefix_lens = torch.tensor(prefix, dtype=torch.int32)
@@ -220,9 +292,15 @@ class Engine:
         """Each token's q, k, v: a fixed function of (token id, position, layer)."""
         out = []
         for heads in (self.heads, self.kv_heads, self.kv_heads):
-            vals = [torch.randn(heads * self.head_dim, generator=torch.Generator().manual_seed(
-                        (int(t) * 7919 + int(p) * 104729 + layer * 15485863 + heads) % (2 ** 31)))
-                    for t, p in zip(fb.input_ids.tolist(), fb.positions.tolist())]
+            vals = [
+                torch.randn(
+                    heads * self.head_dim,
+                    generator=torch.Generator().manual_seed(
+                        (int(t) * 7919 + int(p) * 104729 + layer * 15485863 + heads) % (2**31)
+                    ),
+                )
+                for t, p in zip(fb.input_ids.tolist(), fb.positions.tolist())
+            ]
             out.append(torch.stack(vals).to(DTYPE))
         q, k, v = out
         return q, k.view(-1, self.kv_heads, self.head_dim), v.view(-1, self.kv_heads, self.head_dim)
@@ -238,8 +316,9 @@ class Engine:
         into ``slots`` of every layer's buffers directly (no ``set_kv_buffer``), as the prefill side
         computed them."""
         n = len(slots)
-        fb = SimpleNamespace(input_ids=torch.tensor(list(req.origin_input_ids)[:n]),
-                             positions=torch.arange(n))
+        fb = SimpleNamespace(
+            input_ids=torch.tensor(list(req.origin_input_ids)[:n]), positions=torch.arange(n)
+        )
         for layer in self.layers:
             _, k, v = self._qkv(fb, layer.layer_id)
             self.pool.k_buffer[layer.layer_id][slots] = k
@@ -313,8 +392,13 @@ def equality(page_size: int, overlap: bool = False) -> dict:
         runs[kind] = e
     stock, mine = runs["torch_native"], runs["kvattn"]
     gaps = [_diff(s, m) for s, m in zip(stock.outputs, mine.outputs)]
-    return dict(gaps=gaps, counts=dict(mine.state.counts), hit=len(hit), turn_hit=len(turn_hit),
-                aborted={r: mine.aborted(r) for r in mine.reqs})
+    return dict(
+        gaps=gaps,
+        counts=dict(mine.state.counts),
+        hit=len(hit),
+        turn_hit=len(turn_hit),
+        aborted={r: mine.aborted(r) for r in mine.reqs},
+    )
 
 
 def _commit_transfer_to_req(queue, decode_req) -> None:
@@ -357,15 +441,21 @@ def incident(page_size: int, received: int | None) -> dict:
         success = count is not None or receiver.poll() == KVPoll.Success
         if kind == "kvattn":  # the hook around DecodeTransferQueue._commit_transfer_to_req
             queue = SimpleNamespace(scheduler=SimpleNamespace(req_to_token_pool=e.req_pool))
-            integration.commit_transfer_hook(_commit_transfer_to_req, queue,
-                                              SimpleNamespace(req=b, kv_receiver=receiver))
+            integration.commit_transfer_hook(
+                _commit_transfer_to_req, queue, SimpleNamespace(req=b, kv_receiver=receiver)
+            )
         b.output_ids.append(7)  # the first token, from the prefill side's metadata
         result = e.step({"B": 1, "C": 1})
         b_pages = {s // P for s in e.slots("B")[: len(prompt)]}
         reused = sorted(b_pages & {s // P for s in a_slots})
-        out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("B", "C")},
-                         finish=e.status("B"), receiver_success=success, reused_pages=reused,
-                         counts=dict(e.state.counts) if e.state else {})
+        out[kind] = dict(
+            result=result,
+            aborted={r: e.aborted(r) for r in ("B", "C")},
+            finish=e.status("B"),
+            receiver_success=success,
+            reused_pages=reused,
+            counts=dict(e.state.counts) if e.state else {},
+        )
         if kind == "torch_native":
             # What B's output would be over A's KV at those slots and B's one token: proof that
             # the stock read is A's data.
@@ -394,7 +484,7 @@ def stale_prefix(page_size: int, fault: bool) -> dict:
         e.finish("W", kept=e.cache("W"))
         hit = e.match(shared + [4, 5])
         if fault:  # the match was not locked (inc_lock_ref): the tree evicts what it holds
-            e.tree.evict(EvictParams(num_tokens=10 ** 6))
+            e.tree.evict(EvictParams(num_tokens=10**6))
             if kind == "kvattn":  # what X does not overwrite must not be read either
                 e.poison(w_slots)
             e.admit("X", list(range(900, 900 + 2 * P)))
@@ -402,15 +492,21 @@ def stale_prefix(page_size: int, fault: bool) -> dict:
         e.admit("R", shared + [4, 5], prefix_slots=hit)
         e.admit("D", [8, 8, 8])
         result = e.step({"R": 2, "D": 3})
-        out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("R", "D")},
-                         counts=dict(e.state.counts) if e.state else {}, hit=len(hit),
-                         hit_is_w=hit == w_slots,
-                         x_reused=fault and bool(set(e.slots("X")) & set(w_slots)))
+        out[kind] = dict(
+            result=result,
+            aborted={r: e.aborted(r) for r in ("R", "D")},
+            counts=dict(e.state.counts) if e.state else {},
+            hit=len(hit),
+            hit_is_w=hit == w_slots,
+            x_reused=fault and bool(set(e.slots("X")) & set(w_slots)),
+        )
     out["r_kvattn_finite"] = bool(torch.tensor(out["kvattn"]["result"]["R"]).isfinite().all())
-    out["r_gap"] = _diff({"R": out["torch_native"]["result"]["R"]},
-                         {"R": out["kvattn"]["result"]["R"]})
-    out["d_gap"] = _diff({"D": out["torch_native"]["result"]["D"]},
-                         {"D": out["kvattn"]["result"]["D"]})
+    out["r_gap"] = _diff(
+        {"R": out["torch_native"]["result"]["R"]}, {"R": out["kvattn"]["result"]["R"]}
+    )
+    out["d_gap"] = _diff(
+        {"D": out["torch_native"]["result"]["D"]}, {"D": out["kvattn"]["result"]["D"]}
+    )
     return out
 
 
@@ -438,10 +534,14 @@ def session(page_size: int, fault: bool) -> dict:
             e.admit("X", list(range(900, 900 + P)))
             e.step({"X": P})
         result = e.step({"s2": 3})
-        out[kind] = dict(result=result, aborted={r: e.aborted(r) for r in ("s1", "s2")},
-                         counts=dict(e.state.counts) if e.state else {})
-    out["gap"] = _diff({"s2": out["torch_native"]["result"]["s2"]},
-                       {"s2": out["kvattn"]["result"]["s2"]})
+        out[kind] = dict(
+            result=result,
+            aborted={r: e.aborted(r) for r in ("s1", "s2")},
+            counts=dict(e.state.counts) if e.state else {},
+        )
+    out["gap"] = _diff(
+        {"s2": out["torch_native"]["result"]["s2"]}, {"s2": out["kvattn"]["result"]["s2"]}
+    )
     return out
 
 
@@ -452,25 +552,39 @@ def plugin() -> dict:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
+
     before = "kvattn" in ATTENTION_BACKENDS
     load_plugins()
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(["--model-path", "m", "--attention-backend", "kvattn"])
     from importlib.metadata import entry_points
+
     eps = [f"{ep.name}={ep.value}" for ep in entry_points(group="sglang.srt.plugins")]
     from sglang.srt.beam_search.coordinator import BeamCoordinator
     from sglang.srt.disaggregation.decode import DecodeTransferQueue
     from sglang.srt.models import utils as model_utils
-    hooked = [hasattr(f, "__wrapped__") for f in (DecodeTransferQueue._commit_transfer_to_req,
-                                                  BeamCoordinator.validate_and_init,
-                                                  model_utils.enable_fused_set_kv_buffer)]
+
+    hooked = [
+        hasattr(f, "__wrapped__")
+        for f in (
+            DecodeTransferQueue._commit_transfer_to_req,
+            BeamCoordinator.validate_and_init,
+            model_utils.enable_fused_set_kv_buffer,
+        )
+    ]
     from sglang.srt.models import qwen3_moe  # a model that writes K/V from its rotary kernel
+
     late = qwen3_moe.enable_fused_set_kv_buffer is model_utils.enable_fused_set_kv_buffer
-    return dict(before=before, after="kvattn" in ATTENTION_BACKENDS, hooked=hooked,
-                late_import_hooked=late,
-                factory=ATTENTION_BACKENDS.get("kvattn").__qualname__,
-                parsed=args.attention_backend, entry_points=eps)
+    return dict(
+        before=before,
+        after="kvattn" in ATTENTION_BACKENDS,
+        hooked=hooked,
+        late_import_hooked=late,
+        factory=ATTENTION_BACKENDS.get("kvattn").__qualname__,
+        parsed=args.attention_backend,
+        entry_points=eps,
+    )
 
 
 def guards() -> dict:
@@ -490,13 +604,17 @@ def guards() -> dict:
 
 
 SCENARIOS = {
-    "equality-1": lambda: equality(1), "equality-16": lambda: equality(16),
+    "equality-1": lambda: equality(1),
+    "equality-16": lambda: equality(16),
     "overlap-1": lambda: equality(1, overlap=True),
     "overlap-16": lambda: equality(16, overlap=True),
     "guards": guards,
-    "session-clean-16": lambda: session(16, False), "session-fault-16": lambda: session(16, True),
-    "incident-16": lambda: incident(16, None), "incident-1": lambda: incident(1, None),
-    "placeholder-16": lambda: incident(16, 1), "transfer-16": lambda: incident(16, "all"),
+    "session-clean-16": lambda: session(16, False),
+    "session-fault-16": lambda: session(16, True),
+    "incident-16": lambda: incident(16, None),
+    "incident-1": lambda: incident(1, None),
+    "placeholder-16": lambda: incident(16, 1),
+    "transfer-16": lambda: incident(16, "all"),
     "prefix-clean-16": lambda: stale_prefix(16, False),
     "prefix-stale-16": lambda: stale_prefix(16, True),
     "prefix-stale-1": lambda: stale_prefix(1, True),

@@ -8,6 +8,7 @@ one op it calls, and ``torchvision.transforms``); they go on the servers' path o
 environment has no real ``sgl_kernel``. ``standins/kvattn_faults.py`` holds the fault injectors,
 ``standins/kvattn_counts.py`` writes each server's ledger counts where the tests read them.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -27,7 +28,9 @@ from kvattn_testing.engines import ROOT, VLLM_SCRIPTS, stop_server, why_not_read
 VENV_PY = ROOT / "build" / "venv-sglang" / "bin" / "python"
 STANDINS = pathlib.Path(__file__).resolve().parent / "standins"
 STARTUP_S = 420  # a bound on a server's start, two starting at once on two loaded cores
-REQUEST_S = 180  # a bound on one request (a lost transfer would otherwise wait for its 300 s timeout)
+REQUEST_S = (
+    180  # a bound on one request (a lost transfer would otherwise wait for its 300 s timeout)
+)
 
 
 def why_no_sglang() -> str | None:
@@ -45,8 +48,12 @@ def model(folder: pathlib.Path) -> pathlib.Path:
     """The suites' random-weight Llama (vllm_model.py's), written once into ``folder``."""
     path = folder / "model"
     if not (path / "config.json").exists():
-        subprocess.run([sys.executable, str(VLLM_SCRIPTS / "vllm_model.py"), str(path)],
-                       check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [sys.executable, str(VLLM_SCRIPTS / "vllm_model.py"), str(path)],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
     return path
 
 
@@ -57,13 +64,22 @@ def free_port() -> int:
 
 
 def _standins_allowed() -> None:
-    probe = subprocess.run([str(VENV_PY), "-c", "import importlib.util as u; "
-                            "print(u.find_spec('sgl_kernel') is None)"],
-                           capture_output=True, text=True, timeout=60,
-                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    probe = subprocess.run(
+        [
+            str(VENV_PY),
+            "-c",
+            "import importlib.util as u; print(u.find_spec('sgl_kernel') is None)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     if probe.stdout.strip() != "True":
-        raise RuntimeError("SGLang's environment has a real sgl_kernel; the suite would not "
-                           "shadow it with its stand-in: " + probe.stderr[-500:])
+        raise RuntimeError(
+            "SGLang's environment has a real sgl_kernel; the suite would not "
+            "shadow it with its stand-in: " + probe.stderr[-500:]
+        )
 
 
 class Server:
@@ -71,8 +87,17 @@ class Server:
     a prefill/decode pair over Mooncake (``mode``), with its log, fault log and counts in
     ``folder``."""
 
-    def __init__(self, name: str, attention: str, folder: pathlib.Path, *, page_size: int = 16,
-                 mode: str | None = None, check_bytes: bool = True, extra: tuple = ()):
+    def __init__(
+        self,
+        name: str,
+        attention: str,
+        folder: pathlib.Path,
+        *,
+        page_size: int = 16,
+        mode: str | None = None,
+        check_bytes: bool = True,
+        extra: tuple = (),
+    ):
         self.name, self.attention, self.mode = name, attention, mode
         self.folder, self.page_size, self.check_bytes = folder, page_size, check_bytes
         self.port = free_port()
@@ -88,39 +113,82 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, model_path: pathlib.Path) -> None:
-        args = [str(VENV_PY), "-m", "sglang.launch_server", "--model-path", str(model_path),
-                "--device", "cpu", "--dtype", "float32", "--attention-backend", self.attention,
-                "--disable-cuda-graph", "--skip-server-warmup", "--grammar-backend", "none",
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--page-size", str(self.page_size), "--chunked-prefill-size", "32",
-                "--max-running-requests", "8", "--max-total-tokens", "2048", *self.extra]
+        args = [
+            str(VENV_PY),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model_path),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--attention-backend",
+            self.attention,
+            "--disable-cuda-graph",
+            "--skip-server-warmup",
+            "--grammar-backend",
+            "none",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--page-size",
+            str(self.page_size),
+            "--chunked-prefill-size",
+            "32",
+            "--max-running-requests",
+            "8",
+            "--max-total-tokens",
+            "2048",
+            *self.extra,
+        ]
         if self.mode is not None:
-            args += ["--disaggregation-mode", self.mode,
-                     "--disaggregation-transfer-backend", "mooncake"]
+            args += [
+                "--disaggregation-mode",
+                self.mode,
+                "--disaggregation-transfer-backend",
+                "mooncake",
+            ]
             if self.mode == "prefill":
                 args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
             else:  # its default backup pool pins host memory through CUDA
                 args += ["--disaggregation-decode-retraction-backup", "none"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVATTN_", "TRITON_"))}
-        env.update(PYTHONPATH=str(STANDINS), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-                   SGLANG_USE_CPU_ENGINE="1", SGLANG_HOST_IP="127.0.0.1",
-                   MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1", OMP_NUM_THREADS="1",
-                   # prefill.py: the early send of a cached prefix under overlap scheduling
-                   # records a torch.cuda.Event; the send is an optimisation only.
-                   SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX="0",
-                   KVATTN_TEST_FAULTS="1", KVATTN_TEST_FAULT_LOG=str(self.fault_log),
-                   KVATTN_TEST_COUNTS=str(self.counts_path),
-                   KVATTN_SGLANG_CHECK_BYTES="1" if self.check_bytes else "0")
+        env.update(
+            PYTHONPATH=str(STANDINS),
+            PYTHONUNBUFFERED="1",
+            HF_HUB_OFFLINE="1",
+            SGLANG_USE_CPU_ENGINE="1",
+            SGLANG_HOST_IP="127.0.0.1",
+            MOONCAKE_PROTOCOL="tcp",
+            MC_FORCE_TCP="1",
+            OMP_NUM_THREADS="1",
+            # prefill.py: the early send of a cached prefix under overlap scheduling
+            # records a torch.cuda.Event; the send is an optimisation only.
+            SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX="0",
+            KVATTN_TEST_FAULTS="1",
+            KVATTN_TEST_FAULT_LOG=str(self.fault_log),
+            KVATTN_TEST_COUNTS=str(self.counts_path),
+            KVATTN_SGLANG_CHECK_BYTES="1" if self.check_bytes else "0",
+        )
         self.log.write_text(" ".join(args) + "\n")
         with open(self.log, "a") as log:
-            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            cwd=self.folder, start_new_session=True)
+            self.process = subprocess.Popen(
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.folder,
+                start_new_session=True,
+            )
 
     def wait_healthy(self, deadline: float) -> None:
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"SGLang server {self.name} exited "
-                                   f"({self.process.returncode}):\n{self.tail()}")
+                raise RuntimeError(
+                    f"SGLang server {self.name} exited ({self.process.returncode}):\n{self.tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.base + "/health", timeout=10) as r:
                     if r.status == 200:
@@ -128,8 +196,10 @@ class Server:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"SGLang server {self.name} did not come up within "
-                                   f"{STARTUP_S} s:\n{self.tail()}")
+                raise RuntimeError(
+                    f"SGLang server {self.name} did not come up within "
+                    f"{STARTUP_S} s:\n{self.tail()}"
+                )
             time.sleep(1)
 
     def stop(self) -> None:
@@ -148,14 +218,20 @@ class Server:
     def counts(self) -> dict:
         return json.loads(self.counts_path.read_text()) if self.counts_path.exists() else {}
 
-    def generate(self, rid: str, input_ids: list[int], max_new_tokens: int,
-                 **extra) -> dict:
+    def generate(self, rid: str, input_ids: list[int], max_new_tokens: int, **extra) -> dict:
         """One greedy ``/generate``: ``{status, ids, finish, message}``."""
-        body = dict(rid=rid, input_ids=input_ids, stream=False, **extra,
-                    sampling_params=dict(temperature=0, max_new_tokens=max_new_tokens,
-                                         ignore_eos=True))
-        request = urllib.request.Request(self.base + "/generate", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        body = dict(
+            rid=rid,
+            input_ids=input_ids,
+            stream=False,
+            **extra,
+            sampling_params=dict(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True),
+        )
+        request = urllib.request.Request(
+            self.base + "/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_S) as response:
                 status, reply = response.status, json.loads(response.read())
@@ -170,9 +246,9 @@ class Server:
             reply.setdefault("raw", raw)
         finish = (reply.get("meta_info") or {}).get("finish_reason") or {}
         message = finish.get("message") or reply.get("raw")
-        return dict(status=status, ids=reply.get("output_ids"), finish=finish.get("type"),
-                    message=message)
-
+        return dict(
+            status=status, ids=reply.get("output_ids"), finish=finish.get("type"), message=message
+        )
 
     def flush_cache(self) -> None:
         """Empty the radix cache (``/flush_cache``; no request may be running)."""
@@ -181,27 +257,37 @@ class Server:
             if response.status != 200:
                 raise RuntimeError(f"{self.name}: /flush_cache answered {response.status}")
 
-    def abort_midway(self, rid: str, input_ids: list[int], max_new_tokens: int,
-                     after: int = 2) -> dict:
+    def abort_midway(
+        self, rid: str, input_ids: list[int], max_new_tokens: int, after: int = 2
+    ) -> dict:
         """A streamed ``/generate`` aborted (``/abort_request``) once ``after`` chunks of its
         output arrived: ``{chunks, finish}`` (the request may also end before the abort lands)."""
-        body = dict(rid=rid, input_ids=input_ids, stream=True,
-                    sampling_params=dict(temperature=0, max_new_tokens=max_new_tokens,
-                                         ignore_eos=True))
-        request = urllib.request.Request(self.base + "/generate", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        body = dict(
+            rid=rid,
+            input_ids=input_ids,
+            stream=True,
+            sampling_params=dict(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True),
+        )
+        request = urllib.request.Request(
+            self.base + "/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         chunks, finish = 0, None
         with urllib.request.urlopen(request, timeout=REQUEST_S) as response:
             for line in response:
                 if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                     continue
                 chunks += 1
-                finish = ((json.loads(line[5:]).get("meta_info") or {}).get("finish_reason")
-                          or {}).get("type", finish)
+                finish = (
+                    (json.loads(line[5:]).get("meta_info") or {}).get("finish_reason") or {}
+                ).get("type", finish)
                 if chunks == after:
                     abort = urllib.request.Request(
-                        self.base + "/abort_request", data=json.dumps({"rid": rid}).encode(),
-                        headers={"Content-Type": "application/json"})
+                        self.base + "/abort_request",
+                        data=json.dumps({"rid": rid}).encode(),
+                        headers={"Content-Type": "application/json"},
+                    )
                     urllib.request.urlopen(abort, timeout=REQUEST_S).read()
         return dict(chunks=chunks, finish=finish)
 

@@ -9,6 +9,7 @@ softmax over the same K/V (kvattn's online softmax in another order), so they ag
 float32 ulps of the O(1) outputs; 1e-5 leaves a margin of 20x over the largest gap seen (4.8e-7),
 and a refused or foreign page moves an output by more than 0.1.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,13 @@ if why_not_ready("SGLang", "venv-sglang", "sglang-env"):
 
 
 def _drive() -> dict:
-    done = subprocess.run([str(VENV / "bin" / "python"), str(DRIVER)], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [str(VENV / "bin" / "python"), str(DRIVER)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     if done.returncode != 0:
         raise RuntimeError("sglang_driver.py failed:\n" + done.stderr[-4000:])
     return json.loads(done.stdout)

@@ -17,6 +17,7 @@ an error naming the refused pages, and every other request's tokens equal its cl
 
 The counts are printed (``pytest -s``) and written to build/differential/sglang.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,12 +48,21 @@ def workload(seed: int, fault: str | None = None) -> list[list[dict]]:
 
     def request(name: str, system: int | None, user: int, new: int) -> dict:
         prefix = systems[system] if system is not None else []
-        return dict(rid=f"{seed}-{name}", new=new,
-                    ids=prefix + [rng.randrange(3, 250) for _ in range(user)])
-    first = [request("a", 0, rng.randrange(4, 30), 12), request("b", 1, rng.randrange(4, 30), 16),
-             request("c", None, rng.randrange(36, 70), 10)]
-    second = [request("d", 0, rng.randrange(4, 30), 20), request("e", 1, rng.randrange(4, 30), 14),
-              request("v", 0, rng.randrange(8, 20), 16), request("f", None, rng.randrange(40, 60), 8)]
+        return dict(
+            rid=f"{seed}-{name}", new=new, ids=prefix + [rng.randrange(3, 250) for _ in range(user)]
+        )
+
+    first = [
+        request("a", 0, rng.randrange(4, 30), 12),
+        request("b", 1, rng.randrange(4, 30), 16),
+        request("c", None, rng.randrange(36, 70), 10),
+    ]
+    second = [
+        request("d", 0, rng.randrange(4, 30), 20),
+        request("e", 1, rng.randrange(4, 30), 14),
+        request("v", 0, rng.randrange(8, 20), 16),
+        request("f", None, rng.randrange(40, 60), 8),
+    ]
     if fault is not None:
         second[2]["rid"] = f"{fault}:{second[2]['rid']}"
     third = [request("g", 1, rng.randrange(4, 12), 24), dict(request("x", 0, 6, 64), abort=True)]
@@ -65,13 +75,20 @@ def run_workload(server: engine.Server, waves: list[list[dict]]) -> dict:
     server.flush_cache()
     out = {}
     for wave in waves:
-        calls = [(lambda r=r: server.generate(r["rid"], r["ids"], r["new"]))
-                 for r in wave if not r.get("abort")]
-        calls += [(lambda r=r: server.abort_midway(r["rid"], r["ids"], r["new"]))
-                  for r in wave if r.get("abort")]
+        calls = [
+            (lambda r=r: server.generate(r["rid"], r["ids"], r["new"]))
+            for r in wave
+            if not r.get("abort")
+        ]
+        calls += [
+            (lambda r=r: server.abort_midway(r["rid"], r["ids"], r["new"]))
+            for r in wave
+            if r.get("abort")
+        ]
         results = engine.concurrently(calls)
-        out.update({r["rid"]: res for r, res in zip([r for r in wave if not r.get("abort")],
-                                                    results)})
+        out.update(
+            {r["rid"]: res for r, res in zip([r for r in wave if not r.get("abort")], results)}
+        )
     return out
 
 
@@ -79,8 +96,11 @@ def _suite(runs: Runs) -> dict:
     folder = runs.dir / "sglang-engine"
     folder.mkdir(exist_ok=True)
     model = engine.model(runs.dir)
-    servers = [engine.Server(f"{kind}-p{p}", kind, folder, page_size=p, extra=POOL)
-               for p in PAGE_SIZES for kind in ("torch_native", "kvattn")]
+    servers = [
+        engine.Server(f"{kind}-p{p}", kind, folder, page_size=p, extra=POOL)
+        for p in PAGE_SIZES
+        for kind in ("torch_native", "kvattn")
+    ]
     out = {}
     with engine.running(model, *servers):
         for server in servers:
@@ -108,8 +128,13 @@ def test_clean_workloads_give_sglang_s_tokens_and_refuse_nothing(suite, page_siz
             assert a[rid]["status"] == b[rid]["status"] == 200, (rid, b[rid]["message"])
             assert b[rid]["ids"] == a[rid]["ids"], rid
     # Faults' victims aside, kvattn refused no page and failed no other request.
-    victims = {rid for name, results in mine["runs"].items() if not name.startswith("clean")
-               for rid in results if ":" in rid}
+    victims = {
+        rid
+        for name, results in mine["runs"].items()
+        if not name.startswith("clean")
+        for rid in results
+        if ":" in rid
+    }
     assert set(mine["counts"]["failures"]) <= victims
     assert mine["counts"]["pages_checked"] > 0 and mine["counts"].get("prefix_hit_pages", 0) > 0
 
@@ -146,7 +171,8 @@ def test_counts(suite):
             counts["clean_requests"] += len(mine["runs"][f"clean-{seed}"])
             counts["clean_tokens_equal"] += sum(
                 r["ids"] == stock["runs"][f"clean-{seed}"][rid]["ids"]
-                for rid, r in mine["runs"][f"clean-{seed}"].items())
+                for rid, r in mine["runs"][f"clean-{seed}"].items()
+            )
             for fault in FAULTS:
                 victim = f"{fault}:{seed}-v"
                 faulted = mine["runs"][f"{fault}-{seed}"]
@@ -156,7 +182,8 @@ def test_counts(suite):
                 counts["stock_victim_answered_otherwise"] += (
                     stock["runs"][f"{fault}-{seed}"][victim]["status"] == 200
                     and stock["runs"][f"{fault}-{seed}"][victim]["ids"]
-                    != stock["runs"][f"clean-{seed}"][f"{seed}-v"]["ids"])
+                    != stock["runs"][f"clean-{seed}"][f"{seed}-v"]["ids"]
+                )
         counts[f"kvattn_p{page_size}_refused_pages"] = mine["counts"]["refused_pages"]
         counts[f"kvattn_p{page_size}_pages_checked"] = mine["counts"]["pages_checked"]
     out = ROOT / "build" / "differential"

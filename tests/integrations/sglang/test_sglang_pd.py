@@ -15,6 +15,7 @@ frame of another transfer; and the mixed pairs: a kvattn prefill with SGLang's o
 frame is dropped as an unknown status; the answer is right), SGLang's own prefill with a kvattn
 decode (no attestation: the request fails, saying so).
 """
+
 from __future__ import annotations
 
 import random
@@ -36,17 +37,28 @@ NEW = 12
 TENANT = [(7 * i) % 250 + 3 for i in range(560)]  # 572 tokens with its output: 36 pages
 PROMPT = list(range(100, 150))  # the victims' prompt: 4 pages
 BESIDE = list(range(200, 230))
-ATTESTATION_FAULTS = ("short-transfer", "corrupt-arrival", "bad-attestation",
-                      "replayed-attestation")
+ATTESTATION_FAULTS = (
+    "short-transfer",
+    "corrupt-arrival",
+    "bad-attestation",
+    "replayed-attestation",
+)
 
 
 def transfer(prefill: engine.Server, decode: engine.Server, rid: str, ids: list[int]) -> dict:
     """One request through a pair, as SGLang's router sends it (the same body, with the
     prefill's bootstrap address and a room, to both): the decode's result."""
-    boot = dict(bootstrap_host="127.0.0.1", bootstrap_port=prefill.bootstrap_port,
-                bootstrap_room=random.randrange(1, 2 ** 62))
-    _, result = engine.concurrently([lambda: prefill.generate(rid, ids, NEW, **boot),
-                                     lambda: decode.generate(rid, ids, NEW, **boot)])
+    boot = dict(
+        bootstrap_host="127.0.0.1",
+        bootstrap_port=prefill.bootstrap_port,
+        bootstrap_room=random.randrange(1, 2**62),
+    )
+    _, result = engine.concurrently(
+        [
+            lambda: prefill.generate(rid, ids, NEW, **boot),
+            lambda: decode.generate(rid, ids, NEW, **boot),
+        ]
+    )
     return result
 
 
@@ -54,24 +66,34 @@ def _suite(runs: Runs) -> dict:
     folder = runs.dir / "sglang-pd"
     folder.mkdir(exist_ok=True)
     model = engine.model(runs.dir)
-    pairs = {kind: (engine.Server(f"{kind}-prefill", attention, folder, mode="prefill"),
-                    engine.Server(f"{kind}-decode", attention, folder, mode="decode",
-                                  extra=DECODE_POOL))
-             for kind, attention in (("stock", "torch_native"), ("kvattn", "kvattn"))}
+    pairs = {
+        kind: (
+            engine.Server(f"{kind}-prefill", attention, folder, mode="prefill"),
+            engine.Server(f"{kind}-decode", attention, folder, mode="decode", extra=DECODE_POOL),
+        )
+        for kind, attention in (("stock", "torch_native"), ("kvattn", "kvattn"))
+    }
     out = {}
     with engine.running(model, *pairs["stock"], *pairs["kvattn"]):
         for kind, (prefill, decode) in pairs.items():
             result = {"tenant": transfer(prefill, decode, f"{kind}-tenant", TENANT)}
-            result["victim"], result["beside"] = engine.concurrently([
-                lambda: transfer(prefill, decode, f"placeholder:{kind}-victim", PROMPT),
-                lambda: transfer(prefill, decode, f"{kind}-beside", BESIDE)])
+            result["victim"], result["beside"] = engine.concurrently(
+                [
+                    lambda: transfer(prefill, decode, f"placeholder:{kind}-victim", PROMPT),
+                    lambda: transfer(prefill, decode, f"{kind}-beside", BESIDE),
+                ]
+            )
             # Before the replay: the frame it repeats is of another prompt.
             result["beside-clean"] = transfer(prefill, decode, f"{kind}-beside-clean", BESIDE)
             for fault in ATTESTATION_FAULTS[::-1]:
                 result[fault] = transfer(prefill, decode, f"{fault}:{kind}", PROMPT)
             result["clean"] = transfer(prefill, decode, f"{kind}-clean", PROMPT)
-            out[kind] = dict(results=result, prefill_faults=prefill.faults(),
-                             decode_log=decode.faults(), counts=decode.counts())
+            out[kind] = dict(
+                results=result,
+                prefill_faults=prefill.faults(),
+                decode_log=decode.faults(),
+                counts=decode.counts(),
+            )
         (stock_prefill, stock_decode), (prefill, decode) = pairs["stock"], pairs["kvattn"]
         out["kvattn-prefill-stock-decode"] = transfer(prefill, stock_decode, "mixed-1", PROMPT)
         out["stock-prefill-kvattn-decode"] = transfer(stock_prefill, decode, "mixed-2", PROMPT)
@@ -101,8 +123,9 @@ def test_the_incident_stock_answers_over_the_tenant_s_kv(suite):
     earlier tenant's KV, with other tokens than the same prompt's clean run."""
     run = suite["stock"]
     assert {f["rid"] for f in run["prefill_faults"]} >= {"placeholder:stock-victim"}
-    assert _pages(run["decode_log"], "placeholder:stock-victim") & _pages(run["decode_log"],
-                                                                          "stock-tenant")
+    assert _pages(run["decode_log"], "placeholder:stock-victim") & _pages(
+        run["decode_log"], "stock-tenant"
+    )
     victim = run["results"]["victim"]
     assert victim["status"] == 200 and victim["ids"] != run["results"]["clean"]["ids"]
 
@@ -130,9 +153,12 @@ def test_an_attestation_that_does_not_prove_the_bytes_commits_nothing_of_them(su
     stock, mine = suite["stock"]["results"], suite["kvattn"]["results"]
     assert stock[fault]["status"] == 200  # SGLang's own decode cannot tell
     assert mine[fault]["status"] >= 400 and mine[fault]["ids"] is None
-    why = {"short-transfer": "digest mismatch", "corrupt-arrival": "digest mismatch",
-           "bad-attestation": "a malformed attestation arrived",
-           "replayed-attestation": "digest mismatch"}[fault]
+    why = {
+        "short-transfer": "digest mismatch",
+        "corrupt-arrival": "digest mismatch",
+        "bad-attestation": "a malformed attestation arrived",
+        "replayed-attestation": "digest mismatch",
+    }[fault]
     assert why in mine[fault]["message"], mine[fault]["message"]
     if fault in ("short-transfer", "corrupt-arrival"):  # the fault changed what SGLang answers
         assert stock[fault]["ids"] != stock["clean"]["ids"]

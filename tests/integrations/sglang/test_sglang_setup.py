@@ -7,6 +7,7 @@ def test_sglang_backend_refuses_other_versions_naming_the_tested_one():
     import pytest
 
     from kvattn.integrations import sglang
+
     sglang.check_version("0.5.23")
     with pytest.raises(RuntimeError, match=r"SGLang 0\.5\.22 is not supported.*\['0\.5\.23'\]"):
         sglang.check_version("0.5.22")
@@ -22,6 +23,7 @@ def test_sglang_receivers_account_for_what_arrived_not_for_success():
 
     class MooncakeKVReceiver:
         pass
+
     assert sglang.received_tokens(FakeKVReceiver())[0] == 0
     count, how = sglang.received_tokens(MooncakeKVReceiver())
     assert count == 0 and "reports completion, not what arrived" in how
@@ -29,11 +31,11 @@ def test_sglang_receivers_account_for_what_arrived_not_for_success():
     assert sglang.received_tokens(counted) == (7, "SimpleNamespace counted 7 token(s) arrived")
 
 
-
 def test_an_attestation_parses_into_pages_and_lengths():
     import json
 
     from kvattn.integrations import sglang_transfer
+
     frame = json.dumps({"v": 1, "pages": [[0, 16, "ab"], [3, 5, "cd"]]}).encode()
     assert sglang_transfer.parse([frame]) == ({0: [16, "ab"], 3: [5, "cd"]}, None)
     assert sglang_transfer.parse([frame, frame])[0] == {0: [16, "ab"], 3: [5, "cd"]}
@@ -45,19 +47,31 @@ def test_a_missing_conflicting_or_malformed_attestation_proves_nothing():
     import json
 
     from kvattn.integrations import sglang_transfer
+
     good = json.dumps({"v": 1, "pages": [[0, 16, "ab"]]}).encode()
-    assert sglang_transfer.parse([]) == (None, "no attestation arrived from the prefill instance "
-                                               "(one without kvattn, or a transfer it did not "
-                                               "attest)")
+    assert sglang_transfer.parse([]) == (
+        None,
+        "no attestation arrived from the prefill instance "
+        "(one without kvattn, or a transfer it did not "
+        "attest)",
+    )
     other = json.dumps({"v": 1, "pages": [[0, 8, "ab"]]}).encode()
     assert sglang_transfer.parse([good, other]) == (
-        None, "2 different attestations arrived for one transfer")
-    for bad in (b"", b"[]", b"{", json.dumps({"v": 2, "pages": []}).encode(),
-                json.dumps({"v": 1}).encode(), json.dumps({"v": 1, "pages": [[-1, 1, "a"]]}).encode(),
-                json.dumps({"v": 1, "pages": [[True, 1, "a"]]}).encode(),
-                json.dumps({"v": 1, "pages": [[0, 1, "a"], [0, 2, "b"]]}).encode(),
-                json.dumps({"v": 1, "pages": [["0", 1, "a"]]}).encode(),
-                json.dumps({"v": 1, "pages": [[]]}).encode()):
+        None,
+        "2 different attestations arrived for one transfer",
+    )
+    for bad in (
+        b"",
+        b"[]",
+        b"{",
+        json.dumps({"v": 2, "pages": []}).encode(),
+        json.dumps({"v": 1}).encode(),
+        json.dumps({"v": 1, "pages": [[-1, 1, "a"]]}).encode(),
+        json.dumps({"v": 1, "pages": [[True, 1, "a"]]}).encode(),
+        json.dumps({"v": 1, "pages": [[0, 1, "a"], [0, 2, "b"]]}).encode(),
+        json.dumps({"v": 1, "pages": [["0", 1, "a"]]}).encode(),
+        json.dumps({"v": 1, "pages": [[]]}).encode(),
+    ):
         assert sglang_transfer.parse([bad]) == (None, "a malformed attestation arrived"), bad
 
 
@@ -65,17 +79,20 @@ def test_disaggregation_modes_the_attestation_does_not_cover_are_refused(monkeyp
     from types import SimpleNamespace
 
     from kvattn.integrations import sglang
+
     args = SimpleNamespace(tp_size=1, pp_size=1)
     assert sglang._disaggregation_refusals("decode", "mooncake", args) == []
     assert sglang._disaggregation_refusals("prefill", "fake", args) == []
-    refused = sglang._disaggregation_refusals("decode", "nixl", SimpleNamespace(tp_size=2,
-                                                                                pp_size=2))
+    refused = sglang._disaggregation_refusals(
+        "decode", "nixl", SimpleNamespace(tp_size=2, pp_size=2)
+    )
     assert any("transfer backend 'nixl'" in r for r in refused)
     assert any("tensor parallelism" in r for r in refused)
     assert any("pipeline parallelism" in r for r in refused)
     monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
-    assert any("staging buffers" in r for r in sglang._disaggregation_refusals("prefill",
-                                                                              "mooncake", args))
+    assert any(
+        "staging buffers" in r for r in sglang._disaggregation_refusals("prefill", "mooncake", args)
+    )
 
 
 def test_a_frame_is_kept_for_a_live_room_and_dropped_with_it(monkeypatch):
@@ -86,6 +103,7 @@ def test_a_frame_is_kept_for_a_live_room_and_dropped_with_it(monkeypatch):
     from types import SimpleNamespace
 
     from kvattn.integrations import sglang_transfer
+
     monkeypatch.setattr(sglang_transfer, "_ledgers", {1: object()})
     monkeypatch.setattr(sglang_transfer, "_arrived", {})
     payload = json.dumps({"v": 1, "pages": [[0, 16, "ab"]]}).encode()
@@ -93,6 +111,7 @@ def test_a_frame_is_kept_for_a_live_room_and_dropped_with_it(monkeypatch):
 
     def not_a_status(manager, msg):
         raise AssertionError("an attestation frame reached SGLang's status parser")
+
     for room in (7, 8):  # 8: a room the manager no longer knows
         frame = [sglang_transfer.ATTEST_TAG, str(room).encode(), b"0", payload]
         assert sglang_transfer.parse_status_hook(not_a_status, manager, frame) is None
@@ -100,8 +119,10 @@ def test_a_frame_is_kept_for_a_live_room_and_dropped_with_it(monkeypatch):
     sglang_transfer.receiver_clear_hook(lambda receiver: None, SimpleNamespace(bootstrap_room=7))
     assert sglang_transfer._arrived == {}
     # A status frame goes to SGLang's own parser.
-    assert sglang_transfer.parse_status_hook(lambda m, msg: "status", manager, [b"7", b"4", b"0"]) \
+    assert (
+        sglang_transfer.parse_status_hook(lambda m, msg: "status", manager, [b"7", b"4", b"0"])
         == "status"
+    )
 
 
 def test_a_frame_on_a_decode_without_kvattn_is_dropped(monkeypatch):
@@ -111,6 +132,7 @@ def test_a_frame_on_a_decode_without_kvattn_is_dropped(monkeypatch):
     from types import SimpleNamespace
 
     from kvattn.integrations import sglang_transfer
+
     monkeypatch.setattr(sglang_transfer, "_ledgers", {})
     monkeypatch.setattr(sglang_transfer, "_arrived", {})
     frame = [sglang_transfer.ATTEST_TAG, b"7", b"0", json.dumps({"v": 1, "pages": []}).encode()]

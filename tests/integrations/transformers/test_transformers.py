@@ -8,6 +8,7 @@ engine's cache nor kvattn's). The corruption tests pair a checked run (the victi
 ownership error, the others match the clean run) with an unchecked twin (the same corruption changes
 the victim's tokens), so a test cannot pass because the corruption had no effect.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,19 +16,27 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvattn.integrations import transformers as adapter  # noqa: E402
+from kvattn.integrations import transformers as adapter
 
 if transformers.__version__ not in adapter.SUPPORTED_VERSIONS:
-    pytest.skip(f"transformers {transformers.__version__} is not a supported version",
-                allow_module_level=True)
+    pytest.skip(
+        f"transformers {transformers.__version__} is not a supported version",
+        allow_module_level=True,
+    )
 
-from transformers.generation.continuous_batching import input_outputs  # noqa: E402
-from transformers.generation.continuous_batching.requests import (  # noqa: E402
-    RequestState, RequestStatus)
+from transformers.generation.continuous_batching import input_outputs
+from transformers.generation.continuous_batching.requests import (
+    RequestState,
+    RequestStatus,
+)
 
 # The batch and the page size of every transformers test (the model and prompts: conftest.py).
-from kvattn_testing.transformers import (NEW_TOKENS, PAGE, generate_batch,  # noqa: E402
-                                         generation_config)
+from kvattn_testing.transformers import (
+    NEW_TOKENS,
+    PAGE,
+    generate_batch,
+    generation_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +47,7 @@ def clean_run(model, prompts):
 def test_engine_matches_per_prompt_generate(model, prompts, clean_run):
     for prompt, tokens in zip(prompts, clean_run):
         out = model.generate(torch.tensor([prompt]), generation_config=generation_config())
-        assert out[0, len(prompt):].tolist() == tokens
+        assert out[0, len(prompt) :].tolist() == tokens
     # Informative tokens: the requests do not all collapse onto one repeated token.
     assert len({t for tokens in clean_run for t in tokens}) > NEW_TOKENS
 
@@ -67,8 +76,11 @@ def _corrupt_when_decoding(victim: str, target):
 
     def prepare_batch_tensors(self, requests_in_batch, *args, **kwargs):
         allocator = self.cache.cache_allocators["full_attention"]
-        decoding = {fs.state.request_id for fs in requests_in_batch
-                    if fs.state.position_offset > len(fs.state.initial_tokens)}
+        decoding = {
+            fs.state.request_id
+            for fs in requests_in_batch
+            if fs.state.position_offset > len(fs.state.initial_tokens)
+        }
         if not done and victim in decoding:
             block = target(self.cache)
             allocator.block_table[victim][0] = block
@@ -91,8 +103,10 @@ def _reserved_never_written_page(cache):
     return cache.cache_allocators["full_attention"].block_table["ghost"][0]
 
 
-@pytest.mark.parametrize("target, reason", [(_other_requests_page, "OWNER_MISMATCH"),
-                                            (_reserved_never_written_page, "RESERVED")])
+@pytest.mark.parametrize(
+    "target, reason",
+    [(_other_requests_page, "OWNER_MISMATCH"), (_reserved_never_written_page, "RESERVED")],
+)
 def test_corrupt_mapping_fails_only_the_victim(model, prompts, clean_run, target, reason):
     victim = 1
     with adapter.kvattn_attention(backend="reference") as stats:
@@ -132,6 +146,7 @@ def test_corrupt_mapping_leaks_when_unchecked(model, prompts, clean_run, target)
 def test_hooks_are_restored(model, prompts, clean_run):
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     before = (PagedAttentionCache.update, ALL_ATTENTION_FUNCTIONS["sdpa"])
     with adapter.kvattn_attention(backend="reference"):
         assert PagedAttentionCache.update is not before[0]

@@ -62,6 +62,7 @@ The last test prints the counts (``pytest -s``) and writes them to
 ``build/differential/transformers.json``. The runs are computed once per test run and shared by
 the xdist workers through files under a lock per seed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,25 +78,34 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from kvattn.integrations import transformers as adapter  # noqa: E402
+from kvattn.integrations import transformers as adapter
 
 if transformers.__version__ not in adapter.SUPPORTED_VERSIONS:
-    pytest.skip(f"transformers {transformers.__version__} is not a supported version",
-                allow_module_level=True)
+    pytest.skip(
+        f"transformers {transformers.__version__} is not a supported version",
+        allow_module_level=True,
+    )
 
-from transformers import GenerationConfig  # noqa: E402
-from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
-from transformers.generation.continuous_batching import cache as cb_cache  # noqa: E402
-from transformers.generation.continuous_batching import input_outputs  # noqa: E402
-from transformers.generation.continuous_batching.cache_allocators import (  # noqa: E402
-    FULL_ATTENTION, CacheAllocator, FullAttentionCacheAllocator)
-from transformers.generation.continuous_batching.offloading_manager import (  # noqa: E402
-    OffloadingManager)
-from transformers.generation.continuous_batching.requests import (  # noqa: E402
-    RequestState, RequestStatus)
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import cache as cb_cache
+from transformers.generation.continuous_batching import input_outputs
+from transformers.generation.continuous_batching.cache_allocators import (
+    FULL_ATTENTION,
+    CacheAllocator,
+    FullAttentionCacheAllocator,
+)
+from transformers.generation.continuous_batching.offloading_manager import (
+    OffloadingManager,
+)
+from transformers.generation.continuous_batching.requests import (
+    RequestState,
+    RequestStatus,
+)
+
 # The page size of the plain adapter tests; their model (conftest.py), whose greedy tokens those
 # tests hold to per-prompt generate.
-from kvattn_testing.transformers import PAGE  # noqa: E402
+from kvattn_testing.transformers import PAGE
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 VOCAB = 128
@@ -132,9 +142,16 @@ def draw(seed: int) -> dict:
         add(prompt, rng.randint(2, 10))
         if rng.random() < 0.3:
             add(list(prompt), rng.randint(2, 10))
-    return dict(seed=seed, prompts=prompts, max_new=max_new, num_blocks=rng.randint(14, 20),
-                max_batch_tokens=rng.choice((8, 12, 16)), donor=donor, reader=reader,
-                victim=victim)
+    return dict(
+        seed=seed,
+        prompts=prompts,
+        max_new=max_new,
+        num_blocks=rng.randint(14, 20),
+        max_batch_tokens=rng.choice((8, 12, 16)),
+        donor=donor,
+        reader=reader,
+        victim=victim,
+    )
 
 
 @contextlib.contextmanager
@@ -171,6 +188,7 @@ class Probe:
                     counts["prefix_hits"] += 1
                     counts["prefix_blocks"] += matched // PAGE
                 return matched
+
             return search_prefix_match
 
         def mark(original):
@@ -179,6 +197,7 @@ class Probe:
                 original(allocator, request_id, token_ids, new_new_blocks)
                 after = allocator.block_table.get(request_id, [])
                 counts["deduplicated_blocks"] += sum(a != b for a, b in zip(before, after))
+
             return mark_complete_blocks
 
         def allocate(original):
@@ -189,6 +208,7 @@ class Probe:
                     if self.last_holder.get(block, request_id) != request_id:
                         counts["blocks_reused"] += 1
                     self.last_holder[block] = request_id
+
             return allocate_cache_to_request
 
         def prepare(original):
@@ -199,12 +219,14 @@ class Probe:
                         counts["prefill_chunks"] += 1
                         self.chunked.add(fs.state.request_id)
                 return original(io, requests_in_batch, *args, **kwargs)
+
             return prepare_batch_tensors
 
         def soft_reset(original):
             def create_equivalent_initial_request(state):
                 counts["preemptions"] += 1
                 return original(state)
+
             return create_equivalent_initial_request
 
         def evict(original):
@@ -212,12 +234,14 @@ class Probe:
                 evicted = original(cache)
                 counts["evictions"] += bool(evicted)
                 return evicted
+
             return evict_cached_blocks
 
         def free(original):
             def free_blocks(allocator, request_id, no_cache=False):
                 self.tables[request_id] = list(allocator.block_table.get(request_id, []))
                 return original(allocator, request_id, no_cache)
+
             return free_blocks
 
         def offload(original):
@@ -225,21 +249,26 @@ class Probe:
                 offloaded = original(manager, victims, victim_block_tables)
                 counts["cpu_offloads"] += len(offloaded)
                 return offloaded
+
             return _offload_to_cpu
 
         stack.enter_context(patched(Cache, "search_prefix_match", search))
         stack.enter_context(patched(CacheAllocator, "free_blocks", free))
         stack.enter_context(patched(OffloadingManager, "_offload_to_cpu", offload))
         stack.enter_context(patched(CacheAllocator, "mark_complete_blocks", mark))
-        stack.enter_context(patched(FullAttentionCacheAllocator, "allocate_cache_to_request",
-                                    allocate))
+        stack.enter_context(
+            patched(FullAttentionCacheAllocator, "allocate_cache_to_request", allocate)
+        )
         stack.enter_context(patched(IOs, "prepare_batch_tensors", prepare))
         stack.enter_context(patched(RequestState, "create_equivalent_initial_request", soft_reset))
         stack.enter_context(patched(Cache, "evict_cached_blocks", evict))
 
     def result(self) -> dict:
-        return dict(self.counts, chunked_prefills=len(self.chunked),
-                    cpu_offloads=self.counts["cpu_offloads"])
+        return dict(
+            self.counts,
+            chunked_prefills=len(self.chunked),
+            cpu_offloads=self.counts["cpu_offloads"],
+        )
 
 
 class Fault:
@@ -261,11 +290,17 @@ class Fault:
         def prepare(original):
             def prepare_batch_tensors(io, requests_in_batch, *args, **kwargs):
                 fs = next((f for f in requests_in_batch if f.state.request_id == self.victim), None)
-                if not self.applied and fs is not None and _decoding(fs) \
-                        and fs.state.position_offset >= 2 * PAGE:
-                    others = [f.state.request_id for f in requests_in_batch
-                              if f.state.request_id != self.victim
-                              and f.state.position_offset >= PAGE]
+                if (
+                    not self.applied
+                    and fs is not None
+                    and _decoding(fs)
+                    and fs.state.position_offset >= 2 * PAGE
+                ):
+                    others = [
+                        f.state.request_id
+                        for f in requests_in_batch
+                        if f.state.request_id != self.victim and f.state.position_offset >= PAGE
+                    ]
                     if others:
                         allocator = io.cache.cache_allocators[FULL_ATTENTION]
                         table = allocator.block_table[self.victim]
@@ -279,6 +314,7 @@ class Fault:
                         self.applied = True
                         self.detail = dict(owner_of_block=others[0])
                 return original(io, requests_in_batch, *args, **kwargs)
+
             return prepare_batch_tensors
 
         stack.enter_context(patched(IOs, "prepare_batch_tensors", prepare))
@@ -287,14 +323,16 @@ class Fault:
         prompt_len = len(self.workload["prompts"][self.victim])
 
         def extend(original):
-            def extend_read_and_write_indices(cache, request_id, past_length, query_length,
-                                              read_index, write_index):
+            def extend_read_and_write_indices(
+                cache, request_id, past_length, query_length, read_index, write_index
+            ):
                 original(cache, request_id, past_length, query_length, read_index, write_index)
                 if not self.applied and request_id == self.victim and past_length >= prompt_len:
                     allocator = cache.cache_allocators[FULL_ATTENTION]
                     write_index[allocator.index][-1] = allocator.write_trash_index
                     self.applied = True
                     self.detail = dict(position=past_length)
+
             return extend_read_and_write_indices
 
         stack.enter_context(patched(Cache, "extend_read_and_write_indices", extend))
@@ -305,8 +343,12 @@ class Fault:
         def prepare(original):
             def prepare_batch_tensors(io, requests_in_batch, *args, **kwargs):
                 fs = next((f for f in requests_in_batch if f.state.request_id == self.victim), None)
-                if not self.applied and fs is not None and _decoding(fs) \
-                        and fs.state.position_offset >= 2 * PAGE:
+                if (
+                    not self.applied
+                    and fs is not None
+                    and _decoding(fs)
+                    and fs.state.position_offset >= 2 * PAGE
+                ):
                     allocator = io.cache.cache_allocators[FULL_ATTENTION]
                     block = allocator.block_table[self.victim][0]
                     if allocator.ledger.release(block, no_cache=True):
@@ -315,15 +357,20 @@ class Fault:
                     self.applied = True
                     self.detail = dict(reused_by=[])
                 return original(io, requests_in_batch, *args, **kwargs)
+
             return prepare_batch_tensors
 
         def allocate(original):
             def allocate_cache_to_request(allocator, request_id, past_length, query_length):
                 before = len(allocator.block_table.get(request_id, []))
                 original(allocator, request_id, past_length, query_length)
-                if freed and freed[0] in allocator.block_table[request_id][before:] \
-                        and self.victim in allocator.block_table:
+                if (
+                    freed
+                    and freed[0] in allocator.block_table[request_id][before:]
+                    and self.victim in allocator.block_table
+                ):
                     self.detail["reused_by"].append(request_id)
+
             return allocate_cache_to_request
 
         def free(original):
@@ -334,11 +381,13 @@ class Fault:
                 if request_id == self.victim and freed and table and table[0] == freed[0]:
                     table.pop(0)
                 return original(allocator, request_id, no_cache)
+
             return free_blocks
 
         stack.enter_context(patched(IOs, "prepare_batch_tensors", prepare))
-        stack.enter_context(patched(FullAttentionCacheAllocator, "allocate_cache_to_request",
-                                    allocate))
+        stack.enter_context(
+            patched(FullAttentionCacheAllocator, "allocate_cache_to_request", allocate)
+        )
         stack.enter_context(patched(CacheAllocator, "free_blocks", free))
 
     def _stale_prefix(self, stack):
@@ -358,9 +407,15 @@ class Fault:
                 if self.applied or not new or not donor_done or not held:
                     return
                 block = held[0]
-                if block in own or block not in allocator.ledger.block_to_hash or any(
-                        block in table for rid, table in allocator.block_table.items()
-                        if rid not in (reader, request_id)):
+                if (
+                    block in own
+                    or block not in allocator.ledger.block_to_hash
+                    or any(
+                        block in table
+                        for rid, table in allocator.block_table.items()
+                        if rid not in (reader, request_id)
+                    )
+                ):
                     return
                 # Handed out as if free, its hash left registered: the new holder gets a reference
                 # of its own (so the counts stay consistent) and writes its tokens into the block.
@@ -369,6 +424,7 @@ class Fault:
                 allocator.pool.free_blocks(allocator.index, [new[-1]])
                 self.applied = True
                 self.detail = dict(writer=request_id)
+
             return allocate_cache_to_request
 
         def free(original):
@@ -376,10 +432,12 @@ class Fault:
                 original(allocator, request_id, no_cache)
                 if request_id == donor:
                     donor_done.append(True)
+
             return free_blocks
 
-        stack.enter_context(patched(FullAttentionCacheAllocator, "allocate_cache_to_request",
-                                    allocate))
+        stack.enter_context(
+            patched(FullAttentionCacheAllocator, "allocate_cache_to_request", allocate)
+        )
         stack.enter_context(patched(CacheAllocator, "free_blocks", free))
 
 
@@ -389,19 +447,28 @@ def generate(model, workload: dict, between=None) -> dict:
     the loop's first batch and the submissions. A workload with ``phases`` (lists of request ids)
     runs them one after the other: each phase is added once the one before has finished, while
     the loop is paused; ``between(cache)`` runs there once, after the first phase."""
-    gen = GenerationConfig(max_new_tokens=max(workload["max_new"].values()), do_sample=False,
-                           eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=workload["num_blocks"],
-                                  max_batch_tokens=workload["max_batch_tokens"],
-                                  use_cuda_graph=False, use_async_batching=False)
+    gen = GenerationConfig(
+        max_new_tokens=max(workload["max_new"].values()),
+        do_sample=False,
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
+    cb = ContinuousBatchingConfig(
+        page_size=PAGE,
+        num_blocks=workload["num_blocks"],
+        max_batch_tokens=workload["max_batch_tokens"],
+        use_cuda_graph=False,
+        use_async_batching=False,
+    )
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     phases = workload.get("phases", [list(workload["prompts"])])
     results = {}
 
     def submit(rids):
         for rid in rids:
-            manager.add_request(workload["prompts"][rid], request_id=rid,
-                                max_new_tokens=workload["max_new"][rid])
+            manager.add_request(
+                workload["prompts"][rid], request_id=rid, max_new_tokens=workload["max_new"][rid]
+            )
 
     def collect(rids):
         while not set(rids) <= set(results):
@@ -425,8 +492,10 @@ def generate(model, workload: dict, between=None) -> dict:
     finally:
         manager.stop(block=True)
         manager.destroy()
-    return {rid: dict(tokens=r.generated_tokens, status=int(r.status), error=r.error)
-            for rid, r in results.items()}
+    return {
+        rid: dict(tokens=r.generated_tokens, status=int(r.status), error=r.error)
+        for rid, r in results.items()
+    }
 
 
 def run(model, workload: dict, kvattn: bool, fault: str | None = None, between=None) -> dict:
@@ -440,20 +509,27 @@ def run(model, workload: dict, kvattn: bool, fault: str | None = None, between=N
         results = generate(model, workload, between)
     out = dict(results=results, events=probe.result(), tables=probe.tables)
     if stats is not None:
-        out["stats"] = dict(forwards=stats.forwards, attention_calls=stats.attention_calls,
-                            pages_checked=stats.pages_checked, refused_pages=stats.refused_pages,
-                            dropped_writes=stats.dropped_writes,
-                            failed_requests=list(stats.failed_requests))
+        out["stats"] = dict(
+            forwards=stats.forwards,
+            attention_calls=stats.attention_calls,
+            pages_checked=stats.pages_checked,
+            refused_pages=stats.refused_pages,
+            dropped_writes=stats.dropped_writes,
+            failed_requests=list(stats.failed_requests),
+        )
     if injected is not None:
-        out["fault"] = dict(kind=fault, victim=injected.victim, applied=injected.applied,
-                            **injected.detail)
+        out["fault"] = dict(
+            kind=fault, victim=injected.victim, applied=injected.applied, **injected.detail
+        )
     return out
 
 
 def compute_seed(model, seed: int) -> dict:
     workload = draw(seed)
-    runs = {"clean/stock": run(model, workload, kvattn=False),
-            "clean/kvattn": run(model, workload, kvattn=True)}
+    runs = {
+        "clean/stock": run(model, workload, kvattn=False),
+        "clean/kvattn": run(model, workload, kvattn=True),
+    }
     for kind in FAULTS:
         runs[f"{kind}/stock"] = run(model, workload, kvattn=False, fault=kind)
         runs[f"{kind}/kvattn"] = run(model, workload, kvattn=True, fault=kind)
@@ -531,11 +607,18 @@ def _refill(same_tokens: bool) -> dict:
     page and another token) reaches the block through the system page's hash."""
     rng = random.Random(18)
     system, other = ([rng.randrange(VOCAB) for _ in range(PAGE)] for _ in range(2))
-    prompts = {"req_a": system + [rng.randrange(VOCAB)],
-               "req_b": (system if same_tokens else other) + [rng.randrange(VOCAB)],
-               "req_c": system + [rng.randrange(VOCAB)]}
-    return dict(prompts=prompts, max_new={"req_a": 2, "req_b": 6, "req_c": 6}, num_blocks=8,
-                max_batch_tokens=16, phases=[["req_a"], ["req_b"], ["req_c"]])
+    prompts = {
+        "req_a": system + [rng.randrange(VOCAB)],
+        "req_b": (system if same_tokens else other) + [rng.randrange(VOCAB)],
+        "req_c": system + [rng.randrange(VOCAB)],
+    }
+    return dict(
+        prompts=prompts,
+        max_new={"req_a": 2, "req_b": 6, "req_c": 6},
+        num_blocks=8,
+        max_batch_tokens=16,
+        phases=[["req_a"], ["req_b"], ["req_c"]],
+    )
 
 
 def _evict(cache) -> None:
@@ -595,13 +678,14 @@ def test_block_refilled_under_a_stale_hash_fails_its_sharer(model):
 def _summary(all_runs: dict) -> dict:
     clean = Counter()
     faults = {kind: Counter() for kind in FAULTS}
-    for seed, data in all_runs.items():
+    for data in all_runs.values():
         stock, checked = data["runs"]["clean/stock"], data["runs"]["clean/kvattn"]
         clean["runs"] += 1
         clean["requests"] += len(checked["results"])
         clean["generated_tokens"] += sum(len(r["tokens"]) for r in checked["results"].values())
         clean["requests_equal_to_stock"] += sum(
-            r["tokens"] == stock["results"][rid]["tokens"] for rid, r in checked["results"].items())
+            r["tokens"] == stock["results"][rid]["tokens"] for rid, r in checked["results"].items()
+        )
         clean.update(checked["events"])
         clean.update({k: v for k, v in checked["stats"].items() if k != "failed_requests"})
         clean["failed_requests"] += len(checked["stats"]["failed_requests"])
@@ -612,26 +696,41 @@ def _summary(all_runs: dict) -> dict:
             failed = run_checked["stats"]["failed_requests"]
             counts = faults[kind]
             counts["injected"] += run_checked["fault"]["applied"]
-            counts["detected"] += victim in failed and run_checked["results"][victim]["error"] \
-                .startswith(OWNERSHIP_ERROR)
+            counts["detected"] += victim in failed and run_checked["results"][victim][
+                "error"
+            ].startswith(OWNERSHIP_ERROR)
             counts["only_the_victim_failed"] += failed == [victim]
-            for reason in re.findall(r"^reads: (\S+) on", run_checked["results"][victim]["error"]
-                                     or "", flags=re.MULTILINE):
+            for reason in re.findall(
+                r"^reads: (\S+) on",
+                run_checked["results"][victim]["error"] or "",
+                flags=re.MULTILINE,
+            ):
                 counts[f"victim_refused_{reason}"] += 1
             counts["others_equal_to_clean"] += all(
-                r["tokens"] == clean_tokens[rid] for rid, r in run_checked["results"].items()
-                if rid != victim)
+                r["tokens"] == clean_tokens[rid]
+                for rid, r in run_checked["results"].items()
+                if rid != victim
+            )
             counts["stock_victim_tokens_changed"] += (
-                run_stock["results"][victim]["tokens"] != clean_tokens[victim])
+                run_stock["results"][victim]["tokens"] != clean_tokens[victim]
+            )
             if kind == "early_free":
                 counts["stock_block_reused_while_victim_ran"] += bool(
-                    run_stock["fault"].get("reused_by"))
-    return dict(seeds=list(all_runs), clean=dict(clean),
-                faults={kind: dict(c) for kind, c in faults.items()},
-                workloads={seed: dict(requests=len(d["workload"]["prompts"]),
-                                      num_blocks=d["workload"]["num_blocks"],
-                                      max_batch_tokens=d["workload"]["max_batch_tokens"])
-                           for seed, d in all_runs.items()})
+                    run_stock["fault"].get("reused_by")
+                )
+    return dict(
+        seeds=list(all_runs),
+        clean=dict(clean),
+        faults={kind: dict(c) for kind, c in faults.items()},
+        workloads={
+            seed: dict(
+                requests=len(d["workload"]["prompts"]),
+                num_blocks=d["workload"]["num_blocks"],
+                max_batch_tokens=d["workload"]["max_batch_tokens"],
+            )
+            for seed, d in all_runs.items()
+        },
+    )
 
 
 def test_faults_change_stock_tokens_and_counts_are_written(model):
@@ -645,6 +744,12 @@ def test_faults_change_stock_tokens_and_counts_are_written(model):
     for kind, counts in summary["faults"].items():
         assert counts.get("stock_victim_tokens_changed", 0) >= 1, kind
     clean = summary["clean"]
-    for event in ("prefix_hits", "deduplicated_blocks", "chunked_prefills", "preemptions",
-                  "evictions", "blocks_reused"):
+    for event in (
+        "prefix_hits",
+        "deduplicated_blocks",
+        "chunked_prefills",
+        "preemptions",
+        "evictions",
+        "blocks_reused",
+    ):
         assert clean.get(event, 0) > 0, event

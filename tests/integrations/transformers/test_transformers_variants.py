@@ -14,6 +14,7 @@ The corruption tests pair a checked run (the victim fails, the others match) wit
 (the same corruption changes the victim's tokens), and show the window's rule: a page wholly before
 every layer's window is neither read nor checked, so corrupting it changes nothing.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -21,42 +22,78 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvattn.integrations import transformers as adapter  # noqa: E402
+from kvattn.integrations import transformers as adapter
 
 if transformers.__version__ not in adapter.SUPPORTED_VERSIONS:
-    pytest.skip(f"transformers {transformers.__version__} is not a supported version",
-                allow_module_level=True)
+    pytest.skip(
+        f"transformers {transformers.__version__} is not a supported version",
+        allow_module_level=True,
+    )
 
-from transformers.generation.continuous_batching import input_outputs  # noqa: E402
-from transformers.generation.continuous_batching.requests import RequestStatus  # noqa: E402
+from transformers.generation.continuous_batching import input_outputs
+from transformers.generation.continuous_batching.requests import RequestStatus
+
 # The batch and page size of the plain adapter tests (their prompts: conftest.py).
-from kvattn_testing.transformers import (NEW_TOKENS, PAGE, PROMPT_LENS,  # noqa: E402
-                                         generate_batch, generation_config)
+from kvattn_testing.transformers import (
+    NEW_TOKENS,
+    PAGE,
+    PROMPT_LENS,
+    generate_batch,
+    generation_config,
+)
 
 WINDOW = 7  # keys a query attends, itself included: not a multiple of the page
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-              tie_word_embeddings=False, initializer_range=0.2)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+)
 
 
 def build(name: str):
     torch.manual_seed(0)
     if name == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(
-            sliding_window=WINDOW, intermediate_size=128, **COMMON))
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(sliding_window=WINDOW, intermediate_size=128, **COMMON)
+        )
     elif name == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-            sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1,
-            intermediate_size=128, **COMMON))
+        model = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(
+                sliding_window=WINDOW,
+                use_sliding_window=True,
+                max_window_layers=1,
+                intermediate_size=128,
+                **COMMON,
+            )
+        )
     elif name == "gemma2":
         # A cap of 1 bounds every logit to (-1, 1): far from the identity at these scores.
-        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-            sliding_window=WINDOW, attn_logit_softcapping=1.0, final_logit_softcapping=None,
-            query_pre_attn_scalar=16, intermediate_size=128, **COMMON))
+        model = transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(
+                sliding_window=WINDOW,
+                attn_logit_softcapping=1.0,
+                final_logit_softcapping=None,
+                query_pre_attn_scalar=16,
+                intermediate_size=128,
+                **COMMON,
+            )
+        )
     else:
-        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
-            sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=1,
-            intermediate_size=64, **COMMON))
+        model = transformers.GptOssForCausalLM(
+            transformers.GptOssConfig(
+                sliding_window=WINDOW,
+                num_local_experts=2,
+                num_experts_per_tok=1,
+                intermediate_size=64,
+                **COMMON,
+            )
+        )
         with torch.no_grad():  # sinks large enough to take a visible share of the softmax
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0, 2)
@@ -65,8 +102,12 @@ def build(name: str):
 
 MODELS = {name: None for name in ("mistral", "qwen2", "gemma2", "gpt_oss")}
 # What each model's layers use, from its config (checked below, so the test covers what it says).
-SWITCHES = {"mistral": {"window_left"}, "qwen2": {"window_left"},
-            "gemma2": {"window_left", "logits_soft_cap"}, "gpt_oss": {"window_left", "sinks"}}
+SWITCHES = {
+    "mistral": {"window_left"},
+    "qwen2": {"window_left"},
+    "gemma2": {"window_left", "logits_soft_cap"},
+    "gpt_oss": {"window_left", "sinks"},
+}
 
 
 def model_of(name: str):
@@ -85,7 +126,7 @@ def eager_tokens(name, prompts):
         tokens = []
         for prompt in prompts:
             out = model.generate(torch.tensor([prompt]), generation_config=generation_config())
-            tokens.append(out[0, len(prompt):].tolist())
+            tokens.append(out[0, len(prompt) :].tolist())
         assert len({t for ts in tokens for t in ts}) > NEW_TOKENS, "tokens too uniform to tell"
         _eager[name] = tokens
     return _eager[name]
@@ -99,6 +140,7 @@ def recording_switches(seen: set):
         variant = original(kwargs, device)
         seen.update(variant)
         return variant
+
     return _variant
 
 
@@ -139,8 +181,11 @@ def _corrupt_when_decoding(victim: str, index: int):
 
     def prepare_batch_tensors(self, requests_in_batch, *args, **kwargs):
         allocator = self.cache.cache_allocators["full_attention"]
-        decoding = {fs.state.request_id: fs.state.position_offset for fs in requests_in_batch
-                    if fs.state.position_offset > len(fs.state.initial_tokens)}
+        decoding = {
+            fs.state.request_id: fs.state.position_offset
+            for fs in requests_in_batch
+            if fs.state.position_offset > len(fs.state.initial_tokens)
+        }
         if not done and victim in decoding:
             block = allocator.block_table["req_2"][0]
             allocator.block_table[victim][index] = block
@@ -200,6 +245,7 @@ def test_corrupt_page_before_every_window_is_neither_read_nor_checked(prompts):
 
 def test_engine_sliding_allocator_is_restored(prompts):
     from transformers.generation.continuous_batching import cache as cb_cache
+
     config = model_of("mistral").config
     before = cb_cache.group_layers_by_attn_type(config)
     assert set(before) == {"sliding_attention"}
@@ -212,4 +258,5 @@ def test_bad_sliding_window_is_refused_naming_it():
     with pytest.raises(adapter.IntegrationError, match="sliding_window.*positive int.*got 0"):
         adapter._variant(dict(sliding_window=0), torch.device("cpu"))
     assert adapter._variant(dict(sliding_window=1, softcap=None), torch.device("cpu")) == {
-        "window_left": 0}
+        "window_left": 0
+    }

@@ -11,6 +11,7 @@ weights. Every fault runs on both attentions: on vLLM's the victim's tokens chan
 real), on kvattn's the victim fails with the ownership error and the other requests keep their
 clean tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,16 +20,21 @@ import socket
 import subprocess
 
 import pytest
-
 import vllm_prompts as prompts
+
 from kvattn_testing import engines
-from kvattn_testing.engines import ROOT, VENV_PY, env as _env, why_no_vllm
+from kvattn_testing.engines import ROOT, VENV_PY, why_no_vllm
+from kvattn_testing.engines import env as _env
 
 DRIVER = ROOT / "tests" / "integrations" / "vllm" / "vllm_driver.py"
 
 FAULTS = ("foreign_entry", "early_free", "lost_prefill", "stale_prefix")
-VICTIM = {"foreign_entry": "victim", "early_free": "victim", "lost_prefill": "victim",
-          "stale_prefix": "reader"}
+VICTIM = {
+    "foreign_entry": "victim",
+    "early_free": "victim",
+    "lost_prefill": "victim",
+    "stale_prefix": "reader",
+}
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +46,12 @@ class Runs(engines.Runs):
     """The fixed scenarios of vllm_driver.py."""
 
     def main(self) -> dict:
-        return self.shared("main", lambda: self.drive([("main-stock", DRIVER, False, ("main",)),
-                                                       ("main-kvattn", DRIVER, True, ("main",))]))
+        return self.shared(
+            "main",
+            lambda: self.drive(
+                [("main-stock", DRIVER, False, ("main",)), ("main-kvattn", DRIVER, True, ("main",))]
+            ),
+        )
 
     def disaggregated(self) -> dict:
         def compute():
@@ -49,8 +59,9 @@ class Runs(engines.Runs):
             for store in stores.values():
                 shutil.rmtree(store, ignore_errors=True)
                 store.mkdir()
-            produced = self.drive([(f"produce-{b}", DRIVER, b == "kvattn", ("produce", stores[b]))
-                                   for b in stores])
+            produced = self.drive(
+                [(f"produce-{b}", DRIVER, b == "kvattn", ("produce", stores[b])) for b in stores]
+            )
             # Each decode instance loads a copy: vLLM's debug connector also stores what a
             # consumer computes, which must not reach the other run.
             copies = {}
@@ -58,9 +69,12 @@ class Runs(engines.Runs):
                 copies[b] = self.dir / f"load-{b}"
                 shutil.rmtree(copies[b], ignore_errors=True)
                 shutil.copytree(store, copies[b])
-            decoded = self.drive([(f"decode-{b}", DRIVER, b == "kvattn", ("decode", copies[b]))
-                                  for b in stores] + [("local", DRIVER, False, ("local",))])
+            decoded = self.drive(
+                [(f"decode-{b}", DRIVER, b == "kvattn", ("decode", copies[b])) for b in stores]
+                + [("local", DRIVER, False, ("local",))]
+            )
             return {**produced, **decoded}
+
         return self.shared("disaggregated", compute)
 
 
@@ -104,10 +118,15 @@ def test_fault_changes_the_victims_answer_on_vllm_attention(main, fault):
     assert run["failures"] == []
 
 
-@pytest.mark.parametrize("fault, reason", [("foreign_entry", "OWNER_MISMATCH"),
-                                           ("early_free", "OWNER_MISMATCH"),
-                                           ("lost_prefill", "RESERVED"),
-                                           ("stale_prefix", "RESERVED")])
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        ("foreign_entry", "OWNER_MISMATCH"),
+        ("early_free", "OWNER_MISMATCH"),
+        ("lost_prefill", "RESERVED"),
+        ("stale_prefix", "RESERVED"),
+    ],
+)
 def test_fault_fails_only_the_victim_on_kvattn(main, fault, reason):
     run = main["main-kvattn"][fault]
     victim = VICTIM[fault]
@@ -116,7 +135,7 @@ def test_fault_fails_only_the_victim_on_kvattn(main, fault, reason):
     # Tokens sampled before the fault (from clean KV) stand; none after it.
     tokens, clean = run["faulted"][victim]["tokens"], run["clean"][victim]["tokens"]
     assert len(tokens) < len(clean) and tokens == clean[: len(tokens)]
-    (name, message), = run["failures"]
+    ((name, message),) = run["failures"]
     assert name == victim
     assert message.startswith("kvattn ownership check failed for request")
     assert reason in message and "model.layers.0.self_attn.attn" in message
@@ -152,7 +171,7 @@ def test_disaggregated_incident_fails_the_request_on_kvattn(disaggregated):
     kvattn, local = disaggregated["decode-kvattn"], disaggregated["local"]
     results = kvattn["results"]
     assert results["long"]["finish_reason"] == "error" and results["long"]["tokens"] == []
-    (name, message), = kvattn["failures"]
+    ((name, message),) = kvattn["failures"]
     assert name == "long"
     # One row arrived: page 0 is committed with one slot, the other eight stay RESERVED.
     assert "reads: UNWRITTEN on logical page(s) 0 (block" in message
@@ -167,6 +186,7 @@ def test_disaggregated_incident_fails_the_request_on_kvattn(disaggregated):
 
 # -- the OpenAI-compatible server, multi-process as usual ---------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -180,21 +200,47 @@ def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggre
     shutil.rmtree(store, ignore_errors=True)
     shutil.copytree(runs.dir / "store-kvattn", store)
     port = _free_port()
-    transfer = {"kv_connector": "CheckedExampleConnector",
-                "kv_connector_module_path": "kvattn.integrations.vllm_connector",
-                "kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path":
-                                                                       str(store)}}
+    transfer = {
+        "kv_connector": "CheckedExampleConnector",
+        "kv_connector_module_path": "kvattn.integrations.vllm_connector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
     env = _env(kvattn=True)
     del env["VLLM_ENABLE_V1_MULTIPROCESSING"]
     log_path = runs.dir / "serve.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [str(VENV_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(runs.model),
-             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size",
-             "32", "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes",
-             str(32 << 20), "--max-num-batched-tokens", "64", "--no-enable-prefix-caching",
-             "--kv-transfer-config", json.dumps(transfer)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(VENV_PY),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(runs.model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--block-size",
+                "32",
+                "--enforce-eager",
+                "--max-model-len",
+                "512",
+                "--kv-cache-memory-bytes",
+                str(32 << 20),
+                "--max-num-batched-tokens",
+                "64",
+                "--no-enable-prefix-caching",
+                "--kv-transfer-config",
+                json.dumps(transfer),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         engines.wait_healthy(base, server, log_path, 240)
@@ -216,15 +262,23 @@ def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggre
 
 # -- prefix-cache hits on blocks written in the same step ------------------------------------
 
+
 @pytest.fixture(scope="module")
 def same_step(runs):
-    return runs.shared("same_step", lambda: runs.drive(
-        [("same-step-stock", DRIVER, False, ("same_step",)),
-         ("same-step-kvattn", DRIVER, True, ("same_step",))]))
+    return runs.shared(
+        "same_step",
+        lambda: runs.drive(
+            [
+                ("same-step-stock", DRIVER, False, ("same_step",)),
+                ("same-step-kvattn", DRIVER, True, ("same_step",)),
+            ]
+        ),
+    )
 
 
-@pytest.mark.parametrize("batch, hits", [("duplicate", [0, 64]), ("parallel", [64]),
-                                         ("system_prompt", [0, 64, 64])])
+@pytest.mark.parametrize(
+    "batch, hits", [("duplicate", [0, 64]), ("parallel", [64]), ("system_prompt", [0, 64, 64])]
+)
 def test_same_step_prefix_hits_pass_with_vllm_defaults(same_step, batch, hits):
     """A request admitted in the step that writes the blocks it hits (a duplicate prompt, the
     second sample of ``n=2``, a shared system prompt) gets vLLM's own tokens and hit count; the

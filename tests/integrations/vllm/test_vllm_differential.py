@@ -8,6 +8,7 @@ tokens from the clean run of the same requests) while vLLM's own attention answe
 with other tokens (the fault is real). The counts are printed (``pytest -s``) and written to
 build/differential/vllm.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,15 @@ if why_no_vllm():
 def runs():
     runs = engines.Runs()
     seeds = ",".join(map(str, SEEDS))
-    return runs.shared("differential", lambda: runs.drive(
-        [("differential-stock", DRIVER, False, (seeds,)),
-         ("differential-kvattn", DRIVER, True, (seeds,))]))
+    return runs.shared(
+        "differential",
+        lambda: runs.drive(
+            [
+                ("differential-stock", DRIVER, False, (seeds,)),
+                ("differential-kvattn", DRIVER, True, (seeds,)),
+            ]
+        ),
+    )
 
 
 def _answer(result: dict):
@@ -68,8 +75,9 @@ def test_fault_fails_the_victim_and_only_the_victim(runs, seed, fault):
     victim = kvattn["victim"]
     assert kvattn["injected"] and stock["injected"], "the fault was never injected"
     # The same requests, clean, on both attentions; vLLM's answers the victim otherwise faulted.
-    assert {n: _answer(r) for n, r in kvattn["reference"].items()} == \
-        {n: _answer(r) for n, r in stock["reference"].items()}
+    assert {n: _answer(r) for n, r in kvattn["reference"].items()} == {
+        n: _answer(r) for n, r in stock["reference"].items()
+    }
     assert _answer(stock["faulted"][victim]) != _answer(stock["reference"][victim])
     assert stock["failures"] == []
     assert [name for name, _ in kvattn["failures"]] == [victim]
@@ -106,14 +114,20 @@ def test_counts(runs):
             run = kvattn["faults"][fault]
             totals["faults_injected"] += run["injected"]
             totals["faults_detected"] += [n for n, _ in run["failures"]] == [run["victim"]]
-            totals["faults_changing_vllm_answer"] += (
-                _answer(stock["faults"][fault]["faulted"][run["victim"]])
-                != _answer(stock["faults"][fault]["reference"][run["victim"]]))
+            totals["faults_changing_vllm_answer"] += _answer(
+                stock["faults"][fault]["faulted"][run["victim"]]
+            ) != _answer(stock["faults"][fault]["reference"][run["victim"]])
     out = ROOT / "build" / "differential"
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm.json").write_text(json.dumps(dict(seeds=list(SEEDS), **totals), indent=1))
     print("vLLM differential suite:", ", ".join(f"{k} {v}" for k, v in totals.items()))
-    for key in ("parallel_requests", "aborts", "requests_with_prefix_hits", "same_step_hit_blocks",
-                "cached_blocks_reused", "preemptions"):
+    for key in (
+        "parallel_requests",
+        "aborts",
+        "requests_with_prefix_hits",
+        "same_step_hit_blocks",
+        "cached_blocks_reused",
+        "preemptions",
+    ):
         assert totals[key] > 0, key
     assert totals["faults_detected"] == totals["faults_injected"] == len(SEEDS) * len(FAULTS)

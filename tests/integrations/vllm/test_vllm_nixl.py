@@ -17,6 +17,7 @@ answers with other tokens. The
 two instances behind OpenAI servers: the padded placeholder gets a 200 with other tokens from
 vLLM, an error status from kvattn.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,9 @@ import subprocess
 import time
 
 import pytest
+from vllm_prompts import EARLIER, LONG, SHORT, WARMUPS
 
 from kvattn_testing import engines
-from vllm_prompts import EARLIER, LONG, SHORT, WARMUPS
 from kvattn_testing.engines import ROOT, VENV_PY, why_no_vllm
 
 DRIVER = ROOT / "tests" / "integrations" / "vllm" / "vllm_nixl.py"
@@ -44,8 +45,10 @@ if why_no_vllm():
 def why_no_nixl() -> str | None:
     probe = subprocess.run([str(VENV_PY), "-c", "import nixl._api"], capture_output=True, text=True)
     if probe.returncode != 0:
-        return ("NIXL is not installed in build/venv-vllm (make vllm-env installs nixl-cu12): "
-                + (probe.stderr.strip().splitlines() or ["no output"])[-1])
+        return (
+            "NIXL is not installed in build/venv-vllm (make vllm-env installs nixl-cu12): "
+            + (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        )
     return None
 
 
@@ -84,20 +87,44 @@ class Runs(engines.Runs):
             for role in ("prefill", "decode"):
                 log = open(work / f"{role}.log", "w")
                 procs[role] = subprocess.Popen(
-                    [str(VENV_PY), str(DRIVER), role, str(self.model), str(work / f"{role}.json"),
-                     str(work), *ports], env=engines.env(kvattn), stdout=log,
-                    stderr=subprocess.STDOUT, cwd=ROOT)
+                    [
+                        str(VENV_PY),
+                        str(DRIVER),
+                        role,
+                        str(self.model),
+                        str(work / f"{role}.json"),
+                        str(work),
+                        *ports,
+                    ],
+                    env=engines.env(kvattn),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
                 log.close()
             self._supervise(name, work, procs)
             for role in procs:
                 out[f"{role}-{name}"] = json.loads((work / f"{role}.json").read_text())
         local = self.dir / "nixl-local.json"
-        subprocess.run([str(VENV_PY), str(DRIVER), "local", str(self.model), str(local),
-                        str(self.dir), "0", "0"], env=engines.env(False), check=True,
-                       capture_output=True, timeout=START_S, cwd=ROOT)
+        subprocess.run(
+            [
+                str(VENV_PY),
+                str(DRIVER),
+                "local",
+                str(self.model),
+                str(local),
+                str(self.dir),
+                "0",
+                "0",
+            ],
+            env=engines.env(False),
+            check=True,
+            capture_output=True,
+            timeout=START_S,
+            cwd=ROOT,
+        )
         out["local"] = json.loads(local.read_text())
         return out
-
 
     @staticmethod
     def _supervise(name: str, work, procs: dict) -> None:
@@ -213,21 +240,49 @@ def _serve(model, port: str, side_channel: str, kvattn: bool, role: str, log_pat
     # ones and spin there.
     # UCX_MODULES: as in vllm_nixl.py (no InfiniBand module on the loopback; with
     # rdma-core installed it would crash the process at exit).
-    env.update(UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo", UCX_MODULES="^ib,rdmacm",
-               VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-               VLLM_NIXL_SIDE_CHANNEL_PORT=side_channel, VLLM_CPU_OMP_THREADS_BIND="nobind",
-               OMP_WAIT_POLICY="PASSIVE")
+    env.update(
+        UCX_TLS="tcp,self,sm",
+        UCX_NET_DEVICES="lo",
+        UCX_MODULES="^ib,rdmacm",
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_PORT=side_channel,
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_WAIT_POLICY="PASSIVE",
+    )
     transfer = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
     if kvattn:
-        transfer.update(kv_connector="CheckedNixlConnector",
-                        kv_connector_module_path="kvattn.integrations.vllm_connector")
+        transfer.update(
+            kv_connector="CheckedNixlConnector",
+            kv_connector_module_path="kvattn.integrations.vllm_connector",
+        )
     with open(log_path, "w") as log:
         return subprocess.Popen(
-            [str(VENV_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--host", "127.0.0.1", "--port", port, "--dtype", "float32", "--block-size", "32",
-             "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20),
-             "--kv-transfer-config", json.dumps(transfer), *extra],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(VENV_PY),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                port,
+                "--dtype",
+                "float32",
+                "--block-size",
+                "32",
+                "--enforce-eager",
+                "--kv-cache-memory-bytes",
+                str(32 << 20),
+                "--kv-transfer-config",
+                json.dumps(transfer),
+                *extra,
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def _over_http(model, work, kvattn: bool) -> dict:
@@ -236,10 +291,21 @@ def _over_http(model, work, kvattn: bool) -> dict:
     to the decode server."""
     ports = free_ports(4)  # HTTP and side channel, per instance
     logs = {role: work / f"{role}-{'kvattn' if kvattn else 'stock'}.log" for role in ("p", "d")}
-    prefill = _serve(model, ports[0], ports[1], kvattn, "kv_producer", logs["p"],
-                     "--max-model-len", str(PREFILL_CAPACITY), "--num-gpu-blocks-override", "40")
-    decode = _serve(model, ports[2], ports[3], kvattn, "kv_consumer", logs["d"],
-                    "--max-model-len", "512")
+    prefill = _serve(
+        model,
+        ports[0],
+        ports[1],
+        kvattn,
+        "kv_producer",
+        logs["p"],
+        "--max-model-len",
+        str(PREFILL_CAPACITY),
+        "--num-gpu-blocks-override",
+        "40",
+    )
+    decode = _serve(
+        model, ports[2], ports[3], kvattn, "kv_consumer", logs["d"], "--max-model-len", "512"
+    )
     out: dict = {}
     try:
         p_base, d_base = (f"http://127.0.0.1:{port}" for port in (ports[0], ports[2]))
@@ -248,15 +314,20 @@ def _over_http(model, work, kvattn: bool) -> dict:
         body = dict(model=str(model), temperature=0, return_token_ids=True)
 
         def prefilled(tokens):
-            status, reply = engines.post(p_base + "/v1/completions", dict(
-                body, prompt=tokens, max_tokens=1,
-                kv_transfer_params={"do_remote_decode": True}))
+            status, reply = engines.post(
+                p_base + "/v1/completions",
+                dict(
+                    body, prompt=tokens, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+                ),
+            )
             assert status == 200, reply
             return reply["kv_transfer_params"]
 
         def decoded(tokens, params):
-            status, reply = engines.post(d_base + "/v1/completions", dict(
-                body, prompt=tokens, max_tokens=8, ignore_eos=True, kv_transfer_params=params))
+            status, reply = engines.post(
+                d_base + "/v1/completions",
+                dict(body, prompt=tokens, max_tokens=8, ignore_eos=True, kv_transfer_params=params),
+            )
             return status, reply["choices"][0]["token_ids"] if status == 200 else reply
 
         earlier = [prefilled(t) for t in EARLIER]
@@ -266,8 +337,11 @@ def _over_http(model, work, kvattn: bool) -> dict:
         out["short"] = decoded(SHORT, prefilled(SHORT))
         placeholder = prefilled(LONG[:1])
         others = [b for e in earlier for b in e["remote_block_ids"][0]]
-        padded = dict(placeholder, remote_num_tokens=len(LONG),
-                      remote_block_ids=[placeholder["remote_block_ids"][0] + others[:9]])
+        padded = dict(
+            placeholder,
+            remote_num_tokens=len(LONG),
+            remote_block_ids=[placeholder["remote_block_ids"][0] + others[:9]],
+        )
         out["padded"] = decoded(LONG, padded)
     finally:
         engines.stop_server(decode)

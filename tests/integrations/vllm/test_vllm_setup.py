@@ -5,21 +5,28 @@ proposers it takes, and the ones it refuses naming them. Plain kvattn code
 
 def _vllm_config(cache_dtype="auto", speculative=None, multimodal=False, encoder_decoder=False):
     from types import SimpleNamespace
-    return SimpleNamespace(speculative_config=speculative,
-                           cache_config=SimpleNamespace(cache_dtype=cache_dtype),
-                           scheduler_config=SimpleNamespace(async_scheduling=False),
-                           model_config=SimpleNamespace(is_multimodal_model=multimodal,
-                                                        is_encoder_decoder=encoder_decoder))
+
+    return SimpleNamespace(
+        speculative_config=speculative,
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        scheduler_config=SimpleNamespace(async_scheduling=False),
+        model_config=SimpleNamespace(
+            is_multimodal_model=multimodal, is_encoder_decoder=encoder_decoder
+        ),
+    )
 
 
 def test_vllm_plugin_takes_the_fp8_caches_it_writes():
     """vLLM's fp8 cache dtypes and the n-gram proposer are accepted when the engine is set up
     (plain kvattn code: no vLLM install needed)."""
     from kvattn.integrations import vllm as integration
+
     for dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
         integration._refuse_unsupported(_vllm_config(dtype))
-    # The n-gram proposer's drafts are verified by a causal extend (tests/integrations/vllm/test_vllm_spec.py).
+    # The n-gram proposer's drafts are verified by a causal extend
+    # (tests/integrations/vllm/test_vllm_spec.py).
     from types import SimpleNamespace
+
     integration._refuse_unsupported(_vllm_config(speculative=SimpleNamespace(method="ngram")))
 
 
@@ -29,19 +36,24 @@ def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
     import pytest
 
     from kvattn.integrations import vllm as integration
-    with pytest.raises(integration.IntegrationError,
-                       match=r"KV cache dtype 'fp8_inc' \(use 'auto' or one of 'fp8', 'fp8_e4m3', "
-                             r"'fp8_e5m2'\)"):
+
+    with pytest.raises(
+        integration.IntegrationError,
+        match=r"KV cache dtype 'fp8_inc' \(use 'auto' or one of 'fp8', 'fp8_e4m3', "
+        r"'fp8_e5m2'\)",
+    ):
         integration._refuse_unsupported(_vllm_config("fp8_inc"))
     from types import SimpleNamespace
+
     for method in ("eagle", "eagle3", "draft_model", "mtp", "suffix"):
         config = _vllm_config(speculative=SimpleNamespace(method=method))
-        with pytest.raises(integration.IntegrationError,
-                           match=rf"speculative decoding with method '{method}' "
-                                 r"\(supported: 'ngram'"):
+        with pytest.raises(
+            integration.IntegrationError,
+            match=rf"speculative decoding with method '{method}' "
+            r"\(supported: 'ngram'",
+        ):
             integration._refuse_unsupported(config)
     with pytest.raises(integration.IntegrationError, match="multimodal models"):
         integration._refuse_unsupported(_vllm_config(multimodal=True))
     with pytest.raises(integration.IntegrationError, match="encoder-decoder models"):
         integration._refuse_unsupported(_vllm_config(encoder_decoder=True))
-

@@ -12,6 +12,7 @@ answer's accepted drafts filled; then a foreign block-table entry, which
 fails only its victim on kvattn and changes the victim's answer on vLLM's. Other proposers (a draft
 model, EAGLE, tree drafts) are refused when the engine is set up (test_vllm_setup.py).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -31,9 +32,13 @@ if why_no_vllm():
 @pytest.fixture(scope="module")
 def spec():
     runs = engines.Runs()
-    results = runs.shared("spec", lambda: runs.drive(
-        [("spec-stock", DRIVER, False, ("spec",)), ("spec-kvattn", DRIVER, True, ("spec",))],
-        family="llama-narrow"))
+    results = runs.shared(
+        "spec",
+        lambda: runs.drive(
+            [("spec-stock", DRIVER, False, ("spec",)), ("spec-kvattn", DRIVER, True, ("spec",))],
+            family="llama-narrow",
+        ),
+    )
     return results["spec-stock"], results["spec-kvattn"]
 
 

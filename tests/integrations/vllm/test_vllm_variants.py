@@ -18,6 +18,7 @@ read nor reported. The fp8 caches' twins:
 every KV write kvattn makes is the code vLLM's own writer stores, and the model's own cache dtype
 answers otherwise.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,16 +28,26 @@ from kvattn_testing import engines
 from kvattn_testing.engines import ROOT, why_no_vllm
 
 DRIVER = ROOT / "tests" / "integrations" / "vllm" / "vllm_driver.py"
-FAMILIES = {"mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
-            "gpt-oss": "sinks", "gemma2-hybrid": "sliding_window",
-            "gpt-oss-hybrid": "sliding_window", "llama-fp8": "fp8", "llama-fp8-e5m2": "fp8_e5m2"}
+FAMILIES = {
+    "mistral": "sliding_window",
+    "gemma2": "logits_soft_cap",
+    "bloom": "alibi_slopes",
+    "gpt-oss": "sinks",
+    "gemma2-hybrid": "sliding_window",
+    "gpt-oss-hybrid": "sliding_window",
+    "llama-fp8": "fp8",
+    "llama-fp8-e5m2": "fp8_e5m2",
+}
 WINDOWS = [name for name, switch in FAMILIES.items() if switch == "sliding_window"]
 FP8 = [name for name, switch in FAMILIES.items() if switch.startswith("fp8")]  # vLLM cache dtypes
 SCORES = [name for name in FAMILIES if name not in WINDOWS + FP8]
 # vLLM's bookkeeping faults of test_vllm.py, on a block inside the victim's window: the
 # victim, and the reason its read is refused.
-WINDOW_FAULTS = {"early_free": ("victim", "OWNER_MISMATCH"), "lost_prefill": ("victim", "RESERVED"),
-                 "stale_prefix": ("reader", "RESERVED")}
+WINDOW_FAULTS = {
+    "early_free": ("victim", "OWNER_MISMATCH"),
+    "lost_prefill": ("victim", "RESERVED"),
+    "stale_prefix": ("reader", "RESERVED"),
+}
 HYBRIDS = [name for name in FAMILIES if name.endswith("-hybrid")]  # two KV cache groups
 # Both attentions compute a float32 softmax over the same float32 K/V in a different order: a
 # log-probability differs by a few float32 roundings per layer (~1e-6 relative), far below the
@@ -62,15 +73,25 @@ def _model(name: str) -> str:
 
 def _results(runs, name):
     switch = FAMILIES[name]
-    if switch.startswith("fp8") and not (torch.cpu._is_avx512_supported()
-                                         or torch.cpu._is_amx_tile_supported()):
+    if switch.startswith("fp8") and not (
+        torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+    ):
         # vLLM's CPU platform refuses an fp8 cache at setup elsewhere (cpu_attn._get_attn_isa):
         # no engine of its own to compare with, and no writer of its own to compare codes with.
-        pytest.skip("vLLM's CPU attention keeps an fp8 KV cache only on x86 with AVX-512 or AMX; "
-                    "this CPU has neither")
-    results = runs.shared(f"variants-{name}", lambda: runs.drive(
-        [(f"{name}-stock", DRIVER, False, ("variants", switch)),
-         (f"{name}-kvattn", DRIVER, True, ("variants", switch))], family=_model(name)))
+        pytest.skip(
+            "vLLM's CPU attention keeps an fp8 KV cache only on x86 with AVX-512 or AMX; "
+            "this CPU has neither"
+        )
+    results = runs.shared(
+        f"variants-{name}",
+        lambda: runs.drive(
+            [
+                (f"{name}-stock", DRIVER, False, ("variants", switch)),
+                (f"{name}-kvattn", DRIVER, True, ("variants", switch)),
+            ],
+            family=_model(name),
+        ),
+    )
     return name, results[f"{name}-stock"], results[f"{name}-kvattn"]
 
 
@@ -97,8 +118,9 @@ def _max_gap(a: dict, b: dict) -> float:
 
 def _same(a: dict, b: dict) -> bool:
     """The same answers: tokens equal, log-probabilities within LOGPROB_TOL."""
-    return ({n: r["tokens"] for n, r in a.items()} == {n: r["tokens"] for n, r in b.items()}
-            and _max_gap(a, b) < LOGPROB_TOL)
+    return {n: r["tokens"] for n, r in a.items()} == {
+        n: r["tokens"] for n, r in b.items()
+    } and _max_gap(a, b) < LOGPROB_TOL
 
 
 def test_kvattn_matches_vllm_attention(family):
@@ -125,8 +147,9 @@ def test_the_switch_changes_the_answer_on_both_attentions(score_family):
     assert _max_gap(kvattn["switch_off"], stock["switch_off"]) < LOGPROB_TOL
 
 
-def _fails_only_the_victim(real: dict, run: dict, victim: str = "victim",
-                           reason: str = "OWNER_MISMATCH") -> None:
+def _fails_only_the_victim(
+    real: dict, run: dict, victim: str = "victim", reason: str = "OWNER_MISMATCH"
+) -> None:
     """``real``: the fault on vLLM's attention, ``run``: on kvattn's."""
     assert real["injected"] and real["failures"] == []
     # The fault is real on vLLM's attention: the victim's answer moves (its tokens may not, on a
@@ -136,7 +159,7 @@ def _fails_only_the_victim(real: dict, run: dict, victim: str = "victim",
     assert run["injected"]
     assert _same(run["clean"], real["clean"])
     assert run["faulted"][victim]["finish_reason"] == "error"
-    (name, message), = run["failures"]
+    ((name, message),) = run["failures"]
     assert name == victim and reason in message
     # The others answer as in the clean run (their batches differ once the victim is gone, so
     # their log-probabilities may move by float32 roundings: LOGPROB_TOL).
@@ -217,8 +240,12 @@ def test_the_fp8_cache_changes_the_answer_on_both_attentions(fp8, runs):
     """The twin of the equality: the same requests on the model's own dtype answer otherwise (the
     cache is quantised, and kvattn reads it as such)."""
     _, stock, kvattn = fp8
-    plain = runs.shared("variants-llama-auto", lambda: runs.drive(
-        [("llama-auto-stock", DRIVER, False, ("variants", "auto"))], family="llama"))
+    plain = runs.shared(
+        "variants-llama-auto",
+        lambda: runs.drive(
+            [("llama-auto-stock", DRIVER, False, ("variants", "auto"))], family="llama"
+        ),
+    )
     wide = plain["llama-auto-stock"]["equality"]
     for run in (stock, kvattn):
         assert _max_gap(run["equality"], wide) > SWITCH_EFFECT_MIN

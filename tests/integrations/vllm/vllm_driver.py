@@ -17,6 +17,7 @@ wait for the moment it needs (a request decoding, another arriving). Each fault 
 same way on both attentions: on vLLM's own it must change the victim's tokens (the fault is real),
 on kvattn's it must fail the victim and leave the others as in the clean run.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,15 +26,25 @@ import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import torch  # noqa: E402
-from vllm_prompts import BLOCK, FILLERS, LONG, SHORT, prompt  # noqa: E402
+import torch
+from vllm_prompts import BLOCK, FILLERS, LONG, SHORT, prompt
 
 
 def make_llm(model: str, **overrides):
     from vllm import LLM
-    args = dict(model=model, dtype="float32", block_size=BLOCK, enforce_eager=True,
-                max_model_len=512, kv_cache_memory_bytes=32 << 20, max_num_seqs=8,
-                enable_prefix_caching=True, max_num_batched_tokens=64, seed=0)
+
+    args = dict(
+        model=model,
+        dtype="float32",
+        block_size=BLOCK,
+        enforce_eager=True,
+        max_model_len=512,
+        kv_cache_memory_bytes=32 << 20,
+        max_num_seqs=8,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=64,
+        seed=0,
+    )
     args.update(overrides)
     return LLM(**args)
 
@@ -54,18 +65,27 @@ class Engine:
         ``("finished", name)`` or ``("tokens", name, k)``: added once that holds. With
         ``logprobs``, each result also has the log-probability of every token it produced."""
         from vllm import SamplingParams
+
         pending = list(schedule)
         results: dict[str, dict] = {}
         produced: dict[str, int] = {}
         for _ in range(max_steps):
             for entry in list(pending):
                 name, tokens, max_tokens, after = entry
-                if after is None or (after[0] == "finished" and after[1] in results) or (
-                        after[0] == "tokens" and produced.get(after[1], 0) >= after[2]):
-                    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                            logprobs=0 if logprobs else None)
-                    self.ids[name] = self.engine.add_request(name, {"prompt_token_ids": tokens},
-                                                             params)
+                if (
+                    after is None
+                    or (after[0] == "finished" and after[1] in results)
+                    or (after[0] == "tokens" and produced.get(after[1], 0) >= after[2])
+                ):
+                    params = SamplingParams(
+                        max_tokens=max_tokens,
+                        temperature=0,
+                        ignore_eos=True,
+                        logprobs=0 if logprobs else None,
+                    )
+                    self.ids[name] = self.engine.add_request(
+                        name, {"prompt_token_ids": tokens}, params
+                    )
                     pending.remove(entry)
             if not pending and not self.engine.has_unfinished_requests():
                 break
@@ -74,11 +94,15 @@ class Engine:
                 produced[name] = len(out.outputs[0].token_ids)
                 if out.finished:
                     done = out.outputs[0]
-                    results[name] = dict(tokens=list(done.token_ids), finish_reason=done.finish_reason,
-                                         cached=out.num_cached_tokens or 0)
+                    results[name] = dict(
+                        tokens=list(done.token_ids),
+                        finish_reason=done.finish_reason,
+                        cached=out.num_cached_tokens or 0,
+                    )
                     if logprobs and done.logprobs is not None:
-                        results[name]["logprobs"] = [lp[t].logprob for t, lp in zip(done.token_ids,
-                                                                                   done.logprobs)]
+                        results[name]["logprobs"] = [
+                            lp[t].logprob for t, lp in zip(done.token_ids, done.logprobs)
+                        ]
         return results
 
     def row(self, name: str) -> int | None:
@@ -86,6 +110,7 @@ class Engine:
 
     def failures(self) -> list[tuple[str, str]]:
         from kvattn.integrations import vllm as integration
+
         state = integration.state_for(self.runner.vllm_config)
         return list(state.failures) if state is not None else []
 
@@ -126,13 +151,18 @@ def foreign_entry(engine, group: int = 0):
             result = original(scheduler_output)
             v, x = engine.row("victim"), engine.row("other")
             batch = engine.runner.input_batch
-            if v is not None and x is not None and (
-                    batch.num_computed_tokens_cpu[v] >= batch.num_prompt_tokens[v]):
+            if (
+                v is not None
+                and x is not None
+                and (batch.num_computed_tokens_cpu[v] >= batch.num_prompt_tokens[v])
+            ):
                 table = batch.block_table[group].block_table.np
                 table[v, 0] = table[x, 0]
                 done.append(True)
             return result
+
         return _update_states
+
     return done, patch(engine.runner, "_update_states", make)
 
 
@@ -151,6 +181,7 @@ def _swap_next_allocation(engine, receives, block_of, evict: bool):
                 return original(request, *args, **kwargs)
             finally:
                 armed.pop()
+
         return allocate_slots
 
     def make_get(original):
@@ -168,10 +199,13 @@ def _swap_next_allocation(engine, receives, block_of, evict: bool):
                 blocks[0] = target
                 done.append(True)
             return blocks
+
         return get_new_blocks
 
-    restores = [patch(manager, "allocate_slots", make_allocate),
-                patch(pool, "get_new_blocks", make_get)]
+    restores = [
+        patch(manager, "allocate_slots", make_allocate),
+        patch(pool, "get_new_blocks", make_get),
+    ]
     return done, lambda: [r() for r in reversed(restores)]
 
 
@@ -180,12 +214,14 @@ def early_free(engine, receives=None):
     the request named ``newcomer``)."""
     manager = engine.scheduler.kv_cache_manager
     if receives is None:
+
         def receives(request):
             return request.request_id == engine.ids.get("newcomer")
 
     def victim_block():
         blocks = manager.get_block_ids(engine.ids["victim"])[0]
         return blocks[0] if blocks else None
+
     return _swap_next_allocation(engine, receives, victim_block, evict=True)
 
 
@@ -199,11 +235,13 @@ def lost_prefill(engine):
             v = engine.row("victim")
             batch = engine.runner.input_batch
             if v is not None and batch.num_computed_tokens_cpu[v] < batch.num_prompt_tokens[v]:
-                lo, hi = engine.runner.query_start_loc.np[v:v + 2]
+                lo, hi = engine.runner.query_start_loc.np[v : v + 2]
                 batch.block_table[0].slot_mapping.gpu[lo:hi] = -1
                 done.append(True)
             return result
+
         return _prepare_inputs
+
     return done, patch(engine.runner, "_prepare_inputs", make)
 
 
@@ -213,8 +251,10 @@ def stale_prefix(engine, receives=None):
     the stale block."""
     manager = engine.scheduler.kv_cache_manager
     if receives is None:
+
         def receives(request):
             return request.request_id == engine.ids.get("overwriter")
+
     first_blocks = {}
 
     def make(original):
@@ -223,7 +263,9 @@ def stale_prefix(engine, receives=None):
             if request.request_id == engine.ids.get("writer") and "writer" not in first_blocks:
                 first_blocks["writer"] = manager.get_block_ids(request.request_id)[0][0]
             return result
+
         return allocate_slots
+
     restore_watch = patch(manager, "allocate_slots", make)
     pool = manager.block_pool
 
@@ -234,6 +276,7 @@ def stale_prefix(engine, receives=None):
         if block is None or pool.blocks[block].ref_cnt or pool.blocks[block].block_hash is None:
             return None
         return block
+
     done, restore_swap = _swap_next_allocation(engine, receives, cached_block, evict=False)
     return done, lambda: (restore_swap(), restore_watch())
 
@@ -242,23 +285,42 @@ def main_scenario(model: str) -> dict:
     engine = Engine(make_llm(model))
     out: dict = {}
     first = [(f"p{i}", prompt(10 + i, n), 8, None) for i, n in enumerate((17, 40, 75, 130))]
-    shared = [(f"s{i}", prompt(10 + i, 96)[:64] + prompt(20 + i, 10 + 7 * i), 8, ("finished", "p3"))
-              for i in (2, 3)] + [("r3", prompt(13, 130), 8, ("finished", "p3"))]
+    shared = [
+        (f"s{i}", prompt(10 + i, 96)[:64] + prompt(20 + i, 10 + 7 * i), 8, ("finished", "p3"))
+        for i in (2, 3)
+    ] + [("r3", prompt(13, 130), 8, ("finished", "p3"))]
     engine.llm.reset_prefix_cache()
     out["equality"] = engine.run(first + shared)
     v, o = prompt(30, 70), prompt(31, 50)
-    out["foreign_entry"] = scenario(engine, [("victim", v, 10, None), ("other", o, 10, None),
-                                             ("third", prompt(32, 20), 10, None)], foreign_entry)
-    out["early_free"] = scenario(engine, [("victim", v, 12, None), ("other", prompt(33, 30), 12, None),
-                                          ("newcomer", prompt(34, 45), 8, ("tokens", "victim", 2))],
-                                 early_free)
-    out["lost_prefill"] = scenario(engine, [("victim", prompt(35, 100), 8, None),
-                                            ("other", prompt(36, 40), 8, None)], lost_prefill)
+    out["foreign_entry"] = scenario(
+        engine,
+        [("victim", v, 10, None), ("other", o, 10, None), ("third", prompt(32, 20), 10, None)],
+        foreign_entry,
+    )
+    out["early_free"] = scenario(
+        engine,
+        [
+            ("victim", v, 12, None),
+            ("other", prompt(33, 30), 12, None),
+            ("newcomer", prompt(34, 45), 8, ("tokens", "victim", 2)),
+        ],
+        early_free,
+    )
+    out["lost_prefill"] = scenario(
+        engine,
+        [("victim", prompt(35, 100), 8, None), ("other", prompt(36, 40), 8, None)],
+        lost_prefill,
+    )
     a = prompt(37, 70)
-    out["stale_prefix"] = scenario(engine, [
-        ("writer", a, 4, None),
-        ("overwriter", prompt(38, 20), 6, ("finished", "writer")),
-        ("reader", a[:64] + prompt(39, 20), 8, ("finished", "overwriter"))], stale_prefix)
+    out["stale_prefix"] = scenario(
+        engine,
+        [
+            ("writer", a, 4, None),
+            ("overwriter", prompt(38, 20), 6, ("finished", "writer")),
+            ("reader", a[:64] + prompt(39, 20), 8, ("finished", "overwriter")),
+        ],
+        stale_prefix,
+    )
     out["failures_total"] = len(engine.failures())
     return out
 
@@ -269,20 +331,29 @@ def same_step_scenario(model: str) -> dict:
     sampler restricted to the top token, so the samples compare exactly), and three requests
     sharing a 64-token system prompt, each batch admitted in one step."""
     from vllm import SamplingParams
+
     llm = make_llm(model, max_num_batched_tokens=2048)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
     def generate(prompts, params=greedy):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [dict(tokens=[list(c.token_ids) for c in o.outputs],
-                     finish=[c.finish_reason for c in o.outputs], cached=o.num_cached_tokens or 0)
-                for o in outs]
+        return [
+            dict(
+                tokens=[list(c.token_ids) for c in o.outputs],
+                finish=[c.finish_reason for c in o.outputs],
+                cached=o.num_cached_tokens or 0,
+            )
+            for o in outs
+        ]
+
     out = {}
     p = prompt(60, 70)
     out["duplicate"] = generate([p, p])
     llm.reset_prefix_cache()
-    out["parallel"] = generate([prompt(61, 70)], SamplingParams(
-        n=2, max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True))
+    out["parallel"] = generate(
+        [prompt(61, 70)],
+        SamplingParams(n=2, max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True),
+    )
     llm.reset_prefix_cache()
     system = prompt(62, 64)
     out["system_prompt"] = generate([system + prompt(63 + i, 20) for i in range(3)])
@@ -297,7 +368,9 @@ SWITCH_OFF = {"logits_soft_cap": 0.0, "alibi_slopes": None, "sinks": None}
 
 def switches_off(engine: Engine, switch: str):
     """Every attention layer's ``switch`` turned off (on either attention); returns the restorer."""
-    impls = [m.impl for m in engine.runner.model.modules() if hasattr(getattr(m, "impl", None), switch)]
+    impls = [
+        m.impl for m in engine.runner.model.modules() if hasattr(getattr(m, "impl", None), switch)
+    ]
     saved = [getattr(impl, switch) for impl in impls]
     for impl in impls:
         setattr(impl, switch, SWITCH_OFF[switch])
@@ -307,6 +380,7 @@ def switches_off(engine: Engine, switch: str):
 def counts(engine: Engine) -> dict:
     """What kvattn's ledger followed (empty on vLLM's attention)."""
     from kvattn.integrations import vllm as integration
+
     state = integration.state_for(engine.runner.vllm_config)
     return dict(state.counts) if state is not None else {}
 
@@ -332,6 +406,7 @@ def compare_fp8_writes(engine: Engine, cache_dtype: str):
     from vllm import _custom_ops as ops
 
     from kvattn.integrations.vllm_backend import KVAttnImpl
+
     tally = {"calls": 0, "elements": 0, "mismatches": 0}
 
     def make(original):
@@ -345,10 +420,17 @@ def compare_fp8_writes(engine: Engine, cache_dtype: str):
             d = self.head_size
             scratch = torch.zeros_like(kv_cache)
             keys, values = scratch.view(nb, hk, bs * 2, d).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(key[:n], value[:n], keys, values, slot_mapping[:n],
-                                           "vec", k_scale=layer._k_scale_float,
-                                           v_scale=layer._v_scale_float,
-                                           kv_cache_dtype=cache_dtype)
+            ops.cpu_attn_reshape_and_cache(
+                key[:n],
+                value[:n],
+                keys,
+                values,
+                slot_mapping[:n],
+                "vec",
+                k_scale=layer._k_scale_float,
+                v_scale=layer._v_scale_float,
+                kv_cache_dtype=cache_dtype,
+            )
             want_k, want_v = vllm_rows(scratch, d)
             got_k, got_v = (t.view(torch.uint8) for t in self._pools(kv_cache))
             slots = slot_mapping[:n][live].long()
@@ -357,7 +439,9 @@ def compare_fp8_writes(engine: Engine, cache_dtype: str):
                 tally["elements"] += got[page, slot].numel()
                 tally["mismatches"] += int((got[page, slot] != want[page, slot]).sum())
             tally["calls"] += 1
+
         return do_kv_cache_update
+
     return tally, patch(KVAttnImpl, "do_kv_cache_update", make)
 
 
@@ -367,9 +451,11 @@ def probe_fp8_codes(cache_dtype: str) -> dict:
     signs, zeros, infinities, NaN, values past the format's largest), in each source dtype and
     for scales below, at and above 1: the elements compared, those that differ, and of those the
     ones kvattn's rule documents (a negative float32-subnormal quotient: vLLM -0, kvattn +0)."""
-    import kvattn
     from vllm import _custom_ops as ops
+
+    import kvattn
     from kvattn.integrations.vllm import FP8_CACHE_DTYPES
+
     fmt = FP8_CACHE_DTYPES[cache_dtype]
     nb, hk, bs, d = 8, 2, BLOCK, 64
     g = torch.Generator().manual_seed(0)
@@ -380,19 +466,38 @@ def probe_fp8_codes(cache_dtype: str) -> dict:
             mags = torch.exp(torch.empty(n, hk, d).uniform_(-100, 25, generator=g))
             signs = torch.randint(0, 2, (n, hk, d), generator=g) * 2 - 1
             x = mags * signs
-            x.view(-1)[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
-                                           1e30, -1e30, 1e-45])
+            x.view(-1)[:8] = torch.tensor(
+                [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e30, -1e30, 1e-45]
+            )
             x = x.to(src)
             cache = torch.zeros(nb, hk, bs, 2 * d, dtype=torch.uint8)
             keys, values = cache.view(nb, hk, bs * 2, d).chunk(2, dim=2)
             slots = torch.arange(n)
-            ops.cpu_attn_reshape_and_cache(x, x, keys, values, slots, "vec", k_scale=scale,
-                                           v_scale=scale, kv_cache_dtype=cache_dtype)
+            ops.cpu_attn_reshape_and_cache(
+                x,
+                x,
+                keys,
+                values,
+                slots,
+                "vec",
+                k_scale=scale,
+                v_scale=scale,
+                kv_cache_dtype=cache_dtype,
+            )
             want, _ = vllm_rows(cache, d)
             pools = torch.zeros(nb, bs, hk, d, dtype=fmt), torch.zeros(nb, bs, hk, d, dtype=fmt)
             tags = torch.full((nb,), kvattn.reserved_tag(1))
-            kvattn.write_kv(x, x, *pools, slots, tags, 1, k_scale=scale, v_scale=scale,
-                            fp8_rounding="toward_zero")
+            kvattn.write_kv(
+                x,
+                x,
+                *pools,
+                slots,
+                tags,
+                1,
+                k_scale=scale,
+                v_scale=scale,
+                fp8_rounding="toward_zero",
+            )
             got = pools[0].view(torch.uint8)
             differ = got.reshape(n, hk, d) != want.reshape(n, hk, d)
             q = x.float() / torch.tensor(scale)
@@ -420,9 +525,15 @@ def variants_scenario(model: str, switch: str) -> dict:
     with open(os.path.join(model, "config.json")) as f:
         groups = len(set(json.load(f).get("layer_types") or ["one"]))  # vLLM's KV cache groups
     # 20 blocks a group: a request holds blocks in every group.
-    engine = Engine(make_llm(model, **(dict(num_gpu_blocks_override=20 * groups) if window else {}),
-                             **(dict(kv_cache_dtype=switch) if cache else {})))
+    engine = Engine(
+        make_llm(
+            model,
+            **(dict(num_gpu_blocks_override=20 * groups) if window else {}),
+            **(dict(kv_cache_dtype=switch) if cache else {}),
+        )
+    )
     from kvattn.integrations import vllm as integration
+
     tally, restore_tally = ({}, lambda: None)
     if fp8 and integration.enabled():
         tally, restore_tally = compare_fp8_writes(engine, switch)
@@ -433,8 +544,10 @@ def variants_scenario(model: str, switch: str) -> dict:
     # decoding, while the blocks under the hit's window still serve p3 (vLLM's sliding-window
     # lookup found no hit here on blocks the window had left), and the blocks before it come as
     # vLLM's null block.
-    shared = prompt(13, 130)[:128 if window else 64]
-    schedule.append(("s3", shared + prompt(23, 30), new, ("tokens", "p3", 1) if window else ("finished", "p3")))
+    shared = prompt(13, 130)[: 128 if window else 64]
+    schedule.append(
+        ("s3", shared + prompt(23, 30), new, ("tokens", "p3", 1) if window else ("finished", "p3"))
+    )
     engine.llm.reset_prefix_cache()
     out["equality"] = engine.run(schedule, logprobs=True)
     restore_tally()
@@ -447,33 +560,59 @@ def variants_scenario(model: str, switch: str) -> dict:
         finally:
             restore()
         out["layers_switched"] = layers
-    out["foreign_entry"] = scenario(engine, [("victim", prompt(30, 70), 10, None),
-                                             ("other", prompt(31, 50), 10, None),
-                                             ("third", prompt(32, 20), 10, None)], foreign_entry,
-                                    logprobs=True)
+    out["foreign_entry"] = scenario(
+        engine,
+        [
+            ("victim", prompt(30, 70), 10, None),
+            ("other", prompt(31, 50), 10, None),
+            ("third", prompt(32, 20), 10, None),
+        ],
+        foreign_entry,
+        logprobs=True,
+    )
     if groups > 1:  # the full-attention layers' group
-        out["foreign_entry_full"] = scenario(engine, [("victim", prompt(30, 70), 10, None),
-                                                      ("other", prompt(31, 50), 10, None)],
-                                             lambda e: foreign_entry(e, group=1), logprobs=True)
+        out["foreign_entry_full"] = scenario(
+            engine,
+            [("victim", prompt(30, 70), 10, None), ("other", prompt(31, 50), 10, None)],
+            lambda e: foreign_entry(e, group=1),
+            logprobs=True,
+        )
     if window:
-        out["before_window"] = scenario(engine, [("victim", prompt(33, 130), 10, None),
-                                                 ("other", prompt(34, 50), 10, None)], foreign_entry,
-                                        logprobs=True)
+        out["before_window"] = scenario(
+            engine,
+            [("victim", prompt(33, 130), 10, None), ("other", prompt(34, 50), 10, None)],
+            foreign_entry,
+            logprobs=True,
+        )
         # The other bookkeeping faults, each on a block inside the victim's window when it is
         # read (the window is 48 tokens; the victims' first blocks are still in it).
-        out["early_free"] = scenario(engine, [("victim", prompt(30, 70), 12, None),
-                                              ("other", prompt(33, 30), 12, None),
-                                              ("newcomer", prompt(34, 45), 8,
-                                               ("tokens", "victim", 2))], early_free, logprobs=True)
-        out["lost_prefill"] = scenario(engine, [("victim", prompt(35, 100), 8, None),
-                                                ("other", prompt(36, 40), 8, None)], lost_prefill,
-                                       logprobs=True)
+        out["early_free"] = scenario(
+            engine,
+            [
+                ("victim", prompt(30, 70), 12, None),
+                ("other", prompt(33, 30), 12, None),
+                ("newcomer", prompt(34, 45), 8, ("tokens", "victim", 2)),
+            ],
+            early_free,
+            logprobs=True,
+        )
+        out["lost_prefill"] = scenario(
+            engine,
+            [("victim", prompt(35, 100), 8, None), ("other", prompt(36, 40), 8, None)],
+            lost_prefill,
+            logprobs=True,
+        )
         a = prompt(37, 70)
-        out["stale_prefix"] = scenario(engine, [
-            ("writer", a, 4, None),
-            ("overwriter", prompt(38, 20), 6, ("finished", "writer")),
-            ("reader", a[:64] + prompt(39, 20), 8, ("finished", "overwriter"))], stale_prefix,
-            logprobs=True)
+        out["stale_prefix"] = scenario(
+            engine,
+            [
+                ("writer", a, 4, None),
+                ("overwriter", prompt(38, 20), 6, ("finished", "writer")),
+                ("reader", a[:64] + prompt(39, 20), 8, ("finished", "overwriter")),
+            ],
+            stale_prefix,
+            logprobs=True,
+        )
     out["failures_total"] = len(engine.failures())
     out["counts"] = counts(engine)
     return out
@@ -488,6 +627,7 @@ def _transfer_dir(storage: str, tokens: list[int]) -> str:
     """The folder the debug connector keys a prompt's transfer by (its prompt, block-aligned)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import align_to_block_size
     from vllm.utils.hashing import safe_hash
+
     n = align_to_block_size(len(tokens), BLOCK)
     data = torch.tensor(tokens)[:n].numpy().tobytes()
     return os.path.join(storage, safe_hash(data, usedforsecurity=False).hexdigest())
@@ -501,18 +641,23 @@ def produce_scenario(model: str, storage: str) -> dict:
     placeholder (its first token), transfers that one token of KV under the long prompt's key and
     reports the transfer done."""
     import safetensors.torch
-    transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": storage}}
+
+    transfer = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": storage},
+    }
     engine = Engine(make_llm(model, max_model_len=PREFILL_CAPACITY, kv_transfer_config=transfer))
     from vllm.exceptions import VLLMValidationError
+
     refused = ""
     try:
         engine.run([("long", LONG, 1, None)])
     except VLLMValidationError as e:
         refused = str(e).splitlines()[0]
     # The placeholder's KV: the first token of the long prompt, prefilled here, one row kept.
-    engine.run([("short", SHORT, 1, None), ("head", LONG[:BLOCK + 2], 1, None)])
-    head, target = _transfer_dir(storage, LONG[:BLOCK + 2]), _transfer_dir(storage, LONG)
+    engine.run([("short", SHORT, 1, None), ("head", LONG[: BLOCK + 2], 1, None)])
+    head, target = _transfer_dir(storage, LONG[: BLOCK + 2]), _transfer_dir(storage, LONG)
     os.makedirs(target, exist_ok=True)
     for name in sorted(os.listdir(head)):
         rows = safetensors.torch.load_file(os.path.join(head, name))["kv_cache"]
@@ -523,11 +668,20 @@ def produce_scenario(model: str, storage: str) -> dict:
 def decode_scenario(model: str, storage: str) -> dict:
     """The decode instance, loading through the checked receiver: earlier requests fill the pool,
     then the short prompt (transferred whole) and the long one (one row of KV arrived)."""
-    transfer = {"kv_connector": "CheckedExampleConnector",
-                "kv_connector_module_path": "kvattn.integrations.vllm_connector",
-                "kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_storage_path": storage}}
-    engine = Engine(make_llm(model, kv_transfer_config=transfer, num_gpu_blocks_override=20,
-                             enable_prefix_caching=False))
+    transfer = {
+        "kv_connector": "CheckedExampleConnector",
+        "kv_connector_module_path": "kvattn.integrations.vllm_connector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"shared_storage_path": storage},
+    }
+    engine = Engine(
+        make_llm(
+            model,
+            kv_transfer_config=transfer,
+            num_gpu_blocks_override=20,
+            enable_prefix_caching=False,
+        )
+    )
     out = {}
     for i, tokens in enumerate(FILLERS):
         out.update(engine.run([(f"filler{i}", tokens, 4, None)]))
@@ -545,14 +699,21 @@ def local_scenario(model: str) -> dict:
 
 # vLLM's n-gram proposer: up to 3 draft tokens a step, from the longest match of the last 1-4
 # tokens earlier in the request's own tokens.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 1}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+}
 
 
 def spec_counters(llm) -> dict:
     """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens) so far."""
-    return {m.name.split("spec_decode_")[1]: m.value for m in llm.get_metrics()
-            if "spec_decode_num" in m.name and hasattr(m, "value")}
+    return {
+        m.name.split("spec_decode_")[1]: m.value
+        for m in llm.get_metrics()
+        if "spec_decode_num" in m.name and hasattr(m, "value")
+    }
 
 
 def spec_scenario(model: str) -> dict:
@@ -567,18 +728,27 @@ def spec_scenario(model: str) -> dict:
     loop = (prompt(40, 12) * 6)[:70]
     # A long answer fills five blocks, each ending at an accepted draft or at a step's first
     # token as the acceptance falls.
-    schedule = [("loop", loop, 160, None), ("p1", prompt(41, 37), 48, None),
-                ("p2", prompt(42, 90), 40, None),
-                ("shared", loop[:64] + prompt(43, 9), 32, ("finished", "loop"))]
+    schedule = [
+        ("loop", loop, 160, None),
+        ("p1", prompt(41, 37), 48, None),
+        ("p2", prompt(42, 90), 40, None),
+        ("shared", loop[:64] + prompt(43, 9), 32, ("finished", "loop")),
+    ]
     llm.reset_prefix_cache()
     out: dict = {"equality": engine.run(schedule, logprobs=True), "spec": spec_counters(llm)}
     # The next turn of "loop": its prompt is the first's and its answer, so it hits the blocks
     # that accepted drafts filled.
     second = loop + out["equality"]["loop"]["tokens"] + prompt(44, 7)
     out["second_turn"] = engine.run([("second", second, 16, None)], logprobs=True)
-    out["foreign_entry"] = scenario(engine, [("victim", prompt(30, 70), 24, None),
-                                             ("other", prompt(31, 50), 24, None),
-                                             ("third", prompt(32, 20), 24, None)], foreign_entry)
+    out["foreign_entry"] = scenario(
+        engine,
+        [
+            ("victim", prompt(30, 70), 24, None),
+            ("other", prompt(31, 50), 24, None),
+            ("third", prompt(32, 20), 24, None),
+        ],
+        foreign_entry,
+    )
     out["spec_total"] = spec_counters(llm)
     out["counts"] = counts(engine)
     out["failures_total"] = len(engine.failures())
@@ -588,8 +758,14 @@ def spec_scenario(model: str) -> dict:
 if __name__ == "__main__":
     name, model_dir, out_path = sys.argv[1:4]
     extra = sys.argv[4:]
-    result = {"main": main_scenario, "produce": produce_scenario, "decode": decode_scenario,
-              "local": local_scenario, "same_step": same_step_scenario,
-              "variants": variants_scenario, "spec": spec_scenario}[name](model_dir, *extra)
+    result = {
+        "main": main_scenario,
+        "produce": produce_scenario,
+        "decode": decode_scenario,
+        "local": local_scenario,
+        "same_step": same_step_scenario,
+        "variants": variants_scenario,
+        "spec": spec_scenario,
+    }[name](model_dir, *extra)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

@@ -20,26 +20,49 @@ do (two KV cache groups in vLLM). ``llama-narrow`` is the tiny Llama drawn with 
 initialiser (0.02): its greedy answers settle into short loops, so vLLM's n-gram proposer finds
 drafts that are accepted (test_vllm_spec.py).
 """
+
 from __future__ import annotations
 
 import argparse
 
 GEOMETRIES = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                        num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                        vocab_size=49152),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
+    "smollm-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+    ),
 }
 
 
 # The score switch each family's attention layers hand vLLM's attention backend.
-FAMILIES = {"llama": None, "llama-narrow": None, "mistral": "sliding_window", "gemma2": "logits_soft_cap", "bloom": "alibi_slopes",
-            "gpt-oss": "sinks", "gemma2-hybrid": "sliding_window", "gpt-oss-hybrid": "sliding_window"}
+FAMILIES = {
+    "llama": None,
+    "llama-narrow": None,
+    "mistral": "sliding_window",
+    "gemma2": "logits_soft_cap",
+    "bloom": "alibi_slopes",
+    "gpt-oss": "sinks",
+    "gemma2-hybrid": "sliding_window",
+    "gpt-oss-hybrid": "sliding_window",
+}
 MISTRAL_WINDOW = 48  # tokens: the query and the 47 before it
 
 
-def build(out_dir: str, geometry: str = "tiny", max_positions: int = 2048, family: str = "llama") -> None:
+def build(
+    out_dir: str, geometry: str = "tiny", max_positions: int = 2048, family: str = "llama"
+) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -51,18 +74,24 @@ def build(out_dir: str, geometry: str = "tiny", max_positions: int = 2048, famil
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
-                            eos_token="</s>").save_pretrained(out_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(out_dir)
     vocab_size = shape.pop("vocab_size", len(vocab))
     torch.manual_seed(0)
     if family not in ("llama", "llama-narrow"):
         _family_model(family, vocab, max_positions).save_pretrained(out_dir)
         return
-    config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=max_positions,
-                         tie_word_embeddings=False,
-                         initializer_range=0.02 if family == "llama-narrow" else 0.2,
-                         bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"],
-                         torch_dtype="float32", **shape)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        initializer_range=0.02 if family == "llama-narrow" else 0.2,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        torch_dtype="float32",
+        **shape,
+    )
     LlamaForCausalLM(config).save_pretrained(out_dir)
 
 
@@ -71,22 +100,41 @@ def _family_model(family: str, vocab: dict, max_positions: int):
     import transformers
 
     tiny = GEOMETRIES["tiny"]
-    common = dict(vocab_size=len(vocab), initializer_range=0.2, bos_token_id=vocab["<s>"],
-                  eos_token_id=vocab["</s>"], torch_dtype="float32")
-    attention = dict(hidden_size=tiny["hidden_size"], num_hidden_layers=tiny["num_hidden_layers"],
-                     num_attention_heads=tiny["num_attention_heads"],
-                     num_key_value_heads=tiny["num_key_value_heads"], head_dim=tiny["head_dim"],
-                     max_position_embeddings=max_positions)
+    common = dict(
+        vocab_size=len(vocab),
+        initializer_range=0.2,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        torch_dtype="float32",
+    )
+    attention = dict(
+        hidden_size=tiny["hidden_size"],
+        num_hidden_layers=tiny["num_hidden_layers"],
+        num_attention_heads=tiny["num_attention_heads"],
+        num_key_value_heads=tiny["num_key_value_heads"],
+        head_dim=tiny["head_dim"],
+        max_position_embeddings=max_positions,
+    )
     full = ["full_attention"] * tiny["num_hidden_layers"]
     hybrid = family.endswith("-hybrid")
     family = family.removesuffix("-hybrid")
     # Window and full layers alternating (window first, as vLLM's gpt-oss places it).
-    windows = (dict(layer_types=["sliding_attention", "full_attention"] * (tiny["num_hidden_layers"] // 2),
-                    sliding_window=MISTRAL_WINDOW) if hybrid else dict(layer_types=full))
+    windows = (
+        dict(
+            layer_types=["sliding_attention", "full_attention"] * (tiny["num_hidden_layers"] // 2),
+            sliding_window=MISTRAL_WINDOW,
+        )
+        if hybrid
+        else dict(layer_types=full)
+    )
     if family == "mistral":
-        config = transformers.MistralConfig(intermediate_size=tiny["intermediate_size"],
-                                            sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False,
-                                            **attention, **common)
+        config = transformers.MistralConfig(
+            intermediate_size=tiny["intermediate_size"],
+            sliding_window=MISTRAL_WINDOW,
+            tie_word_embeddings=False,
+            **attention,
+            **common,
+        )
         return transformers.MistralForCausalLM(config)
     if family == "gemma2":
         # A cap of the order of the scores, so that capping changes the answer (tied embeddings:
@@ -94,21 +142,37 @@ def _family_model(family: str, vocab: dict, max_positions: int):
         # the narrower initialiser keeps the answers from saturating on one token.
         common["initializer_range"] = 0.05
         config = transformers.Gemma2Config(
-            intermediate_size=tiny["intermediate_size"], query_pre_attn_scalar=tiny["head_dim"],
-            attn_logit_softcapping=1.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
-            **windows, **attention, **common)
+            intermediate_size=tiny["intermediate_size"],
+            query_pre_attn_scalar=tiny["head_dim"],
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+            **windows,
+            **attention,
+            **common,
+        )
         return transformers.Gemma2ForCausalLM(config)
     if family == "bloom":
-        config = transformers.BloomConfig(hidden_size=tiny["hidden_size"], n_layer=tiny["num_hidden_layers"],
-                                          n_head=tiny["num_attention_heads"], tie_word_embeddings=True,
-                                          **common)
+        config = transformers.BloomConfig(
+            hidden_size=tiny["hidden_size"],
+            n_layer=tiny["num_hidden_layers"],
+            n_head=tiny["num_attention_heads"],
+            tie_word_embeddings=True,
+            **common,
+        )
         return transformers.BloomForCausalLM(config)
     if family == "gpt-oss":
         # Unquantised experts of a width vLLM's portable CPU MoE takes (a multiple of 32).
         config = transformers.GptOssConfig(
-            intermediate_size=tiny["hidden_size"], num_local_experts=4, num_experts_per_tok=2,
-            tie_word_embeddings=False, **({} if hybrid else dict(sliding_window=None)), **windows,
-            **attention, **common)
+            intermediate_size=tiny["hidden_size"],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            **({} if hybrid else dict(sliding_window=None)),
+            **windows,
+            **attention,
+            **common,
+        )
         model = transformers.GptOssForCausalLM(config)
         with torch.no_grad():  # initialised to 0: sinks that matter
             for layer in model.model.layers:

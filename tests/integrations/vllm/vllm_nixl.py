@@ -21,6 +21,7 @@ decode instance is padded with the prefill instance's other blocks, still holdin
 requests' KV, under a token count of the whole prompt) and ``short_list`` (a second long prompt
 with its placeholder's own one-block list, beside a clean request in the same batch).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,12 +33,27 @@ ROLE, MODEL, OUT, DIR, PREFILL_PORT, DECODE_PORT = sys.argv[1:7]
 # UCX_MODULES: the loopback needs no InfiniBand module, and where rdma-core is installed UCX's
 # efa module would map the system libnl beside the wheel's own copy, whose destructor then
 # crashes the process at exit (SIGSEGV in rtnl_tc_unregister).
-os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", UCX_TLS="tcp,self,sm", UCX_NET_DEVICES="lo",
-                  UCX_MODULES="^ib,rdmacm", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-                  VLLM_NIXL_SIDE_CHANNEL_PORT=PREFILL_PORT if ROLE == "prefill" else DECODE_PORT)
+os.environ.update(
+    VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    UCX_TLS="tcp,self,sm",
+    UCX_NET_DEVICES="lo",
+    UCX_MODULES="^ib,rdmacm",
+    VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+    VLLM_NIXL_SIDE_CHANNEL_PORT=PREFILL_PORT if ROLE == "prefill" else DECODE_PORT,
+)
 
-from vllm_prompts import (BESIDE, BLOCK, CORRUPT, EARLIER, LOCAL_HIT, LONG, LONG2,  # noqa: E402
-                          SHARED, SHORT, WARMUPS)
+from vllm_prompts import (
+    BESIDE,
+    BLOCK,
+    CORRUPT,
+    EARLIER,
+    LOCAL_HIT,
+    LONG,
+    LONG2,
+    SHARED,
+    SHORT,
+    WARMUPS,
+)
 
 WAIT_S = 240  # bound on each wait for the other instance
 PREFILL_CAPACITY = 128
@@ -49,15 +65,30 @@ def kvattn_on() -> bool:
 
 def make_llm(role: str, **overrides):
     from vllm import LLM
-    transfer = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu",
-                "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"}
+
+    transfer = {
+        "kv_connector": "NixlConnector",
+        "kv_buffer_device": "cpu",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+    }
     if kvattn_on():
-        transfer.update(kv_connector="CheckedNixlConnector",
-                        kv_connector_module_path="kvattn.integrations.vllm_connector")
-    args = dict(model=MODEL, dtype="float32", block_size=BLOCK, enforce_eager=True,
-                max_model_len=PREFILL_CAPACITY if role == "prefill" else 512,
-                kv_cache_memory_bytes=32 << 20, max_num_seqs=8, enable_prefix_caching=False,
-                max_num_batched_tokens=512, seed=0, kv_transfer_config=transfer)
+        transfer.update(
+            kv_connector="CheckedNixlConnector",
+            kv_connector_module_path="kvattn.integrations.vllm_connector",
+        )
+    args = dict(
+        model=MODEL,
+        dtype="float32",
+        block_size=BLOCK,
+        enforce_eager=True,
+        max_model_len=PREFILL_CAPACITY if role == "prefill" else 512,
+        kv_cache_memory_bytes=32 << 20,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=512,
+        seed=0,
+        kv_transfer_config=transfer,
+    )
     args.update(overrides)
     return LLM(**args)
 
@@ -73,15 +104,18 @@ def wait_for(path: str) -> None:
 def prefill() -> dict:
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
+
     # vLLM's default prefix caching here: the ``shared`` request's first block is a hit on the
     # ``short`` request's, written under that request's owner.
     llm = make_llm("prefill", num_gpu_blocks_override=40, enable_prefix_caching=True)
-    remote = SamplingParams(max_tokens=1, temperature=0,
-                            extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    remote = SamplingParams(
+        max_tokens=1, temperature=0, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+    )
 
     def send(tokens):
         out = llm.generate([{"prompt_token_ids": tokens}], remote, use_tqdm=False)[0]
         return out.kv_transfer_params
+
     params = {f"earlier{i}": send(p) for i, p in enumerate(EARLIER)}
     params.update({f"warmup{i}": send(p) for i, p in enumerate(WARMUPS)})
     params["short"] = send(SHORT)
@@ -113,12 +147,19 @@ def routed(params: dict) -> dict:
     placeholder = params["placeholder"]
     others = [b for i in range(len(EARLIER)) for b in params[f"earlier{i}"]["remote_block_ids"][0]]
     need = -(-len(LONG) // BLOCK)
-    padded = dict(placeholder, remote_num_tokens=len(LONG),
-                  remote_block_ids=[placeholder["remote_block_ids"][0] + others[: need - 1]])
-    return dict(short=params["short"], shared=params["shared"], corrupt=params["corrupt"],
-                padded=padded,
-                short_list=params["placeholder2"],
-                warmups=[params[f"warmup{i}"] for i in range(len(WARMUPS))])
+    padded = dict(
+        placeholder,
+        remote_num_tokens=len(LONG),
+        remote_block_ids=[placeholder["remote_block_ids"][0] + others[: need - 1]],
+    )
+    return dict(
+        short=params["short"],
+        shared=params["shared"],
+        corrupt=params["corrupt"],
+        padded=padded,
+        short_list=params["placeholder2"],
+        warmups=[params[f"warmup{i}"] for i in range(len(WARMUPS))],
+    )
 
 
 def decode() -> dict:
@@ -130,6 +171,7 @@ def decode() -> dict:
 
 def _decode() -> dict:
     from vllm import SamplingParams
+
     wait_for(os.path.join(DIR, "cases.json"))
     with open(os.path.join(DIR, "cases.json")) as f:
         cases = json.load(f)
@@ -139,11 +181,20 @@ def _decode() -> dict:
     greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
 
     def generate(batch):
-        outs = llm.generate([{"prompt_token_ids": tokens} for tokens, _ in batch],
-                            [SamplingParams(**greedy, extra_args={"kv_transfer_params": p})
-                             for _, p in batch], use_tqdm=False)
-        return [dict(tokens=list(o.outputs[0].token_ids), finish_reason=o.outputs[0].finish_reason,
-                     request_id=o.request_id) for o in outs]
+        outs = llm.generate(
+            [{"prompt_token_ids": tokens} for tokens, _ in batch],
+            [SamplingParams(**greedy, extra_args={"kv_transfer_params": p}) for _, p in batch],
+            use_tqdm=False,
+        )
+        return [
+            dict(
+                tokens=list(o.outputs[0].token_ids),
+                finish_reason=o.outputs[0].finish_reason,
+                request_id=o.request_id,
+            )
+            for o in outs
+        ]
+
     results: dict = {}
     # The first transfer makes the side-channel handshake, which vLLM gives 5 s: on a loaded
     # machine it may time out and fail that one request, so it is retried on another.
@@ -152,11 +203,13 @@ def _decode() -> dict:
         if generate([(tokens, params)])[0]["finish_reason"] == "length":
             break
     try:
-        for name, tokens, params in (("short", SHORT, cases["short"]),
-                                     ("shared", SHARED, cases["shared"]),
-                                     ("local_hit", LOCAL_HIT, None),
-                                     ("corrupt", CORRUPT, cases["corrupt"]),
-                                     ("padded", LONG, cases["padded"])):
+        for name, tokens, params in (
+            ("short", SHORT, cases["short"]),
+            ("shared", SHARED, cases["shared"]),
+            ("local_hit", LOCAL_HIT, None),
+            ("corrupt", CORRUPT, cases["corrupt"]),
+            ("padded", LONG, cases["padded"]),
+        ):
             results[name] = generate([(tokens, params)])[0]
         # The victim beside a clean request of the same batch (a local prompt, no transfer).
         victim, clean = generate([(LONG2, cases["short_list"]), (BESIDE, None)])
@@ -166,7 +219,10 @@ def _decode() -> dict:
     failures, counts = [], {}
     if kvattn_on():
         from kvattn.integrations import vllm as integration
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+        runner = (
+            llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        )
         state = integration.state_for(runner.vllm_config)
         failures, counts = list(state.failures), dict(state.counts)
     return dict(results=results, failures=failures, counts=counts)
@@ -175,11 +231,26 @@ def _decode() -> dict:
 def local() -> dict:
     """The same prompts on one instance without a transfer: the answers a correct one gives."""
     from vllm import LLM, SamplingParams
-    llm = LLM(model=MODEL, dtype="float32", block_size=BLOCK, enforce_eager=True, max_model_len=512,
-              kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False, seed=0)
+
+    llm = LLM(
+        model=MODEL,
+        dtype="float32",
+        block_size=BLOCK,
+        enforce_eager=True,
+        max_model_len=512,
+        kv_cache_memory_bytes=32 << 20,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    cases = {"short": SHORT, "shared": SHARED, "local_hit": LOCAL_HIT, "corrupt": CORRUPT,
-             "long": LONG, "beside": BESIDE}
+    cases = {
+        "short": SHORT,
+        "shared": SHARED,
+        "local_hit": LOCAL_HIT,
+        "corrupt": CORRUPT,
+        "long": LONG,
+        "beside": BESIDE,
+    }
     outs = llm.generate([{"prompt_token_ids": p} for p in cases.values()], greedy, use_tqdm=False)
     return {name: list(o.outputs[0].token_ids) for name, o in zip(cases, outs)}
 

@@ -1,4 +1,5 @@
 """The token prompts of the vLLM scenarios (vllm_driver.py), importable without vLLM."""
+
 from __future__ import annotations
 
 import torch

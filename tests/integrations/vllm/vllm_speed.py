@@ -11,6 +11,7 @@ the time goes, timed by wrapping the calls in each process: the model steps (``e
 the attention calls and KV writes of each attention, and kvattn's per-step host work. CPU figures
 of this machine only; they say nothing about a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ def _timed(timings, owner, name, key):
             return original(*a, **k)
         finally:
             timings[key] += time.perf_counter() - start
+
     setattr(owner, name, wrapper)
 
 
@@ -45,6 +47,7 @@ def child(args) -> dict:
 
     timings: dict[str, float] = defaultdict(float)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     _timed(timings, GPUModelRunner, "execute_model", "model step (execute_model)")
     if os.environ.get("KVATTN_VLLM"):
         import kvattn.api
@@ -58,15 +61,25 @@ def child(args) -> dict:
             _timed(timings, integration.WorkerOwnership, name, f"adapter host work ({name})")
     else:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
         _timed(timings, CPUAttentionBackendImpl, "forward", "attention (forward)")
         _timed(timings, CPUAttentionBackendImpl, "do_kv_cache_update", "KV writes")
 
     from vllm import LLM, SamplingParams
+
     sys.path.insert(0, str(HERE))
     from vllm_prompts import prompt
-    llm = LLM(model=str(MODEL), dtype="float32", block_size=32, enforce_eager=True,
-              max_model_len=2048, kv_cache_memory_bytes=512 << 20,
-              enable_prefix_caching=args.prefix_caching, seed=0)
+
+    llm = LLM(
+        model=str(MODEL),
+        dtype="float32",
+        block_size=32,
+        enforce_eager=True,
+        max_model_len=2048,
+        kv_cache_memory_bytes=512 << 20,
+        enable_prefix_caching=args.prefix_caching,
+        seed=0,
+    )
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt(0, 64)}], params, use_tqdm=False)
     timings.clear()
@@ -74,8 +87,11 @@ def child(args) -> dict:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return dict(seconds=seconds, tokens=[list(o.outputs[0].token_ids) for o in outputs],
-                breakdown=dict(timings))
+    return dict(
+        seconds=seconds,
+        tokens=[list(o.outputs[0].token_ids) for o in outputs],
+        breakdown=dict(timings),
+    )
 
 
 def main() -> None:
@@ -83,8 +99,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=32)
-    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="vLLM's prefix cache (on by default, as in vLLM)")
+    parser.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM's prefix cache (on by default, as in vLLM)",
+    )
     parser.add_argument("--json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -92,31 +112,51 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     if not (MODEL / "config.json").exists():
-        subprocess.run([sys.executable, str(HERE / "vllm_model.py"), str(MODEL),
-                        "--geometry", "smollm-135m"], check=True)
+        subprocess.run(
+            [sys.executable, str(HERE / "vllm_model.py"), str(MODEL), "--geometry", "smollm-135m"],
+            check=True,
+        )
     results = {}
     for name in ("vllm", "kvattn"):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVATTN_")}
         if name == "kvattn":
             env["KVATTN_VLLM"] = "1"
         caching = "--prefix-caching" if args.prefix_caching else "--no-prefix-caching"
-        run = subprocess.run([sys.executable, __file__, "--child", "--requests", str(args.requests),
-                              "--prompt", str(args.prompt), "--new", str(args.new), caching],
-                             env=env, check=True, capture_output=True, text=True)
+        run = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "--requests",
+                str(args.requests),
+                "--prompt",
+                str(args.prompt),
+                "--new",
+                str(args.new),
+                caching,
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         results[name] = json.loads(run.stdout.strip().splitlines()[-1])
     ratio = results["kvattn"]["seconds"] / results["vllm"]["seconds"]
     same = results["kvattn"]["tokens"] == results["vllm"]["tokens"]
-    print(f"{args.requests} requests x {args.prompt} prompt tokens, {args.new} new tokens each, "
-          f"SmolLM-135M shapes, float32, block 32, prefix caching "
-          f"{'on' if args.prefix_caching else 'off'}, this CPU ({os.cpu_count()} cores)")
+    print(
+        f"{args.requests} requests x {args.prompt} prompt tokens, {args.new} new tokens each, "
+        f"SmolLM-135M shapes, float32, block 32, prefix caching "
+        f"{'on' if args.prefix_caching else 'off'}, this CPU ({os.cpu_count()} cores)"
+    )
     for name in ("vllm", "kvattn"):
         print(f"  {name:7s} {results[name]['seconds']:7.2f} s")
         for key, seconds in sorted(results[name]["breakdown"].items()):
             print(f"    {key:38s} {seconds:7.2f} s")
     print(f"  kvattn / vLLM CPU attention: {ratio:.2f}x; greedy tokens identical: {same}")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(dict(args=vars(args), ratio=ratio,
-                                                           same_tokens=same, **results), indent=1))
+        pathlib.Path(args.json).write_text(
+            json.dumps(dict(args=vars(args), ratio=ratio, same_tokens=same, **results), indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ record (the suite's docstrings say which), applied to SGLang's own structures:
 - ``lost-write``: the request's first extend forward stores its K/V into SGLang's padding slot
   instead of its pages (a write that never reached the pages its table names).
 """
+
 from __future__ import annotations
 
 import json
@@ -68,6 +69,7 @@ def _log(**record) -> None:
 
 # -- request rows --------------------------------------------------------------------------------
 
+
 def _track_rows(module) -> None:
     for cls in (module.ReqToTokenPool,):
         alloc, free = cls.alloc, cls.free
@@ -82,16 +84,22 @@ def _track_rows(module) -> None:
         def free_hook(self, req, _free=free):
             _rows.pop(req.kv.req_pool_idx, None)
             return _free(self, req)
+
         cls.alloc, cls.free = alloc_hook, free_hook
 
 
 # -- forwards ------------------------------------------------------------------------------------
 
+
 def _donor(rid: str, mine: torch.Tensor) -> torch.Tensor | None:
     """The first slots of another request that wrote them earlier (the newest) sharing none of
     ``mine``: pages holding another request's KV, running or kept by the radix cache."""
     for other, slots in reversed(list(_first_pages.items())):
-        if other != rid and slots.shape == mine.shape and not set(slots.tolist()) & set(mine.tolist()):
+        if (
+            other != rid
+            and slots.shape == mine.shape
+            and not set(slots.tolist()) & set(mine.tolist())
+        ):
             return slots
     return None
 
@@ -117,8 +125,9 @@ def _apply(runner, fb):
         first, start = start, start + q_lens[b]
         if seq_lens[b] >= span and rid is not None:
             written.append((rid, table[row, :span].clone()))
-        swap = ((fault == "foreign-entry" and decode and seq_lens[b] > span)
-                or (fault == "stale-hit" and not decode and prefix[b] >= span))
+        swap = (fault == "foreign-entry" and decode and seq_lens[b] > span) or (
+            fault == "stale-hit" and not decode and prefix[b] >= span
+        )
         if swap:
             saved = table[row, :span].clone()
             donor = _donor(rid, saved)
@@ -130,8 +139,11 @@ def _apply(runner, fb):
                 loc = fb.out_cache_loc
                 saved = loc[first:start].clone()
                 loc[first:start] = 0  # SGLang's padding slot: no request's page
-                undo.append(lambda first=first, end=start, saved=saved:
-                            fb.out_cache_loc[first:end].copy_(saved))
+                undo.append(
+                    lambda first=first, end=start, saved=saved: fb.out_cache_loc[first:end].copy_(
+                        saved
+                    )
+                )
 
     def restore():
         for step in reversed(undo):
@@ -139,6 +151,7 @@ def _apply(runner, fb):
         for rid, slots in written:
             _first_pages.pop(rid, None)
             _first_pages[rid] = slots
+
     return restore
 
 
@@ -151,10 +164,12 @@ def _wrap_forward(module) -> None:
             return forward(self, forward_batch, *args, **kwargs)
         finally:
             restore()
+
     module.ModelRunner.forward = forward_hook
 
 
 # -- the prefill instance ------------------------------------------------------------------------
+
 
 def _wrap_prefill(module) -> None:
     add = module.PrefillBootstrapQueue.add
@@ -164,9 +179,9 @@ def _wrap_prefill(module) -> None:
         if fault in PREFILL_FAULTS:
             _rooms[int(req.bootstrap_room)] = req.rid
         if fault == "placeholder" and _once(req.rid, prompt=len(req.origin_input_ids)):
-            req.origin_input_ids = type(req.origin_input_ids)(
-                "q", list(req.origin_input_ids)[:1])
+            req.origin_input_ids = type(req.origin_input_ids)("q", list(req.origin_input_ids)[:1])
         return add(self, req, *args, **kwargs)
+
     module.PrefillBootstrapQueue.add = add_hook
 
 
@@ -180,6 +195,7 @@ def _wrap_transfer(module) -> None:
             kv_indices = kv_indices[:1]
             index_slice = slice(index_slice.start, index_slice.start + 1)
         return add_transfer_request(self, bootstrap_room, kv_indices, index_slice, *args, **kwargs)
+
     module.MooncakeKVManager.add_transfer_request = hook
 
 
@@ -197,10 +213,12 @@ def _wrap_attestation(module) -> None:
         else:
             last[0] = pages
         return send_frame(manager, room, pages, targets)
+
     module._send_frame = hook
 
 
 # -- the decode instance -------------------------------------------------------------------------
+
 
 def _wrap_commit(module) -> None:
     commit = module.DecodeTransferQueue._commit_transfer_to_req
@@ -210,12 +228,15 @@ def _wrap_commit(module) -> None:
         P = self.scheduler.token_to_kv_pool_allocator.page_size
         row = self.scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         # Every transfer's pages, so that a test can show which earlier request's KV they held.
-        _log(transfer=req.rid, pages=sorted({int(s) // P for s in
-                                             row[:len(req.origin_input_ids)].tolist()}))
+        _log(
+            transfer=req.rid,
+            pages=sorted({int(s) // P for s in row[: len(req.origin_input_ids)].tolist()}),
+        )
         if fault_of(req.rid) == "corrupt-arrival" and _once(req.rid):
             pool = self.scheduler.token_to_kv_pool_allocator.get_kvcache()
             pool.k_buffer[0][row[:P].to(torch.int64)] += 1.0
         return commit(self, decode_req, *args, **kwargs)
+
     module.DecodeTransferQueue._commit_transfer_to_req = hook
 
 

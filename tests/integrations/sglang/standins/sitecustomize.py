@@ -12,6 +12,7 @@ detokenizer processes inherit it).
   ``KVATTN_TEST_COUNTS=FILE`` has a kvattn engine write its ledger's counts there
   (``kvattn_counts``).
 """
+
 import enum
 import importlib.abc
 import importlib.util
@@ -23,14 +24,17 @@ import types
 def _stand_in_torchvision() -> None:
     if importlib.util.find_spec("torchvision") is not None:
         return
-    tv, tr, fn = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms",
-                                               "torchvision.transforms.functional"))
+    tv, tr, fn = (
+        types.ModuleType(n)
+        for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+    )
     tv.__path__, tr.__path__ = [], []
 
     class InterpolationMode(enum.Enum):
         NEAREST = "nearest"
         BILINEAR = "bilinear"
         BICUBIC = "bicubic"
+
     fn.InterpolationMode = tr.InterpolationMode = InterpolationMode
     tv.transforms, tr.functional = tr, fn
     sys.modules.update({m.__name__: m for m in (tv, tr, fn)})
@@ -61,6 +65,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             run(module)
             for call in callback:
                 call(module)
+
         spec.loader.exec_module = exec_module
         return spec
 

@@ -6,15 +6,19 @@ exist, so SGLang's own ImportError fallbacks apply.
 
 The engine suite puts this folder on the servers' path only when no real ``sgl_kernel`` is
 installed, and this module refuses to load if one lies further down ``sys.path``."""
+
 import importlib.machinery
 import os
 import sys
 
 _here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _real = importlib.machinery.PathFinder.find_spec(
-    "sgl_kernel", [p for p in sys.path if os.path.abspath(p or ".") != _here])
+    "sgl_kernel", [p for p in sys.path if os.path.abspath(p or ".") != _here]
+)
 if _real is not None:
-    raise ImportError(f"the test stand-in for sgl_kernel would shadow the real one at {_real.origin}")
+    raise ImportError(
+        f"the test stand-in for sgl_kernel would shadow the real one at {_real.origin}"
+    )
 
 
 def __getattr__(name):
@@ -22,20 +26,25 @@ def __getattr__(name):
         raise AttributeError(name)
 
     def missing(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.{name} (the test-only stand-in has only "
-                                  "assign_req_to_token_pool_cpu)")
+        raise NotImplementedError(
+            f"sgl_kernel.{name} (the test-only stand-in has only assign_req_to_token_pool_cpu)"
+        )
+
     missing.__name__ = missing.__qualname__ = name
     return missing
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
-                                 out_cache_loc, pool_len=None):
+def assign_req_to_token_pool_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len=None
+):
     """SGLang's Triton kernel ``assign_req_to_token_pool`` (mem_cache/allocation.py): row
     ``req_pool_indices[i]`` of ``req_to_token`` gets, at ``[start[i], end[i])``, the next
     ``end[i] - start[i]`` entries of ``out_cache_loc`` (packed in request order)."""
     offset = 0
-    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(),
-                               end_offset.tolist()):
-        req_to_token[row, start:end] = out_cache_loc[offset:offset + end - start].to(
-            req_to_token.dtype)
+    for row, start, end in zip(
+        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()
+    ):
+        req_to_token[row, start:end] = out_cache_loc[offset : offset + end - start].to(
+            req_to_token.dtype
+        )
         offset += end - start
