@@ -18,12 +18,13 @@ decode (no attestation: the request fails, saying so).
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import sglang_engine as engine
 
-from kvattn_testing.engines import Runs
+from kvattn_testing.engines import ROOT, Runs
 
 pytestmark = pytest.mark.slow
 
@@ -175,3 +176,33 @@ def test_a_kvattn_decode_fails_what_a_stock_prefill_sends(suite):
     result = suite["stock-prefill-kvattn-decode"]
     assert result["status"] >= 400 and result["ids"] is None
     assert "no attestation arrived from the prefill instance" in result["message"]
+
+
+def test_counts(suite):
+    """The replay's counts, printed (``pytest -s``) and written to build/differential/sglang-pd.json."""
+    stock, mine = suite["stock"], suite["kvattn"]
+    counts = {
+        "victim_pages_that_held_the_tenant_s_kv": len(
+            _pages(mine["decode_log"], "placeholder:kvattn-victim")
+            & _pages(mine["decode_log"], "kvattn-tenant")
+        ),
+        "stock_victim_status": stock["results"]["victim"]["status"],
+        "stock_victim_tokens_differ_from_clean": stock["results"]["victim"]["ids"]
+        != stock["results"]["clean"]["ids"],
+        "kvattn_victim_status": mine["results"]["victim"]["status"],
+        "kvattn_beside_tokens_equal_clean": mine["results"]["beside"]["ids"]
+        == mine["results"]["beside-clean"]["ids"],
+        "attestation_faults_failed_under_kvattn": sum(
+            mine["results"][f]["status"] >= 400 for f in ATTESTATION_FAULTS
+        ),
+        "attestation_faults_answered_200_by_stock": sum(
+            stock["results"][f]["status"] == 200 for f in ATTESTATION_FAULTS
+        ),
+        **{f"kvattn_decode_{k}": v for k, v in mine["counts"].items() if k != "failures"},
+    }
+    out = ROOT / "build" / "differential"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sglang-pd.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
+    print("\nSGLang P/D incident replay:", counts)
+    assert counts["victim_pages_that_held_the_tenant_s_kv"] > 0
+    assert counts["attestation_faults_failed_under_kvattn"] == len(ATTESTATION_FAULTS)
