@@ -19,11 +19,11 @@ build: deps
 
 # Without a GPU the Triton kernels run under the interpreter (tests/conftest.py). The slowest test
 # (tests/repository/test_install.py: `pip install .` into a fresh virtual environment) is marked
-# slow: `$(PYTHON) -m pytest -n 2 -q -m "not slow" tests` leaves it out. Every test's duration is
+# slow: `$(PYTHON) -m pytest -n 2 --dist loadgroup -q -m "not slow" tests` leaves it out. Every test's duration is
 # recorded: the slowest 30 are printed at the end, all of them are in build/test-report.xml (JUnit
 # XML: a `time` per testcase).
 test: build static-env vllm-env sglang-env
-	$(PYTHON) -m pytest -n 2 -q --durations=30 --junitxml=build/test-report.xml tests
+	$(PYTHON) -m pytest -n 2 --dist loadgroup -q --durations=30 --junitxml=build/test-report.xml tests
 
 # A fast loop for a kernel edit: the readers and writers lanes (tests/conftest.py LANES; about a
 # minute and a half here), no install, no build (after a csrc/ edit, `make build` first).
@@ -31,7 +31,7 @@ test: build static-env vllm-env sglang-env
 # tests whose id names that backend (`BACKEND=triton`).
 TEST_LANES ?= readers or writers
 test-fast:
-	$(PYTHON) -m pytest -n 2 -q -m "($(TEST_LANES)) and not slow" $(if $(BACKEND),-k "$(BACKEND)") tests
+	$(PYTHON) -m pytest -n 2 --dist loadgroup -q -m "($(TEST_LANES)) and not slow" $(if $(BACKEND),-k "$(BACKEND)") tests
 
 # ruff's formatter and linter over the tree (configured in pyproject.toml); `make format`
 # rewrites what the formatter would change.

@@ -52,13 +52,21 @@ def lane_of(path) -> str | None:
     return _LANE_OF.get(relative.parts[0]) if len(relative.parts) > 1 else None
 
 
+# Engine suites whose module's tests read engine runs computed once (kvattn_testing.engines.Runs):
+# under `--dist loadgroup` one worker takes a whole module, so that the other never waits on it.
+_ENGINE_FOLDERS = (_TESTS / "integrations" / "vllm", _TESTS / "integrations" / "sglang")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Each test gets its folder's lane marker. Slow tests first: under xdist they then overlap
-    with the rest instead of ending the run."""
+    """Each test gets its folder's lane marker, an engine suite's test its module's xdist group.
+    Slow tests first: under xdist they then overlap with the rest instead of ending the run."""
     for item in items:
         lane = lane_of(item.path)
         if lane is not None:
             item.add_marker(getattr(pytest.mark, lane))
+        if item.path.parent in _ENGINE_FOLDERS:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

@@ -20,7 +20,9 @@ import pytest
 
 from kvattn_testing.build import cuda_build_record, instantiations
 
-pytestmark = pytest.mark.host_only
+# One worker takes the module (`--dist loadgroup`): its fixture compiles every kernel for sm_90
+# (minutes), once per worker that runs one of its tests.
+pytestmark = [pytest.mark.host_only, pytest.mark.xdist_group("static_sm90")]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "static_sm90.py"

@@ -6,6 +6,7 @@ all of it; test_sglang the environment check and the once-per-run results."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -93,6 +94,29 @@ def stop_server(server: subprocess.Popen) -> None:
         server.wait()
 
 
+@contextlib.contextmanager
+def locked(path: pathlib.Path):
+    """An exclusive lock on the file ``path`` (between the xdist workers) while inside."""
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def write_model(folder: pathlib.Path, python, family: str = "llama") -> pathlib.Path:
+    """The random-weight model of ``family`` (vllm_model.py run by ``python``) in ``folder``,
+    written once whoever asks first."""
+    model = folder / ("model" if family == "llama" else f"model-{family}")
+    with locked(folder / f"{model.name}.lock"):
+        if not (model / "config.json").exists():
+            subprocess.run(
+                [str(python), str(VLLM_SCRIPTS / "vllm_model.py"), str(model), "--family", family],
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
+    return model
+
+
 class Runs:
     """Engine processes' results, computed once per test run and shared by the xdist workers
     through files under one lock (each run starts engines for several seconds)."""
@@ -103,10 +127,10 @@ class Runs:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def shared(self, name, compute):
-        """``compute()``'s result, computed by the first worker that asks for ``name``."""
+        """``compute()``'s result, computed by the first worker that asks for ``name`` (a worker
+        asking for another name meanwhile does not wait for it)."""
         path = self.dir / f"{name}.json"
-        with open(self.dir / "lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(self.dir / f"{name}.lock"):
             if not path.exists():
                 path.write_text(json.dumps(compute()))
         return json.loads(path.read_text())
@@ -117,15 +141,7 @@ class Runs:
 
     def model_of(self, family: str) -> pathlib.Path:
         """The random-weight model of ``family`` (vllm_model.py), written once."""
-        model = self.dir / ("model" if family == "llama" else f"model-{family}")
-        if not (model / "config.json").exists():
-            subprocess.run(
-                [str(VENV_PY), str(VLLM_SCRIPTS / "vllm_model.py"), str(model), "--family", family],
-                check=True,
-                capture_output=True,
-                timeout=300,
-            )
-        return model
+        return write_model(self.dir, VENV_PY, family)
 
     def drive(
         self, jobs: list[tuple[str, pathlib.Path, bool, tuple]], family: str = "llama"

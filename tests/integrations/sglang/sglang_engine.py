@@ -23,14 +23,13 @@ import time
 import urllib.error
 import urllib.request
 
-from kvattn_testing.engines import ROOT, VLLM_SCRIPTS, stop_server, why_not_ready
+from kvattn_testing.engines import ROOT, stop_server, why_not_ready, write_model
 
 VENV_PY = ROOT / "build" / "venv-sglang" / "bin" / "python"
 STANDINS = pathlib.Path(__file__).resolve().parent / "standins"
 STARTUP_S = 420  # a bound on a server's start, two starting at once on two loaded cores
-REQUEST_S = (
-    180  # a bound on one request (a lost transfer would otherwise wait for its 300 s timeout)
-)
+# A bound on one request (a lost transfer would otherwise wait for its 300 s timeout).
+REQUEST_S = 180
 
 
 def why_no_sglang() -> str | None:
@@ -46,15 +45,7 @@ def why_no_mooncake() -> str | None:
 
 def model(folder: pathlib.Path) -> pathlib.Path:
     """The suites' random-weight Llama (vllm_model.py's), written once into ``folder``."""
-    path = folder / "model"
-    if not (path / "config.json").exists():
-        subprocess.run(
-            [sys.executable, str(VLLM_SCRIPTS / "vllm_model.py"), str(path)],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-    return path
+    return write_model(folder, sys.executable)
 
 
 def free_port() -> int:
