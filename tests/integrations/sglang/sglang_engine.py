@@ -30,6 +30,9 @@ STANDINS = pathlib.Path(__file__).resolve().parent / "standins"
 STARTUP_S = 420  # a bound on a server's start, two starting at once on two loaded cores
 # A bound on one request (a lost transfer would otherwise wait for its 300 s timeout).
 REQUEST_S = 180
+# A bound on the wait of a cache flush for the scheduler to be idle (shorter than REQUEST_S, so
+# that the server's answer arrives before the client gives up).
+FLUSH_S = 120
 
 
 def why_no_sglang() -> str | None:
@@ -242,8 +245,12 @@ class Server:
         )
 
     def flush_cache(self) -> None:
-        """Empty the radix cache (``/flush_cache``; no request may be running)."""
-        request = urllib.request.Request(self.base + "/flush_cache", data=b"", method="POST")
+        """Empty the radix cache (``/flush_cache``). The scheduler may still hold the last
+        requests (an abort lands, overlap scheduling ends a batch) after their replies came:
+        it flushes once it is idle, within the bound."""
+        request = urllib.request.Request(
+            f"{self.base}/flush_cache?timeout={FLUSH_S}", data=b"", method="POST"
+        )
         with urllib.request.urlopen(request, timeout=REQUEST_S) as response:
             if response.status != 200:
                 raise RuntimeError(f"{self.name}: /flush_cache answered {response.status}")
