@@ -1,8 +1,9 @@
 """kvattn's SGLang backend against SGLang 0.5.23's own classes (``make sglang-env``:
 build/venv-sglang; sglang_driver.py runs the scenarios there, once per test run, and these
-tests read its JSON). SGLang's engine does not run on a CPU without sgl-kernel's CPU build: the
-driver plays the scheduler's part with SGLang's pools, allocators, request pool, ``Req``,
-``ForwardBatch``, layers, torch-native backend and fake disaggregation receiver.
+tests read its JSON). The driver plays the scheduler's part with SGLang's pools, allocators,
+request pool, ``Req``, ``ForwardBatch``, layers, torch-native backend and fake disaggregation
+receiver, step by step, so each scenario hits its exact case (test_sglang_engine.py runs SGLang's
+engine itself).
 
 Outputs are compared with SGLang's torch-native attention at float32: both compute a float32
 softmax over the same K/V (kvattn's online softmax in another order), so they agree to a few
@@ -22,6 +23,7 @@ from kvattn_testing.engines import ROOT, Runs, why_not_ready
 VENV = ROOT / "build" / "venv-sglang"
 DRIVER = ROOT / "tests" / "integrations" / "sglang" / "sglang_driver.py"
 TOL = 1e-5
+pytestmark = pytest.mark.slow  # a minute of SGLang's classes in its environment
 
 if why_not_ready("SGLang", "venv-sglang", "sglang-env"):
     pytest.skip(why_not_ready("SGLang", "venv-sglang", "sglang-env"), allow_module_level=True)
