@@ -17,11 +17,14 @@ KVATTN_CUDA_BUILD ?= 1
 build: deps
 	KVATTN_CUDA_BUILD=$(KVATTN_CUDA_BUILD) $(PYTHON) setup.py build_ext --inplace
 
-# Without a GPU the Triton kernels run under the interpreter (tests/conftest.py). The slowest test
-# (tests/repository/test_install.py: `pip install .` into a fresh virtual environment) is marked
-# slow: `$(PYTHON) -m pytest -n 2 --dist loadgroup -q -m "not slow" tests` leaves it out. Every test's duration is
-# recorded: the slowest 30 are printed at the end, all of them are in build/test-report.xml (JUnit
-# XML: a `time` per testcase).
+# Without a GPU the Triton kernels run under the interpreter (tests/conftest.py). The slowest tests
+# (`pip install .` into a fresh virtual environment, the engine suites) are marked slow:
+# `$(PYTHON) -m pytest -n 2 --dist loadgroup -q -m "not slow" tests` leaves them out. Every test's
+# duration is recorded: the slowest 30 are printed at the end, all of them are in
+# build/test-report.xml (JUnit XML: a `time` per testcase).
+# The environments install independently of each other and of the build (each engine's in its
+# own venv; the static and SGLang ones see $(PYTHON)'s packages, installed first by `deps`), so
+# `make -j4 build static-env vllm-env sglang-env` downloads them while the build compiles (CI).
 test: build static-env vllm-env sglang-env
 	$(PYTHON) -m pytest -n 2 --dist loadgroup -q --durations=30 --junitxml=build/test-report.xml tests
 
@@ -56,7 +59,7 @@ STATIC_VENV := build/venv-triton36
 STATIC_PY := $(STATIC_VENV)/bin/python
 static-env: $(STATIC_PY)
 
-$(STATIC_PY):
+$(STATIC_PY): | deps
 	$(PYTHON) -m venv $(STATIC_VENV)
 	$(PYTHON) -c "import site, sysconfig; p = sysconfig.get_paths(); \
 	  print('\n'.join(dict.fromkeys([p['purelib'], p['platlib'], *site.getsitepackages()])))" \
@@ -125,7 +128,7 @@ SGLANG_ENGINE_PINS := fastapi==0.165.0 uvicorn==0.55.0 uvloop==0.23.0 setproctit
 MOONCAKE_PIN := mooncake-transfer-engine-non-cuda==0.3.13.post1
 sglang-env: $(SGLANG_VENV)/.ready $(SGLANG_VENV)/.mooncake
 
-$(SGLANG_VENV)/.ready: pyproject.toml
+$(SGLANG_VENV)/.ready: pyproject.toml | deps
 	@mkdir -p build
 	@( set -e; rm -rf $(SGLANG_VENV); $(PYTHON) -m venv $(SGLANG_VENV); \
 	  $(PYTHON) -c "import site, sysconfig; p = sysconfig.get_paths(); \
