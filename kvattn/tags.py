@@ -73,11 +73,13 @@ class WriteDrop(enum.IntFlag):
     BAD_LENGTH = 8  # commit: accounted length outside [0, page_size]
 
 
-def _check_owner(owner: int) -> int:
+def check_owner(owner: int, name: str = "owner") -> int:
+    """``owner`` if it is an id a lease can hold, ``[1, OWNER_MAX]``; else raises naming ``name``
+    (owner 0 is never valid: it would match tags whose owner field is 0)."""
     if isinstance(owner, bool) or not isinstance(owner, int):
-        raise TypeError(f"owner: expected an int, got {type(owner).__name__}")
+        raise TypeError(f"{name}: expected an int, got {type(owner).__name__} ({owner!r})")
     if not 1 <= owner <= OWNER_MAX:
-        raise ValueError(f"owner: expected an id in [1, {OWNER_MAX}], got {owner}")
+        raise ValueError(f"{name}: expected an id in [1, {OWNER_MAX}], got {owner}")
     return owner
 
 
@@ -98,7 +100,7 @@ def new_owner_id() -> int:
 
 def reserved_tag(owner: int) -> int:
     """Tag of a page allocated to ``owner`` and not written yet."""
-    return (_check_owner(owner) << OWNER_SHIFT) | STATE_RESERVED
+    return (check_owner(owner) << OWNER_SHIFT) | STATE_RESERVED
 
 
 def written_tag(owner: int, valid_len: int) -> int:
@@ -107,7 +109,7 @@ def written_tag(owner: int, valid_len: int) -> int:
         raise TypeError(f"valid_len: expected an int, got {type(valid_len).__name__}")
     if not 0 <= valid_len <= VALID_LEN_MAX:
         raise ValueError(f"valid_len: expected a length in [0, {VALID_LEN_MAX}], got {valid_len}")
-    return (_check_owner(owner) << OWNER_SHIFT) | (valid_len << VALID_LEN_SHIFT) | STATE_WRITTEN
+    return (check_owner(owner) << OWNER_SHIFT) | (valid_len << VALID_LEN_SHIFT) | STATE_WRITTEN
 
 
 def tag_state(tag):

@@ -141,3 +141,120 @@ def test_a_page_verifies_only_in_its_context():
     assert ok == [PAGE, 5]
     lens, reasons = verify_arrived(claims, [0, 1], k, v, contexts=[b"tokens a", b"tokens c"])
     assert lens == [PAGE, 0] and reasons == [None, "digest mismatch"]
+
+
+# The transfer API is a trust boundary: each wrong argument raises naming it, before any tag or
+# byte is read; each refusal below has a clean twin that the same call with the argument put right
+# passes.
+
+
+def test_a_tag_row_per_layer_is_required():
+    """One tag row for two layers would attest the second layer's page without reading its tag
+    (there, the page may be FREE and hold another request's bytes)."""
+    k, v = pools()
+    tags = sender_tags()
+    with pytest.raises(
+        ValueError, match=r"page_tags: expected one row per layer of the pools \(2\)"
+    ):
+        attest_pages(tags[:1], OWNER, [0], k, v)
+    with pytest.raises(ValueError, match=r"page_tags: expected shape \(6,\) or \(2, 6\)"):
+        attest_pages(tags[:, :4], OWNER, [0], k, v)
+    with pytest.raises(TypeError, match="page_tags: expected dtype int64, got int32"):
+        attest_pages(tags.to(torch.int32), OWNER, [0], k, v)
+    # A 1-D row is one tag per page for every layer; two rows are one per layer.
+    assert attest_pages(tags[0], OWNER, [0], k, v)[0].valid_len == PAGE
+    assert attest_pages(tags, OWNER, [5], k, v)[0].valid_len == 3
+
+
+@pytest.mark.parametrize("page", [-1, -PAGES, PAGES, 2**40])
+def test_a_page_id_outside_the_pools_is_refused_never_wrapped(page):
+    """-1 (engines pad block lists with it) is not the pools' last page."""
+    k, v = pools()
+    claims = attest_pages(sender_tags(), OWNER, [0, PAGES - 1], k, v)
+    with pytest.raises(ValueError, match=rf"pages\[1\]: expected an int in \[0, {PAGES - 1}\]"):
+        attest_pages(sender_tags(), OWNER, [0, page], k, v)
+    with pytest.raises(ValueError, match=rf"pages\[1\]: expected an int in \[0, {PAGES - 1}\]"):
+        verify_arrived(claims, [0, page], k, v)
+    with pytest.raises(ValueError, match=rf"page: expected an int in \[0, {PAGES - 1}\]"):
+        page_digest(k, v, page, 1)
+    lens, _ = verify_arrived(claims, [0, PAGES - 1], k, v)
+    assert lens == [PAGE, 3]
+
+
+@pytest.mark.parametrize(
+    "owner, error, message",
+    [
+        (7.9, TypeError, r"owner: expected an int, got float"),
+        ("7", TypeError, r"owner: expected an int, got str"),
+        (None, TypeError, r"owner: expected an int, got NoneType"),
+        (True, TypeError, r"owner: expected an int, got bool"),
+        (0, ValueError, r"owner: expected an id in \[1, "),
+        (-OWNER, ValueError, r"owner: expected an id in \[1, "),
+        (2**64, ValueError, r"owner: expected an id in \[1, "),
+        ([OWNER], ValueError, r"owner: expected one entry per page \(2\), got 1"),
+        ([OWNER, 0], ValueError, r"owner\[1\]: expected an id in \[1, "),
+        (torch.tensor([OWNER, OWNER], dtype=torch.int32), TypeError, r"owner: expected an int"),
+    ],
+)
+def test_an_owner_that_is_not_an_id_is_refused(owner, error, message):
+    k, v = pools()
+    with pytest.raises(error, match=message):
+        attest_pages(sender_tags(), owner, [0, 1], k, v)
+    # The same pages for OWNER, as an int, a list and a tensor: the same attestation.
+    want = attest_pages(sender_tags(), OWNER, [0, 1], k, v)
+    assert attest_pages(sender_tags(), [OWNER, OWNER], [0, 1], k, v) == want
+    assert attest_pages(sender_tags(), torch.tensor(OWNER), torch.tensor([0, 1]), k, v) == want
+
+
+def test_owner_zero_never_matches_a_tag_whose_owner_field_is_zero():
+    """A WRITTEN word with owner field 0 (no lease holds owner 0) is attested for nobody."""
+    k, v = pools()
+    tags = sender_tags()
+    tags[:, 4] = 2 | (PAGE << 2)  # WRITTEN, PAGE slots, owner field 0
+    with pytest.raises(ValueError, match=r"owner: expected an id in \[1, "):
+        attest_pages(tags, 0, [4], k, v)
+    assert attest_pages(tags, OWNER, [4], k, v)[0].valid_len == 0
+
+
+def test_a_claim_must_be_an_attestation():
+    """The wire form is parsed by PageAttestation.from_json; a raw list, a non-integer length or a
+    missing entry is a caller's error, named."""
+    k, v = pools()
+    claims = attest_pages(sender_tags(), OWNER, [0, 1], k, v, digests=False)
+    with pytest.raises(TypeError, match=r"attested\[0\]: expected a PageAttestation or None"):
+        verify_arrived([c.to_json() for c in claims], [0, 1], k, v, check_bytes=False)
+    with pytest.raises(TypeError, match=r"valid_len: expected an int, got float \(2.5\)"):
+        PageAttestation(2.5, "")
+    with pytest.raises(TypeError, match="digest: expected a hex str, got bytes"):
+        PageAttestation(2, b"ab")
+    with pytest.raises(ValueError, match=r"attested: expected one entry per page \(2\), got 1"):
+        verify_arrived(claims[:1], [0, 1], k, v, check_bytes=False)
+    with pytest.raises(TypeError, match="attested: expected a list with one entry per page"):
+        verify_arrived(None, [0, 1], k, v, check_bytes=False)
+    lens, _ = verify_arrived(claims, [0, 1], k, v, check_bytes=False)
+    assert lens == [PAGE, 5]
+
+
+def test_pools_and_contexts_are_checked():
+    k, v = pools()
+    claims = attest_pages(sender_tags(), OWNER, [0], k, v, contexts=[b"a"])
+    # One 4-D pool is not a list of layers: its pages would be digested as layers.
+    with pytest.raises(
+        TypeError, match=r"k_caches: expected a list of per-layer pools .* \[pool\]"
+    ):
+        attest_pages(sender_tags()[0], OWNER, [0], k[0], v, contexts=[b"a"])
+    with pytest.raises(
+        ValueError, match=r"v_caches: expected one pool per layer of k_caches \(2\)"
+    ):
+        verify_arrived(claims, [0], k, v[:1], contexts=[b"a"])
+    with pytest.raises(ValueError, match=r"k_caches\[1\]: expected 6 pages of 8 slots"):
+        verify_arrived(claims, [0], [k[0], k[1][:3]], v, contexts=[b"a"])
+    with pytest.raises(ValueError, match=r"k_caches\[0\]: expected a 4-D tensor"):
+        verify_arrived(claims, [0], [k[0][0], k[1]], v, contexts=[b"a"])
+    with pytest.raises(TypeError, match=r"contexts\[0\]: expected bytes, got str"):
+        verify_arrived(claims, [0], k, v, contexts=["a"])
+    with pytest.raises(ValueError, match=r"contexts: expected one entry per page \(1\), got 2"):
+        verify_arrived(claims, [0], k, v, contexts=[b"a", b"b"])
+    with pytest.raises(ValueError, match=rf"valid_len: expected an int in \[0, {PAGE}\]"):
+        page_digest(k, v, 0, PAGE + 1)
+    assert verify_arrived(claims, [0], k, v, contexts=[b"a"]) == ([PAGE], [None])
