@@ -41,7 +41,7 @@ from .layout import (
 )
 from .report import OwnershipReport
 from .tags import OWNER_MAX
-from .write_args import write_scales
+from .write_args import check_fp8_rounding, write_scales
 
 
 def _report_tensors(report: OwnershipReport | None, batch: int, max_pages: int, device):
@@ -235,15 +235,42 @@ def _write_kv_op(
     owner: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    backend: str = "auto",
+    validate: bool | None = None,
+    fp8_rounding: str = "nearest",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     result = writers.write_kv(
-        k, v, k_cache, v_cache, slot_mapping, page_tags, owner, k_scale=k_scale, v_scale=v_scale
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        page_tags,
+        owner,
+        backend=backend,
+        validate=validate,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        fp8_rounding=fp8_rounding,
     )
     return result.landed, result.drop_reasons, result.dropped
 
 
 @_write_kv_op.register_fake
-def _(k, v, k_cache, v_cache, slot_mapping, page_tags, owner, k_scale=None, v_scale=None):
+def _(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    page_tags,
+    owner,
+    k_scale=None,
+    v_scale=None,
+    backend="auto",
+    validate=None,
+    fp8_rounding="nearest",
+):
     n = slot_mapping.shape[0]
     return (
         slot_mapping.new_empty(n, dtype=torch.bool),
@@ -380,11 +407,30 @@ def paged_extend(
 
 
 def write_kv(
-    k, v, k_cache, v_cache, slot_mapping, page_tags, owner, *, k_scale=None, v_scale=None
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    page_tags,
+    owner,
+    *,
+    backend="auto",
+    validate=None,
+    k_scale=None,
+    v_scale=None,
+    fp8_rounding="nearest",
 ) -> writers.WriteResult:
-    """:func:`kvattn.write_kv` through the ``kvattn::write_kv`` custom op. ``owner`` may be an int
-    (checked here) or an int64 tensor, 0-d or ``[T]``; float scales become the validated
-    ``[num_kv_heads]`` tensors (the op schema takes tensors only)."""
+    """:func:`kvattn.write_kv` through the ``kvattn::write_kv`` custom op, with its signature.
+    ``owner`` may be an int (checked here) or an int64 tensor, 0-d or ``[T]``; float scales become
+    the validated ``[num_kv_heads]`` tensors (the op schema takes tensors only)."""
+    # The op schema's types, named here; whether the rounding applies (the writer quantises) is
+    # checked inside the op.
+    check_fp8_rounding(fp8_rounding, quantises=True)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool or None, got {type(validate).__name__}")
     if k_scale is not None or v_scale is not None:
         check_kv_pools(k_cache, v_cache)
         check_tensor("k", k, ndim=3)
@@ -400,7 +446,18 @@ def write_kv(
     else:
         owner = torch.tensor(owner, dtype=torch.int64, device=slot_mapping.device)
     landed, drop_reasons, dropped = torch.ops.kvattn.write_kv(
-        k, v, k_cache, v_cache, slot_mapping, page_tags, owner, k_scale, v_scale
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        page_tags,
+        owner,
+        k_scale,
+        v_scale,
+        backend,
+        validate,
+        fp8_rounding,
     )
     return writers.WriteResult(landed, drop_reasons, dropped)
 

@@ -146,6 +146,44 @@ def test_extend_and_write_ops_equal_direct_calls():
     assert r1.dropped_count() == r2.dropped_count() == 1
 
 
+def test_write_op_has_write_kv_s_signature():
+    """The op's wrapper takes every argument of kvattn.write_kv, with its defaults (vLLM's
+    toward-zero fp8 codes included)."""
+    import inspect
+
+    assert inspect.signature(ops.write_kv).parameters.keys() == (
+        inspect.signature(kvattn.write_kv).parameters.keys()
+    )
+    for name, param in inspect.signature(kvattn.write_kv).parameters.items():
+        assert inspect.signature(ops.write_kv).parameters[name].default == param.default, name
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
+def test_write_op_rounds_fp8_codes_as_write_kv(rounding):
+    results = {}
+    for name, write in (("op", ops.write_kv), ("direct", kvattn.write_kv)):
+        for rule in ("nearest", "toward_zero"):
+            k_cache = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
+            v_cache = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
+            tags = torch.zeros(4, dtype=torch.int64)
+            kvattn.reserve_pages(tags, [1], 7)
+            g = torch.Generator().manual_seed(0)
+            k, v = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+            write(
+                k, v, k_cache, v_cache, torch.tensor([4, 5, 6]), tags, 7,
+                backend="torch", validate=True, k_scale=0.5, v_scale=0.25, fp8_rounding=rule,
+            )  # fmt: skip
+            results[name, rule] = k_cache.view(torch.uint8)
+    assert torch.equal(results["op", rounding], results["direct", rounding])
+    # The twin: the other rule writes other codes, so the rule did reach the writer.
+    other = "nearest" if rounding == "toward_zero" else "toward_zero"
+    assert not torch.equal(results["op", rounding], results["op", other])
+    with pytest.raises(ValueError, match="fp8_rounding: expected one of"):
+        ops.write_kv(k, v, k_cache, v_cache, torch.tensor([4]), tags, 7, fp8_rounding="up")
+    with pytest.raises(TypeError, match="backend: expected a str"):
+        ops.write_kv(k, v, k_cache, v_cache, torch.tensor([4]), tags, 7, backend=None)
+
+
 def test_ops_validate_like_direct_calls():
     b = _batch()
     with pytest.raises(ValueError, match="seq_lens"):
