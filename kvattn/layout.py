@@ -313,6 +313,12 @@ def _check_index_tensors(
     return expected
 
 
+def _tensors_of(variant: dict) -> dict:
+    """The tensors among a call's variant arguments (sinks, slopes, scales): read by the kernels
+    while they write ``out``, so ``out`` must not overlap them either."""
+    return {name: value for name, value in variant.items() if isinstance(value, torch.Tensor)}
+
+
 def _check_scale_and_out(scale, out, q, inputs: dict, out_dim: int | None = None) -> float:
     """``scale`` (resolved, by default from q's head dim) and ``out`` (``q``'s rows and heads,
     ``out_dim`` wide: V's head dim; None: q's); ``inputs`` are the tensors the call reads, which
@@ -366,6 +372,7 @@ def validate_decode(
         seq_lens=seq_lens,
         page_tags=page_tags,
         expected=expected,
+        **_tensors_of(variant),
     )
     expected = _check_index_tensors(
         block_table, seq_lens, page_tags, expected, batch, k_cache.shape[0], q.device
@@ -488,6 +495,8 @@ def validate_extend(
         seq_lens=seq_lens,
         page_tags=page_tags,
         expected=expected,
+        custom_mask=custom_mask,
+        **_tensors_of(variant),
     )
     expected = _check_index_tensors(
         block_table, seq_lens, page_tags, expected, batch, k_cache.shape[0], q.device

@@ -232,6 +232,36 @@ def test_out_sharing_memory_with_an_input_raises(backend, op, alias):
         assert torch.equal(t.view(torch.uint8), want.view(torch.uint8))
 
 
+def _variant_tensor(name: str, op: str, b: Batch):
+    """A valid ``name`` argument for the batch of :func:`batch` (2 heads; extend's query rows 1
+    and 2 over 5 and 8 keys)."""
+    if name == "custom_mask":
+        return torch.ones(1 * 5 + 2 * 8, dtype=torch.bool)
+    return torch.full((b.q.shape[1],), -0.5 if name == "alibi_slopes" else 0.25)
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize(
+    "op, alias",
+    [("decode", "alibi_slopes"), ("decode", "sinks"), ("extend", "sinks")]
+    + [("extend", "alibi_slopes"), ("extend", "custom_mask")],
+)
+def test_out_sharing_memory_with_a_variant_tensor_raises(backend, op, alias):
+    """The kernels read slopes, sinks and the mask while they write out: out over their bytes
+    would change them mid-call (the backends then disagreed). The twin: the same tensor in a
+    buffer of its own is accepted, and out=None gives the same output."""
+    b = batch()
+    rows = b.q.shape[0] if op == "decode" else extend_query(b)[0].shape[0]
+    value = _variant_tensor(alias, op, b)
+    copy, out = sharing(value, (rows, b.q.shape[1], b.q.shape[2]), F16)
+    with raises(ValueError, "out", f"sharing no memory with {alias}"):
+        run(op, b, backend, out=out, **{alias: copy})
+    apart = torch.empty(rows, b.q.shape[1], b.q.shape[2], dtype=F16)
+    got = run(op, b, backend, out=apart, **{alias: value})[0]
+    want = run(op, b, backend, **{alias: value})[0]
+    assert got.data_ptr() == apart.data_ptr() and torch.equal(got, want)
+
+
 def _folded(shape):
     """An out of ``shape`` whose heads overlap: head stride 8 < head_dim 16."""
     return torch.zeros(256, dtype=F16).as_strided(shape, (shape[1] * 8, 8, 1))
