@@ -194,7 +194,8 @@ def attest_pages(
     contexts: Sequence[bytes] | None = None,
 ) -> list[PageAttestation]:
     """The sender's attestation of ``pages`` for a request: ``owner`` is the owner each page must
-    carry for it, an int or one per page (a prefix-cache hit carries the owner that wrote it).
+    carry for it, an int or one per page (a prefix-cache hit carries the owner that wrote it);
+    0 for a page the request does not hold there, which attests nothing whatever its tag says.
 
     ``page_tags``: ``[num_pages]`` or ``[num_layers, num_pages]`` (one row per layer of the
     pools). A page's ``valid_len`` is the smallest over the layers of its WRITTEN length for its
@@ -222,7 +223,8 @@ def attest_pages(
     index = torch.tensor(pages, dtype=torch.int64, device=tags.device)
     rows = tags[:, index]  # [num_layers, P]
     expected = torch.tensor(owners, dtype=torch.int64, device=tags.device)  # [P]
-    mine = (tag_state(rows) == STATE_WRITTEN) & (tag_owner(rows) == expected)
+    # Owner 0 holds nothing, even a tag whose owner field is 0.
+    mine = (tag_state(rows) == STATE_WRITTEN) & (tag_owner(rows) == expected) & (expected > 0)
     lens = torch.where(mine, tag_valid_len(rows), 0).min(dim=0).values.tolist()
     return [
         PageAttestation(n, _digest(k_caches, v_caches, p, n, c) if digests else "")
@@ -231,7 +233,7 @@ def attest_pages(
 
 
 def _check_owners(owner, count: int) -> list[int]:
-    """``owner``, an int or one per page, as one valid owner id per page."""
+    """``owner``, an int or one per page, as one owner per page: an id, or 0 for none."""
     if isinstance(owner, torch.Tensor):
         if owner.dtype != torch.int64 or owner.dim() > 1:
             raise TypeError(
@@ -241,8 +243,14 @@ def _check_owners(owner, count: int) -> list[int]:
         owner = owner.tolist()
     if isinstance(owner, (list, tuple)):
         owners = _check_per_page("owner", owner, count)
-        return [check_owner(o, f"owner[{i}]") for i, o in enumerate(owners)]
-    return [check_owner(owner, "owner")] * count
+        return [_owner_or_none(o, f"owner[{i}]") for i, o in enumerate(owners)]
+    return [_owner_or_none(owner, "owner")] * count
+
+
+def _owner_or_none(value, name: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0
+    return check_owner(value, name)
 
 
 def verify_arrived(

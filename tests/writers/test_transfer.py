@@ -188,11 +188,10 @@ def test_a_page_id_outside_the_pools_is_refused_never_wrapped(page):
         ("7", TypeError, r"owner: expected an int, got str"),
         (None, TypeError, r"owner: expected an int, got NoneType"),
         (True, TypeError, r"owner: expected an int, got bool"),
-        (0, ValueError, r"owner: expected an id in \[1, "),
         (-OWNER, ValueError, r"owner: expected an id in \[1, "),
         (2**64, ValueError, r"owner: expected an id in \[1, "),
         ([OWNER], ValueError, r"owner: expected one entry per page \(2\), got 1"),
-        ([OWNER, 0], ValueError, r"owner\[1\]: expected an id in \[1, "),
+        ([OWNER, -1], ValueError, r"owner\[1\]: expected an id in \[1, "),
         (torch.tensor([OWNER, OWNER], dtype=torch.int32), TypeError, r"owner: expected an int"),
     ],
 )
@@ -206,14 +205,13 @@ def test_an_owner_that_is_not_an_id_is_refused(owner, error, message):
     assert attest_pages(sender_tags(), torch.tensor(OWNER), torch.tensor([0, 1]), k, v) == want
 
 
-def test_owner_zero_never_matches_a_tag_whose_owner_field_is_zero():
-    """A WRITTEN word with owner field 0 (no lease holds owner 0) is attested for nobody."""
+def test_owner_zero_attests_nothing_even_a_tag_whose_owner_field_is_zero():
+    """Owner 0 (a page the request does not hold there) attests length 0, also over a WRITTEN word
+    whose owner field is 0 (no lease holds owner 0)."""
     k, v = pools()
     tags = sender_tags()
     tags[:, 4] = 2 | (PAGE << 2)  # WRITTEN, PAGE slots, owner field 0
-    with pytest.raises(ValueError, match=r"owner: expected an id in \[1, "):
-        attest_pages(tags, 0, [4], k, v)
-    assert attest_pages(tags, OWNER, [4], k, v)[0].valid_len == 0
+    assert [a.valid_len for a in attest_pages(tags, [0, 0, OWNER], [4, 0, 0], k, v)] == [0, 0, PAGE]
 
 
 def test_a_claim_must_be_an_attestation():
