@@ -1,7 +1,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: deps build test test-fast lint format sanitize demo env bench static static-env vllm-env vllm-speed sglang-env clean
+.PHONY: deps build test test-fast lint format sanitize sanitize-build demo env bench static static-env vllm-env vllm-speed sglang-env clean
 
 deps:
 	bash tools/ensure_deps.sh
@@ -179,6 +179,10 @@ $(SANITIZE_DIR)/_sim.so: $(shell find csrc -name '*.h' -o -name '*.cuh' -o -name
 	  -I"$$($(PYTHON) -c 'import pybind11; print(pybind11.get_include())')" \
 	  -I"$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
 	  csrc/sim/module_sim.cpp -o $@
+
+# The instrumented module alone, after `make build` (it reads the build's generated headers): CI
+# compiles it while `make test` runs, which leaves part of a core idle.
+sanitize-build: $(SANITIZE_DIR)/_sim.so
 
 sanitize: build $(SANITIZE_DIR)/_sim.so
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so):$$($(CXX) -print-file-name=libstdc++.so)" \
