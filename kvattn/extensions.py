@@ -46,16 +46,16 @@ from types import ModuleType
 RECORD = "_build.json"
 BUILT, NOT_BUILT, FAILED, STALE = "built", "not built", "build failed", "stale"
 
-# What setup.py builds (csrc/ holds the sources): the CUDA kernels (nvcc), the same sources on the
-# CPU harness (a C++ compiler), and three harness builds with a deliberate defect the tests require
-# to fail.
-EXTENSIONS = (
-    "kvattn.backends.cuda._C",
-    "kvattn.backends.cuda_sim._sim",
+# Harness builds with a deliberate defect that the tests require to fail: built into a source
+# checkout only (``make build``), never into a wheel, where they would be dead weight.
+TEST_ONLY = (
     "kvattn.backends.cuda_sim._sim_break_barrier",
     "kvattn.backends.cuda_sim._sim_break_pages",
     "kvattn.backends.cuda_sim._sim_break_fragment",
 )
+# What setup.py builds (csrc/ holds the sources): the CUDA kernels (nvcc), the same sources on the
+# CPU harness (a C++ compiler), and the test-only harness builds.
+EXTENSIONS = ("kvattn.backends.cuda._C", "kvattn.backends.cuda_sim._sim", *TEST_ONLY)
 # What the modules are compiled from, besides kvattn/tags.py (the tag header is generated from it)
 # and the instantiation table (the kernel units and the dispatch's list are generated from it).
 SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")
@@ -193,5 +193,7 @@ def load(module: str) -> tuple[ModuleType | None, Status]:
 
 
 def statuses() -> dict[str, Status]:
-    """:class:`Status` of every extension setup.py can build."""
-    return {name: load(name)[1] for name in EXTENSIONS}
+    """:class:`Status` of every extension setup.py builds here: an installed package has no
+    test-only module."""
+    names = EXTENSIONS if source_tree() is not None else tuple(set(EXTENSIONS) - set(TEST_ONLY))
+    return {name: load(name)[1] for name in sorted(names, key=EXTENSIONS.index)}

@@ -27,6 +27,7 @@ import time
 
 import pytest
 
+from kvattn import extensions
 from kvattn_testing.build import instantiations
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -224,6 +225,7 @@ print(json.dumps({
     "statuses": {n: [s.state, s.reason, s.path] for n, s in extensions.statuses().items()},
     "record": extensions.read_record(),
     "py_typed": (extensions.record_path().parent / "py.typed").is_file(),
+    "test_only": [p.name for p in extensions.record_path().parent.glob("backends/cuda_sim/_sim_break*")],
     "sim_dropped": written.dropped_count(), "sim_checked": int(report.pages_checked.sum()),
     "sim_refused": int(report.violations.sum()),
 }))
@@ -268,6 +270,9 @@ def _check_installed_modules(python: str, cwd: pathlib.Path) -> None:
         assert state == "not built" and skipped in reason, (state, reason)
         assert entries[CUDA]["status"] == "skipped"
     assert {e["status"] for n, e in entries.items() if n != CUDA} == {"built"}
+    # The harness builds with a deliberate defect are the tests' own: not in a wheel, nor listed.
+    assert got["test_only"] == [] and not set(entries) & set(extensions.TEST_ONLY), got
+    assert set(got["statuses"]) == set(extensions.EXTENSIONS) - set(extensions.TEST_ONLY)
 
 
 def _check_the_one_line(log: str) -> None:
