@@ -84,14 +84,19 @@ def wait_healthy(base: str, server: subprocess.Popen, log_path, timeout_s: float
         time.sleep(1)
 
 
-def stop_server(server: subprocess.Popen) -> None:
-    """Stop a server started in its own session, with every process of it."""
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+def stop_servers(*servers: subprocess.Popen, grace_s: float = 30) -> None:
+    """Stop servers started in their own sessions, with every process of each: all told at once
+    (a server may take seconds to shut down), then killed if still there after ``grace_s``."""
+    live = [s for s in servers if s.poll() is None]
+    for server in live:
+        os.killpg(server.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for server in live:
+        try:
+            server.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 
-from kvattn_testing.engines import ROOT, stop_server, why_not_ready, write_model
+from kvattn_testing.engines import ROOT, stop_servers, why_not_ready, write_model
 
 VENV_PY = ROOT / "build" / "venv-sglang" / "bin" / "python"
 STANDINS = pathlib.Path(__file__).resolve().parent / "standins"
@@ -121,6 +121,9 @@ class Server:
             self.attention,
             "--disable-cuda-graph",
             "--skip-server-warmup",
+            # An idle scheduler otherwise polls its sockets in a busy loop: a core per server
+            # taken from the one serving and from the rest of the suite.
+            "--sleep-on-idle",
             "--grammar-backend",
             "none",
             "--host",
@@ -195,10 +198,6 @@ class Server:
                     f"{STARTUP_S} s:\n{self.tail()}"
                 )
             time.sleep(1)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            stop_server(self.process)
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text().splitlines()[-lines:])
@@ -302,8 +301,7 @@ def running(model_path: pathlib.Path, *servers: Server):
             server.wait_healthy(deadline)
         yield servers
     finally:
-        for server in servers:
-            server.stop()
+        stop_servers(*(s.process for s in servers if s.process is not None))
 
 
 def concurrently(calls: list) -> list:

@@ -253,7 +253,7 @@ def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggre
         assert status >= 400 and "choices" not in long, long
         assert "error" in long
     finally:
-        engines.stop_server(server)
+        engines.stop_servers(server)
     text = log_path.read_text()
     assert "kvattn: ownership-checked attention in place of vLLM's CPU attention" in text
     assert "kvattn ownership check failed for request" in text

@@ -344,8 +344,7 @@ def _over_http(model, work, kvattn: bool) -> dict:
         )
         out["padded"] = decoded(LONG, padded)
     finally:
-        engines.stop_server(decode)
-        engines.stop_server(prefill)
+        engines.stop_servers(decode, prefill)
     out["decode_log"] = logs["d"].read_text()
     return out
 
