@@ -12,8 +12,10 @@ forward begins, a prefix cache hits, a transfer arrives, a request must fail. Th
   (:meth:`Ledger.reserve`, :meth:`Ledger.release`, :meth:`Ledger.commit`, :meth:`Step.write`);
 - **the prefix-hit rule**: a page another request wrote, which the engine maps into a request as a
   prefix-cache hit, is expected to carry its writer's owner only if the writer's key for it (a
-  digest of the token prefix through the page, :func:`prefix_digests`, or the engine's own content
-  hash) equals the reader's; otherwise owner 0, which no tag carries, so the read fails closed;
+  digest of the token prefix through the page, :func:`prefix_digests`, seeded by the request's
+  :func:`cache_domain`: the LoRA adapter, cache salt and whatever else besides token ids its
+  engine computes KV under or keys its cache on) equals the reader's; otherwise owner 0, which no
+  tag carries, so the read fails closed;
 - **the step** (:class:`Step`): one forward's block table, expected owners and per-token owners,
   and its three moves: write (:meth:`Step.write`), attend (:meth:`Step.attend`), and finish
   (:meth:`Ledger.finish`), which reads every layer's refused pages and dropped writes back with one
@@ -71,6 +73,24 @@ def refuse(adapter: str, reasons: Sequence[str], advice: str = "") -> None:
         )
 
 
+def cache_domain(**parts) -> bytes:
+    """The seed of a request's prefix digests: every part of its KV's domain besides token ids
+    (``lora=``, ``cache_salt=``, ...), each named and length-delimited, so that two requests
+    share a digest only if every part is the same; a part that is None or empty is absent.
+    ``b""`` when none is present: a plain request's digests are those of its tokens alone. The
+    engine's own cache key is not reused: a hit the engine wrongly keys (an adapter or a salt
+    left out of its key) must still fail here."""
+    h = hashlib.blake2b(b"kvattn-domain", digest_size=16)
+    present = False
+    for name, value in sorted(parts.items()):
+        if value is None or value == "" or value == b"":
+            continue
+        present = True
+        for piece in (name.encode(), value if isinstance(value, bytes) else repr(value).encode()):
+            h.update(len(piece).to_bytes(8, "little") + piece)
+    return h.digest() if present else b""
+
+
 def prefix_digests(
     tokens, page_size: int, known: list[bytes] | None = None, domain: bytes = b""
 ) -> list[bytes]:
@@ -95,13 +115,15 @@ class Lease:
 
     ``pages[g][i]`` is logical page ``i`` of KV cache group ``g`` (one group for most engines),
     ``expected[g][i]`` the owner its tag must carry (the lease's own, a prefix hit's writer, or 0:
-    never readable); ``keys[i]``: the prefix digest of full page ``i``. Adapters subclass it for
+    never readable); ``keys[i]``: the prefix digest of full page ``i`` in the request's
+    ``domain``. Adapters subclass it for
     what their engine adds."""
 
     owner: int
     pages: list[list[int]] = field(default_factory=lambda: [[]])
     expected: list[list[int]] = field(default_factory=lambda: [[]])
     keys: list[bytes] = field(default_factory=list)
+    domain: bytes = b""  # the seed of ``keys`` (:func:`cache_domain`)
 
 
 @dataclass
@@ -355,8 +377,8 @@ class Ledger:
 
     # -- the prefix-hit rule ------------------------------------------------------------------
 
-    def digests(self, tokens, known: list[bytes] | None = None) -> list[bytes]:
-        return prefix_digests(tokens, self.page_size, known)
+    def digests(self, tokens, known: list[bytes] | None = None, domain: bytes = b"") -> list[bytes]:
+        return prefix_digests(tokens, self.page_size, known, domain)
 
     def remember(self, page: int, owner: int, key: Hashable) -> None:
         """``owner`` wrote full page ``page``, whose key (prefix digest) is ``key``."""
@@ -587,6 +609,7 @@ __all__ = [
     "Lease",
     "Ledger",
     "Step",
+    "cache_domain",
     "check_version",
     "failure_message",
     "prefix_digests",

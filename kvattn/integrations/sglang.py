@@ -26,8 +26,10 @@ What kvattn follows, and where (all on the instances of the engine whose backend
   a page at a position of the request's new tokens is its own (reserved for its owner before the
   forward writes it); a page at a position SGLang reports as already computed
   (``extend_prefix_lens``) that the lease does not hold is a radix-cache hit, expected to carry
-  the owner that wrote it only if the writer's token prefix through that page is the reader's own
-  (:mod:`kvattn.integrations.ledger`), else owner 0, which no page carries (fails closed).
+  the owner that wrote it only if the writer's token prefix through that page is the reader's own,
+  in the reader's own domain (its ``extra_key``, LoRA id and cache salt:
+  :func:`~kvattn.integrations.ledger.cache_domain`), else owner 0, which no page carries (fails
+  closed).
   The token ids behind the digests are the forwards' own input ids (under overlap scheduling a
   request's ``output_ids`` lag its forward by a token).
   A row whose slots of one logical page do not lie in one page at their offsets is read as no page
@@ -69,7 +71,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import sglang_transfer
-from .ledger import IntegrationError, Lease, Ledger, refuse
+from .ledger import IntegrationError, Lease, Ledger, cache_domain, refuse
 from .ledger import check_version as _check_version
 
 SUPPORTED_VERSIONS = ("0.5.23",)
@@ -258,6 +260,17 @@ def _disaggregation_refusals(mode: str, transfer: str, args) -> list[str]:
     return reasons
 
 
+def _domain(req) -> bytes:
+    """A request's cache domain: SGLang keys its radix cache on ``extra_key`` (to which it
+    appends the LoRA id: kept apart here, so that no split of one string into key and id
+    collides) and ``cache_salt``."""
+    return cache_domain(
+        extra_key=getattr(req, "extra_key", None),
+        lora=getattr(req, "lora_id", None),
+        cache_salt=getattr(req, "cache_salt", None),
+    )
+
+
 @dataclass
 class _Lease(Lease):
     """A request's hold on pages, as the ledger learned it from its row of ``req_to_token``."""
@@ -301,7 +314,7 @@ class SGLangOwnership(Ledger):
             rows = alloc(reqs)
             if rows is not None:
                 for r in fresh:  # a row's last transfer note was its last holder's
-                    self.open_lease(r.kv.req_pool_idx, req=r)
+                    self.open_lease(r.kv.req_pool_idx, req=r, domain=_domain(r))
                     self.receive_notes.pop(r.kv.req_pool_idx, None)
                 for r in reqs:  # a row a streaming session lends its next turn: same KV, new Req
                     lease = self.leases.get(r.kv.req_pool_idx)
@@ -469,7 +482,7 @@ class SGLangOwnership(Ledger):
         held_pages, expected = lease.pages[0], lease.expected[0]
         del lease.keys[len(tokens) // P :]
         if self.prefix_caching and len(lease.keys) < len(tokens) // P:
-            lease.keys = self.digests(tokens, lease.keys)
+            lease.keys = self.digests(tokens, lease.keys, lease.domain)
         del held_pages[len(pages) :], expected[len(pages) :]
         # A row usually changes only past what the lease held (one compare, in C); SGLang rewrites
         # earlier entries when the radix cache dedups a chunk, and then every entry is compared.

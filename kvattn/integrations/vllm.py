@@ -25,9 +25,11 @@ whose attention is kvattn's, and are documented in ``docs/vllm.md``):
   owner, the blocks of a finished or preempted request are released owner-scoped (a block already
   handed to the next request is not freed under it). Blocks the scheduler reports as computed
   (prefix-cache hits) keep the owner that wrote them: the worker keeps, per written full block,
-  the owner and a digest of the token prefix it holds, and a hit is expected to carry that owner
-  only if the digest equals the reader's own prefix; otherwise the entry expects owner 0 and
-  fails closed. A full block kept by vLLM's prefix cache stays WRITTEN when its last request ends.
+  the owner and a digest of the token prefix it holds in its request's domain (LoRA adapter and
+  cache salt: the scheduler's hook on ``NewRequestData.from_request`` sends the salt), and a hit
+  is expected to carry that owner only if the digest equals the reader's own; otherwise the entry
+  expects owner 0 and fails closed. A full block kept by vLLM's prefix cache stays WRITTEN when
+  its last request ends.
 - **Writes** (``do_kv_cache_update``) go through :func:`kvattn.write_kv` at vLLM's slot mapping
   under each token's request owner: a write into a block the request does not hold is dropped.
 - **Failure.** Refused pages and dropped writes are summed per request over the layers of a step
@@ -48,7 +50,7 @@ written under its owner, read by one causal extend), and what vLLM rolls back is
 request itself. Not supported (refused when the engine is set up): KV cache groups of different
 block sizes, speculative decoding with other proposers (a draft model, tree drafts), async
 scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing, multimodal and
-encoder-decoder models.
+encoder-decoder models, prompt embeddings.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ import torch
 from ..report import KVOwnershipError
 from ..tags import Violation
 from ..writers import commit_pages
-from .ledger import IntegrationError, Lease, Ledger, Step, refuse
+from .ledger import IntegrationError, Lease, Ledger, Step, cache_domain, refuse
 from .ledger import check_version as _check_version
 
 SUPPORTED_VERSIONS = ("0.32.0",)
@@ -130,6 +132,7 @@ def register() -> None:
 
 
 def _install_hooks() -> None:
+    from vllm.v1.core.sched.output import NewRequestData
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -138,6 +141,7 @@ def _install_hooks() -> None:
     execute_model = GPUModelRunner.execute_model
     sample_tokens = GPUModelRunner.sample_tokens
     update_from_output = Scheduler.update_from_output
+    from_request = NewRequestData.from_request.__func__
 
     def execute_model_hook(self, scheduler_output, *args, **kwargs):
         state = _STATES.get(id(self.vllm_config))
@@ -162,9 +166,15 @@ def _install_hooks() -> None:
             _finish_failed(self, failed, outputs)
         return outputs
 
+    def from_request_hook(cls, request, *args, **kwargs):
+        data = from_request(cls, request, *args, **kwargs)
+        data.kvattn_cache_salt = request.cache_salt  # the worker's prefix-hit rule needs it
+        return data
+
     GPUModelRunner.execute_model = execute_model_hook
     GPUModelRunner.sample_tokens = sample_tokens_hook
     Scheduler.update_from_output = update_from_output_hook
+    NewRequestData.from_request = classmethod(from_request_hook)
     GPUModelRunner._kvattn_hooked = True
 
 
@@ -197,6 +207,17 @@ def _finish_failed(scheduler, failed: dict[str, str], outputs: dict) -> None:
             outputs[request.client_index].outputs.append(final)
         else:
             outputs[request.client_index] = EngineCoreOutputs(outputs=[final])
+
+
+def _domain(new) -> bytes:
+    """The cache domain of a request the scheduler admits (its ``NewRequestData``): the LoRA
+    adapter (name, id and path: vLLM keys a block on the name and path) and the cache salt
+    (which vLLM does not send the worker: the scheduler's hook adds it)."""
+    lora = new.lora_request
+    return cache_domain(
+        lora=(lora.lora_name, lora.lora_int_id, lora.lora_path) if lora is not None else None,
+        cache_salt=getattr(new, "kvattn_cache_salt", None),
+    )
 
 
 # -- the worker's ownership state -------------------------------------------------------------
@@ -274,6 +295,11 @@ def _refuse_unsupported(vllm_config) -> None:
         )
     if model.is_encoder_decoder:
         reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
+    if model.enable_prompt_embeds:
+        reasons.append(
+            "prompt embeddings (prefix digests cover token ids, not the embeddings given "
+            "in their place)"
+        )
     refuse("vllm", reasons)
 
 
@@ -314,9 +340,14 @@ class WorkerOwnership(Ledger):
         # yet: request id -> [(logical block, block, verified length)], committed when its lease
         # is made (:meth:`receive`).
         self.arrivals: dict[str, list[tuple[int, int, int]]] = {}
+        # Each live request's cache domain (:func:`_domain`), kept across preemption: a resumed
+        # request comes back without its NewRequestData.
+        self.domains: dict[str, bytes] = {}
         # This step's scheduled and already computed tokens per request (begin_step).
         self.step_tokens: tuple[dict[str, int], dict[str, int]] = ({}, {})
         transfer = vllm_config.kv_transfer_config
+        # Whether a KV connector may fill blocks the scheduler reports as computed.
+        self.external_kv = transfer is not None
         extra = (transfer.kv_connector_extra_config or {}) if transfer is not None else {}
         self.transfer_digests = bool(extra.get("kvattn_check_bytes", True))
 
@@ -351,11 +382,13 @@ class WorkerOwnership(Ledger):
         for rid in so.finished_req_ids:  # a late arrival for an ended request is dropped
             self.arrivals.pop(rid, None)
             self.receive_notes.pop(rid, None)
+            self.domains.pop(rid, None)
         reserved: list[tuple[list[int], int]] = []
         admitted: list[tuple[_Lease, int]] = []  # leases whose prefix hits are resolved below
         computed = {}
         for new in so.scheduled_new_reqs:
             self._end_lease(new.req_id, released)
+            self.domains[new.req_id] = _domain(new)
             lease = self._new_lease(new.req_id, new.block_ids, list(new.prompt_token_ids or ()))
             admitted.append((lease, new.num_computed_tokens))
             computed[new.req_id] = new.num_computed_tokens
@@ -452,11 +485,13 @@ class WorkerOwnership(Ledger):
         """A new owner for ``rid`` holding ``block_ids``; its expected owners are set by
         :meth:`_resolve_hits` once the step's writes are known."""
         self._check_groups(block_ids)
+        domain = self.domains.get(rid, b"")
         lease = self.open_lease(
             rid,
             pages=[list(ids) for ids in block_ids],
             expected=[[] for _ in block_ids],
-            keys=self.digests(tokens),
+            keys=self.digests(tokens, domain=domain),
+            domain=domain,
         )
         for blocks in lease.pages:
             self._hold(blocks)
@@ -489,17 +524,17 @@ class WorkerOwnership(Ledger):
         """The owner a block the scheduler reports as computed must carry.
 
         A prefix-cache hit: the owner that wrote the block (in an earlier step, or in this one:
-        ``writes``), if the block holds this request's prefix (:meth:`writer_of`). A block that no
-        live lease maps and that holds other content is one the scheduler handed out afresh for
-        KV arriving from outside (a KV connector): None, meaning the new lease's own owner,
-        reserved, so only a commit can make it readable. A block another live lease maps with
-        other content: owner 0, which no page carries, so it fails closed without disturbing the
-        lease that holds it.
+        ``writes``), if the block holds this request's prefix (:meth:`writer_of`). Otherwise owner
+        0, which no page carries, so the read fails closed without disturbing the block (another
+        lease may hold it, and a request of the writer's own domain may still hit it), except for
+        a block that no other live lease maps in an engine with a KV connector: one the scheduler
+        may have handed out afresh for KV arriving from outside, so None, meaning the new lease's
+        own owner, reserved, and readable only once a commit lands.
         """
         owner = self.writer_of(block, keys[index] if index < len(keys) else None, writes)
         if owner is not None:
             return owner
-        if self.holders[block] > 1:  # the new lease holds it too
+        if self.holders[block] > 1 or not self.external_kv:  # > 1: the new lease holds it too
             return 0
         return None
 
@@ -556,7 +591,7 @@ class WorkerOwnership(Ledger):
             start = computed.get(rid, 0)
             end = (start + count) // self.page_size
             if end > len(lease.keys):
-                lease.keys = self.digests(self._tokens(runner, rid), lease.keys)
+                lease.keys = self.digests(self._tokens(runner, rid), lease.keys, lease.domain)
             first = start // self.page_size if lease.recorded is None else lease.recorded
             last = min(end, len(lease.keys))
             for blocks, expected in zip(lease.pages, lease.expected):

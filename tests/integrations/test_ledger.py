@@ -8,7 +8,7 @@ import torch
 
 import kvattn
 from kvattn import Violation, WriteDrop
-from kvattn.integrations.ledger import Ledger
+from kvattn.integrations.ledger import Ledger, cache_domain
 
 NOT_HELD = int(WriteDrop.NOT_HELD)
 
@@ -89,3 +89,34 @@ def test_a_clean_step_fails_nobody_and_counts_its_checks():
     assert ledger.finish() == {} and ledger.failures == []
     assert ledger.pages_checked == 4 and ledger.forwards == 1
     assert ledger.finish() == {} and ledger.forwards == 1  # no step: nothing read
+
+
+def _hit_across(writer: bytes, reader: bytes) -> int:
+    """The owner a reader in domain ``reader`` must find on the first page of the same tokens
+    written by owner 9 in domain ``writer``."""
+    ledger = Ledger(4)
+    tokens = torch.arange(10)
+    ledger.remember(3, 9, ledger.digests(tokens, domain=writer)[0])
+    return ledger.hit_owner(3, ledger.digests(tokens, domain=reader)[0])
+
+
+def test_a_prefix_hit_in_the_writer_s_own_domain_expects_the_writer():
+    """Same tokens, same adapter and salt (named in any order): the writer's owner, as for a
+    plain request."""
+    assert _hit_across(b"", b"") == 9
+    a = cache_domain(lora=("a", 1, "/adapters/a"), cache_salt="tenant-1")
+    assert _hit_across(a, cache_domain(cache_salt="tenant-1", lora=("a", 1, "/adapters/a"))) == 9
+    assert cache_domain(lora=None, cache_salt="") == b""  # absent parts: a plain request
+
+
+def test_a_prefix_hit_across_domains_fails_closed():
+    """The twin: the same tokens under another adapter, another salt, or with a part missing on
+    one side never prove the writer's KV is the reader's (owner 0: the read is refused), and
+    moving bytes between parts (SGLang appends the LoRA id to its extra key) does not collide."""
+    a = cache_domain(lora=("a", 1, "/adapters/a"))
+    assert _hit_across(a, cache_domain(lora=("b", 2, "/adapters/b"))) == 0
+    assert _hit_across(a, cache_domain(lora=("a", 1, "/adapters/a2"))) == 0
+    assert _hit_across(a, b"") == 0 and _hit_across(b"", a) == 0
+    assert _hit_across(cache_domain(cache_salt="s1"), cache_domain(cache_salt="s2")) == 0
+    assert _hit_across(cache_domain(cache_salt="x"), cache_domain(extra_key="x")) == 0
+    assert cache_domain(extra_key="ab", lora="c") != cache_domain(extra_key="a", lora="bc")

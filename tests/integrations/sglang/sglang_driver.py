@@ -163,14 +163,21 @@ class Engine:
         self.lens: dict[str, int] = {}  # tokens in the cache per request
         self.fed: dict[str, list[int]] = {}  # token ids fed to forwards (prompt, then decodes)
         self.inserted: dict[str, int] = {}  # tokens each request put in the radix tree
+        self.salt_in_key = True
         self.outputs: list[dict[str, list]] = []  # per forward: rid -> last layer's output rows
 
     # -- the scheduler's part ---------------------------------------------------------------
 
-    def admit(self, rid: str, tokens: list[int], prefix_slots: list[int] | None = None) -> Req:
+    def admit(
+        self,
+        rid: str,
+        tokens: list[int],
+        prefix_slots: list[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> Req:
         """A new request holding a row; ``prefix_slots``: the slots a radix-cache match gave it
         for its first tokens (what ``match_prefix`` returns as ``prefix_indices``)."""
-        req = Req(rid, "", list(tokens), SamplingParams(max_new_tokens=16))
+        req = Req(rid, "", list(tokens), SamplingParams(max_new_tokens=16), cache_salt=cache_salt)
         self.req_pool.alloc([req])
         prefix = list(prefix_slots or [])
         if prefix:
@@ -190,7 +197,7 @@ class Engine:
         done = self.inserted.get(rid, 0)  # what it inserted before: not a duplicate to free
         self.tree.insert(
             InsertParams(
-                key=RadixKey(array("q", tokens)),
+                key=RadixKey(array("q", tokens), cache_salt=self._salt(self.reqs[rid].cache_salt)),
                 value=torch.tensor(self.slots(rid), dtype=torch.int64),
                 prev_prefix_len=done,
                 inserted_len=done,
@@ -199,13 +206,19 @@ class Engine:
         self.inserted[rid] = len(tokens) // self.P * self.P
         return self.inserted[rid]
 
-    def match(self, tokens: list[int]) -> list[int]:
-        """The slots of the longest cached prefix of ``tokens`` (``match_prefix``)."""
-        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+    def match(self, tokens: list[int], cache_salt: str | None = None) -> list[int]:
+        """The slots of the longest cached prefix of ``tokens`` under ``cache_salt``
+        (``match_prefix``)."""
+        key = RadixKey(array("q", tokens), cache_salt=self._salt(cache_salt))
+        m = self.tree.match_prefix(MatchPrefixParams(key=key))
         path = self.tree.tree_core.collect_full_device_indices(
             m.last_device_node, self.tree.root_node_handle(None)
         )
         return path[: m.device_prefix_len].tolist()
+
+    def _salt(self, salt: str | None) -> str | None:
+        # A fault may leave the salt out of every key of the tree (the class of SGLang #37160).
+        return salt if self.salt_in_key else None
 
     def slots(self, rid: str) -> list[int]:
         req = self.reqs[rid]
@@ -510,6 +523,42 @@ def stale_prefix(page_size: int, fault: bool) -> dict:
     return out
 
 
+def domains(page_size: int, fault: bool) -> dict:
+    """Radix-cache hits across cache salts: W computes a prompt under salt ``tenant-1`` and the
+    tree keeps its pages; R sends the same prompt under ``tenant-2``, which SGLang's tree keys
+    apart, so R matches nothing and computes its own; R2 (``tenant-1`` again) hits W's pages; D
+    shares nothing. With ``fault``, the tree's keys leave the salt out (the class of SGLang
+    #37160), so R hits W's pages."""
+    P = page_size
+    out = {}
+    prompt = list(range(10, 10 + 2 * P)) + [4, 5]
+    for kind in ("torch_native", "kvattn"):
+        e = Engine(kind, P)
+        e.salt_in_key = not fault
+        e.admit("W", prompt, cache_salt="tenant-1")
+        e.step({"W": len(prompt)})
+        e.finish("W", kept=e.cache("W"))
+        hits = {
+            "R": e.match(prompt, cache_salt="tenant-2"),
+            "R2": e.match(prompt, cache_salt="tenant-1"),
+        }
+        e.admit("R", prompt, prefix_slots=hits["R"], cache_salt="tenant-2")
+        e.admit("R2", prompt, prefix_slots=hits["R2"], cache_salt="tenant-1")
+        e.admit("D", [8, 8, 8])
+        result = e.step({"R": len(prompt) - len(hits["R"]), "R2": 2, "D": 3})
+        out[kind] = dict(
+            result=result,
+            aborted={r: e.aborted(r) for r in ("R", "R2", "D")},
+            counts=dict(e.state.counts) if e.state else {},
+            hits={r: len(h) for r, h in hits.items()},
+        )
+    for rid in ("R", "R2", "D"):
+        out[f"{rid}_gap"] = _diff(
+            {rid: out["torch_native"]["result"][rid]}, {rid: out["kvattn"]["result"][rid]}
+        )
+    return out
+
+
 def session(page_size: int, fault: bool) -> dict:
     """A streaming session: the next turn is a new Req on the same row (``try_match_prefix`` sets
     ``req.kv = slot.kv``, and ``ReqToTokenPool.alloc`` sees a row it holds). With ``fault`` the
@@ -618,6 +667,8 @@ SCENARIOS = {
     "prefix-clean-16": lambda: stale_prefix(16, False),
     "prefix-stale-16": lambda: stale_prefix(16, True),
     "prefix-stale-1": lambda: stale_prefix(1, True),
+    "domains-clean-16": lambda: domains(16, False),
+    "domains-fault-16": lambda: domains(16, True),
     "plugin": plugin,
 }
 

@@ -143,6 +143,32 @@ def test_radix_hit_on_changed_pages_fails_closed(runs, page_size, reason):
     assert r["kvattn"]["aborted"]["D"] is None and r["d_gap"] < TOL
 
 
+def test_radix_hits_keep_to_their_cache_salt(runs):
+    """SGLang's tree keys on the cache salt: R (another salt) computes its own pages, R2 (W's
+    salt) hits W's and reads them; nothing refused, kvattn equals SGLang's attention."""
+    r = runs["domains-clean-16"]
+    for kind in ("torch_native", "kvattn"):
+        assert r[kind]["hits"] == {"R": 0, "R2": 32}
+        assert r[kind]["aborted"] == {"R": None, "R2": None, "D": None}
+    assert r["kvattn"]["counts"]["prefix_hit_pages"] == 2
+    assert r["kvattn"]["counts"]["refused_pages"] == 0
+    assert max(r["R_gap"], r["R2_gap"], r["D_gap"]) < TOL
+
+
+def test_a_radix_hit_across_cache_salts_fails_closed(runs):
+    """The twin: the tree's keys leave the salt out, so R hits W's pages under another tenant's
+    salt. SGLang's attention reads them (the same bytes: the tenant boundary is what is crossed);
+    kvattn's ledger digests the salt with the tokens, cannot prove the pages are R's, and fails
+    R alone: R2 (a hit in W's own salt) and D read as SGLang's attention does."""
+    r = runs["domains-fault-16"]
+    assert r["torch_native"]["hits"]["R"] == 32 and r["torch_native"]["aborted"]["R"] is None
+    message = r["kvattn"]["aborted"]["R"]
+    assert "reads: OWNER_MISMATCH on logical page(s) 0 (page " in message
+    assert r["kvattn"]["counts"]["unproven_hit_pages"] == 2
+    assert r["kvattn"]["aborted"]["R2"] is None and r["kvattn"]["aborted"]["D"] is None
+    assert r["R2_gap"] < TOL and r["D_gap"] < TOL
+
+
 def test_plugin_registers_through_sglang_entry_points(runs):
     r = runs["plugin"]
     assert "kvattn=kvattn.integrations.sglang_backend:register" in r["entry_points"]

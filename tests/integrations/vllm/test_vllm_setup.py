@@ -3,7 +3,13 @@ proposers it takes, and the ones it refuses naming them. Plain kvattn code
 (kvattn.integrations.vllm): no vLLM install needed, unlike the rest of this folder."""
 
 
-def _vllm_config(cache_dtype="auto", speculative=None, multimodal=False, encoder_decoder=False):
+def _vllm_config(
+    cache_dtype="auto",
+    speculative=None,
+    multimodal=False,
+    encoder_decoder=False,
+    prompt_embeds=False,
+):
     from types import SimpleNamespace
 
     return SimpleNamespace(
@@ -11,7 +17,9 @@ def _vllm_config(cache_dtype="auto", speculative=None, multimodal=False, encoder
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
         scheduler_config=SimpleNamespace(async_scheduling=False),
         model_config=SimpleNamespace(
-            is_multimodal_model=multimodal, is_encoder_decoder=encoder_decoder
+            is_multimodal_model=multimodal,
+            is_encoder_decoder=encoder_decoder,
+            enable_prompt_embeds=prompt_embeds,
         ),
     )
 
@@ -32,7 +40,7 @@ def test_vllm_plugin_takes_the_fp8_caches_it_writes():
 
 def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
     """The twin: a cache dtype it does not write, speculative decoding by another proposer,
-    multimodal and encoder-decoder models are refused with the reason."""
+    multimodal and encoder-decoder models and prompt embeddings are refused with the reason."""
     import pytest
 
     from kvattn.integrations import vllm as integration
@@ -57,3 +65,5 @@ def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
         integration._refuse_unsupported(_vllm_config(multimodal=True))
     with pytest.raises(integration.IntegrationError, match="encoder-decoder models"):
         integration._refuse_unsupported(_vllm_config(encoder_decoder=True))
+    with pytest.raises(integration.IntegrationError, match="prompt embeddings"):
+        integration._refuse_unsupported(_vllm_config(prompt_embeds=True))

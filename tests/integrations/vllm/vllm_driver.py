@@ -8,7 +8,9 @@ Scenarios: ``main`` (greedy tokens with chunked prefill and prefix caching, then
 injected into vLLM's bookkeeping, each next to a clean run of the same requests), ``same_step``
 (prefix-cache hits on blocks written in the same step), ``variants SWITCH`` (a model whose
 attention has a score switch: exact answers, the switch turned off, a fault), ``spec``
-(speculative decoding with vLLM's n-gram proposer: tokens, its counters, a fault), ``produce``
+(speculative decoding with vLLM's n-gram proposer: tokens, its counters, a fault), ``domains
+DIR`` (prefix hits within and across LoRA adapters and cache salts, adapters written to DIR;
+a fault leaves the adapter or the salt out of vLLM's block hash), ``produce``
 (a prefill instance writing KV files through vLLM's connector, and the incident's substitute),
 ``decode`` (a decode instance loading them).
 
@@ -60,10 +62,11 @@ class Engine:
         self.runner = core.model_executor.driver_worker.worker.model_runner
         self.ids: dict[str, str] = {}  # name -> the engine's request id
 
-    def run(self, schedule, max_steps: int = 400, logprobs: bool = False) -> dict:
+    def run(self, schedule, max_steps: int = 400, logprobs: bool = False, domains=None) -> dict:
         """``schedule``: ``(name, tokens, max_tokens, after)``; ``after`` is None (at once),
         ``("finished", name)`` or ``("tokens", name, k)``: added once that holds. With
-        ``logprobs``, each result also has the log-probability of every token it produced."""
+        ``logprobs``, each result also has the log-probability of every token it produced.
+        ``domains``: name -> ``(LoRARequest or None, cache salt or None)``."""
         from vllm import SamplingParams
 
         pending = list(schedule)
@@ -83,8 +86,12 @@ class Engine:
                         ignore_eos=True,
                         logprobs=0 if logprobs else None,
                     )
+                    lora, salt = (domains or {}).get(name, (None, None))
+                    request = {"prompt_token_ids": tokens}
+                    if salt is not None:
+                        request["cache_salt"] = salt
                     self.ids[name] = self.engine.add_request(
-                        name, {"prompt_token_ids": tokens}, params
+                        name, request, params, lora_request=lora
                     )
                     pending.remove(entry)
             if not pending and not self.engine.has_unfinished_requests():
@@ -118,15 +125,15 @@ class Engine:
         return next((n for n, i in self.ids.items() if i == request_id), request_id)
 
 
-def scenario(engine: Engine, schedule, inject, logprobs: bool = False) -> dict:
+def scenario(engine: Engine, schedule, inject, logprobs: bool = False, domains=None) -> dict:
     """A clean run and a faulted run of ``schedule`` (prefix cache reset before each)."""
     engine.llm.reset_prefix_cache()
-    clean = engine.run(schedule, logprobs=logprobs)
+    clean = engine.run(schedule, logprobs=logprobs, domains=domains)
     engine.llm.reset_prefix_cache()
     seen = len(engine.failures())
     injected, restore = inject(engine)
     try:
-        faulted = engine.run(schedule, logprobs=logprobs)
+        faulted = engine.run(schedule, logprobs=logprobs, domains=domains)
     finally:
         restore()
     failures = [(engine.name_of(r), m) for r, m in engine.failures()[seen:]]
@@ -359,6 +366,103 @@ def same_step_scenario(model: str) -> dict:
     out["system_prompt"] = generate([system + prompt(63 + i, 20) for i in range(3)])
     engine = Engine(llm)
     out["failures"] = engine.failures()
+    return out
+
+
+def write_adapter(model: str, folder: str, seed: int, rank: int = 8) -> str:
+    """A random LoRA adapter (PEFT's format) of the test model on every attention projection:
+    its K and V differ from the base model's, so KV computed under it is another domain's."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim, kv_heads = config["head_dim"], config["num_key_value_heads"]
+    shapes = {
+        "q_proj": (heads * head_dim, hidden),
+        "k_proj": (kv_heads * head_dim, hidden),
+        "v_proj": (kv_heads * head_dim, hidden),
+        "o_proj": (hidden, heads * head_dim),
+    }
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, (out_features, in_features) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{key}.lora_A.weight"] = 0.2 * torch.randn(rank, in_features, generator=g)
+            weights[f"{key}.lora_B.weight"] = 0.2 * torch.randn(out_features, rank, generator=g)
+    os.makedirs(folder, exist_ok=True)
+    save_file(weights, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(
+            dict(
+                peft_type="LORA",
+                r=rank,
+                lora_alpha=2 * rank,
+                target_modules=list(shapes),
+                bias="none",
+                base_model_name_or_path=model,
+            ),
+            f,
+        )
+    return folder
+
+
+def key_without(part: str):
+    """A fault of vLLM's block hash (the class of vLLM #44701, SGLang #37160): ``part``
+    (``"lora"`` or ``"cache_salt"``) left out of the key of every block hashed while it is on,
+    so a request hits blocks another domain computed. kvattn's digests do not use the engine's
+    key: the hit must fail."""
+
+    def inject(engine):
+        from vllm.v1.core import kv_cache_utils
+
+        def make(original):
+            def extra_keys(request, start, end, mm_index):
+                keys, mm_index = original(request, start, end, mm_index)
+                kept = tuple(k for k in keys or () if not (isinstance(k, tuple) and k[0] == part))
+                return kept or None, mm_index
+
+            return extra_keys
+
+        return True, patch(kv_cache_utils, "generate_block_hash_extra_keys", make)
+
+    return inject
+
+
+def domains_scenario(model: str, folder: str) -> dict:
+    """One prompt of two full blocks under two LoRA adapters, then under two cache salts, each
+    request admitted after the one before finished: the same domain's second request is a
+    prefix hit (``a2``, ``t1b``), another domain's is not (``b1``, ``t2``), clean and with the
+    domain part left out of vLLM's block hash (the victim is then the other domain's
+    request)."""
+    from vllm.lora.request import LoRARequest
+
+    engine = Engine(make_llm(model, enable_lora=True, max_loras=2, max_lora_rank=8))
+    lora_a = LoRARequest("a", 1, write_adapter(model, os.path.join(folder, "lora-a"), 1))
+    lora_b = LoRARequest("b", 2, write_adapter(model, os.path.join(folder, "lora-b"), 2))
+    p = prompt(70, 70)
+
+    def chain(names):
+        return [
+            (n, p, 8, None if i == 0 else ("finished", names[i - 1])) for i, n in enumerate(names)
+        ]
+
+    out = {}
+    out["lora"] = scenario(
+        engine,
+        chain(["a1", "b1", "a2"]),
+        key_without("lora"),
+        domains={"a1": (lora_a, None), "b1": (lora_b, None), "a2": (lora_a, None)},
+    )
+    out["cache_salt"] = scenario(
+        engine,
+        chain(["t1", "t2", "t1b"]),
+        key_without("cache_salt"),
+        domains={"t1": (None, "tenant-1"), "t2": (None, "tenant-2"), "t1b": (None, "tenant-1")},
+    )
+    out["counts"] = counts(engine)
+    out["failures_total"] = len(engine.failures())
     return out
 
 
@@ -766,6 +870,7 @@ if __name__ == "__main__":
         "same_step": same_step_scenario,
         "variants": variants_scenario,
         "spec": spec_scenario,
+        "domains": domains_scenario,
     }[name](model_dir, *extra)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,0 +1,96 @@
+"""Prefix-cache hits across the KV's domain under kvattn in vLLM 0.32 (the CPU build): LoRA adapters
+and cache salts. vLLM keys a cached block on the adapter and the salt besides the tokens; kvattn's
+ledger keys its own digest of the block on them too (``cache_domain``), independently, so that a
+hit the engine keys wrongly (the class of vLLM #44701 and SGLang #37160: a domain part left out of
+the cache key) still fails closed.
+
+vllm_driver.py's ``domains`` scenario sends one 70-token prompt (two full blocks) under adapter A,
+adapter B, then A again (``a1``, ``b1``, ``a2``), and under cache salts 1, 2, then 1 again (``t1``,
+``t2``, ``t1b``), each request admitted once the one before finished, on vLLM's attention and on
+kvattn's: clean, then with the adapter (or the salt) left out of vLLM's block hash, which makes
+the other domain's request (``b1``, ``t2``) hit the first one's blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvattn_testing import engines
+from kvattn_testing.engines import ROOT, why_no_vllm
+
+DRIVER = ROOT / "tests" / "integrations" / "vllm" / "vllm_driver.py"
+HIT = 64  # tokens: the prompt's two full blocks
+# lane -> (the first request, the other domain's (the fault's victim), the first's domain again)
+LANES = {"lora": ("a1", "b1", "a2"), "cache_salt": ("t1", "t2", "t1b")}
+
+pytestmark = pytest.mark.slow
+
+if why_no_vllm():
+    pytest.skip(why_no_vllm(), allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def domains():
+    runs = engines.Runs()
+    args = ("domains", str(runs.dir / "adapters"))
+    results = runs.shared(
+        "domains",
+        lambda: runs.drive(
+            [("domains-stock", DRIVER, False, args), ("domains-kvattn", DRIVER, True, args)]
+        ),
+    )
+    return results["domains-stock"], results["domains-kvattn"]
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_hit_within_a_domain_is_read_and_none_crosses_one(domains, lane):
+    """Clean: both attentions give the same tokens; the same domain's second request hits the
+    first's blocks and reads them, the other domain's computes its own; nothing is refused."""
+    stock, mine = domains
+    first, other, again = LANES[lane]
+    for run in (stock, mine):
+        clean = run[lane]["clean"]
+        assert clean[again]["cached"] == HIT and clean[other]["cached"] == 0
+        assert all(r["finish_reason"] == "length" and len(r["tokens"]) == 8 for r in clean.values())
+        assert clean[again]["tokens"] == clean[first]["tokens"]
+    assert {n: r["tokens"] for n, r in mine[lane]["clean"].items()} == {
+        n: r["tokens"] for n, r in stock[lane]["clean"].items()
+    }
+    if lane == "lora":  # the adapters change the KV, so the answers
+        assert stock[lane]["clean"][other]["tokens"] != stock[lane]["clean"][first]["tokens"]
+    assert mine["counts"]["prefix_hit_blocks"] >= 2 * 2 * len(LANES)  # clean and faulted
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_hit_across_domains_is_served_by_vllm(domains, lane):
+    """The fault is real on vLLM's attention: the other domain's request reads the first one's
+    blocks and answers. Under another adapter its answer changes; under another salt the bytes
+    are the same (a salt separates tenants, not values), and the tenant boundary is what was
+    crossed."""
+    stock, _ = domains
+    _, other, _ = LANES[lane]
+    run = stock[lane]
+    assert run["injected"] and run["failures"] == []
+    assert run["faulted"][other]["cached"] == HIT
+    assert run["faulted"][other]["finish_reason"] == "length"
+    if lane == "lora":
+        assert run["faulted"][other]["tokens"] != run["clean"][other]["tokens"]
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_hit_across_domains_fails_that_request_only_on_kvattn(domains, lane):
+    """On kvattn's: the other domain's request fails before its first token, naming the blocks
+    whose owner it could not prove; the first domain's requests, before and after it (a hit on
+    the same blocks), keep their clean answers."""
+    _, mine = domains
+    first, other, again = LANES[lane]
+    run = mine[lane]
+    assert run["injected"]
+    assert run["faulted"][other]["finish_reason"] == "error"
+    assert run["faulted"][other]["tokens"] == []
+    ((name, message),) = run["failures"]
+    assert name == other
+    assert "OWNER_MISMATCH on logical page(s) 0 (block" in message and ", 1 (block" in message
+    for name in (first, again):
+        assert run["faulted"][name] == run["clean"][name]
+    assert mine["failures_total"] == len(LANES)
