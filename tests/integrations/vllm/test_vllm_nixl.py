@@ -14,8 +14,7 @@ its receiver) and the clean request beside it is lost with it, kvattn reads the 
 the victim only and answers the other. The twin of the checked bytes: a block whose
 bytes change on the prefill side after they were attested fails that request on kvattn; vLLM
 answers with other tokens. The
-two instances behind OpenAI servers: the padded placeholder gets a 200 with other tokens from
-vLLM, an error status from kvattn.
+two instances behind OpenAI servers on kvattn: the padded placeholder gets an error status.
 """
 
 from __future__ import annotations
@@ -350,19 +349,15 @@ def _over_http(model, work, kvattn: bool) -> dict:
 
 
 def test_openai_servers_over_nixl_answer_the_incident_with_an_error(nixl, tmp_path):
-    """Prefill and decode instances behind OpenAI servers (each with its own engine core and
-    worker processes: the attestation travels from the prefill worker to its scheduler with the
-    step's output): the clean transfer gets a single instance's tokens (200) on both attentions;
-    the padded placeholder gets other tokens and a 200 from vLLM's own attention, an error status
-    from kvattn's, with the reasons in the decode server's log."""
-    model = Runs().model
-    stock = _over_http(model, tmp_path, kvattn=False)
-    kvattn = _over_http(model, tmp_path, kvattn=True)
-    local = nixl["local"]
-    for run in (stock, kvattn):
-        assert run["short"] == (200, local["short"])
-    status, tokens = stock["padded"]
-    assert status == 200 and tokens != local["long"]
+    """Prefill and decode instances behind OpenAI servers on kvattn (each with its own engine
+    core and worker processes: the attestation travels from the prefill worker to its scheduler
+    with the step's output): the clean transfer gets a single instance's tokens (200); the padded
+    placeholder an error status, with the reasons in the decode server's log. vLLM's own
+    attention answers the same placeholder with other tokens as a normal completion
+    (test_the_incident_leaks_or_stops_the_engine_on_vllm, in process: the servers add nothing
+    to that engine's answer)."""
+    kvattn = _over_http(Runs().model, tmp_path, kvattn=True)
+    assert kvattn["short"] == (200, nixl["local"]["short"])
     status, reply = kvattn["padded"]
     assert status >= 400 and "choices" not in reply and "error" in reply, reply
     log = kvattn["decode_log"]
