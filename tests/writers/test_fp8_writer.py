@@ -158,6 +158,49 @@ def test_stored_codes_follow_the_rounding_rule(fmt, src, writer, rounding):
     assert np.array_equal(nonfinite, nan_in if rounding == "nearest" else np.zeros_like(nan_in))
 
 
+# float32 subnormals (what a bfloat16 holds below 2**-126), each sign, from the smallest up.
+SUBNORMALS = np.float32(2.0**-149) * np.array([1, 3, 2**10 + 1, 2**16, 2**22 + 2**21, 2**23 - 1])
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
+@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", list(FP8))
+def test_subnormal_tokens_over_small_scales_follow_the_rule(fmt, src, writer, rounding):
+    """Tokens below float32's normal range, over the smallest scales the writers take (2**-126,
+    2**-100): the quotient is a normal number that rounds to a nonzero code, or a tiny one that
+    rounds to a signed zero, by the same rule as any other. The Triton writer converted bfloat16
+    subnormals wrongly under the interpreter (and stored zeros or other codes here)."""
+    dtype = FP8[fmt]
+    pos = SUBNORMALS[np.isfinite(SUBNORMALS)]
+    flat = torch.from_numpy(np.concatenate([pos, -pos]).astype(np.float32))
+    if src == torch.bfloat16:  # the ones a bfloat16 holds exactly: the upper 7 mantissa bits
+        flat = flat[flat.to(torch.bfloat16).float() == flat]
+    k = as_tokens(flat).to(src)
+    assert k.float().abs().max() < 2.0**-126 and k.float().abs().min() == 0  # subnormals, padding
+    scale = np.array([2.0**-126, 2.0**-100])
+    k_cache, v_cache = poisoned_pools(-(-k.shape[0] // 4), 4, dtype)
+    tags = torch.full((k_cache.shape[0],), kvattn.reserved_tag(1), device=DEVICE)
+    kvattn.write_kv(
+        k.to(DEVICE),
+        k.to(DEVICE),
+        k_cache,
+        v_cache,
+        torch.arange(k.shape[0], device=DEVICE),
+        tags,
+        1,
+        backend=writer,
+        k_scale=torch.tensor(scale, dtype=torch.float32, device=DEVICE),
+        v_scale=2.0**-126,
+        fp8_rounding=rounding,
+    )
+    want_k = expected_codes(k, scale, dtype, rounding)
+    assert np.count_nonzero(want_k & 0x7F) > 0  # some quotients reach nonzero codes
+    np.testing.assert_array_equal(k_cache.view(torch.uint8).reshape(-1)[: k.numel()].cpu(), want_k)
+    want_v = expected_codes(k, np.array([2.0**-126] * KV_HEADS), dtype, rounding)
+    np.testing.assert_array_equal(v_cache.view(torch.uint8).reshape(-1)[: k.numel()].cpu(), want_v)
+
+
 @pytest.mark.parametrize("rounding", ["nearest", "toward_zero"])
 @pytest.mark.parametrize("fmt", list(FP8))
 def test_every_writer_stores_identical_bytes(fmt, rounding):

@@ -26,6 +26,18 @@ def fp8_format(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 @triton.jit
+def exact_float32(x):
+    """``x`` as float32, exactly. A bfloat16 is the upper half of a float32's bits, so its bits are
+    shifted into place: the Triton interpreter's conversion gets bfloat16 subnormals wrong (it
+    turned -6.4e-40 into -8.8e-39), which a small scale then lifts into nonzero codes. Compiled
+    for sm_90 the conversion (``cvt.f32.bf16``) is exact as well, so both paths store the same
+    bytes."""
+    if x.dtype.is_bf16():
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def fp8_bits(
     x,
     MANT: tl.constexpr,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp8 import fp8_bits, fp8_format
+from .fp8 import exact_float32, fp8_bits, fp8_format
 from .tag_rule import (
     DROP_GAP,
     DROP_NOT_HELD,
@@ -123,10 +123,10 @@ def write_kv_kernel(
         ks = tl.load(k_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)
         vs = tl.load(v_scale_ptr + offs_h, mask=offs_h < NUM_KV_HEADS, other=1.0)
         k = fp8_bits(
-            tl.math.div_rn(k.to(tl.float32), ks[:, None]), MANT, BIAS, MAX_BITS, TOWARD_ZERO
+            tl.math.div_rn(exact_float32(k), ks[:, None]), MANT, BIAS, MAX_BITS, TOWARD_ZERO
         )
         v = fp8_bits(
-            tl.math.div_rn(v.to(tl.float32), vs[:, None]), MANT, BIAS, MAX_BITS, TOWARD_ZERO
+            tl.math.div_rn(exact_float32(v), vs[:, None]), MANT, BIAS, MAX_BITS, TOWARD_ZERO
         )
     safe_page = tl.where(landed, page, 0)
     tl.store(
