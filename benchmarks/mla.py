@@ -98,7 +98,8 @@ def run_point(
     inp = make_mla_inputs(p, dev, sets, seed=zlib.crc32(p.label().encode()))
     rows_ref = min(p.batch, CHECK_ROWS)
     refs = {i: mla_reference_output(inp, i, rows_ref) for i in sorted({0, sets - 1})}
-    base = dict(asdict(p), sets=sets, pool_bytes=inp.pool_bytes())
+    op = "mla_decode" if p.q_len == 1 else "mla_extend"
+    base = dict(asdict(p), op=op, sets=sets, pool_bytes=inp.pool_bytes())
     return check_and_measure(
         providers,
         inp,

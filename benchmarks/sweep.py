@@ -77,6 +77,7 @@ class Sweep:
     started: float  # time.monotonic() at the start
     log_lines: list[str] = field(default_factory=list)
     stream: Path | None = None  # a file shared with other commands, rows appended as measured
+    op: str = ""  # the providers' op: each row names it, unless the row names its own
 
     @classmethod
     def start(cls, args, preset_points, op: str, folder_suffix: str = "") -> Sweep:
@@ -115,6 +116,7 @@ class Sweep:
             commit,
             started,
             stream=Path(args.stream) if args.stream else None,
+            op=op,
         )
 
     @property
@@ -196,7 +198,8 @@ class Sweep:
     def checkpoint(self, rows: list[dict]) -> None:
         """Appends one point's rows to ``rows.jsonl`` as soon as they are measured, so a run cut
         short (a timeout) keeps every finished point; to the stream too, each row with the run
-        folder's name and the preset."""
+        folder's name and the preset. Every row names its op (the sweep's, unless its own)."""
+        rows = [{"op": self.op, **r} for r in rows]
         self.run_dir.mkdir(parents=True, exist_ok=True)
         append_rows(self.run_dir / "rows.jsonl", rows)
         if self.stream is not None:

@@ -165,6 +165,15 @@ def _streams_every_row_with_its_run(out, runs):
         own = folder / ("tune.csv" if "_tune" in folder.name else "rows.jsonl")
         count = len(own.read_text().splitlines()) - (1 if own.suffix == ".csv" else 0)
         assert by_run.get(folder.name) == count, folder.name
+    # Every row names its op, the one of its run's kind.
+    kinds = {"_extend": {"extend"}, "_mla": {"mla_decode", "mla_extend"}, "_flex": {"decode"}}
+    for r in rows:
+        kind = next((k for k in kinds if r["run"].endswith(k)), None)
+        if "_tune-" in r["run"]:
+            assert r["op"] in ("triton-decode", "triton-extend", "cuda-decode"), r
+        else:
+            assert r.get("op") in kinds.get(kind, {"decode"}), r
+    assert {r["op"] for r in rows if r["run"].endswith("_mla")} == {"mla_decode", "mla_extend"}
     tuned = [r for r in rows if r["run"].endswith("_tune-triton-decode-triton-extend")]
     # The default configuration is timed first at every point, checked and unchecked.
     for op in ("triton-decode", "triton-extend"):
