@@ -77,7 +77,7 @@ def preset_points(name: str) -> list[Point]:
             Point(1, 48, 16, 4, 4, 32, "bf16"),
             Point(1, 40, 1, 8, 2, 32, "fp16"),
             # A window at a context past it (pages before the window neither read nor counted);
-            # the other variants' CPU cases are in benchmarks/test_bench_decode.py.
+            # the other variants' CPU cases are in tests/benchmarks/test_benchmarks_smoke.py.
             Point(1, 160, 16, 4, 2, 16, "fp16", "window128"),
             Point(1, 40, 16, 4, 2, 32, "fp16", head_dim_v=16),
         ]

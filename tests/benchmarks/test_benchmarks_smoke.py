@@ -60,6 +60,33 @@ def test_run_point_times_checked_providers_and_pairs_the_ratio():
 
 @CPU_ONLY
 @pytest.mark.parametrize(
+    "point",
+    [
+        dataclasses.replace(TINY, variant=v)
+        for v in decode.VARIANTS
+        if v != "plain" and not v.startswith("window")  # a window: in the cpu-tiny sweep
+    ]
+    + [dataclasses.replace(TINY, head_dim_v=16)],
+    ids=lambda p: p.variant if p.variant != "plain" else "head_dim_v",
+)
+def test_every_decode_variant_point_runs_checked_and_unchecked(point):
+    """The variant points the GPU suite's decode sweep times (decode.variant_points), at the tiny
+    shape: each provider that takes the variant passes its check against the reference before it
+    is timed (a variant's set-up broken here would only show on the GPU machine)."""
+    chosen = providers.select(["kvattn-triton-checked", "kvattn-triton-unchecked"])
+    rows = decode.run_point(
+        point,
+        chosen,
+        _cpu(),
+        TimingConfig(cpu_runs=1, repeats=1, graphs=False),
+        copy_tbps=1.0,
+        log=print,
+    )
+    assert {r["provider"]: r["status"] for r in rows} == {p.name: "ok" for p in chosen}, rows
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(
     "bench, point", [(decode, TINY), (extend, TINY_EXTEND)], ids=["decode", "extend"]
 )
 def test_run_point_refuses_a_provider_with_wrong_output(bench, point):
