@@ -350,8 +350,8 @@ class BuildExt(build_ext):
         into_tree = self.inplace or getattr(self, "editable_mode", False)
         base = ROOT if into_tree else pathlib.Path(self.build_lib)
         if not into_tree:
-            self.extensions = [e for e in self.extensions if e.name not in STATUS.TEST_ONLY]
             OUTCOME.expected = [n for n in STATUS.EXTENSIONS if n not in STATUS.TEST_ONLY]
+            self.extensions = [e for e in self.extensions if e.name in OUTCOME.expected]
         _import_path("csrc/gen_tags_header.py").write_header(GENERATED / "kvattn_tags.h")
         _write_digest_header(GENERATED / "kvattn_sources.h")
         TABLE.write_generated(GENERATED / "sim", TABLE.Selection(), with_units=False)

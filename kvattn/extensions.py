@@ -195,5 +195,5 @@ def load(module: str) -> tuple[ModuleType | None, Status]:
 def statuses() -> dict[str, Status]:
     """:class:`Status` of every extension setup.py builds here: an installed package has no
     test-only module."""
-    names = EXTENSIONS if source_tree() is not None else tuple(set(EXTENSIONS) - set(TEST_ONLY))
-    return {name: load(name)[1] for name in sorted(names, key=EXTENSIONS.index)}
+    installed = source_tree() is None
+    return {n: load(n)[1] for n in EXTENSIONS if not (installed and n in TEST_ONLY)}
