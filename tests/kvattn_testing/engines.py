@@ -20,10 +20,9 @@ import urllib.request
 ROOT = (
     pathlib.Path(__file__).resolve().parents[2]
 )  # the repository: tests/kvattn_testing/engines.py
-# The scripts run in vLLM's environment: the driver, the model writer and their siblings.
-VLLM_SCRIPTS = ROOT / "tests" / "integrations" / "vllm"
 VENV = ROOT / "build" / "venv-vllm"
 VENV_PY = VENV / "bin" / "python"
+VLLM_CONFORMANCE_SEEDS = (0, 1, 2, 3, 4, 5)
 
 
 def why_not_ready(engine: str, venv: str, target: str) -> str | None:
@@ -108,13 +107,13 @@ def locked(path: pathlib.Path):
 
 
 def write_model(folder: pathlib.Path, python, family: str = "llama") -> pathlib.Path:
-    """The random-weight model of ``family`` (vllm_model.py run by ``python``) in ``folder``,
+    """The random-weight model of ``family`` (kvattn.conformance.model run by ``python``) in ``folder``,
     written once whoever asks first."""
     model = folder / ("model" if family == "llama" else f"model-{family}")
     with locked(folder / f"{model.name}.lock"):
         if not (model / "config.json").exists():
             subprocess.run(
-                [str(python), str(VLLM_SCRIPTS / "vllm_model.py"), str(model), "--family", family],
+                [str(python), "-m", "kvattn.conformance.model", str(model), "--family", family],
                 check=True,
                 capture_output=True,
                 timeout=300,
@@ -145,23 +144,25 @@ class Runs:
         return self.model_of("llama")
 
     def model_of(self, family: str) -> pathlib.Path:
-        """The random-weight model of ``family`` (vllm_model.py), written once."""
+        """The random-weight model of ``family`` (kvattn.conformance.model), written once."""
         return write_model(self.dir, VENV_PY, family)
 
     def drive(
-        self, jobs: list[tuple[str, pathlib.Path, bool, tuple]], family: str = "llama"
+        self, jobs: list[tuple[str, pathlib.Path | str, bool, tuple]], family: str = "llama"
     ) -> dict:
         """Run ``(key, script, kvattn, args)`` jobs as ``script ARG0 MODEL OUT ARGS...`` (the
-        first argument names the scenario) on the model of ``family``, two at a time (the machine
-        has two cores); returns ``{key: result}``."""
+        first argument names the scenario; a ``script`` given as a string is a module, run with
+        ``-m``) on the model of ``family``, two at a time (the machine has two cores); returns
+        ``{key: result}``."""
         model = self.model_of(family)
         results, running = {}, []
         for key, script, kvattn, args in jobs:
             out = self.dir / f"{key}.out.json"
             log = open(self.dir / f"{key}.log", "w")
             first, *extra = args
+            program = ["-m", script] if isinstance(script, str) else [str(script)]
             proc = subprocess.Popen(
-                [str(VENV_PY), str(script), str(first), str(model), str(out), *map(str, extra)],
+                [str(VENV_PY), *program, str(first), str(model), str(out), *map(str, extra)],
                 env=env(kvattn),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -173,6 +174,23 @@ class Runs:
         while running:
             self._wait(running.pop(0), results)
         return results
+
+    def vllm_conformance(self) -> tuple[dict, dict]:
+        """The raw results of the conformance suite under vLLM (:mod:`kvattn.conformance.vllm`)
+        on vLLM's attention and on kvattn's, over ``VLLM_CONFORMANCE_SEEDS``, computed once per
+        test run."""
+        arg = ",".join(map(str, VLLM_CONFORMANCE_SEEDS))
+        results = self.shared(
+            "conformance",
+            lambda: self.drive(
+                [
+                    (f"conformance-{name}", "kvattn.conformance.vllm", kvattn, (arg, adapters))
+                    for name, kvattn in (("stock", False), ("kvattn", True))
+                    for adapters in [self.dir / f"adapters-{name}"]
+                ]
+            ),
+        )
+        return results["conformance-stock"], results["conformance-kvattn"]
 
     def _wait(self, job, results) -> None:
         key, proc, out, log = job

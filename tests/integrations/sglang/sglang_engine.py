@@ -47,7 +47,7 @@ def why_no_mooncake() -> str | None:
 
 
 def model(folder: pathlib.Path) -> pathlib.Path:
-    """The suites' random-weight Llama (vllm_model.py's), written once into ``folder``."""
+    """The suites' random-weight Llama (kvattn.conformance.model's), written once into ``folder``."""
     return write_model(folder, sys.executable)
 
 

@@ -1,12 +1,13 @@
-"""The engine-level differential suite under vLLM 0.32 (the CPU build): seeded random workloads
-(vllm_differential.py says what they hold) served by vLLM's own attention and by kvattn's,
-clean and then with one bookkeeping fault injected into the engine per run.
+"""The engine-level differential suite under vLLM 0.32 (the CPU build), which is the conformance
+suite's vLLM run (:mod:`kvattn.conformance.vllm` says what its workloads hold): seeded random
+workloads served by vLLM's own attention and by kvattn's, clean and then with one bookkeeping
+fault injected into the engine per run.
 
 Clean, kvattn must give vLLM's tokens with no failed request, no refused page and no dropped
 write. Faulted, the fault's victim, and only it, fails on kvattn (the other requests keep their
 tokens from the clean run of the same requests) while vLLM's own attention answers the victim
 with other tokens (the fault is real). The counts are printed (``pytest -s``) and written to
-build/differential/vllm.json.
+build/differential/vllm.json, the conformance table to build/differential/conformance-vllm.md.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from collections import Counter
 
 import pytest
 
+from kvattn.conformance import vllm as conformance
 from kvattn_testing import engines
-from kvattn_testing.engines import ROOT, why_no_vllm
+from kvattn_testing.engines import ROOT, VLLM_CONFORMANCE_SEEDS, why_no_vllm
 
-SEEDS = (0, 1, 2, 3, 4, 5)
-DRIVER = ROOT / "tests" / "integrations" / "vllm" / "vllm_differential.py"
-FAULTS = ("foreign_entry", "early_free", "lost_prefill", "stale_prefix", "same_step_collision")
+SEEDS = VLLM_CONFORMANCE_SEEDS
+FAULTS = tuple(conformance.FAULTS)
 
 pytestmark = pytest.mark.slow
 
@@ -31,22 +32,16 @@ if why_no_vllm():
 
 @pytest.fixture(scope="module")
 def runs():
-    runs = engines.Runs()
-    seeds = ",".join(map(str, SEEDS))
-    return runs.shared(
-        "differential",
-        lambda: runs.drive(
-            [
-                ("differential-stock", DRIVER, False, (seeds,)),
-                ("differential-kvattn", DRIVER, True, (seeds,)),
-            ]
-        ),
-    )
+    stock, kvattn = engines.Runs().vllm_conformance()
+    return {"differential-stock": stock["workloads"], "differential-kvattn": kvattn["workloads"]}
 
 
-def _answer(result: dict):
-    """What must not change: tokens and finish reasons (a hit count may, with the pool's state)."""
-    return result["tokens"], result["finish"]
+@pytest.fixture(scope="module")
+def raw():
+    return engines.Runs().vllm_conformance()
+
+
+answer = conformance.answer
 
 
 def _clean_ledger(entry: dict) -> Counter:
@@ -75,10 +70,10 @@ def test_fault_fails_the_victim_and_only_the_victim(runs, seed, fault):
     victim = kvattn["victim"]
     assert kvattn["injected"] and stock["injected"], "the fault was never injected"
     # The same requests, clean, on both attentions; vLLM's answers the victim otherwise faulted.
-    assert {n: _answer(r) for n, r in kvattn["reference"].items()} == {
-        n: _answer(r) for n, r in stock["reference"].items()
+    assert {n: answer(r) for n, r in kvattn["reference"].items()} == {
+        n: answer(r) for n, r in stock["reference"].items()
     }
-    assert _answer(stock["faulted"][victim]) != _answer(stock["reference"][victim])
+    assert answer(stock["faulted"][victim]) != answer(stock["reference"][victim])
     assert stock["failures"] == []
     assert [name for name, _ in kvattn["failures"]] == [victim]
     assert kvattn["failures"][0][1].startswith("kvattn ownership check failed for request")
@@ -87,7 +82,7 @@ def test_fault_fails_the_victim_and_only_the_victim(runs, seed, fault):
     assert kvattn["faulted"][victim]["cached"] == stock["faulted"][victim]["cached"]
     for name, result in kvattn["faulted"].items():
         if name != victim:
-            assert _answer(result) == _answer(kvattn["reference"][name]), name
+            assert answer(result) == answer(kvattn["reference"][name]), name
 
 
 def test_counts(runs):
@@ -114,9 +109,9 @@ def test_counts(runs):
             run = kvattn["faults"][fault]
             totals["faults_injected"] += run["injected"]
             totals["faults_detected"] += [n for n, _ in run["failures"]] == [run["victim"]]
-            totals["faults_changing_vllm_answer"] += _answer(
+            totals["faults_changing_vllm_answer"] += answer(
                 stock["faults"][fault]["faulted"][run["victim"]]
-            ) != _answer(stock["faults"][fault]["reference"][run["victim"]])
+            ) != answer(stock["faults"][fault]["reference"][run["victim"]])
     out = ROOT / "build" / "differential"
     out.mkdir(parents=True, exist_ok=True)
     (out / "vllm.json").write_text(json.dumps(dict(seeds=list(SEEDS), **totals), indent=1))
@@ -131,3 +126,24 @@ def test_counts(runs):
     ):
         assert totals[key] > 0, key
     assert totals["faults_detected"] == totals["faults_injected"] == len(SEEDS) * len(FAULTS)
+
+
+def test_conformance_table(raw):
+    """The table ``python -m kvattn.conformance --engine vllm`` prints, from the same runs: every
+    fault caught with the victim alone affected, each real on vLLM's attention, no clean request
+    refused; written to build/differential/conformance-vllm.md."""
+    report = conformance.judge(*raw)
+    text = report.markdown()
+    out = ROOT / "build" / "differential"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "conformance-vllm.md").write_text(text)
+    print(text)
+    assert sorted({row.cls for row in report.rows}) == [1, 2, 3, 4, 5]
+    assert sorted(report.not_replayed) == [6]
+    for row in report.rows:
+        assert row.ok, row
+        if row.fault != "cache_salt_left_out_of_key":  # same bytes, another tenant's
+            assert row.stock_changed == row.runs, row
+    assert report.false_refusals == 0
+    assert report.clean_equal_to_stock == report.clean_requests > 100
+    assert report.ok and text.endswith("Conformant.\n")

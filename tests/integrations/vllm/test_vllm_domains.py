@@ -4,24 +4,23 @@ ledger keys its own digest of the block on them too (``cache_domain``), independ
 hit the engine keys wrongly (the class of vLLM #44701 and SGLang #37160: a domain part left out of
 the cache key) still fails closed.
 
-vllm_driver.py's ``domains`` scenario sends one 70-token prompt (two full blocks) under adapter A,
-adapter B, then A again (``a1``, ``b1``, ``a2``), and under cache salts 1, 2, then 1 again (``t1``,
-``t2``, ``t1b``), each request admitted once the one before finished, on vLLM's attention and on
-kvattn's: clean, then with the adapter (or the salt) left out of vLLM's block hash, which makes
-the other domain's request (``b1``, ``t2``) hit the first one's blocks.
+The conformance suite's class-5 lanes (``domains`` of :mod:`kvattn.conformance.vllm`) send one
+70-token prompt (two full blocks) under adapter A, adapter B, then A again (``a1``, ``b1``,
+``a2``), and under cache salts 1, 2, then 1 again (``t1``, ``t2``, ``t1b``), each request
+admitted once the one before finished, on vLLM's attention and on kvattn's: clean, then with the
+adapter (or the salt) left out of vLLM's block hash, which makes the other domain's request
+(``b1``, ``t2``) hit the first one's blocks.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from kvattn.conformance.vllm import DOMAIN_LANES as LANES
 from kvattn_testing import engines
-from kvattn_testing.engines import ROOT, why_no_vllm
+from kvattn_testing.engines import why_no_vllm
 
-DRIVER = ROOT / "tests" / "integrations" / "vllm" / "vllm_driver.py"
 HIT = 64  # tokens: the prompt's two full blocks
-# lane -> (the first request, the other domain's (the fault's victim), the first's domain again)
-LANES = {"lora": ("a1", "b1", "a2"), "cache_salt": ("t1", "t2", "t1b")}
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +30,8 @@ if why_no_vllm():
 
 @pytest.fixture(scope="module")
 def domains():
-    runs = engines.Runs()
-    args = ("domains", str(runs.dir / "adapters"))
-    results = runs.shared(
-        "domains",
-        lambda: runs.drive(
-            [("domains-stock", DRIVER, False, args), ("domains-kvattn", DRIVER, True, args)]
-        ),
-    )
-    return results["domains-stock"], results["domains-kvattn"]
+    stock, kvattn = engines.Runs().vllm_conformance()
+    return stock["domains"], kvattn["domains"]
 
 
 @pytest.mark.parametrize("lane", LANES)

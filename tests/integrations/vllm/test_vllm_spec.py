@@ -3,7 +3,7 @@ to 3 tokens a step from the request's own tokens, the verify step reads them as 
 over the request's KV (its drafts' KV written first, under its own owner), and vLLM rolls back past
 the first rejected draft, whose slots the next step rewrites.
 
-The model is the tiny Llama drawn with a narrow initialiser (vllm_model.py ``llama-narrow``):
+The model is the tiny Llama drawn with a narrow initialiser (kvattn.conformance.model ``llama-narrow``):
 its greedy answers settle into short loops, so drafts are both accepted (several tokens a step,
 across block boundaries) and rejected. vllm_driver.py's ``spec`` scenario runs once on vLLM's
 attention and once on kvattn's: greedy tokens, log-probabilities and vLLM's own speculation

@@ -2,7 +2,7 @@
 kvattn in place of vLLM's CPU attention: a Mistral (a sliding window in every layer), a Gemma 2
 (logit soft-cap, every layer full attention), a Bloom (ALiBi), a gpt-oss (sinks, no sliding
 window), a Gemma 2 and a gpt-oss whose window and full layers alternate (two KV cache groups),
-random weights at tiny shapes (vllm_model.py); and the Llama on fp8 KV caches (e4m3 and
+random weights at tiny shapes (kvattn.conformance.model); and the Llama on fp8 KV caches (e4m3 and
 e5m2, ``--kv-cache-dtype fp8`` / ``fp8_e5m2``).
 
 Each model runs in vllm_driver.py's ``variants`` scenario, once on vLLM's attention and once
@@ -67,7 +67,7 @@ def runs():
 
 
 def _model(name: str) -> str:
-    """The model family of vllm_model.py (an fp8 cache runs the Llama)."""
+    """The model family of kvattn.conformance.model (an fp8 cache runs the Llama)."""
     return "llama" if name in FP8 else name
 
 

@@ -8,14 +8,13 @@ Scenarios: ``main`` (greedy tokens with chunked prefill and prefix caching, then
 injected into vLLM's bookkeeping, each next to a clean run of the same requests), ``same_step``
 (prefix-cache hits on blocks written in the same step), ``variants SWITCH`` (a model whose
 attention has a score switch: exact answers, the switch turned off, a fault), ``spec``
-(speculative decoding with vLLM's n-gram proposer: tokens, its counters, a fault), ``domains
-DIR`` (prefix hits within and across LoRA adapters and cache salts, adapters written to DIR;
-a fault leaves the adapter or the salt out of vLLM's block hash), ``produce``
+(speculative decoding with vLLM's n-gram proposer: tokens, its counters, a fault), ``produce``
 (a prefill instance writing KV files through vLLM's connector, and the incident's substitute),
 ``decode`` (a decode instance loading them).
 
 Requests are added to the engine step by step (``LLMEngine.add_request``/``step``), so a fault can
-wait for the moment it needs (a request decoding, another arriving). Each fault is injected the
+wait for the moment it needs (a request decoding, another arriving); the engine runner and the
+fault injectors are the conformance suite's (:mod:`kvattn.conformance.vllm`). Each fault is injected the
 same way on both attentions: on vLLM's own it must change the victim's tokens (the fault is real),
 on kvattn's it must fail the victim and leave the others as in the clean run.
 """
@@ -31,261 +30,22 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch
 from vllm_prompts import BLOCK, FILLERS, LONG, SHORT, prompt
 
-
-def make_llm(model: str, **overrides):
-    from vllm import LLM
-
-    args = dict(
-        model=model,
-        dtype="float32",
-        block_size=BLOCK,
-        enforce_eager=True,
-        max_model_len=512,
-        kv_cache_memory_bytes=32 << 20,
-        max_num_seqs=8,
-        enable_prefix_caching=True,
-        max_num_batched_tokens=64,
-        seed=0,
-    )
-    args.update(overrides)
-    return LLM(**args)
+from kvattn.conformance.vllm import (
+    Engine,
+    early_free,
+    foreign_entry,
+    lost_prefill,
+    make_llm,
+    patch,
+    scenario,
+    stale_prefix,
+)
+from kvattn.conformance.vllm import ledger as _ledger
 
 
-class Engine:
-    """The in-process engine's parts a fault needs, and a step-by-step request runner."""
-
-    def __init__(self, llm):
-        self.llm = llm
-        self.engine = llm.llm_engine
-        core = self.engine.engine_core.engine_core
-        self.scheduler = core.scheduler
-        self.runner = core.model_executor.driver_worker.worker.model_runner
-        self.ids: dict[str, str] = {}  # name -> the engine's request id
-
-    def run(self, schedule, max_steps: int = 400, logprobs: bool = False, domains=None) -> dict:
-        """``schedule``: ``(name, tokens, max_tokens, after)``; ``after`` is None (at once),
-        ``("finished", name)`` or ``("tokens", name, k)``: added once that holds. With
-        ``logprobs``, each result also has the log-probability of every token it produced.
-        ``domains``: name -> ``(LoRARequest or None, cache salt or None)``."""
-        from vllm import SamplingParams
-
-        pending = list(schedule)
-        results: dict[str, dict] = {}
-        produced: dict[str, int] = {}
-        for _ in range(max_steps):
-            for entry in list(pending):
-                name, tokens, max_tokens, after = entry
-                if (
-                    after is None
-                    or (after[0] == "finished" and after[1] in results)
-                    or (after[0] == "tokens" and produced.get(after[1], 0) >= after[2])
-                ):
-                    params = SamplingParams(
-                        max_tokens=max_tokens,
-                        temperature=0,
-                        ignore_eos=True,
-                        logprobs=0 if logprobs else None,
-                    )
-                    lora, salt = (domains or {}).get(name, (None, None))
-                    request = {"prompt_token_ids": tokens}
-                    if salt is not None:
-                        request["cache_salt"] = salt
-                    self.ids[name] = self.engine.add_request(
-                        name, request, params, lora_request=lora
-                    )
-                    pending.remove(entry)
-            if not pending and not self.engine.has_unfinished_requests():
-                break
-            for out in self.engine.step():
-                name = out.request_id
-                produced[name] = len(out.outputs[0].token_ids)
-                if out.finished:
-                    done = out.outputs[0]
-                    results[name] = dict(
-                        tokens=list(done.token_ids),
-                        finish_reason=done.finish_reason,
-                        cached=out.num_cached_tokens or 0,
-                    )
-                    if logprobs and done.logprobs is not None:
-                        results[name]["logprobs"] = [
-                            lp[t].logprob for t, lp in zip(done.token_ids, done.logprobs)
-                        ]
-        return results
-
-    def row(self, name: str) -> int | None:
-        return self.runner.input_batch.req_id_to_index.get(self.ids.get(name))
-
-    def failures(self) -> list[tuple[str, str]]:
-        from kvattn.integrations import vllm as integration
-
-        state = integration.state_for(self.runner.vllm_config)
-        return list(state.failures) if state is not None else []
-
-    def name_of(self, request_id: str) -> str:
-        return next((n for n, i in self.ids.items() if i == request_id), request_id)
-
-
-def scenario(engine: Engine, schedule, inject, logprobs: bool = False, domains=None) -> dict:
-    """A clean run and a faulted run of ``schedule`` (prefix cache reset before each)."""
-    engine.llm.reset_prefix_cache()
-    clean = engine.run(schedule, logprobs=logprobs, domains=domains)
-    engine.llm.reset_prefix_cache()
-    seen = len(engine.failures())
-    injected, restore = inject(engine)
-    try:
-        faulted = engine.run(schedule, logprobs=logprobs, domains=domains)
-    finally:
-        restore()
-    failures = [(engine.name_of(r), m) for r, m in engine.failures()[seen:]]
-    return dict(clean=clean, faulted=faulted, injected=bool(injected), failures=failures)
-
-
-def patch(obj, name, make):
-    """Replace ``obj.name`` by ``make(original)``; returns the restorer."""
-    original = getattr(obj, name)
-    setattr(obj, name, make(original))
-    return lambda: setattr(obj, name, original)
-
-
-def foreign_entry(engine, group: int = 0):
-    """The victim's block-table entry 0 points at another live request's block 0, from the
-    victim's first decode on (the worker's table of KV cache group ``group``, the one the kernel
-    is given)."""
-    done = []
-
-    def make(original):
-        def _update_states(scheduler_output):
-            result = original(scheduler_output)
-            v, x = engine.row("victim"), engine.row("other")
-            batch = engine.runner.input_batch
-            if (
-                v is not None
-                and x is not None
-                and (batch.num_computed_tokens_cpu[v] >= batch.num_prompt_tokens[v])
-            ):
-                table = batch.block_table[group].block_table.np
-                table[v, 0] = table[x, 0]
-                done.append(True)
-            return result
-
-        return _update_states
-
-    return done, patch(engine.runner, "_update_states", make)
-
-
-def _swap_next_allocation(engine, receives, block_of, evict: bool):
-    """When the scheduler allocates new blocks for a request that ``receives(request)``, hand it
-    ``block_of()`` in place of the first block it picked (which goes back to the free queue);
-    not while ``block_of()`` is None (the block's holder is preempted, say). Once."""
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    manager = engine.scheduler.kv_cache_manager
-    armed, done = [], []
-
-    def make_allocate(original):
-        def allocate_slots(request, *args, **kwargs):
-            armed.append(not done and receives(request))
-            try:
-                return original(request, *args, **kwargs)
-            finally:
-                armed.pop()
-
-        return allocate_slots
-
-    def make_get(original):
-        def get_new_blocks(num_blocks):
-            blocks = original(num_blocks)
-            target_id = block_of() if armed and armed[-1] and blocks and not done else None
-            if target_id is not None:
-                target = pool.blocks[target_id]
-                if target.ref_cnt == 0:
-                    pool.free_block_queue.remove(target)
-                if evict:
-                    pool._maybe_evict_cached_block(target)
-                target.ref_cnt += 1
-                pool.free_blocks([blocks[0]])
-                blocks[0] = target
-                done.append(True)
-            return blocks
-
-        return get_new_blocks
-
-    restores = [
-        patch(manager, "allocate_slots", make_allocate),
-        patch(pool, "get_new_blocks", make_get),
-    ]
-    return done, lambda: [r() for r in reversed(restores)]
-
-
-def early_free(engine, receives=None):
-    """The victim's block 0 is freed while the victim runs and handed to a newcomer (by default
-    the request named ``newcomer``)."""
-    manager = engine.scheduler.kv_cache_manager
-    if receives is None:
-
-        def receives(request):
-            return request.request_id == engine.ids.get("newcomer")
-
-    def victim_block():
-        blocks = manager.get_block_ids(engine.ids["victim"])[0]
-        return blocks[0] if blocks else None
-
-    return _swap_next_allocation(engine, receives, victim_block, evict=True)
-
-
-def lost_prefill(engine):
-    """The KV writes of the victim's prefill chunks are lost (its slots become padding)."""
-    done = []
-
-    def make(original):
-        def _prepare_inputs(scheduler_output, *args, **kwargs):
-            result = original(scheduler_output, *args, **kwargs)
-            v = engine.row("victim")
-            batch = engine.runner.input_batch
-            if v is not None and batch.num_computed_tokens_cpu[v] < batch.num_prompt_tokens[v]:
-                lo, hi = engine.runner.query_start_loc.np[v : v + 2]
-                batch.block_table[0].slot_mapping.gpu[lo:hi] = -1
-                done.append(True)
-            return result
-
-        return _prepare_inputs
-
-    return done, patch(engine.runner, "_prepare_inputs", make)
-
-
-def stale_prefix(engine, receives=None):
-    """A finished request's cached block 0 is handed to a new request (by default the one named
-    ``overwriter``) without its prefix hash being dropped; a later request with that prefix hits
-    the stale block."""
-    manager = engine.scheduler.kv_cache_manager
-    if receives is None:
-
-        def receives(request):
-            return request.request_id == engine.ids.get("overwriter")
-
-    first_blocks = {}
-
-    def make(original):
-        def allocate_slots(request, *args, **kwargs):
-            result = original(request, *args, **kwargs)
-            if request.request_id == engine.ids.get("writer") and "writer" not in first_blocks:
-                first_blocks["writer"] = manager.get_block_ids(request.request_id)[0][0]
-            return result
-
-        return allocate_slots
-
-    restore_watch = patch(manager, "allocate_slots", make)
-    pool = manager.block_pool
-
-    def cached_block():
-        # Only while the block is free and still cached: once the pool handed it to another
-        # request, the swap would corrupt that request instead.
-        block = first_blocks.get("writer")
-        if block is None or pool.blocks[block].ref_cnt or pool.blocks[block].block_hash is None:
-            return None
-        return block
-
-    done, restore_swap = _swap_next_allocation(engine, receives, cached_block, evict=False)
-    return done, lambda: (restore_swap(), restore_watch())
+def counts(engine: Engine) -> dict:
+    """What kvattn's ledger followed (empty on vLLM's attention)."""
+    return _ledger(engine).get("counts", {})
 
 
 def main_scenario(model: str) -> dict:
@@ -369,103 +129,6 @@ def same_step_scenario(model: str) -> dict:
     return out
 
 
-def write_adapter(model: str, folder: str, seed: int, rank: int = 8) -> str:
-    """A random LoRA adapter (PEFT's format) of the test model on every attention projection:
-    its K and V differ from the base model's, so KV computed under it is another domain's."""
-    from safetensors.torch import save_file
-
-    with open(os.path.join(model, "config.json")) as f:
-        config = json.load(f)
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim, kv_heads = config["head_dim"], config["num_key_value_heads"]
-    shapes = {
-        "q_proj": (heads * head_dim, hidden),
-        "k_proj": (kv_heads * head_dim, hidden),
-        "v_proj": (kv_heads * head_dim, hidden),
-        "o_proj": (hidden, heads * head_dim),
-    }
-    g = torch.Generator().manual_seed(seed)
-    weights = {}
-    for layer in range(config["num_hidden_layers"]):
-        for name, (out_features, in_features) in shapes.items():
-            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
-            weights[f"{key}.lora_A.weight"] = 0.2 * torch.randn(rank, in_features, generator=g)
-            weights[f"{key}.lora_B.weight"] = 0.2 * torch.randn(out_features, rank, generator=g)
-    os.makedirs(folder, exist_ok=True)
-    save_file(weights, os.path.join(folder, "adapter_model.safetensors"))
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(
-            dict(
-                peft_type="LORA",
-                r=rank,
-                lora_alpha=2 * rank,
-                target_modules=list(shapes),
-                bias="none",
-                base_model_name_or_path=model,
-            ),
-            f,
-        )
-    return folder
-
-
-def key_without(part: str):
-    """A fault of vLLM's block hash (the class of vLLM #44701, SGLang #37160): ``part``
-    (``"lora"`` or ``"cache_salt"``) left out of the key of every block hashed while it is on,
-    so a request hits blocks another domain computed. kvattn's digests do not use the engine's
-    key: the hit must fail."""
-
-    def inject(engine):
-        from vllm.v1.core import kv_cache_utils
-
-        def make(original):
-            def extra_keys(request, start, end, mm_index):
-                keys, mm_index = original(request, start, end, mm_index)
-                kept = tuple(k for k in keys or () if not (isinstance(k, tuple) and k[0] == part))
-                return kept or None, mm_index
-
-            return extra_keys
-
-        return True, patch(kv_cache_utils, "generate_block_hash_extra_keys", make)
-
-    return inject
-
-
-def domains_scenario(model: str, folder: str) -> dict:
-    """One prompt of two full blocks under two LoRA adapters, then under two cache salts, each
-    request admitted after the one before finished: the same domain's second request is a
-    prefix hit (``a2``, ``t1b``), another domain's is not (``b1``, ``t2``), clean and with the
-    domain part left out of vLLM's block hash (the victim is then the other domain's
-    request)."""
-    from vllm.lora.request import LoRARequest
-
-    engine = Engine(make_llm(model, enable_lora=True, max_loras=2, max_lora_rank=8))
-    lora_a = LoRARequest("a", 1, write_adapter(model, os.path.join(folder, "lora-a"), 1))
-    lora_b = LoRARequest("b", 2, write_adapter(model, os.path.join(folder, "lora-b"), 2))
-    p = prompt(70, 70)
-
-    def chain(names):
-        return [
-            (n, p, 8, None if i == 0 else ("finished", names[i - 1])) for i, n in enumerate(names)
-        ]
-
-    out = {}
-    out["lora"] = scenario(
-        engine,
-        chain(["a1", "b1", "a2"]),
-        key_without("lora"),
-        domains={"a1": (lora_a, None), "b1": (lora_b, None), "a2": (lora_a, None)},
-    )
-    out["cache_salt"] = scenario(
-        engine,
-        chain(["t1", "t2", "t1b"]),
-        key_without("cache_salt"),
-        domains={"t1": (None, "tenant-1"), "t2": (None, "tenant-2"), "t1b": (None, "tenant-1")},
-    )
-    out["counts"] = counts(engine)
-    out["failures_total"] = len(engine.failures())
-    return out
-
-
 # The score switches as vLLM's CPU attention and kvattn's backend both hold them on their impl.
 SWITCH_OFF = {"logits_soft_cap": 0.0, "alibi_slopes": None, "sinks": None}
 
@@ -479,14 +142,6 @@ def switches_off(engine: Engine, switch: str):
     for impl in impls:
         setattr(impl, switch, SWITCH_OFF[switch])
     return len(impls), lambda: [setattr(impl, switch, v) for impl, v in zip(impls, saved)]
-
-
-def counts(engine: Engine) -> dict:
-    """What kvattn's ledger followed (empty on vLLM's attention)."""
-    from kvattn.integrations import vllm as integration
-
-    state = integration.state_for(engine.runner.vllm_config)
-    return dict(state.counts) if state is not None else {}
 
 
 FP8_CACHES = ("fp8", "fp8_e5m2")  # vLLM's --kv-cache-dtype values (fp8 is e4m3)
@@ -870,7 +525,6 @@ if __name__ == "__main__":
         "same_step": same_step_scenario,
         "variants": variants_scenario,
         "spec": spec_scenario,
-        "domains": domains_scenario,
     }[name](model_dir, *extra)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

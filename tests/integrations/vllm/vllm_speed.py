@@ -1,5 +1,5 @@
 """End-to-end speed of kvattn's attention inside vLLM against vLLM's own CPU attention, on a
-random-weight model with SmolLM-135M's shapes (vllm_model.py; no download). Run with the vLLM
+random-weight model with SmolLM-135M's shapes (kvattn.conformance.model; no download). Run with the vLLM
 environment's Python (``make vllm-speed``); each attention runs in its own process, one engine,
 the same requests, greedy, float32:
 
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent  # beside vllm_prompts.py and vllm_model.py
+HERE = pathlib.Path(__file__).resolve().parent  # beside vllm_prompts.py
 ROOT = HERE.parents[2]
 MODEL = ROOT / "build" / "vllm-speed" / "model"
 
@@ -113,7 +113,14 @@ def main() -> None:
         return
     if not (MODEL / "config.json").exists():
         subprocess.run(
-            [sys.executable, str(HERE / "vllm_model.py"), str(MODEL), "--geometry", "smollm-135m"],
+            [
+                sys.executable,
+                "-m",
+                "kvattn.conformance.model",
+                str(MODEL),
+                "--geometry",
+                "smollm-135m",
+            ],
             check=True,
         )
     results = {}

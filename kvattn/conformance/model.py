@@ -1,29 +1,29 @@
 """A random-weight Llama (GQA, untied embeddings) and a byte-level tokenizer, written as a local
-Hugging Face model directory for vLLM: no hub download. Run with the vLLM environment's Python
-(its transformers writes a config that vLLM's reads):
+Hugging Face model directory for the engines: no hub download. Run with the engine's environment's
+Python (its transformers writes a config that its engine reads):
 
-    python tests/integrations/vllm/vllm_model.py OUT_DIR [--geometry tiny|smollm-135m]
-                                                 [--family FAMILY]
+    python -m kvattn.conformance.model OUT_DIR [--geometry tiny|smollm-135m] [--family FAMILY]
 
-``tiny`` is the model of the tests (2 layers, 4 heads over 2 KV heads of 32 dims, a vocabulary of
-the 256 byte tokens plus BOS/EOS). ``smollm-135m`` has the shapes of SmolLM-135M (30 layers,
-9 heads over 3 KV heads of 64, hidden 576, a 49152-token vocabulary), for speed measurements only.
-Weights are drawn with a fixed seed and a wide initialiser (0.2), so greedy tokens vary with the
-context instead of collapsing onto one token.
+``tiny`` is the model of the conformance suite and of the engine tests (2 layers, 4 heads over 2
+KV heads of 32 dims, a vocabulary of the 256 byte tokens plus BOS/EOS). ``smollm-135m`` has the
+shapes of SmolLM-135M (30 layers, 9 heads over 3 KV heads of 64, hidden 576, a 49152-token
+vocabulary), for speed measurements only. Weights are drawn with a fixed seed and a wide
+initialiser (0.2), so greedy tokens vary with the context instead of collapsing onto one token.
 
 ``--family`` writes, at the tiny shapes, a model of another family whose attention has a score
-switch of kvattn.variants instead (test_vllm_variants.py): ``mistral`` (a sliding window of
-``MISTRAL_WINDOW`` tokens in every layer), ``gemma2`` (logit soft-cap, every
-layer full attention), ``bloom`` (ALiBi) or ``gpt-oss`` (sinks, no sliding window; 4 experts);
-``gemma2-hybrid`` and ``gpt-oss-hybrid`` alternate window and full layers, as the released models
-do (two KV cache groups in vLLM). ``llama-narrow`` is the tiny Llama drawn with a narrow
-initialiser (0.02): its greedy answers settle into short loops, so vLLM's n-gram proposer finds
-drafts that are accepted (test_vllm_spec.py).
+switch of :mod:`kvattn.variants` instead: ``mistral`` (a sliding window of ``MISTRAL_WINDOW``
+tokens in every layer), ``gemma2`` (logit soft-cap, every layer full attention), ``bloom``
+(ALiBi) or ``gpt-oss`` (sinks, no sliding window; 4 experts); ``gemma2-hybrid`` and
+``gpt-oss-hybrid`` alternate window and full layers, as the released models do (two KV cache
+groups in vLLM). ``llama-narrow`` is the tiny Llama drawn with a narrow initialiser (0.02): its
+greedy answers settle into short loops, so an n-gram proposer finds drafts that are accepted.
 """
 
 from __future__ import annotations
 
 import argparse
+
+VOCAB = 256  # the byte tokens (BOS and EOS come after them)
 
 GEOMETRIES = {
     "tiny": dict(
@@ -58,6 +58,14 @@ FAMILIES = {
     "gpt-oss-hybrid": "sliding_window",
 }
 MISTRAL_WINDOW = 48  # tokens: the query and the 47 before it
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """``length`` byte tokens drawn from ``seed`` alone: the same prompt in every process."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (length,), generator=g).tolist()
 
 
 def build(
