@@ -3,7 +3,7 @@ through an engine's own bookkeeping with a fault injector, each fault next to a 
 same requests, on the engine's stock attention and on kvattn's. Run it in the environment the
 engine is installed in::
 
-    python -m kvattn.conformance --engine vllm|transformers [--seeds 0,1,2] [--out DIR]
+    python -m kvattn.conformance --engine vllm|sglang|transformers [--seeds 0,1,2] [--out DIR]
 
 It prints one row per fault: the class and the public report it stands for, how often it was
 injected, how often kvattn caught it (the victim failed with the ownership error), how often the
@@ -13,8 +13,8 @@ then the clean requests served and the false refusals among them. ``--out`` also
 as JSON and the table as Markdown. The exit status is 0 only when every fault was injected and
 caught with the victim alone affected and no clean request was refused.
 
-The engines' own modules (:mod:`kvattn.conformance.vllm`, :mod:`kvattn.conformance.transformers`)
-say what their workloads hold and how each fault is made.
+The engines' own modules (:mod:`kvattn.conformance.vllm`, :mod:`kvattn.conformance.sglang`,
+:mod:`kvattn.conformance.transformers`) say what their workloads hold and how each fault is made.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m kvattn.conformance --engine vllm|transformers``: the package docstring says what it
+"""``python -m kvattn.conformance --engine vllm|sglang|transformers``: the package docstring says what it
 runs and prints."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 from kvattn.conformance import Report
 from kvattn.version import __version__
 
-DEFAULT_SEEDS = {"vllm": "0,1,2,3,4,5", "transformers": "0,1,2,3,4"}
+DEFAULT_SEEDS = {"vllm": "0,1,2,3,4,5", "transformers": "0,1,2,3,4", "sglang": "0,1"}
 
 
 def _seeds(text: str) -> list[int]:
@@ -78,7 +78,16 @@ def run_transformers(seeds: list[int], work: pathlib.Path, model: str | None = N
     return conformance.judge({seed: conformance.compute_seed(llama, seed) for seed in seeds})
 
 
-RUNNERS = {"vllm": run_vllm, "transformers": run_transformers}
+def run_sglang(seeds: list[int], work: pathlib.Path, model: str | None = None) -> Report:
+    """SGLang's servers on both attentions (and the prefill/decode pairs where Mooncake is
+    installed), then the comparison."""
+    from kvattn.conformance import sglang as conformance
+
+    raw = conformance.run(seeds, work, model)
+    return conformance.judge(raw["servers"], raw["incident"], raw["version"])
+
+
+RUNNERS = {"vllm": run_vllm, "transformers": run_transformers, "sglang": run_sglang}
 
 
 def _commit() -> str | None:
@@ -128,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=_seeds, help="comma-separated workload seeds")
     parser.add_argument(
         "--model",
-        help="vLLM: a Llama-family model directory with at least 256 tokens in its vocabulary "
+        help="vLLM, SGLang: a Llama-family model directory with at least 256 tokens in its "
+        "vocabulary "
         "(default: a tiny random-weight Llama written to the work directory)",
     )
     parser.add_argument("--out", help="a directory for conformance-ENGINE.json and .md")
     parser.add_argument("--work", help="a directory for the engine processes' files")
     args = parser.parse_args(argv)
-    if args.model is not None and args.engine != "vllm":
+    if args.model is not None and args.engine == "transformers":
         parser.error(f"--model: {args.engine} runs its own tiny Llama; expected no --model")
     if args.model is not None and not (pathlib.Path(args.model) / "config.json").is_file():
         parser.error(f"--model: expected a model directory with a config.json, got {args.model!r}")

@@ -1,8 +1,9 @@
 """``python -m kvattn.conformance``, the command users run, end to end at a small size: one seed
-per engine, its exit status, the table it prints and the files it writes; its refusals of bad
-arguments; and the report's verdict on a fault missed or a clean request refused. The full-size
-runs behind the tables are the differential suites (vllm/test_vllm_differential.py,
-transformers/test_transformers_differential.py), which judge their runs with the same code."""
+for vLLM and transformers, its exit status, the table it prints and the files it writes; its
+refusals of bad arguments; and the report's verdict on a fault missed or a clean request refused.
+The full-size runs behind the tables are the differential suites (vllm/test_vllm_differential.py,
+transformers/test_transformers_differential.py, which judge their runs with the same code, and
+sglang/test_sglang_engine.py and test_sglang_pd.py, which run the command itself)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_vllm_run_of_one_seed(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--engine", "sglang"], "invalid choice: 'sglang'"),
+        (["--engine", "tensorrt-llm"], "invalid choice: 'tensorrt-llm'"),
         (["--engine", "vllm", "--seeds", "1,x"], "expected comma-separated integers"),
         (["--engine", "vllm", "--seeds", "-1"], "expected non-negative integers"),
         (["--engine", "transformers", "--model", "m"], "--model: transformers runs its own"),
@@ -82,13 +83,14 @@ def test_bad_arguments_are_named(args, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
-def test_an_engine_not_installed_is_an_error_not_a_verdict():
-    """In an environment without vLLM the command says so and exits 2 with no table."""
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed in this environment")
-    done = _cli(sys.executable, "--engine", "vllm", "--seeds", "0", timeout=120)
+@pytest.mark.parametrize("engine, name", [("vllm", "vLLM"), ("sglang", "SGLang")])
+def test_an_engine_not_installed_is_an_error_not_a_verdict(engine, name):
+    """In an environment without the engine the command says so and exits 2 with no table."""
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"{name} is installed in this environment")
+    done = _cli(sys.executable, "--engine", engine, "--seeds", "0", timeout=120)
     assert done.returncode == 2 and done.stdout == ""
-    assert "conformance run of vllm failed: vLLM is not installed" in done.stderr
+    assert f"conformance run of {engine} failed: {name} is not installed" in done.stderr
 
 
 @pytest.mark.slow

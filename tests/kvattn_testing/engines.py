@@ -11,11 +11,12 @@ import fcntl
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
+
+from kvattn.conformance.sglang import stop_servers  # noqa: F401  (the engine tests' too)
 
 ROOT = (
     pathlib.Path(__file__).resolve().parents[2]
@@ -81,21 +82,6 @@ def wait_healthy(base: str, server: subprocess.Popen, log_path, timeout_s: float
                 f"the server did not come up in {timeout_s:.0f} s:\n" + log_path.read_text()[-3000:]
             )
         time.sleep(1)
-
-
-def stop_servers(*servers: subprocess.Popen, grace_s: float = 30) -> None:
-    """Stop servers started in their own sessions, with every process of each: all told at once
-    (a server may take seconds to shut down), then killed if still there after ``grace_s``."""
-    live = [s for s in servers if s.poll() is None]
-    for server in live:
-        os.killpg(server.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for server in live:
-        try:
-            server.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
 
 
 @contextlib.contextmanager

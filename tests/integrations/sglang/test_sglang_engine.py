@@ -1,5 +1,7 @@
 """SGLang's engine and HTTP server under kvattn (``--attention-backend kvattn``), against the same
-server on SGLang's own ``torch_native`` attention: the differential suite.
+server on SGLang's own ``torch_native`` attention: the differential suite, which is the
+conformance suite's SGLang run (``python -m kvattn.conformance --engine sglang``, run by
+sglang_engine.py; :mod:`kvattn.conformance.sglang` holds the workloads).
 
 Seeded workloads go to both servers at page sizes 16 and 1: two system prompts shared by most
 requests (radix-cache hits, and evictions in a pool of 512 tokens), prompts longer than the
@@ -8,9 +10,9 @@ default), one request aborted while it runs. Clean, every request's greedy token
 both servers and kvattn refuses no page and fails no request.
 
 Then each workload again with one bookkeeping fault aimed at one request, the victim
-(``standins/kvattn_faults.py`` says how each is made): a ``req_to_token`` entry naming another
+(:mod:`kvattn.conformance.sglang_faults` says how each is made): a ``req_to_token`` entry naming another
 request's page (vLLM #52234, SGLang #22716), a radix hit whose page was handed out and rewritten
-meanwhile (vLLM #37152, SGLang #22819), a prefill write that never reached the request's pages
+meanwhile (vLLM #52234), a prefill write that never reached the request's pages
 (TensorRT-LLM #19545). On SGLang's own attention the victim answers HTTP 200 with other tokens
 than its clean run (the fault is real); under kvattn the victim, and only the victim, fails with
 an error naming the refused pages, and every other request's tokens equal its clean run's.
@@ -21,101 +23,27 @@ The counts are printed (``pytest -s``) and written to build/differential/sglang.
 from __future__ import annotations
 
 import json
-import random
 from collections import Counter
 
 import pytest
 import sglang_engine as engine
 
-from kvattn_testing.engines import ROOT, Runs
+from kvattn.conformance import sglang as conformance
+from kvattn_testing.engines import ROOT
 
 pytestmark = pytest.mark.slow
 
 if engine.why_no_sglang():
     pytest.skip(engine.why_no_sglang(), allow_module_level=True)
 
-PAGE_SIZES = (16, 1)
-FAULTS = ("foreign-entry", "stale-hit", "lost-write")
-SEEDS = (0, 1)
-POOL = ("--max-total-tokens", "512")
-
-
-def workload(seed: int, fault: str | None = None) -> list[list[dict]]:
-    """Waves of requests sent together, each wave after the last one ended: ``{rid, ids, new}``.
-    The victim of ``fault`` (in the second wave) shares a system prompt cached by the first."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(3, 250) for _ in range(rng.randrange(20, 40))] for _ in range(2)]
-
-    def request(name: str, system: int | None, user: int, new: int) -> dict:
-        prefix = systems[system] if system is not None else []
-        return dict(
-            rid=f"{seed}-{name}", new=new, ids=prefix + [rng.randrange(3, 250) for _ in range(user)]
-        )
-
-    first = [
-        request("a", 0, rng.randrange(4, 30), 12),
-        request("b", 1, rng.randrange(4, 30), 16),
-        request("c", None, rng.randrange(36, 70), 10),
-    ]
-    second = [
-        request("d", 0, rng.randrange(4, 30), 20),
-        request("e", 1, rng.randrange(4, 30), 14),
-        request("v", 0, rng.randrange(8, 20), 16),
-        request("f", None, rng.randrange(40, 60), 8),
-    ]
-    if fault is not None:
-        second[2]["rid"] = f"{fault}:{second[2]['rid']}"
-    third = [request("g", 1, rng.randrange(4, 12), 24), dict(request("x", 0, 6, 64), abort=True)]
-    return [first, second, third]
-
-
-def run_workload(server: engine.Server, waves: list[list[dict]]) -> dict:
-    """``{rid: result}`` of every request but the aborted ones (which end whenever the abort
-    lands, on either engine), from an empty radix cache."""
-    server.flush_cache()
-    out = {}
-    for wave in waves:
-        calls = [
-            (lambda r=r: server.generate(r["rid"], r["ids"], r["new"]))
-            for r in wave
-            if not r.get("abort")
-        ]
-        calls += [
-            (lambda r=r: server.abort_midway(r["rid"], r["ids"], r["new"]))
-            for r in wave
-            if r.get("abort")
-        ]
-        results = engine.concurrently(calls)
-        out.update(
-            {r["rid"]: res for r, res in zip([r for r in wave if not r.get("abort")], results)}
-        )
-    return out
-
-
-def _suite(runs: Runs) -> dict:
-    folder = runs.dir / "sglang-engine"
-    folder.mkdir(exist_ok=True)
-    model = engine.model(runs.dir)
-    servers = [
-        engine.Server(f"{kind}-p{p}", kind, folder, page_size=p, extra=POOL)
-        for p in PAGE_SIZES
-        for kind in ("torch_native", "kvattn")
-    ]
-    out = {}
-    with engine.running(model, *servers):
-        for server in servers:
-            runs_of = {}
-            for seed in SEEDS:
-                runs_of[f"clean-{seed}"] = run_workload(server, workload(seed))
-                for fault in FAULTS:
-                    runs_of[f"{fault}-{seed}"] = run_workload(server, workload(seed, fault))
-            out[server.name] = dict(runs=runs_of, faults=server.faults(), counts=server.counts())
-    return out
+PAGE_SIZES = conformance.PAGE_SIZES
+FAULTS = tuple(conformance.FAULTS)
+SEEDS = engine.SEEDS
 
 
 @pytest.fixture(scope="module")
 def suite():
-    return Runs().shared("sglang-engine", lambda: _suite(Runs()))
+    return engine.conformance()["raw"]["servers"]["servers"]
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -193,3 +121,28 @@ def test_counts(suite):
     assert counts["clean_tokens_equal"] == counts["clean_requests"]
     for fault in FAULTS:
         assert counts[f"{fault}_only_the_victim_failed"] == counts[f"{fault}_injected"]
+
+
+def test_conformance_table():
+    """The command's table over both runs (this suite's servers and test_sglang_pd.py's pairs):
+    every fault caught with the victim alone affected, each real on SGLang's attention, no clean
+    request refused; exit status 0; written to build/differential/conformance-sglang.md."""
+    run = engine.conformance()
+    report = run["report"]
+    out = ROOT / "build" / "differential"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "conformance-sglang.md").write_text(run["stdout"])
+    print(run["stdout"])
+    assert run["returncode"] == 0 and run["stdout"].endswith("Conformant.\n"), run["stdout"]
+    rows = {row["fault"]: row for row in report["rows"]}
+    pair = engine.why_no_mooncake() is None
+    assert set(rows) == set(FAULTS) | (set(conformance.PD_FAULTS) if pair else set())
+    for row in rows.values():
+        assert row["injected"] == row["caught"] == row["victim_only"] == row["runs"] > 0, row
+        assert row["stock_changed"] == row["runs"], row
+    assert rows["lost-write"]["runs"] == len(SEEDS) * len(PAGE_SIZES)
+    assert sorted({row["cls"] for row in rows.values()}) == [1, 2, 3] + ([6] if pair else [])
+    assert sorted(report["not_replayed"]) == ["4", "5"] + ([] if pair else ["6"])
+    assert report["false_refusals"] == 0
+    bystanders = 4 if pair else 0  # of the pair: the tenant's and the clean requests
+    assert report["clean_requests"] == report["clean_equal_to_stock"] == 4 * 8 + bystanders

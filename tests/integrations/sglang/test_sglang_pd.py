@@ -1,6 +1,8 @@
 """The incident's own stack: SGLang prefill and decode servers over the Mooncake transfer engine
 (TCP on the loopback), kvattn's attestation riding SGLang's status channel
-(``kvattn.integrations.sglang_transfer``), against the same pair on SGLang's own attention.
+(``kvattn.integrations.sglang_transfer``), against the same pair on SGLang's own attention: the
+conformance suite's prefill/decode run (``replay_incident`` of :mod:`kvattn.conformance.sglang`,
+run by its command through sglang_engine.py).
 
 The replay: an earlier tenant's long request leaves its KV in the decode's pages (a pool of 640
 tokens, so the next request's pages are the tenant's); then a request whose prompt the prefill
@@ -19,91 +21,22 @@ decode (no attestation: the request fails, saying so).
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import sglang_engine as engine
 
-from kvattn_testing.engines import ROOT, Runs
+from kvattn.conformance.sglang import ATTESTATION_FAULTS, NEW
+from kvattn_testing.engines import ROOT
 
 pytestmark = pytest.mark.slow
 
 if engine.why_no_mooncake():
     pytest.skip(engine.why_no_mooncake(), allow_module_level=True)
 
-# A decode pool of 40 pages: the tenant's request takes 36, so the next request's pages are the
-# tenant's (SGLang's allocator hands freed pages out again once its free list runs short).
-DECODE_POOL = ("--max-total-tokens", "640", "--num-reserved-decode-tokens", "32")
-NEW = 12
-TENANT = [(7 * i) % 250 + 3 for i in range(560)]  # 572 tokens with its output: 36 pages
-PROMPT = list(range(100, 150))  # the victims' prompt: 4 pages
-BESIDE = list(range(200, 230))
-ATTESTATION_FAULTS = (
-    "short-transfer",
-    "corrupt-arrival",
-    "bad-attestation",
-    "replayed-attestation",
-)
-
-
-def transfer(prefill: engine.Server, decode: engine.Server, rid: str, ids: list[int]) -> dict:
-    """One request through a pair, as SGLang's router sends it (the same body, with the
-    prefill's bootstrap address and a room, to both): the decode's result."""
-    boot = dict(
-        bootstrap_host="127.0.0.1",
-        bootstrap_port=prefill.bootstrap_port,
-        bootstrap_room=random.randrange(1, 2**62),
-    )
-    _, result = engine.concurrently(
-        [
-            lambda: prefill.generate(rid, ids, NEW, **boot),
-            lambda: decode.generate(rid, ids, NEW, **boot),
-        ]
-    )
-    return result
-
-
-def _suite(runs: Runs) -> dict:
-    folder = runs.dir / "sglang-pd"
-    folder.mkdir(exist_ok=True)
-    model = engine.model(runs.dir)
-    pairs = {
-        kind: (
-            engine.Server(f"{kind}-prefill", attention, folder, mode="prefill"),
-            engine.Server(f"{kind}-decode", attention, folder, mode="decode", extra=DECODE_POOL),
-        )
-        for kind, attention in (("stock", "torch_native"), ("kvattn", "kvattn"))
-    }
-    out = {}
-    with engine.running(model, *pairs["stock"], *pairs["kvattn"]):
-        for kind, (prefill, decode) in pairs.items():
-            result = {"tenant": transfer(prefill, decode, f"{kind}-tenant", TENANT)}
-            result["victim"], result["beside"] = engine.concurrently(
-                [
-                    lambda: transfer(prefill, decode, f"placeholder:{kind}-victim", PROMPT),
-                    lambda: transfer(prefill, decode, f"{kind}-beside", BESIDE),
-                ]
-            )
-            # Before the replay: the frame it repeats is of another prompt.
-            result["beside-clean"] = transfer(prefill, decode, f"{kind}-beside-clean", BESIDE)
-            for fault in ATTESTATION_FAULTS[::-1]:
-                result[fault] = transfer(prefill, decode, f"{fault}:{kind}", PROMPT)
-            result["clean"] = transfer(prefill, decode, f"{kind}-clean", PROMPT)
-            out[kind] = dict(
-                results=result,
-                prefill_faults=prefill.faults(),
-                decode_log=decode.faults(),
-                counts=decode.counts(),
-            )
-        (stock_prefill, stock_decode), (prefill, decode) = pairs["stock"], pairs["kvattn"]
-        out["kvattn-prefill-stock-decode"] = transfer(prefill, stock_decode, "mixed-1", PROMPT)
-        out["stock-prefill-kvattn-decode"] = transfer(stock_prefill, decode, "mixed-2", PROMPT)
-    return out
-
 
 @pytest.fixture(scope="module")
 def suite():
-    return Runs().shared("sglang-pd", lambda: _suite(Runs()))
+    return engine.conformance()["raw"]["incident"]
 
 
 def _pages(log: list[dict], rid: str) -> set[int]:

@@ -8,15 +8,14 @@ detokenizer processes inherit it).
 - SGLang's Mooncake sender takes page indices as pinned host tensors behind a CUDA event
   (prefill.py) unless ``MooncakeKVSender.supports_host_tensor_indices`` is False: set once the
   module is imported.
-- ``KVATTN_TEST_FAULTS=1`` installs the suite's fault injectors (``kvattn_faults``);
-  ``KVATTN_TEST_COUNTS=FILE`` has a kvattn engine write its ledger's counts there
-  (``kvattn_counts``).
+
+The fault injectors are not here: the conformance suite's server launcher
+(``kvattn.conformance.sglang_server``) installs them.
 """
 
 import enum
 import importlib.abc
 import importlib.util
-import os
 import sys
 import types
 
@@ -74,14 +73,6 @@ if importlib.util.find_spec("sglang") is not None:
     import transformers.utils.import_utils  # noqa: F401  (before the stand-in: it sees none)
 
     _stand_in_torchvision()
-    _callbacks = {"sglang.srt.disaggregation.mooncake.conn": [_host_indices]}
-    if os.environ.get("KVATTN_TEST_FAULTS"):
-        import kvattn_faults
-
-        for _name, _call in kvattn_faults.CALLBACKS.items():
-            _callbacks.setdefault(_name, []).append(_call)
-    if os.environ.get("KVATTN_TEST_COUNTS"):
-        import kvattn_counts
-
-        _callbacks.setdefault("kvattn.integrations.sglang", []).append(kvattn_counts.install)
-    sys.meta_path.insert(0, _AfterImport(_callbacks))
+    sys.meta_path.insert(
+        0, _AfterImport({"sglang.srt.disaggregation.mooncake.conn": [_host_indices]})
+    )

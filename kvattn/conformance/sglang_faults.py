@@ -1,8 +1,9 @@
-"""Test-only fault injectors of the SGLang engine suites, installed into SGLang's processes by
-``sitecustomize`` when ``KVATTN_TEST_FAULTS=1``. Each acts only on requests whose ``rid`` starts
-with its name and a colon (``"lost-write:w3"``), once per request, and appends what it did to the
-JSON-lines file ``KVATTN_TEST_FAULT_LOG``. They stand for the bookkeeping errors of the public
-record (the suite's docstrings say which), applied to SGLang's own structures:
+"""The conformance suite's fault injectors under SGLang, installed into a server's processes by
+:mod:`kvattn.conformance.sglang_server` (:func:`install`). Each acts only on requests whose
+``rid`` starts with its name and a colon (``"lost-write:w3"``), once per request, and appends what
+it did to the JSON-lines file ``KVATTN_CONFORMANCE_FAULT_LOG``. A request without such a prefix
+is never touched. They stand for the bookkeeping errors of the public record
+(:data:`kvattn.conformance.sglang.FAULTS` says which), applied to SGLang's own structures:
 
 - ``placeholder`` (prefill instance): the request's prompt becomes a one-token placeholder when it
   enters the prefill queue (what SGLang did with a prompt too long for the prefill node before
@@ -23,16 +24,24 @@ record (the suite's docstrings say which), applied to SGLang's own structures:
   rewritten).
 - ``lost-write``: the request's first extend forward stores its K/V into SGLang's padding slot
   instead of its pages (a write that never reached the pages its table names).
+
+With ``KVATTN_CONFORMANCE_COUNTS`` set, a kvattn server also writes its ledger's counts and
+failed requests to that JSON file after each forward (a server keeps them in memory only).
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import json
 import os
+import sys
 import threading
 
 import torch
 
+FAULT_LOG = "KVATTN_CONFORMANCE_FAULT_LOG"
+COUNTS = "KVATTN_CONFORMANCE_COUNTS"
 PREFILL_FAULTS = ("placeholder", "short-transfer", "bad-attestation", "replayed-attestation")
 DECODE_FAULTS = ("corrupt-arrival",)
 FORWARD_FAULTS = ("foreign-entry", "stale-hit", "lost-write")
@@ -61,7 +70,7 @@ def _once(rid: str, **detail) -> bool:
 
 
 def _log(**record) -> None:
-    path = os.environ.get("KVATTN_TEST_FAULT_LOG")
+    path = os.environ.get(FAULT_LOG)
     if path:
         with _lock, open(path, "a") as log:
             log.write(json.dumps(record) + "\n")
@@ -240,6 +249,27 @@ def _wrap_commit(module) -> None:
     module.DecodeTransferQueue._commit_transfer_to_req = hook
 
 
+def _write_counts(module) -> None:
+    end_forward = module.SGLangOwnership.end_forward
+    path = os.environ[COUNTS]
+
+    def end_forward_hook(self, *args, **kwargs):
+        try:
+            return end_forward(self, *args, **kwargs)
+        finally:
+            record = dict(
+                self.counts,
+                forwards=self.forwards,
+                pages_checked=self.pages_checked,
+                failures=[name for name, _ in self.failures],
+            )
+            with open(path + ".tmp", "w") as f:
+                json.dump(record, f)
+            os.replace(path + ".tmp", path)
+
+    module.SGLangOwnership.end_forward = end_forward_hook
+
+
 CALLBACKS = {
     "sglang.srt.mem_cache.memory_pool": _track_rows,
     "sglang.srt.model_executor.model_runner": _wrap_forward,
@@ -248,3 +278,43 @@ CALLBACKS = {
     "sglang.srt.disaggregation.decode": _wrap_commit,
     "kvattn.integrations.sglang_transfer": _wrap_attestation,
 }
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``callbacks[name]`` with the module right after module ``name`` has run (other
+    finders of this kind compose: each wraps the loader the next one returned)."""
+
+    def __init__(self, callbacks):
+        self.callbacks = callbacks
+
+    def find_spec(self, fullname, path=None, target=None):
+        callback = self.callbacks.get(fullname)
+        if callback is None:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            callback(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    """The injectors (and, with ``KVATTN_CONFORMANCE_COUNTS``, the counts) hooked into SGLang's
+    modules as they are imported in this process. Idempotent."""
+    if any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        return
+    callbacks = dict(CALLBACKS)
+    if os.environ.get(COUNTS):
+        callbacks["kvattn.integrations.sglang"] = _write_counts
+    already = sorted(set(callbacks) & set(sys.modules))
+    if already:
+        raise RuntimeError(f"install the injectors before SGLang is imported; imported: {already}")
+    sys.meta_path.insert(0, _AfterImport(callbacks))
