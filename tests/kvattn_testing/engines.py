@@ -161,22 +161,33 @@ class Runs:
             self._wait(running.pop(0), results)
         return results
 
-    def vllm_conformance(self) -> tuple[dict, dict]:
-        """The raw results of the conformance suite under vLLM (:mod:`kvattn.conformance.vllm`)
-        on vLLM's attention and on kvattn's, over ``VLLM_CONFORMANCE_SEEDS``, computed once per
-        test run."""
-        arg = ",".join(map(str, VLLM_CONFORMANCE_SEEDS))
-        results = self.shared(
-            "conformance",
-            lambda: self.drive(
-                [
-                    (f"conformance-{name}", "kvattn.conformance.vllm", kvattn, (arg, adapters))
-                    for name, kvattn in (("stock", False), ("kvattn", True))
-                    for adapters in [self.dir / f"adapters-{name}"]
-                ]
-            ),
+    def vllm_conformance(self) -> dict:
+        """``python -m kvattn.conformance --engine vllm`` over ``VLLM_CONFORMANCE_SEEDS`` in vLLM's
+        environment, once per test run: ``stock`` and ``kvattn`` (each attention's raw results,
+        :mod:`kvattn.conformance.vllm`'s), ``returncode``, ``stdout``, ``stderr`` and the
+        ``report`` it wrote."""
+        return self.shared("vllm-conformance", self._vllm_conformance)
+
+    def _vllm_conformance(self) -> dict:
+        work = self.dir / "vllm-conformance"
+        command = [str(VENV_PY), "-m", "kvattn.conformance", "--engine", "vllm"]
+        command += ["--seeds", ",".join(map(str, VLLM_CONFORMANCE_SEEDS))]
+        command += ["--model", str(self.model), "--work", str(work), "--out", str(work / "out")]
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env(False), cwd=ROOT, timeout=1200
         )
-        return results["conformance-stock"], results["conformance-kvattn"]
+        if done.returncode not in (0, 1):
+            raise RuntimeError(
+                f"the vLLM conformance run failed ({done.returncode}):\n{done.stderr}"
+            )
+        return dict(
+            stock=json.loads((work / "vllm-stock.json").read_text()),
+            kvattn=json.loads((work / "vllm-kvattn.json").read_text()),
+            returncode=done.returncode,
+            stdout=done.stdout,
+            stderr=done.stderr,
+            report=json.loads((work / "out" / "conformance-vllm.json").read_text()),
+        )
 
     def _wait(self, job, results) -> None:
         key, proc, out, log = job

@@ -12,6 +12,7 @@ build/differential/vllm.json, the conformance table to build/differential/confor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -31,14 +32,16 @@ if why_no_vllm():
 
 
 @pytest.fixture(scope="module")
-def runs():
-    stock, kvattn = engines.Runs().vllm_conformance()
-    return {"differential-stock": stock["workloads"], "differential-kvattn": kvattn["workloads"]}
+def conformance_run():
+    return engines.Runs().vllm_conformance()
 
 
 @pytest.fixture(scope="module")
-def raw():
-    return engines.Runs().vllm_conformance()
+def runs(conformance_run):
+    return {
+        "differential-stock": conformance_run["stock"]["workloads"],
+        "differential-kvattn": conformance_run["kvattn"]["workloads"],
+    }
 
 
 answer = conformance.answer
@@ -128,22 +131,25 @@ def test_counts(runs):
     assert totals["faults_detected"] == totals["faults_injected"] == len(SEEDS) * len(FAULTS)
 
 
-def test_conformance_table(raw):
-    """The table ``python -m kvattn.conformance --engine vllm`` prints, from the same runs: every
+def test_conformance_table(conformance_run):
+    """The table ``python -m kvattn.conformance --engine vllm`` printed for these runs: every
     fault caught with the victim alone affected, each real on vLLM's attention, no clean request
-    refused; written to build/differential/conformance-vllm.md."""
-    report = conformance.judge(*raw)
-    text = report.markdown()
+    refused, exit status 0; written to build/differential/conformance-vllm.md. The command's
+    verdict is the judge's of the raw results."""
+    report, text = conformance_run["report"], conformance_run["stdout"]
     out = ROOT / "build" / "differential"
     out.mkdir(parents=True, exist_ok=True)
     (out / "conformance-vllm.md").write_text(text)
     print(text)
-    assert sorted({row.cls for row in report.rows}) == [1, 2, 3, 4, 5]
-    assert sorted(report.not_replayed) == [6]
-    for row in report.rows:
-        assert row.ok, row
-        if row.fault != "cache_salt_left_out_of_key":  # same bytes, another tenant's
-            assert row.stock_changed == row.runs, row
-    assert report.false_refusals == 0
-    assert report.clean_equal_to_stock == report.clean_requests > 100
-    assert report.ok and text.endswith("Conformant.\n")
+    assert conformance_run["returncode"] == 0 and text.endswith("Conformant.\n"), text
+    assert text.startswith("`python -m kvattn.conformance --engine vllm --seeds 0,1,2,3,4,5")
+    judged = conformance.judge(conformance_run["stock"], conformance_run["kvattn"])
+    assert report["rows"] == [dataclasses.asdict(row) for row in judged.rows]
+    assert sorted({row["cls"] for row in report["rows"]}) == [1, 2, 3, 4, 5]
+    assert list(report["not_replayed"]) == ["6"]
+    for row in report["rows"]:
+        assert row["injected"] == row["caught"] == row["victim_only"] == row["runs"] > 0, row
+        if row["fault"] != "cache_salt_left_out_of_key":  # same bytes, another tenant's
+            assert row["stock_changed"] == row["runs"], row
+    assert report["false_refusals"] == 0
+    assert report["clean_equal_to_stock"] == report["clean_requests"] > 100

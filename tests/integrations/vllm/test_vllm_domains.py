@@ -30,8 +30,8 @@ if why_no_vllm():
 
 @pytest.fixture(scope="module")
 def domains():
-    stock, kvattn = engines.Runs().vllm_conformance()
-    return stock["domains"], kvattn["domains"]
+    run = engines.Runs().vllm_conformance()
+    return run["stock"]["domains"], run["kvattn"]["domains"]
 
 
 @pytest.mark.parametrize("lane", LANES)
