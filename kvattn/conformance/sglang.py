@@ -56,6 +56,12 @@ FAULTS = {
     "lost-write": (1, "TensorRT-LLM #19545 (a write that never reached its pages)"),
 }
 POOL = ("--max-total-tokens", "512")
+# Class 5: one prompt under cache salts of two tenants, then the first's again.
+DOMAIN_FAULTS = {
+    "salt-ignored": (5, "SGLang #37160, LMCache #4247 (the cache salt left out of the key)"),
+}
+DOMAIN_PROMPT = [(11 * i) % 250 + 3 for i in range(40)]  # two full pages at page size 16
+DOMAIN_LANE = (("t1", "tenant-1"), ("t2", "tenant-2"), ("t1b", "tenant-1"))
 
 # The incident's stack. A decode pool of 40 pages: the tenant's request takes 36, so the next
 # request's pages are the tenant's (SGLang's allocator hands freed pages out again once its free
@@ -79,8 +85,6 @@ PD_FAULTS = {
 }
 NOT_REPLAYED = {
     4: "no fault of SGLang's page-boundary arithmetic is written yet",
-    5: "over the server, no fault of the radix key is written yet; kvattn's SGLang tests replay "
-    "it in-process (extra_key, LoRA id and cache salt left out of the key)",
 }
 
 
@@ -268,10 +272,15 @@ class Server:
             if not isinstance(reply, dict):
                 reply = {}
             reply.setdefault("raw", raw)
-        finish = (reply.get("meta_info") or {}).get("finish_reason") or {}
+        meta = reply.get("meta_info") or {}
+        finish = meta.get("finish_reason") or {}
         message = finish.get("message") or reply.get("raw")
         return dict(
-            status=status, ids=reply.get("output_ids"), finish=finish.get("type"), message=message
+            status=status,
+            ids=reply.get("output_ids"),
+            finish=finish.get("type"),
+            message=message,
+            cached=meta.get("cached_tokens"),
         )
 
     def flush_cache(self) -> None:
@@ -390,6 +399,21 @@ def run_workload(server: Server, waves: list[list[dict]]) -> dict:
     return out
 
 
+def domain_lane(server: Server, fault: bool) -> dict:
+    """:data:`DOMAIN_PROMPT` under tenant 1's salt, tenant 2's, then tenant 1's again, each after
+    the one before ended, from an empty radix cache: tenant 2's must not hit tenant 1's pages,
+    tenant 1's second request does. With ``fault`` the salts are ones the ``salt-ignored`` fault
+    leaves out of the radix key, so tenant 2 (the victim, ``salt-ignored:t2``) hits them."""
+    server.flush_cache()
+    prefix = "salt-ignored:" if fault else "salt-clean-"
+    return {
+        name: server.generate(
+            f"{prefix}{name}", DOMAIN_PROMPT, 8, cache_salt=("salt-ignored:" * fault) + salt
+        )
+        for name, salt in DOMAIN_LANE
+    }
+
+
 def serve_workloads(
     model: pathlib.Path,
     folder: pathlib.Path,
@@ -399,7 +423,8 @@ def serve_workloads(
     env: dict | None = None,
 ) -> dict:
     """Per server (``torch_native-p16``, ``kvattn-p16``, ...): ``runs`` (``clean-SEED`` and
-    ``FAULT-SEED``: each request's result), what the injectors did and kvattn's counts."""
+    ``FAULT-SEED``: each request's result; ``domains-clean`` and ``domains-salt-ignored``: the
+    class-5 lanes), what the injectors did and kvattn's counts."""
     servers = [
         Server(f"{kind}-p{p}", kind, folder, page_size=p, extra=POOL, python=python, env=env)
         for p in page_sizes
@@ -413,6 +438,8 @@ def serve_workloads(
                 runs_of[f"clean-{seed}"] = run_workload(server, workload(seed))
                 for fault in FAULTS:
                     runs_of[f"{fault}-{seed}"] = run_workload(server, workload(seed, fault))
+            runs_of["domains-clean"] = domain_lane(server, fault=False)
+            runs_of["domains-salt-ignored"] = domain_lane(server, fault=True)
             out[server.name] = dict(runs=runs_of, faults=server.faults(), counts=server.counts())
     return dict(seeds=list(seeds), page_sizes=list(page_sizes), servers=out)
 
@@ -498,11 +525,23 @@ def _applied(server: dict, rid: str, log: str = "faults") -> bool:
     return any(record.get("rid") == rid and "fault" in record for record in server[log])
 
 
+def _merged(rows: list[Row]) -> list[Row]:
+    """One row of the tallies of ``rows`` (the same fault at each page size)."""
+    if not rows:
+        return []
+    total = Row(rows[0].cls, rows[0].fault, rows[0].reports)
+    for row in rows:
+        for field in ("runs", "injected", "caught", "victim_only", "stock_changed"):
+            setattr(total, field, getattr(total, field) + getattr(row, field))
+    return [total]
+
+
 def judge(servers: dict, incident: dict | None, version: str) -> Report:
     """The conformance report of :func:`serve_workloads`' and :func:`replay_incident`'s results
     (``incident`` None: the pair did not run)."""
     report = Report("SGLang", version, servers["seeds"], [])
     rows = {fault: Row(cls, fault, reports) for fault, (cls, reports) in FAULTS.items()}
+    domain_rows = []
     for p in servers["page_sizes"]:
         stock, mine = servers["servers"][f"torch_native-p{p}"], servers["servers"][f"kvattn-p{p}"]
         for seed in servers["seeds"]:
@@ -529,7 +568,33 @@ def judge(servers: dict, incident: dict | None, version: str) -> Report:
                     faulted_stock[victim]["status"] == 200
                     and faulted_stock[victim]["ids"] != clean_stock[f"{seed}-v"]["ids"]
                 )
-    report.rows = list(rows.values())
+        row = Row(5, "salt-ignored", DOMAIN_FAULTS["salt-ignored"][1], runs=1)
+        clean, clean_stock = mine["runs"]["domains-clean"], stock["runs"]["domains-clean"]
+        faulted, faulted_stock = (
+            mine["runs"]["domains-salt-ignored"],
+            stock["runs"]["domains-salt-ignored"],
+        )
+        for name, result in clean.items():
+            report.clean_requests += 1
+            report.false_refusals += result["status"] != 200
+            report.clean_equal_to_stock += result["ids"] == clean_stock[name]["ids"]
+        # Injected: the salt was dropped on both servers, and tenant 2 was served from tenant 1's
+        # pages on SGLang's attention.
+        row.injected = int(
+            _applied(mine, "salt-ignored:tenant-2")
+            and _applied(stock, "salt-ignored:tenant-2")
+            and (faulted_stock["t2"]["cached"] or 0) > 0
+        )
+        row.caught = int(_caught(faulted["t2"]))
+        row.victim_only = int(
+            all(
+                faulted[n]["status"] == 200 and faulted[n]["ids"] == clean[n]["ids"]
+                for n in ("t1", "t1b")
+            )
+        )
+        row.stock_changed = int(faulted_stock["t2"]["ids"] != clean_stock["t2"]["ids"])
+        domain_rows.append(row)
+    report.rows = list(rows.values()) + _merged(domain_rows)
     report.not_replayed = dict(NOT_REPLAYED)
     if incident is None:
         report.not_replayed[6] = (

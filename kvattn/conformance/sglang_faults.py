@@ -24,6 +24,9 @@ is never touched. They stand for the bookkeeping errors of the public record
   rewritten).
 - ``lost-write``: the request's first extend forward stores its K/V into SGLang's padding slot
   instead of its pages (a write that never reached the pages its table names).
+- ``salt-ignored``: acts on cache salts instead of request ids: a salt that starts with
+  ``salt-ignored:`` is left out of every radix key built with it, so requests under two such salts
+  share one another's cached pages (a cache that ignores the salt).
 
 With ``KVATTN_CONFORMANCE_COUNTS`` set, a kvattn server also writes its ledger's counts and
 failed requests to that JSON file after each forward (a server keeps them in memory only).
@@ -45,6 +48,7 @@ COUNTS = "KVATTN_CONFORMANCE_COUNTS"
 PREFILL_FAULTS = ("placeholder", "short-transfer", "bad-attestation", "replayed-attestation")
 DECODE_FAULTS = ("corrupt-arrival",)
 FORWARD_FAULTS = ("foreign-entry", "stale-hit", "lost-write")
+KEY_FAULTS = ("salt-ignored",)
 
 _lock = threading.Lock()
 _applied: set[str] = set()
@@ -56,7 +60,7 @@ _rooms: dict[int, str] = {}  # bootstrap room -> rid (prefill instance)
 
 def fault_of(rid) -> str | None:
     name = str(rid).split(":", 1)[0] if rid is not None and ":" in str(rid) else None
-    return name if name in PREFILL_FAULTS + DECODE_FAULTS + FORWARD_FAULTS else None
+    return name if name in PREFILL_FAULTS + DECODE_FAULTS + FORWARD_FAULTS + KEY_FAULTS else None
 
 
 def _once(rid: str, **detail) -> bool:
@@ -95,6 +99,26 @@ def _track_rows(module) -> None:
             return _free(self, req)
 
         cls.alloc, cls.free = alloc_hook, free_hook
+
+
+# -- the radix key -------------------------------------------------------------------------------
+
+
+def _wrap_radix_key(module) -> None:
+    init = module.RadixKey.__init__
+
+    def init_hook(self, *args, **kwargs):
+        # RadixKey(token_ids, extra_key=None, is_bigram=False, limit=None, cache_salt=None)
+        salt = kwargs.get("cache_salt", args[4] if len(args) > 4 else None)
+        if fault_of(salt) == "salt-ignored":
+            if len(args) > 4:
+                args = args[:4] + (None,) + args[5:]
+            else:
+                kwargs["cache_salt"] = None
+            _once(salt)
+        init(self, *args, **kwargs)
+
+    module.RadixKey.__init__ = init_hook
 
 
 # -- forwards ------------------------------------------------------------------------------------
@@ -272,6 +296,7 @@ def _write_counts(module) -> None:
 
 CALLBACKS = {
     "sglang.srt.mem_cache.memory_pool": _track_rows,
+    "sglang.srt.mem_cache.radix_cache": _wrap_radix_key,
     "sglang.srt.model_executor.model_runner": _wrap_forward,
     "sglang.srt.disaggregation.prefill": _wrap_prefill,
     "sglang.srt.disaggregation.mooncake.conn": _wrap_transfer,

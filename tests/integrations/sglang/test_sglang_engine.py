@@ -63,6 +63,7 @@ def test_clean_workloads_give_sglang_s_tokens_and_refuse_nothing(suite, page_siz
         for rid in results
         if ":" in rid
     }
+    victims.add("salt-ignored:t2")  # the class-5 lane's, keyed by name (t2) in its results
     assert set(mine["counts"]["failures"]) <= victims
     assert mine["counts"]["pages_checked"] > 0 and mine["counts"].get("prefix_hit_pages", 0) > 0
 
@@ -136,13 +137,39 @@ def test_conformance_table():
     assert run["returncode"] == 0 and run["stdout"].endswith("Conformant.\n"), run["stdout"]
     rows = {row["fault"]: row for row in report["rows"]}
     pair = engine.why_no_mooncake() is None
-    assert set(rows) == set(FAULTS) | (set(conformance.PD_FAULTS) if pair else set())
+    expected = set(FAULTS) | set(conformance.DOMAIN_FAULTS)
+    assert set(rows) == expected | (set(conformance.PD_FAULTS) if pair else set())
     for row in rows.values():
         assert row["injected"] == row["caught"] == row["victim_only"] == row["runs"] > 0, row
-        assert row["stock_changed"] == row["runs"], row
+        # Under another salt the bytes are the same: the tenant boundary is what is crossed.
+        assert row["stock_changed"] == (0 if row["fault"] == "salt-ignored" else row["runs"]), row
     assert rows["lost-write"]["runs"] == len(SEEDS) * len(PAGE_SIZES)
-    assert sorted({row["cls"] for row in rows.values()}) == [1, 2, 3] + ([6] if pair else [])
-    assert sorted(report["not_replayed"]) == ["4", "5"] + ([] if pair else ["6"])
+    assert sorted({row["cls"] for row in rows.values()}) == [1, 2, 3, 5] + ([6] if pair else [])
+    assert sorted(report["not_replayed"]) == ["4"] + ([] if pair else ["6"])
     assert report["false_refusals"] == 0
     bystanders = 4 if pair else 0  # of the pair: the tenant's and the clean requests
-    assert report["clean_requests"] == report["clean_equal_to_stock"] == 4 * 8 + bystanders
+    lanes = len(PAGE_SIZES) * len(conformance.DOMAIN_LANE)  # the class-5 lanes' clean runs
+    assert report["clean_requests"] == report["clean_equal_to_stock"] == 4 * 8 + lanes + bystanders
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_a_cache_salt_separates_tenants_unless_the_key_drops_it(suite, page_size):
+    """Clean: tenant 2's request computes its own pages, tenant 1's second one hits the first's;
+    both attentions give the same tokens. With the salt left out of the radix key, SGLang's
+    attention serves tenant 2 from tenant 1's pages (the same bytes, so the same tokens: the
+    tenant boundary is what is crossed); kvattn fails tenant 2, naming the pages it could not
+    prove, and serves tenant 1's requests as in the clean lane."""
+    stock, mine = suite[f"torch_native-p{page_size}"], suite[f"kvattn-p{page_size}"]
+    for server in (stock, mine):
+        clean = server["runs"]["domains-clean"]
+        assert all(r["status"] == 200 for r in clean.values())
+        assert clean["t2"]["cached"] == 0 and clean["t1b"]["cached"] >= 32
+    assert {n: r["ids"] for n, r in mine["runs"]["domains-clean"].items()} == {
+        n: r["ids"] for n, r in stock["runs"]["domains-clean"].items()
+    }
+    faulted = stock["runs"]["domains-salt-ignored"]
+    assert faulted["t2"]["status"] == 200 and faulted["t2"]["cached"] >= 32
+    faulted = mine["runs"]["domains-salt-ignored"]
+    assert faulted["t2"]["status"] >= 400 and "OWNER_MISMATCH" in faulted["t2"]["message"]
+    for name in ("t1", "t1b"):
+        assert faulted[name]["ids"] == mine["runs"]["domains-clean"][name]["ids"]
