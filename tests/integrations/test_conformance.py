@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -117,3 +118,20 @@ def test_report_is_conformant_only_when_every_fault_is_caught_and_no_clean_reque
         report = _report(**changes)
         assert not report.ok, changes
         assert report.markdown().endswith("\nNOT conformant.\n")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "transformers"])
+def test_the_recorded_tables_are_conformant_and_the_docs_show_them(engine):
+    """benchmarks/results/conformance_ENGINE.md is the command's output, at a named commit, and
+    conformant; docs/conformance.md shows that table as recorded."""
+    recorded = (ROOT / "benchmarks" / "results" / f"conformance_{engine}.md").read_text()
+    first, _, table = recorded.partition("\n\n")
+    assert first.startswith(f"`python -m kvattn.conformance --engine {engine}")
+    assert re.search(r"\(commit [0-9a-f]{7,}\)", first), "recorded at a clean commit"
+    assert table.endswith("\nConformant.\n")
+    docs = (ROOT / "docs" / "conformance.md").read_text()
+    block = re.search(
+        rf"<!-- conformance-{engine} -->\n(.*?)<!-- /conformance-{engine} -->", docs, re.S
+    )
+    assert block, f"docs/conformance.md: the markers of {engine}'s table are missing"
+    assert table in block.group(1)
