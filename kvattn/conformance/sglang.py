@@ -9,7 +9,8 @@ is installed in. Two runs, side by side:
   hits, and evictions in a pool of 512 tokens), prompts longer than the 32-token prefill chunk
   (chunked prefill), overlap scheduling (SGLang's default), one request aborted while it runs.
   Then each workload again with one fault aimed at one request of the second wave, the victim:
-  ``lost-write``, ``stale-hit``, ``foreign-entry`` (:data:`FAULTS`).
+  ``lost-write``, ``stale-hit``, ``foreign-entry``, ``boundary-hit`` (:data:`FAULTS`); and one
+  prompt under two tenants' cache salts, clean and with the salt left out of the radix key.
 - **The incident's stack**, where the Mooncake transfer engine is installed: a prefill and a
   decode server per attention over Mooncake (TCP on the loopback). An earlier tenant's long
   request leaves its KV in the decode's pages; then a request whose prompt the prefill turns into
@@ -54,7 +55,11 @@ FAULTS = {
     "foreign-entry": (3, "SGLang #22716 (a misrouted req_to_token entry)"),
     "stale-hit": (2, "vLLM #52234 (a radix hit on pages handed on and rewritten)"),
     "lost-write": (1, "TensorRT-LLM #19545 (a write that never reached its pages)"),
+    "boundary-hit": (4, "SGLang #22819 (corruption at prefix_len == page_size)"),
 }
+# Each fault's victim: ``w`` (alone in the third wave) has a radix hit of exactly one page,
+# ``v`` (in the second) one of a system prompt.
+VICTIMS = {"boundary-hit": "w"}
 POOL = ("--max-total-tokens", "512")
 # Class 5: one prompt under cache salts of two tenants, then the first's again.
 DOMAIN_FAULTS = {
@@ -83,9 +88,7 @@ PD_FAULTS = {
     "short-transfer": (1, "TensorRT-LLM #19545 (a transfer that moved less than it reported)"),
     "corrupt-arrival": (6, "vLLM #44238 (completion reported before the bytes were right)"),
 }
-NOT_REPLAYED = {
-    4: "no fault of SGLang's page-boundary arithmetic is written yet",
-}
+NOT_REPLAYED: dict[int, str] = {}
 
 
 def free_port() -> int:
@@ -352,9 +355,15 @@ def concurrently(calls: list) -> list:
 # -- one server per attention ----------------------------------------------------------------------
 
 
+def victim(fault: str, seed: int) -> str:
+    """The request id the fault aims at in the workload of ``seed``."""
+    return f"{fault}:{seed}-{VICTIMS.get(fault, 'v')}"
+
+
 def workload(seed: int, fault: str | None = None) -> list[list[dict]]:
     """Waves of requests sent together, each wave after the last one ended: ``{rid, ids, new}``.
-    The victim of ``fault`` (in the second wave) shares a system prompt cached by the first."""
+    The victim of ``fault`` (:func:`victim`) shares a system prompt cached by the first wave
+    (``v``, in the second), or exactly one page of ``h``'s prompt (``w``, alone in the third)."""
     rng = random.Random(seed)
     systems = [[rng.randrange(3, 250) for _ in range(rng.randrange(20, 40))] for _ in range(2)]
 
@@ -375,10 +384,21 @@ def workload(seed: int, fault: str | None = None) -> list[list[dict]]:
         request("v", 0, rng.randrange(8, 20), 16),
         request("f", None, rng.randrange(40, 60), 8),
     ]
+    # A prompt of 16 tokens and tails, drawn apart (the requests above keep their draws): ``w``
+    # shares exactly its 16 tokens with ``h``, so its radix hit ends at a page boundary.
+    other = random.Random(seed + 7919)
+    head = [other.randrange(3, 250) for _ in range(16)]
+    h_tail = [other.randrange(3, 250) for _ in range(other.randrange(4, 20))]
+    # Its prompt's rest is prefilled in one forward (alone in its wave, under the 32-token chunk).
+    w_tail = [other.randrange(3, 250) for _ in range(other.randrange(8, 16))]
+    w_tail[0] = 3 + (h_tail[0] - 2) % 247  # the token after h's in [3, 250), never h's own
+    first.append(dict(rid=f"{seed}-h", new=10, ids=head + h_tail))
+    alone = [dict(rid=f"{seed}-w", new=12, ids=head + w_tail)]
     if fault is not None:
-        second[2]["rid"] = f"{fault}:{second[2]['rid']}"
+        aimed = next(r for r in second + alone if r["rid"] == victim(fault, seed).split(":", 1)[1])
+        aimed["rid"] = f"{fault}:{aimed['rid']}"
     third = [request("g", 1, rng.randrange(4, 12), 24), dict(request("x", 0, 6, 64), abort=True)]
-    return [first, second, third]
+    return [first, second, alone, third]
 
 
 def run_workload(server: Server, waves: list[list[dict]]) -> dict:
@@ -551,22 +571,22 @@ def judge(servers: dict, incident: dict | None, version: str) -> Report:
                 report.false_refusals += result["status"] != 200
                 report.clean_equal_to_stock += result["ids"] == clean_stock[rid]["ids"]
             for fault, row in rows.items():
-                victim = f"{fault}:{seed}-v"
+                aimed = victim(fault, seed)
                 faulted, faulted_stock = (
                     mine["runs"][f"{fault}-{seed}"],
                     stock["runs"][f"{fault}-{seed}"],
                 )
                 row.runs += 1
-                row.injected += _applied(mine, victim) and _applied(stock, victim)
-                row.caught += _caught(faulted[victim])
+                row.injected += _applied(mine, aimed) and _applied(stock, aimed)
+                row.caught += _caught(faulted[aimed])
                 row.victim_only += all(
                     r["status"] == 200 and r["ids"] == clean[rid]["ids"]
                     for rid, r in faulted.items()
-                    if rid != victim
+                    if rid != aimed
                 )
                 row.stock_changed += (
-                    faulted_stock[victim]["status"] == 200
-                    and faulted_stock[victim]["ids"] != clean_stock[f"{seed}-v"]["ids"]
+                    faulted_stock[aimed]["status"] == 200
+                    and faulted_stock[aimed]["ids"] != clean_stock[aimed.split(":", 1)[1]]["ids"]
                 )
         row = Row(5, "salt-ignored", DOMAIN_FAULTS["salt-ignored"][1], runs=1)
         clean, clean_stock = mine["runs"]["domains-clean"], stock["runs"]["domains-clean"]

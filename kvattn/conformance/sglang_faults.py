@@ -24,6 +24,15 @@ is never touched. They stand for the bookkeeping errors of the public record
   rewritten).
 - ``lost-write``: the request's first extend forward stores its K/V into SGLang's padding slot
   instead of its pages (a write that never reached the pages its table names).
+- ``boundary-hit``: for the extend forward right after a radix hit of exactly ``SPAN`` tokens
+  (one page at page size 16), the request's ``req_to_token`` entries of the tokens after the hit
+  name free pages, holding whatever KV their last holder left, while its writes still go to its
+  own (corruption exactly at ``prefix_len == page_size``). Only in the forward that completes the
+  prompt: a chunk before it would be inserted into the radix cache while the entries are swapped
+  (SGLang inserts a chunked request's pages while the next forward runs). Free pages, not another
+  request's live ones: a table that names a live page at a new token's position is a write into
+  that page too, which the ledger follows (the page is reserved for the writer, and its other
+  readers fail from then on), so the fault would reach requests beyond its victim.
 - ``salt-ignored``: acts on cache salts instead of request ids: a salt that starts with
   ``salt-ignored:`` is left out of every radix key built with it, so requests under two such salts
   share one another's cached pages (a cache that ignores the salt).
@@ -47,12 +56,13 @@ FAULT_LOG = "KVATTN_CONFORMANCE_FAULT_LOG"
 COUNTS = "KVATTN_CONFORMANCE_COUNTS"
 PREFILL_FAULTS = ("placeholder", "short-transfer", "bad-attestation", "replayed-attestation")
 DECODE_FAULTS = ("corrupt-arrival",)
-FORWARD_FAULTS = ("foreign-entry", "stale-hit", "lost-write")
+FORWARD_FAULTS = ("foreign-entry", "stale-hit", "lost-write", "boundary-hit")
 KEY_FAULTS = ("salt-ignored",)
 
 _lock = threading.Lock()
 _applied: set[str] = set()
 _rows: dict[int, str] = {}  # req_to_token row -> rid of the request holding it
+_prompts: dict[int, int] = {}  # req_to_token row -> its request's prompt length
 _first_pages: dict[str, torch.Tensor] = {}  # rid -> the slots of its first span, once written
 SPAN = 16  # tokens
 _rooms: dict[int, str] = {}  # bootstrap room -> rid (prefill instance)
@@ -92,6 +102,7 @@ def _track_rows(module) -> None:
             if rows is not None:
                 for r in reqs:
                     _rows[r.kv.req_pool_idx] = r.rid
+                    _prompts[r.kv.req_pool_idx] = len(r.origin_input_ids)
             return rows
 
         def free_hook(self, req, _free=free):
@@ -137,6 +148,15 @@ def _donor(rid: str, mine: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _free_slots(allocator, n: int, P: int) -> torch.Tensor | None:
+    """``n`` slots of the allocator's free pages (page size ``P``), in no request's table."""
+    free = allocator.free_pages
+    if free is None or len(free) * P < n:
+        return None
+    pages = free[: -(-n // P)].to(torch.int64)
+    return (pages[:, None] * P + torch.arange(P)).flatten()[:n]
+
+
 def _apply(runner, fb):
     """The faults due in this forward; returns the function that undoes them and records the
     first pages its requests will have written."""
@@ -161,7 +181,22 @@ def _apply(runner, fb):
         swap = (fault == "foreign-entry" and decode and seq_lens[b] > span) or (
             fault == "stale-hit" and not decode and prefix[b] >= span
         )
-        if swap:
+        boundary = (
+            fault == "boundary-hit"
+            and not decode
+            and prefix[b] == span
+            and span < seq_lens[b] == _prompts.get(row)
+        )
+        if boundary:
+            n = min(seq_lens[b], 2 * span) - span  # the hit's next tokens this forward reads
+            saved = table[row, span : span + n].clone()
+            spare = _free_slots(runner.token_to_kv_pool_allocator, n, P)
+            if spare is not None and _once(rid, page_size=P, tokens=n):
+                table[row, span : span + n] = spare.to(table.dtype)
+                undo.append(
+                    lambda row=row, saved=saved, n=n: table[row, span : span + n].copy_(saved)
+                )
+        elif swap:
             saved = table[row, :span].clone()
             donor = _donor(rid, saved)
             if donor is not None and _once(rid, page_size=P, tokens=span):

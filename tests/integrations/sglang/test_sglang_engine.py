@@ -10,12 +10,14 @@ default), one request aborted while it runs. Clean, every request's greedy token
 both servers and kvattn refuses no page and fails no request.
 
 Then each workload again with one bookkeeping fault aimed at one request, the victim
-(:mod:`kvattn.conformance.sglang_faults` says how each is made): a ``req_to_token`` entry naming another
-request's page (vLLM #52234, SGLang #22716), a radix hit whose page was handed out and rewritten
-meanwhile (vLLM #52234), a prefill write that never reached the request's pages
-(TensorRT-LLM #19545). On SGLang's own attention the victim answers HTTP 200 with other tokens
-than its clean run (the fault is real); under kvattn the victim, and only the victim, fails with
-an error naming the refused pages, and every other request's tokens equal its clean run's.
+(:mod:`kvattn.conformance.sglang_faults` says how each is made): a ``req_to_token`` entry naming
+another request's page (SGLang #22716), a radix hit whose page was handed out and rewritten
+meanwhile (vLLM #52234), a prefill write that never reached the request's pages (TensorRT-LLM
+#19545), and, for a request whose radix hit is exactly one page, the entries of the tokens after
+the hit naming free pages (SGLang #22819). On SGLang's own attention the victim
+answers HTTP 200 with other tokens than its clean run (the fault is real); under kvattn the
+victim, and only the victim, fails with an error naming the refused pages, and every other
+request's tokens equal its clean run's.
 
 The counts are printed (``pytest -s``) and written to build/differential/sglang.json.
 """
@@ -51,7 +53,7 @@ def test_clean_workloads_give_sglang_s_tokens_and_refuse_nothing(suite, page_siz
     stock, mine = suite[f"torch_native-p{page_size}"], suite[f"kvattn-p{page_size}"]
     for seed in SEEDS:
         a, b = stock["runs"][f"clean-{seed}"], mine["runs"][f"clean-{seed}"]
-        assert set(a) == set(b) and len(a) == 8
+        assert set(a) == set(b) and len(a) == 10
         for rid in a:
             assert a[rid]["status"] == b[rid]["status"] == 200, (rid, b[rid]["message"])
             assert b[rid]["ids"] == a[rid]["ids"], rid
@@ -73,14 +75,14 @@ def test_clean_workloads_give_sglang_s_tokens_and_refuse_nothing(suite, page_siz
 def test_a_fault_fails_the_victim_and_only_the_victim(suite, page_size, fault):
     stock, mine = suite[f"torch_native-p{page_size}"], suite[f"kvattn-p{page_size}"]
     for seed in SEEDS:
-        victim = f"{fault}:{seed}-v"
+        victim = conformance.victim(fault, seed)
         for server in (stock, mine):
             assert victim in {f["rid"] for f in server["faults"]}, "the fault was not applied"
         clean_stock = stock["runs"][f"clean-{seed}"]
         faulted_stock = stock["runs"][f"{fault}-{seed}"]
         # On SGLang's own attention the victim answers, over KV that is not its own.
         assert faulted_stock[victim]["status"] == 200
-        assert faulted_stock[victim]["ids"] != clean_stock[f"{seed}-v"]["ids"]
+        assert faulted_stock[victim]["ids"] != clean_stock[victim.split(":", 1)[1]]["ids"]
         faulted = mine["runs"][f"{fault}-{seed}"]
         assert faulted[victim]["status"] >= 400 and faulted[victim]["ids"] is None
         assert "kvattn ownership check failed" in faulted[victim]["message"]
@@ -103,7 +105,7 @@ def test_counts(suite):
                 for rid, r in mine["runs"][f"clean-{seed}"].items()
             )
             for fault in FAULTS:
-                victim = f"{fault}:{seed}-v"
+                victim = conformance.victim(fault, seed)
                 faulted = mine["runs"][f"{fault}-{seed}"]
                 failed = sorted(rid for rid, r in faulted.items() if r["status"] != 200)
                 counts[f"{fault}_injected"] += 1
@@ -111,7 +113,7 @@ def test_counts(suite):
                 counts["stock_victim_answered_otherwise"] += (
                     stock["runs"][f"{fault}-{seed}"][victim]["status"] == 200
                     and stock["runs"][f"{fault}-{seed}"][victim]["ids"]
-                    != stock["runs"][f"clean-{seed}"][f"{seed}-v"]["ids"]
+                    != stock["runs"][f"clean-{seed}"][victim.split(":", 1)[1]]["ids"]
                 )
         counts[f"kvattn_p{page_size}_refused_pages"] = mine["counts"]["refused_pages"]
         counts[f"kvattn_p{page_size}_pages_checked"] = mine["counts"]["pages_checked"]
@@ -144,12 +146,13 @@ def test_conformance_table():
         # Under another salt the bytes are the same: the tenant boundary is what is crossed.
         assert row["stock_changed"] == (0 if row["fault"] == "salt-ignored" else row["runs"]), row
     assert rows["lost-write"]["runs"] == len(SEEDS) * len(PAGE_SIZES)
-    assert sorted({row["cls"] for row in rows.values()}) == [1, 2, 3, 5] + ([6] if pair else [])
-    assert sorted(report["not_replayed"]) == ["4"] + ([] if pair else ["6"])
+    assert sorted({row["cls"] for row in rows.values()}) == [1, 2, 3, 4, 5] + ([6] if pair else [])
+    assert sorted(report["not_replayed"]) == ([] if pair else ["6"])
     assert report["false_refusals"] == 0
     bystanders = 4 if pair else 0  # of the pair: the tenant's and the clean requests
     lanes = len(PAGE_SIZES) * len(conformance.DOMAIN_LANE)  # the class-5 lanes' clean runs
-    assert report["clean_requests"] == report["clean_equal_to_stock"] == 4 * 8 + lanes + bystanders
+    clean = 4 * 10  # (2 seeds x 2 page sizes) x 10 requests
+    assert report["clean_requests"] == report["clean_equal_to_stock"] == clean + lanes + bystanders
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
