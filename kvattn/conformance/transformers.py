@@ -88,10 +88,9 @@ FAULTS = {
     "lost_write": (1, "TensorRT-LLM #19545 (SUCCESS without the writes)"),
     "early_free": (2, "vLLM #42571, SGLang #24226 (freed while live)"),
     "stale_prefix": (2, "vLLM #52234 (a stale reference after block reuse)"),
+    "hash_collision": (4, "Mooncake #4153 (a mismatched block hit)"),
 }
 NOT_REPLAYED = {
-    4: "no fault of this engine's block matching is written yet (its hashes cover whole "
-    "blocks of tokens only)",
     5: "transformers' continuous batching serves no LoRA adapter or cache salt per request: "
     "its prefix cache has no domain to leave out of a key",
     6: "tags cannot see bytes changed inside a page its owner wrote, and this engine moves no "
@@ -293,7 +292,10 @@ class Fault:
     def __init__(self, kind: str, workload: dict):
         self.kind = kind
         self.workload = workload
-        self.victim = workload["reader" if kind == "stale_prefix" else "victim"]
+        # hash_collision's victim is the first request it can reach, found as the run goes.
+        self.victim = {"stale_prefix": workload["reader"], "hash_collision": None}.get(
+            kind, workload["victim"]
+        )
         self.applied = False
         self.detail: dict = {}
 
@@ -403,6 +405,29 @@ class Fault:
             patched(FullAttentionCacheAllocator, "allocate_cache_to_request", allocate)
         )
         stack.enter_context(patched(CacheAllocator, "free_blocks", free))
+
+    def _hash_collision(self, stack):
+        """The first request whose prompt's first page matches no registered block, while some
+        block is registered, is handed that block as its first, as if the page's hash had matched
+        (a hash collision): the engine's bookkeeping stays consistent (the block gains a
+        reference), and the request reads another prompt's KV as its first page."""
+
+        def search(original):
+            def search_prefix_match(cache, request_id, prompt_ids):
+                matched = original(cache, request_id, prompt_ids)
+                allocator = cache.cache_allocators[FULL_ATTENTION]
+                registered = sorted(allocator.ledger.block_to_hash)
+                if self.applied or matched or len(prompt_ids) <= PAGE or not registered:
+                    return matched
+                allocator.acquire_prefix_blocks(request_id, PAGE, registered[:1])
+                self.applied = True
+                self.victim = request_id
+                self.detail = dict(block=registered[0])
+                return PAGE
+
+            return search_prefix_match
+
+        stack.enter_context(patched(Cache, "search_prefix_match", search))
 
     def _stale_prefix(self, stack):
         donor, reader = self.workload["donor"], self.workload["reader"]

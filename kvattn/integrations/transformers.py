@@ -25,9 +25,12 @@ How it hooks in (all installed on entry, restored on exit, for caches created in
   :func:`kvattn.write_kv` at the same slots, which stamps pages WRITTEN only for tokens it wrote; a
   block going back to the engine's free pool (``CachePool.free_blocks``) becomes FREE. The expected
   owner of each logical block is recorded when the block is allocated (the request's owner) or
-  shared (the owner recorded with the content hash the engine matched: the lease the block was
-  reserved for when the engine registered that hash, recorded per registration, since a block
-  freed and refilled with the same tokens comes back under its old hash), never read from the tags.
+  shared through the engine's hash table: the lease the block was reserved for when the engine
+  registered its hash (recorded per registration, since a block freed and refilled with the same
+  tokens comes back under its old hash), and only if kvattn's own digest of the writer's token
+  prefix through that block equals the reader's (the ledger's prefix digests, not the engine's
+  hash: a block the engine matches wrongly, a hash collision, fails closed); never read from the
+  tags.
 - **Attention.** The engine's attention function (``sdpa``, ``paged|eager``, ``flash_attention_*``)
   is wrapped: calls coming through a hooked cache run :func:`kvattn.paged_extend` (or
   :func:`kvattn.paged_decode` when every request has one new token) over the pages, through a block
@@ -143,6 +146,7 @@ class _State(Ledger):
         self.allocate_tags(len(self.layer_row), self.num_blocks, rows.device)
         self.device = rows.device
         self.block_owner: dict[int, int] = {}  # block -> owner it was reserved for
+        self.searching: dict[str, list[int]] = {}  # request -> prompt, while its prefix is matched
 
     # -- page events ---------------------------------------------------------------------------
 
@@ -159,27 +163,32 @@ class _State(Ledger):
             self.block_owner[b] = owner
         self.leases[request_id].expected[0].extend([owner] * len(blocks))
 
-    def shared(self, request_id: str, index: int, block: int) -> None:
+    def shared(self, request_id: str, index: int, block: int, key: bytes | None) -> None:
         """The engine maps logical block ``index`` of the request to ``block`` because its content
-        hash matched: expect the owner recorded when that hash was registered (owner 0, which
-        never matches a tag, for a block without one: it fails closed)."""
+        hash matched: expect the owner recorded when that hash was registered, if the digest it
+        was registered with is ``key``, the reader's own digest of its tokens through that block
+        (owner 0, which never matches a tag, otherwise or for ``key`` None: it fails closed)."""
         self.request_owner(request_id)
         expected = self.leases[request_id].expected[0]
         expected.extend([0] * (index + 1 - len(expected)))
-        expected[index] = self.hit_owner(block, self.allocator.ledger.block_to_hash.get(block))
+        expected[index] = self.hit_owner(block, key)
 
-    def hashes_registered(self, before: dict[int, int | None]) -> None:
+    def hashes_registered(
+        self, before: list[int], hashed: dict[int, int | None], keys: list[bytes]
+    ) -> None:
         """Record the writer of each hash the engine registered in one ``mark_complete_blocks``
-        call: ``before`` maps the request's blocks when the call began to their hash then, and a
-        block with a hash now and none then was registered by the call, for the tokens the forward
-        of the lease it was reserved for wrote. Recorded per registration, not per (block, hash)
-        pair: a block freed, reused and filled with the same tokens comes back under its old hash
-        with a new writer, while a pair the engine kept across a free is its claim, not a write."""
+        call: ``before`` is the request's block table when the call began, ``hashed`` each of
+        those blocks' hash then, ``keys`` the digests of the request's token prefixes through each
+        block. A block with a hash now and none then was registered by the call, for the tokens
+        the forward of the lease it was reserved for wrote. Recorded per registration, not per
+        (block, hash) pair: a block freed, reused and filled with the same tokens comes back under
+        its old hash with a new writer, while a pair the engine kept across a free is its claim,
+        not a write."""
         ledger = self.allocator.ledger
-        for block, old in before.items():
-            h = ledger.block_to_hash.get(block)
-            if h is not None and old is None:
-                self.remember(block, self.block_owner.get(block, 0), h)
+        for i, block in enumerate(before):
+            if ledger.block_to_hash.get(block) is not None and hashed.get(block) is None:
+                key = keys[i] if i < len(keys) else None
+                self.remember(block, self.block_owner.get(block, 0), key)
 
     def released(self, blocks: list[int]) -> None:
         self.release(blocks)
@@ -405,10 +414,25 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             state = _state_of(self)
             if state is not None:
                 state.forget(request_id)
+                # The prompt the engine matched (search), digested here; none known: no proof.
+                keys = state.digests(state.searching.get(request_id, []))
                 for i, block in enumerate(self.block_table[request_id]):
-                    state.shared(request_id, i, block)
+                    state.shared(request_id, i, block, keys[i] if i < len(keys) else None)
 
         return acquire_prefix_blocks
+
+    def search(original):
+        def search_prefix_match(self, request_id, prompt_ids):
+            state = _state_of(self)
+            if state is None:
+                return original(self, request_id, prompt_ids)
+            state.searching[request_id] = list(prompt_ids)
+            try:
+                return original(self, request_id, prompt_ids)
+            finally:
+                del state.searching[request_id]
+
+        return search_prefix_match
 
     def mark_complete(original):
         def mark_complete_blocks(self, request_id, token_ids, new_new_blocks):
@@ -417,11 +441,12 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
             hashed = {b: self.ledger.block_to_hash.get(b) for b in before}
             original(self, request_id, token_ids, new_new_blocks)
             if state is not None:
-                state.hashes_registered(hashed)
+                keys = state.digests(token_ids)
+                state.hashes_registered(before, hashed, keys)
                 # De-duplication: the engine swapped a block for an identical one already hashed.
                 for i, (old, new) in enumerate(zip(before, self.block_table[request_id])):
                     if old != new:
-                        state.shared(request_id, i, new)
+                        state.shared(request_id, i, new, keys[i] if i < len(keys) else None)
 
         return mark_complete_blocks
 
@@ -521,6 +546,7 @@ def kvattn_attention(*, backend: str = "auto", check: bool = True):
         patch(Cache, "update", cache_update)
         patch(Cache, "reset", cache_reset)
         patch(FullAttentionCacheAllocator, "allocate_cache_to_request", allocate)
+        patch(Cache, "search_prefix_match", search)
         patch(CacheAllocator, "acquire_prefix_blocks", acquire)
         patch(CacheAllocator, "mark_complete_blocks", mark_complete)
         patch(CacheAllocator, "fork_blocks", fork)

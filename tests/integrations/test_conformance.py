@@ -50,7 +50,7 @@ def test_transformers_run_of_one_seed(tmp_path):
     assert done.stdout == text
     assert text.startswith("`python -m kvattn.conformance --engine transformers --seeds 3")
     assert report["ok"] and report["seeds"] == [3] and report["false_refusals"] == 0
-    assert [row["cls"] for row in report["rows"]] == [3, 1, 2, 2]
+    assert [row["cls"] for row in report["rows"]] == [3, 1, 2, 2, 4]
     assert all(row["caught"] == row["victim_only"] == row["runs"] == 1 for row in report["rows"])
     assert "| 1 | lost_write | TensorRT-LLM #19545" in text and text.endswith("Conformant.\n")
 
