@@ -91,10 +91,20 @@ PD_FAULTS = {
 NOT_REPLAYED: dict[int, str] = {}
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and one this process has not handed out before: servers
+    bind theirs only once their model is loaded, a minute later, and two servers started together
+    must not get the same one."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 def stop_servers(*servers: subprocess.Popen, grace_s: float = 30) -> None:
@@ -218,9 +228,20 @@ class Server:
                 start_new_session=True,
             )
 
-    def wait_healthy(self, deadline: float) -> None:
+    def wait_healthy(self, deadline: float, model_path: pathlib.Path, restarts: int = 1) -> None:
+        """Until the server answers ``/health``. A server that exits while starting is started
+        once more on fresh ports (another process may have bound its port first: a free port is
+        only free until someone binds it); a second exit raises, with its log's tail."""
         while True:
             if self.process.poll() is not None:
+                if restarts > 0:
+                    restarts -= 1
+                    self.log.replace(self.folder / f"{self.name}.exited.log")
+                    self.port = free_port()
+                    if self.mode == "prefill":
+                        self.bootstrap_port = free_port()
+                    self.start(model_path)
+                    continue
                 raise RuntimeError(
                     f"SGLang server {self.name} exited ({self.process.returncode}):\n{self.tail()}"
                 )
@@ -340,7 +361,7 @@ def running(model_path: pathlib.Path, *servers: Server):
             server.start(model_path)
         deadline = time.monotonic() + STARTUP_S
         for server in servers:
-            server.wait_healthy(deadline)
+            server.wait_healthy(deadline, model_path)
         yield servers
     finally:
         stop_servers(*(s.process for s in servers if s.process is not None))
