@@ -229,10 +229,15 @@ class Server:
             )
 
     def wait_healthy(self, deadline: float, model_path: pathlib.Path, restarts: int = 1) -> None:
-        """Until the server answers ``/health``. A server that exits while starting is started
-        once more on fresh ports (another process may have bound its port first: a free port is
-        only free until someone binds it); a second exit raises, with its log's tail."""
+        """Until the server answers ``/health``. A server that exits while starting, or that
+        could not bind its port (another process bound it first: a free port is only free until
+        someone binds it, and what answers there then is not this server), is started once more
+        on fresh ports; a second failure raises, with its log's tail."""
         while True:
+            bound_elsewhere = "error while attempting to bind" in self.log.read_text()
+            if self.process.poll() is None and bound_elsewhere:
+                # Its port was taken: whatever answers there is not this server.
+                stop_servers(self.process)
             if self.process.poll() is not None:
                 if restarts > 0:
                     restarts -= 1
