@@ -7,7 +7,8 @@ It takes ``python -m sglang.launch_server``'s arguments and runs that module. SG
 scheduler and detokenizer with multiprocessing's spawn method, which runs this module again in
 each of them (as ``__mp_main__``, before the process's target is unpickled), so the injectors are
 installed there too, before SGLang's modules load. The injectors touch only requests whose id
-names a fault (``"lost-write:..."``); every other request is served as by SGLang's own server.
+(or cache salt) names a fault (``"lost-write:..."``); every other request is served as by
+SGLang's own server.
 """
 
 from __future__ import annotations
