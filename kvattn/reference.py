@@ -27,7 +27,7 @@ from .tags import (
     tag_valid_len,
     valid_owner,
 )
-from .variants import PLAIN, Variant
+from .variants import PLAIN, Variant, alibi_anchor
 
 
 def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int, first_key=None):
@@ -133,13 +133,12 @@ def attend(
 ):
     """Softmax attention of ``q`` ``[B, H, D]`` over ``k`` ``[B, N, Hkv, D]`` and ``v`` ``[B, N, Hkv,
     Dv]`` where ``allowed`` ``[B, N]``; GQA by head groups. ``q_pos`` ``[B]``: each query's
-    position (key ``n`` sits at
-    position ``n``), needed by the window and ALiBi of ``variant`` (:mod:`kvattn.variants`), which
-    ``causal`` selects the ALiBi form of (its per-sequence values, if any, one row per query row).
-    Returns ``out`` ``[B, H, Dv]`` and ``lse`` ``[B, H]`` (over
-    the keys: sinks join only the output's denominator) in ``compute_dtype``; a row with nothing
-    allowed, and a head with an invalid switch value (:meth:`kvattn.variants.Variant.heads_read`),
-    gets output 0 and lse -inf."""
+    position (key ``n`` sits at position ``n``, and ``N`` is the table's width in tokens), needed
+    by the window and ALiBi of ``variant`` (:mod:`kvattn.variants`), which ``causal`` selects the
+    ALiBi form of (its per-sequence values, if any, one row per query row). Returns ``out`` ``[B,
+    H, Dv]`` and ``lse`` ``[B, H]`` (over the keys: sinks join only the output's denominator) in
+    ``compute_dtype``; a row with nothing allowed, and a head with an invalid switch value
+    (:meth:`kvattn.variants.Variant.heads_read`), gets output 0 and lse -inf."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
@@ -159,13 +158,18 @@ def attend(
     if variant.logits_soft_cap > 0:
         cap = variant.logits_soft_cap
         logits = cap * torch.tanh(logits / cap)
+    # The part of each row's logits that is the same for every key (ALiBi's beyond its anchor,
+    # kvattn.variants): the softmax runs without it, the lse and the sink see it.
+    shift = torch.zeros(batch, num_kv_heads, group, dtype=compute_dtype, device=q.device)
     if variant.alibi_slopes is not None:
-        distance = (key_pos[None, :] - q_pos[:, None]).to(compute_dtype)  # [B, N]
+        anchor = alibi_anchor(q_pos, k.shape[1])
+        distance = (key_pos[None, :] - anchor[:, None]).to(compute_dtype)  # [B, N]
         if not causal:
             distance = -distance.abs()
         # [1 or B, Hkv, G]: per-sequence slopes, when given so, are per query row here.
         slopes = variant.alibi_slopes.to(compute_dtype).view(-1, num_kv_heads, group)
         logits = logits + slopes[..., None] * distance[:, None, None, :]
+        shift = slopes * (anchor - q_pos).to(compute_dtype)[:, None, None]
     logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G], -inf where nothing is allowed
     probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0)[..., None])
@@ -174,8 +178,9 @@ def attend(
         # The sink's share of the denominator: out *= e^lse / (e^lse + e^sink) = sigmoid(lse -
         # sink); a sink of -inf takes none, also from a row with nothing allowed (lse - sink = NaN).
         sinks = variant.sinks.to(compute_dtype).view(1, num_kv_heads, group)
-        share = torch.where(torch.isneginf(sinks), 1.0, torch.sigmoid(lse - sinks))
+        share = torch.where(torch.isneginf(sinks), 1.0, torch.sigmoid(lse - (sinks - shift)))
         out = out * share[..., None]
+    lse = lse + shift
     reads = variant.heads_read(num_heads)
     if reads is not None:
         reads = reads.view(-1, num_kv_heads, group)

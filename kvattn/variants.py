@@ -36,7 +36,13 @@ and ``s = scale * q . k_j`` the score of key ``j``:
     ``s -= slope * |j - q_pos|`` without causality (FlashAttention's ALiBi). One slope per query
     head, or, ``[batch, num_heads]`` (FlashAttention's per-sequence slopes), one per sequence and
     head: sequence ``b`` uses row ``b``. A slope is finite with ``|slope| <= 2**32``
-    (:data:`ALIBI_SLOPE_MAX`).
+    (:data:`ALIBI_SLOPE_MAX`). Every backend measures the distance from the row's anchor
+    ``a = min(q_pos, capacity - 1)`` (:func:`alibi_anchor`; ``capacity`` the table's width in
+    tokens, so no key a row reads lies past ``a``) and adds the rest, ``slope * (a - q_pos)``, the
+    same for each key of the row, to its lse and against its sink once the keys are summed: the
+    same softmax. It matters only past the table (an unvalidated ``seq_len``, possibly near
+    2**31), where a float32 logit of ``slope * (j - q_pos)`` keeps no digit that tells two keys
+    apart and each backend would round it its own way.
 ``k_scale``, ``v_scale`` (float, or float32 tensor ``[]``, ``[1]``, ``[num_kv_heads]`` or
 ``[batch, num_kv_heads]``; default 1)
     Only with fp8 pools (``float8_e4m3fn`` or ``float8_e5m2`` ``k_cache``/``v_cache``, while ``q``
@@ -113,6 +119,12 @@ MAX_SCALE = 2.0**126
 # slopes up to 2**32 keep that product below 2**63, finite in float32 (also times log2(e), the
 # kernels' base 2), whatever the lengths.
 ALIBI_SLOPE_MAX = 2.0**32
+
+
+def alibi_anchor(q_pos, capacity: int):
+    """The position ALiBi measures a row's keys from (the ``alibi_slopes`` entry above): ``q_pos``
+    (an int64 tensor), or ``capacity - 1`` for a row past the table."""
+    return q_pos.clamp(max=capacity - 1)
 
 
 def scale_ok(x):

@@ -500,8 +500,8 @@ def cuda_config(row) -> str:
     """How the table names a row of csrc/instantiations.py: op, dtype, head-dim tile, copy width
     (16B, or elementwise for pools whose rows are not 16-byte aligned: odd head dims, offset views;
     fp8 pools copy by 16 bytes only and name their format instead), and the score switches of
-    kvattn.variants when compiled in (the merge kernel has only the window and the sinks, the
-    decode neither the custom mask nor the window's right edge)."""
+    kvattn.variants when compiled in (the merge kernel has only the window, the sinks and ALiBi's
+    shift past the table, the decode neither the custom mask nor the window's right edge)."""
     fp8 = _CUDA_FP8.get(row.pool, "")
     copies = "" if fp8 or row.vec is None else ("16B" if row.vec else "elementwise")
     switches = ""
@@ -510,7 +510,7 @@ def cuda_config(row) -> str:
             "extend": "two-sided window+softcap+sinks+alibi+mask",
             "decode": "window+softcap+sinks+alibi",
         }
-        switches = switches[row.op] if row.head_dim else "window+sinks"
+        switches = switches[row.op] if row.head_dim else "window+sinks+alibi"
     return " ".join(
         x
         for x in (

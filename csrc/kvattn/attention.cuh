@@ -255,8 +255,8 @@ struct WarpAttention {
 // The score switches of kvattn.variants on one base-2 logit `x` (already scaled), in their order:
 // the soft-cap cap * tanh(x' / cap) of the natural logit x' (tanh(y) = 1 - 2 / (e^2y + 1), and
 // e^(2x'/cap) = 2^(2x/cap): one exp2, an overflow to inf giving tanh = 1 exactly), then ALiBi
-// (`alibi2` = slope * log2(e), `distance` the key's position minus the query's, or minus its
-// absolute value without causality).
+// (`alibi2` = slope * log2(e), `distance` the key's position minus the row's ALiBi anchor, or
+// minus its absolute value without causality: alibi_anchor).
 KVATTN_DEVICE float variant_score(float x, const ScoreVariant& v, float alibi2, float distance) {
   if (v.soft_cap > 0.0f) {
     const float e = exp2f(x * (2.0f / v.soft_cap));
@@ -274,6 +274,21 @@ KVATTN_DEVICE bool scale_ok(float x) { return x >= kScaleMin && x <= kScaleMax; 
 // The ALiBi slopes of sequence b ([num_heads]); null without ALiBi.
 KVATTN_DEVICE const float* seq_slopes(const ScoreVariant& v, int64_t b) {
   return v.alibi != nullptr ? v.alibi + b * v.alibi_stride : nullptr;
+}
+
+// The position ALiBi measures the keys of a row at q_pos from, in a table of `capacity` tokens
+// (kvattn/variants.py alibi_anchor): the row's own, or for a row past the table (an unvalidated
+// seq_len) the table's last key, so that the distances of the keys it reads stay small and exact
+// in float32. What that leaves out of every logit of the row, alibi_shift2, joins its lse and its
+// sink's comparison once.
+KVATTN_DEVICE int64_t alibi_anchor(int64_t q_pos, int64_t capacity) { return q_pos < capacity ? q_pos : capacity - 1; }
+
+// slope * (anchor - q_pos) (base 2) of query head `head` of sequence b's row at q_pos; 0 inside the
+// table and without ALiBi.
+template <bool VARIANT>
+KVATTN_DEVICE float alibi_shift2(const ScoreVariant& v, int64_t b, int head, int64_t q_pos, int64_t capacity) {
+  if (!VARIANT || v.alibi == nullptr) return 0.0f;
+  return seq_slopes(v, b)[head] * (1.0f / kLn2) * static_cast<float>(alibi_anchor(q_pos, capacity) - q_pos);
 }
 
 // Whether query head `head` of sequence b reads anything as far as its score switches go: false
@@ -314,10 +329,11 @@ KVATTN_DEVICE bool fp8_scales_ok(const AttentionParams& p, int64_t b, int kv_hea
 }
 
 // The softmax denominator of a row with running max m (base 2) and sum l: an attention sink's
-// logit (natural) joins it. A row with nothing read (l == 0) is 0 / -inf whatever the sink.
-KVATTN_DEVICE float with_sink(float l, float m, const float* sinks, int head) {
+// logit (natural) joins it, less the row's ALiBi shift (base 2) its logits left out. A row with
+// nothing read (l == 0) is 0 / -inf whatever the sink.
+KVATTN_DEVICE float with_sink(float l, float m, const float* sinks, int head, float shift2) {
   if (sinks == nullptr || l == 0.0f) return l;
-  return l + exp2f(sinks[head] * (1.0f / kLn2) - (m == -INFINITY ? 0.0f : m));
+  return l + exp2f(sinks[head] * (1.0f / kLn2) - shift2 - (m == -INFINITY ? 0.0f : m));
 }
 
 }  // namespace kvattn

@@ -296,7 +296,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   int issue_stage = 0;  // stage of the next sub-tile to copy (n % kStages, kept incrementally)
   const DecodeWarp w{p, bt_row, exp_row, seq_owner, tiles_lo, win.first_key, range.end, warp, mine, k_head_off,
                      v_head_off, v_col, offsets, masks, stages};
-  // ALiBi slopes (base 2) of this lane's rows g and g + 8.
+  // ALiBi slopes (base 2) of this lane's rows g and g + 8, and the query's anchor.
+  const int64_t anchor = alibi_anchor(raw_len - int64_t{1}, capacity);
   float alibi2[2] = {0.0f, 0.0f};
   if (VARIANT && p.var.alibi != nullptr) {
     const float* slopes = seq_slopes(p.var, b);
@@ -318,8 +319,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     float s[kSubTile / 8][4];
     if constexpr (kFp8) qk_scores_fp8<T, KV, D, kSubTile>(s, q, k_rows, ksteps);
     else qk_scores<T, D, kSubTile>(s, q, k_rows, ksteps);
-    // Position of token 0 of this sub-tile minus the query's (raw_len - 1), for ALiBi.
-    const float distance0 = VARIANT ? static_cast<float>(sub_tile_start(tiles_lo, warp, i) - (raw_len - int64_t{1})) : 0.0f;
+    // Position of token 0 of this sub-tile minus the row's ALiBi anchor.
+    const float distance0 = VARIANT ? static_cast<float>(sub_tile_start(tiles_lo, warp, i) - anchor) : 0.0f;
 #pragma unroll
     for (int n = 0; n < kSubTile / 8; ++n)
 #pragma unroll
@@ -381,11 +382,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     // Blocks of a head split write their columns; the first writes the row's statistics.
     const bool reads = scales_ok && head_reads<VARIANT>(p.var, b, head0 + r);
     if (p.num_splits == 1) {
-      const float denominator = VARIANT ? with_sink(l, m_ref, p.var.sinks, head0 + r) : l;
+      const float shift2 = reads ? alibi_shift2<VARIANT>(p.var, b, head0 + r, raw_len - int64_t{1}, capacity) : 0.0f;
+      const float denominator = VARIANT ? with_sink(l, m_ref, p.var.sinks, head0 + r, shift2) : l;
       static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + v_col + d] =
           from_float<T>(l == 0.0f || !reads ? 0.0f : o / denominator);
       if (d == 0 && d_part == 0 && p.lse != nullptr)
-        p.lse[b * p.num_heads + head0 + r] = l == 0.0f || !reads ? -INFINITY : (m_ref + log2f(l)) * kLn2;
+        p.lse[b * p.num_heads + head0 + r] = l == 0.0f || !reads ? -INFINITY : (m_ref + log2f(l) + shift2) * kLn2;
     } else if (active) {
       // A head that reads nothing stores the state of a split with nothing read.
       const int64_t row = (b * p.num_heads + head0 + r) * p.num_splits + split;
@@ -463,14 +465,17 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Decod
   float l_sum = 0.0f;
   for (int s = 0; s < active; ++s) l_sum += p.part_ml[(row0 + s) * 2 + 1] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
   T* out = static_cast<T*>(p.out) + b * p.stride_ob + head * p.stride_oh;
-  const float denominator = VARIANT ? with_sink(l_sum, m_ref, p.var.sinks, head) : l_sum;
+  // The splits' logits leave out the row's ALiBi shift past the table: it joins here, once (0 for
+  // a head that reads nothing, whose slope may be NaN: its splits stored l = 0).
+  const float shift2 = l_sum == 0.0f ? 0.0f : alibi_shift2<VARIANT>(p.var, b, head, raw_len - int64_t{1}, capacity);
+  const float denominator = VARIANT ? with_sink(l_sum, m_ref, p.var.sinks, head, shift2) : l_sum;
   for (int d = threadIdx.x; d < p.head_dim_v; d += kMergeThreads) {
     float o = 0.0f;
     for (int s = 0; s < active; ++s) o += p.part_acc[(row0 + s) * p.head_dim_v + d] * exp2f(p.part_ml[(row0 + s) * 2] - m_ref);
     out[d] = from_float<T>(l_sum == 0.0f ? 0.0f : o / denominator);
   }
   if (threadIdx.x == 0 && p.lse != nullptr) {
-    p.lse[b * p.num_heads + head] = l_sum == 0.0f ? -INFINITY : (m_ref + log2f(l_sum)) * kLn2;
+    p.lse[b * p.num_heads + head] = l_sum == 0.0f ? -INFINITY : (m_ref + log2f(l_sum) + shift2) * kLn2;
   }
   if (p.violations != nullptr && head == 0 && threadIdx.x == 0) {
     int bad = 0, bits = 0, read = 0;

@@ -235,11 +235,13 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   WarpAttention<T, DV> att;
   att.init();
   const int g = lane / 4, t = lane % 4;
-  int64_t q_pos[2];  // positions of this lane's rows g and g + 8
-  int row_bit[2];    // their tokens within the block: the bit of the custom mask's key rows
+  int64_t q_pos[2];   // positions of this lane's rows g and g + 8
+  int64_t anchor[2];  // and their ALiBi anchors
+  int row_bit[2];     // their tokens within the block: the bit of the custom mask's key rows
   for (int r = 0; r < 2; ++r) {
     row_bit[r] = (warp * kWarpRows + g + 8 * r) / H;
     q_pos[r] = first_pos + row_token(warp * kWarpRows + g + 8 * r);
+    anchor[r] = alibi_anchor(q_pos[r], capacity);
   }
   // fp8 pools (element-wise kernels only): k_scale (and an fp8 query's q_scale) of this
   // sequence's KV head joins the score's scale, v_scale the output (after the loop).
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
         if (VARIANT) {
           if (windowed) visible = visible && t0 + key >= q_pos[c / 2] - p.var.window_left;
           if (right_edged) visible = visible && t0 + key <= q_pos[c / 2] + p.var.window_right;
-          const float distance = static_cast<float>(t0 + key - q_pos[c / 2]);
+          const float distance = static_cast<float>(t0 + key - anchor[c / 2]);
           x = variant_score(x, p.var, alibi2[c / 2], p.causal ? distance : -fabsf(distance));
         }
         s[n][c] = visible ? x : -INFINITY;
@@ -313,7 +315,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
     if (!row_ok(row)) continue;
     const bool reads = scales_ok && head_reads<VARIANT>(p.var, b, kv_head * p.group + row_head(row));
     const float l = reads ? att.l[r] : 0.0f;
-    const float denominator = VARIANT ? with_sink(l, att.m[r], p.var.sinks, kv_head * p.group + row_head(row)) : l;
+    const int head = kv_head * p.group + row_head(row);
+    const float shift2 = reads ? alibi_shift2<VARIANT>(p.var, b, head, q_pos[r], capacity) : 0.0f;
+    const float denominator = VARIANT ? with_sink(l, att.m[r], p.var.sinks, head, shift2) : l;
     T* out_row = out + (row0 + row_token(row)) * p.stride_ot + (kv_head * p.group + row_head(row)) * p.stride_oh;
 #pragma unroll
     for (int jd = 0; jd < DV / 8; ++jd)
@@ -324,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
       }
     if (t == 0 && d_part == 0 && p.lse != nullptr) {
       p.lse[(row0 + row_token(row)) * p.num_heads + kv_head * p.group + row_head(row)] =
-          l == 0.0f ? -INFINITY : (att.m[r] + log2f(l)) * kLn2;
+          l == 0.0f ? -INFINITY : (att.m[r] + log2f(l) + shift2) * kLn2;
     }
   }
 }

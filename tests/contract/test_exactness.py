@@ -9,7 +9,7 @@ valid, so a test that passed by accident would show. One section per rule:
 - 1, 2: a sliding window never loads the slots of a straddling page before every query's window
   (decode and extend);
 - 3: a query sits at ``seq_len - 1`` (extend rows at ``seq_len - q_len + j``) even for an
-  unvalidated ``seq_len`` past the table;
+  unvalidated ``seq_len`` past the table, up to 2**31 - 1 under ALiBi;
 - 6, 7: a soft-cap or a float fp8 scale outside ``[2**-126, 2**126]`` raises a ValueError naming
   it, in the readers and the writers;
 - 4, 5, 8: a sink of -inf is no sink; NaN/+inf sinks, fp8 scale tensors outside that range and
@@ -212,8 +212,30 @@ def test_window_past_the_table_places_the_query_at_seq_len(backend, op, seq_len,
     assert_agrees(got, want)
 
 
+# Lengths far past the table, where the distance from a key to the query no longer fits
+# float32's 24-bit significand: a logit of slope * (key - q_pos) would keep no digit that tells two
+# keys apart, and each backend rounded it its own way (by up to 6.95 in the output, before ALiBi
+# was measured from each row's anchor, kvattn.variants.alibi_anchor).
+FAR = [2**24 + 5, 2**31 - 1]
+
+
+@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("op, causal", [("decode", True), ("extend", True), ("extend", False)])
+@pytest.mark.parametrize("seq_len", FAR)
+def test_alibi_far_past_the_table_agrees(backend, op, causal, seq_len):
+    """Every backend gives the softmax over the keys the table holds that the slopes' distances
+    from seq_len - 1 define (the same as from the table's last key: the difference is one constant
+    per row), and an lse within float32's relative rounding of ``slope * seq_len``."""
+    x = beyond_the_table(op, seq_len)
+    kwargs = variant_args(-1, True) | ({} if op == "decode" else {"causal": causal})
+    want = run(op, x, "reference", validate=False, **kwargs)
+    assert want[2].beyond_table.tolist() == [1, 0]
+    assert_agrees(run(op, x, backend, validate=False, **kwargs), want)
+
+
 # The same over a table of 36 tokens (9 pages): windows that span several 16-token splits.
 BEYOND_SPLITS = [(40, 20, True), (40, 20, False), (38, 30, True), (60, 3, False)]
+BEYOND_SPLITS += [(seq_len, -1, True) for seq_len in FAR]
 
 
 @pytest.mark.parametrize("backend", SPLIT_READERS)

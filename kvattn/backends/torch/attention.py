@@ -17,7 +17,7 @@ import torch
 from ... import reference
 from ...layout import DecodeArgs, ExtendArgs, query_offsets
 from ...report import OwnershipReport
-from ...variants import Variant
+from ...variants import Variant, alibi_anchor
 
 # Logits of one extend tile (rows x query heads x keys, float32) are kept under this many elements,
 # so a long prefill never materialises its whole score matrix.
@@ -64,10 +64,11 @@ def _per_kv_head(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.T
     return out
 
 
-def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
+def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool, capacity: int):
     """Softmax attention of ``q`` ``[Hkv, S, G, T, D]`` (float32, already scaled) over ``k`` ``[S, N,
     Hkv, D]`` and ``v`` ``[S, N, Hkv, Dv]`` where ``mask`` ``[S, T, N]``; ``q_pos`` ``[S, T]`` and
-    ``key_pos`` ``[S, N]`` are positions in the sequence. The score transforms are those of
+    ``key_pos`` ``[S, N]`` are positions in the sequence, whose table holds ``capacity`` tokens
+    (ALiBi's anchor, :func:`kvattn.variants.alibi_anchor`). The score transforms are those of
     :func:`kvattn.reference.attend`, in its order. Returns ``out`` ``[Hkv, S, G, T, Dv]`` and ``lse``
     ``[Hkv, S, G, T]``; a row with nothing in ``mask``, and a head that reads nothing
     (:meth:`kvattn.variants.Variant.heads_read`), gets output 0 and lse -inf. ``variant``'s
@@ -80,12 +81,15 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
     if variant.logits_soft_cap > 0:
         cap = variant.logits_soft_cap
         logits = cap * torch.tanh(logits / cap)
+    shift = 0.0  # the reference's: the part of each row's logits that is the same for every key
     if variant.alibi_slopes is not None:
-        distance = (key_pos[:, None, :] - q_pos[:, :, None]).float()  # [S, T, N]
+        anchor = alibi_anchor(q_pos, capacity)  # [S, T]
+        distance = (key_pos[:, None, :] - anchor[:, :, None]).float()  # [S, T, N]
         if not causal:
             distance = -distance.abs()
         slopes = _by_kv_head(variant.alibi_slopes.float(), hkv, g)[..., None, None]
         logits = logits + slopes * distance[None, :, None]
+        shift = slopes[..., 0] * (anchor - q_pos).float()[None, :, None]  # [Hkv, S, G, T]
     logits = logits.masked_fill(~mask[None, :, None], float("-inf"))
     top = logits.amax(dim=-1, keepdim=True)
     top = top.masked_fill(top == float("-inf"), 0)
@@ -99,8 +103,9 @@ def _attend(q, k, v, mask, q_pos, key_pos, variant: Variant, causal: bool):
     if variant.sinks is not None:
         # As the reference: the sink's share of the denominator is sigmoid(lse - sink), 1 for -inf.
         sinks = variant.sinks.float().view(hkv, 1, g, 1)
-        share = torch.where(torch.isneginf(sinks), 1.0, torch.sigmoid(lse - sinks))
+        share = torch.where(torch.isneginf(sinks), 1.0, torch.sigmoid(lse - (sinks - shift)))
         out = out * share[..., None]
+    lse = lse + shift
     reads = variant.heads_read(hkv * g)
     if reads is not None:
         reads = _by_kv_head(reads, hkv, g)[..., None]
@@ -163,6 +168,7 @@ def decode(
     lo, hi = _page_ranges(a, first_key)
     counts = [h - low for low, h in zip(lo, hi)]
     device, page = a.q.device, a.page_size
+    capacity = a.max_pages * page
     q_pos_all = a.seq_lens.long() - 1
     g = a.num_heads // a.num_kv_heads
     reading = [b for b in range(a.batch) if counts[b] > 0]
@@ -197,7 +203,7 @@ def decode(
         v = _gather(a, a.v_cache, variant.v_scale, pages, ok)
         q = _queries(a, a.q.index_select(0, rows), variant)
         q = q.view(len(group), a.num_kv_heads, g, 1, a.head_dim).transpose(0, 1)
-        o, lse_rows = _attend(q, k, v, mask, q_pos, key_pos, variant, causal=True)
+        o, lse_rows = _attend(q, k, v, mask, q_pos, key_pos, variant, True, capacity)
         o = o.transpose(0, 1).reshape(len(group), a.num_heads, a.head_dim_v)
         out.index_copy_(0, rows, o.to(out.dtype))
         if lse is not None:
@@ -217,6 +223,7 @@ def extend(
     starts = offsets.tolist()
     seq_lens = a.seq_lens.tolist()
     device, page = a.q.device, a.page_size
+    capacity = a.max_pages * page
     g = a.num_heads // a.num_kv_heads
     for b in range(a.batch):
         r0, r1 = starts[b], starts[b + 1]
@@ -270,7 +277,7 @@ def extend(
                 # of the products (as the kernels never load a key no row of theirs reads).
                 unread = ~mask.any(dim=1)[..., None, None]  # [1, N, 1, 1]
                 kt, vt = kt.masked_fill(unread, 0), vt.masked_fill(unread, 0)
-            o, lse_rows = _attend(q, kt, vt, mask, q_pos, kp, variant, a.causal)
+            o, lse_rows = _attend(q, kt, vt, mask, q_pos, kp, variant, a.causal, capacity)
             out[r0 + t0 : r0 + t1] = (
                 o[:, 0]
                 .permute(2, 0, 1, 3)

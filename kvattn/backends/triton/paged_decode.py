@@ -35,7 +35,14 @@ from ...report import OwnershipReport
 from ...variants import FP8_DTYPES
 from ..grids import plan_num_splits
 from .configs import DecodeConfig, decode_config
-from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
+from .softmax import (
+    alibi_anchor,
+    heads_read,
+    online_softmax_step,
+    qk_scores,
+    sink_denominator,
+    variant_scores,
+)
 from .split_report import REPORT_FIELDS, REPORT_PTRS, store_split_report
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, check_pages, tile_slots
 
@@ -147,6 +154,7 @@ def paged_decode_kernel(
     capacity = max_pages * PAGE
     seq_len = tl.minimum(tl.maximum(raw_len, 0), capacity)
     q_pos = raw_len - 1  # the query's position, from the length as given (kvattn.variants)
+    anchor = alibi_anchor(q_pos, capacity)
     first_key, span_lo = window_start(raw_len, seq_len, window_left, WINDOW, ALIGN)
     start, end, _ = split_range(seq_len - span_lo, split, num_splits, min_chunk, ALIGN)
     start += span_lo
@@ -270,7 +278,7 @@ def paged_decode_kernel(
             if FP8:
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
-            distance = (t0 + offs_n - q_pos).to(tl.float32)[None, :]  # [1, BLOCK_N]
+            distance = (t0 + offs_n - anchor).to(tl.float32)[None, :]  # [1, BLOCK_N]
             s = variant_scores(
                 qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance, SOFTCAP, ALIBI
             )
@@ -300,10 +308,13 @@ def paged_decode_kernel(
             m_i = tl.where(reads, m_i, float("-inf"))
             l_i = tl.where(reads, l_i, 0.0)
         if num_splits == 1:
+            shift2 = tl.zeros([BLOCK_G], dtype=tl.float32)
+            if ALIBI:
+                shift2 = alibi2 * (anchor - q_pos).to(tl.float32)  # 0 inside the table
             sink2 = tl.zeros([BLOCK_G], dtype=tl.float32)
             if SINKS:
                 sink2 = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * LOG2E_C
-            out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
+            out = acc / sink_denominator(l_i, m_i, sink2 - shift2, SINKS)[:, None]
             tl.store(
                 out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
                 out.to(out_ptr.dtype.element_ty),
@@ -311,7 +322,7 @@ def paged_decode_kernel(
             )
             if RETURN_LSE:
                 l_safe = tl.where(l_i > 0, l_i, 1.0)
-                lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
+                lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe) + shift2) / LOG2E_C, float("-inf"))
                 tl.store(lse_ptr + b * NUM_HEADS + heads, lse, mask=g_mask)
         elif start < end:
             # Splits past the sequence's end write nothing; the merge reads only the others.
@@ -342,6 +353,8 @@ def merge_splits_kernel(
     stride_oh,
     window_left,
     sinks_ptr,
+    alibi_ptr,
+    alibi_stride,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -352,12 +365,14 @@ def merge_splits_kernel(
     RETURN_LSE: tl.constexpr,
     WINDOW: tl.constexpr,
     SINKS: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
     """Combine the splits of one (sequence, head) that lie inside the sequence (their sums already
     scaled by an fp8 pool's v_scale); a split with nothing readable (or of a head that reads
     nothing) has m = -inf, l = 0 and weighs 0, and a row where every split is empty gets output 0
-    and lse -inf. Checked, program ``NUM_HEADS`` of each sequence sums the splits' report counts
-    instead, beside the others."""
+    and lse -inf. The splits' logits leave out ALiBi's shift past the table (:func:`alibi_anchor`):
+    it joins here, once. Checked, program ``NUM_HEADS`` of each sequence sums the splits' report
+    counts instead, beside the others."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     raw_len = tl.load(seq_lens_ptr + b)
@@ -413,12 +428,16 @@ def merge_splits_kernel(
             acc += part * w[:, None]
         l_total = tl.sum(l_sum, axis=0)
         l_safe = tl.where(l_total > 0, l_total, 1.0)
+        shift2 = 0.0
+        if ALIBI:
+            q_pos = raw_len - 1
+            slope2 = tl.load(alibi_ptr + b * alibi_stride + head) * LOG2E_C
+            shift2 = slope2 * (alibi_anchor(q_pos, capacity) - q_pos).to(tl.float32)
         denominator = l_safe
         if SINKS:
             # With nothing read the sink joins no denominator (a sink of -inf would give 0 / 0).
-            denominator = tl.where(
-                l_total > 0, l_total + tl.exp2(tl.load(sinks_ptr + head) * LOG2E_C - m_ref), 1.0
-            )
+            sink2 = tl.load(sinks_ptr + head) * LOG2E_C - shift2
+            denominator = tl.where(l_total > 0, l_total + tl.exp2(sink2 - m_ref), 1.0)
         out = tl.sum(acc, axis=0) / denominator  # [BLOCK_D]
         tl.store(
             out_ptr + b * stride_ob + head * stride_oh + offs_d,
@@ -426,7 +445,7 @@ def merge_splits_kernel(
             mask=offs_d < HEAD_DIM,
         )
         if RETURN_LSE:
-            lse = tl.where(l_total > 0, (m_ref + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
+            lse = tl.where(l_total > 0, (m_ref + tl.log2(l_safe) + shift2) / LOG2E_C, float("-inf"))
             tl.store(lse_ptr + b * NUM_HEADS + head, lse)
 
 
@@ -607,6 +626,8 @@ def decode(
             stride_oh=out.stride(1),
             window_left=sw.window_left,
             sinks_ptr=sinks,
+            alibi_ptr=alibi,
+            alibi_stride=sw.alibi_stride,
             NUM_HEADS=num_heads,
             HEAD_DIM=args.head_dim_v,
             BLOCK_D=block_dv,
@@ -617,6 +638,7 @@ def decode(
             RETURN_LSE=lse is not None,
             WINDOW=sw.windowed,
             SINKS=sw.sinks is not None,
+            ALIBI=sw.alibi_slopes is not None,
             num_warps=4,
         )
     return report

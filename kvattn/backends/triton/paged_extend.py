@@ -43,7 +43,14 @@ from ...layout import ExtendArgs
 from ...report import OwnershipReport
 from .configs import ExtendConfig, extend_config
 from .paged_decode import compute_dtype, dots_in_fp32
-from .softmax import heads_read, online_softmax_step, qk_scores, sink_denominator, variant_scores
+from .softmax import (
+    alibi_anchor,
+    heads_read,
+    online_softmax_step,
+    qk_scores,
+    sink_denominator,
+    variant_scores,
+)
 from .split_report import REPORT_FIELDS, REPORT_PTRS
 from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, page_reason, readable_len
 
@@ -361,6 +368,7 @@ def tile_scores(
     allowed,
     tok,
     q_pos,
+    anchor,
     qk_scale,
     soft_cap,
     alibi2,
@@ -375,13 +383,14 @@ def tile_scores(
     CUSTOM: tl.constexpr,
     RIGHT: tl.constexpr,
 ):
-    """Base-2 logits [BLOCK_M, BLOCK_N] of one KV tile (keys ``tok``) for rows at ``q_pos``, -inf
+    """Base-2 logits [BLOCK_M, BLOCK_N] of one KV tile (keys ``tok``) for rows at ``q_pos`` (ALiBi
+    measured from ``anchor`` [BLOCK_M], :func:`.softmax.alibi_anchor`), -inf
     where a key may not be read (``live``), the custom mask removes it from the row (``allowed``,
     CUSTOM), it lies after the row (DIAGONAL tiles), before its window or (RIGHT) after the
     window's right edge, ``right_edge`` [BLOCK_M]."""
     distance = 0.0
     if ALIBI:
-        distance = (tok[None, :] - q_pos[:, None]).to(tl.float32)  # [BLOCK_M, BLOCK_N]
+        distance = (tok[None, :] - anchor[:, None]).to(tl.float32)  # [BLOCK_M, BLOCK_N]
         if not CAUSAL:
             distance = -tl.abs(distance)
     s = variant_scores(
@@ -515,6 +524,7 @@ def paged_extend_kernel(
     head = kv_head * GROUP + chunk * HEADS + offs_m % HEADS  # [BLOCK_M] query head of each row
     row_ok = (offs_m < TOKENS * HEADS) & (q_idx < q_len) & (chunk * HEADS + offs_m % HEADS < GROUP)
     q_pos = first_pos + q_idx
+    anchor = alibi_anchor(q_pos, max_pages * PAGE)
     right_edge = q_pos  # unused unless RIGHT
     if RIGHT:
         right_edge = tl.minimum(q_pos.to(tl.int64) + window_right, 2**31 - 1).to(tl.int32)
@@ -615,6 +625,7 @@ def paged_extend_kernel(
             allowed,
             t0 + offs_n,
             q_pos,
+            anchor,
             qk_scale,
             soft_cap,
             alibi2,
@@ -671,6 +682,7 @@ def paged_extend_kernel(
             allowed,
             t0 + offs_n,
             q_pos,
+            anchor,
             qk_scale,
             soft_cap,
             alibi2,
@@ -687,6 +699,9 @@ def paged_extend_kernel(
         )  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
 
+    shift2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ALIBI:
+        shift2 = alibi2 * (anchor - q_pos).to(tl.float32)  # 0 inside the table
     sink2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if SINKS:
         sink2 = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * LOG2E_C
@@ -711,7 +726,7 @@ def paged_extend_kernel(
         )
         acc = tl.where(reads[:, None], acc, 0.0)
         l_i = tl.where(reads, l_i, 0.0)
-    out = acc / sink_denominator(l_i, m_i, sink2, SINKS)[:, None]
+    out = acc / sink_denominator(l_i, m_i, sink2 - shift2, SINKS)[:, None]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
@@ -719,7 +734,7 @@ def paged_extend_kernel(
         mask=row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :],
     )
     if RETURN_LSE:
-        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / LOG2E_C, float("-inf"))
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe) + shift2) / LOG2E_C, float("-inf"))
         # One program of a d_split group writes the LSE (a vector test: the interpreter refuses a
         # vector mask combined with a scalar bool).
         tl.store(lse_ptr + rows * NUM_HEADS + head, lse, mask=row_ok & ((offs_m * 0 + d_part) == 0))

@@ -335,6 +335,8 @@ def mla_decode(
             stride_oh=out.stride(1),
             window_left=-1,
             sinks_ptr=out,
+            alibi_ptr=out,
+            alibi_stride=0,
             NUM_HEADS=num_heads,
             HEAD_DIM=lora,
             BLOCK_D=block_l,
@@ -345,6 +347,7 @@ def mla_decode(
             RETURN_LSE=lse is not None,
             WINDOW=False,
             SINKS=False,
+            ALIBI=False,
             num_warps=4,
         )
     return report

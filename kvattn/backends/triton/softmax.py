@@ -49,7 +49,7 @@ def variant_scores(
     kvattn.variants, in their order: ``qk_scale`` (scale * log2(e), times the fp8 scales of K and
     of the query), the
     soft-cap ``cap * tanh(x / cap)`` of the natural logit ``x``, then ALiBi (``alibi2`` [ROWS] is
-    slope * log2(e), ``distance`` key minus query position, broadcast to the tile)."""
+    slope * log2(e), ``distance`` key minus the row's ALiBi anchor, broadcast to the tile)."""
     s = qk * qk_scale
     if SOFTCAP:
         # tanh(x / cap) = 1 - 2 / (exp(2x / cap) + 1), and exp(2x / cap) = exp2(2 s / cap) for the
@@ -59,6 +59,14 @@ def variant_scores(
     if ALIBI:
         s += alibi2[:, None] * distance
     return s
+
+
+@triton.jit
+def alibi_anchor(q_pos, capacity):
+    """The position ALiBi measures the keys of rows at ``q_pos`` from, in a table of ``capacity``
+    tokens (kvattn.variants.alibi_anchor): ``alibi2 * (anchor - q_pos)`` is left out of the
+    logits and joins the lse and the sink's comparison once."""
+    return tl.minimum(q_pos, capacity - 1)
 
 
 @triton.jit
