@@ -79,12 +79,12 @@ def run_transformers(seeds: list[int], work: pathlib.Path, model: str | None = N
 
 
 def run_sglang(seeds: list[int], work: pathlib.Path, model: str | None = None) -> Report:
-    """SGLang's servers on both attentions (and the prefill/decode pairs where Mooncake is
-    installed), then the comparison."""
+    """SGLang's servers on both attentions (with HiCache for the offload lane, and the
+    prefill/decode pairs where Mooncake is installed), then the comparison."""
     from kvattn.conformance import sglang as conformance
 
     raw = conformance.run(seeds, work, model)
-    return conformance.judge(raw["servers"], raw["incident"], raw["version"])
+    return conformance.judge(raw["servers"], raw["incident"], raw["version"], raw["offload"])
 
 
 RUNNERS = {"vllm": run_vllm, "transformers": run_transformers, "sglang": run_sglang}

@@ -68,6 +68,30 @@ DOMAIN_FAULTS = {
 DOMAIN_PROMPT = [(11 * i) % 250 + 3 for i in range(40)]  # two full pages at page size 16
 DOMAIN_LANE = (("t1", "tenant-1"), ("t2", "tenant-2"), ("t1b", "tenant-1"))
 
+# Class 6 on one server: a prompt of four pages whose KV HiCache backs up to host memory, requests
+# that evict it from a 16-page device pool, then a request sharing the prompt, whose radix match
+# is loaded back from host memory.
+OFFLOAD_FAULTS = {
+    "host-corrupt": (
+        6,
+        "vLLM #45704 (an offload restore missing a cross-stream sync), SGLang #38031 (a "
+        "host-tier load-back corrupting generation)",
+    ),
+}
+HICACHE = (
+    "--max-total-tokens",
+    "256",
+    "--enable-hierarchical-cache",
+    "--hicache-io-backend",
+    "direct",
+    "--hicache-mem-layout",
+    "layer_first",
+    "--hicache-ratio",
+    "4",
+)
+OFFLOADED = [(13 * i) % 240 + 5 for i in range(64)]
+FILLERS = [[(29 * j + 31 * i) % 240 + 4 for j in range(150)] for i in range(3)]
+
 # The incident's stack. A decode pool of 40 pages: the tenant's request takes 36, so the next
 # request's pages are the tenant's (SGLang's allocator hands freed pages out again once its free
 # list runs short).
@@ -460,6 +484,38 @@ def domain_lane(server: Server, fault: bool) -> dict:
     }
 
 
+def offload_lane(server: Server, fault: bool) -> dict:
+    """From an empty cache: :data:`OFFLOADED` (``a``), the :data:`FILLERS` (``fill0`` ..), which
+    evict its pages from the device pool while HiCache keeps their copy in host memory, then
+    :data:`OFFLOADED` with another ending (``b``), whose match is loaded back. With ``fault``,
+    ``b`` is ``host-corrupt``'s victim."""
+    server.flush_cache()
+    name = "host-corrupt:offload-" if fault else "offload-clean-"
+    requests = [("a", OFFLOADED + [7, 9])]
+    requests += [(f"fill{i}", ids) for i, ids in enumerate(FILLERS)]
+    requests += [("b", OFFLOADED + [11, 12, 13])]
+    return {r: server.generate(name + r, ids, 8) for r, ids in requests}
+
+
+def serve_offload(
+    model: pathlib.Path, folder: pathlib.Path, python=sys.executable, env: dict | None = None
+) -> dict:
+    """Per server (``torch_native-hicache``, ``kvattn-hicache``): the offload lane clean and
+    with its fault (``runs``), what the injector did and kvattn's counts."""
+    servers = [
+        Server(f"{kind}-hicache", kind, folder, extra=HICACHE, python=python, env=env)
+        for kind in ("torch_native", "kvattn")
+    ]
+    out = {}
+    with running(model, *servers):
+        for server in servers:
+            runs_of = {"clean": offload_lane(server, fault=False)}
+            for fault in OFFLOAD_FAULTS:
+                runs_of[fault] = offload_lane(server, fault=True)
+            out[server.name] = dict(runs=runs_of, faults=server.faults(), counts=server.counts())
+    return out
+
+
 def serve_workloads(
     model: pathlib.Path,
     folder: pathlib.Path,
@@ -582,9 +638,46 @@ def _merged(rows: list[Row]) -> list[Row]:
     return [total]
 
 
-def judge(servers: dict, incident: dict | None, version: str) -> Report:
-    """The conformance report of :func:`serve_workloads`' and :func:`replay_incident`'s results
-    (``incident`` None: the pair did not run)."""
+def _judge_offload(report: Report, offload: dict) -> None:
+    """The offload lane's clean requests and its fault's row, into ``report``."""
+    stock, mine = offload["torch_native-hicache"], offload["kvattn-hicache"]
+    clean, clean_stock = mine["runs"]["clean"], stock["runs"]["clean"]
+    for name, result in clean.items():
+        report.clean_requests += 1
+        report.false_refusals += result["status"] != 200
+        report.clean_equal_to_stock += result["ids"] == clean_stock[name]["ids"]
+    for fault, (cls, reports) in OFFLOAD_FAULTS.items():
+        faulted, faulted_stock = mine["runs"][fault], stock["runs"][fault]
+        aimed = f"{fault}:offload-b"
+        report.rows.append(
+            Row(
+                cls,
+                fault,
+                reports,
+                runs=1,
+                injected=int(_applied(mine, aimed) and _applied(stock, aimed)),
+                caught=int(_caught(faulted["b"])),
+                victim_only=int(
+                    all(
+                        r["status"] == 200 and r["ids"] == clean[n]["ids"]
+                        for n, r in faulted.items()
+                        if n != "b"
+                    )
+                ),
+                stock_changed=int(
+                    faulted_stock["b"]["status"] == 200
+                    and faulted_stock["b"]["ids"] != clean_stock["b"]["ids"]
+                ),
+            )
+        )
+
+
+def judge(
+    servers: dict, incident: dict | None, version: str, offload: dict | None = None
+) -> Report:
+    """The conformance report of :func:`serve_workloads`', :func:`replay_incident`'s and
+    :func:`serve_offload`'s results (``incident`` None: the pair did not run; ``offload`` None:
+    the offload lane did not)."""
     report = Report("SGLang", version, servers["seeds"], [])
     rows = {fault: Row(cls, fault, reports) for fault, (cls, reports) in FAULTS.items()}
     domain_rows = []
@@ -642,6 +735,8 @@ def judge(servers: dict, incident: dict | None, version: str) -> Report:
         domain_rows.append(row)
     report.rows = list(rows.values()) + _merged(domain_rows)
     report.not_replayed = dict(NOT_REPLAYED)
+    if offload is not None:
+        _judge_offload(report, offload)
     if incident is None:
         report.not_replayed[6] = (
             "the Mooncake transfer engine is not installed: the prefill/decode pair did not run"
@@ -693,8 +788,8 @@ def run(
     python=sys.executable,
     env: dict | None = None,
 ) -> dict:
-    """Both runs at once (the incident's only where Mooncake is installed); the raw results,
-    also written to ``work``/sglang.json."""
+    """The workloads, the offload lane and (only where Mooncake is installed) the incident's pair,
+    at once; the raw results, also written to ``work``/sglang.json."""
     import importlib.metadata
     import importlib.util
 
@@ -706,17 +801,21 @@ def run(
         model = work / "model"
         if not (model / "config.json").exists():
             build(str(model))
-    folders = {name: work / name for name in ("servers", "incident")}
+    folders = {name: work / name for name in ("servers", "incident", "offload")}
     for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
-    jobs = [lambda: serve_workloads(model, folders["servers"], seeds, page_sizes, python, env)]
+    jobs = [
+        lambda: serve_workloads(model, folders["servers"], seeds, page_sizes, python, env),
+        lambda: serve_offload(model, folders["offload"], python, env),
+    ]
     if importlib.util.find_spec("mooncake") is not None:
         jobs.append(lambda: replay_incident(model, folders["incident"], python, env))
     results = concurrently(jobs)
     raw = dict(
         version=importlib.metadata.version("sglang"),
         servers=results[0],
-        incident=results[1] if len(results) > 1 else None,
+        offload=results[1],
+        incident=results[2] if len(results) > 2 else None,
     )
     (work / "sglang.json").write_text(json.dumps(raw))
     return raw

@@ -33,6 +33,10 @@ is never touched. They stand for the bookkeeping errors of the public record
   request's live ones: a table that names a live page at a new token's position is a write into
   that page too, which the ledger follows (the page is reserved for the writer, and its other
   readers fail from then on), so the fault would reach requests beyond its victim.
+- ``host-corrupt`` (a server with HiCache): when the request's radix match is loaded back from
+  host memory, the host copy of the first page to come back has changed (K bytes + 1) before
+  the copy to the device (a restore that read the host copy before its bytes were right, or a
+  copy changed while offloaded).
 - ``salt-ignored``: acts on cache salts instead of request ids: a salt that starts with
   ``salt-ignored:`` is left out of every radix key built with it, so requests under two such salts
   share one another's cached pages (a cache that ignores the salt).
@@ -58,6 +62,7 @@ PREFILL_FAULTS = ("placeholder", "short-transfer", "bad-attestation", "replayed-
 DECODE_FAULTS = ("corrupt-arrival",)
 FORWARD_FAULTS = ("foreign-entry", "stale-hit", "lost-write", "boundary-hit")
 KEY_FAULTS = ("salt-ignored",)
+OFFLOAD_FAULTS = ("host-corrupt",)
 
 _lock = threading.Lock()
 _applied: set[str] = set()
@@ -70,7 +75,8 @@ _rooms: dict[int, str] = {}  # bootstrap room -> rid (prefill instance)
 
 def fault_of(rid) -> str | None:
     name = str(rid).split(":", 1)[0] if rid is not None and ":" in str(rid) else None
-    return name if name in PREFILL_FAULTS + DECODE_FAULTS + FORWARD_FAULTS + KEY_FAULTS else None
+    known = PREFILL_FAULTS + DECODE_FAULTS + FORWARD_FAULTS + KEY_FAULTS + OFFLOAD_FAULTS
+    return name if name in known else None
 
 
 def _once(rid: str, **detail) -> bool:
@@ -308,6 +314,30 @@ def _wrap_commit(module) -> None:
     module.DecodeTransferQueue._commit_transfer_to_req = hook
 
 
+def _wrap_load_back(module) -> None:
+    init_load_back = module.UnifiedRadixCache.init_load_back
+
+    def hook(self, params, *args, **kwargs):
+        controller = getattr(self, "cache_controller", None)
+        rid = params.req.rid if params.req is not None else None
+        queued = len(controller.load_queue) if controller is not None else 0
+        result = init_load_back(self, params, *args, **kwargs)
+        if controller is not None and fault_of(rid) == "host-corrupt":
+            ops = list(controller.load_queue)[queued:]
+            if (
+                ops
+                and ops[0].host_indices.numel()
+                and _once(rid, tokens=int(ops[0].host_indices.numel()))
+            ):
+                host = controller.mem_pool_host
+                host = getattr(getattr(host, "anchor_entry", None), "host_pool", host)
+                rows = ops[0].host_indices[: controller.page_size].to(torch.int64)
+                host.k_buffer[:, rows] += 1.0  # [layers, tokens, heads, head_dim]: layer_first
+        return result
+
+    module.UnifiedRadixCache.init_load_back = hook
+
+
 def _write_counts(module) -> None:
     end_forward = module.SGLangOwnership.end_forward
     path = os.environ[COUNTS]
@@ -337,6 +367,7 @@ CALLBACKS = {
     "sglang.srt.disaggregation.mooncake.conn": _wrap_transfer,
     "sglang.srt.disaggregation.decode": _wrap_commit,
     "kvattn.integrations.sglang_transfer": _wrap_attestation,
+    "sglang.srt.mem_cache.unified_radix_cache": _wrap_load_back,
 }
 
 

@@ -49,6 +49,9 @@ What kvattn follows, and where (all on the instances of the engine whose backend
   copy; a page without a verified attestation (a stock prefill's, a placeholder's missing pages,
   bytes that differ) stays RESERVED, and the request fails at attention, saying why. SGLang's
   fake backend moves no bytes: nothing is committed and its "success" is refused.
+- **Hierarchical cache** (:mod:`kvattn.integrations.sglang_hicache`): a page HiCache backs up to
+  host memory is attested for its writer when the copy completes; a page it loads back becomes
+  readable only once verified against that attestation (else it stays FREE and its reader fails).
 - **Failure**: refused pages and dropped writes are summed per request over the layers of a forward
   in device memory and read once, after the forward; a failed request gets SGLang's own
   ``discard_output_reason`` (a ``FINISH_ABORT``, status 500): the forward's output is dropped
@@ -59,7 +62,8 @@ Not supported (refused at setup, saying why): MLA, hybrid (SWA, linear) and quan
 fp8 KV caches, HND layouts, speculative decoding, CUDA graphs (``--disable-cuda-graph``), DP
 attention, encoder-decoder and cross attention; in prefill/decode disaggregation, transfer
 backends other than ``mooncake`` and ``fake``, tensor and pipeline parallelism, staging buffers;
-beam-search requests are refused one by one.
+HiCache storage backends (L3), buffer-only host memory and HiSparse; beam-search requests are
+refused one by one.
 """
 
 from __future__ import annotations
@@ -70,9 +74,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..transfer import attest_pages, verify_arrived
 from . import sglang_transfer
 from .ledger import IntegrationError, Lease, Ledger, cache_domain, refuse
 from .ledger import check_version as _check_version
+
+logger = logging.getLogger("kvattn")
 
 SUPPORTED_VERSIONS = ("0.5.23",)
 BACKEND_NAME = "kvattn"
@@ -184,6 +191,11 @@ def state_for(req_to_token_pool) -> SGLangOwnership | None:
     return _STATES.get(id(req_to_token_pool))
 
 
+def state_for_pool(kv_pool) -> SGLangOwnership | None:
+    """The ledger whose engine keeps its KV in ``kv_pool`` (a HiCache controller's device pool)."""
+    return next((s for s in _STATES.values() if s.kv_pool is kv_pool), None)
+
+
 def attach(runner) -> SGLangOwnership:
     """The ledger of the engine whose model runner is ``runner`` (created and hooked once)."""
     _refuse_unsupported(runner)
@@ -227,11 +239,29 @@ def _refuse_unsupported(runner) -> None:
         reasons.append("DP attention (padded idle batches)")
     if getattr(runner.model_config, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
+    if getattr(args, "enable_hierarchical_cache", False):
+        reasons += _hicache_refusals(args)
     mode = str(getattr(args, "disaggregation_mode", "null")).split(".")[-1].lower()
     transfer = getattr(args, "disaggregation_transfer_backend", "fake")
     if mode in ("prefill", "decode"):
         reasons += _disaggregation_refusals(mode, transfer, args)
     refuse("sglang", reasons)
+
+
+def _hicache_refusals(args) -> list[str]:
+    """What the checked restore (:mod:`kvattn.integrations.sglang_hicache`) does not cover: KV
+    that reaches the device other than from a host copy it attested."""
+    reasons = []
+    if getattr(args, "hicache_storage_backend", None) is not None:
+        reasons.append(
+            "a HiCache storage backend (pages prefetched from storage carry no attestation; "
+            "host-memory HiCache is checked)"
+        )
+    if getattr(args, "hicache_host_memory_mode", "cache") != "cache":
+        reasons.append(f"HiCache host memory mode {args.hicache_host_memory_mode!r} ('cache' only)")
+    if getattr(args, "enable_hisparse", False):
+        reasons.append("HiSparse (its device buffers are filled past the checked restore)")
+    return reasons
 
 
 def _disaggregation_refusals(mode: str, transfer: str, args) -> list[str]:
@@ -300,6 +330,9 @@ class SGLangOwnership(Ledger):
         self.num_pages = slots // self.page_size
         self.allocate_tags(self.kv_pool.layer_num, self.num_pages, self.kv_pool.k_buffer[0].device)
         self.page_owner: dict[int, int] = {}  # page -> the owner it was last reserved for
+        # Host page -> (writer owner, its prefix digest, attestation) of the device page last
+        # backed up there, or None: not attested (commit_restore).
+        self.host_copies: dict[int, tuple | None] = {}
         self._hook()
 
     # -- hooks on the engine's own instances --------------------------------------------------
@@ -673,6 +706,57 @@ class SGLangOwnership(Ledger):
                     self.remember(pages[i], lease.owner, lease.keys[i])
         self.receive_notes[row] = [f"received: {note}; {len(commit)} page(s) committed"]
 
+    # -- KV backed up to host memory and loaded back (kvattn.integrations.sglang_hicache) ---
+
+    def attest_backup(self, hosts: list[int], pages: list[int]) -> None:
+        """Device ``pages`` were copied to host pages ``hosts`` (pairwise): each is attested for
+        the owner that wrote it, in the context of its writer's prefix digest, and kept by host
+        page (a page without a known writer, or not full, as not attested)."""
+        written = [self.content.get(p) for p in pages]  # (owner, key) or None
+        attested = attest_pages(
+            self.tags,
+            [w[0] if w is not None else 0 for w in written],
+            pages,
+            *self._all_pools(),
+            contexts=[w[1] if w is not None else b"" for w in written],
+        )
+        for host, w, a in zip(hosts, written, attested, strict=True):
+            full = w is not None and a.valid_len == self.page_size
+            self.host_copies[host] = (w[0], w[1], a) if full else None
+            self.counts["backed_up_pages" if full else "backed_up_pages_not_attested"] += 1
+
+    def commit_restore(self, hosts: list[int], pages: list[int]) -> None:
+        """Host pages ``hosts`` were copied into freshly allocated device ``pages`` (pairwise):
+        each that verifies against its host page's attestation is committed for its writer and
+        is that prefix's content again; the others stay FREE."""
+        copies = [self.host_copies.get(h) for h in hosts]
+        lens, reasons = verify_arrived(
+            [c[2] if c is not None else None for c in copies],
+            pages,
+            *self._all_pools(),
+            contexts=[c[1] if c is not None else b"" for c in copies],
+        )
+        refused = []
+        for host, page, copy, n, why in zip(hosts, pages, copies, lens, reasons, strict=True):
+            if n != self.page_size:
+                refused.append(f"page {page} from host page {host}: {why or 'partial page'}")
+                continue
+            owner, key, _ = copy
+            self.reserve([page], owner)
+            self.page_owner[page] = owner
+            self.commit([page], owner, [n])
+            self.remember(page, owner, key)
+        self.counts["restored_pages"] += len(pages) - len(refused)
+        self.counts["restored_pages_refused"] += len(refused)
+        if refused:
+            more = f"; ... ({len(refused) - 8} more)" if len(refused) > 8 else ""
+            logger.warning(
+                "kvattn: pages loaded back from host memory not committed (a read of them is "
+                "refused): %s%s",
+                "; ".join(refused[:8]),
+                more,
+            )
+
     def _verified(
         self, frames: list[bytes], own: list[int], pages: list[int], prompt: list[int]
     ) -> tuple[dict[int, int], str]:
@@ -718,4 +802,5 @@ __all__ = [
     "fused_write_hook",
     "received_tokens",
     "state_for",
+    "state_for_pool",
 ]

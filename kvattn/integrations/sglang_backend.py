@@ -16,7 +16,7 @@ from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from . import sglang as integration
-from . import sglang_transfer
+from . import sglang_hicache, sglang_transfer
 
 
 class KVAttnSGLangBackend(AttentionBackend):
@@ -75,7 +75,8 @@ def register() -> None:
     Adds ``kvattn`` to SGLang's attention backends and to the ``--attention-backend`` choices, and
     hooks that act only on engines whose backend is kvattn's: the decode side's transfer commit,
     the transfer attestation on the prefill -> decode channel
-    (:mod:`kvattn.integrations.sglang_transfer`), models' fused rotary-and-KV writes (which would
+    (:mod:`kvattn.integrations.sglang_transfer`), HiCache's backups attested and its load-backs
+    verified (:mod:`kvattn.integrations.sglang_hicache`), models' fused rotary-and-KV writes (which would
     bypass the pool's ``set_kv_buffer``) turned off, beam requests refused. A version of SGLang
     other than a tested one is refused when
     ``kvattn`` is selected, with the reason, so that installing kvattn breaks no other backend.
@@ -99,6 +100,7 @@ def register() -> None:
     import sglang.srt.disaggregation.common.conn  # noqa: F401
     import sglang.srt.disaggregation.decode  # noqa: F401
     import sglang.srt.disaggregation.prefill  # noqa: F401
+    import sglang.srt.managers.cache_controller  # noqa: F401
     import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
     import sglang.srt.models.utils  # noqa: F401
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -119,6 +121,7 @@ def register() -> None:
             integration.decode_outputs_hook,
         ),
         *sglang_transfer.HOOKS,
+        *sglang_hicache.HOOKS,
     ):
         HookRegistry.register(target, hook, HookType.AROUND)
 

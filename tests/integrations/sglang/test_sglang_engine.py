@@ -14,7 +14,8 @@ Then each workload again with one bookkeeping fault aimed at one request, the vi
 another request's page (SGLang #22716), a radix hit whose page was handed out and rewritten
 meanwhile (vLLM #52234), a prefill write that never reached the request's pages (TensorRT-LLM
 #19545), and, for a request whose radix hit is exactly one page, the entries of the tokens after
-the hit naming free pages (SGLang #22819). On SGLang's own attention the victim
+the hit naming free pages (SGLang #22819), and, on servers with HiCache, a prefix loaded back
+from host memory whose host copy changed (vLLM #45704). On SGLang's own attention the victim
 answers HTTP 200 with other tokens than its clean run (the fault is real); under kvattn the
 victim, and only the victim, fails with an error naming the refused pages, and every other
 request's tokens equal its clean run's.
@@ -139,20 +140,50 @@ def test_conformance_table():
     assert run["returncode"] == 0 and run["stdout"].endswith("Conformant.\n"), run["stdout"]
     rows = {row["fault"]: row for row in report["rows"]}
     pair = engine.why_no_mooncake() is None
-    expected = set(FAULTS) | set(conformance.DOMAIN_FAULTS)
+    expected = set(FAULTS) | set(conformance.DOMAIN_FAULTS) | set(conformance.OFFLOAD_FAULTS)
     assert set(rows) == expected | (set(conformance.PD_FAULTS) if pair else set())
     for row in rows.values():
         assert row["injected"] == row["caught"] == row["victim_only"] == row["runs"] > 0, row
         # Under another salt the bytes are the same: the tenant boundary is what is crossed.
         assert row["stock_changed"] == (0 if row["fault"] == "salt-ignored" else row["runs"]), row
     assert rows["lost-write"]["runs"] == len(SEEDS) * len(PAGE_SIZES)
-    assert sorted({row["cls"] for row in rows.values()}) == [1, 2, 3, 4, 5] + ([6] if pair else [])
-    assert sorted(report["not_replayed"]) == ([] if pair else ["6"])
+    assert sorted({row["cls"] for row in rows.values()}) == [1, 2, 3, 4, 5, 6]
+    assert report["not_replayed"] == {}
     assert report["false_refusals"] == 0
     bystanders = 4 if pair else 0  # of the pair: the tenant's and the clean requests
     lanes = len(PAGE_SIZES) * len(conformance.DOMAIN_LANE)  # the class-5 lanes' clean runs
+    lanes += 2 + len(conformance.FILLERS)  # the offload lane's clean run
     clean = 4 * 10  # (2 seeds x 2 page sizes) x 10 requests
     assert report["clean_requests"] == report["clean_equal_to_stock"] == clean + lanes + bystanders
+
+
+def test_a_prefix_loaded_back_from_host_memory_is_read_once_verified():
+    """HiCache on both attentions. Clean: ``b``'s match, the four pages of ``a``'s prompt, comes
+    back from host memory after the fillers evicted it from the device, and both attentions give
+    the same tokens; kvattn committed the pages it loaded back by their attestations. With the host
+    copy of the first page changed before the load-back, SGLang's attention answers ``b`` with other
+    tokens; kvattn commits the three pages that verify, leaves the changed one FREE and fails
+    ``b``, naming it, and only ``b``."""
+    offload = engine.conformance()["raw"]["offload"]
+    stock, mine = offload["torch_native-hicache"], offload["kvattn-hicache"]
+    for server in (stock, mine):
+        clean = server["runs"]["clean"]
+        assert all(r["status"] == 200 for r in clean.values())
+        assert clean["b"]["cached"] == len(conformance.OFFLOADED)
+    assert {n: r["ids"] for n, r in mine["runs"]["clean"].items()} == {
+        n: r["ids"] for n, r in stock["runs"]["clean"].items()
+    }
+    pages = len(conformance.OFFLOADED) // 16
+    assert mine["counts"]["restored_pages"] == pages + pages - 1
+    assert mine["counts"]["restored_pages_refused"] == 1
+    assert stock["runs"]["host-corrupt"]["b"]["status"] == 200
+    assert stock["runs"]["host-corrupt"]["b"]["ids"] != stock["runs"]["clean"]["b"]["ids"]
+    faulted = mine["runs"]["host-corrupt"]
+    assert faulted["b"]["status"] >= 400
+    assert "FREE on logical page(s) 0 " in faulted["b"]["message"], faulted["b"]["message"]
+    for name, result in faulted.items():
+        if name != "b":
+            assert result["status"] == 200 and result["ids"] == mine["runs"]["clean"][name]["ids"]
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)

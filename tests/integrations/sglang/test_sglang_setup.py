@@ -95,6 +95,29 @@ def test_disaggregation_modes_the_attestation_does_not_cover_are_refused(monkeyp
     )
 
 
+def test_hicache_is_taken_where_the_checked_restore_covers_it():
+    """Host-memory HiCache runs under kvattn (its restores are verified); a storage backend,
+    buffer-only host memory and HiSparse fill device pages past that check and are refused."""
+    from types import SimpleNamespace
+
+    from kvattn.integrations import sglang
+
+    host = dict(hicache_storage_backend=None, hicache_host_memory_mode="cache")
+    assert sglang._hicache_refusals(SimpleNamespace(**host, enable_hisparse=False)) == []
+    refused = sglang._hicache_refusals(
+        SimpleNamespace(
+            hicache_storage_backend="file",
+            hicache_host_memory_mode="buffer_only",
+            enable_hisparse=True,
+        )
+    )
+    assert [r.split(" (")[0] for r in refused] == [
+        "a HiCache storage backend",
+        "HiCache host memory mode 'buffer_only'",
+        "HiSparse",
+    ]
+
+
 def test_a_frame_is_kept_for_a_live_room_and_dropped_with_it(monkeypatch):
     """The decode side keeps an attestation frame only while its room is live in the transfer
     manager, and drops it when the room's receiver is cleared (a late frame of an aborted or

@@ -8,6 +8,11 @@ detokenizer processes inherit it).
 - SGLang's Mooncake sender takes page indices as pinned host tensors behind a CUDA event
   (prefill.py) unless ``MooncakeKVSender.supports_host_tensor_indices`` is False: set once the
   module is imported.
+- HiCache's host pool (``--enable-hierarchical-cache --hicache-io-backend direct
+  --hicache-mem-layout layer_first``) registers its memory with CUDA and copies with
+  ``sgl_kernel``'s ``transfer_kv_direct``, imported on CUDA, HIP and XPU only: on a machine
+  without an accelerator the pool is plain memory and the copy an index_select/index_copy_ per
+  layer, the same rows the kernel moves.
 
 The fault injectors are not here: the conformance suite's server launcher
 (``kvattn.conformance.sglang_server``) installs them.
@@ -43,6 +48,28 @@ def _host_indices(module) -> None:
     module.MooncakeKVSender.supports_host_tensor_indices = False
 
 
+def _plain_host_memory(module) -> None:
+    import torch
+
+    def alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+        return torch.empty(dims, dtype=dtype, device=device)
+
+    module.ALLOC_MEMORY_FUNCS["cpu"] = alloc
+
+
+def _direct_copy(module) -> None:
+    import torch
+
+    def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+        src_rows, dst_rows = src_indices.to(torch.int64), dst_indices.to(torch.int64)
+        for src, dst in zip(src_layers, dst_layers, strict=True):
+            rows = src.index_select(0, src_rows.to(src.device))
+            dst.index_copy_(0, dst_rows.to(dst.device), rows.to(dst.device))
+
+    if not hasattr(module, "transfer_kv_direct"):
+        module.transfer_kv_direct = transfer_kv_direct
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls each of ``callbacks[name]`` with the module right after module ``name`` has run."""
 
@@ -74,5 +101,12 @@ if importlib.util.find_spec("sglang") is not None:
 
     _stand_in_torchvision()
     sys.meta_path.insert(
-        0, _AfterImport({"sglang.srt.disaggregation.mooncake.conn": [_host_indices]})
+        0,
+        _AfterImport(
+            {
+                "sglang.srt.disaggregation.mooncake.conn": [_host_indices],
+                "sglang.srt.mem_cache.pool_host.common": [_plain_host_memory],
+                "sglang.srt.mem_cache.pool_host.mha": [_direct_copy],
+            }
+        ),
     )
