@@ -50,7 +50,8 @@ written under its owner, read by one causal extend), and what vLLM rolls back is
 request itself. Not supported (refused when the engine is set up): KV cache groups of different
 block sizes, speculative decoding with other proposers (a draft model, tree drafts), async
 scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing, multimodal and
-encoder-decoder models, prompt embeddings.
+encoder-decoder models, prompt embeddings, KV connectors that load blocks other than kvattn's
+checked receivers (``CHECKED_CONNECTORS``: vLLM's offloading connectors and LMCache among them).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ from .ledger import check_version as _check_version
 SUPPORTED_VERSIONS = ("0.32.0",)
 # Proposers whose draft tokens the verify step reads as a causal extend of the request's own KV.
 SPECULATIVE_METHODS = ("ngram",)
+# The KV connectors whose loads commit what arrived (kvattn.integrations.vllm_connector): blocks
+# any other connector loads stay RESERVED, and every request reading them would fail.
+CHECKED_CONNECTORS = ("CheckedExampleConnector", "CheckedNixlConnector")
 ENABLE_ENV = "KVATTN_VLLM"
 BACKEND_ENV = "KVATTN_VLLM_BACKEND"
 BACKEND_PATH = "kvattn.integrations.vllm_backend.KVAttnBackend"
@@ -295,6 +299,19 @@ def _refuse_unsupported(vllm_config) -> None:
         )
     if model.is_encoder_decoder:
         reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if (
+        transfer is not None
+        and transfer.kv_role != "kv_producer"
+        and transfer.kv_connector not in CHECKED_CONNECTORS
+    ):
+        # vLLM's CPU offloading and LMCache restore blocks as any receiver does, without saying
+        # what arrived; kvattn would leave each restored block unreadable.
+        reasons.append(
+            f"KV connector {transfer.kv_connector!r} as {transfer.kv_role} (the blocks it loads "
+            f"carry no attestation kvattn can verify: receive through "
+            f"{' or '.join(map(repr, CHECKED_CONNECTORS))}, or run it as kv_producer)"
+        )
     if model.enable_prompt_embeds:
         reasons.append(
             "prompt embeddings (prefix digests cover token ids, not the embeddings given "

@@ -9,10 +9,12 @@ def _vllm_config(
     multimodal=False,
     encoder_decoder=False,
     prompt_embeds=False,
+    transfer=None,
 ):
     from types import SimpleNamespace
 
     return SimpleNamespace(
+        kv_transfer_config=transfer,
         speculative_config=speculative,
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
         scheduler_config=SimpleNamespace(async_scheduling=False),
@@ -67,3 +69,31 @@ def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
         integration._refuse_unsupported(_vllm_config(encoder_decoder=True))
     with pytest.raises(integration.IntegrationError, match="prompt embeddings"):
         integration._refuse_unsupported(_vllm_config(prompt_embeds=True))
+
+
+def test_vllm_plugin_takes_kv_connectors_whose_loads_it_verifies():
+    """kvattn's checked receivers load KV in any role; any connector sends it (kv_producer). The
+    twin: a connector that loads blocks without saying what arrived (vLLM's CPU offloading,
+    LMCache, its own NIXL and example connectors) is refused as a consumer, naming it, since
+    every block it restores would stay unreadable."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from kvattn.integrations import vllm as integration
+
+    def transfer(connector, role):
+        return _vllm_config(transfer=SimpleNamespace(kv_connector=connector, kv_role=role))
+
+    for connector in integration.CHECKED_CONNECTORS:
+        for role in ("kv_consumer", "kv_both", "kv_producer"):
+            integration._refuse_unsupported(transfer(connector, role))
+    integration._refuse_unsupported(transfer("NixlConnector", "kv_producer"))
+    for connector in ("OffloadingConnector", "LMCacheConnectorV1", "NixlConnector"):
+        for role in ("kv_consumer", "kv_both"):
+            with pytest.raises(
+                integration.IntegrationError,
+                match=rf"KV connector '{connector}' as {role} \(the blocks it loads carry no "
+                r"attestation",
+            ):
+                integration._refuse_unsupported(transfer(connector, role))
