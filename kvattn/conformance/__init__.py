@@ -53,7 +53,8 @@ class Row:
 @dataclasses.dataclass
 class Report:
     """An engine's conformance: a row per fault, the clean requests behind the false refusals'
-    count, and the classes this engine's run does not replay (class -> why)."""
+    count, the classes this engine's run does not replay (class -> why), and the faults of a
+    replayed class whose lane could not run in this environment (fault -> why)."""
 
     engine: str
     version: str
@@ -63,6 +64,7 @@ class Report:
     clean_equal_to_stock: int = 0
     false_refusals: int = 0
     not_replayed: dict[int, str] = dataclasses.field(default_factory=dict)
+    lanes_not_run: dict[str, str] = dataclasses.field(default_factory=dict)  # fault -> why
 
     @property
     def ok(self) -> bool:
@@ -101,5 +103,8 @@ class Report:
             lines += [
                 f"- {cls} ({CLASSES[cls]}): {why}" for cls, why in sorted(self.not_replayed.items())
             ]
+        if self.lanes_not_run:
+            lines += ["", "Not run in this environment:"]
+            lines += [f"- {fault}: {why}" for fault, why in sorted(self.lanes_not_run.items())]
         lines += ["", "Conformant." if self.ok else "NOT conformant."]
         return "\n".join(lines) + "\n"

@@ -189,6 +189,91 @@ def _family_model(family: str, vocab: dict, max_positions: int):
     raise ValueError(f"family: expected one of {', '.join(FAMILIES)}, got {family!r}")
 
 
+def build_llava(out_dir: str) -> None:
+    """A tiny random-weight LLaVA: a CLIP vision tower (two layers, 32-pixel images in 8-pixel
+    patches: 16 image tokens per image) before the tiny Llama, the byte-level tokenizer with
+    ``<image>``, and a processor that needs no torchvision. Weights are drawn wide (0.2; norms
+    stay 1), so that the answer depends on the image."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<s>", "</s>", "<image>"):
+        vocab[special] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<image>"],
+    )
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
+    LlavaProcessor(
+        image_processor=images,
+        tokenizer=fast,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    ).save_pretrained(out_dir)
+    tiny = dict(GEOMETRIES["tiny"])
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+            projection_dim=64,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(vocab),
+            max_position_embeddings=2048,
+            bos_token_id=vocab["<s>"],
+            eos_token_id=vocab["</s>"],
+            tie_word_embeddings=False,
+            **tiny,
+        ),
+        image_token_index=vocab["<image>"],
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name and "layrnorm" not in name and not name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    # vLLM names the vision tower's weights as transformers 4 saved them (``vision_model.``).
+    path = f"{out_dir}/model.safetensors"
+    weights = {
+        (
+            f"vision_tower.vision_model.{k[len('vision_tower.') :]}"
+            if k.startswith("vision_tower.")
+            else k
+        ): v
+        for k, v in load_file(path).items()
+    }
+    save_file(weights, path, metadata={"format": "pt"})
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")

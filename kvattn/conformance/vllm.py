@@ -79,11 +79,14 @@ class Engine:
         self.runner = core.model_executor.driver_worker.worker.model_runner
         self.ids: dict[str, str] = {}  # name -> the engine's request id
 
-    def run(self, schedule, max_steps: int = 400, logprobs: bool = False, domains=None) -> dict:
-        """``schedule``: ``(name, tokens, max_tokens, after)``; ``after`` is None (at once),
-        ``("finished", name)`` or ``("tokens", name, k)``: added once that holds. With
-        ``logprobs``, each result also has the log-probability of every token it produced.
-        ``domains``: name -> ``(LoRARequest or None, cache salt or None)``."""
+    def run(
+        self, schedule, max_steps: int = 400, logprobs: bool = False, domains=None, media=None
+    ) -> dict:
+        """``schedule``: ``(name, tokens, max_tokens, after)`` (``tokens``: ids, or a text
+        prompt); ``after`` is None (at once), ``("finished", name)`` or ``("tokens", name, k)``:
+        added once that holds. With ``logprobs``, each result also has the log-probability of
+        every token it produced. ``domains``: name -> ``(LoRARequest or None, cache salt or
+        None)``; ``media``: name -> the request's ``multi_modal_data``."""
         from vllm import SamplingParams
 
         pending = list(schedule)
@@ -104,9 +107,15 @@ class Engine:
                         logprobs=0 if logprobs else None,
                     )
                     lora, salt = (domains or {}).get(name, (None, None))
-                    request = {"prompt_token_ids": tokens}
+                    request = (
+                        {"prompt": tokens}
+                        if isinstance(tokens, str)
+                        else {"prompt_token_ids": tokens}
+                    )
                     if salt is not None:
                         request["cache_salt"] = salt
+                    if name in (media or {}):
+                        request["multi_modal_data"] = media[name]
                     self.ids[name] = self.engine.add_request(
                         name, request, params, lora_request=lora
                     )
@@ -142,15 +151,17 @@ class Engine:
         return next((n for n, i in self.ids.items() if i == request_id), request_id)
 
 
-def scenario(engine: Engine, schedule, inject, logprobs: bool = False, domains=None) -> dict:
+def scenario(
+    engine: Engine, schedule, inject, logprobs: bool = False, domains=None, media=None
+) -> dict:
     """A clean run and a faulted run of ``schedule`` (prefix cache reset before each)."""
     engine.llm.reset_prefix_cache()
-    clean = engine.run(schedule, logprobs=logprobs, domains=domains)
+    clean = engine.run(schedule, logprobs=logprobs, domains=domains, media=media)
     engine.llm.reset_prefix_cache()
     seen = len(engine.failures())
     injected, restore = inject(engine)
     try:
-        faulted = engine.run(schedule, logprobs=logprobs, domains=domains)
+        faulted = engine.run(schedule, logprobs=logprobs, domains=domains, media=media)
     finally:
         restore()
     failures = [(engine.name_of(r), m) for r, m in engine.failures()[seen:]]
@@ -346,7 +357,8 @@ def write_adapter(model: str, folder: str, seed: int, rank: int = 8) -> str:
 
 def key_without(part: str):
     """A fault of vLLM's block hash (the class of vLLM #44701, SGLang #37160): ``part``
-    (``"lora"`` or ``"cache_salt"``) left out of the key of every block hashed while it is on,
+    (``"lora"``, ``"cache_salt"`` or ``"mm"``: the images) left out of the key of every block
+    hashed while it is on,
     so a request hits blocks another domain computed. kvattn's digests do not use the engine's
     key: the hit must fail."""
 
@@ -509,12 +521,21 @@ FAULTS = {
     "same_step_collision": (same_step_collision, 4, "Mooncake #4153 (a mismatched block hit)"),
 }
 # lane -> (the first request, the other domain's (the fault's victim), the first's domain again)
-DOMAIN_LANES = {"lora": ("a1", "b1", "a2"), "cache_salt": ("t1", "t2", "t1b")}
+DOMAIN_LANES = {
+    "lora": ("a1", "b1", "a2"),
+    "cache_salt": ("t1", "t2", "t1b"),
+    "mm": ("i1", "i2", "i1b"),
+}
 DOMAIN_REPORTS = {
     "lora": "vLLM #44701 (the adapter left out of the block hash)",
     "cache_salt": "SGLang #37160, LMCache #4247 (the cache salt left out; same bytes, "
     "another tenant's)",
+    "mm": "the class of vLLM #44701 (the image behind the placeholder tokens left out of the "
+    "block hash)",
 }
+# The multimodal lane's prompt: its image's 16 placeholder tokens lie in the first of its two
+# full blocks.
+MEDIA_PROMPT = "see <image> and describe what the image shows, in a few words of plain text!"
 OWNERSHIP_ERROR = "kvattn ownership check failed"
 NOT_REPLAYED = {
     6: "tags cannot see bytes changed inside a page its owner wrote; the transfer digest "
@@ -708,15 +729,48 @@ def domains(model: str, folder: str) -> dict:
     return out
 
 
+def media_lane(folder: str) -> dict:
+    """A tiny LLaVA (:func:`kvattn.conformance.model.build_llava`): one prompt with image 1, with
+    image 2, then image 1 again, each admitted after the one before finished. Image 1's second
+    request is a prefix hit; image 2's is not, unless the images are left out of vLLM's block
+    hash (its victim). ``{"skipped": why}`` where vLLM cannot load LLaVA here."""
+    import importlib
+
+    try:
+        importlib.import_module("vllm.model_executor.models.llava")
+    except ImportError as e:
+        return {"skipped": f"vLLM's LLaVA does not load in this environment ({e})"}
+    import numpy as np
+    from PIL import Image
+
+    from kvattn.conformance.model import build_llava
+
+    model = os.path.join(folder, "llava")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        build_llava(model)
+    engine = Engine(make_llm(model, limit_mm_per_prompt={"image": 1}))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)) for _ in "12"]
+    first, other, again = DOMAIN_LANES["mm"]
+    media = {first: {"image": images[0]}, other: {"image": images[1]}, again: {"image": images[0]}}
+    schedule = [
+        (first, MEDIA_PROMPT, 8, None),
+        (other, MEDIA_PROMPT, 8, ("finished", first)),
+        (again, MEDIA_PROMPT, 8, ("finished", other)),
+    ]
+    out = scenario(engine, schedule, key_without("mm"), media=media)
+    out["counts"] = ledger(engine).get("counts", {})
+    return out
+
+
 def main(model: str, seeds: list[int], folder: str) -> dict:
-    """One attention's raw results: ``workloads`` per seed and ``domains``."""
+    """One attention's raw results: ``workloads`` per seed and ``domains`` (the LoRA, cache-salt
+    and multimodal lanes)."""
     import vllm
 
-    return dict(
-        version=vllm.__version__,
-        workloads=workloads(model, seeds),
-        domains=domains(model, folder),
-    )
+    lanes = domains(model, folder)
+    lanes["mm"] = media_lane(folder)
+    return dict(version=vllm.__version__, workloads=workloads(model, seeds), domains=lanes)
 
 
 def answer(result: dict):
@@ -755,6 +809,9 @@ def judge(stock: dict, mine: dict) -> Report:
     report.rows = list(rows.values())
     for lane, (first, victim, again) in DOMAIN_LANES.items():
         k, s = mine["domains"][lane], stock["domains"][lane]
+        if "skipped" in k or "skipped" in s:
+            report.lanes_not_run[f"{lane}_left_out_of_key"] = k.get("skipped") or s["skipped"]
+            continue
         row = Row(5, f"{lane}_left_out_of_key", DOMAIN_REPORTS[lane], runs=1)
         for name, result in k["clean"].items():
             report.clean_requests += 1

@@ -91,12 +91,30 @@ def cache_domain(**parts) -> bytes:
     return h.digest() if present else b""
 
 
+def media_key(media, start: int, end: int) -> bytes:
+    """What the media of a request (``media``: ``(offset, length, identifier)`` per image, audio
+    clip or video, the positions of its placeholder tokens and the engine's hash of its content)
+    put into the page of positions ``[start, end)``: per item overlapping the page, its identifier
+    and where it starts relative to the page, length-delimited; ``b""`` for a page without media.
+    Placeholder tokens are the same for every image: without this, two requests that differ only
+    in their images would share every page's digest."""
+    out = b""
+    for offset, length, identifier in media:
+        if offset < end and start < offset + length:
+            ident = identifier if isinstance(identifier, bytes) else str(identifier).encode()
+            out += len(ident).to_bytes(8, "little") + ident
+            out += (offset - start).to_bytes(8, "little", signed=True)
+    return out
+
+
 def prefix_digests(
-    tokens, page_size: int, known: list[bytes] | None = None, domain: bytes = b""
+    tokens, page_size: int, known: list[bytes] | None = None, domain: bytes = b"", media=()
 ) -> list[bytes]:
     """Digest of the token prefix through each full page (a hash chain, like vLLM's block
     hashes); ``known`` digests of the first pages are kept. ``domain`` seeds the chain: KV computed
-    under another domain (an adapter, a cache salt) never matches."""
+    under another domain (an adapter, a cache salt) never matches. ``media``: the request's media
+    items (:func:`media_key`), each in the digests of the pages its placeholders cover, and so in
+    every digest after them."""
     digests = list(known or ())
     parent = digests[-1] if digests else domain
     first, end = len(digests), len(tokens) // page_size
@@ -104,7 +122,9 @@ def prefix_digests(
     new = torch.as_tensor(list(tokens[first * page_size : end * page_size]), dtype=torch.int64)
     for i in range(end - first):
         block = new[i * page_size : (i + 1) * page_size]
-        parent = hashlib.blake2b(parent + block.numpy().tobytes(), digest_size=16).digest()
+        start = (first + i) * page_size
+        extra = media_key(media, start, start + page_size) if media else b""
+        parent = hashlib.blake2b(parent + block.numpy().tobytes() + extra, digest_size=16).digest()
         digests.append(parent)
     return digests
 
@@ -124,6 +144,7 @@ class Lease:
     expected: list[list[int]] = field(default_factory=lambda: [[]])
     keys: list[bytes] = field(default_factory=list)
     domain: bytes = b""  # the seed of ``keys`` (:func:`cache_domain`)
+    media: tuple = ()  # the request's media items in ``keys`` (:func:`media_key`)
 
 
 @dataclass
@@ -377,8 +398,10 @@ class Ledger:
 
     # -- the prefix-hit rule ------------------------------------------------------------------
 
-    def digests(self, tokens, known: list[bytes] | None = None, domain: bytes = b"") -> list[bytes]:
-        return prefix_digests(tokens, self.page_size, known, domain)
+    def digests(
+        self, tokens, known: list[bytes] | None = None, domain: bytes = b"", media=()
+    ) -> list[bytes]:
+        return prefix_digests(tokens, self.page_size, known, domain, media)
 
     def remember(self, page: int, owner: int, key: Hashable) -> None:
         """``owner`` wrote full page ``page``, whose key (prefix digest) is ``key``."""
@@ -612,6 +635,7 @@ __all__ = [
     "cache_domain",
     "check_version",
     "failure_message",
+    "media_key",
     "prefix_digests",
     "refuse",
 ]

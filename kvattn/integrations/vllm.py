@@ -26,7 +26,9 @@ whose attention is kvattn's, and are documented in ``docs/vllm.md``):
   handed to the next request is not freed under it). Blocks the scheduler reports as computed
   (prefix-cache hits) keep the owner that wrote them: the worker keeps, per written full block,
   the owner and a digest of the token prefix it holds in its request's domain (LoRA adapter and
-  cache salt: the scheduler's hook on ``NewRequestData.from_request`` sends the salt), and a hit
+  cache salt: the scheduler's hook on ``NewRequestData.from_request`` sends the salt) with the
+  media behind its placeholder tokens (each image's content hash and position, in the blocks
+  its placeholders cover: multimodal models), and a hit
   is expected to carry that owner only if the digest equals the reader's own; otherwise the entry
   expects owner 0 and fails closed. A full block kept by vLLM's prefix cache stays WRITTEN when
   its last request ends.
@@ -49,8 +51,8 @@ n-gram proposer runs: each step's draft tokens are scheduled tokens of the reque
 written under its owner, read by one causal extend), and what vLLM rolls back is rewritten by the
 request itself. Not supported (refused when the engine is set up): KV cache groups of different
 block sizes, speculative decoding with other proposers (a draft model, tree drafts), async
-scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing, multimodal and
-encoder-decoder models, prompt embeddings, KV connectors that load blocks other than kvattn's
+scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing, encoder-decoder
+models, prompt embeddings, KV connectors that load blocks other than kvattn's
 checked receivers (``CHECKED_CONNECTORS``: vLLM's offloading connectors and LMCache among them).
 """
 
@@ -148,14 +150,14 @@ def _install_hooks() -> None:
     from_request = NewRequestData.from_request.__func__
 
     def execute_model_hook(self, scheduler_output, *args, **kwargs):
-        state = _STATES.get(id(self.vllm_config))
+        state = state_for(self.vllm_config)
         if state is not None:
             state.begin_step(self, scheduler_output)
         return execute_model(self, scheduler_output, *args, **kwargs)
 
     def sample_tokens_hook(self, *args, **kwargs):
         output = sample_tokens(self, *args, **kwargs)
-        state = _STATES.get(id(self.vllm_config))
+        state = state_for(self.vllm_config)
         if state is not None:
             state.end_step(output)
         return output
@@ -224,10 +226,20 @@ def _domain(new) -> bytes:
     )
 
 
+def _media(new) -> tuple:
+    """The media items of a request the scheduler admits: ``(offset, length, identifier)`` of each
+    image (or audio clip, video) behind its placeholder tokens, ``identifier`` vLLM's hash of its
+    content (the one vLLM keys blocks on), in order of position."""
+    return tuple(
+        (f.mm_position.offset, f.mm_position.length, f.identifier)
+        for f in sorted(new.mm_features or (), key=lambda f: f.mm_position.offset)
+    )
+
+
 # -- the worker's ownership state -------------------------------------------------------------
 
-# One state per engine configuration in this process (a worker holds one), keyed by the id of the
-# VllmConfig object the runner and the attention builders share.
+# One state per engine in this process (a worker holds one), keyed by :func:`_engine_key` of the
+# configuration the runner and the attention builders share.
 _STATES: dict[int, WorkerOwnership] = {}
 
 
@@ -241,18 +253,30 @@ def take_attestation(vllm_config, rid: str) -> dict[int, list] | None:
     return _ATTESTED.get(id(vllm_config), {}).pop(rid, None)
 
 
+def _engine_key(vllm_config) -> int:
+    """Which engine a configuration belongs to. A multimodal model builds its language model's
+    layers under a copy of the engine's configuration (``VllmConfig.with_hf_config``: another
+    model config, the same cache config), so the cache config, which the copies share, names
+    the engine."""
+    return id(vllm_config.cache_config)
+
+
 def state_for(vllm_config) -> WorkerOwnership | None:
-    """The ownership state of the engine whose configuration is ``vllm_config`` in this process."""
-    return _STATES.get(id(vllm_config))
+    """The ownership state of the engine whose configuration (or a copy of it for a submodel)
+    is ``vllm_config`` in this process."""
+    state = _STATES.get(_engine_key(vllm_config))
+    if state is not None and state.vllm_config.cache_config is not vllm_config.cache_config:
+        return None  # an ended engine's, whose cache config's id was reused
+    return state
 
 
 def attach(vllm_config, layer_names: list[str], block_size: int, check: bool) -> WorkerOwnership:
     """Called by kvattn's attention builder: the state of this engine, created on first use."""
-    state = _STATES.get(id(vllm_config))
-    if state is None or state.vllm_config is not vllm_config:
+    state = state_for(vllm_config)
+    if state is None:
         _refuse_unsupported(vllm_config)
         state = WorkerOwnership(vllm_config, block_size, check)
-        _STATES[id(vllm_config)] = state
+        _STATES[_engine_key(vllm_config)] = state
         # Through vLLM's logger, so that a user sees in the engine's own log that kvattn runs.
         logging.getLogger("vllm.kvattn").info(
             "kvattn: ownership-checked attention in place of vLLM's CPU attention (block size "
@@ -289,14 +313,6 @@ def _refuse_unsupported(vllm_config) -> None:
     if vllm_config.scheduler_config.async_scheduling:
         reasons.append("async scheduling")
     model = vllm_config.model_config
-    if model.is_multimodal_model:
-        # vLLM's block hashes carry the hashes of the images (or audio) behind placeholder
-        # tokens; the ledger's prefix digests carry token ids only, so they could not prove a
-        # prefix-cache hit holds the reader's own inputs.
-        reasons.append(
-            "multimodal models (prefix digests cover token ids, not the media behind "
-            "placeholder tokens)"
-        )
     if model.is_encoder_decoder:
         reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
     transfer = getattr(vllm_config, "kv_transfer_config", None)
@@ -357,9 +373,10 @@ class WorkerOwnership(Ledger):
         # yet: request id -> [(logical block, block, verified length)], committed when its lease
         # is made (:meth:`receive`).
         self.arrivals: dict[str, list[tuple[int, int, int]]] = {}
-        # Each live request's cache domain (:func:`_domain`), kept across preemption: a resumed
-        # request comes back without its NewRequestData.
+        # Each live request's cache domain (:func:`_domain`) and media (:func:`_media`), kept
+        # across preemption: a resumed request comes back without its NewRequestData.
         self.domains: dict[str, bytes] = {}
+        self.media: dict[str, tuple] = {}
         # This step's scheduled and already computed tokens per request (begin_step).
         self.step_tokens: tuple[dict[str, int], dict[str, int]] = ({}, {})
         transfer = vllm_config.kv_transfer_config
@@ -400,12 +417,14 @@ class WorkerOwnership(Ledger):
             self.arrivals.pop(rid, None)
             self.receive_notes.pop(rid, None)
             self.domains.pop(rid, None)
+            self.media.pop(rid, None)
         reserved: list[tuple[list[int], int]] = []
         admitted: list[tuple[_Lease, int]] = []  # leases whose prefix hits are resolved below
         computed = {}
         for new in so.scheduled_new_reqs:
             self._end_lease(new.req_id, released)
             self.domains[new.req_id] = _domain(new)
+            self.media[new.req_id] = _media(new)
             lease = self._new_lease(new.req_id, new.block_ids, list(new.prompt_token_ids or ()))
             admitted.append((lease, new.num_computed_tokens))
             computed[new.req_id] = new.num_computed_tokens
@@ -502,13 +521,14 @@ class WorkerOwnership(Ledger):
         """A new owner for ``rid`` holding ``block_ids``; its expected owners are set by
         :meth:`_resolve_hits` once the step's writes are known."""
         self._check_groups(block_ids)
-        domain = self.domains.get(rid, b"")
+        domain, media = self.domains.get(rid, b""), self.media.get(rid, ())
         lease = self.open_lease(
             rid,
             pages=[list(ids) for ids in block_ids],
             expected=[[] for _ in block_ids],
-            keys=self.digests(tokens, domain=domain),
+            keys=self.digests(tokens, domain=domain, media=media),
             domain=domain,
+            media=media,
         )
         for blocks in lease.pages:
             self._hold(blocks)
@@ -608,7 +628,9 @@ class WorkerOwnership(Ledger):
             start = computed.get(rid, 0)
             end = (start + count) // self.page_size
             if end > len(lease.keys):
-                lease.keys = self.digests(self._tokens(runner, rid), lease.keys, lease.domain)
+                lease.keys = self.digests(
+                    self._tokens(runner, rid), lease.keys, lease.domain, lease.media
+                )
             first = start // self.page_size if lease.recorded is None else lease.recorded
             last = min(end, len(lease.keys))
             for blocks, expected in zip(lease.pages, lease.expected):

@@ -8,7 +8,7 @@ import torch
 
 import kvattn
 from kvattn import Violation, WriteDrop
-from kvattn.integrations.ledger import Ledger, cache_domain
+from kvattn.integrations.ledger import Ledger, cache_domain, prefix_digests
 
 NOT_HELD = int(WriteDrop.NOT_HELD)
 
@@ -120,3 +120,36 @@ def test_a_prefix_hit_across_domains_fails_closed():
     assert _hit_across(cache_domain(cache_salt="s1"), cache_domain(cache_salt="s2")) == 0
     assert _hit_across(cache_domain(cache_salt="x"), cache_domain(extra_key="x")) == 0
     assert cache_domain(extra_key="ab", lora="c") != cache_domain(extra_key="a", lora="bc")
+
+
+# An image of 6 placeholder tokens at positions 5..10 of a 16-token prompt (pages of 4).
+IMAGE = ((5, 6, "img-a"),)
+
+
+def test_pages_without_media_keep_their_token_digests():
+    """A request's media enters only the digests of the pages its placeholders cover, and the
+    chain after them: a page before the image keeps the digest of its tokens, so a text prefix is
+    still shared with a request without images; the same image at the same place digests alike."""
+    tokens = torch.arange(16)
+    plain = prefix_digests(tokens, 4)
+    with_image = prefix_digests(tokens, 4, media=IMAGE)
+    assert with_image[0] == plain[0]
+    assert all(a != b for a, b in zip(with_image[1:], plain[1:]))
+    assert prefix_digests(tokens, 4, media=IMAGE) == with_image
+    # Digested in steps (known pages kept), as a decode extends the chain.
+    assert prefix_digests(tokens, 4, with_image[:2], media=IMAGE) == with_image
+
+
+def test_a_page_of_another_image_or_placed_elsewhere_digests_apart():
+    """The twin: the same placeholder tokens behind another image, or the same image starting
+    one token later, never share a digest from the first page the image covers on."""
+    tokens = torch.arange(16)
+    with_image = prefix_digests(tokens, 4, media=IMAGE)
+    other = prefix_digests(tokens, 4, media=((5, 6, "img-b"),))
+    moved = prefix_digests(tokens, 4, media=((6, 5, "img-a"),))
+    for digests in (other, moved):
+        assert digests[0] == with_image[0]
+        assert all(a != b for a, b in zip(digests[1:], with_image[1:]))
+    ledger = Ledger(4)
+    ledger.remember(3, 9, with_image[1])
+    assert ledger.hit_owner(3, other[1]) == 0 and ledger.hit_owner(3, with_image[1]) == 9

@@ -23,6 +23,7 @@ ROOT = (
 )  # the repository: tests/kvattn_testing/engines.py
 VENV = ROOT / "build" / "venv-vllm"
 VENV_PY = VENV / "bin" / "python"
+VLLM_STANDINS = ROOT / "tests" / "integrations" / "vllm" / "standins"
 VLLM_CONFORMANCE_SEEDS = (0, 1, 2, 3, 4, 5)
 
 
@@ -43,10 +44,14 @@ def why_no_vllm() -> str | None:
 
 
 def env(kvattn: bool) -> dict:
-    """The environment of an engine process: in-process engine core, one thread, and kvattn's
-    plugin switched on (``KVATTN_VLLM=1``) or not."""
+    """The environment of an engine process: in-process engine core, one thread, kvattn's
+    plugin switched on (``KVATTN_VLLM=1``) or not, and the test stand-ins of
+    tests/integrations/vllm/standins on the path."""
     out = {k: v for k, v in os.environ.items() if not k.startswith(("KVATTN_", "TRITON_"))}
     out.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    out["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(VLLM_STANDINS), os.environ.get("PYTHONPATH")) if p
+    )
     if kvattn:
         out["KVATTN_VLLM"] = "1"
     return out

@@ -147,6 +147,9 @@ def test_conformance_table(conformance_run):
     assert report["rows"] == [dataclasses.asdict(row) for row in judged.rows]
     assert sorted({row["cls"] for row in report["rows"]}) == [1, 2, 3, 4, 5]
     assert list(report["not_replayed"]) == ["6"]
+    # The multimodal lane ran here (the stand-ins let vLLM's LLaVA load without torchvision).
+    assert report["lanes_not_run"] == {}
+    assert "mm_left_out_of_key" in {row["fault"] for row in report["rows"]}
     for row in report["rows"]:
         assert row["injected"] == row["caught"] == row["victim_only"] == row["runs"] > 0, row
         if row["fault"] != "cache_salt_left_out_of_key":  # same bytes, another tenant's

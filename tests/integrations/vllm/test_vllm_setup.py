@@ -38,11 +38,13 @@ def test_vllm_plugin_takes_the_fp8_caches_it_writes():
     from types import SimpleNamespace
 
     integration._refuse_unsupported(_vllm_config(speculative=SimpleNamespace(method="ngram")))
+    # Multimodal models: their media is in the prefix digests (test_vllm_multimodal.py).
+    integration._refuse_unsupported(_vllm_config(multimodal=True))
 
 
 def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
     """The twin: a cache dtype it does not write, speculative decoding by another proposer,
-    multimodal and encoder-decoder models and prompt embeddings are refused with the reason."""
+    encoder-decoder models and prompt embeddings are refused with the reason."""
     import pytest
 
     from kvattn.integrations import vllm as integration
@@ -63,8 +65,6 @@ def test_vllm_plugin_refuses_other_cache_dtypes_and_speculation_naming_them():
             r"\(supported: 'ngram'",
         ):
             integration._refuse_unsupported(config)
-    with pytest.raises(integration.IntegrationError, match="multimodal models"):
-        integration._refuse_unsupported(_vllm_config(multimodal=True))
     with pytest.raises(integration.IntegrationError, match="encoder-decoder models"):
         integration._refuse_unsupported(_vllm_config(encoder_decoder=True))
     with pytest.raises(integration.IntegrationError, match="prompt embeddings"):
