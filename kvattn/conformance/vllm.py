@@ -719,11 +719,12 @@ def domains(model: str, folder: str) -> dict:
     }
     p = prompt(70, 70)
     out = {}
-    for lane, names in DOMAIN_LANES.items():
+    for lane, of_name in of_lane.items():  # the multimodal lane runs on its own model
+        names = DOMAIN_LANES[lane]
         schedule = [
             (n, p, 8, None if i == 0 else ("finished", names[i - 1])) for i, n in enumerate(names)
         ]
-        out[lane] = scenario(engine, schedule, key_without(lane), domains=of_lane[lane])
+        out[lane] = scenario(engine, schedule, key_without(lane), domains=of_name)
     out["counts"] = ledger(engine).get("counts", {})
     out["failures_total"] = len(engine.failures())
     return out
