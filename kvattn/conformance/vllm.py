@@ -540,7 +540,9 @@ OWNERSHIP_ERROR = "kvattn ownership check failed"
 NOT_REPLAYED = {
     6: "tags cannot see bytes changed inside a page its owner wrote; the transfer digest "
     "(kvattn.transfer, check_bytes) catches them on arrival, which kvattn's tests replay over "
-    "vLLM's NIXL connector (bytes changed in transit), not this in-process run",
+    "vLLM's NIXL connector (bytes changed in transit), not this in-process run; vLLM's KV "
+    "offloading connectors, whose restores are of this class too, are refused under kvattn "
+    "(their worker needs CUDA, so no checked restore for them has run)",
 }
 
 
