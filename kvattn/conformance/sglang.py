@@ -638,14 +638,20 @@ def _merged(rows: list[Row]) -> list[Row]:
     return [total]
 
 
+def _tally(report: Report, ours: dict, theirs: dict, names=None) -> None:
+    """Requests ``names`` (default: all of ``ours``) as clean requests of ``report``: kvattn's
+    results ``ours`` against the stock attention's ``theirs``, by request."""
+    for name in ours if names is None else names:
+        report.clean_requests += 1
+        report.false_refusals += ours[name]["status"] != 200
+        report.clean_equal_to_stock += ours[name]["ids"] == theirs[name]["ids"]
+
+
 def _judge_offload(report: Report, offload: dict) -> None:
     """The offload lane's clean requests and its fault's row, into ``report``."""
     stock, mine = offload["torch_native-hicache"], offload["kvattn-hicache"]
     clean, clean_stock = mine["runs"]["clean"], stock["runs"]["clean"]
-    for name, result in clean.items():
-        report.clean_requests += 1
-        report.false_refusals += result["status"] != 200
-        report.clean_equal_to_stock += result["ids"] == clean_stock[name]["ids"]
+    _tally(report, clean, clean_stock)
     for fault, (cls, reports) in OFFLOAD_FAULTS.items():
         faulted, faulted_stock = mine["runs"][fault], stock["runs"][fault]
         aimed = f"{fault}:offload-b"
@@ -685,10 +691,7 @@ def judge(
         stock, mine = servers["servers"][f"torch_native-p{p}"], servers["servers"][f"kvattn-p{p}"]
         for seed in servers["seeds"]:
             clean, clean_stock = mine["runs"][f"clean-{seed}"], stock["runs"][f"clean-{seed}"]
-            for rid, result in clean.items():
-                report.clean_requests += 1
-                report.false_refusals += result["status"] != 200
-                report.clean_equal_to_stock += result["ids"] == clean_stock[rid]["ids"]
+            _tally(report, clean, clean_stock)
             for fault, row in rows.items():
                 aimed = victim(fault, seed)
                 faulted, faulted_stock = (
@@ -713,10 +716,7 @@ def judge(
             mine["runs"]["domains-salt-ignored"],
             stock["runs"]["domains-salt-ignored"],
         )
-        for name, result in clean.items():
-            report.clean_requests += 1
-            report.false_refusals += result["status"] != 200
-            report.clean_equal_to_stock += result["ids"] == clean_stock[name]["ids"]
+        _tally(report, clean, clean_stock)
         # Injected: the salt was dropped on both servers, and tenant 2 was served from tenant 1's
         # pages on SGLang's attention.
         row.injected = int(
@@ -744,10 +744,7 @@ def judge(
         return report
     stock, mine = incident["stock"], incident["kvattn"]
     bystanders = ("tenant", "beside", "beside-clean", "clean")
-    for name in bystanders:
-        report.clean_requests += 1
-        report.false_refusals += mine["results"][name]["status"] != 200
-        report.clean_equal_to_stock += mine["results"][name]["ids"] == stock["results"][name]["ids"]
+    _tally(report, mine["results"], stock["results"], bystanders)
     # Every other request of the pair kept its answer: the tenant's and the clean ones.
     others_kept = all(
         mine["results"][n]["status"] == 200
