@@ -3,9 +3,10 @@
 With ``--enable-hierarchical-cache`` SGLang backs a radix node's device pages up to host memory
 (on insert under a write-through policy, at eviction under write-back) and, when a later request
 matches a node whose device pages were evicted since, loads the host copy back into freshly
-allocated device pages. Nothing on that path checks the bytes that come back: a restore that misses a cross-stream sync
-(vLLM #45704), a load-back still writing pages a later request matched (SGLang #44070) or a host
-copy changed while offloaded hands the reader wrong KV under its own prefix, and it answers.
+allocated device pages. Nothing on that path checks the bytes that come back: a restore that
+misses a cross-stream sync (vLLM #45704), a load-back still writing pages a later request matched
+(SGLang #44070) or a host copy changed while offloaded hands the reader wrong KV under its own
+prefix, and it answers.
 
 Under kvattn a restored page becomes readable only through the checked receive
 (docs/transfer.md), with the host pool as the transport:
