@@ -58,8 +58,12 @@ What kvattn follows, and where (all on the instances of the engine whose backend
   (after a decode forward, by :func:`decode_outputs_hook`), the request finishes with the error,
   and its KV is not put in the radix cache.
 
-Not supported (refused at setup, saying why): MLA, hybrid (SWA, linear) and quantized KV pools,
-fp8 KV caches, HND layouts, speculative decoding, CUDA graphs (``--disable-cuda-graph``), DP
+fp8 KV caches (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): the pool's uint8 bytes are read as
+kvattn's fp8 pools, written by :func:`kvattn.write_kv` with the layer's scales (a checkpoint's,
+else 1), the codes SGLang's own write stores.
+
+Not supported (refused at setup, saying why): MLA, hybrid (SWA, linear) and quantized KV pools
+(scale buffers: FP4, MXFP8), HND layouts, speculative decoding, CUDA graphs (``--disable-cuda-graph``), DP
 attention, encoder-decoder and cross attention; in prefill/decode disaggregation, transfer
 backends other than ``mooncake`` and ``fake``, tensor and pipeline parallelism, staging buffers;
 HiCache storage backends (L3), buffer-only host memory and HiSparse; beam-search requests are
@@ -84,6 +88,9 @@ logger = logging.getLogger("kvattn")
 SUPPORTED_VERSIONS = ("0.5.23",)
 BACKEND_NAME = "kvattn"
 BACKEND_ENV = "KVATTN_SGLANG_BACKEND"  # the kvattn backend the readers and writers use
+# fp8 KV caches (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``), stored by SGLang as uint8 bytes of
+# the format and read by kvattn as its fp8 pools.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Transfer backends whose transfers a kvattn decode instance commits: "fake" moves no bytes (and
 # commits none); Mooncake's carry the prefill's attestation (kvattn.integrations.sglang_transfer).
 TRANSFER_BACKENDS = ("fake", "mooncake")
@@ -222,8 +229,15 @@ def _refuse_unsupported(runner) -> None:
             f"KV pool {type(pool).__name__} (MHATokenToKVPool only: MLA, hybrid, "
             f"quantized and page-major pools are not followed)"
         )
-    elif pool.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        reasons.append(f"KV cache dtype {pool.dtype} (the model's float dtype only)")
+    elif pool.is_quantized_kv_cache:
+        reasons.append(
+            f"quantized KV cache {type(pool.quant_method).__name__} (its scale buffers are not "
+            "followed; plain fp8 e4m3/e5m2 caches are)"
+        )
+    elif pool.dtype not in (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES):
+        reasons.append(
+            f"KV cache dtype {pool.dtype} (the model's float dtype, float8_e4m3fn or float8_e5m2)"
+        )
     elif pool.kv_cache_layout != "nhd":
         reasons.append(f"KV cache layout {pool.kv_cache_layout!r} ('nhd' only)")
     elif pool.head_dim != pool.v_head_dim:
@@ -546,10 +560,13 @@ class SGLangOwnership(Ledger):
     # -- the pool's writes and the backend's reads --------------------------------------------
 
     def pools(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_id``'s K and V buffers as kvattn's NHD pools ``[pages, P, H, D]``."""
+        """Layer ``layer_id``'s K and V buffers as kvattn's NHD pools ``[pages, P, H, D]`` (an fp8
+        cache's uint8 bytes as its fp8 format)."""
         local = layer_id - self.kv_pool.start_layer
         n = self.num_pages * self.page_size
         k, v = self.kv_pool.k_buffer[local], self.kv_pool.v_buffer[local]
+        if k.dtype != self.kv_pool.dtype:
+            k, v = k.view(self.kv_pool.dtype), v.view(self.kv_pool.dtype)
         return (
             k[:n].view(self.num_pages, self.page_size, *k.shape[1:]),
             v[:n].view(self.num_pages, self.page_size, *v.shape[1:]),
@@ -574,10 +591,8 @@ class SGLangOwnership(Ledger):
         from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 
         step = self.step()
-        if k_scale is not None or v_scale is not None or dcp_kv_mask is not None:
-            raise IntegrationError(
-                "kvattn.integrations.sglang: scaled or masked KV writes are not supported"
-            )
+        if dcp_kv_mask is not None:
+            raise IntegrationError("kvattn.integrations.sglang: masked KV writes are not supported")
         loc, _, _ = unwrap_write_loc(loc_info)
         if loc.shape[0] != step.token_row.shape[0]:
             raise IntegrationError(
@@ -587,20 +602,45 @@ class SGLangOwnership(Ledger):
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
         k_pages, v_pages = self.pools(layer_id)
         heads, dim = k_pages.shape[2], k_pages.shape[3]
+        cache_k = cache_k.reshape(-1, heads, dim)
+        cache_v = cache_v.reshape(-1, heads, v_pages.shape[3])
+        scales = {}
+        if k_pages.dtype in FP8_DTYPES:
+            # SGLang's own write divides by the scale and casts (nearest-even, e4m3 saturating):
+            # the codes kvattn's writer stores.
+            scales = self.fp8_scales(layer, k_scale, v_scale)
+        else:
+            cache_k, cache_v = cache_k.to(k_pages.dtype), cache_v.to(v_pages.dtype)
         step.write(
             f"layer {layer_id}",
-            cache_k.reshape(-1, heads, dim).to(k_pages.dtype),
-            cache_v.reshape(-1, heads, v_pages.shape[3]).to(v_pages.dtype),
+            cache_k,
+            cache_v,
             k_pages,
             v_pages,
             loc,
             self.layer_tags(layer_id),
+            **scales,
+        )
+
+    @staticmethod
+    def fp8_scales(layer, k_scale=None, v_scale=None) -> dict:
+        """An fp8 cache's K and V scales of ``layer``: those a write is given, else the layer's
+        own (a checkpoint's, ``k_scale_float``), else 1."""
+
+        def scale(given, own):
+            value = given if given is not None else own
+            return float(value) if value is not None else 1.0
+
+        return dict(
+            k_scale=scale(k_scale, getattr(layer, "k_scale_float", None)),
+            v_scale=scale(v_scale, getattr(layer, "v_scale_float", None)),
         )
 
     def attend(self, q, layer, out) -> None:
         """Layer ``layer``'s attention of this forward into ``out`` ([T, Hq, Dv])."""
         k_pages, v_pages = self.pools(layer.layer_id)
         window = layer.sliding_window_size
+        scales = self.fp8_scales(layer) if k_pages.dtype in FP8_DTYPES else {}
         self.step().attend(
             f"layer {layer.layer_id}",
             q,
@@ -611,6 +651,7 @@ class SGLangOwnership(Ledger):
             out=out,
             logits_soft_cap=float(layer.logit_cap or 0.0),
             window_left=window if window is not None and window > -1 else -1,
+            **scales,
         )
 
     def end_forward(self) -> dict[str, str]:

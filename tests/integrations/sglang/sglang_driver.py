@@ -92,6 +92,7 @@ class Engine:
         size: int = 512,
         radix: bool = True,
         overlap: bool = False,
+        kv_dtype: torch.dtype = DTYPE,
     ):
         self.P = page_size
         # Overlap scheduling: a decode forward runs before the previous step's result is
@@ -100,7 +101,7 @@ class Engine:
         self.pool = MHATokenToKVPool(
             size=size,
             page_size=page_size,
-            dtype=DTYPE,
+            dtype=kv_dtype,
             head_num=kv_heads,
             head_dim=head_dim,
             layer_num=LAYERS,
@@ -111,10 +112,12 @@ class Engine:
             size=16, max_context_len=256, device="cpu", enable_memory_saver=False
         )
         if page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(size, DTYPE, "cpu", self.pool, need_sort=False)
+            self.allocator = TokenToKVPoolAllocator(
+                size, kv_dtype, "cpu", self.pool, need_sort=False
+            )
         else:
             self.allocator = PagedTokenToKVPoolAllocator(
-                size, page_size, DTYPE, "cpu", self.pool, need_sort=False
+                size, page_size, kv_dtype, "cpu", self.pool, need_sort=False
             )
         self.layers = [
             RadixAttention(
@@ -319,10 +322,12 @@ class Engine:
         return q, k.view(-1, self.kv_heads, self.head_dim), v.view(-1, self.kv_heads, self.head_dim)
 
     def poison(self, slots: list[int]) -> None:
-        """NaN in every layer's K and V at ``slots``: bytes that must never be read."""
+        """NaN in every layer's K and V at ``slots``: bytes that must never be read (in an fp8
+        pool's uint8 bytes, 0x7F: NaN in e4m3fn and e5m2 alike)."""
+        nan = 0x7F if self.pool.store_dtype == torch.uint8 else float("nan")
         for layer in self.layers:
-            self.pool.k_buffer[layer.layer_id][slots] = float("nan")
-            self.pool.v_buffer[layer.layer_id][slots] = float("nan")
+            self.pool.k_buffer[layer.layer_id][slots] = nan
+            self.pool.v_buffer[layer.layer_id][slots] = nan
 
     def _transfer(self, req, slots: torch.Tensor) -> None:
         """What a transport does: the prompt's K/V bytes (its first ``len(slots)`` tokens) written
@@ -375,15 +380,16 @@ def _diff(a: dict, b: dict) -> float:
     return max((torch.tensor(a[r]) - torch.tensor(b[r])).abs().max().item() for r in a)
 
 
-def equality(page_size: int, overlap: bool = False) -> dict:
+def equality(page_size: int, overlap: bool = False, kv_dtype: torch.dtype = DTYPE) -> dict:
     """Extend with a radix-cache prefix, chunked prefill, mixed and decode batches, GQA, then a
     second turn whose prompt is the first request's prompt and decoded tokens (a radix hit on
     pages filled by decodes), on both attentions: the largest output gap per forward, and what
-    kvattn refused."""
+    kvattn refused. With an fp8 ``kv_dtype``, also how many of the KV bytes of every request's
+    slots differ between the two pools (SGLang's own write against kvattn's)."""
     P = page_size
     runs = {}
     for kind in ("torch_native", "kvattn"):
-        e = Engine(kind, P, overlap=overlap)
+        e = Engine(kind, P, overlap=overlap, kv_dtype=kv_dtype)
         a = list(range(1, 2 * max(P, 8) + 6))
         e.admit("a", a)
         e.step({"a": len(a) - 5})  # a chunk of the prompt
@@ -405,12 +411,22 @@ def equality(page_size: int, overlap: bool = False) -> dict:
         runs[kind] = e
     stock, mine = runs["torch_native"], runs["kvattn"]
     gaps = [_diff(s, m) for s, m in zip(stock.outputs, mine.outputs)]
+    codes = [0, 0]  # bytes compared, bytes that differ
+    if kv_dtype != DTYPE:
+        for rid in mine.reqs:
+            theirs, ours = stock.slots(rid), mine.slots(rid)
+            for buffers in ("k_buffer", "v_buffer"):
+                for a, b in zip(getattr(stock.pool, buffers), getattr(mine.pool, buffers)):
+                    codes[0] += a[theirs].numel()
+                    codes[1] += int((a[theirs] != b[ours]).sum())
     return dict(
         gaps=gaps,
         counts=dict(mine.state.counts),
         hit=len(hit),
         turn_hit=len(turn_hit),
         aborted={r: mine.aborted(r) for r in mine.reqs},
+        codes_compared=codes[0],
+        codes_different=codes[1],
     )
 
 
@@ -481,7 +497,7 @@ def incident(page_size: int, received: int | None) -> dict:
     return out
 
 
-def stale_prefix(page_size: int, fault: bool) -> dict:
+def stale_prefix(page_size: int, fault: bool, kv_dtype: torch.dtype = DTYPE) -> dict:
     """A radix-cache hit through SGLang's radix tree: W's prompt pages stay in the tree after W
     ends, R's prompt starts with the same tokens and matches them. With ``fault``, the match is
     not locked, the tree evicts the pages before R runs (at page size 16 X reuses and rewrites
@@ -489,7 +505,7 @@ def stale_prefix(page_size: int, fault: bool) -> dict:
     P = page_size
     out = {}
     for kind in ("torch_native", "kvattn"):
-        e = Engine(kind, P)
+        e = Engine(kind, P, kv_dtype=kv_dtype)
         shared = list(range(10, 10 + 2 * P))
         e.admit("W", shared + [1, 2, 3])
         e.step({"W": len(shared) + 3})
@@ -636,6 +652,25 @@ def plugin() -> dict:
     )
 
 
+def pool_refusals() -> dict:
+    """What kvattn's setup says of an engine whose pool is SGLang's MHA pool of each KV dtype:
+    None where it runs, else the refusal's message."""
+    out = {}
+    for name, dtype in (
+        ("float32", torch.float32),
+        ("float8_e4m3fn", torch.float8_e4m3fn),
+        ("float8_e5m2", torch.float8_e5m2),
+        ("int8", torch.int8),
+    ):
+        runner = Engine("torch_native", 16, kv_dtype=dtype).runner
+        try:
+            integration._refuse_unsupported(runner)
+            out[name] = None
+        except integration.IntegrationError as e:
+            out[name] = str(e)
+    return out
+
+
 def guards() -> dict:
     """kvattn's hooks on one engine of each kind: around ``enable_fused_set_kv_buffer`` under
     SGLang's forward context (off for a kvattn engine's pool whatever the platform would choose),
@@ -657,7 +692,11 @@ SCENARIOS = {
     "equality-16": lambda: equality(16),
     "overlap-1": lambda: equality(1, overlap=True),
     "overlap-16": lambda: equality(16, overlap=True),
+    "fp8-e4m3-16": lambda: equality(16, kv_dtype=torch.float8_e4m3fn),
+    "fp8-e4m3-1": lambda: equality(1, kv_dtype=torch.float8_e4m3fn),
+    "fp8-e5m2-16": lambda: equality(16, kv_dtype=torch.float8_e5m2),
     "guards": guards,
+    "pool-refusals": pool_refusals,
     "session-clean-16": lambda: session(16, False),
     "session-fault-16": lambda: session(16, True),
     "incident-16": lambda: incident(16, None),
@@ -667,6 +706,7 @@ SCENARIOS = {
     "prefix-clean-16": lambda: stale_prefix(16, False),
     "prefix-stale-16": lambda: stale_prefix(16, True),
     "prefix-stale-1": lambda: stale_prefix(1, True),
+    "prefix-stale-fp8-16": lambda: stale_prefix(16, True, kv_dtype=torch.float8_e4m3fn),
     "domains-clean-16": lambda: domains(16, False),
     "domains-fault-16": lambda: domains(16, True),
     "plugin": plugin,

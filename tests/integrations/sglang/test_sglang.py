@@ -65,6 +65,41 @@ def test_kvattn_equals_torch_native_on_sglang_pools(runs, page_size, overlap):
     assert r["counts"]["prefix_hit_pages"] == (r["hit"] + r["turn_hit"]) // page_size
 
 
+@pytest.mark.parametrize("scenario", ["fp8-e4m3-16", "fp8-e4m3-1", "fp8-e5m2-16"])
+def test_fp8_pools_hold_sglang_s_codes_and_read_as_torch_native(runs, scenario):
+    """The equality scenario over an fp8 pool (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``: uint8
+    bytes of the format): every K and V byte kvattn's writer stored equals the byte SGLang's own
+    ``set_kv_buffer`` stored (its divide-and-cast: nearest-even, e4m3 saturating), outputs as
+    torch-native's, which reads the same codes, and nothing refused."""
+    r = runs[scenario]
+    assert r["codes_compared"] > 10_000 and r["codes_different"] == 0
+    assert max(r["gaps"]) < TOL
+    assert r["aborted"] == {"a": None, "b": None, "c": None, "t": None}
+    assert r["counts"]["refused_pages"] == 0 and r["counts"]["dropped_writes"] == 0
+    page_size = int(scenario.rsplit("-", 1)[1])
+    assert r["counts"]["prefix_hit_pages"] == (r["hit"] + r["turn_hit"]) // page_size
+
+
+def test_plain_and_fp8_pools_run_and_other_dtypes_are_refused(runs):
+    """SGLang's MHA pool of the model's float dtype or of an fp8 format is taken; another KV dtype
+    is refused at setup, naming it and what is taken."""
+    r = runs["pool-refusals"]
+    assert r["float32"] is None and r["float8_e4m3fn"] is None and r["float8_e5m2"] is None
+    assert "KV cache dtype torch.int8 (the model's float dtype, float8_e4m3fn or" in r["int8"]
+
+
+def test_fp8_radix_hit_on_changed_pages_fails_closed(runs):
+    """The twin over an fp8 pool: a match whose pages were evicted and rewritten by another
+    request is refused (OWNER_MISMATCH), and the evicted bytes, NaN codes where the other request
+    did not write, never reach R's output."""
+    r = runs["prefix-stale-fp8-16"]
+    assert r["kvattn"]["hit"] == 32 and r["kvattn"]["hit_is_w"]
+    assert r["torch_native"]["aborted"]["R"] is None and r["r_gap"] > 0.1
+    assert "reads: OWNER_MISMATCH on logical page(s) 0 (page " in r["kvattn"]["aborted"]["R"]
+    assert r["r_kvattn_finite"]
+    assert r["kvattn"]["aborted"]["D"] is None and r["d_gap"] < TOL
+
+
 def test_fused_rotary_kv_writes_are_off_and_beams_refused_under_kvattn(runs):
     """Models that store K/V from their rotary kernel (past set_kv_buffer) ask
     enable_fused_set_kv_buffer: under a kvattn engine the hook answers no. A beam request's
