@@ -358,9 +358,8 @@ def write_adapter(model: str, folder: str, seed: int, rank: int = 8) -> str:
 def key_without(part: str):
     """A fault of vLLM's block hash (the class of vLLM #44701, SGLang #37160): ``part``
     (``"lora"``, ``"cache_salt"`` or ``"mm"``: the images) left out of the key of every block
-    hashed while it is on,
-    so a request hits blocks another domain computed. kvattn's digests do not use the engine's
-    key: the hit must fail."""
+    hashed while it is on, so a request hits blocks another domain computed. kvattn's digests do
+    not use the engine's key: the hit must fail."""
 
     def inject(engine):
         from vllm.v1.core import kv_cache_utils
