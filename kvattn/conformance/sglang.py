@@ -792,6 +792,9 @@ def run(
 
     if importlib.util.find_spec("sglang") is None:
         raise RuntimeError(f"SGLang is not installed in this Python environment ({sys.executable})")
+    # Absolute: each server runs in a folder of its own, where a relative path means nothing.
+    work = pathlib.Path(work).resolve()
+    model = str(pathlib.Path(model).resolve()) if model is not None else None
     if model is None:
         from kvattn.conformance.model import build
 
