@@ -27,6 +27,13 @@ Tags for many layers (an engine's pages are one block of every layer): :func:`re
 layer's contiguous tag array, what the readers take), and apply to page ``p`` of every layer in one
 call. The rows must not overlap in memory (``ValueError`` otherwise, as for pools whose pages do).
 
+Generations: :func:`reserve_pages`, :func:`reassign_pages` and :func:`release_pages`, the writers
+that set tags outright (and so may take a page from its owner), advance a counter per tag storage,
+:func:`tag_generation`. A :class:`kvattn.PageVerdict` resolved before such a write is stale, and a
+call given it checks every page itself (docs/ownership.md section 9). :func:`write_kv` and
+:func:`commit_pages` only raise a held page's ``valid_len`` and advance nothing: a verdict resolved
+before them is conservative, never wrong.
+
 Malformed values (``validate``, :mod:`kvattn.write_args`): owner ids outside ``[1, OWNER_MAX]`` and
 (for reserve and release) page ids outside the pool raise ``ValueError`` where the values are on
 the host (ints, lists, CPU tensors; any tensor with ``validate=True``). Unchecked (device tensors by
@@ -36,6 +43,9 @@ page FREE instead), an out-of-range page id changes nothing.
 """
 
 from __future__ import annotations
+
+import itertools
+import threading
 
 import torch
 
@@ -52,6 +62,21 @@ from .layout import (
 from .report import WriteResult
 from .tags import FREE_TAG, OWNER_SHIFT, WriteDrop, held_by, valid_owner
 from .write_args import INDEX_DTYPES, on_host, owner_ids, validate_write_kv
+
+_generation_lock = threading.Lock()
+_generation_clock = itertools.count(1)
+_generations: dict[int, int] = {}
+
+
+def tag_generation(page_tags: torch.Tensor) -> int:
+    """The generation of the storage holding ``page_tags`` (any row of a layered array): a value
+    that changes whenever a reserve, reassign or release writes into it (0 before any has)."""
+    return _generations.get(page_tags.untyped_storage().data_ptr(), 0)
+
+
+def _advance_generation(page_tags: torch.Tensor) -> None:
+    with _generation_lock:
+        _generations[page_tags.untyped_storage().data_ptr()] = next(_generation_clock)
 
 
 def _as_index(name: str, values, page_tags) -> torch.Tensor:
@@ -121,6 +146,7 @@ def reserve_pages(page_tags: torch.Tensor, pages, owner, *, validate: bool | Non
     check_apart("owner", owners, dict(page_tags=page_tags))
     tags = torch.where(valid_owner(owners), reserved(owners), FREE_TAG)
     width = rows.shape[0]
+    _advance_generation(rows)
     put_rows(
         rows,
         _every_layer(rows, safe),
@@ -162,6 +188,7 @@ def reassign_pages(
     check_apart("new_owner", heirs, dict(page_tags=page_tags))
     kept = tag & ((1 << OWNER_SHIFT) - 1)
     handed = torch.where(valid_owner(heirs), (heirs << OWNER_SHIFT) | kept, FREE_TAG)
+    _advance_generation(page_tags)
     put_rows(page_tags, (safe,), handed, held)
     landed = held & valid_owner(heirs)
     reasons = torch.where(landed, 0, int(WriteDrop.NOT_HELD))
@@ -195,6 +222,7 @@ def release_pages(
         owners = owner_ids(owner, safe.numel(), rows.device, validate=validate)
         check_apart("owner", owners, dict(page_tags=page_tags))
         landed = in_range & held_by(rows[layer, page], owners.repeat_interleave(width))
+    _advance_generation(rows)
     put_rows(rows, (layer, page), torch.zeros_like(page), landed)
     reasons = torch.where(landed, 0, int(WriteDrop.NOT_HELD))
     reasons = torch.where(in_range, reasons, int(WriteDrop.OUT_OF_RANGE)).to(torch.int8)
