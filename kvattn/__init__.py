@@ -39,6 +39,7 @@ from .tags import (
     tag_valid_len,
     written_tag,
 )
+from .verdict import PageVerdict, resolve_pages
 from .writers import commit_pages, reassign_pages, release_pages, reserve_pages, write_kv
 
 
@@ -58,6 +59,7 @@ __all__ = [
     "KVOwnershipError",
     "Lease",
     "OwnershipReport",
+    "PageVerdict",
     "PagedKVCache",
     "Violation",
     "WriteDrop",
@@ -72,6 +74,7 @@ __all__ = [
     "release_pages",
     "reserve_pages",
     "reserved_tag",
+    "resolve_pages",
     "tag_owner",
     "tag_state",
     "tag_valid_len",

@@ -13,6 +13,7 @@ from .layout import (
     validate_mla_extend,
 )
 from .report import OwnershipReport
+from .verdict import PageVerdict, usable
 
 
 def paged_decode(
@@ -38,6 +39,7 @@ def paged_decode(
     k_scale=None,
     v_scale=None,
     q_scale=None,
+    verdict: PageVerdict | None = None,
 ):
     """Ownership-checked paged attention for one new query token per sequence.
 
@@ -72,6 +74,13 @@ def paged_decode(
         window_left, logits_soft_cap, sinks, alibi_slopes, k_scale, v_scale, q_scale: the
             attention variants (sliding window, soft-cap, attention sinks, ALiBi, fp8 KV and query
             dequantisation), defined in :mod:`kvattn.variants`; all off by default.
+        verdict: a :class:`kvattn.PageVerdict` of this decode step (:func:`kvattn.resolve_pages`):
+            every page but the new token's is read through it, without its block-table entry or
+            tag, and the report returned is the verdict's, to which this call adds the new token's
+            page if its tag refuses it (docs/ownership.md section 9). A verdict the writers made
+            stale (a reserve, reassign or release since it was resolved) is not read: the call
+            checks every page itself. One resolved for other tensors, page size or window is a
+            ``ValueError``; so is a verdict with ``check=False``.
 
     Returns:
         ``(out, report)``, or ``(out, lse, report)`` with ``return_lse``. ``report`` is an
@@ -101,6 +110,8 @@ def paged_decode(
         v_scale=v_scale,
         q_scale=q_scale,
     )
+    if verdict is not None and usable(verdict, args, check):
+        args.verdict = verdict
     return _run("decode", args, backend, check, on_violation, out, return_lse, args.head_dim_v)
 
 

@@ -116,6 +116,7 @@ class DecodeArgs(_PagedShapes):
     scale: float
     variant: Variant = PLAIN
     out_dtype: torch.dtype | None = None  # the caller's ``out``'s; None: :func:`output_dtype`'s
+    verdict: object = None  # a current kvattn.PageVerdict the call reads instead of the tags
 
 
 def _fail(name: str, expected: str, got) -> None:

@@ -54,19 +54,7 @@ def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int, fi
         read &= first_slot[None, :] + page_size > first_key[:, None]
 
     reason = torch.where(read, page_reason(tags, in_range, expected, slots_read), 0)
-    beyond = (seq_lens.long() > capacity).to(torch.int32)
-    reasons = torch.zeros(batch, dtype=torch.int32, device=pages.device)
-    for flag in Violation:
-        if flag:
-            reasons |= torch.where((reason & flag).any(dim=1), int(flag), 0).to(torch.int32)
-    reasons |= beyond * int(Violation.OUT_OF_RANGE)
-    report = OwnershipReport(
-        violations=((reason != 0).sum(dim=1) + beyond).to(torch.int32),
-        reasons=reasons,
-        pages_checked=read.sum(dim=1).to(torch.int32),
-        page_reasons=reason.to(torch.int8),
-        beyond_table=beyond,
-    )
+    report = _report(reason, read, seq_lens, capacity)
 
     slot = torch.arange(page_size, device=pages.device)
     owned = in_range & (tag_state(tags) == STATE_WRITTEN) & (tag_owner(tags) == expected)
@@ -75,6 +63,118 @@ def page_verdicts(block_table, seq_lens, page_tags, expected, page_size: int, fi
         (slot < slots_read[..., None]) & owned[..., None] & (slot < tag_valid_len(tags)[..., None])
     )
     return slot_ok, report
+
+
+def verdict_entries(readable: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``page << 32 | readable`` as int64, the packed entry of docs/ownership.md section 9 (the
+    extend's effective table's too), ``page`` -1 where nothing may be read."""
+    return (pages.long() << 32) | readable.long()
+
+
+def unpack_verdict(entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(readable, page)`` int64 of packed entries (:func:`verdict_entries`)."""
+    return entries & 0xFFFFFFFF, entries >> 32
+
+
+def fresh_pages(seq_lens, max_pages: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logical page, slot)`` ``[B]`` of each sequence's new token, at position ``seq_len - 1``
+    (logical page -1 when that position lies outside the table: no token is written there)."""
+    pos = seq_lens.long() - 1
+    inside = (pos >= 0) & (pos < max_pages * page_size)
+    logical = torch.where(inside, torch.div(pos, page_size, rounding_mode="floor"), -1)
+    return logical, torch.where(inside, pos - logical * page_size, 0)
+
+
+def resolve_verdict(block_table, seq_lens, layer_tags, expected, page_size: int, first_key):
+    """The oracle of :func:`kvattn.resolve_pages` (docs/ownership.md section 9): ``(entries,
+    report)`` of a decode step over ``layer_tags`` ``[L, num_pages]``, every layer's tags before
+    the step's new tokens are written. Entry ``[b, i]`` packs (:func:`verdict_entries`) the page
+    id and the slots readable in every layer, within the tokens before the new one (page -1 for a
+    page not read or outside the pool); the report
+    judges those slots, the first failing condition over the layers winning, and counts the new
+    token's page as checked (each call checks its new slot against its own layer's tag)."""
+    num_pages = layer_tags.shape[1]
+    batch, max_pages = block_table.shape
+    pages = block_table.long()
+    in_range = (pages >= 0) & (pages < num_pages)
+    safe = pages.clamp(0, num_pages - 1)
+    capacity = max_pages * page_size
+    first_slot = torch.arange(max_pages, device=pages.device) * page_size
+    lens = seq_lens.long().clamp(0, capacity)
+    old = (seq_lens.long() - 1).clamp(0, capacity)
+    read = ((lens[:, None] - first_slot[None, :]) > 0) & (
+        first_slot[None, :] + page_size > first_key[:, None]
+    )
+    old_slots = (old[:, None] - first_slot[None, :]).clamp(0, page_size)  # [B, M]
+    readable = torch.full_like(old_slots, page_size)
+    bits = torch.zeros_like(old_slots)
+    for tags in layer_tags:
+        tag = torch.where(in_range, tags[safe], 0)
+        owned = (tag_state(tag) == STATE_WRITTEN) & (tag_owner(tag) == expected)
+        owned &= valid_owner(expected)
+        readable = torch.minimum(readable, torch.where(owned, tag_valid_len(tag), 0))
+        bits |= page_reason(tag, in_range, expected, old_slots)
+    judged = read & (old_slots > 0)
+    reason = torch.where(judged, bits & -bits, 0)  # the first condition in Violation's order
+    reason = torch.where(read & ~in_range, int(Violation.OUT_OF_RANGE), reason)
+    readable = torch.where(read & in_range, torch.minimum(readable, old_slots), 0)
+    entries = verdict_entries(readable, torch.where(read & in_range, pages, -1))
+    return entries, _report(reason, read, seq_lens, capacity)
+
+
+def _report(reason, read, seq_lens, capacity: int) -> OwnershipReport:
+    """The report of per-page reasons ``[B, M]`` over the pages ``read``, with the overflow of
+    lengths past the table counted as one more OUT_OF_RANGE page."""
+    beyond = (seq_lens.long() > capacity).to(torch.int32)
+    reasons = torch.zeros(reason.shape[0], dtype=torch.int32, device=reason.device)
+    for flag in Violation:
+        if flag:
+            reasons |= torch.where((reason & flag).any(dim=1), int(flag), 0).to(torch.int32)
+    reasons |= beyond * int(Violation.OUT_OF_RANGE)
+    return OwnershipReport(
+        violations=((reason != 0).sum(dim=1) + beyond).to(torch.int32),
+        reasons=reasons,
+        pages_checked=read.sum(dim=1).to(torch.int32),
+        page_reasons=reason.to(torch.int8),
+        beyond_table=beyond,
+    )
+
+
+def verdict_slots(a):
+    """``(allowed [B, max_pages, page_size], report)`` of a decode through ``a.verdict``: every
+    page's readable slots from its entry, the new token's page from this call's tags, whose
+    refusal joins the verdict's report in place (once per page: docs/ownership.md section 9)."""
+    verdict = a.verdict
+    report = verdict.report
+    readable, pages = unpack_verdict(verdict.entries)
+    in_range = (pages >= 0) & (pages < a.num_pages)
+    fresh, slot = fresh_pages(a.seq_lens, a.max_pages, a.page_size)
+    has = fresh >= 0
+    col = fresh.clamp(min=0)[:, None]
+    f_page = pages.gather(1, col)[:, 0]
+    f_in = in_range.gather(1, col)[:, 0]
+    f_readable = readable.gather(1, col)[:, 0]
+    f_owner = a.expected.gather(1, col)[:, 0]
+    tag = torch.where(f_in, a.page_tags[f_page.clamp(0, a.num_pages - 1)], 0)
+    owned = (tag_state(tag) == STATE_WRITTEN) & (tag_owner(tag) == f_owner) & valid_owner(f_owner)
+    # Old slots another layer refused stay refused; the new slot is this layer's tag's to certify.
+    cap = torch.where(f_readable < slot, f_readable, a.page_size)
+    f_limit = torch.minimum(torch.where(owned, tag_valid_len(tag), 0), cap)
+    limit = readable.scatter(1, col, torch.where(has, f_limit, f_readable)[:, None])
+    limit = torch.where(in_range, limit, 0)
+
+    why = torch.where(has, page_reason(tag, f_in, f_owner, slot + 1), 0)
+    before = report.page_reasons.gather(1, col)[:, 0]
+    new = (why != 0) & (before == 0)
+    report.page_reasons.scatter_(1, col, torch.where(new, why, before).to(torch.int8)[:, None])
+    report.violations += new.to(torch.int32)
+    report.reasons |= torch.where(new, why, 0).to(torch.int32)
+
+    lens = a.seq_lens.long().clamp(0, a.max_pages * a.page_size)
+    first_slot = torch.arange(a.max_pages, device=lens.device) * a.page_size
+    slots_read = (lens[:, None] - first_slot[None, :]).clamp(0, a.page_size)
+    slot_ids = torch.arange(a.page_size, device=lens.device)
+    return slot_ids < torch.minimum(limit, slots_read)[..., None], report
 
 
 def length_mask(block_table, seq_lens, page_size: int):
@@ -99,6 +199,8 @@ def readable_slots(a, check: bool, first_key=None):
     rule when ``check``, else the length mask alone (entries outside the pool read as nothing) and
     no report. ``first_key``: as in :func:`page_verdicts` (the window is applied per query by
     :func:`attend`; here it only decides which pages are checked)."""
+    if check and getattr(a, "verdict", None) is not None:
+        return verdict_slots(a)
     if check:
         return page_verdicts(
             a.block_table, a.seq_lens, a.page_tags, a.expected, a.page_size, first_key

@@ -12,7 +12,8 @@ switches are judged by each backend's ``why_not``). ``args`` is the op's validat
 :class:`kvattn.layout.DecodeArgs`, :class:`~kvattn.layout.ExtendArgs`,
 :class:`kvattn.write_args.WriteArgs`, :class:`~kvattn.layout.MLADecodeArgs` or
 :class:`~kvattn.layout.MLAExtendArgs`. A backend
-without a launcher for an op refuses that op.
+without a launcher for an op refuses that op, and one that does not name the op in ``VERDICT_OPS``
+refuses a call given a :class:`kvattn.PageVerdict` (docs/ownership.md section 9).
 
 ``backend="auto"`` takes the first backend of :func:`auto_order` (``AUTO_ORDER[op]``, or
 ``AUTO_ORDER_CPU[op]`` for CPU tensors) that accepts the inputs, and logs once why it refused the
@@ -96,6 +97,9 @@ def _why_not(name: str, args, op: str) -> tuple[ModuleType | None, str | None]:
     if not hasattr(module, op):
         return None, f"no {op} kernel"
     reason = getattr(module, f"why_not_{op}", module.why_not)(args)
+    if reason is None and getattr(args, "verdict", None) is not None:
+        if op not in getattr(module, "VERDICT_OPS", ()):
+            reason = f"no {op} kernel that reads a verdict (kvattn.resolve_pages)"
     if reason is None and op == "write_kv":
         claimed = getattr(module, "WRITE_SWITCHES", frozenset())
         missing = [s for s in args.switches() if s not in claimed]

@@ -11,6 +11,7 @@ from ..layout import DecodeArgs, ExtendArgs, MLADecodeArgs, MLAExtendArgs, query
 from ..report import OwnershipReport
 
 NAME = "reference"
+VERDICT_OPS = ("decode",)
 
 
 def why_not(args: DecodeArgs) -> str | None:

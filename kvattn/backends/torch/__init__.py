@@ -17,10 +17,12 @@ from .writer import write_kv
 NAME = "torch"
 # Switches of kvattn.variants this writer implements (the registry refuses the others).
 WRITE_SWITCHES = frozenset({"fp8 KV", "fp8 toward_zero"})
+# The readers take the reader's rule from kvattn.reference.readable_slots, which reads verdicts.
+VERDICT_OPS = ("decode",)
 
 
 def why_not(args: WriteArgs) -> str | None:
     return None
 
 
-__all__ = ["NAME", "WRITE_SWITCHES", "decode", "extend", "why_not", "write_kv"]
+__all__ = ["NAME", "VERDICT_OPS", "WRITE_SWITCHES", "decode", "extend", "why_not", "write_kv"]

@@ -33,6 +33,8 @@ SWITCHES = frozenset(
 WRITE_SWITCHES = frozenset({"fp8 KV", "fp8 toward_zero"})
 
 NAME = "triton"
+# Ops whose kernels read a kvattn.PageVerdict (docs/ownership.md section 9).
+VERDICT_OPS = ("decode",)
 
 
 def _why_not_here(device: torch.device) -> str | None:
@@ -86,6 +88,7 @@ why_not_mla_extend = why_not_mla_decode
 
 __all__ = [
     "NAME",
+    "VERDICT_OPS",
     "WRITE_SWITCHES",
     "decode",
     "extend",

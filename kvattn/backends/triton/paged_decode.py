@@ -44,7 +44,17 @@ from .softmax import (
     variant_scores,
 )
 from .split_report import REPORT_FIELDS, REPORT_PTRS, store_split_report
-from .tag_rule import LOG2E, LOG2E_C, V_OUT_OF_RANGE, bit_or, check_pages, tile_slots
+from .tag_rule import (
+    LOG2E,
+    LOG2E_C,
+    V_OUT_OF_RANGE,
+    add_fresh_refusal,
+    bit_or,
+    check_pages,
+    fresh_tile_slots,
+    tile_slots,
+    verdict_tile_slots,
+)
 
 MAX_HEAD_DIM = 512
 
@@ -73,6 +83,62 @@ def window_start(raw_len, seq_len, window_left, WINDOW: tl.constexpr, ALIGN: tl.
 
 
 @triton.jit
+def attend_tile(
+    q,
+    k_head,
+    v_head,
+    page,
+    slot,
+    live,
+    t0,
+    offs_n,
+    offs_d,
+    offs_dv,
+    d_mask,
+    dv_mask,
+    stride_kp,
+    stride_ks,
+    stride_vp,
+    stride_vs,
+    first_key,
+    anchor,
+    qk_scale,
+    soft_cap,
+    alibi2,
+    m_i,
+    l_i,
+    acc,
+    WINDOW: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+):
+    """One tile of keys ``[t0, t0 + BLOCK_N)`` (``page``, ``slot``, ``live`` from the table or the
+    verdict) folded into the online softmax ``(m_i, l_i, acc)`` of the program's query heads."""
+    if WINDOW:
+        live = live & (t0 + offs_n >= first_key)
+    page = page.to(tl.int64)
+    k_rows = k_head + page * stride_kp + slot * stride_ks  # [BLOCK_N]
+    v_rows = v_head + page * stride_vp + slot * stride_vs
+    k = tl.load(
+        k_rows[:, None] + offs_d[None, :], mask=live[:, None] & d_mask[None, :], other=0.0
+    )  # [BLOCK_N, BLOCK_D]
+    v = tl.load(
+        v_rows[:, None] + offs_dv[None, :], mask=live[:, None] & dv_mask[None, :], other=0.0
+    )  # [BLOCK_N, BLOCK_DV]
+    if FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    distance = (t0 + offs_n - anchor).to(tl.float32)[None, :]  # [1, BLOCK_N]
+    s = variant_scores(
+        qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance, SOFTCAP, ALIBI
+    )
+    s = tl.where(live[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+    return online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr,
     k_ptr,
@@ -81,6 +147,7 @@ def paged_decode_kernel(
     seq_lens_ptr,
     tags_ptr,
     expected_ptr,
+    verdict_ptr,
     out_ptr,
     lse_ptr,
     part_acc_ptr,
@@ -130,6 +197,7 @@ def paged_decode_kernel(
     ALIGN: tl.constexpr,
     BLOCK_P: tl.constexpr,
     CHECK: tl.constexpr,
+    VERDICT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     RETURN_LSE: tl.constexpr,
     OWNER_PER_PAGE: tl.constexpr,
@@ -160,7 +228,28 @@ def paged_decode_kernel(
     start += span_lo
     end += span_lo
 
-    if reporter:
+    # The new token's page (logical page ``fresh``, its slot ``fresh_slot``), which a verdict
+    # leaves to each call: its other slots come from the verdict, the new one from this tag.
+    has_fresh = (q_pos >= 0) & (q_pos < capacity)
+    fresh = tl.where(has_fresh, q_pos // PAGE, -1)
+    fresh_slot = q_pos - fresh * PAGE
+    verdict_row = verdict_ptr + b * max_pages
+    if reporter and VERDICT:
+        if (split == 0) & has_fresh:
+            exp_row = expected_ptr + b * stride_eb
+            add_fresh_refusal(
+                verdict_row,
+                exp_row,
+                stride_ep,
+                tags_ptr,
+                page_reasons_ptr + b * max_pages,
+                violations_ptr + b,
+                reasons_ptr + b,
+                num_pages,
+                fresh,
+                fresh_slot,
+            )
+    elif reporter:
         bt_row = block_table_ptr + b * stride_bt
         exp_row = expected_ptr + b * stride_eb
         reasons_row = page_reasons_ptr + b * max_pages
@@ -248,42 +337,112 @@ def paged_decode_kernel(
             loop_lo = tl.maximum(
                 start, first_key // BLOCK_N * BLOCK_N
             )  # tiles wholly before: skipped
-        for t0 in range(loop_lo, end, BLOCK_N):
-            page, slot, live = tile_slots(
+        main_end = end
+        if VERDICT:
+            # Tiles from the one holding the new token's page's first slot on are peeled off.
+            fresh_lo = loop_lo + tl.maximum(fresh * PAGE - loop_lo, 0) // BLOCK_N * BLOCK_N
+            main_end = tl.where(has_fresh, tl.minimum(end, fresh_lo), end)
+        for t0 in range(loop_lo, main_end, BLOCK_N):
+            if VERDICT:
+                page, slot, live = verdict_tile_slots(
+                    t0, end, offs_n, verdict_row, num_pages, PAGE, BLOCK_N
+                )
+            else:
+                page, slot, live = tile_slots(
+                    t0,
+                    end,
+                    offs_n,
+                    bt_row,
+                    exp_row,
+                    stride_ep,
+                    seq_owner,
+                    tags_ptr,
+                    num_pages,
+                    PAGE,
+                    BLOCK_N,
+                    CHECK,
+                    OWNER_PER_PAGE,
+                )
+            m_i, l_i, acc = attend_tile(
+                q,
+                k_head,
+                v_head,
+                page,
+                slot,
+                live,
                 t0,
-                end,
                 offs_n,
-                bt_row,
-                exp_row,
-                stride_ep,
-                seq_owner,
-                tags_ptr,
-                num_pages,
-                PAGE,
-                BLOCK_N,
-                CHECK,
-                OWNER_PER_PAGE,
+                offs_d,
+                offs_dv,
+                d_mask,
+                dv_mask,
+                stride_kp,
+                stride_ks,
+                stride_vp,
+                stride_vs,
+                first_key,
+                anchor,
+                qk_scale,
+                soft_cap,
+                alibi2,
+                m_i,
+                l_i,
+                acc,
+                WINDOW,
+                FP8,
+                DOT_FP32,
+                SOFTCAP,
+                ALIBI,
             )
-            if WINDOW:
-                live = live & (t0 + offs_n >= first_key)
-            page = page.to(tl.int64)
-            k_rows = k_head + page * stride_kp + slot * stride_ks  # [BLOCK_N]
-            v_rows = v_head + page * stride_vp + slot * stride_vs
-            k = tl.load(
-                k_rows[:, None] + offs_d[None, :], mask=live[:, None] & d_mask[None, :], other=0.0
-            )  # [BLOCK_N, BLOCK_D]
-            v = tl.load(
-                v_rows[:, None] + offs_dv[None, :], mask=live[:, None] & dv_mask[None, :], other=0.0
-            )  # [BLOCK_N, BLOCK_DV]
-            if FP8:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            distance = (t0 + offs_n - anchor).to(tl.float32)[None, :]  # [1, BLOCK_N]
-            s = variant_scores(
-                qk_scores(q, k, DOT_FP32), qk_scale, soft_cap, alibi2, distance, SOFTCAP, ALIBI
-            )
-            s = tl.where(live[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_FP32)
+        if VERDICT:
+            for t0 in range(main_end, end, BLOCK_N):
+                page, slot, live = fresh_tile_slots(
+                    t0,
+                    end,
+                    offs_n,
+                    verdict_row,
+                    exp_row,
+                    stride_ep,
+                    seq_owner,
+                    tags_ptr,
+                    num_pages,
+                    fresh,
+                    fresh_slot,
+                    PAGE,
+                    BLOCK_N,
+                    OWNER_PER_PAGE,
+                )
+                m_i, l_i, acc = attend_tile(
+                    q,
+                    k_head,
+                    v_head,
+                    page,
+                    slot,
+                    live,
+                    t0,
+                    offs_n,
+                    offs_d,
+                    offs_dv,
+                    d_mask,
+                    dv_mask,
+                    stride_kp,
+                    stride_ks,
+                    stride_vp,
+                    stride_vs,
+                    first_key,
+                    anchor,
+                    qk_scale,
+                    soft_cap,
+                    alibi2,
+                    m_i,
+                    l_i,
+                    acc,
+                    WINDOW,
+                    FP8,
+                    DOT_FP32,
+                    SOFTCAP,
+                    ALIBI,
+                )
 
         if FP8:
             acc = acc * tl.load(v_scale_ptr + kv_head)  # V's scale, once (splits store scaled sums)
@@ -518,7 +677,12 @@ def decode(
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(args.head_dim_v))
     dot_fp32 = dots_in_fp32(q)
-    report = OwnershipReport.allocate(batch, args.max_pages, q.device) if check else None
+    verdict = args.verdict if check else None
+    report = None
+    if check:
+        report = (
+            verdict.report if verdict else OwnershipReport.allocate(batch, args.max_pages, q.device)
+        )
     if splits > 1:
         part_acc = torch.empty(
             batch * num_heads * splits * block_dv, dtype=torch.float32, device=q.device
@@ -554,6 +718,7 @@ def decode(
         seq_lens_ptr=args.seq_lens,
         tags_ptr=args.page_tags,
         expected_ptr=args.expected,
+        verdict_ptr=verdict.entries if verdict else out,
         out_ptr=out,
         lse_ptr=lse_arg,
         part_acc_ptr=part_acc,
@@ -600,6 +765,7 @@ def decode(
         ALIGN=align,
         BLOCK_P=128,
         CHECK=check,
+        VERDICT=verdict is not None,
         DOT_FP32=dot_fp32,
         RETURN_LSE=lse is not None,
         OWNER_PER_PAGE=args.expected.stride(1) != 0,
@@ -610,8 +776,10 @@ def decode(
         num_stages=config.num_stages,
         maxnreg=config.max_registers,
     )
+    # Through a verdict the report needs no sum of the splits: the resolve wrote it.
+    sums = check and verdict is None
     if splits > 1:
-        merge_splits_kernel[(batch, num_heads + int(check))](
+        merge_splits_kernel[(batch, num_heads + int(sums))](
             part_acc_ptr=part_acc,
             part_ml_ptr=part_ml,
             part_report_ptr=part_report,
@@ -634,7 +802,7 @@ def decode(
             PAGE=args.page_size,
             ALIGN=align,
             BLOCK_S=16,
-            CHECK=check,
+            CHECK=sums,
             RETURN_LSE=lse is not None,
             WINDOW=sw.windowed,
             SINKS=sw.sinks is not None,

@@ -123,6 +123,120 @@ def tile_slots(
 
 
 @triton.jit
+def unpack_entry(entry, num_pages):
+    """``(page, readable slots)`` of a verdict's packed entry ``page << 32 | readable``
+    (docs/ownership.md section 9), readable 0 unless the page id lies in the pool: a forged or
+    stale entry never dereferences a page outside it."""
+    page = (entry >> 32).to(tl.int32)  # exact: the high word
+    readable = entry.to(tl.int32)  # the low word (negative only if forged: then nothing)
+    return page, tl.where((page >= 0) & (page < num_pages), readable, 0)
+
+
+@triton.jit
+def verdict_tile_slots(
+    t0, end, offs_n, verdict_row, num_pages, PAGE: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """:func:`tile_slots` through a verdict: one packed entry per page, no block-table entry, no
+    tag. The tile lies before the new token's page, so wholly inside the sequence: an entry alone
+    says what is read (a forged one reads at most its own page, never past the length)."""
+    if PAGE % BLOCK_N == 0:
+        logical = t0 // PAGE
+        page, readable = unpack_entry(tl.load(verdict_row + logical), num_pages)
+        slot = t0 % PAGE + offs_n  # [BLOCK_N]
+        live = slot < readable
+    else:
+        tok = t0 + offs_n  # [BLOCK_N]
+        logical = tok // PAGE
+        slot = tok % PAGE
+        live = tok < end
+        page, readable = unpack_entry(tl.load(verdict_row + logical, mask=live, other=0), num_pages)
+        live = live & (slot < readable)
+    return page, slot, live
+
+
+@triton.jit
+def fresh_tile_slots(
+    t0,
+    end,
+    offs_n,
+    verdict_row,
+    exp_row,
+    stride_ep,
+    seq_owner,
+    tags_ptr,
+    num_pages,
+    fresh,
+    fresh_slot,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    OWNER_PER_PAGE: tl.constexpr,
+):
+    """:func:`verdict_tile_slots` for the tiles that hold the new token's page (logical page
+    ``fresh``, the new token at ``fresh_slot``): that page's new slot is readable only if this
+    call's tag certifies it, its older slots only as the verdict says (a slot another layer
+    refused stays refused); the other pages' slots come from their entries."""
+    if PAGE % BLOCK_N == 0:
+        logical = t0 // PAGE
+        page, readable = unpack_entry(tl.load(verdict_row + logical), num_pages)
+        in_range = (page >= 0) & (page < num_pages)
+        limit = readable
+        if logical == fresh:
+            tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
+            owner = seq_owner
+            if OWNER_PER_PAGE:
+                owner = tl.load(exp_row + logical * stride_ep)
+            cap = tl.where(readable < fresh_slot, readable, PAGE)
+            limit = tl.minimum(readable_len(tag, owner), cap)
+        limit = tl.where(in_range, limit, 0)
+        slot = t0 % PAGE + offs_n  # [BLOCK_N]
+        live = slot < tl.minimum(limit, end - logical * PAGE)
+    else:
+        tok = t0 + offs_n  # [BLOCK_N]
+        logical = tok // PAGE
+        slot = tok % PAGE
+        live = tok < end
+        page, readable = unpack_entry(tl.load(verdict_row + logical, mask=live, other=0), num_pages)
+        is_fresh = live & (logical == fresh)
+        in_range = (page >= 0) & (page < num_pages)
+        tag = tl.load(tags_ptr + page, mask=is_fresh & in_range, other=0)
+        owner = seq_owner
+        if OWNER_PER_PAGE:
+            owner = tl.load(exp_row + logical * stride_ep, mask=is_fresh, other=0)
+        cap = tl.where(readable < fresh_slot, readable, PAGE)
+        limit = tl.where(is_fresh, tl.minimum(readable_len(tag, owner), cap), readable)
+        live = live & in_range & (slot < limit)
+    return page, slot, live
+
+
+@triton.jit
+def add_fresh_refusal(
+    verdict_row,
+    exp_row,
+    stride_ep,
+    tags_ptr,
+    reasons_row,
+    violations_ptr,
+    reasons_ptr,
+    num_pages,
+    fresh,
+    fresh_slot,
+):
+    """The report's part of a call through a verdict: the new token's page judged against this
+    call's tag, through its new slot, and added to the verdict's report unless a resolve or an
+    earlier call already counts it (so a page counts once per step)."""
+    page = tl.load(verdict_row + fresh) >> 32
+    in_range = (page >= 0) & (page < num_pages)
+    tag = tl.load(tags_ptr + tl.where(in_range, page, 0))
+    tag = tl.where(in_range, tag, 0)
+    owner = tl.load(exp_row + fresh * stride_ep)
+    why = page_reason(tag, in_range, owner, fresh_slot + 1)
+    new = (why != 0) & (tl.load(reasons_row + fresh) == 0)
+    tl.store(reasons_row + fresh, why.to(tl.int8), mask=new)
+    tl.store(violations_ptr, tl.load(violations_ptr) + 1, mask=new)
+    tl.store(reasons_ptr, tl.load(reasons_ptr) | why, mask=new)
+
+
+@triton.jit
 def check_pages(
     bt_row,
     exp_row,
