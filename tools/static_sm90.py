@@ -128,8 +128,10 @@ def loops(insns) -> list[tuple[int, int]]:
 def sass_figures(insns) -> dict:
     """Instruction counts of a function and of its main loop: among the loops with tensor-core
     instructions if any has them, then among those with async copies, the one with the most
-    global loads and async copies, the first in the code on a tie (extend's loop over key tiles
-    before the diagonal comes before the causal one). A small loop of plain loads (the extend's
+    async copies (of plain global loads where there are none), the first in the code on a tie
+    (extend's loop over key tiles before the diagonal comes before the causal one; the decode's
+    loop before the tiles of the new token's page it peels off under a verdict, which load a tag
+    besides). A small loop of plain loads (the extend's
     report of a sequence) is never the main one, also in fp32 kernels, which have no tensor-core
     instructions."""
     figures = {"sass": len(insns), **{f"all_{k}": v for k, v in _counts(insns).items()}}
@@ -137,7 +139,7 @@ def sass_figures(insns) -> dict:
     for lo, hi in sorted(loops(insns)):
         body = [i for i in insns if lo <= i[0] <= hi]
         c = _counts(body)
-        key = (c["mma"] > 0, c["ldgsts"] > 0, c["ldg"] + c["ldgsts"])
+        key = (c["mma"] > 0, c["ldgsts"] > 0, c["ldgsts"] or c["ldg"])
         if best is None or key > best[0]:
             best = (key, body, c)
     if best is None:
@@ -335,6 +337,9 @@ TRITON_CONFIGS = [
     ),
     # DeepSeek's non-absorbed attention: 192-dim queries and keys, 128-dim values.
     ("decode bf16 dk192 dv128 p16 gqa4", "decode", torch.bfloat16, 192, 16, 32, 8, "dv128"),
+    # Through a verdict (kvattn.resolve_pages, docs/ownership.md section 9), the resolve's own
+    # kernels compiled with it over the tags of RESOLVE_LAYERS layers; unchecked, the plain kernel.
+    ("decode bf16 d128 p16 gqa4 verdict", "decode", torch.bfloat16, 128, 16, 32, 8, "verdict"),
     ("extend bf16 dk192 dv128 p16 gqa4", "extend", torch.bfloat16, 192, 16, 32, 8, "dv128"),
 ]
 
@@ -353,6 +358,11 @@ TRITON_CONFIGS += [
     ("mla_extend bf16 512+64 p1 h16", "mla_extend", torch.bfloat16, 576, 1, 16, 1),
     ("mla_extend fp32 512+64 p64 h16", "mla_extend", torch.float32, 576, 64, 16, 1),
 ]
+
+
+# The layers of the tags a verdict is resolved over: those of the goal shape's model (32 query
+# heads over 8 KV heads of dim 128 is Llama 3 8B, 32 layers).
+RESOLVE_LAYERS = 32
 
 
 def _variant(name: str | None, num_heads: int, num_kv_heads: int, batch: int) -> dict:
@@ -407,9 +417,24 @@ def _inputs(op, dtype, head_dim, page_size, num_heads, num_kv_heads, variant=Non
         )
     if op == "decode":
         q = torch.zeros(batch, num_heads, head_dim, dtype=dtype)
-        return kvattn.layout.validate_decode(
-            q, k, v, table, lens, tags, expected, validate=False, **switches
+        if variant == "verdict":
+            tags = torch.zeros(RESOLVE_LAYERS, num_pages, dtype=torch.int64)
+        args = kvattn.layout.validate_decode(
+            q,
+            k,
+            v,
+            table,
+            lens,
+            tags[0] if variant == "verdict" else tags,
+            expected,
+            validate=False,
+            **switches,
         )
+        if variant == "verdict":
+            args.verdict = kvattn.resolve_pages(
+                table, lens, tags, args.expected, page_size=page_size, backend="reference"
+            )
+        return args
     q = torch.zeros(batch * 77, num_heads, head_dim, dtype=dtype)
     cu = torch.arange(0, batch + 1, dtype=torch.int32) * 77
     if variant == "mask":
@@ -441,6 +466,12 @@ def triton_records(configs=TRITON_CONFIGS) -> list[dict]:
             out = args.q.new_empty(*args.q.shape[:2], width)
             lse = torch.empty(args.q.shape[:2], dtype=torch.float32)
             with compile_only() as compiled:
+                # A verdict serves only the checked kernel: unchecked, the row is the plain one.
+                if getattr(args, "verdict", None) is not None and check:
+                    from kvattn.backends.triton.resolve import resolve
+
+                    v = args.verdict
+                    resolve(v.block_table, v.seq_lens, v.page_tags, v.expected, v.page_size, -1)
                 getattr(triton_backend, op)(args, check=check, out=out, lse=lse)
                 planned = _planned_per_sm(op, args)
             for kernel_name, kernel in compiled:
@@ -619,8 +650,16 @@ MEMORY_US, L2_US, LAUNCH_US = 1.0, 0.3, 1.0
 # copy (from the TTGIR of the main loop: the Triton kernel loads the tile's table entry, then its
 # tag, in the iteration that issues its copy; the CUDA kernel resolves them a sub-tile ahead), and
 # before its first K/V copy (the length, the table entry, the tag).
-LOOP_CHAIN = {("triton", False): 1, ("triton", True): 2, ("cuda", False): 0, ("cuda", True): 0}
-START_CHAIN = {False: 3, True: 4}
+# Through a verdict ("verdict") the Triton kernel loads one packed entry per tile, as unchecked
+# loads its table entry.
+LOOP_CHAIN = {
+    ("triton", False): 1,
+    ("triton", True): 2,
+    ("triton", "verdict"): 1,
+    ("cuda", False): 0,
+    ("cuda", True): 0,
+}
+START_CHAIN = {False: 3, True: 4, "verdict": 3}
 
 
 def resident_per_sm(registers: int, shared: int, num_warps: int) -> int:
@@ -709,21 +748,37 @@ def decode_model(
     pages, two dependent loads each, from memory in a program of its own, from L2 after a loop."""
     chain = LOOP_CHAIN[(backend, check)] * L2_US
     cap = min(in_flight / MEMORY_US, tile_bytes / chain if chain else float("inf"))
+    verdict = check == "verdict"
     column = check and REPORT_PROGRAMS[backend] == "column"
     programs = []
-    for s, e in bounds:
+    for split, (s, e) in enumerate(bounds):
         pages = -(-max(e - s, 0) // 16)
         passes = -(-pages // 128)
-        if column:
+        if verdict:
+            # Split 0's report program judges the new token's page: entry, tag, its reason.
+            programs += [(MEMORY_US, 0, 3 * MEMORY_US if split == 0 else 0.0)] * batch
+        elif column:
             programs += [(MEMORY_US, 0, 2 * MEMORY_US * passes)] * batch
         for i in range(attention_per_split):
             start = START_CHAIN[check] * MEMORY_US if e > s else 0.0
             after = 2 * L2_US * passes if check and not column and i < batch else 0.0
+            if verdict:
+                after = 0.0
             programs.append((start, max(e - s, 0) * head_dim * 2 * 2, after))
     total = LAUNCH_US + model_time(programs, slots, cap)
     if splits > 1:  # the merge: read the partials (and, checked, sum the report counts)
         total += LAUNCH_US + 2 * MEMORY_US + (L2_US if check and not column else 0.0)
     return total
+
+
+def resolve_model(layers: int) -> float:
+    """Modelled microseconds of one resolve (kvattn.resolve_pages on the GPU; its grid fits one
+    wave at the goal shapes): two launches; the length, then the table entries and expected
+    owners, then one tag tile per BLOCK_L layers, each a dependent load from memory; then the
+    report kernel's partial counts (a model, NOT speed)."""
+    from kvattn.backends.triton.resolve import BLOCK_L
+
+    return 2 * LAUNCH_US + (2 + -(-layers // BLOCK_L) + 1) * MEMORY_US
 
 
 def decode_grids(records: list[dict]) -> list[dict]:
@@ -744,6 +799,18 @@ def decode_grids(records: list[dict]) -> list[dict]:
         }
         if len(found) < 2:
             continue
+        modes = [False, True]
+        through = [
+            r
+            for r in records
+            if r["backend"] == backend
+            and r["kernel"] == "paged_decode_kernel"
+            and r["config"] == f"{config} verdict"
+            and r["check"]
+        ]
+        if through:
+            found["verdict"] = through[0]
+            modes.append("verdict")
         resident = min(record_residency(r) for r in found.values())
         slots = resident * H200_SMS
         for batch in GOAL_BATCHES:
@@ -781,7 +848,7 @@ def decode_grids(records: list[dict]) -> list[dict]:
                         tile_bytes,
                         args.head_dim,
                     )
-                    for check in (False, True)
+                    for check in modes
                 }
                 copy_us = (
                     batch * context * args.num_kv_heads * args.head_dim * 2 * 2 / COPY_BYTES_PER_US
@@ -803,6 +870,15 @@ def decode_grids(records: list[dict]) -> list[dict]:
                         modelled_check_cost=round(times[True] / times[False] - 1, 3),
                     )
                 )
+                if "verdict" in times:
+                    # Per layer, and with the step's one resolve shared by its RESOLVE_LAYERS.
+                    per_layer = resolve_model(RESOLVE_LAYERS) / RESOLVE_LAYERS
+                    rows[-1].update(
+                        modelled_verdict_cost=round(times["verdict"] / times[False] - 1, 3),
+                        modelled_verdict_cost_with_resolve=round(
+                            (times["verdict"] + per_layer) / times[False] - 1, 3
+                        ),
+                    )
     return rows
 
 
@@ -818,18 +894,28 @@ def grids_markdown(rows: list[dict]) -> str:
         "loads, stream their K/V at most at their buffers in flight per loaded latency (and "
         "one tile per exposed per-iteration load chain), sharing "
         f"{COPY_BYTES_PER_US / 1e6:g} TB/s of copy bandwidth; then the merge. Unchecked: the "
-        "modelled share of the copy bandwidth; checked: the modelled time over unchecked.",
+        "modelled share of the copy bandwidth; checked: the modelled time over unchecked. "
+        "Through a verdict (Triton, docs/ownership.md section 9): the same, the per-layer call "
+        "alone, then with the step's one resolve (`resolve_model`) shared by its "
+        f"{RESOLVE_LAYERS} layers.",
         "",
         "| backend | batch | context | splits | programs | resident/SM | slots | waves | tail "
-        "| model: unchecked % of copy | model: checked cost |",
-        "|" + "---|" * 11,
+        "| model: unchecked % of copy | model: checked cost | model: verdict cost "
+        "| model: verdict + resolve |",
+        "|" + "---|" * 13,
     ]
     for r in rows:
+        verdict = ["", ""]
+        if "modelled_verdict_cost" in r:
+            verdict = [
+                f"{100 * r['modelled_verdict_cost']:+.1f}%",
+                f"{100 * r['modelled_verdict_cost_with_resolve']:+.1f}%",
+            ]
         lines.append(
             f"| {r['backend']} | {r['batch']} | {r['context']} | {r['splits']} | "
             f"{r['programs']} | {r['resident_per_sm']} | {r['slots']} | {r['waves']:.2f} | "
             f"{100 * r['tail']:.0f}% | {100 * r['modelled_bandwidth']:.0f}% | "
-            f"{100 * r['modelled_check_cost']:+.1f}% |"
+            f"{100 * r['modelled_check_cost']:+.1f}% | {verdict[0]} | {verdict[1]} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -39,6 +39,10 @@ GOAL_SHAPES = {(b, c) for b in (1, 16, 64) for c in (4096, 8192, 16384, 32768)}
 # loop at d64), but the unchecked loop is shorter (fp16 queries convert fp8 in one instruction),
 # so the ratio of the smallest CUDA instantiation (d64, 427 -> 474) sits just above 1.10.
 FP8_DECODE_RATIO_MAX = 1.12
+# Through a verdict (docs/ownership.md section 9): main-loop instructions over unchecked, and the
+# modelled cost of a layer's call with its share of the step's resolve.
+VERDICT_RATIO_MAX = 1.02
+VERDICT_MODEL_MAX = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +165,30 @@ def test_checked_decode_loop_within_ten_percent_at_page_16(static, capsys):
             config,
             ratio,
         )
+
+
+def test_the_decode_through_a_verdict_loops_as_unchecked(static):
+    """docs/ownership.md section 9: through a verdict the main loop loads one entry per tile, as
+    the unchecked one loads its table entry: within VERDICT_RATIO_MAX of its instructions, with as
+    many resident programs; the resolve's kernels spill nothing (test_no_kernel_spills)."""
+    pair = pairs(static[0]["records"], "triton")[
+        ("paged_decode_kernel", "decode bf16 d128 p16 gqa4 verdict")
+    ]
+    assert pair[True]["loop_sass"] / pair[False]["loop_sass"] <= VERDICT_RATIO_MAX, pair
+    assert pair[True]["resident_per_sm"] == pair[False]["resident_per_sm"], pair
+    kernels = {r["kernel"] for r in static[0]["records"] if r["config"].endswith(" verdict")}
+    assert {"resolve_verdict_kernel", "verdict_report_kernel"} <= kernels
+
+
+def test_the_verdict_is_modelled_within_three_percent_at_every_goal_shape(static):
+    """The decode grids' model with the step's one resolve shared by its layers: at most
+    VERDICT_MODEL_MAX over unchecked at every goal shape (the per-call check is modelled at +17%
+    at batch 1, 4-8K)."""
+    rows = [r for r in static[0]["decode_grids"] if r["backend"] == "triton"]
+    assert {(r["batch"], r["context"]) for r in rows} == GOAL_SHAPES
+    for r in rows:
+        assert r["modelled_verdict_cost_with_resolve"] <= VERDICT_MODEL_MAX, r
+        assert r["modelled_verdict_cost"] <= r["modelled_verdict_cost_with_resolve"], r
 
 
 def test_committed_table_is_current(static):
