@@ -17,9 +17,11 @@ forward begins, a prefix cache hits, a transfer arrives, a request must fail. Th
   engine computes KV under or keys its cache on) equals the reader's; otherwise owner 0, which no
   tag carries, so the read fails closed;
 - **the step** (:class:`Step`): one forward's block table, expected owners and per-token owners,
-  and its three moves: write (:meth:`Step.write`), attend (:meth:`Step.attend`), and finish
-  (:meth:`Ledger.finish`), which reads every layer's refused pages and dropped writes back with one
-  device read and names the requests to fail with one message each (:func:`failure_message`);
+  and its three moves: write (:meth:`Step.write`), attend (:meth:`Step.attend`: a decode step
+  resolves its pages once, at its first attention call, and every layer reads that
+  :class:`kvattn.PageVerdict`; docs/ownership.md section 9), and finish (:meth:`Ledger.finish`),
+  which reads every layer's refused pages and dropped writes back with one device read and names
+  the requests to fail with one message each (:func:`failure_message`);
 - **transfers**: the sender's attestation and the receiver's verification of pages that arrived by
   a transfer engine (:meth:`Ledger.attest`, :meth:`Ledger.verify`, contexts from
   :meth:`Ledger.contexts`; the rules are :mod:`kvattn.transfer`'s), commits by verified length;
@@ -43,6 +45,7 @@ from .. import api, backends
 from ..report import WriteResult
 from ..tags import Violation, WriteDrop, new_owner_id
 from ..transfer import PageAttestation, attest_pages, verify_arrived
+from ..verdict import PageVerdict, resolve_pages
 from ..writers import commit_pages, release_pages, reserve_pages, write_kv
 
 logger = logging.getLogger("kvattn")
@@ -170,6 +173,10 @@ class Step:
     check: bool = True
     reports: list = field(default_factory=list)  # (layer name, OwnershipReport)
     drops: list = field(default_factory=list)  # (layer name, drop_reasons [num_slots])
+    # The [layers, pages] tags a decode step's verdict is resolved against (None: every call
+    # checks its pages itself), and the verdicts resolved, one per sliding window.
+    layer_tags: torch.Tensor | None = None
+    verdicts: dict = field(default_factory=dict)
 
     def write(
         self,
@@ -220,7 +227,15 @@ class Step:
         common = dict(check=self.check, backend=self.backend, validate=False, **kwargs)
         if self.decode_only:
             out, report = api.paged_decode(
-                q, k_pages, v_pages, self.block_table, self.seq_lens, tags, self.expected, **common
+                q,
+                k_pages,
+                v_pages,
+                self.block_table,
+                self.seq_lens,
+                tags,
+                self.expected,
+                verdict=self._verdict(k_pages, kwargs.get("window_left", -1)),
+                **common,
             )
         else:
             out, report = api.paged_extend(
@@ -240,6 +255,24 @@ class Step:
             self.pages_checked += report.pages_checked
             self.reports.append((layer, report))
         return out
+
+    def _verdict(self, k_pages: torch.Tensor, window_left: int) -> PageVerdict | None:
+        """The step's verdict for a window, resolved at its first attention call
+        (docs/ownership.md section 9): every layer after reads it instead of the table and
+        tags."""
+        if not self.check or self.layer_tags is None:
+            return None
+        verdict = self.verdicts.get(window_left)
+        if verdict is None:
+            verdict = self.verdicts[window_left] = resolve_pages(
+                self.block_table,
+                self.seq_lens,
+                self.layer_tags,
+                self.expected,
+                page_size=k_pages.shape[1],
+                window_left=window_left,
+            )
+        return verdict
 
     def refusals(self, row: int) -> list[tuple[int, Violation]]:
         """Every ``(logical page, reason)`` a layer refused for ``row`` (host read)."""
@@ -327,6 +360,10 @@ class Ledger:
     adapter = "ledger"  # the adapter module's name, in errors
     unit = "page"
     lease_type = Lease
+    # A decode step resolves its pages once against every row of :attr:`tags`
+    # (:meth:`Step.attend`); an adapter whose layers do not all hold every page's writes (KV cache
+    # groups) turns it off, and each call checks its pages itself.
+    resolve_once = True
 
     def __init__(
         self,
@@ -482,6 +519,7 @@ class Ledger:
             backend=self.backend,
             write_backend=write_backend_for(self.backend),
             check=self.check,
+            layer_tags=self.tags if self.resolve_once else None,
         )
         self.steps[group] = step
         return step

@@ -503,6 +503,9 @@ class WorkerOwnership(Ledger):
         self.layer_group = {
             name: g for g, group in enumerate(config.kv_cache_groups) for name in group.layer_names
         }
+        # A block of one group is written only in that group's layers: a verdict over every
+        # layer would refuse it.
+        self.resolve_once = len(self.windows) == 1
         unknown = sorted(set(self.layer_rows) - set(self.layer_group))
         if unknown:
             raise IntegrationError(

@@ -153,3 +153,91 @@ def test_a_page_of_another_image_or_placed_elsewhere_digests_apart():
     ledger = Ledger(4)
     ledger.remember(3, 9, with_image[1])
     assert ledger.hit_owner(3, other[1]) == 0 and ledger.hit_owner(3, with_image[1]) == 9
+
+
+def _decode_forward(resolve_once: bool, monkeypatch, fault: bool):
+    """One decode forward of two requests over 4 layers through ``Step.write``/``Step.attend``;
+    with ``fault``, request 1's first page is handed to a stranger before the step. Returns the
+    outputs per layer, what ``finish`` failed and how many resolves ran."""
+    import kvattn.integrations.ledger as ledger_module
+
+    layers, page, heads, dim = 4, 4, 2, 8
+    ledger = Ledger(page)
+    ledger.resolve_once = resolve_once
+    ledger.allocate_tags(layers, 16, "cpu")
+    g = torch.Generator().manual_seed(0)
+    pools = torch.full((layers, 2, 16, page, heads, dim), float("nan"))
+    owners, pages, lens = [], [[1, 2], [5, 6]], [7, 6]
+    for b, held in enumerate(pages):
+        lease = ledger.open_lease(f"req_{b}")
+        owners.append(lease.owner)
+        ledger.reserve(held, lease.owner)
+        for layer in range(layers):  # the prompt's KV, written in an earlier forward
+            slots = torch.tensor([held[i // page] * page + i % page for i in range(lens[b] - 1)])
+            kv = torch.randn(2, len(slots), heads, dim, generator=g)
+            kvattn.write_kv(
+                kv[0],
+                kv[1],
+                pools[layer, 0],
+                pools[layer, 1],
+                slots,
+                ledger.tags[layer],
+                lease.owner,
+            )
+    if fault:
+        ledger.reserve([5], kvattn.tags.new_owner_id())
+    calls = []
+    real = ledger_module.resolve_pages
+    monkeypatch.setattr(
+        ledger_module, "resolve_pages", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    table = torch.tensor(pages, dtype=torch.int32)
+    step = ledger.start_step(
+        ["req_0", "req_1"],
+        owners,
+        [1, 1],
+        table,
+        torch.tensor(owners)[:, None].expand(2, 2).contiguous(),
+        lens,
+    )
+    slots = torch.tensor(
+        [pages[b][(n - 1) // page] * page + (n - 1) % page for b, n in enumerate(lens)]
+    )
+    outs = []
+    for layer in range(layers):
+        new = torch.randn(3, 2, heads, dim, generator=g)
+        step.write(
+            f"layer {layer}",
+            new[0],
+            new[1],
+            pools[layer, 0],
+            pools[layer, 1],
+            slots,
+            ledger.tags[layer],
+        )
+        q = torch.randn(2, heads, dim, generator=g)
+        outs.append(
+            step.attend(f"layer {layer}", q, pools[layer, 0], pools[layer, 1], ledger.tags[layer])
+        )
+    return outs, ledger.finish(), len(calls)
+
+
+def test_a_decode_forward_resolves_once_and_reads_as_each_layer_s_check(monkeypatch):
+    once, failed_once, resolves = _decode_forward(True, monkeypatch, fault=False)
+    each, failed_each, none = _decode_forward(False, monkeypatch, fault=False)
+    assert (resolves, none) == (1, 0)
+    assert failed_once == failed_each == {}
+    for a, b in zip(once, each):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_a_decode_forward_through_the_verdict_fails_the_victim_alone(monkeypatch):
+    """The twin: request 1's first page belongs to a stranger; through the verdict as per call,
+    request 1 alone fails, request 0's output is unchanged."""
+    once, failed_once, resolves = _decode_forward(True, monkeypatch, fault=True)
+    each, failed_each, _ = _decode_forward(False, monkeypatch, fault=True)
+    assert resolves == 1
+    assert list(failed_once) == list(failed_each) == ["req_1"]
+    assert "RESERVED on logical page(s) 0" in failed_once["req_1"][2]
+    for a, b in zip(once, each):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
