@@ -24,7 +24,8 @@ if [ "${1:-}" = --runtime ]; then
 fi
 missing=()
 for mod_pkg in pytest:pytest xdist:pytest-xdist hypothesis:hypothesis \
-               pytest_benchmark:pytest-benchmark numpy:numpy matplotlib:matplotlib pybind11:pybind11; do
+               pytest_benchmark:pytest-benchmark numpy:numpy matplotlib:matplotlib pybind11:pybind11 \
+               blake3:blake3; do
   have "${mod_pkg%%:*}" || missing+=("${mod_pkg#*:}")
 done
 command -v ninja >/dev/null 2>&1 || have ninja || missing+=("ninja")

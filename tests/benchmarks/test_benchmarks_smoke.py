@@ -411,7 +411,8 @@ def test_the_kernels_for_nsight_compute_run(capsys):
 
 
 def test_transfer_digest_benchmark_writes_its_table(tmp_path):
-    """The checked receive's cost script on a tiny pool: both steps timed, labelled as CPU."""
+    """The checked receive's cost script on a tiny pool: the copy, the hashes alone and kvattn's
+    calls timed side by side for 1 thread and every core, labelled as CPU."""
     from benchmarks import transfer_digest
 
     out = tmp_path / "digest.md"
@@ -435,4 +436,8 @@ def test_transfer_digest_benchmark_writes_its_table(tmp_path):
     )
     text = out.read_text()
     assert "not a GPU measurement" in text
-    assert "| sender: `attest_pages`" in text and "| receiver: `verify_arrived`" in text
+    header = next(line for line in text.splitlines() if line.startswith("| threads"))
+    for column in ("copy of the same bytes", "BLAKE3 alone", "`attest_pages`", "`verify_arrived`"):
+        assert column in header
+    rows = [line for line in text.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1 and "%)" in rows[0]

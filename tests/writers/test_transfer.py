@@ -256,3 +256,81 @@ def test_pools_and_contexts_are_checked():
     with pytest.raises(ValueError, match=rf"valid_len: expected an int in \[0, {PAGE}\]"):
         page_digest(k, v, 0, PAGE + 1)
     assert verify_arrived(claims, [0], k, v, contexts=[b"a"]) == ([PAGE], [None])
+
+
+def _layout_digest(k, v, page: int, valid_len: int, context: bytes = b"") -> str:
+    """The digest as docs/transfer.md lays it out, from the bytes alone."""
+    blake3 = pytest.importorskip("blake3")
+    h = blake3.blake3()
+    for kl, vl in zip(k, v):
+        for pool in (kl, vl):
+            h.update(pool[page, :valid_len].contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(context + valid_len.to_bytes(4, "little") + len(context).to_bytes(4, "little"))
+    return h.hexdigest(length=16)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND view", "fp8"])
+def test_the_digest_is_blake3_of_the_documented_layout(layout):
+    k, v = pools()
+    if layout == "HND view":
+        k = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in k]
+        v = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in v]
+    if layout == "fp8":
+        k = [t.to(torch.float8_e4m3fn) for t in k]
+        v = [t.to(torch.float8_e5m2) for t in v]
+    for page, n, context in ((0, PAGE, b""), (1, 5, b"ctx"), (2, 0, b"x" * 40)):
+        assert page_digest(k, v, page, n, context) == _layout_digest(k, v, page, n, context)
+    assert page_digest(k, v, 1, 5) != page_digest(k, v, 1, 4)
+
+
+def test_digests_do_not_depend_on_threads_or_staging(monkeypatch):
+    from kvattn import transfer
+
+    k, v = pools(3)
+    tags = torch.full((LAYERS, PAGES), kvattn.written_tag(OWNER, PAGE))
+    default = transfer._threads
+    transfer.set_digest_threads(1)
+    one = attest_pages(tags, OWNER, list(range(PAGES)) * 3, k, v)
+    transfer.set_digest_threads(3)
+    try:
+        three = attest_pages(tags, OWNER, list(range(PAGES)) * 3, k, v)
+        # Device pools are staged on the host a batch of pages at a time: the same digests.
+        monkeypatch.setattr(transfer, "STAGE_BYTES", 1)
+        pools_ = [p for pair in zip(k, v) for p in pair]
+        staged = list(transfer._staged(pools_, [4, 1, 5]))
+        assert len(staged) == 3
+        for host, local, where in staged:
+            page = [4, 1, 5][where[0]]
+            host = [transfer._Bytes(p) for p in host]
+            assert transfer._one(host, local[0], PAGE, b"") == page_digest(k, v, page, PAGE)
+    finally:
+        transfer.set_digest_threads(default)
+    assert one == three and len({a.digest for a in one}) == PAGES
+
+
+def test_the_async_forms_check_here_and_digest_there():
+    from kvattn.transfer import attest_pages_async, verify_arrived_async
+
+    k, v = pools()
+    claims = attest_pages_async(sender_tags(), OWNER, range(PAGES), k, v).result()
+    assert claims == attest_pages(sender_tags(), OWNER, range(PAGES), k, v)
+    rk, rv = copy_of(k, v)
+    rk[1][1, 2] += 1  # layer 1's K of page 1 differs inside the attested slots
+    lens, reasons = verify_arrived_async(claims, range(PAGES), rk, rv).result()
+    assert lens == [PAGE, 0, 0, 0, 0, 3] and reasons[1] == "digest mismatch"
+    with pytest.raises(ValueError, match="pages"):
+        verify_arrived_async(claims, [PAGES] * PAGES, rk, rv)
+    with pytest.raises(TypeError, match="owner"):
+        attest_pages_async(sender_tags(), "7", range(PAGES), k, v)
+
+
+def test_a_tag_longer_than_its_page_is_refused_by_the_receiver():
+    """A malformed tag (valid_len past the page; no writer makes one) is attested as it says, and
+    the receiver refuses that length: nothing past the page is read on either side."""
+    k, v = pools()
+    tags = sender_tags()
+    tags[:, 0] = kvattn.tags.accept_key(OWNER) | (200 << kvattn.tags.VALID_LEN_SHIFT)
+    claims = attest_pages(tags, OWNER, [0, 1], k, v)
+    assert claims[0].valid_len == 200
+    lens, reasons = verify_arrived(claims, [0, 1], *copy_of(k, v))
+    assert lens == [0, 5] and "outside" in reasons[0]
