@@ -23,7 +23,8 @@ forward begins, a prefix cache hits, a transfer arrives, a request must fail. Th
   which reads every layer's refused pages and dropped writes back with one device read and names
   the requests to fail with one message each (:func:`failure_message`);
 - **transfers**: the sender's attestation and the receiver's verification of pages that arrived by
-  a transfer engine (:meth:`Ledger.attest`, :meth:`Ledger.verify`, contexts from
+  a transfer engine (:meth:`Ledger.attest`, :meth:`Ledger.verify` or, off the engine's step,
+  :meth:`Ledger.verify_async`, contexts from
   :meth:`Ledger.contexts`; the rules are :mod:`kvattn.transfer`'s), commits by verified length;
 - counts, failures, version checks (:func:`check_version`) and setup refusals
   (:func:`refuse`, :class:`IntegrationError`).
@@ -37,6 +38,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +46,7 @@ import torch
 from .. import api, backends
 from ..report import WriteResult
 from ..tags import Violation, WriteDrop, new_owner_id
-from ..transfer import PageAttestation, attest_pages, verify_arrived
+from ..transfer import PageAttestation, attest_pages, verify_arrived_async
 from ..verdict import PageVerdict, resolve_pages
 from ..writers import commit_pages, release_pages, reserve_pages, write_kv
 
@@ -643,6 +645,25 @@ class Ledger:
         JSON values aligned with ``pages``, None where none came) in the context of the receiver's
         own ``tokens``. Returns per page the length to commit and None, or 0 and why not; a
         malformed entry refuses its page only."""
+        future = self.verify_async(
+            attested, indices, pages, tokens, k_pools, v_pools, check_bytes=check_bytes
+        )
+        return future.result()
+
+    def verify_async(
+        self,
+        attested: list | None,
+        indices: list[int],
+        pages: list[int],
+        tokens: list[int],
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        *,
+        check_bytes: bool = True,
+    ) -> Future:
+        """:meth:`verify` with the digests on kvattn's transfer thread
+        (:func:`kvattn.transfer.verify_arrived_async`): the claims are parsed and the contexts
+        derived here; the future's result is :meth:`verify`'s."""
         claims: list[PageAttestation | None] = [None] * len(pages)
         malformed = set()
         for j, value in enumerate(attested or []):
@@ -652,17 +673,32 @@ class Ledger:
                 except ValueError:
                     malformed.add(j)
         contexts = self.contexts(tokens, indices, [c.valid_len if c else 0 for c in claims])
-        lens, reasons = verify_arrived(
+        digests = verify_arrived_async(
             claims, pages, k_pools, v_pools, check_bytes=check_bytes, contexts=contexts
         )
-        return lens, [
-            "malformed attestation"
-            if j in malformed
-            else why
-            if why is not None or n
-            else "the sender attests no written slot"
-            for j, (why, n) in enumerate(zip(reasons, lens))
-        ]
+        result: Future = Future()
+
+        def explain(done: Future) -> None:
+            if done.exception() is not None:
+                result.set_exception(done.exception())
+                return
+            lens, reasons = done.result()
+            result.set_result(
+                (
+                    lens,
+                    [
+                        "malformed attestation"
+                        if j in malformed
+                        else why
+                        if why is not None or n
+                        else "the sender attests no written slot"
+                        for j, (why, n) in enumerate(zip(reasons, lens))
+                    ],
+                )
+            )
+
+        digests.add_done_callback(explain)
+        return result
 
 
 __all__ = [

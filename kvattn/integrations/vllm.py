@@ -61,6 +61,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -769,7 +770,21 @@ class WorkerOwnership(Ledger):
         tokens (:meth:`Ledger.verify`), and remembered by its verified length until the request's
         lease is made, when it is committed. Returns one line per block that will not be
         committed, saying why."""
-        lens, reasons = self.verify(
+        future = self.receive_async(rid, first, blocks, attested, tokens, check_bytes)
+        return self.received(rid, first, blocks, *future.result())
+
+    def receive_async(
+        self,
+        rid: str,
+        first: int,
+        blocks: list[int],
+        attested: list | None,
+        tokens: list[int],
+        check_bytes: bool = True,
+    ) -> Future:
+        """:meth:`receive`'s verification on kvattn's transfer thread (:meth:`Ledger.verify_async`);
+        pass its result to :meth:`received` on the engine's thread."""
+        return self.verify_async(
             attested,
             [first + j for j in range(len(blocks))],
             blocks,
@@ -777,6 +792,11 @@ class WorkerOwnership(Ledger):
             *self._layer_pools(),
             check_bytes=check_bytes,
         )
+
+    def received(
+        self, rid: str, first: int, blocks: list[int], lens: list[int], reasons: list
+    ) -> list[str]:
+        """Remember ``blocks``' verified lengths (:meth:`receive`); one line per refused block."""
         self.arrivals[rid] = [(first + j, b, n) for j, (b, n) in enumerate(zip(blocks, lens)) if n]
         self.counts["received_blocks"] += len(blocks)
         notes = [

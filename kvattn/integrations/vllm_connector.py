@@ -97,11 +97,13 @@ class CheckedNixlConnector(NixlPullConnector):
     ``remote_block_ids``). The decode side, when NIXL reports a request's reads complete (and not
     failed), verifies each local block's bytes against the attestation of the block it was read
     from, in the context of its own prompt, and commits it by the attested length when the
-    request's lease is made; a block whose read failed, whose bytes or tokens differ, that has no
-    attestation, or whose remote list does not line up with the local blocks stays RESERVED, so a
-    decode over it fails that request only. A remote block list shorter than the local one (a
-    prefill that sent less than it owes) is read into the first blocks it covers instead of
-    stopping the worker (vLLM asserts there), and the rest stays unread and RESERVED. A read that
+    request's lease is made (the digests run on kvattn's transfer thread, off the step, and the
+    request is reported received only once they are done); a block whose read failed, whose
+    bytes or tokens differ, that has no attestation, or whose remote list does not line up with
+    the local blocks stays RESERVED, so a decode over it fails that request only. A remote block
+    list shorter than the local one (a prefill that sent less than it owes) is read into the
+    first blocks it covers instead of stopping the worker (vLLM asserts there), and the rest
+    stays unread and RESERVED. A read that
     completes after its request ended is dropped.
 
     ``kv_connector_extra_config={"kvattn_check_bytes": False}`` (on both instances) turns the
@@ -188,6 +190,14 @@ class CheckedNixlConnector(NixlPullConnector):
                 self._receiving.add(req_id)
         super().start_load_kv(forward_context, **kwargs)
 
+    @property
+    def _verifying(self) -> dict:
+        """Requests whose reads completed and whose digests run on kvattn's transfer thread:
+        request id -> (future, first logical block, local blocks)."""
+        if "_kvattn_verifying" not in self.__dict__:
+            self.__dict__["_kvattn_verifying"] = {}
+        return self.__dict__["_kvattn_verifying"]
+
     def get_transfer_results(self, finished_req_ids):
         receiving = dict(self.connector_worker._recving_metadata)
         results = super().get_transfer_results(finished_req_ids)
@@ -195,6 +205,28 @@ class CheckedNixlConnector(NixlPullConnector):
         state = integration.state_for(self._vllm_config)
         if state is None:
             return results
+        self._start_verifying(state, results, receiving)
+        # A request is reported received only once its digests are done, so no forward reads a
+        # block before its verification; one that ended meanwhile commits nothing.
+        for req_id, (future, first, local) in list(self._verifying.items()):
+            if req_id not in finished_req_ids and not future.done():
+                results.finished_recving.discard(req_id)
+                continue
+            del self._verifying[req_id]
+            results.finished_recving.add(req_id)
+            if req_id in finished_req_ids:
+                continue
+            notes = state.received(req_id, first, local, *future.result())
+            if notes:
+                logger.warning(
+                    "kvattn: request %s: %d received block(s) not committed: %s",
+                    req_id,
+                    len(notes),
+                    "; ".join(notes[:8]),
+                )
+        return results
+
+    def _start_verifying(self, state, results, receiving) -> None:
         for req_id in results.finished_recving - results.failed_recving:
             meta = receiving.get(req_id)
             if req_id not in self._receiving or meta is None or meta.remote is None:
@@ -209,7 +241,7 @@ class CheckedNixlConnector(NixlPullConnector):
                 attested
             )
             claims = attested[first:] if lined_up else None
-            notes = state.receive(
+            future = state.receive_async(
                 req_id,
                 first,
                 local,
@@ -217,11 +249,4 @@ class CheckedNixlConnector(NixlPullConnector):
                 getattr(meta, "kvattn_tokens", []),
                 check_bytes=self._check_bytes(),
             )
-            if notes:
-                logger.warning(
-                    "kvattn: request %s: %d received block(s) not committed: %s",
-                    req_id,
-                    len(notes),
-                    "; ".join(notes[:8]),
-                )
-        return results
+            self._verifying[req_id] = (future, first, local)
