@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 try:
@@ -177,6 +178,8 @@ def page_digest(
     page: int,
     valid_len: int,
     context: bytes = b"",
+    *,
+    key: DigestKey | None = None,
 ) -> str:
     """The digest of slots ``[0, valid_len)`` of ``page`` over every layer's K and V pools
     (NHD views ``[num_pages, page_size, kv_heads, head_dim]``, any strides), as hex.
@@ -186,7 +189,7 @@ def page_digest(
     _check_int("page", page, 0, num_pages - 1)
     _check_int("valid_len", valid_len, 0, page_size)
     (context,) = _check_contexts([context], 1)
-    return _digests(k_caches, v_caches, [page], [valid_len], [context])[0]
+    return _digests(k_caches, v_caches, [page], [valid_len], [context], _key(key))[0]
 
 
 # Host bytes staged from device pools per batch of pages.
@@ -277,11 +280,13 @@ def _staged(pools, pages: list[int]):
         yield host, list(range(len(ids))), range(lo, lo + len(ids))
 
 
-def _digests(k_caches, v_caches, pages: list[int], lens: list[int], contexts) -> list[str]:
+def _digests(k_caches, v_caches, pages: list[int], lens: list[int], contexts, key=None):
     """:func:`page_digest` of each page, the pages spread over the digest threads; device pools
-    staged on the host a batch of whole pages at a time."""
+    staged on the host a batch of whole pages at a time. With a ``key``, the keyed digest."""
     if not pages:
         return []
+    if key is not None:
+        return _keyed_digests(k_caches, v_caches, pages, lens, contexts, key)
     pools = [pool for pair in zip(k_caches, v_caches, strict=True) for pool in pair]
     _hasher(b"")  # the missing package is said before any work
     on_host = all(pool.device.type == "cpu" for pool in pools)
@@ -305,6 +310,125 @@ def _digests(k_caches, v_caches, pages: list[int], lens: list[int], contexts) ->
     return out
 
 
+@dataclass(frozen=True)
+class DigestKey:
+    """The key of one transfer's keyed digest (docs/transfer.md, "The keyed digest"): 32 secret
+    bytes the receiver draws (:meth:`new`) and sends to the sender before the sender attests (or
+    the sender draws after its pages are written and sends with the attestation). The key words
+    of NH are derived from them with BLAKE3's key derivation, the same on every machine."""
+
+    seed: bytes
+
+    def __post_init__(self):
+        if not isinstance(self.seed, bytes) or len(self.seed) != 32:
+            raise TypeError(
+                f"seed: expected 32 bytes, got {type(self.seed).__name__}"
+                + (f" of length {len(self.seed)}" if isinstance(self.seed, bytes) else "")
+            )
+
+    @classmethod
+    def new(cls) -> DigestKey:
+        return cls(os.urandom(32))
+
+    def hex(self) -> str:
+        return self.seed.hex()
+
+    @classmethod
+    def from_hex(cls, text) -> DigestKey:
+        if not isinstance(text, str) or len(text) != 64:
+            raise ValueError(f"digest key: expected 64 hex digits, got {text!r}")
+        try:
+            return cls(bytes.fromhex(text))
+        except ValueError:
+            raise ValueError(f"digest key: expected 64 hex digits, got {text!r}") from None
+
+    def words(self, count: int, device) -> torch.Tensor:
+        """The first ``count`` 32-bit key words (int32, on ``device``)."""
+        cached = _key_cache.get((self.seed, count, str(device)))
+        if cached is None:
+            stream = _blake3_module().blake3(self.seed, derive_key_context=KEY_CONTEXT)
+            raw = bytearray(stream.digest(length=4 * count))
+            cached = torch.frombuffer(raw, dtype=torch.int32).to(device)
+            if len(_key_cache) > 16:
+                _key_cache.clear()
+            _key_cache[(self.seed, count, str(device))] = cached
+        return cached
+
+
+KEY_CONTEXT = "kvattn 2026-12-06 transfer digest NH key"
+_key_cache: dict = {}
+
+
+def _blake3_module():
+    _hasher(b"")
+    return _blake3
+
+
+def _keyable(pools: list[torch.Tensor]) -> None:
+    """The pools a keyed digest reads as 32-bit words, 4 at a time: each slot row contiguous, a
+    power of two of 16-byte units, on 16-byte boundaries."""
+    names = [f"{'k' if i % 2 == 0 else 'v'}_caches[{i // 2}]" for i in range(len(pools))]
+    for name, pool in zip(names, pools):
+        size = pool.element_size()
+        row = pool.shape[2] * pool.shape[3] * size
+        if pool.stride(3) != 1 or pool.stride(2) != pool.shape[3]:
+            raise ValueError(f"{name}: expected contiguous slot rows, got strides {pool.stride()}")
+        strides = (pool.stride(0) * size, pool.stride(1) * size)
+        if row < 16 or row & (row - 1) or strides[0] % 16 or strides[1] % 16:
+            raise ValueError(
+                f"{name}: expected slot rows of a power of two of 16-byte units on 16-byte "
+                f"boundaries, got {row}-byte rows and byte strides {strides}"
+            )
+        if pool.data_ptr() % 16:
+            raise ValueError(f"{name}: expected memory aligned to 16 bytes")
+    if len({pool.device for pool in pools}) != 1:
+        raise ValueError("k_caches, v_caches: expected every pool on one device")
+
+
+def _nh_host(pools: list[_Bytes], page: int, valid_len: int, key: np.ndarray) -> bytes:
+    """The four NH values of one page (the device kernel's, in NumPy's wrapping uint64)."""
+    from .backends.triton.digest import INSTANCES, SHIFT
+
+    acc = [0] * INSTANCES
+    at = 0
+    for pool in pools:
+        m = pool.slots(page, valid_len).view(np.uint32)
+        for j in range(INSTANCES):
+            s = m + key[at + SHIFT * j : at + SHIFT * j + m.size]  # wraps mod 2^32
+            products = s[0::2].astype(np.uint64) * s[1::2].astype(np.uint64)
+            acc[j] = (acc[j] + int(products.sum(dtype=np.uint64))) % 2**64
+        at += pool.pool.shape[1] * pool.row // 4
+    return b"".join(value.to_bytes(8, "little") for value in acc)
+
+
+def _keyed_digests(k_caches, v_caches, pages, lens, contexts, key: DigestKey) -> list[str]:
+    """The keyed digest of each page: NH on the pools' device (the Triton kernel; NumPy on CPU
+    pools), then BLAKE3 over its 32 bytes, the context and the lengths, on the host."""
+    from .backends.triton.digest import key_words
+
+    pools = [pool for pair in zip(k_caches, v_caches, strict=True) for pool in pair]
+    _keyable(pools)
+    words = key.words(key_words(pools), pools[0].device)
+    if pools[0].device.type == "cpu":
+        host = [_Bytes(pool) for pool in pools]
+        key_np = words.numpy().view(np.uint32)
+        values = [_nh_host(host, p, n, key_np) for p, n in zip(pages, lens)]
+    else:
+        from .backends.triton.digest import nh
+
+        device = pools[0].device
+        index = torch.tensor(pages, dtype=torch.int64, device=device)
+        counts = torch.tensor(lens, dtype=torch.int64, device=device).clamp(0, pools[0].shape[1])
+        found = nh(pools, index, counts, words).cpu().numpy()
+        values = [row.tobytes() for row in found]
+    out = []
+    for value, n, context in zip(values, lens, contexts, strict=True):
+        h = _hasher(value)
+        h.update(context + int(n).to_bytes(4, "little") + len(context).to_bytes(4, "little"))
+        out.append(h.hexdigest(length=DIGEST_BYTES))
+    return out
+
+
 def attest_pages(
     page_tags: torch.Tensor,
     owner,
@@ -314,6 +438,7 @@ def attest_pages(
     *,
     digests: bool = True,
     contexts: Sequence[bytes] | None = None,
+    key: DigestKey | None = None,
 ) -> list[PageAttestation]:
     """The sender's attestation of ``pages`` for a request: ``owner`` is the owner each page must
     carry for it, an int or one per page (a prefix-cache hit carries the owner that wrote it);
@@ -324,7 +449,7 @@ def attest_pages(
     owner (0 where a layer's tag is not WRITTEN for that owner). ``contexts``: one per page, for
     :func:`page_digest` (the receiver must pass the same). ``digests=False`` leaves the digests
     empty, for a deployment whose receivers commit by the lengths alone."""
-    return _attest(page_tags, owner, pages, k_caches, v_caches, digests, contexts)()
+    return _attest(page_tags, owner, pages, k_caches, v_caches, digests, contexts, key)()
 
 
 def attest_pages_async(
@@ -336,18 +461,20 @@ def attest_pages_async(
     *,
     digests: bool = True,
     contexts: Sequence[bytes] | None = None,
+    key: DigestKey | None = None,
 ) -> Future:
     """:func:`attest_pages` off the caller's thread: the arguments are checked and the tags read
     here (a ``ValueError`` or ``TypeError`` is raised here), the digests computed on kvattn's
     transfer thread; the future's result is the attestations."""
     return _transfer_thread().submit(
-        _attest(page_tags, owner, pages, k_caches, v_caches, digests, contexts)
+        _attest(page_tags, owner, pages, k_caches, v_caches, digests, contexts, key)
     )
 
 
-def _attest(page_tags, owner, pages, k_caches, v_caches, digests, contexts):
+def _attest(page_tags, owner, pages, k_caches, v_caches, digests, contexts, key):
     """A function that digests and returns the attestations, every check done and the tags read
     before it returns."""
+    key = _key(key)
     num_pages, _ = _check_pools(k_caches, v_caches)
     check_tensor("page_tags", page_tags, dtypes=(torch.int64,))
     layers = len(k_caches)
@@ -378,8 +505,16 @@ def _attest(page_tags, owner, pages, k_caches, v_caches, digests, contexts):
         return lambda: [PageAttestation(n, "") for n in lens]
     return lambda: [
         PageAttestation(n, d)
-        for n, d in zip(lens, _digests(k_caches, v_caches, pages, lens, contexts), strict=True)
+        for n, d in zip(lens, _digests(k_caches, v_caches, pages, lens, contexts, key), strict=True)
     ]
+
+
+def _key(key) -> DigestKey | None:
+    if key is not None and not isinstance(key, DigestKey):
+        raise TypeError(
+            f"key: expected a kvattn.transfer.DigestKey or None, got {type(key).__name__}"
+        )
+    return key
 
 
 def _check_owners(owner, count: int) -> list[int]:
@@ -411,6 +546,7 @@ def verify_arrived(
     *,
     check_bytes: bool = True,
     contexts: Sequence[bytes] | None = None,
+    key: DigestKey | None = None,
 ) -> tuple[list[int], list[str | None]]:
     """The receiver's side: for each of its ``pages`` (whose bytes the transfer engine reported
     arrived) and the sender's attestation of the page it came from, the length to commit and
@@ -418,7 +554,7 @@ def verify_arrived(
     commits by the attested lengths without recomputing digests (the ownership half of the
     rule only: bytes that differ go unnoticed). ``contexts``: as the sender's, one per page
     (derived here: a page that arrived in the wrong place, or for other tokens, then differs)."""
-    return _verify(attested, pages, k_caches, v_caches, check_bytes, contexts)()
+    return _verify(attested, pages, k_caches, v_caches, check_bytes, contexts, key)()
 
 
 def verify_arrived_async(
@@ -429,15 +565,16 @@ def verify_arrived_async(
     *,
     check_bytes: bool = True,
     contexts: Sequence[bytes] | None = None,
+    key: DigestKey | None = None,
 ) -> Future:
     """:func:`verify_arrived` off the caller's thread: the arguments are checked here, the digests
     computed on kvattn's transfer thread; the future's result is ``(lengths, reasons)``."""
     return _transfer_thread().submit(
-        _verify(attested, pages, k_caches, v_caches, check_bytes, contexts)
+        _verify(attested, pages, k_caches, v_caches, check_bytes, contexts, key)
     )
 
 
-def _verify(attested, pages, k_caches, v_caches, check_bytes, contexts):
+def _verify(attested, pages, k_caches, v_caches, check_bytes, contexts, key):
     """A function that digests the arrived pages and returns ``(lengths, reasons)``, every check
     done before it returns."""
     num_pages, page_size = _check_pools(k_caches, v_caches)
@@ -450,6 +587,7 @@ def _verify(attested, pages, k_caches, v_caches, check_bytes, contexts):
                 f"parses the wire form), got {type(claim).__name__}"
             )
     contexts = _check_contexts(contexts, len(pages))
+    key = _key(key)
     lens: list[int] = []
     reasons: list[str | None] = []
     for claim in claims:
@@ -471,6 +609,7 @@ def _verify(attested, pages, k_caches, v_caches, check_bytes, contexts):
             [pages[j] for j in todo],
             [lens[j] for j in todo],
             [contexts[j] for j in todo],
+            key,
         )
         for j, digest in zip(todo, found, strict=True):
             if digest != claims[j].digest:
@@ -482,6 +621,7 @@ def _verify(attested, pages, k_caches, v_caches, check_bytes, contexts):
 
 __all__ = [
     "DIGEST_BYTES",
+    "DigestKey",
     "PageAttestation",
     "attest_pages",
     "attest_pages_async",

@@ -1,0 +1,159 @@
+"""The keyed transfer digest (kvattn.transfer.DigestKey; docs/transfer.md, "The keyed digest"): NH
+in four Toeplitz instances over the pages where they lie, on the device (the Triton kernel, run
+here under the interpreter) and on the host (NumPy), both equal to a slow reference in Python
+integers; then the checked receive with a key, and what a key buys: a collision made with one
+key is none with the key's other instances, or with another key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvattn
+from kvattn import transfer
+from kvattn.backends.triton import digest
+
+pytest.importorskip("blake3")
+
+LAYERS, PAGES, PAGE, HEADS, DIM = 2, 5, 4, 2, 8
+OWNER = 5
+
+
+def pools(dtype=torch.bfloat16, seed=0, interleaved=False):
+    """K and V pools per layer; ``interleaved``: views of one ``[pages, 2, page, heads, dim]``
+    tensor per layer (a page stride twice the page's size), as some engines allocate."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = [], []
+    for _ in range(LAYERS):
+        data = torch.randn(PAGES, 2, PAGE, HEADS, DIM, generator=g).to(dtype)
+        if interleaved:
+            k.append(data[:, 0])
+            v.append(data[:, 1])
+        else:
+            k.append(data[:, 0].contiguous())
+            v.append(data[:, 1].contiguous())
+    return k, v
+
+
+def reference_nh(k, v, page: int, valid_len: int, key: kvattn.transfer.DigestKey) -> list[int]:
+    """docs/transfer.md's NH, in Python integers: per layer K then V, slots [0, valid_len) as
+    32-bit words, chunk c's key from its page-sized stretch on, instance j shifted by 4 j."""
+    chunks = [pool for pair in zip(k, v) for pool in pair]
+    words = key.words(digest.key_words(chunks), "cpu").tolist()
+    words = [w & 0xFFFFFFFF for w in words]
+    sums = [0] * digest.INSTANCES
+    at = 0
+    for pool in chunks:
+        rows = pool[page, :valid_len].contiguous().view(torch.int32).flatten().tolist()
+        m = [w & 0xFFFFFFFF for w in rows]
+        for j in range(digest.INSTANCES):
+            kk = words[at + digest.SHIFT * j :]
+            sums[j] += sum(
+                ((m[2 * i] + kk[2 * i]) % 2**32) * ((m[2 * i + 1] + kk[2 * i + 1]) % 2**32)
+                for i in range(len(m) // 2)
+            )
+        at += PAGE * HEADS * DIM * pool.element_size() // 4
+    return [s % 2**64 for s in sums]
+
+
+def as_int32(x: int) -> int:
+    x %= 2**32
+    return x - 2**32 if x >= 2**31 else x
+
+
+def as_unsigned(values) -> list[int]:
+    return [int(x) % 2**64 for x in values]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_nh_on_the_device_and_the_host_is_the_reference(dtype, interleaved):
+    k, v = pools(dtype, interleaved=interleaved)
+    key = transfer.DigestKey(bytes(range(32)))
+    chunks = [pool for pair in zip(k, v) for pool in pair]
+    pages, lens = [3, 0, 4, 1], [PAGE, 1, 3, 0]
+    words = key.words(digest.key_words(chunks), "cpu")
+    device = digest.nh(chunks, torch.tensor(pages), torch.tensor(lens), words)
+    host = [transfer._Bytes(pool) for pool in chunks]
+    key_np = words.numpy().view("uint32")
+    for i, (page, n) in enumerate(zip(pages, lens)):
+        want = reference_nh(k, v, page, n, key)
+        assert as_unsigned(device[i].tolist()) == want
+        got = torch.frombuffer(
+            bytearray(transfer._nh_host(host, page, n, key_np)), dtype=torch.int64
+        )
+        assert as_unsigned(got.tolist()) == want
+    assert len({tuple(device[i].tolist()) for i in range(len(pages))}) == len(pages)
+
+
+def _tags():
+    row = torch.tensor([kvattn.written_tag(OWNER, n) for n in (PAGE, 3, PAGE, 1, 2)])
+    return torch.stack([row] * LAYERS)
+
+
+def test_a_keyed_transfer_commits_what_arrived_whole_and_refuses_the_rest():
+    k, v = pools()
+    key = transfer.DigestKey.new()
+    claims = transfer.attest_pages(_tags(), OWNER, range(PAGES), k, v, key=key)
+    assert claims[0].digest != transfer.page_digest(k, v, 0, PAGE)  # another scheme than BLAKE3
+    assert claims[1].digest == transfer.page_digest(k, v, 1, 3, key=key)
+    rk, rv = [t.clone() for t in k], [t.clone() for t in v]
+    lens, reasons = transfer.verify_arrived(claims, range(PAGES), rk, rv, key=key)
+    assert lens == [PAGE, 3, PAGE, 1, 2] and reasons == [None] * PAGES
+    rv[1][2, 0, 1, 3] += 1  # layer 1's V of page 2, inside the attested slots
+    rk[0][1, 3] = float("nan")  # page 1's slot 3: past its 3 attested slots, not covered
+    lens, reasons = transfer.verify_arrived(claims, range(PAGES), rk, rv, key=key)
+    assert lens == [PAGE, 3, 0, 1, 2] and reasons[2] == "digest mismatch"
+    # The twin: the same bytes under another key, or checked without one, verify nothing.
+    lens, _ = transfer.verify_arrived(claims, range(PAGES), k, v, key=transfer.DigestKey.new())
+    assert lens == [0] * PAGES
+    lens, _ = transfer.verify_arrived(claims, range(PAGES), k, v)
+    assert lens == [0] * PAGES
+
+
+def test_a_collision_made_with_the_key_holds_for_one_instance_only():
+    """Whoever knows the key can swap a word pair so that instance 0's products are unchanged;
+    the other instances read the key shifted and tell the pages apart, and a receiver's fresh key
+    makes the construction impossible beforehand."""
+    k, v = pools(torch.float32)
+    key = transfer.DigestKey(bytes(32))
+    chunks = [pool for pair in zip(k, v) for pool in pair]
+    words = [w & 0xFFFFFFFF for w in key.words(digest.key_words(chunks), "cpu").tolist()]
+    forged = [t.clone() for t in k]
+    m = forged[0][0].view(torch.int32).flatten()
+    a, b = int(m[0]) & 0xFFFFFFFF, int(m[1]) & 0xFFFFFFFF
+    # (a' + k0)(b' + k1) = (b + k1)(a + k0): instance 0 sees the same product.
+    m[0] = as_int32(b + words[1] - words[0])
+    m[1] = as_int32(a + words[0] - words[1])
+    honest = reference_nh(k, v, 0, PAGE, key)
+    faked = reference_nh(forged, v, 0, PAGE, key)
+    assert faked[0] == honest[0] and faked[1:] != honest[1:]
+    assert transfer.page_digest(forged, v, 0, PAGE, key=key) != transfer.page_digest(
+        k, v, 0, PAGE, key=key
+    )
+
+
+def test_digest_keys_are_checked_and_travel_as_hex():
+    key = transfer.DigestKey.new()
+    assert transfer.DigestKey.from_hex(key.hex()) == key and key != transfer.DigestKey.new()
+    assert torch.equal(key.words(9, "cpu"), transfer.DigestKey(key.seed).words(9, "cpu"))
+    for bad in ("00" * 31, "zz" * 32, 7):
+        with pytest.raises(ValueError, match="digest key"):
+            transfer.DigestKey.from_hex(bad)
+    with pytest.raises(TypeError, match="seed"):
+        transfer.DigestKey(b"short")
+    k, v = pools()
+    with pytest.raises(TypeError, match="key"):
+        transfer.attest_pages(_tags(), OWNER, [0], k, v, key=key.hex())
+    with pytest.raises(TypeError, match="key"):
+        transfer.verify_arrived_async([None], [0], k, v, key=b"x")
+
+
+def test_pools_the_keyed_digest_cannot_read_as_words_are_refused():
+    k, v = pools()
+    odd = [torch.zeros(PAGES, PAGE, 1, 3, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    with pytest.raises(ValueError, match="k_caches\\[0\\].*power of two of 16-byte units"):
+        transfer.page_digest(odd, odd, 0, 1, key=transfer.DigestKey.new())
+    hnd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in v]
+    with pytest.raises(ValueError, match="v_caches\\[0\\].*contiguous slot rows"):
+        transfer.page_digest(k, hnd, 0, 1, key=transfer.DigestKey.new())
