@@ -1002,6 +1002,86 @@ def launches_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- The keyed transfer digest ------------------------------------------------------------------
+
+# The pages it digests: a Llama-8B-like page (32 layers, 8 KV heads of 128, bfloat16, 16 tokens),
+# 2 MiB over the layers, as docs/transfer.md and benchmarks/transfer_digest.py measure on the CPU.
+DIGEST_GEOMETRY = (32, 16, 8, 128)
+HBM_BYTES_PER_US = 4.8e6  # an H200's HBM3e, nominal
+# An sm_90 SM issues one warp instruction per clock from each of its 4 schedulers, at 1.98 GHz.
+ISSUE_PER_US = 4 * 1980
+
+
+def digest_records() -> list[dict]:
+    """The keyed digest's kernel (kvattn.backends.triton.digest), compiled as a launch over
+    DIGEST_GEOMETRY's pools would compile it."""
+    from kvattn.backends.triton import digest
+
+    layers, page, heads, dim = DIGEST_GEOMETRY
+    pools = [torch.zeros(64, page, heads, dim, dtype=torch.bfloat16) for _ in range(2 * layers)]
+    key = torch.zeros(digest.key_words(pools), dtype=torch.int32)
+    with compile_only() as compiled:
+        digest.nh(pools, torch.arange(8), torch.full((8,), page), key)
+    records = []
+    for kernel_name, kernel in compiled:
+        figures = triton_kernel_figures(kernel)
+        records.append(
+            dict(
+                backend="triton",
+                config=f"digest bf16 {layers}x2 pools p{page} h{heads} d{dim}",
+                op="digest",
+                kernel=kernel_name,
+                check=True,
+                **figures,
+                resident_per_sm=resident_per_sm(
+                    figures["registers"], figures["shared"], figures["num_warps"]
+                ),
+            )
+        )
+    return records
+
+
+def digest_model(record: dict) -> dict:
+    """The keyed digest's modelled bandwidth on an H200 (a model, NOT speed): each program reads
+    ROWS slot rows of one pool of one page (its message words from memory; its key words, the
+    same for every page, from L2) and runs its SASS once; the grid streams its bytes at the least
+    of the copy bandwidth, the issue rate of its instructions, and its resident programs' bytes
+    in flight per memory latency."""
+    from kvattn.backends.triton import digest
+
+    _, page, heads, dim = DIGEST_GEOMETRY
+    program_bytes = digest.ROWS * heads * dim * 2
+    issue = H200_SMS * ISSUE_PER_US * program_bytes / (record["sass"] * record["num_warps"])
+    in_flight = H200_SMS * record["resident_per_sm"] * program_bytes / MEMORY_US
+    bandwidth = min(COPY_BYTES_PER_US, issue, in_flight)
+    return dict(
+        program_bytes=program_bytes,
+        issue_bound=round(issue / 1e6, 2),
+        latency_bound=round(in_flight / 1e6, 2),
+        modelled=round(bandwidth / 1e6, 2),
+        share_of_hbm=round(bandwidth / HBM_BYTES_PER_US, 3),
+    )
+
+
+def digest_markdown(record: dict, model: dict) -> str:
+    return "\n".join(
+        [
+            "## keyed transfer digest (Triton, NH x4)",
+            "",
+            f"`{record['kernel']}` over `{record['config']}`: {record['registers']} registers, "
+            f"{record['sass']} SASS instructions per program ({record['num_warps']} warps, "
+            f"{model['program_bytes']} bytes of K/V), {record['resident_per_sm']} programs per SM. "
+            "The model (tools/static_sm90.py `digest_model`, NOT speed): the least of "
+            f"{COPY_BYTES_PER_US / 1e6:g} TB/s of copy bandwidth, the issue rate of those "
+            f"instructions ({model['issue_bound']} TB/s) and the resident programs' bytes in "
+            f"flight per {MEMORY_US:g} us of memory latency ({model['latency_bound']} TB/s): "
+            f"**{model['modelled']} TB/s, {100 * model['share_of_hbm']:.0f}% of the "
+            f"{HBM_BYTES_PER_US / 1e6:g} TB/s HBM**.",
+            "",
+        ]
+    )
+
+
 # ---- Output -----------------------------------------------------------------------------------
 
 COLUMNS = [
@@ -1065,6 +1145,9 @@ def main(argv=None) -> int:
     )
     decode_grid_rows = decode_grids(records)
     launch_rows = [] if args.no_triton else launches_per_call(configs)
+    digest = [] if args.no_triton or args.only else digest_records()
+    records += digest
+    digest_row = digest_model(digest[0]) if digest else None
     if args.json:
         pathlib.Path(args.json).write_text(
             json.dumps(
@@ -1073,6 +1156,7 @@ def main(argv=None) -> int:
                     records=records,
                     decode_grids=decode_grid_rows,
                     extend_launches=launch_rows,
+                    digest_model=digest_row,
                 ),
                 indent=1,
             )
@@ -1082,6 +1166,8 @@ def main(argv=None) -> int:
         table += "\n" + grids_markdown(decode_grid_rows)
     if launch_rows:
         table += "\n" + launches_markdown(launch_rows)
+    if digest_row:
+        table += "\n" + digest_markdown(digest[0], digest_row)
     if args.markdown:
         pathlib.Path(args.markdown).write_text(table)
     print(table)

@@ -43,6 +43,8 @@ FP8_DECODE_RATIO_MAX = 1.12
 # modelled cost of a layer's call with its share of the step's resolve.
 VERDICT_RATIO_MAX = 1.02
 VERDICT_MODEL_MAX = 0.03
+# The keyed transfer digest's modelled bandwidth, as a share of the HBM's.
+DIGEST_SHARE_MIN = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +191,16 @@ def test_the_verdict_is_modelled_within_three_percent_at_every_goal_shape(static
     for r in rows:
         assert r["modelled_verdict_cost_with_resolve"] <= VERDICT_MODEL_MAX, r
         assert r["modelled_verdict_cost"] <= r["modelled_verdict_cost_with_resolve"], r
+
+
+def test_the_keyed_digest_is_modelled_past_half_the_hbm_bandwidth(static):
+    """kvattn.backends.triton.digest: 128-bit loads, and a model (tools/static_sm90.py
+    `digest_model`) of at least DIGEST_SHARE_MIN of an H200's HBM bandwidth (SGLang's own
+    full-page digest: 650-710 GB/s, about 14%)."""
+    model = static[0]["digest_model"]
+    record = next(r for r in static[0]["records"] if r["kernel"] == "nh_kernel")
+    assert record["all_ldg_128"] > 0, record
+    assert model["share_of_hbm"] >= DIGEST_SHARE_MIN, model
 
 
 def test_committed_table_is_current(static):
