@@ -7,9 +7,12 @@
 #    0. second 0: the CUDA module for sm_90 starts building in the background, its translation
 #       units compiled in parallel (KVATTN_BUILD_JOBS); nothing before step 4 needs it;
 #    1. device and versions;
-#    2. the headline points, Triton checked and unchecked, CUDA-graph replay, 5 repeats (a spread):
-#       decode at batch 16 and 64 x 8K and 32K and batch 1 x 4K and 32K, extend of a 4K prefill and
-#       of a 512-token chunk over 8K (bf16, 32/8 heads, head dim 128, page 16);
+#    2. the headline points, Triton checked, unchecked and (decode) through a verdict resolved
+#       outside the timing, CUDA-graph replay, 5 repeats (a spread): decode at batch 16 and 64 x 8K
+#       and 32K and batch 1 x 4K and 32K, extend of a 4K prefill and of a 512-token chunk over 8K
+#       (bf16, 32/8 heads, head dim 128, page 16; extend's rows carry their TFLOP/s); then the
+#       keyed transfer digest on the device beside a copy of the same bytes (GB/s; 512 pages of a
+#       32-layer model, benchmarks/transfer_digest.py);
 #    3. tuning of the Triton decode and extend (benchmarks/tune.py: a time share per op and point,
 #       the default configuration first, then its neighbours and the split counts that fill the
 #       slots);
@@ -154,13 +157,22 @@ step "versions: rc=0 (GPU: $on_gpu)"
 BENCH=(--out-dir "$RUNS" --stream "$ROWS" --no-plots)
 if [ "$PRESET" = cpu-tiny ]; then HEAD=(--preset cpu-tiny --max-points 2); else HEAD=(--preset headline); fi
 TRITON=(--providers kvattn-triton-checked kvattn-triton-unchecked)
+TRITON_DECODE=("${TRITON[@]}" kvattn-triton-verdict)
 CUDA=(--providers kvattn-cuda-checked kvattn-cuda-unchecked)
 
 # 2. The headline, Triton only, while the CUDA module builds.
-t=$(cap 150); run headline-triton-decode "$t" - "$PY" -m benchmarks.decode "${HEAD[@]}" "${BENCH[@]}" \
-  "${TRITON[@]}" --repeats 5 --time-budget-s $(( t - 10 ))
+t=$(cap 170); run headline-triton-decode "$t" - "$PY" -m benchmarks.decode "${HEAD[@]}" "${BENCH[@]}" \
+  "${TRITON_DECODE[@]}" --repeats 5 --time-budget-s $(( t - 10 ))
 t=$(cap 75); run headline-triton-extend "$t" - "$PY" -m benchmarks.extend "${HEAD[@]}" "${BENCH[@]}" \
   "${TRITON[@]}" --repeats 5 --time-budget-s $(( t - 10 ))
+if [ "$PRESET" = cpu-tiny ]; then
+  DIGEST=(--layers 2 --pages 3 --page-size 4 --kv-heads 1 --head-dim 8 --repeats 1)
+else
+  DIGEST=(--pages 512 --repeats 5)
+fi
+digest_device=cpu; [ "$on_gpu" = 1 ] && digest_device=cuda
+t=$(cap 40); run digest "$t" - "$PY" -m benchmarks.transfer_digest --keyed "$digest_device" \
+  "${DIGEST[@]}" --out-dir "$RUNS" --stream "$ROWS"
 
 # 3. Tuning, Triton ops.
 # tune_s QUARTERS: seconds of TUNE_S for a tuning step, at most what is left less 25 s to start up.
@@ -271,15 +283,15 @@ fi
 
 pack
 summary=""
-for s in cuda-build headline-triton-decode headline-triton-extend tune-triton tune-cuda headline-cuda-decode \
-         headline-cuda-extend flex sweep-decode sweep-mla sweep-extend smoke tests ncu; do
+for s in cuda-build headline-triton-decode headline-triton-extend digest tune-triton tune-cuda \
+         headline-cuda-decode headline-cuda-extend flex sweep-decode sweep-mla sweep-extend smoke tests ncu; do
   summary+=" $s=${RC[$s]:-none}"
 done
 step "done:$summary"
 ls -la "$OUTDIR"
 failed=()
-for s in cuda-build headline-triton-decode headline-triton-extend tune-triton tune-cuda headline-cuda-decode \
-         headline-cuda-extend flex sweep-decode sweep-mla sweep-extend smoke tests; do
+for s in cuda-build headline-triton-decode headline-triton-extend digest tune-triton tune-cuda \
+         headline-cuda-decode headline-cuda-extend flex sweep-decode sweep-mla sweep-extend smoke tests; do
   rc=${RC[$s]:-skipped}
   [ "$rc" = 0 ] || [ "$rc" = skipped ] && continue
   # FlexAttention's step is bounded on purpose: its timeout stops a slow compile, not the suite.

@@ -58,6 +58,48 @@ def _kvattn(backend: str, check: bool, op: str) -> Provider:
     return Provider(f"kvattn-{backend}-{variant}", f"kvattn-{backend}", check, why_not, build)
 
 
+def _verdict(backend: str) -> Provider:
+    """kvattn's checked decode through a verdict (docs/ownership.md section 9): the pages resolved
+    once per rotation set in ``build``, outside the timing, as an engine resolves them once per
+    forward for all its layers; each call reads the verdict instead of the table and the tags."""
+    plain = _kvattn(backend, True, "decode")
+
+    def why_not(inp: DecodeInputs) -> str | None:
+        args = kvattn.layout.validate_decode(
+            *inp.args(0), scale=inp.scale, validate=False, **inp.variant
+        )
+        args.verdict = kvattn.resolve_pages(
+            *inp.args(0)[3:],
+            page_size=inp.k_cache.shape[1],
+            window_left=inp.variant.get("window_left", -1),
+        )
+        return backends.explain(args, op="decode")[backend]
+
+    def build(inp: DecodeInputs):
+        out = inp.new_out()
+        window = inp.variant.get("window_left", -1)
+        verdicts = [
+            kvattn.resolve_pages(
+                *inp.args(i)[3:], page_size=inp.k_cache.shape[1], window_left=window
+            )
+            for i in range(inp.sets)
+        ]
+
+        def run(i: int):
+            return kvattn.paged_decode(
+                *inp.args(i),
+                scale=inp.scale,
+                backend=backend,
+                out=out,
+                verdict=verdicts[i],
+                **inp.variant,
+            )
+
+        return run, out
+
+    return Provider(f"kvattn-{backend}-verdict", plain.family, True, why_not, build)
+
+
 def _gather_why_not(inp: DecodeInputs | ExtendInputs, need: int) -> str | None:
     """Why a gather needing ``need`` bytes of device memory cannot run now (None when it can)."""
     if inp.q.device.type == "cuda":
@@ -350,6 +392,7 @@ def all_providers(op: str = "decode") -> list[Provider]:
     return [
         _kvattn("triton", True, op),
         _kvattn("triton", False, op),
+        *([_verdict("triton")] if decode else []),
         _kvattn("cuda", True, op),
         _kvattn("cuda", False, op),
         Provider(

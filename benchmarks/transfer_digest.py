@@ -19,6 +19,7 @@ import argparse
 import datetime
 import hashlib
 import os
+import pathlib
 import platform
 import statistics
 import subprocess
@@ -110,6 +111,87 @@ def measure(layers, pages, page_size, kv_heads, head_dim, repeats, threads) -> d
     return {key: (gb / value if key != "threads" else value) for key, value in row.items()}
 
 
+def _median_device_s(fn, repeats: int, device: torch.device) -> float:
+    def timed():
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return _median_s(timed, repeats)
+
+
+def measure_keyed(layers, pages, page_size, kv_heads, head_dim, repeats, device) -> dict:
+    """The keyed digest where the pages lie (``device``), beside a copy of the same bytes on that
+    device: the NH kernel alone (on a GPU), then kvattn's keyed ``attest_pages`` and
+    ``verify_arrived`` (kernel, the 32 bytes per page to the host, BLAKE3 there), and the keyless
+    BLAKE3 calls, which stage device pools on the host."""
+    shape = (pages, page_size, kv_heads, head_dim)
+    g = torch.Generator(device=device).manual_seed(0)
+    k = [torch.randn(shape, generator=g, device=device).to(torch.bfloat16) for _ in range(layers)]
+    v = [torch.randn(shape, generator=g, device=device).to(torch.bfloat16) for _ in range(layers)]
+    pools = [p for pair in zip(k, v) for p in pair]
+    tags = torch.full((layers, pages), written_tag(1, page_size), device=device)
+    ids = list(range(pages))
+    index = torch.tensor(ids, device=device)
+    copies = [torch.empty_like(p) for p in pools]
+    key = transfer.DigestKey.new()
+
+    def copy():
+        for pool, out in zip(pools, copies):
+            torch.index_select(pool, 0, index, out=out)
+
+    row = dict(device=str(device))
+    row["copy"] = _median_device_s(copy, repeats, device)
+    if device.type == "cuda":
+        from kvattn.backends.triton import digest
+
+        words = key.words(digest.key_words(pools), device)
+        lens = torch.full((pages,), page_size, device=device)
+        row["nh_kernel"] = _median_device_s(
+            lambda: digest.nh(pools, index, lens, words), repeats, device
+        )
+    claims = transfer.attest_pages(tags, 1, ids, k, v, key=key)
+    row["attest_keyed"] = _median_s(
+        lambda: transfer.attest_pages(tags, 1, ids, k, v, key=key), repeats
+    )
+    row["verify_keyed"] = _median_s(
+        lambda: transfer.verify_arrived(claims, ids, k, v, key=key), repeats
+    )
+    lens_ok, _ = transfer.verify_arrived(claims, ids, k, v, key=key)
+    assert lens_ok == [page_size] * pages
+    row["attest_blake3"] = _median_s(lambda: transfer.attest_pages(tags, 1, ids, k, v), repeats)
+    gb = 2 * layers * pages * page_size * kv_heads * head_dim * 2 / 1e9
+    return {key_: (gb / value if key_ != "device" else value) for key_, value in row.items()}
+
+
+KEYED_COLUMNS = [
+    ("copy", "copy of the same bytes on the device"),
+    ("nh_kernel", "NH kernel alone"),
+    ("attest_keyed", "`attest_pages(key=)`"),
+    ("verify_keyed", "`verify_arrived(key=)`"),
+    ("attest_blake3", "`attest_pages` (BLAKE3 on the host)"),
+]
+
+
+def keyed_markdown(row: dict, shape: str, gb: float) -> str:
+    columns = [(key, label) for key, label in KEYED_COLUMNS if key in row]
+    cells = [f"{row['copy']:.2f}"] + [
+        f"{row[key]:.2f} ({100 * row[key] / row['copy']:.0f}%)" for key, _ in columns[1:]
+    ]
+    return "\n".join(
+        [
+            f"## The keyed digest on {row['device']} (GB/s; in brackets the share of the copy)",
+            "",
+            f"{shape}: {gb:.3f} GB per pass, median of the passes.",
+            "",
+            "| " + " | ".join(label for _, label in columns) + " |",
+            "|" + "---|" * len(columns),
+            "| " + " | ".join(cells) + " |",
+            "",
+        ]
+    )
+
+
 COLUMNS = [
     ("memcpy", "copy of the same bytes"),
     ("blake2b", "BLAKE2b alone"),
@@ -121,16 +203,20 @@ COLUMNS = [
 ]
 
 
-def markdown(rows: list[dict], shape: str, gb: float) -> str:
+def _commit() -> str:
     try:
-        commit = subprocess.run(
+        return subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=7"],
             capture_output=True,
             text=True,
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        return "unknown"
+
+
+def markdown(rows: list[dict], shape: str, gb: float) -> str:
+    commit = _commit()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cpu = platform.processor() or platform.machine()
     try:
@@ -169,19 +255,49 @@ def main(argv=None) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--markdown", help="write the table here as well")
+    parser.add_argument(
+        "--keyed",
+        metavar="DEVICE",
+        help="time the keyed digest with the pages on DEVICE (cuda, cpu) instead",
+    )
+    parser.add_argument("--out-dir", help="with --keyed: a run folder here, rows and summary")
+    parser.add_argument("--stream", help="with --keyed: append each row, as a JSON line, here")
     args = parser.parse_args(argv)
     geometry = (args.layers, args.pages, args.page_size, args.kv_heads, args.head_dim)
-    counts = sorted({1, os.cpu_count() or 1})
-    rows = [measure(*geometry, args.repeats, threads) for threads in counts]
+    gb = 2 * args.layers * args.pages * args.page_size * args.kv_heads * args.head_dim * 2 / 1e9
     shape = (
         f"{args.layers} layers x {args.pages} pages of {args.page_size} tokens x "
         f"{args.kv_heads} KV heads x {args.head_dim} (bfloat16, K and V)"
     )
-    text = markdown(
-        rows,
-        shape,
-        2 * args.layers * args.pages * args.page_size * args.kv_heads * args.head_dim * 2 / 1e9,
-    )
+    if args.keyed:
+        row = measure_keyed(*geometry, args.repeats, torch.device(args.keyed))
+        text = keyed_markdown(row, shape, gb)
+        rows = [
+            dict(
+                op="digest",
+                unit="GB/s",
+                **dict(zip(("layers", "pages", "page_size", "kv_heads", "head_dim"), geometry)),
+                **row,
+            )
+        ]
+        if args.out_dir:
+            from .sweep import append_rows
+
+            commit = _commit()
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+            name = os.environ.get("KVATTN_COMMIT", commit)
+            device = row["device"].replace(":", "")
+            if args.keyed.startswith("cuda") and torch.cuda.is_available():
+                device = "-".join(torch.cuda.get_device_name().lower().split())
+            run_dir = pathlib.Path(args.out_dir) / f"{stamp}_{device}_{name}_digest"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "summary.md").write_text(text)
+            append_rows(run_dir / "rows.jsonl", rows)
+            if args.stream:
+                append_rows(pathlib.Path(args.stream), [dict(run=run_dir.name, **r) for r in rows])
+    else:
+        counts = sorted({1, os.cpu_count() or 1})
+        text = markdown([measure(*geometry, args.repeats, n) for n in counts], shape, gb)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:

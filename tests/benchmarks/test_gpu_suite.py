@@ -33,6 +33,7 @@ ORDER = [
     "versions",
     "headline-triton-decode",
     "headline-triton-extend",
+    "digest",
     "tune-triton",
     "tune-cuda",
     "headline-cuda-decode",
@@ -116,7 +117,7 @@ def _takes_the_steps_in_the_order_that_answers_the_goals_first(out):
     assert statuses.pop("ncu") == "skipped"  # no GPU here
     assert set(statuses.values()) == {"0"}, statuses
     # Every step says when it started, within what limit, and how it ended.
-    for name in ORDER[2:13]:
+    for name in ORDER[2:14]:
         assert re.search(rf"\] {name}: start \(at most \d+ s\)", log), name
         assert re.search(rf"\] {name}: rc=0 in \d+ s", log), name
 
@@ -130,12 +131,13 @@ def _leaves_at_most_8_files_and_packs_every_run(out, runs):
         packed = {name.split("/")[0] for name in tar.getnames()}
     assert packed == set(folders), (packed, folders)
     suffixes = [re.sub(r"^\d{8}-\d{6}_cpu_[\w.-]*?(?=_|$)", "", f) for f in folders]
-    # headline decode and extend, Triton then CUDA; tuning, Triton ops then CUDA; FlexAttention;
-    # the three sweeps
+    # headline decode and extend, Triton then CUDA; the keyed digest; tuning, Triton ops then CUDA;
+    # FlexAttention; the three sweeps
     assert sorted(suffixes) == sorted(
         [
             "",
             "_extend",
+            "_digest",
             "_tune-triton-decode-triton-extend",
             "_tune-cuda-decode",
             "",
@@ -166,7 +168,12 @@ def _streams_every_row_with_its_run(out, runs):
         count = len(own.read_text().splitlines()) - (1 if own.suffix == ".csv" else 0)
         assert by_run.get(folder.name) == count, folder.name
     # Every row names its op, the one of its run's kind.
-    kinds = {"_extend": {"extend"}, "_mla": {"mla_decode", "mla_extend"}, "_flex": {"decode"}}
+    kinds = {
+        "_extend": {"extend"},
+        "_mla": {"mla_decode", "mla_extend"},
+        "_flex": {"decode"},
+        "_digest": {"digest"},
+    }
     for r in rows:
         kind = next((k for k in kinds if r["run"].endswith(k)), None)
         if "_tune-" in r["run"]:
@@ -174,6 +181,15 @@ def _streams_every_row_with_its_run(out, runs):
         else:
             assert r.get("op") in kinds.get(kind, {"decode"}), r
     assert {r["op"] for r in rows if r["run"].endswith("_mla")} == {"mla_decode", "mla_extend"}
+    # The headline decode times the read through a verdict beside the per-call check, its ratio
+    # against the same unchecked twin; extend's rows carry their TFLOP/s; the digest its GB/s
+    # beside a copy of the same bytes.
+    headline = [r for r in rows if r.get("preset") == "cpu-tiny" and r["op"] == "decode"]
+    verdict = [r for r in headline if r["provider"] == "kvattn-triton-verdict"]
+    assert verdict and all(r["status"] == "ok" and "ratio_vs_unchecked" in r for r in verdict)
+    assert all("tflops" in r for r in rows if r["op"] == "extend" and r.get("status") == "ok")
+    digest = [r for r in rows if r["op"] == "digest"]
+    assert len(digest) == 1 and {"copy", "attest_keyed", "verify_keyed"} <= set(digest[0])
     tuned = [r for r in rows if r["run"].endswith("_tune-triton-decode-triton-extend")]
     # The default configuration is timed first at every point, checked and unchecked.
     for op in ("triton-decode", "triton-extend"):
