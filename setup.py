@@ -33,6 +33,10 @@
   ``1``: one): ``--split-compile N`` splits one architecture's optimisation and assembly over N
   threads, and ``--threads N`` compiles several architectures at once (nvcc ignores it for one);
   with many units, ninja's jobs are the parallelism that counts.
+- ``kvattn.backends.cpu._cpu``: the CPU paged decode (csrc/cpu/, the reader's rule of
+  csrc/kvattn/tag_rule.cuh), the readers of CPU tensors where no GPU kernel runs (vLLM's and
+  SGLang's CPU engines), built by the host compiler with optimisation; into wheels too. Skipped
+  when no C++ compiler works.
 - ``KVATTN_SKIP_EXTENSIONS=1`` (tools/ensure_deps.sh uses it for the editable install, then
   ``make build`` runs ``python setup.py build_ext --inplace``), or no pybind11 (a build without
   isolation), builds no extension: the install is pure Python. ``KVATTN_SKIP_HARNESS_BUILD=1``
@@ -77,6 +81,7 @@ GENERATED = ROOT / "build" / "generated"
 CUDA_BUILD = ROOT / "build" / "cuda"
 DEFAULT_CUDA_ARCHS = ("80", "90")
 CUDA_EXT = "kvattn.backends.cuda._C"
+CPU_EXT = "kvattn.backends.cpu._cpu"
 SIM_MODULES = {
     "_sim": "module_sim.cpp",
     "_sim_break_barrier": "module_sim_break_barrier.cpp",
@@ -272,6 +277,15 @@ OUTCOME = _Outcome()
 HEADERS = sorted(
     str(p.relative_to(ROOT)) for p in CSRC.rglob("*") if p.suffix in (".h", ".cuh", ".cpp", ".cu")
 ) + ["csrc/instantiations.py"]
+# The CPU reader is meant to be fast: -O3 vectorises its dot products and sums; no fast-math, whose
+# assumptions (no NaN, no infinity) the masking relies on not being made.
+CPU_FLAGS = [
+    "-std=c++17",
+    "-O3",
+    "-fno-strict-aliasing",
+    "-Wno-unknown-pragmas",
+    "-fvisibility=hidden",
+]
 SIM_FLAGS = [
     "-std=c++17",
     "-O2",
@@ -315,6 +329,19 @@ def _extensions():
             )
             for name, source in SIM_MODULES.items()
         ]
+    if os.environ.get("KVATTN_SKIP_HARNESS_BUILD", "0") != "1":
+        exts.append(
+            Extension(
+                CPU_EXT,
+                sources=["csrc/cpu/module_cpu.cpp"],
+                include_dirs=[str(CSRC), str(GENERATED), _pybind11_include()],
+                depends=HEADERS + ["kvattn/tags.py"],
+                extra_compile_args=CPU_FLAGS,
+                language="c++",
+            )
+        )
+    else:
+        OUTCOME.skip(CPU_EXT, "KVATTN_SKIP_HARNESS_BUILD=1")
     nvcc, why = _cuda_wanted()
     cxx = os.environ.get("CXX", "g++")
     if nvcc is not None and shutil.which(shlex.split(cxx)[0]) is None:

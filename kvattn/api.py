@@ -64,8 +64,8 @@ def paged_decode(
         on_violation: ``"report"`` returns the report; ``"raise"`` also synchronises and raises
             :class:`kvattn.KVOwnershipError` if any page was refused (the output is written first).
         backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"torch"``, ``"reference"`` (or
-            ``"cuda_sim"`` on CPU tensors); see :mod:`kvattn.backends` (``KVATTN_BACKEND``
-            overrides ``"auto"``).
+            ``"cpu"``, the compiled CPU decode, and ``"cuda_sim"`` on CPU tensors); see
+            :mod:`kvattn.backends` (``KVATTN_BACKEND`` overrides ``"auto"``).
         out: optional ``[B, num_heads, head_dim_v]`` output buffer (dtype of ``q``; for an fp8
             ``q`` bfloat16, float16 or float32, bfloat16 when allocated here).
         return_lse: also return the ``[B, num_heads]`` float32 natural-log LSE.

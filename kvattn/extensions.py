@@ -54,8 +54,13 @@ TEST_ONLY = (
     "kvattn.backends.cuda_sim._sim_break_fragment",
 )
 # What setup.py builds (csrc/ holds the sources): the CUDA kernels (nvcc), the same sources on the
-# CPU harness (a C++ compiler), and the test-only harness builds.
-EXTENSIONS = ("kvattn.backends.cuda._C", "kvattn.backends.cuda_sim._sim", *TEST_ONLY)
+# CPU harness (a C++ compiler), the CPU decode (a C++ compiler), and the test-only harness builds.
+EXTENSIONS = (
+    "kvattn.backends.cuda._C",
+    "kvattn.backends.cuda_sim._sim",
+    "kvattn.backends.cpu._cpu",
+    *TEST_ONLY,
+)
 # What the modules are compiled from, besides kvattn/tags.py (the tag header is generated from it)
 # and the instantiation table (the kernel units and the dispatch's list are generated from it).
 SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")

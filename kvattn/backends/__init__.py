@@ -45,6 +45,7 @@ _BACKENDS = {
     "reference": "kvattn.backends.oracle",
     "torch": "kvattn.backends.torch",
     "cuda_sim": "kvattn.backends.cuda_sim",
+    "cpu": "kvattn.backends.cpu",
 }
 OPS = ("decode", "extend", "write_kv", "mla_decode", "mla_extend")
 AUTO_ORDER = {
@@ -57,11 +58,12 @@ AUTO_ORDER = {
 # The Triton interpreter would run the writer as one program per token; the PyTorch ops compute
 # the same result in a few tensor ops.
 # The readers' PyTorch ops read only the pages a sequence covers; the reference gathers the whole
-# table per query row and stays the oracle, last.
+# table per query row and stays the oracle, last. The compiled CPU decode comes before both (and
+# before the Triton interpreter, which only tests run).
 AUTO_ORDER_CPU = {
     **AUTO_ORDER,
     "write_kv": ("torch",),
-    "decode": ("cuda", "triton", "torch", "reference"),
+    "decode": ("cuda", "cpu", "triton", "torch", "reference"),
     "extend": ("cuda", "triton", "torch", "reference"),
 }
 _logged: set = set()
@@ -148,7 +150,9 @@ def select(args, requested: str = "auto", op: str = "decode") -> ModuleType:
             )
         module, reason = _why_not(requested, args, op)
         if reason is not None:
-            raise ValueError(f"{source}: backend {requested!r} cannot run these inputs: {reason}")
+            error = ValueError(f"{source}: backend {requested!r} cannot run these inputs: {reason}")
+            error.backend, error.reason = requested, reason  # for callers that route on it
+            raise error
         return module
     name, refused = auto_choice(args, op)
     if name is None:

@@ -15,10 +15,11 @@ import torch
 import kvattn
 from kvattn import reference, resolve_pages
 from kvattn.tags import Violation
-from kvattn_testing.util import DEVICE, assert_reports_equal, launcher
+from kvattn_testing.util import DEVICE, assert_reports_equal, backends_under_test, launcher
 
 LAYERS = 3
-BACKENDS = ["reference", "torch", "triton"]
+# Every backend that reads a verdict: the compiled CPU decode where it is built.
+BACKENDS = ["reference", "torch", "triton"] + (["cpu"] if "cpu" in backends_under_test() else [])
 # Per sequence: (tokens including the new one, fault). 9 and 8 put the new token at the first slot
 # of a page for page size 4 and 8 (and mid-page elsewhere).
 SEQUENCES = [

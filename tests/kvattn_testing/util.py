@@ -18,8 +18,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository: tests/kvattn_testing/util.py
 
 
-def backends_under_test() -> list[str]:
-    """Every registered backend that can run on this machine (the reference included)."""
+def backends_under_test(op: str = "decode") -> list[str]:
+    """Every registered backend that can run ``op`` (decode or extend) on this machine (the
+    reference included)."""
     probe = Batch.random(
         batch=1,
         num_heads=2,
@@ -29,7 +30,19 @@ def backends_under_test() -> list[str]:
         seq_lens=[3],
         dtype=torch.float16,
     )
-    reasons = backends.explain(probe.args())
+    args = probe.args()
+    if op == "extend":
+        args = kvattn.layout.validate_extend(
+            probe.q,
+            probe.k_cache,
+            probe.v_cache,
+            torch.tensor([0, 1], dtype=torch.int32, device=probe.q.device),
+            probe.block_table,
+            probe.seq_lens,
+            probe.page_tags,
+            probe.expected,
+        )
+    reasons = backends.explain(args, op)
     return [name for name, reason in reasons.items() if reason is None]
 
 

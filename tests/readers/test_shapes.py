@@ -169,9 +169,11 @@ def test_head_dim_past_512_is_refused_by_the_kernels_with_the_reason():
         batch=1, num_heads=1, num_kv_heads=1, head_dim=520, page_size=4, seq_lens=[3]
     ).args()
     reasons = backends.explain(probe)
-    # PyTorch ops have no register tile to outgrow.
-    assert reasons["reference"] is None and reasons["torch"] is None
-    for name in set(backends_under_test()) - {"reference", "torch"}:
+    # PyTorch ops and the compiled CPU decode (plain loops over a row) have no register tile to
+    # outgrow.
+    untiled = {"reference", "torch", "cpu"}
+    assert all(reasons[name] is None for name in untiled & set(backends_under_test()))
+    for name in set(backends_under_test()) - untiled:
         assert "head_dim 520" in reasons[name], (name, reasons[name])
 
 
@@ -206,7 +208,7 @@ def test_extend_new_shapes(page, head_dim, causal):
     prefixes = [page - 1, 0, 2 * page - 1, page]
     shape = dict(num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=page)
     names = extend_backends(torch.float16, **shape)
-    assert names == backends_under_test(), "every backend extends at these shapes"
+    assert names == backends_under_test("extend"), "every backend extends at these shapes"
     for backend in names:
         ext = Extend.random(q_lens, prefixes, pool_factor=2, **shape)
         plant_foreign_page(ext.pages, 3, 0)

@@ -103,7 +103,7 @@ def test_a_drifted_backend_line_is_caught():
     assert documented_backends(drifted.__doc__) == {"cuda", "reference", "torch"}
     assert documented_backends(paragraph.__doc__) == {"torch", "cuda", "cuda_sim"}
     problem = mismatch(drifted, "decode")
-    assert problem is not None and "missing: ['cuda_sim', 'triton']" in problem
+    assert problem is not None and "missing: ['cpu', 'cuda_sim', 'triton']" in problem
     assert "not a backend of it: ['cuda', 'cuda_sim', 'torch']" in mismatch(paragraph, "mla_extend")
 
 

@@ -35,7 +35,8 @@ def test_info_says_which_backend_accepts_which_op_and_why_the_others_refuse():
     assert cpu["extend"]["reasons"]["torch"] is None
     assert cpu["write_kv"]["reasons"]["torch"] is None
     assert cpu["write_kv"]["auto"] == "torch"
-    assert cpu["decode"]["auto"] == ("triton" if interpreted() else "torch")
+    compiled = cpu["decode"]["reasons"]["cpu"] is None  # the CPU decode, where it is built
+    assert cpu["decode"]["auto"] == ("cpu" if compiled else "triton" if interpreted() else "torch")
     assert cpu["extend"]["auto"] == ("triton" if interpreted() else "torch")
     assert cpu["decode"]["order"].index("torch") < cpu["decode"]["order"].index("reference")
     assert cpu["mla_decode"]["auto"] == ("triton" if interpreted() else "reference")

@@ -385,7 +385,7 @@ def offsets_valid(w) -> bool:
     return cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] == w["total_q"]
 
 
-@pytest.mark.parametrize("backend", READERS)
+@pytest.mark.parametrize("backend", backends_under_test("extend"))
 @fuzz
 @given(w=extend_world(), validate=st.sampled_from([False, True]))
 def test_extend_on_hostile_batches_matches_the_oracle(backend, w, validate):

@@ -1,0 +1,115 @@
+// The module `kvattn.backends.cpu._cpu`: the CPU paged decode of decode_cpu.h behind a binding
+// that takes raw pointers, sizes and strides by name (kvattn/backends/cpu/__init__.py builds the
+// dict), built by the host compiler (setup.py). It runs on the calling thread, without the GIL.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <set>
+#include <stdexcept>
+#include <string>
+
+#include "cpu/decode_cpu.h"
+#include "kvattn_sources.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// Reads the call's arguments by name; a name nothing reads is refused, so the launcher and this
+// binding cannot disagree silently.
+class Args {
+ public:
+  explicit Args(const py::dict& a) : a_(a) {}
+  py::handle get(const char* key) {
+    if (!a_.contains(key)) throw py::key_error(std::string("kvattn cpu decode: missing argument ") + key);
+    read_.insert(key);
+    return a_[key];
+  }
+  template <class T>
+  T ptr(const char* key) {
+    return reinterpret_cast<T>(static_cast<uintptr_t>(get(key).cast<unsigned long long>()));
+  }
+  int64_t i64(const char* key) { return get(key).cast<int64_t>(); }
+  void check_all_read() const {
+    for (const auto& item : a_) {
+      const std::string key = py::str(item.first);
+      if (!read_.count(key)) throw py::key_error("kvattn cpu decode: unknown argument " + key);
+    }
+  }
+
+ private:
+  const py::dict& a_;
+  std::set<std::string> read_;
+};
+
+void decode(const py::dict& a, int dtype, int mode) {
+  using kvattn::cpu::Mode;
+  kvattn::cpu::DecodeParams p{};
+  Args args(a);
+  p.q = args.ptr<const void*>("q");
+  p.k = args.ptr<const void*>("k");
+  p.v = args.ptr<const void*>("v");
+  p.block_table = args.ptr<const int32_t*>("block_table");
+  p.seq_lens = args.ptr<const int32_t*>("seq_lens");
+  p.tags = args.ptr<const int64_t*>("tags");
+  p.expected = args.ptr<const int64_t*>("expected");
+  p.verdict = args.ptr<const int64_t*>("verdict");
+  p.out = args.ptr<void*>("out");
+  p.lse = args.ptr<float*>("lse");
+  p.violations = args.ptr<int32_t*>("violations");
+  p.reasons = args.ptr<int32_t*>("reasons");
+  p.checked = args.ptr<int32_t*>("checked");
+  p.beyond = args.ptr<int32_t*>("beyond");
+  p.page_reasons = args.ptr<int8_t*>("page_reasons");
+#define KVATTN_CPU_INT(name) p.name = args.i64(#name);
+  KVATTN_CPU_INT(batch)
+  KVATTN_CPU_INT(num_heads)
+  KVATTN_CPU_INT(num_kv_heads)
+  KVATTN_CPU_INT(head_dim)
+  KVATTN_CPU_INT(head_dim_v)
+  KVATTN_CPU_INT(page_size)
+  KVATTN_CPU_INT(max_pages)
+  KVATTN_CPU_INT(num_pages)
+  KVATTN_CPU_INT(stride_qb)
+  KVATTN_CPU_INT(stride_qh)
+  KVATTN_CPU_INT(stride_kp)
+  KVATTN_CPU_INT(stride_ks)
+  KVATTN_CPU_INT(stride_kh)
+  KVATTN_CPU_INT(stride_vp)
+  KVATTN_CPU_INT(stride_vs)
+  KVATTN_CPU_INT(stride_vh)
+  KVATTN_CPU_INT(stride_bt)
+  KVATTN_CPU_INT(stride_eb)
+  KVATTN_CPU_INT(stride_ep)
+  KVATTN_CPU_INT(stride_ob)
+  KVATTN_CPU_INT(stride_oh)
+  KVATTN_CPU_INT(window_left)
+#undef KVATTN_CPU_INT
+  p.scale = args.get("scale").cast<float>();
+  p.soft_cap = args.get("soft_cap").cast<float>();
+  args.check_all_read();
+  if (p.num_kv_heads < 1 || p.num_heads % p.num_kv_heads != 0)
+    throw std::invalid_argument("kvattn cpu decode: num_heads must be a multiple of num_kv_heads");
+  if (mode < 0 || mode > 2) throw std::invalid_argument("kvattn cpu decode: mode must be 0, 1 or 2");
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("kvattn cpu decode: dtype must be 0, 1 or 2");
+  py::gil_scoped_release release;
+  const auto run = [&](auto type) {
+    using T = typename decltype(type)::type;
+    if (mode == 0) kvattn::cpu::decode<T, Mode::kUnchecked>(p);
+    if (mode == 1) kvattn::cpu::decode<T, Mode::kChecked>(p);
+    if (mode == 2) kvattn::cpu::decode<T, Mode::kVerdict>(p);
+  };
+  if (dtype == 0) run(kvattn::TypeTag<float>{});
+  if (dtype == 1) run(kvattn::TypeTag<__half>{});
+  if (dtype == 2) run(kvattn::TypeTag<__nv_bfloat16>{});
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu, m) {
+  m.doc() = "kvattn's CPU paged decode (raw-pointer binding; see kvattn/backends/cpu)";
+  m.def("decode", &decode, py::arg("args"), py::arg("dtype"), py::arg("mode"),
+        "Run the paged decode on the calling thread: dtype 0 float32, 1 float16, 2 bfloat16;\n"
+        "mode 0 unchecked, 1 checked, 2 through a verdict.");
+  m.attr("SOURCE_DIGEST") = py::str(KVATTN_SOURCE_DIGEST);
+}

@@ -1,0 +1,103 @@
+"""The backend ``cpu``: the paged decode compiled for the CPU (csrc/cpu/decode_cpu.h, module
+``_cpu``), checked and unchecked from one source, and through a verdict (docs/ownership.md section
+9). For CPU tensors where no GPU kernel runs: ``backend="auto"`` takes it there before the PyTorch
+ops of the ``torch`` backend (vLLM's and SGLang's CPU engines). One call runs on the calling thread.
+
+Float32, float16 and bfloat16 queries and pools (float32 arithmetic), any head dims and page size,
+a sliding window and the logit soft-cap; the other switches of :mod:`kvattn.variants` (sinks,
+ALiBi, fp8, a right window) are refused with their names, and the registry takes the next backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import extensions
+from ...layout import DecodeArgs
+from ...report import OwnershipReport
+
+NAME = "cpu"
+VERDICT_OPS = ("decode",)
+SWITCHES = frozenset({"window_left", "logits_soft_cap"})
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_MODES = {"unchecked": 0, "checked": 1, "verdict": 2}
+
+_cpu, STATUS = extensions.load("kvattn.backends.cpu._cpu")
+
+
+def why_not(args: DecodeArgs) -> str | None:
+    """None if the compiled decode can run ``args``, else the reason it cannot."""
+    if _cpu is None:
+        return STATUS.line()
+    if args.q.device.type != "cpu":
+        return f"tensors are on {args.q.device}; this backend runs CPU tensors"
+    unsupported = [s for s in args.variant.switches() if s not in SWITCHES]
+    if unsupported:
+        return f"no kernel for {', '.join(unsupported)}"
+    if args.q.dtype not in _DTYPES or args.k_cache.dtype != args.q.dtype:
+        return f"no kernel for {args.q.dtype} queries over {args.k_cache.dtype} pools"
+    if args.out_dtype not in (None, args.q.dtype):
+        return f"no kernel writing a {args.out_dtype} output for {args.q.dtype} queries"
+    return None
+
+
+def decode(
+    args: DecodeArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None
+) -> OwnershipReport | None:
+    """Run the compiled decode (arguments accepted by :func:`why_not`); writes ``out``, ``lse``
+    and the report (the verdict's, when the call reads one)."""
+    verdict = args.verdict if check else None
+    report = None
+    if verdict is not None:
+        report = verdict.report
+    elif check:
+        report = OwnershipReport.allocate(args.batch, args.max_pages, args.q.device)
+    none = 0  # the address of what the mode does not read or write
+    q, k, v = args.q, args.k_cache, args.v_cache
+    call = dict(
+        q=q.data_ptr(),
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        block_table=args.block_table.data_ptr(),
+        seq_lens=args.seq_lens.data_ptr(),
+        tags=args.page_tags.data_ptr(),
+        expected=args.expected.data_ptr(),
+        verdict=verdict.entries.data_ptr() if verdict is not None else none,
+        out=out.data_ptr(),
+        lse=lse.data_ptr() if lse is not None else none,
+        violations=report.violations.data_ptr() if report else none,
+        reasons=report.reasons.data_ptr() if report else none,
+        checked=report.pages_checked.data_ptr() if report else none,
+        beyond=report.beyond_table.data_ptr() if report else none,
+        page_reasons=report.page_reasons.data_ptr() if report else none,
+        batch=args.batch,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        head_dim_v=args.head_dim_v,
+        page_size=args.page_size,
+        max_pages=args.max_pages,
+        num_pages=args.num_pages,
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_kp=k.stride(0),
+        stride_ks=k.stride(1),
+        stride_kh=k.stride(2),
+        stride_vp=v.stride(0),
+        stride_vs=v.stride(1),
+        stride_vh=v.stride(2),
+        stride_bt=args.block_table.stride(0),
+        stride_eb=args.expected.stride(0),
+        stride_ep=args.expected.stride(1),
+        stride_ob=out.stride(0),
+        stride_oh=out.stride(1),
+        scale=args.scale,
+        window_left=args.variant.window_left,
+        soft_cap=args.variant.logits_soft_cap,
+    )
+    mode = "verdict" if verdict is not None else "checked" if check else "unchecked"
+    _cpu.decode(call, _DTYPES[q.dtype], _MODES[mode])
+    return report
+
+
+__all__ = ["NAME", "SWITCHES", "VERDICT_OPS", "decode", "why_not"]
