@@ -350,9 +350,11 @@ def write_kv(
     that cannot run the inputs raises ``ValueError`` with its reason). ``"torch"`` composes the
     steps from PyTorch ops (any device); ``"triton"`` runs
     :mod:`kvattn.backends.triton.paged_write_kv`; ``"cuda"`` the CUDA writer of csrc/ (``"cuda_sim"``:
-    the same source on the CPU harness). ``"auto"`` takes ``cuda`` for CUDA tensors when it is
-    built, else ``triton``, and ``torch`` for CPU tensors (the interpreter would run one slow
-    program per token). All give the same result, except in that race.
+    the same source on the CPU harness); ``"cpu"`` the writer compiled for the CPU
+    (csrc/cpu/write_kv_cpu.h; pools of the tokens' dtype, no fp8). ``"auto"`` takes ``cuda`` for
+    CUDA tensors when it is built, else ``triton``, and for CPU tensors ``cpu`` where it is built
+    and accepts them, else ``torch`` (the interpreter would run one slow program per token). All
+    give the same result, except in that race.
     """
     args = validate_write_kv(
         k,

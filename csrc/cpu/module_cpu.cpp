@@ -1,4 +1,5 @@
-// The module `kvattn.backends.cpu._cpu`: the CPU paged decode of decode_cpu.h behind a binding
+// The module `kvattn.backends.cpu._cpu`: the CPU paged decode of decode_cpu.h and the writer of
+// write_kv_cpu.h behind a binding
 // that takes raw pointers, sizes and strides by name (kvattn/backends/cpu/__init__.py builds the
 // dict), built by the host compiler (setup.py). It runs on the calling thread, without the GIL.
 #include <pybind11/pybind11.h>
@@ -9,6 +10,7 @@
 #include <string>
 
 #include "cpu/decode_cpu.h"
+#include "cpu/write_kv_cpu.h"
 #include "kvattn_sources.h"
 
 namespace py = pybind11;
@@ -104,6 +106,46 @@ void decode(const py::dict& a, int dtype, int mode) {
   if (dtype == 2) run(kvattn::TypeTag<__nv_bfloat16>{});
 }
 
+void write_kv(const py::dict& a) {
+  kvattn::cpu::WriteParams p{};
+  Args args(a);
+  p.k = args.ptr<const char*>("k");
+  p.v = args.ptr<const char*>("v");
+  p.k_cache = args.ptr<char*>("k_cache");
+  p.v_cache = args.ptr<char*>("v_cache");
+  p.slot_mapping = args.ptr<const int64_t*>("slot_mapping");
+  p.tags = args.ptr<int64_t*>("tags");
+  p.owners = args.ptr<const int64_t*>("owners");
+  p.landed = args.ptr<bool*>("landed");
+  p.drop_reasons = args.ptr<int8_t*>("drop_reasons");
+  p.dropped = args.ptr<int64_t*>("dropped");
+#define KVATTN_CPU_INT(name) p.name = args.i64(#name);
+  KVATTN_CPU_INT(num_tokens)
+  KVATTN_CPU_INT(num_pages)
+  KVATTN_CPU_INT(page_size)
+  KVATTN_CPU_INT(num_kv_heads)
+  KVATTN_CPU_INT(head_dim)
+  KVATTN_CPU_INT(head_dim_v)
+  KVATTN_CPU_INT(element_size)
+  KVATTN_CPU_INT(stride_slots)
+  KVATTN_CPU_INT(stride_owner)
+  KVATTN_CPU_INT(stride_kt)
+  KVATTN_CPU_INT(stride_kh)
+  KVATTN_CPU_INT(stride_vt)
+  KVATTN_CPU_INT(stride_vh)
+  KVATTN_CPU_INT(stride_kp)
+  KVATTN_CPU_INT(stride_ks)
+  KVATTN_CPU_INT(stride_kkh)
+  KVATTN_CPU_INT(stride_vp)
+  KVATTN_CPU_INT(stride_vs)
+  KVATTN_CPU_INT(stride_vvh)
+#undef KVATTN_CPU_INT
+  args.check_all_read();
+  if (p.page_size < 1) throw std::invalid_argument("kvattn cpu write_kv: page_size must be >= 1");
+  py::gil_scoped_release release;
+  kvattn::cpu::write_kv(p);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -111,5 +153,7 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("decode", &decode, py::arg("args"), py::arg("dtype"), py::arg("mode"),
         "Run the paged decode on the calling thread: dtype 0 float32, 1 float16, 2 bfloat16;\n"
         "mode 0 unchecked, 1 checked, 2 through a verdict.");
+  m.def("write_kv", &write_kv, py::arg("args"),
+        "Run the stamping writer on the calling thread (pools of the tokens' own dtype).");
   m.attr("SOURCE_DIGEST") = py::str(KVATTN_SOURCE_DIGEST);
 }

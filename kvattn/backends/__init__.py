@@ -62,7 +62,7 @@ AUTO_ORDER = {
 # before the Triton interpreter, which only tests run).
 AUTO_ORDER_CPU = {
     **AUTO_ORDER,
-    "write_kv": ("torch",),
+    "write_kv": ("cpu", "torch"),
     "decode": ("cuda", "cpu", "triton", "torch", "reference"),
     "extend": ("cuda", "triton", "torch", "reference"),
 }

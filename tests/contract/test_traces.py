@@ -118,7 +118,7 @@ def test_random_traces_match_the_model(data, page_size, layout):
 
 
 # The kernel writers (every write of a trace: appends, late writes, stray writes) against the model.
-KERNEL_WRITERS = ["triton"] + (["cuda_sim"] if "cuda_sim" in backends_under_test() else [])
+KERNEL_WRITERS = ["triton"] + [w for w in ("cuda_sim", "cpu") if w in backends_under_test()]
 
 
 @pytest.mark.parametrize("writer", KERNEL_WRITERS)

@@ -356,7 +356,7 @@ def test_custom_ops_return_v_wide_outputs(op):
 
 # --- the writers -------------------------------------------------------------------------------------
 
-WRITERS = ["torch", "triton", "cuda_sim"]
+WRITERS = ["torch", "triton", "cuda_sim", "cpu"]
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=DIM_IDS)

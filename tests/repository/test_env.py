@@ -34,7 +34,9 @@ def test_info_says_which_backend_accepts_which_op_and_why_the_others_refuse():
     assert cpu["decode"]["reasons"]["torch"] is None
     assert cpu["extend"]["reasons"]["torch"] is None
     assert cpu["write_kv"]["reasons"]["torch"] is None
-    assert cpu["write_kv"]["auto"] == "torch"
+    assert cpu["write_kv"]["auto"] == (
+        "cpu" if cpu["write_kv"]["reasons"]["cpu"] is None else "torch"
+    )
     compiled = cpu["decode"]["reasons"]["cpu"] is None  # the CPU decode, where it is built
     assert cpu["decode"]["auto"] == ("cpu" if compiled else "triton" if interpreted() else "torch")
     assert cpu["extend"]["auto"] == ("triton" if interpreted() else "torch")
@@ -87,7 +89,7 @@ def test_report_lays_out_versions_backends_extensions_and_resources():
         "CUDA module, static resources (ptxas",
     ):
         assert heading in text
-    assert "write_kv on cpu: auto takes torch" in text
+    assert f"write_kv on cpu: auto takes {data['backends']['cpu']['write_kv']['auto']}" in text
     assert (
         "  sm_90: 2 kernels, at most 128 registers, 1024 bytes of static shared memory, 0 bytes "
         "of stack; 1 kernel(s) spill"

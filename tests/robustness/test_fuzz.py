@@ -39,7 +39,7 @@ fuzz = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 READERS = backends_under_test()
-WRITERS = [w for w in ("torch", "triton", "cuda_sim") if w == "torch" or w in READERS]
+WRITERS = [w for w in ("torch", "triton", "cuda_sim", "cpu") if w == "torch" or w in READERS]
 F16 = torch.float16
 HEAD_DIM = 16
 POISON = 0x55  # not a Violation value: a page_reasons entry still holding it was never written
@@ -818,7 +818,14 @@ def _interleaved_writes(t, data):
         k, v = t.signatures(second_ids)
         mapping = torch.tensor(second_slots, dtype=torch.int64)
         results["second"] = kvattn.write_kv(
-            k, v, t.cache.k_cache, t.cache.v_cache, mapping, t.cache.page_tags, second_owner
+            k,
+            v,
+            t.cache.k_cache,
+            t.cache.v_cache,
+            mapping,
+            t.cache.page_tags,
+            second_owner,
+            backend="torch",
         )
 
     k, v = t.signatures(first_ids)
@@ -832,6 +839,7 @@ def _interleaved_writes(t, data):
             torch.tensor(first_slots, dtype=torch.int64),
             t.cache.page_tags,
             first_owner,
+            backend="torch",  # the spy interrupts the PyTorch writer's stores
         )
     spy.finish()
     t.assert_result(

@@ -41,7 +41,7 @@ def _writers() -> list[str]:
         1,
     )
     reasons = backends.explain(probe, op="write_kv")
-    return [name for name in ("torch", "triton", "cuda_sim") if reasons[name] is None]
+    return [name for name in ("torch", "triton", "cuda_sim", "cpu") if reasons[name] is None]
 
 
 WRITERS = _writers()

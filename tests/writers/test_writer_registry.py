@@ -35,20 +35,29 @@ def test_explain_gives_a_reason_for_every_writer_it_refuses():
     assert reasons["reference"] == "no write_kv kernel"
     assert reasons["cuda"]  # CPU tensors
     assert (reasons["triton"] is None) == interpreted()
-    assert backends.auto_choice(args, "write_kv") == ("torch", {})
+    # The compiled CPU writer first where it is built, else the PyTorch ops.
+    compiled = reasons["cpu"] is None
+    assert backends.auto_choice(args, "write_kv") == (
+        ("cpu", {}) if compiled else ("torch", {"cpu": reasons["cpu"]})
+    )
 
 
-def test_auto_on_cpu_takes_the_pytorch_writer_and_logs_it_once(monkeypatch, caplog):
+def test_auto_on_cpu_takes_the_compiled_writer_and_logs_it_once(monkeypatch, caplog):
+    """The compiled CPU writer where it is built (else the PyTorch ops), said once."""
     monkeypatch.delenv("KVATTN_BACKEND", raising=False)
     monkeypatch.setattr(backends, "_logged", set())
+    compiled = backends.explain(validate_write_kv(*_write_inputs(), 5), "write_kv")["cpu"]
     with caplog.at_level(logging.INFO, logger="kvattn"):
         for _ in range(2):
             k, v, k_cache, v_cache, slots, tags = _write_inputs()
             result = kvattn.write_kv(k, v, k_cache, v_cache, slots, tags, 5)
             assert result.dropped_count() == 0
-    assert [r.getMessage() for r in caplog.records].count(
-        "kvattn: write_kv uses backend 'torch' on cpu (first choice)"
-    ) == 1
+    said = (
+        "kvattn: write_kv uses backend 'cpu' on cpu (first choice)"
+        if compiled is None
+        else f"kvattn: write_kv uses backend 'torch' on cpu (cpu: {compiled})"
+    )
+    assert [r.getMessage() for r in caplog.records].count(said) == 1
     assert kvattn.describe_tag(int(tags[1])) == "WRITTEN(owner=5, valid_len=2)"
     assert torch.equal(k_cache[1, :2], k)
 
@@ -83,7 +92,9 @@ def test_kvattn_backend_forces_the_writer_only_where_that_backend_has_one(monkey
     ).args()
     monkeypatch.setenv("KVATTN_BACKEND", "reference")
     assert backends.select(decode_args, "auto", op="decode").NAME == "reference"
-    assert backends.select(args, "auto", op="write_kv").NAME == "torch"  # reference has no writer
+    # The reference has no writer: auto's writer.
+    compiled = backends.explain(args, op="write_kv")["cpu"] is None
+    assert backends.select(args, "auto", op="write_kv").NAME == ("cpu" if compiled else "torch")
     monkeypatch.setenv("KVATTN_BACKEND", "cuda")
     with pytest.raises(ValueError, match="KVATTN_BACKEND: backend 'cuda' cannot run these inputs"):
         backends.select(args, "auto", op="write_kv")

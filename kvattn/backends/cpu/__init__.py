@@ -1,11 +1,14 @@
-"""The backend ``cpu``: the paged decode compiled for the CPU (csrc/cpu/decode_cpu.h, module
-``_cpu``), checked and unchecked from one source, and through a verdict (docs/ownership.md section
-9). For CPU tensors where no GPU kernel runs: ``backend="auto"`` takes it there before the PyTorch
-ops of the ``torch`` backend (vLLM's and SGLang's CPU engines). One call runs on the calling thread.
+"""The backend ``cpu``: the paged decode and the stamping writer compiled for the CPU (csrc/cpu/,
+module ``_cpu``): the decode checked and unchecked from one source, and through a verdict
+(docs/ownership.md section 9). For CPU tensors where no GPU kernel runs: ``backend="auto"`` takes
+it there before the PyTorch ops of the ``torch`` backend (vLLM's and SGLang's CPU engines). One
+call runs on the calling thread.
 
-Float32, float16 and bfloat16 queries and pools (float32 arithmetic), any head dims and page size,
-a sliding window and the logit soft-cap; the other switches of :mod:`kvattn.variants` (sinks,
-ALiBi, fp8, a right window) are refused with their names, and the registry takes the next backend.
+Decode: float32, float16 and bfloat16 queries and pools (float32 arithmetic), any head dims and
+page size, a sliding window and the logit soft-cap; the other switches of :mod:`kvattn.variants`
+(sinks, ALiBi, fp8, a right window) are refused with their names, and the registry takes the next
+backend. ``write_kv``: tokens into pools of their own dtype (float32, float16, bfloat16); fp8 pools
+are refused (``WRITE_SWITCHES`` is empty). Extend is not an op of this backend.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import torch
 
 from ... import extensions
 from ...layout import DecodeArgs
-from ...report import OwnershipReport
+from ...report import OwnershipReport, WriteResult
+from ...write_args import WriteArgs
 
 NAME = "cpu"
 VERDICT_OPS = ("decode",)
 SWITCHES = frozenset({"window_left", "logits_soft_cap"})
+WRITE_SWITCHES = frozenset()
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MODES = {"unchecked": 0, "checked": 1, "verdict": 2}
 
@@ -100,4 +105,71 @@ def decode(
     return report
 
 
-__all__ = ["NAME", "SWITCHES", "VERDICT_OPS", "decode", "why_not"]
+def why_not_write_kv(args: WriteArgs) -> str | None:
+    """None if the compiled writer can run ``args``, else the reason it cannot."""
+    if _cpu is None:
+        return STATUS.line()
+    if args.k_cache.device.type != "cpu":
+        return f"tensors are on {args.k_cache.device}; this backend runs CPU tensors"
+    if args.switches():
+        return None  # fp8 pools: the registry refuses them by WRITE_SWITCHES, naming the switch
+    pools = (args.k_cache.dtype, args.v_cache.dtype)
+    if args.k_cache.dtype not in _DTYPES or (args.k.dtype, args.v.dtype) != pools:
+        return f"no write_kv kernel for {args.k.dtype} tokens into {args.k_cache.dtype} pools"
+    return None
+
+
+def write_kv(args: WriteArgs) -> WriteResult:
+    """Run the compiled writer (arguments accepted by :func:`why_not_write_kv`)."""
+    k, v, k_cache, v_cache, slots, tags, owners = args.tensors()
+    n = slots.shape[0]
+    landed = torch.empty(n, dtype=torch.bool)
+    reasons = torch.empty(n, dtype=torch.int8)
+    dropped = torch.empty((), dtype=torch.int64)
+    slots64 = slots if slots.dtype == torch.int64 else slots.to(torch.int64)
+    _cpu.write_kv(
+        dict(
+            k=k.data_ptr(),
+            v=v.data_ptr(),
+            k_cache=k_cache.data_ptr(),
+            v_cache=v_cache.data_ptr(),
+            slot_mapping=slots64.data_ptr(),
+            tags=tags.data_ptr(),
+            owners=owners.data_ptr(),
+            landed=landed.data_ptr(),
+            drop_reasons=reasons.data_ptr(),
+            dropped=dropped.data_ptr(),
+            num_tokens=n,
+            num_pages=k_cache.shape[0],
+            page_size=k_cache.shape[1],
+            num_kv_heads=k_cache.shape[2],
+            head_dim=k_cache.shape[3],
+            head_dim_v=v_cache.shape[3],
+            element_size=k_cache.element_size(),
+            stride_slots=slots64.stride(0),
+            stride_owner=owners.stride(0),
+            stride_kt=k.stride(0),
+            stride_kh=k.stride(1),
+            stride_vt=v.stride(0),
+            stride_vh=v.stride(1),
+            stride_kp=k_cache.stride(0),
+            stride_ks=k_cache.stride(1),
+            stride_kkh=k_cache.stride(2),
+            stride_vp=v_cache.stride(0),
+            stride_vs=v_cache.stride(1),
+            stride_vvh=v_cache.stride(2),
+        )
+    )
+    return WriteResult(landed, reasons, dropped)
+
+
+__all__ = [
+    "NAME",
+    "SWITCHES",
+    "VERDICT_OPS",
+    "WRITE_SWITCHES",
+    "decode",
+    "why_not",
+    "why_not_write_kv",
+    "write_kv",
+]
