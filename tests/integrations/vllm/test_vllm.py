@@ -201,7 +201,6 @@ def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggre
     store = runs.dir / "serve-kvattn"
     shutil.rmtree(store, ignore_errors=True)
     shutil.copytree(runs.dir / "store-kvattn", store)
-    port = _free_port()
     transfer = {
         "kv_connector": "CheckedExampleConnector",
         "kv_connector_module_path": "kvattn.integrations.vllm_connector",
@@ -211,41 +210,51 @@ def test_openai_server_answers_the_incident_request_with_an_error(runs, disaggre
     env = _env(kvattn=True)
     del env["VLLM_ENABLE_V1_MULTIPROCESSING"]
     log_path = runs.dir / "serve.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [
-                str(VENV_PY),
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                str(runs.model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                "float32",
-                "--block-size",
-                "32",
-                "--enforce-eager",
-                "--max-model-len",
-                "512",
-                "--kv-cache-memory-bytes",
-                str(32 << 20),
-                "--max-num-batched-tokens",
-                "64",
-                "--no-enable-prefix-caching",
-                "--kv-transfer-config",
-                json.dumps(transfer),
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
+    # A port found free can be taken by another suite's server before this one binds it: then
+    # once more on another port (the SGLang suites do the same).
+    for attempt in range(2):
+        port = _free_port()
+        with open(log_path, "w") as log:
+            server = subprocess.Popen(
+                [
+                    str(VENV_PY),
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    str(runs.model),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--dtype",
+                    "float32",
+                    "--block-size",
+                    "32",
+                    "--enforce-eager",
+                    "--max-model-len",
+                    "512",
+                    "--kv-cache-memory-bytes",
+                    str(32 << 20),
+                    "--max-num-batched-tokens",
+                    "64",
+                    "--no-enable-prefix-caching",
+                    "--kv-transfer-config",
+                    json.dumps(transfer),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         base = f"http://127.0.0.1:{port}"
-        engines.wait_healthy(base, server, log_path, 240)
+        try:
+            engines.wait_healthy(base, server, log_path, 240)
+            break
+        except RuntimeError as e:
+            engines.stop_servers(server)
+            if attempt or "Address already in use" not in str(e):
+                raise
+    try:
         body = dict(model=str(runs.model), max_tokens=8, temperature=0)
         status, short = engines.post(base + "/v1/completions", dict(body, prompt=prompts.SHORT))
         assert status == 200, short
