@@ -22,6 +22,10 @@ forward begins, a prefix cache hits, a transfer arrives, a request must fail. Th
   :class:`kvattn.PageVerdict`; docs/ownership.md section 9), and finish (:meth:`Ledger.finish`),
   which reads every layer's refused pages and dropped writes back with one device read and names
   the requests to fail with one message each (:func:`failure_message`);
+- **CUDA graphs** (:class:`GraphBuffers`): a decode step a graph replays reads fixed buffers
+  that the ledger fills on the host before each replay (:meth:`Ledger.fill_graph_step`) and
+  poisons to owner 0 after the forward's report is read, so a replay nobody refilled fails
+  closed; padded rows read and write nothing;
 - **transfers**: the sender's attestation and the receiver's verification of pages that arrived by
   a transfer engine (:meth:`Ledger.attest`, :meth:`Ledger.verify` or, off the engine's step,
   :meth:`Ledger.verify_async`, contexts from
@@ -179,6 +183,11 @@ class Step:
     # checks its pages itself), and the verdicts resolved, one per sliding window.
     layer_tags: torch.Tensor | None = None
     verdicts: dict = field(default_factory=dict)
+    # A step a CUDA graph replays (:class:`GraphBuffers`): its tensors are views of fixed buffers,
+    # ``padding`` marks the tokens of padded rows (their writes land nowhere) and ``slots``
+    # receives the slot mapping with those at -1.
+    padding: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
     def write(
         self,
@@ -195,6 +204,9 @@ class Step:
         slot`` per token, -1 padding) under each token's request owner: a write into a page its
         request does not hold is dropped and counted against that request."""
         n = slots.shape[0]
+        if self.padding is not None:
+            # Device ops into a fixed buffer: nothing read on the host inside a captured graph.
+            slots = self.slots[:n].copy_(slots).masked_fill_(self.padding[:n], -1)
         result = write_kv(
             k[:n],
             v[:n],
@@ -282,6 +294,58 @@ class Step:
         for _, report in self.reports:
             seen.update(report.refusals().get(row, []))
         return sorted(seen)
+
+
+@dataclass
+class GraphBuffers:
+    """The inputs of decode forwards an engine replays from CUDA graphs, at fixed addresses
+    (docs/cuda_graphs.md): allocated once for the largest captured batch (one token per row),
+    filled on the host before each replay (:meth:`Ledger.fill_graph_step`), read inside the graph
+    by the kernels its capture recorded. Outside a filled forward, ``expected`` and
+    ``token_owner`` hold owner 0, which no page carries: a replay nobody refilled reads nothing
+    and writes nothing."""
+
+    block_table: torch.Tensor  # [max_batch, width] int32
+    expected: torch.Tensor  # [max_batch, width] int64
+    seq_lens: torch.Tensor  # [max_batch] int32, 0 on a padded row: it reads nothing
+    cu_seqlens_q: torch.Tensor  # [max_batch + 1] int32, one token per row
+    token_owner: torch.Tensor  # [max_batch] int64
+    token_row: torch.Tensor  # [max_batch] int64
+    padding: torch.Tensor  # [max_batch] bool, the rows past the forward's own
+    slots: torch.Tensor  # [max_batch] int64, the write's slot mapping, padding at -1
+    refused: torch.Tensor  # [max_batch] int32
+    dropped: torch.Tensor  # [max_batch] int32
+    pages_checked: torch.Tensor  # [max_batch] int32
+    steps: dict = field(default_factory=dict)  # padded batch size -> the Step its graph reads
+    # (rows, columns) of ``expected`` the last fill wrote, poisoned after its forward: every
+    # other entry is 0 already.
+    filled: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def allocate(cls, max_batch: int, width: int, device) -> GraphBuffers:
+        def zeros(*shape, dtype=torch.int32):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            block_table=torch.full((max_batch, width), -1, dtype=torch.int32, device=device),
+            expected=zeros(max_batch, width, dtype=torch.int64),
+            seq_lens=zeros(max_batch),
+            cu_seqlens_q=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            token_owner=zeros(max_batch, dtype=torch.int64),
+            token_row=torch.arange(max_batch, dtype=torch.int64, device=device),
+            padding=torch.ones(max_batch, dtype=torch.bool, device=device),
+            slots=zeros(max_batch, dtype=torch.int64),
+            refused=zeros(max_batch),
+            dropped=zeros(max_batch),
+            pages_checked=zeros(max_batch),
+        )
+
+    def poison(self) -> None:
+        """Owner 0 wherever the last fill wrote owners (device ops, after its forward)."""
+        rows, cols = self.filled
+        self.expected[:rows, :cols].zero_()
+        self.token_owner[:rows].zero_()
+        self.filled = (0, 0)
 
 
 def failure_message(
@@ -392,6 +456,7 @@ class Ledger:
         self.pages_checked = 0
         self.failures: list[tuple[str, str]] = []  # (request, message), in order
         self.receive_notes: dict[Hashable, list[str]] = {}  # lease key -> its transfer's lines
+        self.graph: GraphBuffers | None = None  # the inputs of CUDA-graph replays
 
     # -- tags ---------------------------------------------------------------------------------
 
@@ -526,6 +591,124 @@ class Ledger:
         self.steps[group] = step
         return step
 
+    # -- forwards replayed from CUDA graphs ----------------------------------------------------
+
+    def allocate_graph(self, max_batch: int, width: int, device) -> GraphBuffers:
+        """The fixed buffers of decode graphs of up to ``max_batch`` rows reading up to ``width``
+        pages each (:class:`GraphBuffers`); once, before the engine captures."""
+        if self.graph is None or self.graph.expected.shape != (max_batch, width):
+            self.graph = GraphBuffers.allocate(max_batch, width, device)
+        return self.graph
+
+    def _graph(self) -> GraphBuffers:
+        if self.graph is None:
+            raise IntegrationError(
+                f"kvattn.integrations.{self.adapter}: a CUDA-graph forward before its buffers "
+                "were allocated (allocate_graph)"
+            )
+        return self.graph
+
+    def capture_graph_step(self, batch: int) -> Step:
+        """The step a graph of ``batch`` rows captures: views of the fixed buffers with every row
+        padding (nothing read, nothing written), installed as this forward's."""
+        graph = self._graph()
+        if not 0 < batch <= graph.seq_lens.shape[0]:
+            raise IntegrationError(
+                f"kvattn.integrations.{self.adapter}: a CUDA graph of {batch} rows, but the "
+                f"buffers hold 1 to {graph.seq_lens.shape[0]}"
+            )
+        graph.poison()
+        graph.seq_lens[:batch].zero_()
+        graph.padding[:batch].fill_(True)
+        graph.block_table[:batch].fill_(-1)
+        step = Step(
+            ids=[None] * batch,
+            names=[""] * batch,
+            decode_only=True,
+            block_table=graph.block_table[:batch],
+            expected=graph.expected[:batch],
+            seq_lens=graph.seq_lens[:batch],
+            cu_seqlens_q=graph.cu_seqlens_q[: batch + 1],
+            token_owner=graph.token_owner[:batch],
+            token_row=graph.token_row[:batch],
+            refused=graph.refused[:batch],
+            dropped=graph.dropped[:batch],
+            pages_checked=graph.pages_checked[:batch],
+            backend=self.backend,
+            write_backend=write_backend_for(self.backend),
+            check=self.check,
+            layer_tags=self.tags if self.resolve_once else None,
+            padding=graph.padding[:batch],
+            slots=graph.slots[:batch],
+        )
+        graph.steps[batch] = step
+        self.steps[0] = step
+        return step
+
+    def fill_graph_step(
+        self,
+        batch: int,
+        ids: list,
+        owners: list[int],
+        block_table: torch.Tensor,
+        expected: torch.Tensor,
+        seq_lens: list[int],
+        *,
+        names: list[str] | None = None,
+    ) -> Step:
+        """Before a replay of the graph of ``batch`` rows, on the host: its buffers get this
+        forward's ``len(ids)`` decode rows (``block_table``/``expected`` ``[n, w]``, as for
+        :meth:`start_step`), the rows after them padding; returns the captured step, installed
+        as this forward's."""
+        graph = self._graph()
+        step = graph.steps.get(batch)
+        if step is None:
+            raise IntegrationError(
+                f"kvattn.integrations.{self.adapter}: a replay of a CUDA graph of {batch} rows, "
+                f"which was never captured (captured: {sorted(graph.steps)})"
+            )
+        n = len(ids)
+        width = block_table.shape[1] if n else 0
+        if n > batch or width > graph.expected.shape[1]:
+            raise IntegrationError(
+                f"kvattn.integrations.{self.adapter}: {n} rows of {width} pages do not fit a "
+                f"graph of {batch} rows of {graph.expected.shape[1]} pages"
+            )
+        graph.poison()
+        lens = torch.zeros(batch, dtype=torch.int32)
+        lens[:n] = torch.tensor(seq_lens, dtype=torch.int32)
+        padding = torch.ones(batch, dtype=torch.bool)
+        padding[:n] = False
+        owner = torch.zeros(batch, dtype=torch.int64)
+        owner[:n] = torch.tensor(owners, dtype=torch.int64)
+        # Pages past a row's length are never read: only the columns this forward covers are
+        # written (the table's older columns may stay as they were, its owners are 0 there).
+        graph.block_table[:n, :width].copy_(block_table)
+        graph.expected[:n, :width].copy_(expected)
+        graph.seq_lens[:batch].copy_(lens)
+        graph.padding[:batch].copy_(padding)
+        graph.token_owner[:batch].copy_(owner)
+        graph.filled = (n, width)
+        step.ids = list(ids) + [None] * (batch - n)
+        step.names = ([str(i) for i in ids] if names is None else list(names)) + [""] * (batch - n)
+        step.verdicts.clear()
+        self.steps[0] = step
+        return step
+
+    def graph_run(self) -> None:
+        """At the start of each run of a graph step, inside the captured region: its sums are
+        zeroed by device ops the graph records (so every replay starts from 0), and the layers'
+        reports and verdicts are those of this run only."""
+        step = self.steps.get(0)
+        if step is None or step.padding is None:
+            return
+        step.refused.zero_()
+        step.dropped.zero_()
+        step.pages_checked.zero_()
+        step.reports.clear()
+        step.drops.clear()
+        step.verdicts.clear()
+
     def step(self, group: int = 0) -> Step:
         step = self.steps.get(group)
         if step is None:
@@ -541,6 +724,13 @@ class Ledger:
         message (the first group's, for a request failed in several), which is also logged and
         kept in :attr:`failures`."""
         steps, self.steps = self.steps, {}
+        try:
+            return self._finish(steps)
+        finally:
+            if self.graph is not None and any(s.padding is not None for s in steps.values()):
+                self.graph.poison()
+
+    def _finish(self, steps: dict[int, Step]) -> dict[Hashable, tuple[Step, int, str]]:
         if not steps:
             return {}
         self.forwards += 1
@@ -702,6 +892,7 @@ class Ledger:
 
 
 __all__ = [
+    "GraphBuffers",
     "IntegrationError",
     "Lease",
     "Ledger",
