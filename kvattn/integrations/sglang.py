@@ -1,16 +1,19 @@
 """kvattn as an attention backend of SGLang, loaded through SGLang's plugin entry point.
 
-Usage: install kvattn next to SGLang and start the server with ``--attention-backend kvattn
---disable-cuda-graph``. SGLang loads the ``sglang.srt.plugins`` entry point ``kvattn`` in every
-process it starts; :func:`kvattn.integrations.sglang_backend.register` adds the ``kvattn`` choice
-to SGLang's attention registry and hooks that act only on engines whose backend is kvattn's, so an
-engine that does not ask for it is unchanged. A request whose KV fails the ownership check is
+Usage: install kvattn next to SGLang and start the server with ``--attention-backend kvattn``,
+on CUDA with ``--disable-prefill-cuda-graph`` (decode CUDA graphs run; see below). SGLang loads
+the ``sglang.srt.plugins`` entry point ``kvattn`` in every process it starts;
+:func:`kvattn.integrations.sglang_backend.register` adds the ``kvattn`` choice to SGLang's
+attention registry and hooks that act only on engines whose backend is kvattn's, so an engine
+that does not ask for it is unchanged. A request whose KV fails the ownership check is
 ended with ``FINISH_ABORT`` (an error status, never an answer), and a message naming the check,
 the layers, pages and reasons is logged (logger ``kvattn``); the other requests of the batch go
 on.
 
 Tested with SGLang ``SUPPORTED_VERSIONS``: its engine and HTTP server (one server, and a
-prefill/decode pair over Mooncake) and its own classes; other versions are refused when the
+prefill/decode pair over Mooncake) and its own classes; the decode graphs' capture and replay
+metadata on this CPU only, through SGLang's own graph buffers, padding fill and replay view
+(no graph has been captured on a GPU); other versions are refused when the
 backend is asked for, because the hooks below follow private parts of SGLang.
 
 What kvattn follows, and where (all on the instances of the engine whose backend is kvattn's):
@@ -52,6 +55,21 @@ What kvattn follows, and where (all on the instances of the engine whose backend
 - **Hierarchical cache** (:mod:`kvattn.integrations.sglang_hicache`): a page HiCache backs up to
   host memory is attested for its writer when the copy completes; a page it loads back becomes
   readable only once verified against that attestation (else it stays FREE and its reader fails).
+- **Decode CUDA graphs** (SGLang's ``full`` decode graphs, its default on CUDA): the backend
+  implements SGLang's contract (``init_cuda_graph_state``, ``init_forward_metadata_out_graph``
+  at capture and before every replay, ``init_forward_metadata_in_graph`` inside the graph,
+  ``get_cuda_graph_seq_len_fill_value``). The block table, expected owners, lengths, per-token
+  owners, padding mask and per-request sums live in fixed buffers allocated once for the largest
+  captured batch (:class:`~kvattn.integrations.ledger.GraphBuffers`); a graph is captured with
+  every row padding, and before each replay the ledger resolves the live batch on the host, as
+  for an eager forward, into those buffers. The captured kernels read them (``validate=False``,
+  the step's verdict resolved inside the graph, the sums zeroed inside it); the report is read
+  once after the forward, as for an eager one. SGLang pads a batch to a captured size with
+  request-pool row 0 and its fill length: kvattn gives those rows length 0 and no write, so
+  they read nothing, write nothing and are never a request's failure. After each forward the
+  owners the fill wrote are set back to 0, which no page carries, so a replay whose refill did
+  not happen reads nothing and writes nothing; the runner's forward it ran in then fails each
+  of its requests, saying so.
 - **Failure**: refused pages and dropped writes are summed per request over the layers of a forward
   in device memory and read once, after the forward; a failed request gets SGLang's own
   ``discard_output_reason`` (a ``FINISH_ABORT``, status 500): the forward's output is dropped
@@ -63,8 +81,10 @@ kvattn's fp8 pools, written by :func:`kvattn.write_kv` with the layer's scales (
 else 1), the codes SGLang's own write stores.
 
 Not supported (refused at setup, saying why): MLA, hybrid (SWA, linear) and quantized KV pools
-(scale buffers: FP4, MXFP8), HND layouts, speculative decoding, CUDA graphs (``--disable-cuda-graph``), DP
-attention, encoder-decoder and cross attention; in prefill/decode disaggregation, transfer
+(scale buffers: FP4, MXFP8), HND layouts, speculative decoding, prefill CUDA graphs (breakable
+or full), breakable decode graphs, decode graphs with torch.compile, LoRA, two-batch overlap,
+PD multiplexing or SGLang's metadata glue graph, CPU graphs (torch.compile on ``--device cpu``),
+DP attention, encoder-decoder and cross attention; in prefill/decode disaggregation, transfer
 backends other than ``mooncake`` and ``fake``, tensor and pipeline parallelism, staging buffers;
 HiCache storage backends (L3), buffer-only host memory and HiSparse; beam-search requests are
 refused one by one.
@@ -94,6 +114,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Transfer backends whose transfers a kvattn decode instance commits: "fake" moves no bytes (and
 # commits none); Mooncake's carry the prefill's attestation (kvattn.integrations.sglang_transfer).
 TRANSFER_BACKENDS = ("fake", "mooncake")
+GLUE_ON = ("true", "1", "yes", "y")
 
 
 def check_version(version: str | None = None) -> None:
@@ -244,11 +265,7 @@ def _refuse_unsupported(runner) -> None:
         reasons.append(f"V head dim {pool.v_head_dim} != K head dim {pool.head_dim}")
     if getattr(args, "speculative_algorithm", None):
         reasons.append("speculative decoding")
-    if not getattr(args, "disable_cuda_graph", False):
-        reasons.append(
-            "CUDA graphs (start with --disable-cuda-graph: the ledger resolves each "
-            "forward on the host, which a replayed graph skips)"
-        )
+    reasons += _graph_refusals(*_graph_backends(args, str(runner.device)), str(runner.device), args)
     if getattr(args, "enable_dp_attention", False):
         reasons.append("DP attention (padded idle batches)")
     if getattr(runner.model_config, "is_encoder_decoder", False):
@@ -260,6 +277,83 @@ def _refuse_unsupported(runner) -> None:
     if mode in ("prefill", "decode"):
         reasons += _disaggregation_refusals(mode, transfer, args)
     refuse("sglang", reasons)
+
+
+def _graph_backends(args, device: str) -> tuple[str, str]:
+    """The decode and prefill graph backends (``full``, ``breakable``, ``disabled``) of this
+    engine: SGLang's resolved config where it was published (a server's processes), else what
+    ``args`` ask for, with SGLang's defaults (decode ``full``; prefill ``breakable`` on CUDA)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        config = get_exec().graph.cuda_graph_config
+    except (ImportError, ValueError):
+        config = None
+    config = config if config is not None else getattr(args, "cuda_graph_config", None)
+    if config is not None and hasattr(config, "decode"):
+        return str(config.decode.backend), str(config.prefill.backend)
+    off = bool(getattr(args, "disable_cuda_graph", False))
+    decode = getattr(args, "cuda_graph_backend_decode", None) or "full"
+    prefill = getattr(args, "cuda_graph_backend_prefill", None)
+    prefill = prefill or ("breakable" if device.startswith("cuda") else "disabled")
+    return (
+        "disabled" if off or getattr(args, "disable_decode_cuda_graph", False) else decode,
+        "disabled" if off or getattr(args, "disable_prefill_cuda_graph", False) else prefill,
+    )
+
+
+def _graph_refusals(decode: str, prefill: str, device: str, args) -> list[str]:
+    """What of SGLang's graphs kvattn's backend does not cover: it implements the decode graphs'
+    capture and replay (init_cuda_graph_state, init_forward_metadata_out_graph/_in_graph) for
+    whole-forward ("full") capture only."""
+    reasons = []
+    compile_ = bool(getattr(args, "enable_torch_compile", False))
+    if device == "cpu":
+        # On a CPU SGLang captures only with torch.compile, through its CPU graph runner.
+        if compile_:
+            reasons.append(
+                "CPU graphs (--enable-torch-compile on --device cpu: SGLang's CPU graph runner "
+                "calls init_cpu_graph_state, which kvattn does not implement)"
+            )
+        return reasons
+    if decode == "breakable":
+        reasons.append(
+            "breakable decode CUDA graphs (--cuda-graph-backend-decode breakable, "
+            "--debug-cuda-graph: kvattn's attention would run eagerly between captured "
+            "segments at every replay, which is not covered; 'full' is)"
+        )
+    elif decode != "disabled":
+        if compile_:
+            reasons.append(
+                "torch.compile of the decode CUDA graphs (--enable-torch-compile: dynamo would "
+                "trace kvattn's attention and the ledger's Python, which is not covered)"
+            )
+        if getattr(args, "enable_lora", False) or getattr(args, "lora_paths", None):
+            reasons.append(
+                "LoRA with decode CUDA graphs (SGLang captures a graph per LoRA variant of one "
+                "batch size; kvattn keeps one set of per-layer reports per batch size)"
+            )
+        if getattr(args, "enable_two_batch_overlap", False):
+            reasons.append("two-batch overlap with decode CUDA graphs (not covered)")
+        if getattr(args, "enable_pdmux", False):
+            reasons.append(
+                "PD multiplexing with decode CUDA graphs (one attention backend per stream; "
+                "not covered)"
+            )
+        # SGLang's own reading of the variable (EnvBool).
+        if os.environ.get("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "").lower() in GLUE_ON:
+            reasons.append(
+                "the metadata glue graph (SGLANG_ENABLE_METADATA_GLUE_GRAPH: it would capture "
+                "kvattn's host-side refill of the graph's buffers and replay it frozen)"
+            )
+    if prefill != "disabled":
+        reasons.append(
+            f"prefill CUDA graphs ({prefill!r}, SGLang's default on CUDA; start with "
+            "--disable-prefill-cuda-graph: a prefill replay runs attention on the batch padded "
+            "to a captured token count, which kvattn's extend step, built for the batch's own "
+            "tokens, does not follow)"
+        )
+    return reasons
 
 
 def _hicache_refusals(args) -> list[str]:
@@ -347,6 +441,9 @@ class SGLangOwnership(Ledger):
         # Host page -> (writer owner, its prefix digest, attestation) of the device page last
         # backed up there, or None: not attested (commit_restore).
         self.host_copies: dict[int, tuple | None] = {}
+        # Whether this runner forward's inputs were prepared (begin_forward, or a graph replay's
+        # fill); a forward is "prepared" until start_forward says one began.
+        self._prepared = True
         self._hook()
 
     # -- hooks on the engine's own instances --------------------------------------------------
@@ -470,9 +567,76 @@ class SGLangOwnership(Ledger):
         ]
         decode = fb.forward_mode.is_decode()
         q_lens = [1] * len(rows) if decode else [int(n) for n in fb.extend_seq_lens_cpu]
+        keys, owners, names, table, expected = self._resolve(
+            rows, seq_lens, q_lens, fb.input_ids.tolist()
+        )
+        self.start_step(
+            keys,
+            owners,
+            q_lens,
+            table.to(fb.seq_lens.device),
+            expected,
+            seq_lens,
+            names=names,
+            decode_only=decode,
+        )
+
+    # -- decode forwards replayed from CUDA graphs ------------------------------------------
+
+    def allocate_graph_buffers(self, max_bs: int, max_num_tokens: int) -> None:
+        """SGLang's ``init_cuda_graph_state``: kvattn's fixed buffers for decode graphs of up to
+        ``max_bs`` rows, each as wide as a row of ``req_to_token``."""
+        if max_num_tokens != max_bs:
+            raise IntegrationError(
+                f"kvattn.integrations.sglang: CUDA graphs of {max_num_tokens} tokens for "
+                f"{max_bs} requests (several tokens per request: speculative decoding); kvattn's "
+                "graphs take one decode token per request"
+            )
+        width = -(-self.req_pool.req_to_token.shape[1] // self.page_size)
+        self.allocate_graph(max_bs, width, self.tags.device)
+
+    def capture_forward(self, fb) -> None:
+        """Before SGLang captures the decode graph of ``fb.batch_size`` rows: every row padding
+        while the capture's runs record the forward."""
+        if not fb.forward_mode.is_decode():
+            raise IntegrationError(
+                f"kvattn.integrations.sglang: a CUDA graph of {fb.forward_mode.name} forwards "
+                "(decode graphs only)"
+            )
+        self.capture_graph_step(int(fb.batch_size))
+
+    def replay_forward(self, fb) -> None:
+        """Before SGLang replays a decode graph (``fb``: its replay view, padded to the
+        captured batch size, ``num_padding`` rows at the end): the rows of the batch resolved
+        on the host, as for an eager forward, into the graph's fixed buffers."""
+        mode = getattr(fb, "actual_forward_mode", fb.forward_mode)
+        if not (fb.forward_mode.is_decode() and mode.is_decode()):
+            raise IntegrationError(
+                f"kvattn.integrations.sglang: a CUDA-graph replay of a {mode.name} forward on a "
+                f"{fb.forward_mode.name} graph (decode graphs only)"
+            )
+        batch = int(fb.batch_size)
+        n = batch - int(getattr(fb, "num_padding", 0) or 0)
+        # The padded rows' request-pool index is SGLang's padding (0), not a request: only the
+        # first n rows are read.
+        rows = [int(r) for r in fb.req_pool_indices[:n].tolist()]
+        lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens
+        seq_lens = [int(x) for x in lens[:n].tolist()]
+        keys, owners, names, table, expected = self._resolve(
+            rows, seq_lens, [1] * n, fb.input_ids[:n].tolist()
+        )
+        self.fill_graph_step(batch, keys, owners, table, expected, seq_lens, names=names)
+
+    def _resolve(
+        self, rows: list[int], seq_lens: list[int], q_lens: list[int], ids: list[int]
+    ) -> tuple[list, list[int], list[str], torch.Tensor, torch.Tensor]:
+        """One forward's rows brought up to date on the host (leases synced with their rows of
+        ``req_to_token``, the pages they now write reserved): per row its lease key, owner and
+        request id (None, 0 and "" for a row no lease holds), the block table read off the rows
+        (on their device) and the expected owners ``[B, W]`` (on the host)."""
+        self._prepared = True
         table = self._table(rows, seq_lens)
         pages = table.cpu().tolist()
-        ids = fb.input_ids.tolist()
         starts = [0]
         for n in q_lens:
             starts.append(starts[-1] + n)
@@ -499,17 +663,7 @@ class SGLangOwnership(Ledger):
             )
             expected[b, : len(lease.expected[0])] = torch.tensor(lease.expected[0][:width])
         self._reserve(reserve, written)
-        device = fb.seq_lens.device
-        self.start_step(
-            keys,
-            owners,
-            q_lens,
-            table.to(device),
-            expected,
-            seq_lens,
-            names=names,
-            decode_only=decode,
-        )
+        return keys, owners, names, table, expected
 
     def _sync(
         self,
@@ -654,18 +808,53 @@ class SGLangOwnership(Ledger):
             **scales,
         )
 
-    def end_forward(self) -> dict[str, str]:
+    def start_forward(self) -> None:
+        """Before the runner's forward: nothing is prepared for it yet (:meth:`end_forward`), and
+        no graph buffer holds an owner (a fill whose replay never ran is not this forward's)."""
+        self._prepared = False
+        if self.graph is not None:
+            self.graph.poison()
+
+    def end_forward(self, fb=None) -> dict[str, str]:
         """After the forward: abort the requests with refused pages or dropped writes (one read);
-        returns their messages by request id."""
+        returns their messages by request id. A forward of ``fb`` (SGLang's ForwardBatch) that
+        ran with nothing prepared for it (a CUDA graph replayed without kvattn's refill) read
+        owner-0 buffers, which fail closed: each of its requests is aborted, saying so."""
+        if not self._prepared and fb is not None:
+            self._prepared = True
+            self.steps = {}  # a step of an earlier forward: nothing in it is this one's
+            if self.graph is not None:
+                self.graph.poison()
+            return self._unprepared(fb)
         failed = self.finish()
-        if not failed:
+        return self._abort({row: message for row, (_, _, message) in failed.items()})
+
+    def _unprepared(self, fb) -> dict[str, str]:
+        if fb.forward_mode.is_idle() or not fb.batch_size:
+            return {}
+        message = (
+            "kvattn ownership check failed: this forward's ownership inputs were never "
+            f"prepared (a {fb.forward_mode.name} forward whose CUDA-graph replay ran without "
+            "kvattn's refill); its reads found owner 0 and failed closed, so the request was "
+            "stopped."
+        )
+        rows = [int(r) for r in fb.req_pool_indices[: fb.batch_size].tolist()]
+        self.counts["unprepared_forwards"] += 1
+        logger.error("%s (requests in rows %s)", message, rows)
+        self.failures += [
+            (self.leases[r].req.rid, message) for r in rows if self.leases.get(r) is not None
+        ]
+        return self._abort(dict.fromkeys(rows, message))
+
+    def _abort(self, messages: dict[int, str]) -> dict[str, str]:
+        if not messages:
             return {}
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         out = {}
-        for row, (_, _, message) in failed.items():
+        for row, message in messages.items():
             lease = self.leases.get(row)
             if lease is None:
                 continue

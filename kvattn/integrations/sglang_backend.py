@@ -3,7 +3,8 @@ point that registers it (:func:`register`): SGLang's MHA pool read by views, KV 
 through the pool's ``set_kv_buffer`` (which the ledger routes to :func:`kvattn.write_kv`),
 attention by :func:`kvattn.paged_extend` / :func:`kvattn.paged_decode` on the block table the
 ledger reads off ``req_to_token``, checked against the owners of
-:class:`kvattn.integrations.sglang.SGLangOwnership`.
+:class:`kvattn.integrations.sglang.SGLangOwnership`; under SGLang's decode CUDA graphs, on the
+ledger's fixed buffers, refilled on the host before each replay.
 
 Imported by SGLang's plugin loader (the ``sglang.srt.plugins`` entry point), so only where SGLang
 is installed.
@@ -31,17 +32,42 @@ class KVAttnSGLangBackend(AttentionBackend):
         forward = model_runner.forward
 
         def forward_hook(*args, **kwargs):
+            batch = kwargs.get("forward_batch", args[0] if args else None)
+            self.state.start_forward()
             try:
                 return forward(*args, **kwargs)
             finally:
-                self.state.end_forward()
+                self.state.end_forward(batch)
 
         # The scheduler reads the requests' state after the runner's forward: a request failed
         # here is aborted before its token is processed.
         model_runner.forward = forward_hook
 
     def init_forward_metadata(self, forward_batch):
+        """An eager forward (SGLang's default calls the two graph halves below instead)."""
         self.state.begin_forward(forward_batch)
+
+    # SGLang's decode CUDA graphs (DecodeCudaGraphRunner): fixed buffers allocated once, every
+    # row padding while a graph is captured, the batch resolved on the host into the buffers
+    # before each replay, the forward's sums zeroed inside the graph, the report read after the
+    # forward as for an eager one (:meth:`SGLangOwnership.end_forward`).
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self.state.allocate_graph_buffers(max_bs, max_num_tokens)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        if in_capture:
+            self.state.capture_forward(forward_batch)
+        else:
+            self.state.replay_forward(forward_batch)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        self.state.graph_run()
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        # SGLang's own padded rows (positions, its seq_lens) get 1, as for its Triton backend;
+        # kvattn's buffers give a padded row length 0 whatever this is.
+        return 1
 
     def _refuse(self, layer) -> None:
         if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
