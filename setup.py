@@ -78,6 +78,9 @@ from setuptools.errors import CompileError, ExecError
 ROOT = pathlib.Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
 GENERATED = ROOT / "build" / "generated"
+# A dependency of every host-compiled module: sources edited while a build ran leave a module with
+# the digest of the build's start, which the next build must then redo.
+DIGEST_HEADER = GENERATED / "kvattn_sources.h"
 CUDA_BUILD = ROOT / "build" / "cuda"
 DEFAULT_CUDA_ARCHS = ("80", "90")
 CUDA_EXT = "kvattn.backends.cuda._C"
@@ -323,7 +326,7 @@ def _extensions():
                     str(GENERATED),
                     _pybind11_include(),
                 ],
-                depends=HEADERS + ["kvattn/tags.py"],
+                depends=HEADERS + ["kvattn/tags.py", str(DIGEST_HEADER)],
                 extra_compile_args=SIM_FLAGS,
                 language="c++",
             )
@@ -335,7 +338,7 @@ def _extensions():
                 CPU_EXT,
                 sources=["csrc/cpu/module_cpu.cpp"],
                 include_dirs=[str(CSRC), str(GENERATED), _pybind11_include()],
-                depends=HEADERS + ["kvattn/tags.py"],
+                depends=HEADERS + ["kvattn/tags.py", str(DIGEST_HEADER)],
                 extra_compile_args=CPU_FLAGS,
                 language="c++",
             )
@@ -380,7 +383,7 @@ class BuildExt(build_ext):
             OUTCOME.expected = [n for n in STATUS.EXTENSIONS if n not in STATUS.TEST_ONLY]
             self.extensions = [e for e in self.extensions if e.name in OUTCOME.expected]
         _import_path("csrc/gen_tags_header.py").write_header(GENERATED / "kvattn_tags.h")
-        _write_digest_header(GENERATED / "kvattn_sources.h")
+        _write_digest_header(DIGEST_HEADER)
         TABLE.write_generated(GENERATED / "sim", TABLE.Selection(), with_units=False)
         TABLE.write_generated(GENERATED / "sim-subset", HARNESS_SUBSET, with_units=False)
         try:
