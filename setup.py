@@ -33,7 +33,7 @@
   ``1``: one): ``--split-compile N`` splits one architecture's optimisation and assembly over N
   threads, and ``--threads N`` compiles several architectures at once (nvcc ignores it for one);
   with many units, ninja's jobs are the parallelism that counts.
-- ``kvattn.backends.cpu._cpu``: the CPU paged decode (csrc/cpu/, the reader's rule of
+- ``kvattn.backends.cpu._cpu``: the CPU paged decode and extend (csrc/cpu/, the reader's rule of
   csrc/kvattn/tag_rule.cuh), the readers of CPU tensors where no GPU kernel runs (vLLM's and
   SGLang's CPU engines), built by the host compiler with optimisation; into wheels too. Skipped
   when no C++ compiler works.
@@ -285,6 +285,9 @@ HEADERS = sorted(
 CPU_FLAGS = [
     "-std=c++17",
     "-O3",
+    # The 64-byte vectors of csrc/cpu/ are only passed between always-inlined functions: no ABI
+    # crosses a clone boundary, so GCC's note on their calling convention does not apply.
+    "-Wno-psabi",
     "-fno-strict-aliasing",
     "-Wno-unknown-pragmas",
     "-fvisibility=hidden",

@@ -64,7 +64,7 @@ def paged_decode(
         on_violation: ``"report"`` returns the report; ``"raise"`` also synchronises and raises
             :class:`kvattn.KVOwnershipError` if any page was refused (the output is written first).
         backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"torch"``, ``"reference"`` (or
-            ``"cpu"``, the compiled CPU decode, and ``"cuda_sim"`` on CPU tensors); see
+            ``"cpu"``, the compiled CPU readers, and ``"cuda_sim"`` on CPU tensors); see
             :mod:`kvattn.backends` (``KVATTN_BACKEND`` overrides ``"auto"``).
         out: optional ``[B, num_heads, head_dim_v]`` output buffer (dtype of ``q``; for an fp8
             ``q`` bfloat16, float16 or float32, bfloat16 when allocated here).
@@ -187,7 +187,8 @@ def paged_extend(
         on_violation: ``"report"`` or ``"raise"`` (synchronises; raises
             :class:`kvattn.KVOwnershipError` after writing the output).
         backend: ``"auto"``, ``"cuda"``, ``"triton"``, ``"torch"``, ``"reference"`` (or
-            ``"cuda_sim"`` on CPU tensors); see :mod:`kvattn.backends`.
+            ``"cpu"``, the compiled CPU readers, and ``"cuda_sim"`` on CPU tensors); see
+            :mod:`kvattn.backends`.
         out: optional ``[total_q, num_heads, head_dim_v]`` output buffer (dtype of ``q``; for an
             fp8 ``q`` as in :func:`paged_decode`).
         return_lse: also return the ``[total_q, num_heads]`` float32 natural-log LSE.

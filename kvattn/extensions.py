@@ -54,7 +54,7 @@ TEST_ONLY = (
     "kvattn.backends.cuda_sim._sim_break_fragment",
 )
 # What setup.py builds (csrc/ holds the sources): the CUDA kernels (nvcc), the same sources on the
-# CPU harness (a C++ compiler), the CPU decode (a C++ compiler), and the test-only harness builds.
+# CPU harness (a C++ compiler), the CPU readers (a C++ compiler), and the test-only harness builds.
 EXTENSIONS = (
     "kvattn.backends.cuda._C",
     "kvattn.backends.cuda_sim._sim",

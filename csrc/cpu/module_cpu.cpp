@@ -1,7 +1,7 @@
-// The module `kvattn.backends.cpu._cpu`: the CPU paged decode of decode_cpu.h and the writer of
-// write_kv_cpu.h behind a binding
-// that takes raw pointers, sizes and strides by name (kvattn/backends/cpu/__init__.py builds the
-// dict), built by the host compiler (setup.py). It runs on the calling thread, without the GIL.
+// The module `kvattn.backends.cpu._cpu`: the CPU paged attention of attention_cpu.h (decode and
+// extend) and the writer of write_kv_cpu.h behind a binding that takes raw pointers, sizes and
+// strides by name (kvattn/backends/cpu/__init__.py builds the dict), built by the host compiler
+// (setup.py). It runs without the GIL; the attention on up to ``threads`` threads.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "cpu/decode_cpu.h"
+#include "cpu/attention_cpu.h"
 #include "cpu/write_kv_cpu.h"
 #include "kvattn_sources.h"
 
@@ -23,7 +23,7 @@ class Args {
  public:
   explicit Args(const py::dict& a) : a_(a) {}
   py::handle get(const char* key) {
-    if (!a_.contains(key)) throw py::key_error(std::string("kvattn cpu decode: missing argument ") + key);
+    if (!a_.contains(key)) throw py::key_error(std::string("kvattn cpu: missing argument ") + key);
     read_.insert(key);
     return a_[key];
   }
@@ -35,7 +35,7 @@ class Args {
   void check_all_read() const {
     for (const auto& item : a_) {
       const std::string key = py::str(item.first);
-      if (!read_.count(key)) throw py::key_error("kvattn cpu decode: unknown argument " + key);
+      if (!read_.count(key)) throw py::key_error("kvattn cpu: unknown argument " + key);
     }
   }
 
@@ -44,13 +44,14 @@ class Args {
   std::set<std::string> read_;
 };
 
-void decode(const py::dict& a, int dtype, int mode) {
+void attend(const py::dict& a, int dtype, int mode) {
   using kvattn::cpu::Mode;
-  kvattn::cpu::DecodeParams p{};
+  kvattn::cpu::AttendParams p{};
   Args args(a);
   p.q = args.ptr<const void*>("q");
   p.k = args.ptr<const void*>("k");
   p.v = args.ptr<const void*>("v");
+  p.cu_seqlens_q = args.ptr<const int32_t*>("cu_seqlens_q");
   p.block_table = args.ptr<const int32_t*>("block_table");
   p.seq_lens = args.ptr<const int32_t*>("seq_lens");
   p.tags = args.ptr<const int64_t*>("tags");
@@ -65,6 +66,7 @@ void decode(const py::dict& a, int dtype, int mode) {
   p.page_reasons = args.ptr<int8_t*>("page_reasons");
 #define KVATTN_CPU_INT(name) p.name = args.i64(#name);
   KVATTN_CPU_INT(batch)
+  KVATTN_CPU_INT(total_q)
   KVATTN_CPU_INT(num_heads)
   KVATTN_CPU_INT(num_kv_heads)
   KVATTN_CPU_INT(head_dim)
@@ -72,7 +74,7 @@ void decode(const py::dict& a, int dtype, int mode) {
   KVATTN_CPU_INT(page_size)
   KVATTN_CPU_INT(max_pages)
   KVATTN_CPU_INT(num_pages)
-  KVATTN_CPU_INT(stride_qb)
+  KVATTN_CPU_INT(stride_qt)
   KVATTN_CPU_INT(stride_qh)
   KVATTN_CPU_INT(stride_kp)
   KVATTN_CPU_INT(stride_ks)
@@ -83,23 +85,29 @@ void decode(const py::dict& a, int dtype, int mode) {
   KVATTN_CPU_INT(stride_bt)
   KVATTN_CPU_INT(stride_eb)
   KVATTN_CPU_INT(stride_ep)
-  KVATTN_CPU_INT(stride_ob)
+  KVATTN_CPU_INT(stride_ot)
   KVATTN_CPU_INT(stride_oh)
   KVATTN_CPU_INT(window_left)
+  KVATTN_CPU_INT(window_right)
+  KVATTN_CPU_INT(threads)
 #undef KVATTN_CPU_INT
   p.scale = args.get("scale").cast<float>();
+  p.causal = args.get("causal").cast<bool>();
   p.soft_cap = args.get("soft_cap").cast<float>();
   args.check_all_read();
   if (p.num_kv_heads < 1 || p.num_heads % p.num_kv_heads != 0)
-    throw std::invalid_argument("kvattn cpu decode: num_heads must be a multiple of num_kv_heads");
-  if (mode < 0 || mode > 2) throw std::invalid_argument("kvattn cpu decode: mode must be 0, 1 or 2");
-  if (dtype < 0 || dtype > 2) throw std::invalid_argument("kvattn cpu decode: dtype must be 0, 1 or 2");
+    throw std::invalid_argument("kvattn cpu attend: num_heads must be a multiple of num_kv_heads");
+  if (p.page_size < 1) throw std::invalid_argument("kvattn cpu attend: page_size must be >= 1");
+  if (mode < 0 || mode > 2) throw std::invalid_argument("kvattn cpu attend: mode must be 0, 1 or 2");
+  if (mode == 2 && p.cu_seqlens_q != nullptr)
+    throw std::invalid_argument("kvattn cpu attend: a verdict is read by the decode only");
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("kvattn cpu attend: dtype must be 0, 1 or 2");
   py::gil_scoped_release release;
   const auto run = [&](auto type) {
     using T = typename decltype(type)::type;
-    if (mode == 0) kvattn::cpu::decode<T, Mode::kUnchecked>(p);
-    if (mode == 1) kvattn::cpu::decode<T, Mode::kChecked>(p);
-    if (mode == 2) kvattn::cpu::decode<T, Mode::kVerdict>(p);
+    if (mode == 0) kvattn::cpu::attend<T, Mode::kUnchecked>(p);
+    if (mode == 1) kvattn::cpu::attend<T, Mode::kChecked>(p);
+    if (mode == 2) kvattn::cpu::attend<T, Mode::kVerdict>(p);
   };
   if (dtype == 0) run(kvattn::TypeTag<float>{});
   if (dtype == 1) run(kvattn::TypeTag<__half>{});
@@ -149,11 +157,16 @@ void write_kv(const py::dict& a) {
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
-  m.doc() = "kvattn's CPU paged decode (raw-pointer binding; see kvattn/backends/cpu)";
-  m.def("decode", &decode, py::arg("args"), py::arg("dtype"), py::arg("mode"),
-        "Run the paged decode on the calling thread: dtype 0 float32, 1 float16, 2 bfloat16;\n"
-        "mode 0 unchecked, 1 checked, 2 through a verdict.");
+  m.doc() = "kvattn's CPU paged attention and writer (raw-pointer binding; see kvattn/backends/cpu)";
+  m.def("attend", &attend, py::arg("args"), py::arg("dtype"), py::arg("mode"),
+        "Run the paged decode (cu_seqlens_q 0) or extend on up to `threads` threads: dtype 0\n"
+        "float32, 1 float16, 2 bfloat16; mode 0 unchecked, 1 checked, 2 through a verdict (decode).");
   m.def("write_kv", &write_kv, py::arg("args"),
         "Run the stamping writer on the calling thread (pools of the tokens' own dtype).");
+  m.def(
+      "exp_nonpositive", [](float x) { return kvattn::cpu::exp_nonpositive(x); }, py::arg("x"),
+        "The readers' exp of a score minus its row's maximum (x <= 0), for its accuracy test.");
+  m.attr("THREAD_WORK") = kvattn::cpu::kThreadWork;
+  m.attr("TILE_ROWS") = kvattn::cpu::kTileRows;
   m.attr("SOURCE_DIGEST") = py::str(KVATTN_SOURCE_DIGEST);
 }

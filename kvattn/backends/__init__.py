@@ -58,13 +58,13 @@ AUTO_ORDER = {
 # The Triton interpreter would run the writer as one program per token; the PyTorch ops compute
 # the same result in a few tensor ops.
 # The readers' PyTorch ops read only the pages a sequence covers; the reference gathers the whole
-# table per query row and stays the oracle, last. The compiled CPU decode comes before both (and
-# before the Triton interpreter, which only tests run).
+# table per query row and stays the oracle, last. The compiled CPU decode and extend come before
+# both (and before the Triton interpreter, which only tests run).
 AUTO_ORDER_CPU = {
     **AUTO_ORDER,
     "write_kv": ("cpu", "torch"),
     "decode": ("cuda", "cpu", "triton", "torch", "reference"),
-    "extend": ("cuda", "triton", "torch", "reference"),
+    "extend": ("cuda", "cpu", "triton", "torch", "reference"),
 }
 _logged: set = set()
 

@@ -1,14 +1,16 @@
-"""The backend ``cpu``: the paged decode and the stamping writer compiled for the CPU (csrc/cpu/,
-module ``_cpu``): the decode checked and unchecked from one source, and through a verdict
-(docs/ownership.md section 9). For CPU tensors where no GPU kernel runs: ``backend="auto"`` takes
-it there before the PyTorch ops of the ``torch`` backend (vLLM's and SGLang's CPU engines). One
-call runs on the calling thread.
+"""The backend ``cpu``: the paged decode and extend and the stamping writer compiled for the CPU
+(csrc/cpu/, module ``_cpu``): decode and extend from one source, checked and unchecked, the decode
+also through a verdict (docs/ownership.md section 9). For CPU tensors where no GPU kernel runs:
+``backend="auto"`` takes it there before the PyTorch ops of the ``torch`` backend (vLLM's and
+SGLang's CPU engines). A call spreads its work over ``torch.get_num_threads()`` threads (the
+engine's setting) when it is large enough to pay for them, else runs on the calling thread.
 
-Decode: float32, float16 and bfloat16 queries and pools (float32 arithmetic), any head dims and
-page size, a sliding window and the logit soft-cap; the other switches of :mod:`kvattn.variants`
-(sinks, ALiBi, fp8, a right window) are refused with their names, and the registry takes the next
-backend. ``write_kv``: tokens into pools of their own dtype (float32, float16, bfloat16); fp8 pools
-are refused (``WRITE_SWITCHES`` is empty). Extend is not an op of this backend.
+Decode and extend (causal or not): float32, float16 and bfloat16 queries and pools (float32
+arithmetic), any head dims and page size, a sliding window (left and right) and the logit
+soft-cap; the other switches of :mod:`kvattn.variants` (sinks, ALiBi, fp8, a custom mask) are
+refused with their names, and the registry takes the next backend. ``write_kv``: tokens into
+pools of their own dtype (float32, float16, bfloat16); fp8 pools are refused (``WRITE_SWITCHES``
+is empty).
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from __future__ import annotations
 import torch
 
 from ... import extensions
-from ...layout import DecodeArgs
+from ...layout import DecodeArgs, ExtendArgs
 from ...report import OwnershipReport, WriteResult
 from ...write_args import WriteArgs
 
 NAME = "cpu"
 VERDICT_OPS = ("decode",)
-SWITCHES = frozenset({"window_left", "logits_soft_cap"})
+SWITCHES = frozenset({"window_left", "window_right", "logits_soft_cap"})
 WRITE_SWITCHES = frozenset()
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MODES = {"unchecked": 0, "checked": 1, "verdict": 2}
@@ -57,12 +59,30 @@ def decode(
         report = verdict.report
     elif check:
         report = OwnershipReport.allocate(args.batch, args.max_pages, args.q.device)
-    none = 0  # the address of what the mode does not read or write
+    mode = "verdict" if verdict is not None else "checked" if check else "unchecked"
+    _attend(args, mode, None, True, verdict, out, lse, report)
+    return report
+
+
+def extend(
+    args: ExtendArgs, *, check: bool, out: torch.Tensor, lse: torch.Tensor | None
+) -> OwnershipReport | None:
+    """Run the compiled extend (arguments accepted by :func:`why_not`); writes ``out`` (rows
+    outside every sequence are left as they are), ``lse`` and the report."""
+    report = OwnershipReport.allocate(args.batch, args.max_pages, args.q.device) if check else None
+    mode = "checked" if check else "unchecked"
+    _attend(args, mode, args.cu_seqlens_q, args.causal, None, out, lse, report)
+    return report
+
+
+def _attend(args, mode: str, cu_seqlens_q, causal: bool, verdict, out, lse, report) -> None:
+    none = 0  # the address of what the call does not read or write
     q, k, v = args.q, args.k_cache, args.v_cache
     call = dict(
         q=q.data_ptr(),
         k=k.data_ptr(),
         v=v.data_ptr(),
+        cu_seqlens_q=cu_seqlens_q.data_ptr() if cu_seqlens_q is not None else none,
         block_table=args.block_table.data_ptr(),
         seq_lens=args.seq_lens.data_ptr(),
         tags=args.page_tags.data_ptr(),
@@ -76,6 +96,7 @@ def decode(
         beyond=report.beyond_table.data_ptr() if report else none,
         page_reasons=report.page_reasons.data_ptr() if report else none,
         batch=args.batch,
+        total_q=q.shape[0],
         num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
@@ -83,7 +104,7 @@ def decode(
         page_size=args.page_size,
         max_pages=args.max_pages,
         num_pages=args.num_pages,
-        stride_qb=q.stride(0),
+        stride_qt=q.stride(0),
         stride_qh=q.stride(1),
         stride_kp=k.stride(0),
         stride_ks=k.stride(1),
@@ -94,15 +115,16 @@ def decode(
         stride_bt=args.block_table.stride(0),
         stride_eb=args.expected.stride(0),
         stride_ep=args.expected.stride(1),
-        stride_ob=out.stride(0),
+        stride_ot=out.stride(0),
         stride_oh=out.stride(1),
         scale=args.scale,
+        causal=causal,
         window_left=args.variant.window_left,
+        window_right=args.variant.window_right,
         soft_cap=args.variant.logits_soft_cap,
+        threads=torch.get_num_threads(),
     )
-    mode = "verdict" if verdict is not None else "checked" if check else "unchecked"
-    _cpu.decode(call, _DTYPES[q.dtype], _MODES[mode])
-    return report
+    _cpu.attend(call, _DTYPES[q.dtype], _MODES[mode])
 
 
 def why_not_write_kv(args: WriteArgs) -> str | None:
@@ -169,6 +191,7 @@ __all__ = [
     "VERDICT_OPS",
     "WRITE_SWITCHES",
     "decode",
+    "extend",
     "why_not",
     "why_not_write_kv",
     "write_kv",

@@ -1,0 +1,483 @@
+// Paged attention on the CPU, checked and unchecked from one source: the decode (one query row per
+// sequence) and the extend (a ragged batch of new rows per sequence, causal or not), for CPU tensors
+// where no GPU kernel runs (vLLM's and SGLang's CPU engines). The reader's rule is tag_rule.cuh's
+// (the one C++ statement of docs/ownership.md section 3); a decode verdict (section 9) is read as
+// the Triton kernel reads it. Float32 arithmetic over float32, float16 or bfloat16 pools; a sliding
+// window (left, and right for the extend's rows) and the logit soft-cap; the other switches of
+// kvattn.variants are refused by the backend (kvattn/backends/cpu). A refused slot is never loaded:
+// only the slots a page's limit allows are read, so NaN in them cannot reach a sum.
+//
+// Work is cut as the GPU kernels cut it: one item per (sequence, KV head, tile of query positions),
+// whose rows are the tile's positions times the GQA group's heads. An item streams the pages its
+// rows can read, one page at a time: the scores of its rows (in vector lanes) against the page's
+// keys, the online softmax of each row within its own causal and window bounds, then the values.
+// Items are independent; a call spreads them over up to ``threads`` threads.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "kvattn/tag_rule.cuh"
+
+namespace kvattn {
+namespace cpu {
+
+enum class Mode { kUnchecked, kChecked, kVerdict };
+
+struct AttendParams {
+  const void* q;  // [rows, num_heads, head_dim]
+  const void* k;
+  const void* v;
+  const int32_t* cu_seqlens_q;  // [batch + 1]; null: a decode, sequence b's one row is row b
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const int64_t* tags;
+  const int64_t* expected;
+  const int64_t* verdict;  // [B, max_pages] page << 32 | readable (kVerdict, decode only)
+  void* out;
+  float* lse;  // [rows, num_heads]; null: not asked
+  int32_t* violations;
+  int32_t* reasons;
+  int32_t* checked;
+  int32_t* beyond;
+  int8_t* page_reasons;  // [B, max_pages]
+  int64_t batch, total_q, num_heads, num_kv_heads, head_dim, head_dim_v, page_size, max_pages, num_pages;
+  int64_t stride_qt, stride_qh;
+  int64_t stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh;
+  int64_t stride_bt, stride_eb, stride_ep, stride_ot, stride_oh;
+  float scale;
+  bool causal;
+  int64_t window_left;   // -1: none
+  int64_t window_right;  // -1: none (rows read keys up to pos + window_right)
+  float soft_cap;        // 0: none
+  int64_t threads;
+};
+
+// Scores are computed with the item's rows in vector lanes (16 at a time) and 4 keys per block:
+// each key element is broadcast against the rows' query elements, so a page's keys are read as
+// they lie, with no transposition, and the softmax runs over whole lanes of rows. Values come 16
+// dims at a time, 4 rows per block.
+constexpr int64_t kLanes = 16;
+constexpr int64_t kKeys = 4;
+constexpr int64_t kRows = 4;
+// Query rows of one item: positions x heads of the group, at most this many (a decode's item is
+// its group's heads).
+constexpr int64_t kTileRows = 32;
+// A call spreads its items over threads only above this much work (query rows x keys x heads x
+// (D + Dv) multiply-adds, estimated per sequence): below it, starting a thread costs more than it
+// saves.
+constexpr double kThreadWork = 4e6;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline float load(const float* p) { return *p; }
+inline float load(const __half* p) { return __half2float(*p); }
+inline float load(const __nv_bfloat16* p) {
+  // A bfloat16 is the high half of a float32: exact, and cheaper than the harness's conversion.
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &wide, 4);
+  return x;
+}
+inline void store(float* p, float x) { *p = x; }
+inline void store(__half* p, float x) { *p = __float2half_rn(x); }
+inline void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+
+// 16 floats (and 16 int32) as one value of GCC's vector extension: one AVX-512 register, two AVX2
+// ones or four SSE ones, whichever the clone compiles for; the blocked products hold their partial
+// sums in these, so they stay in registers. Loads and stores go through memcpy (no alignment
+// assumed).
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+#define KVATTN_CPU_INLINE inline __attribute__((always_inline))
+
+KVATTN_CPU_INLINE Lanes load_lanes(const float* p) {
+  Lanes x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+KVATTN_CPU_INLINE void store_lanes(float* p, Lanes x) { std::memcpy(p, &x, sizeof x); }
+
+// exp(x) for x <= 0 (scores minus their running maximum), 0 below float's range and for -inf:
+// Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial, 2^n from the exponent
+// bits), within 2 ulp of exp. For a float and for 16 lanes at once from one source: std::exp
+// without -ffast-math does not vectorize, and exps are as many as scores.
+KVATTN_CPU_INLINE int32_t to_int(float x) { return static_cast<int32_t>(x); }
+KVATTN_CPU_INLINE IntLanes to_int(Lanes x) { return __builtin_convertvector(x, IntLanes); }
+KVATTN_CPU_INLINE float as_float_bits(int32_t x) {
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+KVATTN_CPU_INLINE Lanes as_float_bits(IntLanes x) { return reinterpret_cast<Lanes&>(x); }
+
+template <class V>
+KVATTN_CPU_INLINE V exp_nonpositive(V x) {
+  const V c = x < -87.0f ? V{} - 87.0f : x;
+  const V n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const V r = c - n * 0.693359375f + n * 2.12194440e-4f;
+  V y = V{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const V scale = as_float_bits((to_int(n) + 127) << 23);
+  return x < -87.0f ? V{} : y * scale;
+}
+
+// The per-page work of an item, compiled for AVX-512 and for AVX2 with FMA beside the baseline
+// where the compiler can (the loader picks the clone the CPU runs); the helpers it calls are
+// inlined into each clone. Without fast-math the compiler may not reorder a sum into vector lanes,
+// so the blocked loops keep independent partial sums per lane themselves.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KVATTN_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KVATTN_CPU_CLONES
+#endif
+
+// scores [KEYS, 16 rows] (row stride ``lds``) = keys [KEYS, D] (row stride ``ldk``) x the rows'
+// queries transposed, qt [D, 16 rows] (row stride ``ldq``).
+template <int64_t KEYS>
+KVATTN_CPU_INLINE void score_block(const float* keys, int64_t ldk, const float* qt, int64_t ldq, int64_t D,
+                                   float* scores, int64_t lds) {
+  Lanes acc[KEYS] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const Lanes q = load_lanes(qt + d * ldq);
+    for (int64_t k = 0; k < KEYS; ++k) acc[k] += keys[k * ldk + d] * q;
+  }
+  for (int64_t k = 0; k < KEYS; ++k) store_lanes(scores + k * lds, acc[k]);
+}
+
+// acc [kRows, 16 dims] (row stride ``lda``) += w [n keys, kRows] (key stride ``ldw``) x values
+// [n, 16 dims] (row stride ``ldv``).
+KVATTN_CPU_INLINE void value_block(float* acc, int64_t lda, const float* w, int64_t ldw, const float* values,
+                                   int64_t ldv, int64_t n) {
+  Lanes o[kRows];
+  for (int64_t r = 0; r < kRows; ++r) o[r] = load_lanes(acc + r * lda);
+  for (int64_t s = 0; s < n; ++s) {
+    const Lanes v = load_lanes(values + s * ldv);
+    for (int64_t r = 0; r < kRows; ++r) o[r] += w[s * ldw + r] * v;
+  }
+  for (int64_t r = 0; r < kRows; ++r) store_lanes(acc + r * lda, o[r]);
+}
+
+// One item's scratch, float32, rows padded to 16 (padded rows stay 0 and read nothing): qt [D, R]
+// (queries transposed), keys [KB, D] and values [KB, DV] of a page in float32 (where the pool's
+// own rows cannot be read as they are), scores [KB, R] (key-major: the rows in lanes), acc [R, DV];
+// per row m, l and the key positions [lo, hi) it may read.
+struct Scratch {
+  int64_t R, KB, D, DV;
+  std::vector<float> qt, keys, values, scores, acc, m, l, lo, hi;
+  Scratch(int64_t rows, int64_t head_dim, int64_t Dv, int64_t page_size)
+      : R(round_up(rows, kLanes)),
+        KB(round_up(page_size, kKeys)),
+        D(head_dim),
+        DV(round_up(Dv, kLanes)),
+        qt(D * R),
+        keys(KB * D),
+        values(KB * DV),
+        scores(KB * R),
+        acc(R * DV),
+        m(R),
+        l(R),
+        lo(R),
+        hi(R) {}
+};
+
+// The online softmax of rows [r, r + 16) over keys [0, ns) at positions first, first + 1, ...:
+// scores outside a row's [lo, hi) become 0 weights, the rest exp(score - the row's new maximum),
+// with the row's l and accumulator rescaled. Positions as float (exact below 2^24, far beyond any
+// page table kvattn accepts).
+KVATTN_CPU_INLINE void softmax_block(Scratch& w, int64_t r, int64_t ns, int64_t first, float soft_cap) {
+  const Lanes lo = load_lanes(w.lo.data() + r), hi = load_lanes(w.hi.data() + r);
+  const Lanes m = load_lanes(w.m.data() + r);
+  const Lanes minus_inf = Lanes{} - std::numeric_limits<float>::infinity();
+  Lanes top = m;
+  for (int64_t s = 0; s < ns; ++s) {
+    float* row = w.scores.data() + s * w.R + r;
+    Lanes x = load_lanes(row);
+    if (soft_cap > 0.0f)
+      for (int64_t j = 0; j < kLanes; ++j) x[j] = soft_cap * std::tanh(x[j] / soft_cap);
+    const float pos = static_cast<float>(first + s);
+    x = pos >= lo && pos < hi ? x : minus_inf;
+    store_lanes(row, x);
+    top = x > top ? x : top;
+  }
+  // A row with nothing read yet keeps m = -inf: its weights stay 0 (no -inf - -inf).
+  const auto seen = top > minus_inf;
+  const Lanes rescale = seen ? exp_nonpositive(m - top) : Lanes{} + 1.0f;
+  Lanes sum = {};
+  for (int64_t s = 0; s < ns; ++s) {
+    float* row = w.scores.data() + s * w.R + r;
+    const Lanes x = load_lanes(row);
+    const Lanes p = x > minus_inf ? exp_nonpositive(x - top) : Lanes{};
+    store_lanes(row, p);
+    sum += p;
+  }
+  store_lanes(w.l.data() + r, load_lanes(w.l.data() + r) * rescale + sum);
+  store_lanes(w.m.data() + r, top);
+  for (int64_t j = 0; j < kLanes; ++j) {
+    if (rescale[j] == 1.0f) continue;
+    float* y = w.acc.data() + (r + j) * w.DV;
+    for (int64_t d = 0; d < w.DV; ++d) y[d] *= rescale[j];
+  }
+}
+
+// The keys [s0, s0 + ns) of one page for one KV head through the item's ``rows`` rows: scores,
+// online softmax, values. Float32 pools are read in place (keys always, values when their rows
+// hold whole lane groups); other dtypes are converted into the scratch first.
+template <class T>
+KVATTN_CPU_CLONES void attend_page(Scratch& w, int64_t rows, const T* kpage, int64_t stride_ks, const T* vpage,
+                                   int64_t stride_vs, int64_t Dv, int64_t s0, int64_t ns, int64_t first,
+                                   float soft_cap) {
+  const int64_t D = w.D;
+  const float* keys = w.keys.data();
+  int64_t ldk = D;
+  if constexpr (std::is_same<T, float>::value) {
+    keys = kpage + s0 * stride_ks;
+    ldk = stride_ks;
+  } else {
+    // Through local pointers: under -fno-strict-aliasing a store through the vector's element
+    // could change the vector's own pointer, and the loop would reload it instead of vectorizing.
+    float* dst = w.keys.data();
+    for (int64_t s = 0; s < ns; ++s) {
+      const T* src = kpage + (s0 + s) * stride_ks;
+      for (int64_t d = 0; d < D; ++d) dst[s * D + d] = load(src + d);
+    }
+  }
+  const float* values = w.values.data();
+  int64_t ldv = w.DV;
+  if (std::is_same<T, float>::value && Dv == w.DV) {
+    values = reinterpret_cast<const float*>(vpage + s0 * stride_vs);
+    ldv = stride_vs;
+  } else {
+    float* dst = w.values.data();
+    for (int64_t s = 0; s < ns; ++s) {
+      const T* src = vpage + (s0 + s) * stride_vs;
+      for (int64_t d = 0; d < Dv; ++d) dst[s * w.DV + d] = load(src + d);
+    }
+  }
+  const int64_t R = round_up(rows, kLanes);
+  for (int64_t r = 0; r < R; r += kLanes) {
+    int64_t s = 0;
+    for (; s + kKeys <= ns; s += kKeys)
+      score_block<kKeys>(keys + s * ldk, ldk, w.qt.data() + r, w.R, D, w.scores.data() + s * w.R + r, w.R);
+    for (; s < ns; ++s) score_block<1>(keys + s * ldk, ldk, w.qt.data() + r, w.R, D, w.scores.data() + s * w.R + r, w.R);
+    softmax_block(w, r, ns, first, soft_cap);
+  }
+  for (int64_t r = 0; r < round_up(rows, kRows); r += kRows)
+    for (int64_t j = 0; j < w.DV; j += kLanes)
+      value_block(w.acc.data() + r * w.DV + j, w.DV, w.scores.data() + r, w.R, values + j, ldv, ns);
+}
+
+// The report of one sequence under the per-call check, and each logical page's readable slots
+// (pages holding no key the sequence's rows read from ``first_key`` on are neither checked nor
+// read).
+inline void check_sequence(const AttendParams& p, int64_t b, int64_t seq_len, int64_t raw_len, int64_t first_key,
+                           int32_t* limit) {
+  int bad = 0, bits = 0, read = 0;
+  const int32_t* bt_row = p.block_table + b * p.stride_bt;
+  const int64_t* exp_row = p.expected + b * p.stride_eb;
+  for (int64_t i = 0; i < p.max_pages; ++i) {
+    const int64_t slots_read = min64(max64(seq_len - i * p.page_size, 0), p.page_size);
+    const bool reads = slots_read > 0 && (i + 1) * p.page_size > first_key;
+    int reason = 0;
+    limit[i] = 0;
+    if (reads) {
+      const int64_t page = bt_row[i];
+      const bool in_range = page >= 0 && page < p.num_pages;
+      const int64_t tag = in_range ? p.tags[page] : 0;
+      const int64_t owner = exp_row[i * p.stride_ep];
+      reason = page_reason(tag, in_range, owner, slots_read);
+      limit[i] = in_range ? static_cast<int32_t>(std::min<int64_t>(slots_read, readable_slots(tag, owner))) : 0;
+      ++read;
+    }
+    p.page_reasons[b * p.max_pages + i] = static_cast<int8_t>(reason);
+    bad += reason != 0;
+    bits |= reason;
+  }
+  const int beyond = raw_len > p.max_pages * p.page_size;
+  p.violations[b] = bad + beyond;
+  p.reasons[b] = bits | (beyond ? static_cast<int>(tags::Violation_OUT_OF_RANGE) : 0);
+  p.checked[b] = read;
+  p.beyond[b] = beyond;
+}
+
+// Through a verdict: each page's entry, and the new token's page against this call's tag, whose
+// refusal joins the verdict's report once (kvattn.reference.verdict_slots).
+inline void verdict_sequence(const AttendParams& p, int64_t b, int64_t seq_len, int64_t raw_len, int32_t* limit) {
+  const int64_t* entries = p.verdict + b * p.max_pages;
+  for (int64_t i = 0; i < p.max_pages; ++i) {
+    const int64_t page = entries[i] >> 32;
+    const int32_t readable = static_cast<int32_t>(entries[i]);
+    const int64_t slots_read = min64(max64(seq_len - i * p.page_size, 0), p.page_size);
+    limit[i] = page >= 0 && page < p.num_pages ? static_cast<int32_t>(std::min<int64_t>(readable, slots_read)) : 0;
+  }
+  const int64_t pos = raw_len - 1;
+  if (pos < 0 || pos >= p.max_pages * p.page_size) return;
+  const int64_t fresh = pos / p.page_size, slot = pos - fresh * p.page_size;
+  const int64_t page = entries[fresh] >> 32;
+  const int32_t readable = static_cast<int32_t>(entries[fresh]);
+  const bool in_range = page >= 0 && page < p.num_pages;
+  const int64_t tag = in_range ? p.tags[page] : 0;
+  const int64_t owner = p.expected[b * p.stride_eb + fresh * p.stride_ep];
+  // Older slots another layer refused stay refused; the new one is this call's tag's to certify.
+  const int64_t cap = readable < slot ? readable : p.page_size;
+  limit[fresh] = in_range ? static_cast<int32_t>(std::min<int64_t>({static_cast<int64_t>(readable_slots(tag, owner)), cap,
+                                                                    slot + 1}))
+                          : 0;
+  const int why = page_reason(tag, in_range, owner, slot + 1);
+  int8_t& before = p.page_reasons[b * p.max_pages + fresh];
+  if (why != 0 && before == 0) {
+    before = static_cast<int8_t>(why);
+    p.violations[b] += 1;
+    p.reasons[b] |= why;
+  }
+}
+
+// Sequence b's query rows [row0, row0 + q_len), its length, and the pages its rows may read.
+struct Sequence {
+  int64_t row0, q_len, raw_len, seq_len;
+};
+
+struct Item {
+  int64_t b, h, t0, t1;  // positions t0..t1 of sequence b's rows, KV head h
+};
+
+// One item: its rows' online softmax over the pages they may read, then out and lse.
+template <class T, Mode M>
+void attend_item(const AttendParams& p, const Sequence& sq, const Item& it, const int32_t* limit, Scratch& w) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t D = p.head_dim, Dv = p.head_dim_v, P = p.page_size;
+  const int64_t rows = (it.t1 - it.t0) * group;
+  const T* qs = static_cast<const T*>(p.q);
+  std::fill(w.qt.begin(), w.qt.end(), 0.0f);
+  std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+  // Padded rows read no key (an empty [lo, hi)) and keep weights 0.
+  std::fill(w.lo.begin(), w.lo.end(), 0.0f);
+  std::fill(w.hi.begin(), w.hi.end(), 0.0f);
+  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.end(), 0.0f);
+  int64_t tile_lo = std::numeric_limits<int64_t>::max(), tile_hi = 0;
+  for (int64_t t = it.t0; t < it.t1; ++t) {
+    const int64_t pos = sq.raw_len - sq.q_len + t;
+    const int64_t lo = p.window_left >= 0 ? max64(pos - p.window_left, 0) : 0;
+    int64_t hi = p.causal ? min64(pos + 1, sq.seq_len) : sq.seq_len;
+    if (p.window_right >= 0) hi = max64(min64(hi, pos + p.window_right + 1), 0);
+    tile_lo = std::min(tile_lo, lo);
+    tile_hi = std::max(tile_hi, hi);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = (t - it.t0) * group + g;
+      const T* qrow = qs + (sq.row0 + t) * p.stride_qt + (it.h * group + g) * p.stride_qh;
+      for (int64_t d = 0; d < D; ++d) w.qt[d * w.R + r] = load(qrow + d) * p.scale;
+      w.lo[r] = static_cast<float>(lo);
+      w.hi[r] = static_cast<float>(hi);
+    }
+  }
+  const T* ks = static_cast<const T*>(p.k);
+  const T* vs = static_cast<const T*>(p.v);
+  const int32_t* bt_row = p.block_table + it.b * p.stride_bt;
+  if (tile_lo < tile_hi) {
+    for (int64_t i = tile_lo / P; i < (tile_hi + P - 1) / P; ++i) {
+      const int64_t s0 = max64(tile_lo - i * P, 0);
+      const int64_t s1 = min64(static_cast<int64_t>(limit[i]), tile_hi - i * P);
+      if (s0 >= s1) continue;
+      const int64_t page = M == Mode::kVerdict ? (p.verdict[it.b * p.max_pages + i] >> 32) : bt_row[i];
+      attend_page<T>(w, rows, ks + page * p.stride_kp + it.h * p.stride_kh, p.stride_ks,
+                     vs + page * p.stride_vp + it.h * p.stride_vh, p.stride_vs, Dv, s0, s1 - s0, i * P + s0,
+                     p.soft_cap);
+    }
+  }
+  T* outs = static_cast<T*>(p.out);
+  for (int64_t t = it.t0; t < it.t1; ++t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = (t - it.t0) * group + g, head = it.h * group + g, row = sq.row0 + t;
+      T* orow = outs + row * p.stride_ot + head * p.stride_oh;
+      const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+      for (int64_t d = 0; d < Dv; ++d) store(orow + d, w.acc[r * w.DV + d] * inv);
+      if (p.lse != nullptr)
+        p.lse[row * p.num_heads + head] =
+            w.l[r] > 0.0f ? w.m[r] + std::log(w.l[r]) : -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
+// The whole call: each sequence's rows and report (or none), the readable slots of its pages, then
+// its items.
+template <class T, Mode M>
+void attend(const AttendParams& p) {
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t capacity = p.max_pages * p.page_size;
+  std::vector<Sequence> seqs(p.batch);
+  std::vector<int32_t> limits(p.batch * p.max_pages, 0);
+  std::vector<Item> items;
+  const int64_t positions = std::max<int64_t>(kTileRows / group, 1);
+  double work = 0;
+  int64_t previous = 0;  // offsets clamped to [0, total_q] and made non-decreasing (layout.query_offsets)
+  for (int64_t b = 0; b < p.batch; ++b) {
+    Sequence& sq = seqs[b];
+    if (p.cu_seqlens_q != nullptr) {
+      const int64_t lo = std::max(previous, min64(max64(p.cu_seqlens_q[b], 0), p.total_q));
+      const int64_t hi = std::max(lo, min64(max64(p.cu_seqlens_q[b + 1], 0), p.total_q));
+      sq.row0 = lo;
+      sq.q_len = hi - lo;
+      previous = hi;
+    } else {
+      sq.row0 = b;
+      sq.q_len = 1;
+    }
+    sq.raw_len = p.seq_lens[b];
+    sq.seq_len = min64(max64(sq.raw_len, 0), capacity);
+    // The first key the sequence's first row reads: the window's start; the pages before it are
+    // neither checked nor read (kvattn.reference.first_keys).
+    const int64_t first_key = p.window_left >= 0 ? max64(sq.raw_len - sq.q_len - p.window_left, 0) : 0;
+    int32_t* limit = limits.data() + b * p.max_pages;
+    if (M == Mode::kChecked) {
+      check_sequence(p, b, sq.seq_len, sq.raw_len, first_key, limit);
+    } else if (M == Mode::kVerdict) {
+      verdict_sequence(p, b, sq.seq_len, sq.raw_len, limit);
+    } else {
+      const int32_t* bt_row = p.block_table + b * p.stride_bt;
+      for (int64_t i = 0; i < p.max_pages; ++i) {
+        const int64_t page = bt_row[i];
+        limit[i] = page >= 0 && page < p.num_pages
+                       ? static_cast<int32_t>(min64(max64(sq.seq_len - i * p.page_size, 0), p.page_size))
+                       : 0;
+      }
+    }
+    // A causal sequence with more rows than keys reads nothing: its rows get 0 and lse -inf (an
+    // empty key range for every row).
+    if (p.causal && sq.q_len > sq.raw_len) sq.seq_len = 0;
+    for (int64_t h = 0; h < p.num_kv_heads; ++h)
+      for (int64_t t0 = 0; t0 < sq.q_len; t0 += positions) items.push_back({b, h, t0, min64(t0 + positions, sq.q_len)});
+    work += static_cast<double>(sq.q_len) * (sq.seq_len + 1) * p.num_heads * (p.head_dim + p.head_dim_v);
+  }
+  std::atomic<int64_t> next{0};
+  const auto run = [&]() {
+    Scratch w(positions * group, p.head_dim, p.head_dim_v, p.page_size);
+    for (int64_t n = next++; n < static_cast<int64_t>(items.size()); n = next++) {
+      const Item& it = items[n];
+      attend_item<T, M>(p, seqs[it.b], it, limits.data() + it.b * p.max_pages, w);
+    }
+  };
+  const int64_t threads = work < kThreadWork ? 1 : std::min<int64_t>(std::max<int64_t>(p.threads, 1), items.size());
+  std::vector<std::thread> helpers;
+  for (int64_t t = 1; t < threads; ++t) helpers.emplace_back(run);
+  run();
+  for (auto& t : helpers) t.join();
+}
+
+}  // namespace cpu
+}  // namespace kvattn

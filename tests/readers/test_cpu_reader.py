@@ -1,0 +1,142 @@
+"""The compiled CPU readers (csrc/cpu/attention_cpu.h, backend ``cpu``) where their work differs
+from the reference's: query rows cut into tiles of several positions times the GQA group, keys
+and values read a page at a time in blocks of 4 rows x 16 keys (head dims and page sizes that are
+not multiples of the blocking), and a call's tiles spread over threads. The shared suites
+(scenarios, variants, shapes, hardening, fuzz) run this backend too; here the inputs are shaped
+so these paths are taken, compared with the float64 reference, NaN in every slot that must not be
+read, and the threaded call compared bit for bit with the same call on one thread (tiles are
+independent: each output row is computed by one thread, in one order).
+
+Tolerances: float32 data and float32 compute against float64, so outputs differ by summation
+order and the kernel's exp (Cephes' expf, within 2 ulp) only (``tolerance(float32)``), LSEs by
+float32 rounding (``LSE_TOLERANCE``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvattn.backends import cpu as cpu_backend
+from kvattn_testing.extend import Extend
+from kvattn_testing.util import LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
+from kvattn_testing.variants import plant_foreign_page
+
+pytestmark = pytest.mark.skipif(
+    cpu_backend.STATUS.module is None or cpu_backend._cpu is None,
+    reason=f"the compiled CPU readers are not built: {cpu_backend.STATUS.line()}",
+)
+
+HEADS, KV_HEADS, DIM = 6, 2, 20  # D = 20: one full block of 16 and a tail
+F32 = torch.float32
+VARIANTS = {
+    "plain": {},
+    "window": dict(window_left=29),
+    "soft_cap": dict(logits_soft_cap=3.0),
+}
+# Sequence 0 alone is over the threshold that spreads a call over threads.
+Q_LENS, PREFIX_LENS, PAGE = [150, 7, 40, 0], [61, 0, 5, 9], 12
+
+
+def with_threads(n: int, run):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(before)
+
+
+def compare(out, lse, report, ref_out, ref_lse, ref_report):
+    assert torch.isfinite(out).all(), "a refused or masked slot was read"
+    torch.testing.assert_close(out.double(), ref_out, **tolerance(F32))
+    finite = torch.isfinite(ref_lse)
+    assert torch.isneginf(lse[~finite]).all()
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], **LSE_TOLERANCE)
+    assert_reports_equal(report, ref_report)
+
+
+def work(q_lens, seq_lens, heads, dim) -> float:
+    """The kernel's estimate of a call's work (attend() in csrc/cpu/attention_cpu.h)."""
+    return sum(q * (n + 1) * heads * 2 * dim for q, n in zip(q_lens, seq_lens))
+
+
+@pytest.mark.parametrize("foreign", [True, False], ids=["foreign", "twin"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_extend_over_threads(name, causal, foreign):
+    """A ragged batch over two threads equals the same call on one, and the reference; a foreign
+    page (NaN) that only the later rows of sequence 0 reach is refused and never contributes,
+    its twin has none."""
+    variant = VARIANTS[name]
+    seq_lens = [p + q for p, q in zip(PREFIX_LENS, Q_LENS)]
+    assert work(Q_LENS, seq_lens, HEADS, DIM) > cpu_backend._cpu.THREAD_WORK
+    ext = Extend.random(
+        Q_LENS,
+        PREFIX_LENS,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=PAGE,
+        dtype=F32,
+        pool_factor=2,
+        seed=11,
+    )
+    if foreign:
+        plant_foreign_page(ext.pages, 0, 15)  # tokens 180-191: rows 119 on of sequence 0
+
+    def run():
+        return ext.run("cpu", causal=causal, return_lse=True, **variant)
+
+    out, lse, report = with_threads(2, run)
+    one_out, one_lse, one_report = with_threads(1, run)
+    assert torch.equal(out, one_out) and torch.equal(lse, one_lse)
+    assert_reports_equal(report, one_report)
+    ref = ext.reference(causal=causal, compute_dtype=torch.float64, **variant)
+    compare(out, lse, report, *ref)
+    assert report.violations.tolist() == ([1, 0, 0, 0] if foreign else [0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("foreign", [True, False], ids=["foreign", "twin"])
+@pytest.mark.parametrize("group", [1, 3, 5, 8])
+def test_decode_of_groups_around_the_row_blocking(group, foreign):
+    """GQA groups of 1 to 8 query heads per KV head (rows padded to blocks of 4), pages of 5 keys
+    (one partial block of 16), a batch large enough for two threads; a foreign page (NaN) in one
+    sequence, its twin has none."""
+    lens = [0, 1, 4, 33, 2900, 6110, 77]
+    heads = 4 * group
+    assert work([1] * len(lens), lens, heads, 64) > cpu_backend._cpu.THREAD_WORK
+    pages = Batch.random(
+        batch=len(lens),
+        num_heads=heads,
+        num_kv_heads=4,
+        head_dim=64,
+        page_size=5,
+        seq_lens=lens,
+        dtype=F32,
+        seed=group,
+    )
+    if foreign:
+        plant_foreign_page(pages, 5, 600)
+
+    def run():
+        return pages.decode("cpu", return_lse=True)
+
+    out, lse, report = with_threads(2, run)
+    one = with_threads(1, run)
+    assert torch.equal(out, one[0]) and torch.equal(lse, one[1])
+    compare(out, lse, report, *pages.reference(return_lse=True, compute_dtype=torch.float64))
+    assert report.violations.tolist() == [0, 0, 0, 0, 0, int(foreign), 0]
+
+
+def test_exp_within_two_ulp():
+    """The readers' exp (Cephes' expf, vectorizable) against float64 exp over the range softmax
+    weights take, x in [-87, 0]: within 2 float32 ulp; 0 below the range and at -inf, 1 at 0."""
+    exp = cpu_backend._cpu.exp_nonpositive
+    xs = torch.cat([-torch.logspace(-8, 1.9395, 4000, dtype=torch.float64), torch.zeros(1)])
+    xs = xs.float().double()  # the float32 inputs the kernel sees
+    got = torch.tensor([exp(float(x)) for x in xs], dtype=torch.float64)
+    want = torch.exp(xs)
+    ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want.float()).exponent - 24)
+    assert ((got - want).abs() <= 2 * ulp).all(), float(((got - want).abs() / ulp).max())
+    assert exp(0.0) == 1.0 and exp(-88.0) == 0.0 and exp(float("-inf")) == 0.0
