@@ -288,6 +288,9 @@ CPU_FLAGS = [
     # The 64-byte vectors of csrc/cpu/ are only passed between always-inlined functions: no ABI
     # crosses a clone boundary, so GCC's note on their calling convention does not apply.
     "-Wno-psabi",
+    # The readers' threads: an OpenMP region, on torch's own libgomp once torch is loaded
+    # (csrc/cpu/attention_cpu.h says why).
+    "-fopenmp",
     "-fno-strict-aliasing",
     "-Wno-unknown-pragmas",
     "-fvisibility=hidden",
@@ -343,6 +346,7 @@ def _extensions():
                 include_dirs=[str(CSRC), str(GENERATED), _pybind11_include()],
                 depends=HEADERS + ["kvattn/tags.py", str(DIGEST_HEADER)],
                 extra_compile_args=CPU_FLAGS,
+                extra_link_args=["-fopenmp"],
                 language="c++",
             )
         )

@@ -11,7 +11,7 @@
 // whose rows are the tile's positions times the GQA group's heads. An item streams the pages its
 // rows can read, one page at a time: the scores of its rows (in vector lanes) against the page's
 // keys, the online softmax of each row within its own causal and window bounds, then the values.
-// Items are independent; a call spreads them over up to ``threads`` threads.
+// Items are independent; a call spreads them over up to ``threads`` threads of OpenMP.
 #pragma once
 
 #include <algorithm>
@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -473,10 +472,12 @@ void attend(const AttendParams& p) {
     }
   };
   const int64_t threads = work < kThreadWork ? 1 : std::min<int64_t>(std::max<int64_t>(p.threads, 1), items.size());
-  std::vector<std::thread> helpers;
-  for (int64_t t = 1; t < threads; ++t) helpers.emplace_back(run);
+  // OpenMP, because it is the engine's pool: torch loads its libgomp.so.1 before this module, so
+  // this module's libgomp.so.1 is that one, and the region runs on the threads torch (and vLLM's
+  // core binding) set up, which spin for a while after each torch op. Threads of our own would
+  // compete with those spinning ones for the same cores.
+#pragma omp parallel num_threads(static_cast<int>(threads)) if (threads > 1)
   run();
-  for (auto& t : helpers) t.join();
 }
 
 }  // namespace cpu
