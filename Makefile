@@ -1,7 +1,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: deps build test test-fast lint format sanitize sanitize-build demo env bench static static-env vllm-env vllm-speed sglang-env clean
+.PHONY: deps build test test-fast lint format sanitize sanitize-build demo env bench static static-env vllm-env vllm-speed sglang-env sglang-speed clean
 
 deps:
 	bash tools/ensure_deps.sh
@@ -77,7 +77,7 @@ static: build static-env
 # the text models need none of them), then kvattn itself, editable and without extensions, so vLLM
 # finds the plugin entry point. About 3.5 GB and 2 minutes from the registry; without one the tests
 # skip and say why (build/venv-vllm.log). `make vllm-speed` measures kvattn against vLLM's own CPU
-# attention.
+# attention (`make sglang-speed` against SGLang's).
 VLLM_VENV := build/venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 vllm-env: $(VLLM_VENV)/.ready $(VLLM_VENV)/.nixl
@@ -154,6 +154,10 @@ $(SGLANG_VENV)/.mooncake: $(SGLANG_VENV)/.ready
 
 vllm-speed: vllm-env
 	$(VLLM_PY) tests/integrations/vllm/vllm_speed.py
+
+# kvattn against SGLang's own CPU attention (torch_native), end to end (docs/sglang.md).
+sglang-speed: sglang-env
+	$(SGLANG_PY) tests/integrations/sglang/sglang_speed.py
 
 # The CPU harness built with AddressSanitizer and UBSan into build/sanitize/ (the normal modules
 # are untouched), standing in for kvattn.backends.cuda_sim._sim (tests/conftest.py) while the
