@@ -72,7 +72,7 @@ constexpr int64_t kTileRows = 32;
 // A call spreads its items over threads only above this much work (query rows x keys x heads x
 // (D + Dv) multiply-adds, estimated per sequence): below it, starting a thread costs more than it
 // saves.
-constexpr double kThreadWork = 4e6;
+constexpr double kThreadWork = 2e5;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
