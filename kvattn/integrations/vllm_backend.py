@@ -1,7 +1,21 @@
-"""The vLLM attention backend that :func:`kvattn.integrations.vllm.register` puts in place of vLLM's
-CPU attention: vLLM's cache read by views, KV written by :func:`kvattn.write_kv`, attention by
+"""The vLLM attention backends that :func:`kvattn.integrations.vllm.register` puts in place of
+vLLM's attention: vLLM's cache read by views, KV written by :func:`kvattn.write_kv`, attention by
 :func:`kvattn.paged_extend` / :func:`kvattn.paged_decode` on vLLM's own block table and lengths,
 checked against the owners of :class:`kvattn.integrations.vllm.WorkerOwnership`.
+
+Two classes, one per cache layout (vLLM 0.32's ``KVCacheLayout``, resolved once per engine from
+what its backends declare; a layer's ``kv_cache`` is always the logical view ``[num_blocks,
+kv_heads, block_size, 2 * head_dim]``, K then V in each row, with the layout's strides):
+
+- :class:`KVAttnBackend`, vLLM's CPU layout ``LBHNC`` (head-major blocks), in the slot of vLLM's
+  CPU attention;
+- :class:`KVAttnGPUBackend`, vLLM's standard GPU layout ``LBNHC`` (token-major blocks, what
+  FlashAttention and Triton attention get on CUDA), chosen for every decoder layer on vLLM's CUDA
+  platform and, with ``KVATTN_VLLM_LAYOUT=gpu``, in the CPU slot on vLLM's CPU platform.
+
+Either way K and V are NHD views of the layer's cache, no copy, and kvattn's ``auto`` backend
+picks the kernels by the device of the tensors (on a GPU the CUDA or Triton ones). The ledger,
+the hooks and the failure path are the same.
 
 Imported by vLLM (through the registry path) only in processes that run the model.
 """
@@ -15,6 +29,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -92,11 +107,17 @@ class KVAttnMetadata:
 
 
 class KVAttnMetadataBuilder(AttentionMetadataBuilder[KVAttnMetadata]):
+    # The ledger fills each step's tables and owners on the host into fresh tensors, which a
+    # replayed CUDA graph would not read: vLLM must not capture the attention
+    # (kvattn.integrations.vllm refuses CUDA graphs at setup besides).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    layout: ClassVar[str] = "cpu"  # kvattn.integrations.vllm.LAYOUTS
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.layer_names = list(layer_names)
         self.state = integration.attach(
-            vllm_config, self.layer_names, kv_cache_spec.block_size, check=True
+            vllm_config, self.layer_names, kv_cache_spec.block_size, check=True, layout=self.layout
         )
 
     def build(
@@ -119,6 +140,10 @@ class KVAttnMetadataBuilder(AttentionMetadataBuilder[KVAttnMetadata]):
 
 
 class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
+    # How fp8 KV is rounded into the cache: vLLM's CPU writer's rule (None: no fp8 cache).
+    fp8_rounding: ClassVar[str | None] = "toward_zero"
+    layout_name: ClassVar[str] = "vLLM's CPU cache layout"
+
     def __init__(
         self,
         num_heads: int,
@@ -139,8 +164,9 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         unsupported = ["kv_sharing_target_layer_name"] if kv_sharing_target_layer_name else []
         if attn_type != AttentionType.DECODER:
             unsupported.append(f"attn_type {attn_type!r}")
-        if kv_cache_dtype != "auto" and kv_cache_dtype not in integration.FP8_CACHE_DTYPES:
-            unsupported.append(f"kv_cache_dtype {kv_cache_dtype!r}")
+        fp8 = self.fp8_rounding is not None and kv_cache_dtype in integration.FP8_CACHE_DTYPES
+        if kv_cache_dtype != "auto" and not fp8:
+            unsupported.append(f"kv_cache_dtype {kv_cache_dtype!r} on {self.layout_name}")
         if unsupported:
             raise integration.IntegrationError(
                 "kvattn.integrations.vllm does not support " + ", ".join(unsupported)
@@ -176,7 +202,8 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
     def _pools(self, kv_cache: torch.Tensor):
         """K and V pools as NHD views ``[num_blocks, block_size, kv_heads, head_dim]`` of vLLM's
         ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` layer cache (its uint8 bytes as the
-        fp8 format for an fp8 cache)."""
+        fp8 format for an fp8 cache). The view is logical: the strides of either layout, head-
+        or token-major, carry over, so the same views serve both."""
         d = self.head_size
         if self.fp8 is not None:
             kv_cache = kv_cache.view(self.fp8)
@@ -196,7 +223,7 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         k_pages, v_pages = self._pools(kv_cache)
         # Into an fp8 cache with vLLM's CPU rounding (toward zero): the bytes vLLM's own writer
         # would store.
-        rounding = {} if self.fp8 is None else dict(fp8_rounding="toward_zero")
+        rounding = {} if self.fp8 is None else dict(fp8_rounding=self.fp8_rounding)
         step.write(
             layer.layer_name,
             key,
@@ -247,3 +274,55 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
             **self._scales(layer),
         )
         return output
+
+
+# -- vLLM's standard GPU cache layout ---------------------------------------------------------
+
+
+class KVAttnGPUMetadataBuilder(KVAttnMetadataBuilder):
+    layout: ClassVar[str] = "gpu"
+
+
+class KVAttnGPUImpl(KVAttnImpl):
+    # vLLM's CUDA cache writer rounds fp8 its own way, which no GPU has compared with kvattn's
+    # writer: an fp8 cache is refused on this layout.
+    fp8_rounding: ClassVar[str | None] = None
+    layout_name: ClassVar[str] = "vLLM's GPU cache layout"
+
+
+class KVAttnGPUBackend(KVAttnBackend):
+    """:class:`KVAttnBackend` on vLLM's standard GPU cache layout: token-major blocks
+    (``LBNHC``, vLLM 0.32's first preference when no backend declares one, which FlashAttention
+    and Triton attention read as ``kv_cache.transpose(1, 2).split(head_size, -1)``), so K and V
+    are ``[num_blocks, block_size, kv_heads, head_dim]`` views whose (token, head) rows sit side
+    by side, ``2 * head_dim`` apart. No fp8 cache, no KV connector, no CUDA graphs (refused at setup)."""
+
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        # A layer looks its backend up by this name among vLLM's (kvattn.integrations.vllm
+        # registers it).
+        return integration.GPU_BACKEND_NAME
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC,)
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        # The architectures kvattn's CUDA module is built for (sm_80 code runs on every 8.x);
+        # no other has been built or compiled for (docs/backends.md).
+        return capability.major in (8, 9)
+
+    @staticmethod
+    def get_impl_cls() -> type[KVAttnGPUImpl]:
+        return KVAttnGPUImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVAttnGPUMetadataBuilder]:
+        return KVAttnGPUMetadataBuilder
