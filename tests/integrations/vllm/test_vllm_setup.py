@@ -97,3 +97,90 @@ def test_vllm_plugin_takes_kv_connectors_whose_loads_it_verifies():
                 r"attestation",
             ):
                 integration._refuse_unsupported(transfer(connector, role))
+
+
+def _compiled(config, mode: str, v2: bool = False):
+    """``config`` with vLLM's CUDA-graph mode (its enum's name) and runner choice."""
+    from types import SimpleNamespace
+
+    config.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name=mode))
+    config.use_v2_model_runner = v2
+    return config
+
+
+def test_vllm_plugin_takes_eager_engines_on_both_cache_layouts():
+    """No CUDA graphs (vLLM's CPU platform sets cudagraph_mode NONE; on CUDA enforce_eager=True
+    does) and vLLM's V1 runner, whose steps the hooks follow: set up on either layout, and the
+    CPU layout keeps its fp8 caches and KV connectors."""
+    from types import SimpleNamespace
+
+    from kvattn.integrations import vllm as integration
+
+    for layout in integration.LAYOUTS:
+        integration._refuse_unsupported(_compiled(_vllm_config(), "NONE"), layout)
+    integration._refuse_unsupported(_compiled(_vllm_config("fp8"), "NONE"), "cpu")
+    transfer = SimpleNamespace(kv_connector="CheckedNixlConnector", kv_role="kv_consumer")
+    integration._refuse_unsupported(_compiled(_vllm_config(transfer=transfer), "NONE"), "cpu")
+
+
+def test_vllm_plugin_refuses_graphs_runner_v2_and_what_the_gpu_layout_has_not_run():
+    """The twin: CUDA graphs (kvattn's tables are filled on the host, fresh each step) and Model
+    Runner V2 (vLLM's default on CUDA, which the hooks do not follow) are refused on both
+    layouts; an fp8 cache and a KV connector on the GPU layout, naming why."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from kvattn.integrations import vllm as integration
+
+    for layout in integration.LAYOUTS:
+        for mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+            with pytest.raises(
+                integration.IntegrationError,
+                match=rf"CUDA graphs \(cudagraph_mode {mode}: run with enforce_eager=True or "
+                r"cudagraph_mode NONE\)",
+            ):
+                integration._refuse_unsupported(_compiled(_vllm_config(), mode), layout)
+        with pytest.raises(
+            integration.IntegrationError,
+            match=r"Model Runner V2 \(set VLLM_USE_V2_MODEL_RUNNER=0\)",
+        ):
+            integration._refuse_unsupported(_compiled(_vllm_config(), "NONE", v2=True), layout)
+    for dtype in integration.FP8_CACHE_DTYPES:
+        with pytest.raises(
+            integration.IntegrationError,
+            match=rf"KV cache dtype '{dtype}' on vLLM's GPU cache layout",
+        ):
+            integration._refuse_unsupported(_compiled(_vllm_config(dtype), "NONE"), "gpu")
+    for role in ("kv_producer", "kv_consumer"):
+        transfer = SimpleNamespace(kv_connector="CheckedNixlConnector", kv_role=role)
+        with pytest.raises(
+            integration.IntegrationError, match=r"KV connectors on vLLM's GPU cache layout"
+        ):
+            integration._refuse_unsupported(
+                _compiled(_vllm_config(transfer=transfer), "NONE"), "gpu"
+            )
+
+
+def test_vllm_layout_setting_takes_cpu_and_gpu(monkeypatch):
+    from kvattn.integrations import vllm as integration
+
+    monkeypatch.delenv(integration.LAYOUT_ENV, raising=False)
+    assert integration.requested_layout() == "cpu"
+    for value, layout in (("gpu", "gpu"), (" GPU ", "gpu"), ("cpu", "cpu"), ("", "cpu")):
+        monkeypatch.setenv(integration.LAYOUT_ENV, value)
+        assert integration.requested_layout() == layout
+
+
+def test_vllm_layout_setting_refuses_other_values_naming_it(monkeypatch):
+    import pytest
+
+    from kvattn.integrations import vllm as integration
+
+    for value in ("hnd", "NHD", "cuda", "1"):
+        monkeypatch.setenv(integration.LAYOUT_ENV, value)
+        with pytest.raises(
+            ValueError,
+            match=rf"KVATTN_VLLM_LAYOUT: expected one of 'cpu', 'gpu', got '{value}'",
+        ):
+            integration.requested_layout()

@@ -4,8 +4,10 @@ test_vllm.py. One engine per invocation; results go to a JSON file:
     python tests/integrations/vllm/vllm_driver.py SCENARIO MODEL_DIR OUT_JSON [STORAGE_DIR]
 
 ``KVATTN_VLLM=1`` in the environment runs the engine on kvattn attention, without it on vLLM's own.
-Scenarios: ``main`` (greedy tokens with chunked prefill and prefix caching, then four faults
-injected into vLLM's bookkeeping, each next to a clean run of the same requests), ``same_step``
+Scenarios: ``main [LAYOUT]`` (greedy tokens with chunked prefill and prefix caching, then four
+faults injected into vLLM's bookkeeping, each next to a clean run of the same requests; ``gpu``
+runs kvattn's backend of vLLM's GPU cache layout, then the configurations that layout refuses
+and kvattn's answers to vLLM's CUDA backend selection), ``same_step``
 (prefix-cache hits on blocks written in the same step), ``variants SWITCH`` (a model whose
 attention has a score switch: exact answers, the switch turned off, a fault), ``spec``
 (speculative decoding with vLLM's n-gram proposer: tokens, its counters, a fault), ``produce``
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -48,9 +51,92 @@ def counts(engine: Engine) -> dict:
     return _ledger(engine).get("counts", {})
 
 
-def main_scenario(model: str) -> dict:
+def cache_layout(engine: Engine) -> dict:
+    """The backend the engine's first attention layer runs and how its KV cache lies in memory
+    (the logical view ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` and its strides)."""
+    runner = engine.runner
+    context = runner.compilation_config.static_forward_context
+    name = min(n for n, layer in context.items() if hasattr(layer, "attn_backend"))
+    layer = context[name]
+    return dict(
+        backend=layer.attn_backend.get_name(),
+        backend_class=layer.attn_backend.__name__,
+        impl=type(layer.impl).__name__,
+        kv_cache_layout=runner.vllm_config.cache_config.kv_cache_layout,
+        shape=list(layer.kv_cache.shape),
+        stride=list(layer.kv_cache.stride()),
+        cudagraph_mode=runner.vllm_config.compilation_config.cudagraph_mode.name,
+    )
+
+
+def refused_at_setup(model: str, **overrides) -> str:
+    """The first line of the error an engine of ``overrides`` stops with as it is set up."""
+    try:
+        make_llm(model, **overrides)
+    except Exception as e:  # vLLM wraps some setup errors in its own types
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return ""
+
+
+def cuda_selection() -> dict:
+    """What vLLM's CUDA platform gets for a layer with kvattn enabled, asked as vLLM's selector
+    asks it (``get_attn_backend_cls(backend, attn_selector_config=..., num_heads=...)``) of a
+    stand-in platform class through the hook kvattn installs on ``CudaPlatform`` (whose module
+    does not import on this CPU build): the class path, or the error's first line."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from kvattn.integrations import vllm as integration
+
+    capability = DeviceCapability(9, 0)
+
+    class Platform:
+        @classmethod
+        def get_device_capability(cls):
+            return capability
+
+        @classmethod
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            return "vLLM's own choice"
+
+    integration._install_cuda_selection(Platform)
+    base = AttentionSelectorConfig(
+        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None
+    )
+    cases = {
+        "default": (None, base, (9, 0)),
+        "sm80": (None, base, (8, 0)),
+        "sm100": (None, base, (10, 0)),
+        "named_kvattn": (AttentionBackendEnum[integration.GPU_BACKEND_NAME], base, (9, 0)),
+        "named_flash_attn": (AttentionBackendEnum.FLASH_ATTN, base, (9, 0)),
+        "window_sinks": (None, base._replace(has_sliding_window=True, has_sink=True), (9, 0)),
+        "mla": (None, base._replace(use_mla=True, head_size=576), (9, 0)),
+        "fp8": (None, base._replace(kv_cache_dtype="fp8"), (9, 0)),
+        "cross_attention": (None, base._replace(attn_type="encoder_decoder"), (9, 0)),
+        "kv_connector": (None, base._replace(use_kv_connector=True), (9, 0)),
+    }
+    out = {}
+    for name, (selected, config, (major, minor)) in cases.items():
+        capability = DeviceCapability(major, minor)
+        try:
+            out[name] = Platform.get_attn_backend_cls(
+                selected, attn_selector_config=config, num_heads=8
+            )
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def main_scenario(model: str, layout: str = "cpu") -> dict:
+    """``layout``: kvattn's backend class by vLLM cache layout (``KVATTN_VLLM_LAYOUT``: ``gpu``
+    runs the class vLLM's CUDA platform gets, here on the CPU); vLLM's own attention ignores it.
+    On the GPU layout, the configurations that layout refuses are then set up once each."""
+    from kvattn.integrations.vllm import LAYOUT_ENV
+
+    os.environ[LAYOUT_ENV] = layout
     engine = Engine(make_llm(model))
-    out: dict = {}
+    out: dict = {"layout": cache_layout(engine)}
     first = [(f"p{i}", prompt(10 + i, n), 8, None) for i, n in enumerate((17, 40, 75, 130))]
     shared = [
         (f"s{i}", prompt(10 + i, 96)[:64] + prompt(20 + i, 10 + 7 * i), 8, ("finished", "p3"))
@@ -58,6 +144,7 @@ def main_scenario(model: str) -> dict:
     ] + [("r3", prompt(13, 130), 8, ("finished", "p3"))]
     engine.llm.reset_prefix_cache()
     out["equality"] = engine.run(first + shared)
+    out["equality_ledger"] = _ledger(engine)
     v, o = prompt(30, 70), prompt(31, 50)
     out["foreign_entry"] = scenario(
         engine,
@@ -89,6 +176,17 @@ def main_scenario(model: str) -> dict:
         stale_prefix,
     )
     out["failures_total"] = len(engine.failures())
+    if layout == "gpu":
+        transfer = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": tempfile.mkdtemp()},
+        }
+        out["refused"] = {
+            "fp8": refused_at_setup(model, kv_cache_dtype="fp8"),
+            "connector": refused_at_setup(model, kv_transfer_config=transfer),
+        }
+        out["cuda_selection"] = cuda_selection()
     return out
 
 
