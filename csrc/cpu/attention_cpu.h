@@ -111,7 +111,7 @@ KVATTN_CPU_INLINE void store_lanes(float* p, Lanes x) { std::memcpy(p, &x, sizeo
 // Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial, 2^n from the exponent
 // bits), within 2 ulp of exp. For a float and for 16 lanes at once from one source: std::exp
 // without -ffast-math does not vectorize, and exps are as many as scores.
-KVATTN_CPU_INLINE int32_t to_int(float x) { return static_cast<int32_t>(x); }
+KVATTN_CPU_INLINE int32_t to_int(float x) { return x == x ? static_cast<int32_t>(x) : 0; }  // NaN: y is NaN
 KVATTN_CPU_INLINE IntLanes to_int(Lanes x) { return __builtin_convertvector(x, IntLanes); }
 KVATTN_CPU_INLINE float as_float_bits(int32_t x) {
   float f;
@@ -160,14 +160,22 @@ KVATTN_CPU_INLINE void score_block(const float* keys, int64_t ldk, const float* 
 }
 
 // acc [kRows, 16 dims] (row stride ``lda``) += w [n keys, kRows] (key stride ``ldw``) x values
-// [n, 16 dims] (row stride ``ldv``).
+// [n, 16 dims] (row stride ``ldv``). A key outside a row's bounds has weight exactly 0 and must
+// add nothing even where its value is inf or NaN (a later position of the sequence, which another
+// row of the tile reads; 0 * inf is NaN): keys whose value row is not all finite (``finite[s]``
+// 0) add only their nonzero weights.
 KVATTN_CPU_INLINE void value_block(float* acc, int64_t lda, const float* w, int64_t ldw, const float* values,
-                                   int64_t ldv, int64_t n) {
+                                   int64_t ldv, const uint8_t* finite, int64_t n) {
   Lanes o[kRows];
   for (int64_t r = 0; r < kRows; ++r) o[r] = load_lanes(acc + r * lda);
   for (int64_t s = 0; s < n; ++s) {
     const Lanes v = load_lanes(values + s * ldv);
-    for (int64_t r = 0; r < kRows; ++r) o[r] += w[s * ldw + r] * v;
+    if (finite[s]) {
+      for (int64_t r = 0; r < kRows; ++r) o[r] += w[s * ldw + r] * v;
+    } else {
+      for (int64_t r = 0; r < kRows; ++r)
+        if (w[s * ldw + r] != 0.0f) o[r] += w[s * ldw + r] * v;
+    }
   }
   for (int64_t r = 0; r < kRows; ++r) store_lanes(acc + r * lda, o[r]);
 }
@@ -178,7 +186,9 @@ KVATTN_CPU_INLINE void value_block(float* acc, int64_t lda, const float* w, int6
 // per row m, l and the key positions [lo, hi) it may read.
 struct Scratch {
   int64_t R, KB, D, DV;
-  std::vector<float> qt, keys, values, scores, acc, m, l, lo, hi;
+  std::vector<float> qt, keys, values, scores, acc, m, l;
+  std::vector<int64_t> lo, hi;
+  std::vector<uint8_t> finite;  // [KB]: the page's value row s holds no inf or NaN
   Scratch(int64_t rows, int64_t head_dim, int64_t Dv, int64_t page_size)
       : R(round_up(rows, kLanes)),
         KB(round_up(page_size, kKeys)),
@@ -192,15 +202,21 @@ struct Scratch {
         m(R),
         l(R),
         lo(R),
-        hi(R) {}
+        hi(R),
+        finite(KB) {}
 };
 
 // The online softmax of rows [r, r + 16) over keys [0, ns) at positions first, first + 1, ...:
 // scores outside a row's [lo, hi) become 0 weights, the rest exp(score - the row's new maximum),
-// with the row's l and accumulator rescaled. Positions as float (exact below 2^24, far beyond any
-// page table kvattn accepts).
+// with the row's l and accumulator rescaled. The bounds are compared as int32 lanes relative to
+// the page's first key (exact for any length); a NaN score of a key the row reads is kept, as
+// the reference keeps it.
 KVATTN_CPU_INLINE void softmax_block(Scratch& w, int64_t r, int64_t ns, int64_t first, float soft_cap) {
-  const Lanes lo = load_lanes(w.lo.data() + r), hi = load_lanes(w.hi.data() + r);
+  IntLanes lo, hi;
+  for (int64_t j = 0; j < kLanes; ++j) {
+    lo[j] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(w.lo[r + j] - first, 0), ns));
+    hi[j] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(w.hi[r + j] - first, 0), ns));
+  }
   const Lanes m = load_lanes(w.m.data() + r);
   const Lanes minus_inf = Lanes{} - std::numeric_limits<float>::infinity();
   Lanes top = m;
@@ -209,19 +225,20 @@ KVATTN_CPU_INLINE void softmax_block(Scratch& w, int64_t r, int64_t ns, int64_t 
     Lanes x = load_lanes(row);
     if (soft_cap > 0.0f)
       for (int64_t j = 0; j < kLanes; ++j) x[j] = soft_cap * std::tanh(x[j] / soft_cap);
-    const float pos = static_cast<float>(first + s);
-    x = pos >= lo && pos < hi ? x : minus_inf;
+    const IntLanes key = IntLanes{} + static_cast<int32_t>(s);
+    x = key >= lo && key < hi ? x : minus_inf;
     store_lanes(row, x);
-    top = x > top ? x : top;
+    top = x > top || x != x ? x : top;
   }
-  // A row with nothing read yet keeps m = -inf: its weights stay 0 (no -inf - -inf).
+  // A row with nothing read yet keeps m = -inf and rescales by 1: its l and accumulator are 0.
   const auto seen = top > minus_inf;
   const Lanes rescale = seen ? exp_nonpositive(m - top) : Lanes{} + 1.0f;
   Lanes sum = {};
   for (int64_t s = 0; s < ns; ++s) {
     float* row = w.scores.data() + s * w.R + r;
     const Lanes x = load_lanes(row);
-    const Lanes p = x > minus_inf ? exp_nonpositive(x - top) : Lanes{};
+    const IntLanes key = IntLanes{} + static_cast<int32_t>(s);
+    const Lanes p = key >= lo && key < hi ? exp_nonpositive(x - top) : Lanes{};
     store_lanes(row, p);
     sum += p;
   }
@@ -268,6 +285,16 @@ KVATTN_CPU_CLONES void attend_page(Scratch& w, int64_t rows, const T* kpage, int
       for (int64_t d = 0; d < Dv; ++d) dst[s * w.DV + d] = load(src + d);
     }
   }
+  for (int64_t s = 0; s < ns; ++s) {
+    // x * 0 is 0 for a finite x and NaN otherwise; the lanes keep the sum vectorized. The row's
+    // padded dims (values converted into the scratch) are 0.
+    const float* row = values + s * ldv;
+    Lanes z = {};
+    for (int64_t d = 0; d < w.DV; d += kLanes) z += load_lanes(row + d) * 0.0f;
+    bool ok = true;
+    for (int64_t j = 0; j < kLanes; ++j) ok &= z[j] == 0.0f;
+    w.finite[s] = ok;
+  }
   const int64_t R = round_up(rows, kLanes);
   for (int64_t r = 0; r < R; r += kLanes) {
     int64_t s = 0;
@@ -278,7 +305,7 @@ KVATTN_CPU_CLONES void attend_page(Scratch& w, int64_t rows, const T* kpage, int
   }
   for (int64_t r = 0; r < round_up(rows, kRows); r += kRows)
     for (int64_t j = 0; j < w.DV; j += kLanes)
-      value_block(w.acc.data() + r * w.DV + j, w.DV, w.scores.data() + r, w.R, values + j, ldv, ns);
+      value_block(w.acc.data() + r * w.DV + j, w.DV, w.scores.data() + r, w.R, values + j, ldv, w.finite.data(), ns);
 }
 
 // The report of one sequence under the per-call check, and each logical page's readable slots
@@ -319,8 +346,9 @@ inline void check_sequence(const AttendParams& p, int64_t b, int64_t seq_len, in
 inline void verdict_sequence(const AttendParams& p, int64_t b, int64_t seq_len, int64_t raw_len, int32_t* limit) {
   const int64_t* entries = p.verdict + b * p.max_pages;
   for (int64_t i = 0; i < p.max_pages; ++i) {
+    // The entry's low 32 bits as the oracle reads them (kvattn.reference.unpack_verdict).
     const int64_t page = entries[i] >> 32;
-    const int32_t readable = static_cast<int32_t>(entries[i]);
+    const int64_t readable = entries[i] & 0xFFFFFFFFLL;
     const int64_t slots_read = min64(max64(seq_len - i * p.page_size, 0), p.page_size);
     limit[i] = page >= 0 && page < p.num_pages ? static_cast<int32_t>(std::min<int64_t>(readable, slots_read)) : 0;
   }
@@ -328,7 +356,7 @@ inline void verdict_sequence(const AttendParams& p, int64_t b, int64_t seq_len, 
   if (pos < 0 || pos >= p.max_pages * p.page_size) return;
   const int64_t fresh = pos / p.page_size, slot = pos - fresh * p.page_size;
   const int64_t page = entries[fresh] >> 32;
-  const int32_t readable = static_cast<int32_t>(entries[fresh]);
+  const int64_t readable = entries[fresh] & 0xFFFFFFFFLL;
   const bool in_range = page >= 0 && page < p.num_pages;
   const int64_t tag = in_range ? p.tags[page] : 0;
   const int64_t owner = p.expected[b * p.stride_eb + fresh * p.stride_ep];
@@ -365,8 +393,8 @@ void attend_item(const AttendParams& p, const Sequence& sq, const Item& it, cons
   std::fill(w.qt.begin(), w.qt.end(), 0.0f);
   std::fill(w.acc.begin(), w.acc.end(), 0.0f);
   // Padded rows read no key (an empty [lo, hi)) and keep weights 0.
-  std::fill(w.lo.begin(), w.lo.end(), 0.0f);
-  std::fill(w.hi.begin(), w.hi.end(), 0.0f);
+  std::fill(w.lo.begin(), w.lo.end(), 0);
+  std::fill(w.hi.begin(), w.hi.end(), 0);
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.0f);
   int64_t tile_lo = std::numeric_limits<int64_t>::max(), tile_hi = 0;
@@ -381,8 +409,8 @@ void attend_item(const AttendParams& p, const Sequence& sq, const Item& it, cons
       const int64_t r = (t - it.t0) * group + g;
       const T* qrow = qs + (sq.row0 + t) * p.stride_qt + (it.h * group + g) * p.stride_qh;
       for (int64_t d = 0; d < D; ++d) w.qt[d * w.R + r] = load(qrow + d) * p.scale;
-      w.lo[r] = static_cast<float>(lo);
-      w.hi[r] = static_cast<float>(hi);
+      w.lo[r] = lo;
+      w.hi[r] = hi;
     }
   }
   const T* ks = static_cast<const T*>(p.k);
@@ -463,15 +491,17 @@ void attend(const AttendParams& p) {
       for (int64_t t0 = 0; t0 < sq.q_len; t0 += positions) items.push_back({b, h, t0, min64(t0 + positions, sq.q_len)});
     work += static_cast<double>(sq.q_len) * (sq.seq_len + 1) * p.num_heads * (p.head_dim + p.head_dim_v);
   }
-  std::atomic<int64_t> next{0};
+  const int64_t threads = work < kThreadWork ? 1 : std::min<int64_t>(std::max<int64_t>(p.threads, 1), items.size());
+  // Allocated before the parallel region: an exception (bad_alloc) must not leave one.
+  std::vector<Scratch> scratch(threads, Scratch(positions * group, p.head_dim, p.head_dim_v, p.page_size));
+  std::atomic<int64_t> next{0}, slot{0};
   const auto run = [&]() {
-    Scratch w(positions * group, p.head_dim, p.head_dim_v, p.page_size);
+    Scratch& w = scratch[slot++];
     for (int64_t n = next++; n < static_cast<int64_t>(items.size()); n = next++) {
       const Item& it = items[n];
       attend_item<T, M>(p, seqs[it.b], it, limits.data() + it.b * p.max_pages, w);
     }
   };
-  const int64_t threads = work < kThreadWork ? 1 : std::min<int64_t>(std::max<int64_t>(p.threads, 1), items.size());
   // OpenMP, because it is the engine's pool: torch loads its libgomp.so.1 before this module, so
   // this module's libgomp.so.1 is that one, and the region runs on the threads torch (and vLLM's
   // core binding) set up, which spin for a while after each torch op. Threads of our own would

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvattn
 from kvattn.backends import cpu as cpu_backend
 from kvattn_testing.extend import Extend
 from kvattn_testing.util import LSE_TOLERANCE, Batch, assert_reports_equal, tolerance
@@ -140,3 +141,71 @@ def test_exp_within_two_ulp():
     ulp = torch.ldexp(torch.ones_like(want), torch.frexp(want.float()).exponent - 24)
     assert ((got - want).abs() <= 2 * ulp).all(), float(((got - want).abs() / ulp).max())
     assert exp(0.0) == 1.0 and exp(-88.0) == 0.0 and exp(float("-inf")) == 0.0
+
+
+def _one_page(page_size: int, values: torch.Tensor):
+    """A pool of one page WRITTEN in full for owner 1: K zero (every score equal), V ``values``
+    ``[page_size, dim]`` under one KV head."""
+    k = torch.zeros(1, page_size, 1, values.shape[1])
+    v = values[:, None, :].clone()[None]
+    tags = torch.tensor([kvattn.written_tag(1, page_size)], dtype=torch.int64)
+    return k, v, tags
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1.0], ids=["inf", "nan", "twin"])
+def test_a_key_no_row_of_the_tile_may_read_adds_nothing(value):
+    """A causal tile of two rows over two keys: row 0 may not read key 1, row 1 does. Whatever
+    key 1's value holds (inf, NaN: the sequence's own slot), row 0 is key 0's value; the twin
+    with a finite value shows row 1 reading key 1."""
+    values = torch.tensor([[2.0, -3.0], [value, value]])
+    k, v, tags = _one_page(2, values)
+    q = torch.zeros(2, 1, 2)
+    out, lse, report = kvattn.paged_extend(
+        q,
+        k,
+        v,
+        torch.tensor([0, 2], dtype=torch.int32),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32),
+        tags,
+        torch.ones(1, 1, dtype=torch.int64),
+        backend="cpu",
+        return_lse=True,
+    )
+    assert out[0, 0].tolist() == [2.0, -3.0] and lse[0, 0].item() == 0.0
+    assert not report.any()
+    if value == 1.0:
+        torch.testing.assert_close(out[1, 0], torch.tensor([1.5, -1.0]))
+
+
+def test_positions_past_float_precision():
+    """A decode and an extend at 2**24 + 5 and + 6 tokens under a window of 0 (each row reads its
+    own key only) over one page repeated in every entry: positions compared as float32 would
+    round 2**24 + 5 to 2**24 + 4 and drop the row's own key. Each row is exactly its key's value."""
+    page = 1024
+    values = torch.arange(page, dtype=torch.float32)[:, None].repeat(1, 2)
+    k, v, tags = _one_page(page, values)
+    length = 2**24 + 6
+    pages = -(-length // page)
+    table = torch.zeros(2, pages, dtype=torch.int32)
+    expected = torch.ones(2, pages, dtype=torch.int64)
+    lens = torch.tensor([length - 1, length], dtype=torch.int32)
+    out, report = kvattn.paged_decode(
+        torch.zeros(2, 1, 2), k, v, table, lens, tags, expected, backend="cpu", window_left=0
+    )
+    assert out[:, 0, 0].tolist() == [(length - 2) % page, (length - 1) % page]
+    assert report.violations.tolist() == [0, 0]
+    out, report = kvattn.paged_extend(
+        torch.zeros(2, 1, 2),
+        k,
+        v,
+        torch.tensor([0, 2], dtype=torch.int32),
+        table[:1],
+        lens[1:],
+        tags,
+        expected[:1],
+        backend="cpu",
+        window_left=0,
+    )
+    assert out[:, 0, 0].tolist() == [(length - 2) % page, (length - 1) % page]
+    assert report.violations.tolist() == [0]
