@@ -196,8 +196,10 @@ def cuda_backend_path(selected, selector_config, capability) -> str:
     ``capability`` the device's. Any other backend would run that layer unchecked, so a layer
     kvattn's backend does not take (MLA, encoder attention, an fp8 cache, ...) and another
     backend named are refused, with vLLM's reasons."""
-    from .vllm_backend import KVAttnGPUBackend
+    # By its path, as vLLM resolves every backend: the backend module imports this one.
+    from vllm.utils.import_utils import resolve_obj_by_qualname
 
+    gpu_backend = resolve_obj_by_qualname(GPU_BACKEND_PATH)
     if selected is not None and selected.name != GPU_BACKEND_NAME:
         raise IntegrationError(
             f"kvattn.integrations.vllm: attention backend {selected.name} was selected; with "
@@ -205,7 +207,7 @@ def cuda_backend_path(selected, selector_config, capability) -> str:
             f"unchecked: leave --attention-backend unset or name {GPU_BACKEND_NAME}, or unset "
             f"{ENABLE_ENV}"
         )
-    reasons = KVAttnGPUBackend.validate_configuration(
+    reasons = gpu_backend.validate_configuration(
         device_capability=capability, **selector_config._asdict()
     )
     if reasons:
