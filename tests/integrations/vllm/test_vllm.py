@@ -21,61 +21,16 @@ import subprocess
 
 import pytest
 import vllm_prompts as prompts
+from vllm_scenarios import DRIVER, FAULTS, VICTIM, Runs
 
 from kvattn_testing import engines
-from kvattn_testing.engines import ROOT, VENV_PY, why_no_vllm
+from kvattn_testing.engines import VENV_PY, why_no_vllm
 from kvattn_testing.engines import env as _env
-
-DRIVER = ROOT / "tests" / "integrations" / "vllm" / "vllm_driver.py"
-
-FAULTS = ("foreign_entry", "early_free", "lost_prefill", "stale_prefix")
-VICTIM = {
-    "foreign_entry": "victim",
-    "early_free": "victim",
-    "lost_prefill": "victim",
-    "stale_prefix": "reader",
-}
 
 pytestmark = pytest.mark.slow
 
 if why_no_vllm():
     pytest.skip(why_no_vllm(), allow_module_level=True)
-
-
-class Runs(engines.Runs):
-    """The fixed scenarios of vllm_driver.py."""
-
-    def main(self) -> dict:
-        return self.shared(
-            "main",
-            lambda: self.drive(
-                [("main-stock", DRIVER, False, ("main",)), ("main-kvattn", DRIVER, True, ("main",))]
-            ),
-        )
-
-    def disaggregated(self) -> dict:
-        def compute():
-            stores = {b: self.dir / f"store-{b}" for b in ("stock", "kvattn")}
-            for store in stores.values():
-                shutil.rmtree(store, ignore_errors=True)
-                store.mkdir()
-            produced = self.drive(
-                [(f"produce-{b}", DRIVER, b == "kvattn", ("produce", stores[b])) for b in stores]
-            )
-            # Each decode instance loads a copy: vLLM's debug connector also stores what a
-            # consumer computes, which must not reach the other run.
-            copies = {}
-            for b, store in stores.items():
-                copies[b] = self.dir / f"load-{b}"
-                shutil.rmtree(copies[b], ignore_errors=True)
-                shutil.copytree(store, copies[b])
-            decoded = self.drive(
-                [(f"decode-{b}", DRIVER, b == "kvattn", ("decode", copies[b])) for b in stores]
-                + [("local", DRIVER, False, ("local",))]
-            )
-            return {**produced, **decoded}
-
-        return self.shared("disaggregated", compute)
 
 
 @pytest.fixture(scope="module")

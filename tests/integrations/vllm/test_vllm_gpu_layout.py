@@ -14,11 +14,10 @@ module does not import on the CPU build).
 from __future__ import annotations
 
 import pytest
-from test_vllm import FAULTS, VICTIM, Runs
+from vllm_scenarios import DRIVER, FAULTS, VICTIM, Runs
 
-from kvattn_testing.engines import ROOT, why_no_vllm
+from kvattn_testing.engines import why_no_vllm
 
-DRIVER = ROOT / "tests" / "integrations" / "vllm" / "vllm_driver.py"
 GPU_BACKEND = "kvattn.integrations.vllm_backend.KVAttnGPUBackend"
 REASONS = {
     "foreign_entry": "OWNER_MISMATCH",
