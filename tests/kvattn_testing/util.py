@@ -213,6 +213,18 @@ def assert_reports_equal(report, ref) -> None:
 LSE_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
 
 
+def assert_float32_read_as_reference(out, lse, report, ref_out, ref_lse, ref_report) -> None:
+    """A float32 reader's ``(out, lse, report)`` against the float64 reference's: every output
+    finite (NaN is planted in what must not be read), outputs within float32's summation error,
+    LSE -inf exactly where the reference's is, the rest within float32 rounding, equal reports."""
+    assert torch.isfinite(out).all(), "a refused or masked slot was read"
+    torch.testing.assert_close(out.double(), ref_out, **tolerance(torch.float32))
+    finite = torch.isfinite(ref_lse)
+    assert torch.isneginf(lse[~finite]).all()
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], **LSE_TOLERANCE)
+    assert_reports_equal(report, ref_report)
+
+
 def lse_tolerance(dtype: torch.dtype) -> dict:
     """LSE_TOLERANCE for a kernel that saw the reference's values. For float32 data a backend ran in
     float16 (:func:`decode`), each logit also carries the inputs' float16 rounding: 2**-11 relative
