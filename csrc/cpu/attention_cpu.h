@@ -61,11 +61,16 @@ struct AttendParams {
 
 // Scores are computed with the item's rows in vector lanes (16 at a time) and 4 keys per block:
 // each key element is broadcast against the rows' query elements, so a page's keys are read as
-// they lie, with no transposition, and the softmax runs over whole lanes of rows. Values come 16
-// dims at a time, 4 rows per block.
+// they lie, with no transposition, and the softmax runs over whole lanes of rows. An item of few
+// rows (a decode's GQA group of 1-8 heads) would leave most lanes idle that way: its scores put
+// the head dim in the lanes, then its softmax the keys (softmax_few). Values come 16 dims at a
+// time, 4 rows per block.
 constexpr int64_t kLanes = 16;
 constexpr int64_t kKeys = 4;
 constexpr int64_t kRows = 4;
+// An item of at most this many rows takes softmax_few: below it, rows in the lanes cost more in
+// idle lanes than the folds of the sums.
+constexpr int64_t kFewRows = 8;
 // Query rows of one item: positions x heads of the group, at most this many (a decode's item is
 // its group's heads).
 constexpr int64_t kTileRows = 32;
@@ -159,6 +164,63 @@ KVATTN_CPU_INLINE void score_block(const float* keys, int64_t ldk, const float* 
   for (int64_t k = 0; k < KEYS; ++k) store_lanes(scores + k * lds, acc[k]);
 }
 
+// The 16 sums of x[0..15], sum(x[k]) in lane k: pairs of vectors folded over one lane bit at a
+// time (8, 4, 2, 1), x's lanes keeping the keys whose bit is clear, y's those whose bit is set,
+// so the last fold leaves key k's sum in lane k. 15 folds of two shuffles and an add, against 16
+// horizontal sums of 4 steps each.
+KVATTN_CPU_INLINE Lanes fold8(Lanes x, Lanes y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23);
+}
+KVATTN_CPU_INLINE Lanes fold4(Lanes x, Lanes y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+}
+KVATTN_CPU_INLINE Lanes fold2(Lanes x, Lanes y) {
+  return __builtin_shufflevector(x, y, 0, 1, 18, 19, 4, 5, 22, 23, 8, 9, 26, 27, 12, 13, 30, 31) +
+         __builtin_shufflevector(x, y, 2, 3, 16, 17, 6, 7, 20, 21, 10, 11, 24, 25, 14, 15, 28, 29);
+}
+KVATTN_CPU_INLINE Lanes fold1(Lanes x, Lanes y) {
+  return __builtin_shufflevector(x, y, 0, 17, 2, 19, 4, 21, 6, 23, 8, 25, 10, 27, 12, 29, 14, 31) +
+         __builtin_shufflevector(x, y, 1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
+}
+KVATTN_CPU_INLINE Lanes sums16(Lanes* x) {
+  for (int k = 0; k < 8; ++k) x[k] = fold8(x[k], x[k + 8]);
+  for (int k = 0; k < 4; ++k) x[k] = fold4(x[k], x[k + 4]);
+  for (int k = 0; k < 2; ++k) x[k] = fold2(x[k], x[k + 2]);
+  return fold1(x[0], x[1]);
+}
+
+// Row scores of an item of few rows (a decode's GQA group): key k of keys [n <= 16, D] (row
+// stride ``ldk``) against the row's query q [D] in lane k (lanes past n hold 0). The head dim is in
+// the lanes, so each product uses all 16 where rows in the lanes would leave most idle (13 of 16
+// for a group of 3), and the 16 keys' sums come out of one fold. D is a multiple of 16.
+KVATTN_CPU_INLINE Lanes row_scores(const float* keys, int64_t ldk, const float* q, int64_t D, int64_t n) {
+  Lanes part[kLanes] = {};
+  for (int64_t k = 0; k < n; ++k)
+    for (int64_t d = 0; d < D; d += kLanes) part[k] += load_lanes(keys + k * ldk + d) * load_lanes(q + d);
+  return sums16(part);
+}
+
+// The larger of two lanes, NaN where either is (the running maximum keeps a NaN score).
+KVATTN_CPU_INLINE Lanes max_nan(Lanes a, Lanes b) { return a > b || a != a ? a : b; }
+
+KVATTN_CPU_INLINE float max_lanes(Lanes x) {
+  x = max_nan(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = max_nan(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = max_nan(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = max_nan(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return x[0];
+}
+
+KVATTN_CPU_INLINE float sum_lanes(Lanes x) {
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
+}
+
 // acc [kRows, 16 dims] (row stride ``lda``) += w [n keys, kRows] (key stride ``ldw``) x values
 // [n, 16 dims] (row stride ``ldv``). A key outside a row's bounds has weight exactly 0 and must
 // add nothing even where its value is inf or NaN (a later position of the sequence, which another
@@ -181,12 +243,14 @@ KVATTN_CPU_INLINE void value_block(float* acc, int64_t lda, const float* w, int6
 }
 
 // One item's scratch, float32, rows padded to 16 (padded rows stay 0 and read nothing): qt [D, R]
-// (queries transposed), keys [KB, D] and values [KB, DV] of a page in float32 (where the pool's
-// own rows cannot be read as they are), scores [KB, R] (key-major: the rows in lanes), acc [R, DV];
-// per row m, l and the key positions [lo, hi) it may read.
+// (queries transposed) and qr [R, D] (as they lie, for the few rows' path), keys [KB, D] and
+// values [KB, DV] of a page in float32 (where the pool's own rows cannot be read as they are),
+// scores [KB, R] (key-major: the rows in lanes), a row's scores with the keys in lanes
+// (row [round_up(KB, 16)], the few rows' path), acc [R, DV]; per row m, l and the key positions
+// [lo, hi) it may read.
 struct Scratch {
   int64_t R, KB, D, DV;
-  std::vector<float> qt, keys, values, scores, acc, m, l;
+  std::vector<float> qt, qr, keys, values, scores, row, acc, m, l;
   std::vector<int64_t> lo, hi;
   std::vector<uint8_t> finite;  // [KB]: the page's value row s holds no inf or NaN
   Scratch(int64_t rows, int64_t head_dim, int64_t Dv, int64_t page_size)
@@ -195,9 +259,11 @@ struct Scratch {
         D(head_dim),
         DV(round_up(Dv, kLanes)),
         qt(D * R),
+        qr(R * D),
         keys(KB * D),
         values(KB * DV),
         scores(KB * R),
+        row(round_up(KB, kLanes)),
         acc(R * DV),
         m(R),
         l(R),
@@ -251,6 +317,49 @@ KVATTN_CPU_INLINE void softmax_block(Scratch& w, int64_t r, int64_t ns, int64_t 
   }
 }
 
+// softmax_block for an item of at most kFewRows rows (a decode's GQA group) with the keys in the
+// lanes instead of the rows: each row's scores 16 keys at a time (row_scores), the same bounds,
+// soft-cap, running maximum (NaN kept) and rescaling, the weights stored key-major into scores
+// [ns, R] for value_block, which reads rows up to a multiple of kRows: the padded ones get 0.
+KVATTN_CPU_INLINE void softmax_few(Scratch& w, int64_t rows, const float* keys, int64_t ldk, int64_t ns, int64_t first,
+                                   float soft_cap) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const Lanes minus_inf = Lanes{} - inf;
+  IntLanes iota;
+  for (int64_t j = 0; j < kLanes; ++j) iota[j] = static_cast<int32_t>(j);
+  float* x = w.row.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t lo = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(w.lo[r] - first, 0), ns));
+    const int32_t hi = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(w.hi[r] - first, 0), ns));
+    float top = w.m[r];
+    for (int64_t s = 0; s < ns; s += kLanes) {
+      Lanes v = row_scores(keys + s * ldk, ldk, w.qr.data() + r * w.D, w.D, min64(kLanes, ns - s));
+      if (soft_cap > 0.0f)
+        for (int64_t j = 0; j < kLanes; ++j) v[j] = soft_cap * std::tanh(v[j] / soft_cap);
+      const IntLanes key = iota + static_cast<int32_t>(s);
+      v = key >= lo && key < hi ? v : minus_inf;
+      store_lanes(x + s, v);
+      const float t = max_lanes(v);
+      top = t > top || t != t ? t : top;
+    }
+    // A row with nothing read yet keeps m = -inf and rescales by 1: its l and accumulator are 0.
+    const float rescale = top > -inf ? exp_nonpositive(w.m[r] - top) : 1.0f;
+    Lanes sum = {};
+    for (int64_t s = 0; s < ns; s += kLanes) {
+      const IntLanes key = iota + static_cast<int32_t>(s);
+      const Lanes p = key >= lo && key < hi ? exp_nonpositive(load_lanes(x + s) - top) : Lanes{};
+      sum += p;
+      for (int64_t j = 0; j < min64(kLanes, ns - s); ++j) w.scores[(s + j) * w.R + r] = p[j];
+    }
+    w.l[r] = w.l[r] * rescale + sum_lanes(sum);
+    w.m[r] = top;
+    if (rescale != 1.0f)
+      for (int64_t d = 0; d < w.DV; ++d) w.acc[r * w.DV + d] *= rescale;
+  }
+  for (int64_t r = rows; r < round_up(rows, kRows); ++r)
+    for (int64_t s = 0; s < ns; ++s) w.scores[s * w.R + r] = 0.0f;
+}
+
 // The keys [s0, s0 + ns) of one page for one KV head through the item's ``rows`` rows: scores,
 // online softmax, values. Float32 pools are read in place (keys always, values when their rows
 // hold whole lane groups); other dtypes are converted into the scratch first.
@@ -296,12 +405,16 @@ KVATTN_CPU_CLONES void attend_page(Scratch& w, int64_t rows, const T* kpage, int
     w.finite[s] = ok;
   }
   const int64_t R = round_up(rows, kLanes);
-  for (int64_t r = 0; r < R; r += kLanes) {
-    int64_t s = 0;
-    for (; s + kKeys <= ns; s += kKeys)
-      score_block<kKeys>(keys + s * ldk, ldk, w.qt.data() + r, w.R, D, w.scores.data() + s * w.R + r, w.R);
-    for (; s < ns; ++s) score_block<1>(keys + s * ldk, ldk, w.qt.data() + r, w.R, D, w.scores.data() + s * w.R + r, w.R);
-    softmax_block(w, r, ns, first, soft_cap);
+  if (rows <= kFewRows && D % kLanes == 0) {
+    softmax_few(w, rows, keys, ldk, ns, first, soft_cap);
+  } else {
+    for (int64_t r = 0; r < R; r += kLanes) {
+      int64_t s = 0;
+      for (; s + kKeys <= ns; s += kKeys)
+        score_block<kKeys>(keys + s * ldk, ldk, w.qt.data() + r, w.R, D, w.scores.data() + s * w.R + r, w.R);
+      for (; s < ns; ++s) score_block<1>(keys + s * ldk, ldk, w.qt.data() + r, w.R, D, w.scores.data() + s * w.R + r, w.R);
+      softmax_block(w, r, ns, first, soft_cap);
+    }
   }
   for (int64_t r = 0; r < round_up(rows, kRows); r += kRows)
     for (int64_t j = 0; j < w.DV; j += kLanes)
@@ -408,7 +521,7 @@ void attend_item(const AttendParams& p, const Sequence& sq, const Item& it, cons
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = (t - it.t0) * group + g;
       const T* qrow = qs + (sq.row0 + t) * p.stride_qt + (it.h * group + g) * p.stride_qh;
-      for (int64_t d = 0; d < D; ++d) w.qt[d * w.R + r] = load(qrow + d) * p.scale;
+      for (int64_t d = 0; d < D; ++d) w.qt[d * w.R + r] = w.qr[r * D + d] = load(qrow + d) * p.scale;
       w.lo[r] = lo;
       w.hi[r] = hi;
     }

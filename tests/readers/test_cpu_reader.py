@@ -94,11 +94,13 @@ def test_extend_over_threads(name, causal, foreign):
 
 
 @pytest.mark.parametrize("foreign", [True, False], ids=["foreign", "twin"])
-@pytest.mark.parametrize("group", [1, 3, 5, 8])
-def test_decode_of_groups_around_the_row_blocking(group, foreign):
-    """GQA groups of 1 to 8 query heads per KV head (rows padded to blocks of 4), pages of 5 keys
-    (one partial block of 16), a batch large enough for two threads; a foreign page (NaN) in one
-    sequence, its twin has none."""
+@pytest.mark.parametrize("page_size", [5, 40])
+@pytest.mark.parametrize("group", [1, 3, 5, 8, 9])
+def test_decode_of_groups_around_the_row_blocking(group, page_size, foreign):
+    """GQA groups of 1 to 8 query heads per KV head (rows padded to blocks of 4; keys in the
+    lanes, softmax_few) and of 9 (the rows in the lanes), pages of 5 keys (one partial block of
+    16) and of 40 (two whole blocks and a partial one), a batch large enough for two threads; a
+    foreign page (NaN) in one sequence, its twin has none."""
     lens = [0, 1, 4, 33, 2900, 6110, 77]
     heads = 4 * group
     assert work([1] * len(lens), lens, heads, 64) > cpu_backend._cpu.THREAD_WORK
@@ -107,13 +109,13 @@ def test_decode_of_groups_around_the_row_blocking(group, foreign):
         num_heads=heads,
         num_kv_heads=4,
         head_dim=64,
-        page_size=5,
+        page_size=page_size,
         seq_lens=lens,
         dtype=F32,
         seed=group,
     )
     if foreign:
-        plant_foreign_page(pages, 5, 600)
+        plant_foreign_page(pages, 5, 3000 // page_size)  # token 3000
 
     def run():
         return pages.decode("cpu", return_lse=True)
