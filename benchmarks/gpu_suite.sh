@@ -12,7 +12,12 @@
 #       and 32K and batch 1 x 4K and 32K, extend of a 4K prefill and of a 512-token chunk over 8K
 #       (bf16, 32/8 heads, head dim 128, page 16; extend's rows carry their TFLOP/s); then the
 #       keyed transfer digest on the device beside a copy of the same bytes (GB/s; 512 pages of a
-#       32-layer model, benchmarks/transfer_digest.py);
+#       32-layer model, benchmarks/transfer_digest.py); then kvattn's ops (stamping writes, the
+#       step's verdict, checked Triton decodes) of a 4-layer decode step captured in one CUDA
+#       graph and replayed with the ledger's buffer refill between replays, bit for bit against
+#       eager, a page re-tagged between replays caught on replay, a skipped refill reading nothing
+#       (benchmarks/graph_replay.py: at most 45 s, about 20 s of them for the steps; its rows say
+#       which check failed);
 #    3. tuning of the Triton decode and extend (benchmarks/tune.py: a time share per op and point,
 #       the default configuration first, then its neighbours and the split counts that fill the
 #       slots);
@@ -42,8 +47,9 @@
 # KVATTN_COMMIT names the commit (the copy on the GPU machine has no .git). SUITE_BUDGET_S (default
 # 470) bounds the whole script; SUITE_TIME_SCALE (default 1) multiplies every step's own time.
 # Exits non-zero, and says which steps in its last lines, when the build, a benchmark or tuning step
-# (a kvattn provider failed or the step was stopped), the smoke or the tests failed. Dry run on a
-# CPU (nothing built, the harness for the smoke, the tiny presets, the run folders elsewhere):
+# (a kvattn provider failed or the step was stopped), the graph replay's checks, the smoke or the
+# tests failed. Dry run on a CPU (nothing built, the harness for the smoke, the tiny presets, the
+# run folders elsewhere):
 # SUITE_SKIP_BUILD=1 SUITE_SKIP_TESTS=1 SUITE_PRESET=cpu-tiny SUITE_RESULTS=<a folder>
 # (tests/benchmarks/test_gpu_suite.py does this, with a large budget and time scale).
 set -uo pipefail
@@ -173,6 +179,12 @@ fi
 digest_device=cpu; [ "$on_gpu" = 1 ] && digest_device=cuda
 t=$(cap 40); run digest "$t" - "$PY" -m benchmarks.transfer_digest --keyed "$digest_device" \
   "${DIGEST[@]}" --out-dir "$RUNS" --stream "$ROWS"
+# The Triton kernels (the CUDA module may still be building). The script's budget bounds its decode
+# steps (two at least) from its first kernel on; the other 25 s are for the imports and, when they
+# are slow, the compiles.
+GRAPH=(--backend triton); [ "$PRESET" = cpu-tiny ] && GRAPH+=(--steps 2)
+t=$(cap 45); run graph-replay "$t" - "$PY" -m benchmarks.graph_replay "${GRAPH[@]}" \
+  --time-budget-s $(( t > 30 ? t - 25 : 5 )) --out-dir "$RUNS" --stream "$ROWS"
 
 # 3. Tuning, Triton ops.
 # tune_s QUARTERS: seconds of TUNE_S for a tuning step, at most what is left less 25 s to start up.
@@ -283,15 +295,17 @@ fi
 
 pack
 summary=""
-for s in cuda-build headline-triton-decode headline-triton-extend digest tune-triton tune-cuda \
-         headline-cuda-decode headline-cuda-extend flex sweep-decode sweep-mla sweep-extend smoke tests ncu; do
+for s in cuda-build headline-triton-decode headline-triton-extend digest graph-replay tune-triton \
+         tune-cuda headline-cuda-decode headline-cuda-extend flex sweep-decode sweep-mla sweep-extend smoke \
+         tests ncu; do
   summary+=" $s=${RC[$s]:-none}"
 done
 step "done:$summary"
 ls -la "$OUTDIR"
 failed=()
-for s in cuda-build headline-triton-decode headline-triton-extend digest tune-triton tune-cuda \
-         headline-cuda-decode headline-cuda-extend flex sweep-decode sweep-mla sweep-extend smoke tests; do
+for s in cuda-build headline-triton-decode headline-triton-extend digest graph-replay tune-triton \
+         tune-cuda headline-cuda-decode headline-cuda-extend flex sweep-decode sweep-mla sweep-extend smoke \
+         tests; do
   rc=${RC[$s]:-skipped}
   [ "$rc" = 0 ] || [ "$rc" = skipped ] && continue
   # FlexAttention's step is bounded on purpose: its timeout stops a slow compile, not the suite.

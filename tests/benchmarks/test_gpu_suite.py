@@ -34,6 +34,7 @@ ORDER = [
     "headline-triton-decode",
     "headline-triton-extend",
     "digest",
+    "graph-replay",
     "tune-triton",
     "tune-cuda",
     "headline-cuda-decode",
@@ -117,7 +118,7 @@ def _takes_the_steps_in_the_order_that_answers_the_goals_first(out):
     assert statuses.pop("ncu") == "skipped"  # no GPU here
     assert set(statuses.values()) == {"0"}, statuses
     # Every step says when it started, within what limit, and how it ended.
-    for name in ORDER[2:14]:
+    for name in ORDER[2:15]:
         assert re.search(rf"\] {name}: start \(at most \d+ s\)", log), name
         assert re.search(rf"\] {name}: rc=0 in \d+ s", log), name
 
@@ -131,13 +132,14 @@ def _leaves_at_most_8_files_and_packs_every_run(out, runs):
         packed = {name.split("/")[0] for name in tar.getnames()}
     assert packed == set(folders), (packed, folders)
     suffixes = [re.sub(r"^\d{8}-\d{6}_cpu_[\w.-]*?(?=_|$)", "", f) for f in folders]
-    # headline decode and extend, Triton then CUDA; the keyed digest; tuning, Triton ops then CUDA;
-    # FlexAttention; the three sweeps
+    # headline decode and extend, Triton then CUDA; the keyed digest; the graph replay; tuning,
+    # Triton ops then CUDA; FlexAttention; the three sweeps
     assert sorted(suffixes) == sorted(
         [
             "",
             "_extend",
             "_digest",
+            "_graph-replay",
             "_tune-triton-decode-triton-extend",
             "_tune-cuda-decode",
             "",
@@ -156,6 +158,7 @@ def _leaves_at_most_8_files_and_packs_every_run(out, runs):
         and "# Tuning sweep" in summary
     )
     assert "# FlexAttention against kvattn" in summary
+    assert "# kvattn's ops in one CUDA graph" in summary
 
 
 def _streams_every_row_with_its_run(out, runs):
@@ -173,6 +176,7 @@ def _streams_every_row_with_its_run(out, runs):
         "_mla": {"mla_decode", "mla_extend"},
         "_flex": {"decode"},
         "_digest": {"digest"},
+        "_graph-replay": {"graph_replay"},
     }
     for r in rows:
         kind = next((k for k in kinds if r["run"].endswith(k)), None)
@@ -190,6 +194,15 @@ def _streams_every_row_with_its_run(out, runs):
     assert all("tflops" in r for r in rows if r["op"] == "extend" and r.get("status") == "ok")
     digest = [r for r in rows if r["op"] == "digest"]
     assert len(digest) == 1 and {"copy", "attest_keyed", "verify_keyed"} <= set(digest[0])
+    # The graph replay's checks, each passed: clean replays as eager, the re-tagged page caught on
+    # replay, the replay whose refill was skipped reading nothing, its refilled twin.
+    graph = {r["check"]: r for r in rows if r["op"] == "graph_replay"}
+    assert list(graph) == ["clean", "foreign_page", "stale_buffer", "refilled"], graph
+    assert all(r["passed"] and r["problems"] == [] for r in graph.values()), graph
+    assert graph["clean"]["steps"] == 2 and graph["clean"]["bitwise_equal_eager"]
+    assert (
+        graph["foreign_page"]["failed"] == ["r0"] and graph["stale_buffer"]["nonzero_outputs"] == 0
+    )
     tuned = [r for r in rows if r["run"].endswith("_tune-triton-decode-triton-extend")]
     # The default configuration is timed first at every point, checked and unchecked.
     for op in ("triton-decode", "triton-extend"):
