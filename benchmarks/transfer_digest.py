@@ -122,7 +122,8 @@ def _median_device_s(fn, repeats: int, device: torch.device) -> float:
 
 def measure_keyed(layers, pages, page_size, kv_heads, head_dim, repeats, device) -> dict:
     """The keyed digest where the pages lie (``device``), beside a copy of the same bytes on that
-    device: the NH kernel alone (on a GPU), then kvattn's keyed ``attest_pages`` and
+    device: the NH kernel alone (on a GPU; on a CPU the compiled NH, or NumPy's where the CPU
+    module is not built), then kvattn's keyed ``attest_pages`` and
     ``verify_arrived`` (kernel, the 32 bytes per page to the host, BLAKE3 there), and the keyless
     BLAKE3 calls, which stage device pools on the host."""
     shape = (pages, page_size, kv_heads, head_dim)
@@ -150,6 +151,12 @@ def measure_keyed(layers, pages, page_size, kv_heads, head_dim, repeats, device)
         row["nh_kernel"] = _median_device_s(
             lambda: digest.nh(pools, index, lens, words), repeats, device
         )
+    else:
+        from kvattn.backends.triton import digest
+
+        words = key.words(digest.key_words(pools), device)
+        lens = [page_size] * pages
+        row["nh_kernel"] = _median_s(lambda: transfer._nh_cpu(pools, ids, lens, words), repeats)
     claims = transfer.attest_pages(tags, 1, ids, k, v, key=key)
     row["attest_keyed"] = _median_s(
         lambda: transfer.attest_pages(tags, 1, ids, k, v, key=key), repeats
@@ -166,7 +173,7 @@ def measure_keyed(layers, pages, page_size, kv_heads, head_dim, repeats, device)
 
 KEYED_COLUMNS = [
     ("copy", "copy of the same bytes on the device"),
-    ("nh_kernel", "NH kernel alone"),
+    ("nh_kernel", "NH alone"),
     ("attest_keyed", "`attest_pages(key=)`"),
     ("verify_keyed", "`verify_arrived(key=)`"),
     ("attest_blake3", "`attest_pages` (BLAKE3 on the host)"),

@@ -401,6 +401,46 @@ def _nh_host(pools: list[_Bytes], page: int, valid_len: int, key: np.ndarray) ->
     return b"".join(value.to_bytes(8, "little") for value in acc)
 
 
+def _nh_cpu(pools: list[torch.Tensor], pages: list[int], lens: list[int], key: torch.Tensor):
+    """The NH values of pages of host pools: the compiled CPU module's (csrc/cpu/digest_cpu.h,
+    vectorized, pages over the digest threads, the GIL released) where it is built, else NumPy's
+    (:func:`_nh_host`, one page at a time). Pools and pages are validated by the caller."""
+    from .backends import cpu as cpu_backend
+    from .backends.triton.digest import INSTANCES
+
+    ext = cpu_backend._cpu
+    if ext is None:
+        host = [_Bytes(pool) for pool in pools]
+        key_np = key.numpy().view(np.uint32)
+        return [_nh_host(host, p, n, key_np) for p, n in zip(pages, lens)]
+    rows, at = [], 0
+    for pool in pools:
+        size = pool.element_size()
+        row_words = pool.shape[2] * pool.shape[3] * size // 4
+        strides = (pool.stride(0) * size, pool.stride(1) * size)
+        rows.append([pool.data_ptr(), *strides, row_words, at, pool.shape[0]])
+        at += pool.shape[1] * row_words
+    chunks = torch.tensor(rows, dtype=torch.int64)
+    index = torch.tensor(pages, dtype=torch.int64)
+    counts = torch.tensor(lens, dtype=torch.int64)
+    out = torch.empty(len(pages), INSTANCES, dtype=torch.int64)
+    ext.nh_pages(
+        dict(
+            chunks=chunks.data_ptr(),
+            num_chunks=len(rows),
+            pages=index.data_ptr(),
+            lens=counts.data_ptr(),
+            n=len(pages),
+            page_size=pools[0].shape[1],
+            key=key.data_ptr(),
+            key_words=key.numel(),
+            out=out.data_ptr(),
+            threads=_threads,
+        )
+    )
+    return [row.tobytes() for row in out.numpy()]
+
+
 def _keyed_digests(k_caches, v_caches, pages, lens, contexts, key: DigestKey) -> list[str]:
     """The keyed digest of each page: NH on the pools' device (the Triton kernel; NumPy on CPU
     pools), then BLAKE3 over its 32 bytes, the context and the lengths, on the host."""
@@ -410,9 +450,7 @@ def _keyed_digests(k_caches, v_caches, pages, lens, contexts, key: DigestKey) ->
     _keyable(pools)
     words = key.words(key_words(pools), pools[0].device)
     if pools[0].device.type == "cpu":
-        host = [_Bytes(pool) for pool in pools]
-        key_np = words.numpy().view(np.uint32)
-        values = [_nh_host(host, p, n, key_np) for p, n in zip(pages, lens)]
+        values = _nh_cpu(pools, pages, lens, words)
     else:
         from .backends.triton.digest import nh
 

@@ -1,15 +1,18 @@
 // The module `kvattn.backends.cpu._cpu`: the CPU paged attention of attention_cpu.h (decode and
 // extend) and the writer of write_kv_cpu.h behind a binding that takes raw pointers, sizes and
 // strides by name (kvattn/backends/cpu/__init__.py builds the dict), built by the host compiler
-// (setup.py). It runs without the GIL; the attention on up to ``threads`` threads.
+// (setup.py), and the keyed transfer digest's NH of digest_cpu.h. It runs without the GIL; the
+// attention and the digest on up to ``threads`` threads.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cpu/attention_cpu.h"
+#include "cpu/digest_cpu.h"
 #include "cpu/write_kv_cpu.h"
 #include "kvattn_sources.h"
 
@@ -154,6 +157,40 @@ void write_kv(const py::dict& a) {
   kvattn::cpu::write_kv(p);
 }
 
+// chunks: int64 [num_chunks, 6] (base address, page stride and slot stride in bytes, words per
+// slot row, first key word, pages of the pool); out: [n, 4] NH values as uint64.
+void nh_pages(const py::dict& a) {
+  Args args(a);
+  const auto* table = args.ptr<const int64_t*>("chunks");
+  const int64_t num_chunks = args.i64("num_chunks");
+  const auto* pages = args.ptr<const int64_t*>("pages");
+  const auto* lens = args.ptr<const int64_t*>("lens");
+  const int64_t n = args.i64("n");
+  const int64_t page_size = args.i64("page_size");
+  const auto* key = args.ptr<const uint32_t*>("key");
+  const int64_t key_words = args.i64("key_words");
+  auto* out = args.ptr<uint64_t*>("out");
+  const int64_t threads = args.i64("threads");
+  args.check_all_read();
+  // The Python caller validates every argument; these checks keep a wrong call from reading
+  // outside the pools and the key.
+  std::vector<kvattn::cpu::NhChunk> chunks(num_chunks);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t* row = table + c * 6;
+    const int64_t words = row[3], offset = row[4], num_pages = row[5];
+    if (words < 4 || (words & (words - 1)) != 0)
+      throw std::invalid_argument("kvattn cpu nh_pages: words per slot row must be a power of two >= 4");
+    if (offset < 0 || offset + page_size * words + kvattn::cpu::kNhShift * (kvattn::cpu::kNhInstances - 1) > key_words)
+      throw std::invalid_argument("kvattn cpu nh_pages: the key is shorter than the chunks read");
+    for (int64_t i = 0; i < n; ++i)
+      if (pages[i] < 0 || pages[i] >= num_pages)
+        throw std::invalid_argument("kvattn cpu nh_pages: a page outside the pool");
+    chunks[c] = {reinterpret_cast<const char*>(static_cast<uintptr_t>(row[0])), row[1], row[2], words, offset};
+  }
+  py::gil_scoped_release release;
+  kvattn::cpu::nh_pages(chunks.data(), num_chunks, pages, lens, n, page_size, key, out, std::max<int64_t>(threads, 1));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -163,6 +200,9 @@ PYBIND11_MODULE(_cpu, m) {
         "float32, 1 float16, 2 bfloat16; mode 0 unchecked, 1 checked, 2 through a verdict (decode).");
   m.def("write_kv", &write_kv, py::arg("args"),
         "Run the stamping writer on the calling thread (pools of the tokens' own dtype).");
+  m.def("nh_pages", &nh_pages, py::arg("args"),
+        "The keyed transfer digest's NH of pages of host pools (kvattn.transfer) on up to `threads`\n"
+        "threads.");
   m.def(
       "exp_nonpositive", [](float x) { return kvattn::cpu::exp_nonpositive(x); }, py::arg("x"),
         "The readers' exp of a score minus its row's maximum (x <= 0), for its accuracy test.");

@@ -11,6 +11,7 @@ import torch
 
 import kvattn
 from kvattn import transfer
+from kvattn.backends import cpu as cpu_backend
 from kvattn.backends.triton import digest
 
 pytest.importorskip("blake3")
@@ -21,12 +22,17 @@ OWNER = 5
 
 def pools(dtype=torch.bfloat16, seed=0, interleaved=False):
     """K and V pools per layer; ``interleaved``: views of one ``[pages, 2, page, heads, dim]``
-    tensor per layer (a page stride twice the page's size), as some engines allocate."""
+    tensor per layer (a page stride twice the page's size), as some engines allocate, or with
+    ``"slots"`` of one ``[pages, page, 2, heads, dim]`` (a slot stride twice the row's size)."""
     g = torch.Generator().manual_seed(seed)
     k, v = [], []
     for _ in range(LAYERS):
         data = torch.randn(PAGES, 2, PAGE, HEADS, DIM, generator=g).to(dtype)
-        if interleaved:
+        if interleaved == "slots":
+            data = data.transpose(1, 2).contiguous()
+            k.append(data[:, :, 0])
+            v.append(data[:, :, 1])
+        elif interleaved:
             k.append(data[:, 0])
             v.append(data[:, 1])
         else:
@@ -65,8 +71,10 @@ def as_unsigned(values) -> list[int]:
     return [int(x) % 2**64 for x in values]
 
 
+# Rows of 8 (bfloat16), 16 (float32) and 4 (fp8) words: the compiled host NH's pair-by-pair and
+# 16-word paths; slots back to back (one message run per page) or not ("slots").
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
-@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True, "slots"])
 def test_nh_on_the_device_and_the_host_is_the_reference(dtype, interleaved):
     k, v = pools(dtype, interleaved=interleaved)
     key = transfer.DigestKey(bytes(range(32)))
@@ -83,7 +91,26 @@ def test_nh_on_the_device_and_the_host_is_the_reference(dtype, interleaved):
             bytearray(transfer._nh_host(host, page, n, key_np)), dtype=torch.int64
         )
         assert as_unsigned(got.tolist()) == want
+    if cpu_backend._cpu is not None:
+        compiled = transfer._nh_cpu(chunks, pages, lens, words)
+        for value, page, n in zip(compiled, pages, lens):
+            got = torch.frombuffer(bytearray(value), dtype=torch.int64)
+            assert as_unsigned(got.tolist()) == reference_nh(k, v, page, n, key)
     assert len({tuple(device[i].tolist()) for i in range(len(pages))}) == len(pages)
+
+
+@pytest.mark.skipif(cpu_backend._cpu is None, reason="the compiled CPU module is not built")
+def test_the_compiled_host_nh_refuses_reads_outside_the_pools_and_the_key():
+    """The binding's own guards, behind kvattn.transfer's validation: a page past the pool and a
+    key shorter than the pages it covers raise instead of reading past them; their twin runs."""
+    k, v = pools(torch.float32)
+    chunks = [pool for pair in zip(k, v) for pool in pair]
+    words = transfer.DigestKey(bytes(32)).words(digest.key_words(chunks), "cpu")
+    assert len(transfer._nh_cpu(chunks, [PAGES - 1], [PAGE], words)) == 1
+    with pytest.raises(ValueError, match="a page outside the pool"):
+        transfer._nh_cpu(chunks, [PAGES], [PAGE], words)
+    with pytest.raises(ValueError, match="the key is shorter"):
+        transfer._nh_cpu(chunks, [0], [PAGE], words[:-1])
 
 
 def _tags():
