@@ -184,3 +184,29 @@ def test_vllm_layout_setting_refuses_other_values_naming_it(monkeypatch):
             match=rf"KVATTN_VLLM_LAYOUT: expected one of 'cpu', 'gpu', got '{value}'",
         ):
             integration.requested_layout()
+
+
+def test_vllm_decode_resolves_once_except_where_the_compiled_cpu_decode_checks_each_call(
+    monkeypatch,
+):
+    """A decode step is resolved once for its layers (docs/ownership.md section 9) unless the
+    compiled CPU decode runs it, which checks each call's pages itself at the same cost; another
+    backend named, or another device, keeps the verdict. Either way every layer is checked."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvattn import backends
+    from kvattn.integrations import vllm as integration
+
+    monkeypatch.delenv(integration.BACKEND_ENV, raising=False)
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=True), kv_transfer_config=None
+    )
+    state = integration.WorkerOwnership(config, 16, check=True)
+    cpu, cuda = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device="cuda")
+    built = backends.load("cpu")[0]._cpu is not None
+    assert state._compiled_cpu_decode(cpu) is built
+    assert not state._compiled_cpu_decode(cuda)
+    state.backend = "torch"
+    assert not state._compiled_cpu_decode(cpu)
