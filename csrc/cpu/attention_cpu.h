@@ -331,7 +331,7 @@ KVATTN_CPU_INLINE void softmax_few(Scratch& w, int64_t rows, const float* keys, 
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t lo = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(w.lo[r] - first, 0), ns));
     const int32_t hi = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(w.hi[r] - first, 0), ns));
-    float top = w.m[r];
+    Lanes tops = Lanes{} + w.m[r];  // lane-wise over the blocks, one horizontal max after them
     for (int64_t s = 0; s < ns; s += kLanes) {
       Lanes v = row_scores(keys + s * ldk, ldk, w.qr.data() + r * w.D, w.D, min64(kLanes, ns - s));
       if (soft_cap > 0.0f)
@@ -339,9 +339,9 @@ KVATTN_CPU_INLINE void softmax_few(Scratch& w, int64_t rows, const float* keys, 
       const IntLanes key = iota + static_cast<int32_t>(s);
       v = key >= lo && key < hi ? v : minus_inf;
       store_lanes(x + s, v);
-      const float t = max_lanes(v);
-      top = t > top || t != t ? t : top;
+      tops = max_nan(v, tops);
     }
+    const float top = max_lanes(tops);
     // A row with nothing read yet keeps m = -inf and rescales by 1: its l and accumulator are 0.
     const float rescale = top > -inf ? exp_nonpositive(w.m[r] - top) : 1.0f;
     Lanes sum = {};
@@ -394,15 +394,21 @@ KVATTN_CPU_CLONES void attend_page(Scratch& w, int64_t rows, const T* kpage, int
       for (int64_t d = 0; d < Dv; ++d) dst[s * w.DV + d] = load(src + d);
     }
   }
-  for (int64_t s = 0; s < ns; ++s) {
-    // x * 0 is 0 for a finite x and NaN otherwise; the lanes keep the sum vectorized. The row's
-    // padded dims (values converted into the scratch) are 0.
-    const float* row = values + s * ldv;
-    Lanes z = {};
-    for (int64_t d = 0; d < w.DV; d += kLanes) z += load_lanes(row + d) * 0.0f;
-    bool ok = true;
-    for (int64_t j = 0; j < kLanes; ++j) ok &= z[j] == 0.0f;
-    w.finite[s] = ok;
+  // x * 0 is 0 for a finite x and NaN otherwise; the lanes keep the sums vectorized, and the
+  // sum of a row's (or the page's) lanes is 0 exactly when they all are. The rows' padded dims
+  // (values converted into the scratch) are 0. Rows are judged one by one only on a page that
+  // holds an inf or NaN.
+  Lanes page = {};
+  for (int64_t s = 0; s < ns; ++s)
+    for (int64_t d = 0; d < w.DV; d += kLanes) page += load_lanes(values + s * ldv + d) * 0.0f;
+  if (sum_lanes(page) == 0.0f) {
+    std::fill(w.finite.begin(), w.finite.begin() + ns, uint8_t{1});
+  } else {
+    for (int64_t s = 0; s < ns; ++s) {
+      Lanes z = {};
+      for (int64_t d = 0; d < w.DV; d += kLanes) z += load_lanes(values + s * ldv + d) * 0.0f;
+      w.finite[s] = sum_lanes(z) == 0.0f;
+    }
   }
   const int64_t R = round_up(rows, kLanes);
   if (rows <= kFewRows && D % kLanes == 0) {
