@@ -205,20 +205,20 @@ KVATTN_CPU_INLINE Lanes row_scores(const float* keys, int64_t ldk, const float* 
 // The larger of two lanes, NaN where either is (the running maximum keeps a NaN score).
 KVATTN_CPU_INLINE Lanes max_nan(Lanes a, Lanes b) { return a > b || a != a ? a : b; }
 
-KVATTN_CPU_INLINE float max_lanes(Lanes x) {
-  x = max_nan(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  x = max_nan(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  x = max_nan(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  x = max_nan(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+// op over the 16 lanes of x: halves, quarters, pairs, neighbours.
+template <class Op>
+KVATTN_CPU_INLINE float reduce_lanes(Lanes x, Op op) {
+  x = op(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = op(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = op(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = op(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
   return x[0];
 }
-
+KVATTN_CPU_INLINE float max_lanes(Lanes x) {
+  return reduce_lanes(x, [](Lanes a, Lanes b) { return max_nan(a, b); });
+}
 KVATTN_CPU_INLINE float sum_lanes(Lanes x) {
-  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return x[0];
+  return reduce_lanes(x, [](Lanes a, Lanes b) { return a + b; });
 }
 
 // acc [kRows, 16 dims] (row stride ``lda``) += w [n keys, kRows] (key stride ``ldw``) x values

@@ -8,7 +8,9 @@
 // shifted by 4 j words:
 //   NH_j = sum over pairs (2i, 2i + 1) of ((m[2i] + k[2i + 4j]) mod 2^32) * ((m[2i + 1] + k[2i + 1 + 4j]) mod 2^32)
 // mod 2^64. 16 words at a time: on a little-endian CPU a pair is one 64-bit lane, word 2i its low
-// half, so each instance is one 32 x 32 -> 64-bit multiply per lane (vpmuludq). Pages are spread
+// half, so each instance is one 64-bit multiply of the two zero-extended halves per lane (GCC
+// emits vpmullq for it on AVX-512; a widening 32-bit multiply would take fewer uops, not tried:
+// this already outruns a copy of the same bytes here). Pages are spread
 // over OpenMP threads; the caller releases the GIL, so the digest runs beside the engine's step.
 #pragma once
 
