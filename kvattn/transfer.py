@@ -334,6 +334,26 @@ class DigestKey:
         return self.seed.hex()
 
     @classmethod
+    def for_pools(cls, k_caches, v_caches) -> DigestKey | None:
+        """A fresh key (:meth:`new`) for a transfer of pages of these pools where the keyed digest
+        reads them in place at speed: pools on a device (the Triton kernel), or host pools with
+        the compiled CPU module built; None where the keyless digest is the one to use (pools
+        not in 16-byte units, or host pools with only NumPy's NH, slower than BLAKE3). What an
+        engine's sender calls once per transfer, after the pages' bytes are written."""
+        _check_pools(k_caches, v_caches)
+        pools = [pool for pair in zip(k_caches, v_caches) for pool in pair]
+        try:
+            _keyable(pools)
+        except ValueError:
+            return None
+        if pools[0].device.type == "cpu":
+            from .backends import cpu as cpu_backend
+
+            if cpu_backend._cpu is None:
+                return None
+        return cls.new()
+
+    @classmethod
     def from_hex(cls, text) -> DigestKey:
         if not isinstance(text, str) or len(text) != 64:
             raise ValueError(f"digest key: expected 64 hex digits, got {text!r}")
@@ -365,19 +385,21 @@ def _blake3_module():
 
 
 def _keyable(pools: list[torch.Tensor]) -> None:
-    """The pools a keyed digest reads as 32-bit words, 4 at a time: each slot row contiguous, a
-    power of two of 16-byte units, on 16-byte boundaries."""
+    """The pools a keyed digest reads as 32-bit words, 4 at a time: what lies back to back of a
+    slot (its row, or each head's row where the heads are apart: HND, K and V interleaved) a
+    whole number of 16-byte units, every stride and address on a 16-byte boundary."""
     names = [f"{'k' if i % 2 == 0 else 'v'}_caches[{i // 2}]" for i in range(len(pools))]
     for name, pool in zip(names, pools):
         size = pool.element_size()
-        row = pool.shape[2] * pool.shape[3] * size
-        if pool.stride(3) != 1 or pool.stride(2) != pool.shape[3]:
-            raise ValueError(f"{name}: expected contiguous slot rows, got strides {pool.stride()}")
-        strides = (pool.stride(0) * size, pool.stride(1) * size)
-        if row < 16 or row & (row - 1) or strides[0] % 16 or strides[1] % 16:
+        if pool.stride(3) != 1 and pool.shape[3] > 1:
+            raise ValueError(f"{name}: expected contiguous head rows, got strides {pool.stride()}")
+        apart = pool.shape[2] > 1 and pool.stride(2) != pool.shape[3]
+        run = pool.shape[3] * size * (1 if apart else pool.shape[2])
+        strides = tuple(pool.stride(d) * size for d in range(3 if apart else 2))
+        if run % 16 or any(s % 16 for s in strides):
             raise ValueError(
-                f"{name}: expected slot rows of a power of two of 16-byte units on 16-byte "
-                f"boundaries, got {row}-byte rows and byte strides {strides}"
+                f"{name}: expected {'head' if apart else 'slot'} rows of 16-byte units on "
+                f"16-byte boundaries, got {run}-byte rows and byte strides {strides}"
             )
         if pool.data_ptr() % 16:
             raise ValueError(f"{name}: expected memory aligned to 16 bytes")
@@ -407,6 +429,7 @@ def _nh_cpu(pools: list[torch.Tensor], pages: list[int], lens: list[int], key: t
     (:func:`_nh_host`, one page at a time). Pools and pages are validated by the caller."""
     from .backends import cpu as cpu_backend
     from .backends.triton.digest import INSTANCES
+    from .backends.triton.digest import row_shape as digest_shape
 
     ext = cpu_backend._cpu
     if ext is None:
@@ -416,9 +439,9 @@ def _nh_cpu(pools: list[torch.Tensor], pages: list[int], lens: list[int], key: t
     rows, at = [], 0
     for pool in pools:
         size = pool.element_size()
-        row_words = pool.shape[2] * pool.shape[3] * size // 4
-        strides = (pool.stride(0) * size, pool.stride(1) * size)
-        rows.append([pool.data_ptr(), *strides, row_words, at, pool.shape[0]])
+        row_words, head_words = digest_shape(pool)
+        strides = [pool.stride(d) * size for d in range(3)]
+        rows.append([pool.data_ptr(), *strides, row_words, head_words, at, pool.shape[0]])
         at += pool.shape[1] * row_words
     chunks = torch.tensor(rows, dtype=torch.int64)
     index = torch.tensor(pages, dtype=torch.int64)
@@ -541,10 +564,17 @@ def _attest(page_tags, owner, pages, k_caches, v_caches, digests, contexts, key)
     lens = torch.where(mine, tag_valid_len(rows), 0).amin(dim=0).tolist()
     if not digests:
         return lambda: [PageAttestation(n, "") for n in lens]
+    _check_keyable(k_caches, v_caches, key)
     return lambda: [
         PageAttestation(n, d)
         for n, d in zip(lens, _digests(k_caches, v_caches, pages, lens, contexts, key), strict=True)
     ]
+
+
+def _check_keyable(k_caches, v_caches, key) -> None:
+    """A keyed digest's pools, checked by the caller's thread, before any work is queued."""
+    if key is not None:
+        _keyable([pool for pair in zip(k_caches, v_caches) for pool in pair])
 
 
 def _key(key) -> DigestKey | None:
@@ -639,6 +669,8 @@ def _verify(attested, pages, k_caches, v_caches, check_bytes, contexts, key):
             lens.append(claim.valid_len)
             reasons.append(None)
     todo = [j for j, why in enumerate(reasons) if why is None] if check_bytes else []
+    if check_bytes:
+        _check_keyable(k_caches, v_caches, key)
 
     def run():
         found = _digests(

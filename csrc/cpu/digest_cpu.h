@@ -4,8 +4,8 @@
 // compares equal with the other side's whatever device each used.
 //
 // A page's message is, per chunk (one pool of one layer) in order, the 32-bit words of its slots
-// [0, valid_len); word w of slot s meets key word key_offset + s * row_words + w, instance j's key
-// shifted by 4 j words:
+// [0, valid_len) in NHD order (a slot's heads in turn, wherever the pool keeps them); word w of
+// slot s meets key word key_offset + s * row_words + w, instance j's key shifted by 4 j words:
 //   NH_j = sum over pairs (2i, 2i + 1) of ((m[2i] + k[2i + 4j]) mod 2^32) * ((m[2i + 1] + k[2i + 1 + 4j]) mod 2^32)
 // mod 2^64. 16 words at a time: on a little-endian CPU a pair is one 64-bit lane, word 2i its low
 // half, so each instance is one 64-bit multiply of the two zero-extended halves per lane (GCC
@@ -26,9 +26,10 @@ constexpr int64_t kNhShift = 4;  // key words between instances
 
 struct NhChunk {  // one pool of one layer
   const char* base;
-  int64_t page_stride, slot_stride;  // bytes
-  int64_t row_words;                 // 32-bit words per slot row, a power of two >= 4
-  int64_t key_offset;                // the key word its page-sized stretch starts at
+  int64_t page_stride, slot_stride, head_stride;  // bytes
+  int64_t row_words;                              // 32-bit words per slot row, a multiple of 4
+  int64_t head_words;                             // of them per head, a multiple of 4
+  int64_t key_offset;                             // the key word its page-sized stretch starts at
 };
 
 typedef uint32_t NhWords __attribute__((vector_size(64)));
@@ -50,7 +51,7 @@ KVATTN_CPU_INLINE void nh_block(const char* m, const uint32_t* k, int64_t n, NhP
   }
 }
 
-// The same for rows narrower than 16 words (4 or 8), pair by pair.
+// The same for runs narrower than 16 words (a multiple of 4), pair by pair.
 KVATTN_CPU_INLINE void nh_pairs(const char* m, const uint32_t* k, int64_t n, uint64_t* acc) {
   for (int64_t w = 0; w < n; w += 2) {
     uint32_t x[2];
@@ -58,6 +59,13 @@ KVATTN_CPU_INLINE void nh_pairs(const char* m, const uint32_t* k, int64_t n, uin
     for (int j = 0; j < kNhInstances; ++j)
       acc[j] += static_cast<uint64_t>(x[0] + k[w + kNhShift * j]) * static_cast<uint64_t>(x[1] + k[w + 1 + kNhShift * j]);
   }
+}
+
+// acc/narrow += NH of n message words at m against key k (n a multiple of 4).
+KVATTN_CPU_INLINE void nh_run(const char* m, const uint32_t* k, int64_t n, NhPairs* acc, uint64_t* narrow) {
+  const int64_t body = n / 16 * 16;
+  nh_block(m, k, body, acc);
+  nh_pairs(m + body * 4, k + body, n - body, narrow);
 }
 
 // out[0..3] = NH of ``page``'s first ``slots`` slots over the chunks.
@@ -69,15 +77,23 @@ KVATTN_CPU_CLONES void nh_page(const NhChunk* chunks, int64_t num_chunks, int64_
     const NhChunk& ch = chunks[c];
     const char* rows = ch.base + page * ch.page_stride;
     const uint32_t* k = key + ch.key_offset;
-    // Slots that lie back to back are one message run (and their key words are, always).
-    const bool run = ch.slot_stride == ch.row_words * 4;
-    const int64_t n = run ? slots * ch.row_words : ch.row_words;
-    for (int64_t s = 0; s < (run ? 1 : slots); ++s) {
+    // The message runs as far as the bytes lie back to back (its key words always do): the
+    // page's slots at once (NHD, slots adjacent), a slot row (NHD), or a head's row (HND, or
+    // K and V interleaved per head).
+    const bool whole_rows = ch.head_words == ch.row_words || ch.head_stride == ch.head_words * 4;
+    if (whole_rows && ch.slot_stride == ch.row_words * 4) {
+      nh_run(rows, k, slots * ch.row_words, acc, narrow);
+      continue;
+    }
+    for (int64_t s = 0; s < slots; ++s) {
       const char* m = rows + s * ch.slot_stride;
       const uint32_t* ks = k + s * ch.row_words;
-      const int64_t body = n / 16 * 16;
-      nh_block(m, ks, body, acc);
-      nh_pairs(m + body * 4, ks + body, n - body, narrow);
+      if (whole_rows) {
+        nh_run(m, ks, ch.row_words, acc, narrow);
+        continue;
+      }
+      for (int64_t h = 0; h < ch.row_words / ch.head_words; ++h)
+        nh_run(m + h * ch.head_stride, ks + h * ch.head_words, ch.head_words, acc, narrow);
     }
   }
   for (int j = 0; j < kNhInstances; ++j) {

@@ -157,8 +157,8 @@ void write_kv(const py::dict& a) {
   kvattn::cpu::write_kv(p);
 }
 
-// chunks: int64 [num_chunks, 6] (base address, page stride and slot stride in bytes, words per
-// slot row, first key word, pages of the pool); out: [n, 4] NH values as uint64.
+// chunks: int64 [num_chunks, 8] (base address; page, slot and head strides in bytes; words per
+// slot row and per head; first key word; pages of the pool); out: [n, 4] NH values as uint64.
 void nh_pages(const py::dict& a) {
   Args args(a);
   const auto* table = args.ptr<const int64_t*>("chunks");
@@ -176,16 +176,18 @@ void nh_pages(const py::dict& a) {
   // outside the pools and the key.
   std::vector<kvattn::cpu::NhChunk> chunks(num_chunks);
   for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t* row = table + c * 6;
-    const int64_t words = row[3], offset = row[4], num_pages = row[5];
-    if (words < 4 || (words & (words - 1)) != 0)
-      throw std::invalid_argument("kvattn cpu nh_pages: words per slot row must be a power of two >= 4");
+    const int64_t* row = table + c * 8;
+    const int64_t words = row[4], head_words = row[5], offset = row[6], num_pages = row[7];
+    if (head_words < 4 || head_words % 4 != 0 || words % head_words != 0)
+      throw std::invalid_argument(
+          "kvattn cpu nh_pages: words per head must be a multiple of 4 dividing the words per slot row");
     if (offset < 0 || offset + page_size * words + kvattn::cpu::kNhShift * (kvattn::cpu::kNhInstances - 1) > key_words)
       throw std::invalid_argument("kvattn cpu nh_pages: the key is shorter than the chunks read");
     for (int64_t i = 0; i < n; ++i)
       if (pages[i] < 0 || pages[i] >= num_pages)
         throw std::invalid_argument("kvattn cpu nh_pages: a page outside the pool");
-    chunks[c] = {reinterpret_cast<const char*>(static_cast<uintptr_t>(row[0])), row[1], row[2], words, offset};
+    chunks[c] = {reinterpret_cast<const char*>(static_cast<uintptr_t>(row[0])), row[1], row[2], row[3], words, head_words,
+                 offset};
   }
   py::gil_scoped_release release;
   kvattn::cpu::nh_pages(chunks.data(), num_chunks, pages, lens, n, page_size, key, out, std::max<int64_t>(threads, 1));

@@ -20,18 +20,28 @@ LAYERS, PAGES, PAGE, HEADS, DIM = 2, 5, 4, 2, 8
 OWNER = 5
 
 
-def pools(dtype=torch.bfloat16, seed=0, interleaved=False):
+def pools(dtype=torch.bfloat16, seed=0, interleaved=False, heads=HEADS):
     """K and V pools per layer; ``interleaved``: views of one ``[pages, 2, page, heads, dim]``
     tensor per layer (a page stride twice the page's size), as some engines allocate, or with
-    ``"slots"`` of one ``[pages, page, 2, heads, dim]`` (a slot stride twice the row's size)."""
+    ``"slots"`` of one ``[pages, page, 2, heads, dim]`` (a slot stride twice the row's size);
+    ``"hnd"``: head-major pools (``[pages, heads, page, dim]`` in memory); ``"heads"``: K and V
+    halves of one head-major ``[pages, heads, page, 2 * dim]`` tensor (vLLM's CPU cache), so a
+    slot's head rows lie apart."""
     g = torch.Generator().manual_seed(seed)
     k, v = [], []
     for _ in range(LAYERS):
-        data = torch.randn(PAGES, 2, PAGE, HEADS, DIM, generator=g).to(dtype)
+        data = torch.randn(PAGES, 2, PAGE, heads, DIM, generator=g).to(dtype)
         if interleaved == "slots":
             data = data.transpose(1, 2).contiguous()
             k.append(data[:, :, 0])
             v.append(data[:, :, 1])
+        elif interleaved == "hnd":
+            k.append(data[:, 0].transpose(1, 2).contiguous().transpose(1, 2))
+            v.append(data[:, 1].transpose(1, 2).contiguous().transpose(1, 2))
+        elif interleaved == "heads":
+            data = torch.cat([data[:, 0], data[:, 1]], dim=-1).transpose(1, 2).contiguous()
+            k.append(data[..., :DIM].transpose(1, 2))
+            v.append(data[..., DIM:].transpose(1, 2))
         elif interleaved:
             k.append(data[:, 0])
             v.append(data[:, 1])
@@ -58,7 +68,7 @@ def reference_nh(k, v, page: int, valid_len: int, key: kvattn.transfer.DigestKey
                 ((m[2 * i] + kk[2 * i]) % 2**32) * ((m[2 * i + 1] + kk[2 * i + 1]) % 2**32)
                 for i in range(len(m) // 2)
             )
-        at += PAGE * HEADS * DIM * pool.element_size() // 4
+        at += pool[0].numel() * pool.element_size() // 4
     return [s % 2**64 for s in sums]
 
 
@@ -71,12 +81,18 @@ def as_unsigned(values) -> list[int]:
     return [int(x) % 2**64 for x in values]
 
 
-# Rows of 8 (bfloat16), 16 (float32) and 4 (fp8) words: the compiled host NH's pair-by-pair and
-# 16-word paths; slots back to back (one message run per page) or not ("slots").
+# Rows of 8 (bfloat16), 16 (float32) and 4 (fp8) words, or with 3 heads 12, 24 and 6 words (the
+# kernel's masked words past the row): the compiled host NH's pair-by-pair and 16-word paths;
+# slots back to back (one message run per page) or not ("slots"), head rows apart ("hnd",
+# "heads"; fp8's 8-byte head rows are refused there, below).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
-@pytest.mark.parametrize("interleaved", [False, True, "slots"])
-def test_nh_on_the_device_and_the_host_is_the_reference(dtype, interleaved):
-    k, v = pools(dtype, interleaved=interleaved)
+@pytest.mark.parametrize("interleaved", [False, True, "slots", "hnd", "heads"])
+@pytest.mark.parametrize("heads", [HEADS, 3])
+def test_nh_on_the_device_and_the_host_is_the_reference(dtype, interleaved, heads):
+    if dtype == torch.float8_e4m3fn and (interleaved in ("hnd", "heads") or heads == 3):
+        pytest.skip("rows of 16-byte units only")
+    k, v = pools(dtype, interleaved=interleaved, heads=heads)
+    transfer._keyable([pool for pair in zip(k, v) for pool in pair])
     key = transfer.DigestKey(bytes(range(32)))
     chunks = [pool for pair in zip(k, v) for pool in pair]
     pages, lens = [3, 0, 4, 1], [PAGE, 1, 3, 0]
@@ -179,8 +195,33 @@ def test_digest_keys_are_checked_and_travel_as_hex():
 def test_pools_the_keyed_digest_cannot_read_as_words_are_refused():
     k, v = pools()
     odd = [torch.zeros(PAGES, PAGE, 1, 3, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    with pytest.raises(ValueError, match="k_caches\\[0\\].*power of two of 16-byte units"):
+    with pytest.raises(ValueError, match="k_caches\\[0\\].*slot rows of 16-byte units"):
         transfer.page_digest(odd, odd, 0, 1, key=transfer.DigestKey.new())
+    # Head rows apart must each be 16-byte units: 4 bfloat16 are 8 bytes.
+    narrow = [t[..., :4].transpose(1, 2).contiguous().transpose(1, 2) for t in v]
+    with pytest.raises(ValueError, match="v_caches\\[0\\].*head rows of 16-byte units"):
+        transfer.page_digest(
+            [t[..., :4].contiguous() for t in k], narrow, 0, 1, key=transfer.DigestKey.new()
+        )
+    strided = [t.transpose(2, 3).contiguous().transpose(2, 3) for t in v]
+    with pytest.raises(ValueError, match="v_caches\\[0\\].*contiguous head rows"):
+        transfer.page_digest(k, strided, 0, 1, key=transfer.DigestKey.new())
+    # Their twins: the same bytes as head rows of 16-byte units digest, whatever the layout.
     hnd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in v]
-    with pytest.raises(ValueError, match="v_caches\\[0\\].*contiguous slot rows"):
-        transfer.page_digest(k, hnd, 0, 1, key=transfer.DigestKey.new())
+    key = transfer.DigestKey.new()
+    assert transfer.page_digest(k, hnd, 0, 2, key=key) == transfer.page_digest(k, v, 0, 2, key=key)
+
+
+def test_a_key_is_drawn_only_for_pools_the_keyed_digest_reads_at_speed(monkeypatch):
+    k, v = pools()
+    first, second = transfer.DigestKey.for_pools(k, v), transfer.DigestKey.for_pools(k, v)
+    if cpu_backend._cpu is None:
+        assert first is None  # host pools: NumPy's NH is slower than BLAKE3
+    else:
+        assert isinstance(first, transfer.DigestKey) and first != second
+    odd = [torch.zeros(PAGES, PAGE, 1, 3, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    assert transfer.DigestKey.for_pools(odd, odd) is None
+    monkeypatch.setattr(cpu_backend, "_cpu", None)
+    assert transfer.DigestKey.for_pools(k, v) is None
+    with pytest.raises(TypeError, match="k_caches"):
+        transfer.DigestKey.for_pools(k[0], v)
