@@ -47,6 +47,7 @@ failed requests to that JSON file after each forward (a server keeps them in mem
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import importlib.util
 import json
@@ -275,18 +276,18 @@ def _wrap_transfer(module) -> None:
 
 def _wrap_attestation(module) -> None:
     send_frame = module._send_frame
-    last: list[dict] = [{}]
+    last: list = [module._Room(None)]
 
-    def hook(manager, room, pages, targets):
+    def hook(manager, room, attested, targets):
         rid = _rooms.get(int(room))
         fault = fault_of(rid)
         if fault == "bad-attestation" and _once(rid):
-            pages = {"page": pages}
-        elif fault == "replayed-attestation" and _once(rid, replayed=len(last[0])):
-            pages = last[0]
+            attested = dataclasses.replace(attested, pages={"page": attested.pages})
+        elif fault == "replayed-attestation" and _once(rid, replayed=len(last[0].pages)):
+            attested = last[0]  # its key too: the frame as it was sent
         else:
-            last[0] = pages
-        return send_frame(manager, room, pages, targets)
+            last[0] = attested
+        return send_frame(manager, room, attested, targets)
 
     module._send_frame = hook
 

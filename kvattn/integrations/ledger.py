@@ -50,7 +50,7 @@ import torch
 from .. import api, backends
 from ..report import WriteResult
 from ..tags import Violation, WriteDrop, new_owner_id
-from ..transfer import PageAttestation, attest_pages, verify_arrived_async
+from ..transfer import DigestKey, PageAttestation, attest_pages, verify_arrived_async
 from ..verdict import PageVerdict, resolve_pages
 from ..writers import commit_pages, release_pages, reserve_pages, write_kv
 
@@ -801,9 +801,12 @@ class Ledger:
         v_pools: list[torch.Tensor],
         *,
         digests: bool = True,
+        key: DigestKey | None = None,
     ) -> list[PageAttestation]:
         """The sending side: what this ledger's tags say ``pages`` (logical pages ``indices`` of a
-        request whose tokens are ``tokens``; ``owners`` the owner each must carry) hold."""
+        request whose tokens are ``tokens``; ``owners`` the owner each must carry) hold. With a
+        ``key`` (one per transfer, :meth:`kvattn.transfer.DigestKey.for_pools`, sent with the
+        attestation), the keyed digest."""
         # The lengths first: each page's context covers the tokens its tags hold.
         lens = [
             a.valid_len
@@ -817,6 +820,7 @@ class Ledger:
             v_pools,
             digests=digests,
             contexts=self.contexts(tokens, indices, lens),
+            key=key if digests else None,
         )
 
     def verify(
@@ -829,14 +833,16 @@ class Ledger:
         v_pools: list[torch.Tensor],
         *,
         check_bytes: bool = True,
+        key: DigestKey | None = None,
     ) -> tuple[list[int], list[str | None]]:
         """The receiving side: ``pages`` (the request's logical pages ``indices``) arrived, each
         to be verified against the sender's attestation of the page it came from (``attested``:
         JSON values aligned with ``pages``, None where none came) in the context of the receiver's
-        own ``tokens``. Returns per page the length to commit and None, or 0 and why not; a
-        malformed entry refuses its page only."""
+        own ``tokens``, with the digest the sender used (``key``: the one sent with the
+        attestation, None for the keyless digest). Returns per page the length to commit and
+        None, or 0 and why not; a malformed entry refuses its page only."""
         future = self.verify_async(
-            attested, indices, pages, tokens, k_pools, v_pools, check_bytes=check_bytes
+            attested, indices, pages, tokens, k_pools, v_pools, check_bytes=check_bytes, key=key
         )
         return future.result()
 
@@ -850,6 +856,7 @@ class Ledger:
         v_pools: list[torch.Tensor],
         *,
         check_bytes: bool = True,
+        key: DigestKey | None = None,
     ) -> Future:
         """:meth:`verify` with the digests on kvattn's transfer thread
         (:func:`kvattn.transfer.verify_arrived_async`): the claims are parsed and the contexts
@@ -864,7 +871,13 @@ class Ledger:
                     malformed.add(j)
         contexts = self.contexts(tokens, indices, [c.valid_len if c else 0 for c in claims])
         digests = verify_arrived_async(
-            claims, pages, k_pools, v_pools, check_bytes=check_bytes, contexts=contexts
+            claims,
+            pages,
+            k_pools,
+            v_pools,
+            check_bytes=check_bytes,
+            contexts=contexts,
+            key=key if check_bytes else None,
         )
         result: Future = Future()
 

@@ -98,7 +98,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..transfer import attest_pages, verify_arrived
+from ..transfer import DigestKey, attest_pages, verify_arrived
 from . import sglang_transfer
 from .ledger import IntegrationError, Lease, Ledger, cache_domain, refuse
 from .ledger import check_version as _check_version
@@ -870,13 +870,24 @@ class SGLangOwnership(Ledger):
 
     # -- KV that arrived by a transfer --------------------------------------------------------
 
+    def transfer_key(self) -> DigestKey | None:
+        """A fresh key for one transfer's digests where the keyed digest reads this engine's
+        pools at speed, else None (:meth:`kvattn.transfer.DigestKey.for_pools`)."""
+        return DigestKey.for_pools(*self._all_pools())
+
     def attest_sent(
-        self, req, indices: list[int], pages: list[int], *, digests: bool = True
+        self,
+        req,
+        indices: list[int],
+        pages: list[int],
+        *,
+        digests: bool = True,
+        key: DigestKey | None = None,
     ) -> dict[int, list]:
         """The prefill side: ``pages`` (logical pages ``indices`` of ``req``) are about to be sent.
         Per logical page, ``[valid_len, digest]`` from this ledger's tags under the owner the
         request expects there (a radix hit: its writer's); a page the request's lease does not
-        map there attests nothing (0)."""
+        map there attests nothing (0). ``key``: the transfer's (:meth:`transfer_key`)."""
         lease = self.leases.get(req.kv.req_pool_idx)
         held = lease.pages[0] if lease is not None else []
         owners = [
@@ -884,7 +895,13 @@ class SGLangOwnership(Ledger):
             for i, p in zip(indices, pages)
         ]
         attested = self.attest(
-            owners, pages, indices, list(req.origin_input_ids), *self._all_pools(), digests=digests
+            owners,
+            pages,
+            indices,
+            list(req.origin_input_ids),
+            *self._all_pools(),
+            digests=digests,
+            key=key,
         )
         self.counts["attested_pages"] += len(pages)
         return {i: a.to_json() for i, a in zip(indices, attested)}
@@ -943,16 +960,19 @@ class SGLangOwnership(Ledger):
         the owner that wrote it, in the context of its writer's prefix digest, and kept by host
         page (a page without a known writer, or not full, as not attested)."""
         written = [self.content.get(p) for p in pages]  # (owner, key) or None
+        # One key per backup, drawn after its pages were written and kept in this process.
+        key = self.transfer_key()
         attested = attest_pages(
             self.tags,
             [w[0] if w is not None else 0 for w in written],
             pages,
             *self._all_pools(),
             contexts=[w[1] if w is not None else b"" for w in written],
+            key=key,
         )
         for host, w, a in zip(hosts, written, attested, strict=True):
             full = w is not None and a.valid_len == self.page_size
-            self.host_copies[host] = (w[0], w[1], a) if full else None
+            self.host_copies[host] = (w[0], w[1], a, key) if full else None
             self.counts["backed_up_pages" if full else "backed_up_pages_not_attested"] += 1
 
     def commit_restore(self, hosts: list[int], pages: list[int]) -> None:
@@ -960,18 +980,29 @@ class SGLangOwnership(Ledger):
         each that verifies against its host page's attestation is committed for its writer and
         is that prefix's content again; the others stay FREE."""
         copies = [self.host_copies.get(h) for h in hosts]
-        lens, reasons = verify_arrived(
-            [c[2] if c is not None else None for c in copies],
-            pages,
-            *self._all_pools(),
-            contexts=[c[1] if c is not None else b"" for c in copies],
-        )
+        lens: list[int] = [0] * len(pages)
+        reasons: list[str | None] = ["not attested"] * len(pages)
+        # Pages backed up by different backups carry different keys: one check per key.
+        by_key: dict[DigestKey | None, list[int]] = {}
+        for j, c in enumerate(copies):
+            if c is not None:
+                by_key.setdefault(c[3], []).append(j)
+        for key, group in by_key.items():
+            found = verify_arrived(
+                [copies[j][2] for j in group],
+                [pages[j] for j in group],
+                *self._all_pools(),
+                contexts=[copies[j][1] for j in group],
+                key=key,
+            )
+            for j, n, why in zip(group, *found, strict=True):
+                lens[j], reasons[j] = n, why
         refused = []
         for host, page, copy, n, why in zip(hosts, pages, copies, lens, reasons, strict=True):
             if n != self.page_size:
                 refused.append(f"page {page} from host page {host}: {why or 'partial page'}")
                 continue
-            owner, key, _ = copy
+            owner, key, _, _ = copy
             self.reserve([page], owner)
             self.page_owner[page] = owner
             self.commit([page], owner, [n])
@@ -992,19 +1023,29 @@ class SGLangOwnership(Ledger):
     ) -> tuple[dict[int, int], str]:
         """Per logical page of ``own``, the length the prefill's attestation proves here (pages
         it does not prove are left out), and a line saying what arrived."""
-        claims, why = sglang_transfer.parse(frames)
+        claims, key, why = sglang_transfer.parse(frames)
         self.counts["received_transfers"] += 1
+        if key is not None:
+            self.counts["received_keyed_transfers"] += 1
+        if claims is not None:
+            try:
+                lens, reasons = self.verify(
+                    [claims.get(i) for i in own],
+                    own,
+                    [pages[i] for i in own],
+                    prompt,
+                    *self._all_pools(),
+                    check_bytes=sglang_transfer.check_bytes(),
+                    key=key,
+                )
+            except ValueError as e:
+                if key is None:
+                    raise
+                # A key for pools this instance cannot digest keyed (laid out unlike the sender's).
+                claims, why = None, f"the attestation's keyed digest cannot be checked here: {e}"
         if claims is None:
             self.counts["received_pages_refused"] += len(own)
             return {}, why
-        lens, reasons = self.verify(
-            [claims.get(i) for i in own],
-            own,
-            [pages[i] for i in own],
-            prompt,
-            *self._all_pools(),
-            check_bytes=sglang_transfer.check_bytes(),
-        )
         refused = [
             f"logical page {i} (page {pages[i]}): {why}"
             for i, why in zip(own, reasons)

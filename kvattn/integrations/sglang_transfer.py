@@ -10,10 +10,16 @@ instance commits each page by the length it verified against its own copy, when 
 the transfer to the request (``kvattn.integrations.sglang.commit_transfer_hook``); a page without
 a verified attestation stays RESERVED, and a read of it is refused.
 
-The frame: ``[ATTEST_TAG, room, prefill rank, JSON]``, JSON ``{"v": 1, "pages": [[logical page,
-valid_len, digest hex], ...]}``. Status frames on that channel are ``[room, status, rank]`` (a tag
-first on NIXL and Mori); a stock decode instance cannot parse ``ATTEST_TAG`` as a room and drops
-the frame with a warning, so a kvattn prefill serves a stock decode unchanged. The channel is one
+The frame: ``[ATTEST_TAG, room, prefill rank, JSON]``, JSON ``{"v": 2, "key": hex, "pages":
+[[logical page, valid_len, digest hex], ...]}``: the digests are keyed
+(:class:`kvattn.transfer.DigestKey`) by a key the prefill draws per room when it attests the
+room's first chunk and sends only with the attestation, after the room's last chunk, so no byte
+of the transfer can be chosen knowing it. Where the keyed digest would not read the pools at
+speed (:meth:`~kvattn.transfer.DigestKey.for_pools`), or the digests are off, the frame is
+``{"v": 1, "pages": ...}``, keyless (BLAKE3); a decode instance accepts both. Status frames on
+that channel are ``[room, status, rank]`` (a tag first on NIXL and Mori); a stock decode instance
+cannot parse ``ATTEST_TAG`` as a room and drops the frame with a warning, so a kvattn prefill
+serves a stock decode unchanged. The channel is one
 ZMQ PUSH socket per decode endpoint, used under a lock: frames sent in order arrive in order, so
 the attestation arrives before its Success.
 
@@ -38,17 +44,29 @@ import json
 import logging
 import os
 import threading
+from dataclasses import dataclass, field
+
+from ..transfer import DigestKey
 
 ATTEST_TAG = b"KVATTN_ATTEST"
 CHECK_BYTES_ENV = "KVATTN_SGLANG_CHECK_BYTES"
-FORMAT_VERSION = 1
+KEYLESS, KEYED = 1, 2  # frame versions
 
 logger = logging.getLogger("kvattn")
 
+
+@dataclass
+class _Room:
+    """Prefill side: what a room's chunk sends attested, and the digests' key."""
+
+    key: DigestKey | None
+    pages: dict[int, list] = field(default_factory=dict)  # logical page -> [valid_len, digest]
+
+
 _lock = threading.Lock()
-# Prefill side: (id of the transfer manager, room) -> {logical page: [valid_len, digest]}, from the
-# chunk sends until the room's status goes out.
-_pending: dict[tuple[int, int], dict[int, list]] = {}
+# Prefill side: (id of the transfer manager, room) -> its attestation, from the chunk sends until
+# the room's status goes out.
+_pending: dict[tuple[int, int], _Room] = {}
 # Decode side: room -> the attestation frames' JSON payloads that arrived for it.
 _arrived: dict[int, list[bytes]] = {}
 # The request whose chunk the scheduler thread is sending, with its ledger.
@@ -100,13 +118,16 @@ def sender_send_hook(original, sender, kv_indices, *args, **kwargs):
         state, req = current
         pages = [int(p) for p in kv_indices]
         first = int(req.start_send_idx) // state.page_size
+        slot = (id(sender.kv_mgr), int(sender.bootstrap_room))
+        with _lock:
+            room = _pending.get(slot)
+        if room is None:  # the room's first chunk: its key, drawn once
+            room = _Room(state.transfer_key() if check_bytes() else None)
         attested = state.attest_sent(
-            req, list(range(first, first + len(pages))), pages, digests=check_bytes()
+            req, list(range(first, first + len(pages))), pages, digests=check_bytes(), key=room.key
         )
         with _lock:
-            _pending.setdefault((id(sender.kv_mgr), int(sender.bootstrap_room)), {}).update(
-                attested
-            )
+            _pending.setdefault(slot, room).pages.update(attested)
     return original(sender, kv_indices, *args, **kwargs)
 
 
@@ -119,18 +140,20 @@ def status_hook(original, manager, *args, **kwargs):
     targets = kwargs.get("targets") or []
     if room is not None and status in (KVPoll.Success, KVPoll.Failed):
         with _lock:
-            pages = _pending.pop((id(manager), int(room)), None)
-        if pages is not None and status == KVPoll.Success:
-            _send_frame(manager, int(room), pages, targets)
+            attested = _pending.pop((id(manager), int(room)), None)
+        if attested is not None and status == KVPoll.Success:
+            _send_frame(manager, int(room), attested, targets)
     return original(manager, *args, **kwargs)
 
 
-def _send_frame(manager, room: int, pages: dict[int, list], targets) -> None:
+def _send_frame(manager, room: int, attested: _Room, targets) -> None:
     from sglang.srt.utils.network import NetworkAddress
 
-    payload = json.dumps(
-        {"v": FORMAT_VERSION, "pages": [[i, *pages[i]] for i in sorted(pages)]}
-    ).encode()
+    pages = attested.pages
+    value: dict = {"v": KEYLESS, "pages": [[i, *pages[i]] for i in sorted(pages)]}
+    if attested.key is not None:
+        value.update(v=KEYED, key=attested.key.hex())
+    payload = json.dumps(value).encode()
     frame = [
         ATTEST_TAG,
         str(room).encode("ascii"),
@@ -208,20 +231,29 @@ def receiver_clear_hook(original, receiver, *args, **kwargs):
             _arrived.pop(int(receiver.bootstrap_room), None)
 
 
-def parse(payloads: list[bytes]) -> tuple[dict[int, list] | None, str | None]:
-    """``({logical page: [valid_len, digest]}, None)`` from the frames of one transfer, or
-    ``(None, why)``: none arrived, several that disagree, or one that is not an attestation."""
+def parse(
+    payloads: list[bytes],
+) -> tuple[dict[int, list] | None, DigestKey | None, str | None]:
+    """``({logical page: [valid_len, digest]}, key, None)`` from the frames of one transfer (the
+    key of its digests, None for keyless ones), or ``(None, None, why)``: none arrived, several
+    that disagree, or one that is not an attestation."""
     if not payloads:
-        return None, (
-            "no attestation arrived from the prefill instance (one without kvattn, or "
-            "a transfer it did not attest)"
+        return (
+            None,
+            None,
+            (
+                "no attestation arrived from the prefill instance (one without kvattn, or "
+                "a transfer it did not attest)"
+            ),
         )
     if len(set(payloads)) > 1:
-        return None, f"{len(set(payloads))} different attestations arrived for one transfer"
+        return None, None, f"{len(set(payloads))} different attestations arrived for one transfer"
     try:
         value = json.loads(payloads[0])
-        if not isinstance(value, dict) or value.get("v") != FORMAT_VERSION:
+        version = value.get("v") if isinstance(value, dict) else None
+        if isinstance(version, bool) or version not in (KEYLESS, KEYED):
             raise ValueError("version")
+        key = DigestKey.from_hex(value["key"]) if version == KEYED else None
         pages: dict[int, list] = {}
         for entry in value["pages"]:
             index, claim = entry[0], entry[1:]
@@ -229,8 +261,8 @@ def parse(payloads: list[bytes]) -> tuple[dict[int, list] | None, str | None]:
                 raise ValueError("index")
             pages[index] = claim
     except (ValueError, KeyError, TypeError, IndexError):
-        return None, "a malformed attestation arrived"
-    return pages, None
+        return None, None, "a malformed attestation arrived"
+    return pages, key, None
 
 
 # (target, hook) pairs the plugin registers.

@@ -78,6 +78,7 @@ import torch
 from .. import backends
 from ..report import KVOwnershipError
 from ..tags import Violation
+from ..transfer import DigestKey
 from ..writers import commit_pages
 from .ledger import IntegrationError, Lease, Ledger, Step, cache_domain, refuse
 from .ledger import check_version as _check_version
@@ -340,12 +341,14 @@ _STATES: dict[int, WorkerOwnership] = {}
 
 
 # The attestations the worker sent with its output, per engine configuration in the scheduler's
-# process and request id, until the connector's request_finished takes them (by block id).
-_ATTESTED: dict[int, dict[str, dict[int, list]]] = {}
+# process and request id, until the connector's request_finished takes them
+# (:meth:`WorkerOwnership._attest_prefills`' values).
+_ATTESTED: dict[int, dict[str, dict]] = {}
 
 
-def take_attestation(vllm_config, rid: str) -> dict[int, list] | None:
-    """The attestation of request ``rid``'s blocks, once (None if the worker sent none)."""
+def take_attestation(vllm_config, rid: str) -> dict | None:
+    """The attestation of request ``rid``'s blocks, once (None if the worker sent none):
+    ``{"key": the digests' key as hex or None, "blocks": {block id: attestation JSON}}``."""
     return _ATTESTED.get(id(vllm_config), {}).pop(rid, None)
 
 
@@ -857,14 +860,16 @@ class WorkerOwnership(Ledger):
             v_pools.append(v)
         return k_pools, v_pools
 
-    def _attest_prefills(self) -> dict[str, dict[int, list]]:
+    def _attest_prefills(self) -> dict[str, dict]:
         """The sending side of a transfer: for each request of this step that is to be decoded
         elsewhere (``do_remote_decode``) and whose prompt this step completed, the attestation of
         each of its blocks (KV cache group 0) under the owner its lease expects there (a prefix
         hit: the writer's), by block id, as JSON (:meth:`Ledger.attest`, contexts from the
-        prompt). It travels to the scheduler with the step's output, where the connector puts it
-        in the request's ``kv_transfer_params``."""
-        out: dict[str, dict[int, list]] = {}
+        prompt), with the key of its digests, drawn now that the prompt's bytes are written
+        (:meth:`kvattn.transfer.DigestKey.for_pools`; None: keyless digests). It travels to the
+        scheduler with the step's output, where the connector puts it in the request's
+        ``kv_transfer_params``."""
+        out: dict[str, dict] = {}
         scheduled, computed = self.step_tokens
         pools = None
         for rid, count in scheduled.items():
@@ -883,10 +888,14 @@ class WorkerOwnership(Ledger):
             ]
             indices, blocks, owners = ([x[k] for x in pairs] for k in range(3))
             pools = pools or self._layer_pools()
+            key = DigestKey.for_pools(*pools) if self.transfer_digests else None
             attested = self.attest(
-                owners, blocks, indices, prompt, *pools, digests=self.transfer_digests
+                owners, blocks, indices, prompt, *pools, digests=self.transfer_digests, key=key
             )
-            out[rid] = {b: a.to_json() for b, a in zip(blocks, attested)}
+            out[rid] = {
+                "key": key.hex() if key is not None else None,
+                "blocks": {b: a.to_json() for b, a in zip(blocks, attested)},
+            }
         return out
 
     def receive(
@@ -897,15 +906,16 @@ class WorkerOwnership(Ledger):
         attested: list | None,
         tokens: list[int],
         check_bytes: bool = True,
+        key: DigestKey | None = None,
     ) -> list[str]:
         """The receiving side: a transfer engine reported the bytes of ``blocks`` (KV cache group
         0, the request's logical blocks ``first, first + 1, ...``; ``tokens``: its prompt)
         arrived. Each block is verified against the sender's attestation of the block it came
         from (``attested``, aligned with ``blocks``; None: none came) in the context of its own
-        tokens (:meth:`Ledger.verify`), and remembered by its verified length until the request's
-        lease is made, when it is committed. Returns one line per block that will not be
-        committed, saying why."""
-        future = self.receive_async(rid, first, blocks, attested, tokens, check_bytes)
+        tokens (:meth:`Ledger.verify`, with the digests' ``key`` the sender sent, None for keyless
+        ones), and remembered by its verified length until the request's lease is made, when it
+        is committed. Returns one line per block that will not be committed, saying why."""
+        future = self.receive_async(rid, first, blocks, attested, tokens, check_bytes, key)
         return self.received(rid, first, blocks, *future.result())
 
     def receive_async(
@@ -916,6 +926,7 @@ class WorkerOwnership(Ledger):
         attested: list | None,
         tokens: list[int],
         check_bytes: bool = True,
+        key: DigestKey | None = None,
     ) -> Future:
         """:meth:`receive`'s verification on kvattn's transfer thread (:meth:`Ledger.verify_async`);
         pass its result to :meth:`received` on the engine's thread."""
@@ -926,6 +937,7 @@ class WorkerOwnership(Ledger):
             tokens,
             *self._layer_pools(),
             check_bytes=check_bytes,
+            key=key,
         )
 
     def received(

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
+from ..transfer import DigestKey
 from . import vllm as integration
 
 logger = logging.getLogger("kvattn")
@@ -77,6 +78,18 @@ class CheckedExampleConnector(ExampleConnector):
 
 
 ATTESTATION_KEY = "kvattn_pages"
+DIGEST_KEY = "kvattn_digest_key"
+
+
+def _digest_key(value) -> DigestKey | None | bool:
+    """The digest key a sender put in ``kv_transfer_params``: None for keyless digests, False
+    for a value that is not one (its request's blocks then verify nothing)."""
+    if value is None:
+        return None
+    try:
+        return DigestKey.from_hex(value)
+    except ValueError:
+        return False
 
 
 class CheckedNixlConnector(NixlPullConnector):
@@ -94,17 +107,19 @@ class CheckedNixlConnector(NixlPullConnector):
     prompt: what its own tags say the blocks hold, not its scheduler's token count); the
     attestation goes to the scheduler with the step's output, and this connector puts it in the
     request's ``kv_transfer_params`` (key ``ATTESTATION_KEY``, aligned with
-    ``remote_block_ids``). The decode side, when NIXL reports a request's reads complete (and not
-    failed), verifies each local block's bytes against the attestation of the block it was read
-    from, in the context of its own prompt, and commits it by the attested length when the
-    request's lease is made (the digests run on kvattn's transfer thread, off the step, and the
-    request is reported received only once they are done); a block whose read failed, whose
-    bytes or tokens differ, that has no attestation, or whose remote list does not line up with
-    the local blocks stays RESERVED, so a decode over it fails that request only. A remote block
-    list shorter than the local one (a prefill that sent less than it owes) is read into the
-    first blocks it covers instead of stopping the worker (vLLM asserts there), and the rest
-    stays unread and RESERVED. A read that
-    completes after its request ended is dropped.
+    ``remote_block_ids``), with the key of its digests (``DIGEST_KEY``: hex, drawn by the sender
+    once the prompt's bytes are written, per request; None where the digests are keyless,
+    :meth:`kvattn.transfer.DigestKey.for_pools`). The decode side, when NIXL reports a request's
+    reads complete (and not failed), verifies each local block's bytes against the attestation
+    of the block it was read from, with that key, in the context of its own prompt, and commits
+    it by the attested length when the request's lease is made (the digests run on kvattn's
+    transfer thread, off the step, and the request is reported received only once they are
+    done); a block whose read failed, whose bytes or tokens differ, that has no attestation, or
+    whose remote list does not line up with the local blocks stays RESERVED, so a decode over it
+    fails that request only. A remote block list shorter than the local one (a prefill that sent
+    less than it owes) is read into the first blocks it covers instead of stopping the worker
+    (vLLM asserts there), and the rest stays unread and RESERVED. A read that completes after
+    its request ended is dropped.
 
     ``kv_connector_extra_config={"kvattn_check_bytes": False}`` (on both instances) turns the
     digests off: the sender attests lengths only and the receiver commits by them, which keeps the
@@ -125,11 +140,13 @@ class CheckedNixlConnector(NixlPullConnector):
 
     def _attested(self, request, result):
         delay, params = result
-        by_block = integration.take_attestation(self._vllm_config, request.request_id)
+        attested = integration.take_attestation(self._vllm_config, request.request_id)
         if params and params.get("do_remote_prefill"):
             blocks = params["remote_block_ids"][0] if params.get("remote_block_ids") else []
+            by_block = attested["blocks"] if attested is not None else None
             pages = None if by_block is None else [by_block.get(b) for b in blocks]
-            params = {**params, ATTESTATION_KEY: pages}
+            key = attested["key"] if attested is not None else None
+            params = {**params, ATTESTATION_KEY: pages, DIGEST_KEY: key}
         return delay, params
 
     # -- decode side (scheduler role): the attestation goes to the worker with the request -----
@@ -140,20 +157,24 @@ class CheckedNixlConnector(NixlPullConnector):
             self._for_worker[request.request_id] = (
                 params.get(ATTESTATION_KEY),
                 list(request.prompt_token_ids or ()),
+                params.get(DIGEST_KEY),
             )
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
         metadata = super().build_connector_meta(scheduler_output)
         for req_id, meta in metadata.reqs_to_recv.items():
-            meta.kvattn_pages, meta.kvattn_tokens = self._for_worker.pop(req_id, (None, []))
+            meta.kvattn_pages, meta.kvattn_tokens, meta.kvattn_key = self._for_worker.pop(
+                req_id, (None, [], None)
+            )
         for req_id in scheduler_output.finished_req_ids:
             self._for_worker.pop(req_id, None)
         return metadata
 
     @property
     def _for_worker(self) -> dict:
-        """Request id -> (attestation, prompt tokens), from allocation to the worker's metadata."""
+        """Request id -> (attestation, prompt tokens, digest key hex), from allocation to the
+        worker's metadata."""
         if "_kvattn_for_worker" not in self.__dict__:
             self.__dict__["_kvattn_for_worker"] = {}
         return self.__dict__["_kvattn_for_worker"]
@@ -241,12 +262,26 @@ class CheckedNixlConnector(NixlPullConnector):
                 attested
             )
             claims = attested[first:] if lined_up else None
-            future = state.receive_async(
-                req_id,
-                first,
-                local,
-                claims,
-                getattr(meta, "kvattn_tokens", []),
-                check_bytes=self._check_bytes(),
-            )
+            key = _digest_key(getattr(meta, "kvattn_key", None))
+            if key is False:  # a malformed key: nothing it covers verifies
+                claims, key = None, None
+            try:
+                future = state.receive_async(
+                    req_id,
+                    first,
+                    local,
+                    claims,
+                    getattr(meta, "kvattn_tokens", []),
+                    check_bytes=self._check_bytes(),
+                    key=key,
+                )
+            except ValueError as e:
+                if key is None:
+                    raise
+                # A key for blocks this instance cannot digest keyed (laid out unlike the
+                # sender's): nothing of the request is committed.
+                logger.warning("kvattn: request %s: %s", req_id, e)
+                future = state.receive_async(
+                    req_id, first, local, None, [], check_bytes=self._check_bytes()
+                )
             self._verifying[req_id] = (future, first, local)

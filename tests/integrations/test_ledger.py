@@ -241,3 +241,56 @@ def test_a_decode_forward_through_the_verdict_fails_the_victim_alone(monkeypatch
     assert "RESERVED on logical page(s) 0" in failed_once["req_1"][2]
     for a, b in zip(once, each):
         assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def _transfer_pair(pools=None):
+    """A sender's and a receiver's ledger over copies of two layers of pools (4 pages of 4 slots,
+    2 heads of 8): the sender's request (owner 9) wrote logical pages 0 and 1 (4 and 3 tokens)
+    into its pages 2 and 0; the receiver holds them, arrived, in its pages 1 and 3."""
+    g = torch.Generator().manual_seed(3)
+    k = [torch.randn(4, 4, 2, 8, generator=g) for _ in range(2)]
+    v = [torch.randn(4, 4, 2, 8, generator=g) for _ in range(2)]
+    sender, receiver = Ledger(4), Ledger(4)
+    for ledger in (sender, receiver):
+        ledger.allocate_tags(2, 4, "cpu")
+    sender.tags[:, 2] = kvattn.written_tag(9, 4)
+    sender.tags[:, 0] = kvattn.written_tag(9, 3)
+    rk, rv = [t.clone() for t in k], [t.clone() for t in v]
+    for src, dst in ((k, rk), (v, rv)):
+        for a, b in zip(src, dst):
+            b[1], b[3] = a[2], a[0]
+    return sender, receiver, (k, v), (rk, rv)
+
+
+def test_a_keyed_transfer_between_ledgers_commits_the_attested_lengths():
+    from kvattn.transfer import DigestKey
+
+    sender, receiver, pools, arrived = _transfer_pair()
+    tokens = list(range(100, 107))
+    key = DigestKey.new()
+    claims = sender.attest([9, 9], [2, 0], [0, 1], tokens, *pools, key=key)
+    wire = [c.to_json() for c in claims]
+    lens, reasons = receiver.verify(wire, [0, 1], [1, 3], tokens, *arrived, key=key)
+    assert lens == [4, 3] and reasons == [None, None]
+    # The keyless twin of the same transfer names other digests.
+    keyless = sender.attest([9, 9], [2, 0], [0, 1], tokens, *pools)
+    assert [c.digest for c in keyless] != [c.digest for c in claims]
+
+
+def test_a_keyed_transfer_checked_with_another_key_or_none_commits_nothing():
+    from kvattn.transfer import DigestKey
+
+    sender, receiver, pools, arrived = _transfer_pair()
+    tokens = list(range(100, 107))
+    wire = [
+        c.to_json()
+        for c in sender.attest([9, 9], [2, 0], [0, 1], tokens, *pools, key=DigestKey.new())
+    ]
+    for key in (DigestKey.new(), None):
+        lens, reasons = receiver.verify(wire, [0, 1], [1, 3], tokens, *arrived, key=key)
+        assert lens == [0, 0] and reasons == ["digest mismatch"] * 2
+    # With the digests off the lengths alone are committed, whatever the key.
+    lens, _ = receiver.verify(
+        wire, [0, 1], [1, 3], tokens, *arrived, check_bytes=False, key=DigestKey.new()
+    )
+    assert lens == [4, 3]

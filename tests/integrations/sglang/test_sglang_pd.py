@@ -50,6 +50,9 @@ def test_the_pair_serves_sglang_s_tokens_under_kvattn(suite):
         assert mine[name]["ids"] == stock[name]["ids"] and len(mine[name]["ids"]) == NEW
     counts = suite["kvattn"]["counts"]
     assert counts["received_transfers"] >= 4 and counts["received_pages_committed"] >= 4 + 36
+    # Every attestation that parsed was keyed (the pools are 16-byte units, the CPU module is
+    # built): only the malformed frame's transfer gave no key.
+    assert counts["received_keyed_transfers"] == counts["received_transfers"] - 1
 
 
 def test_the_incident_stock_answers_over_the_tenant_s_kv(suite):

@@ -35,10 +35,15 @@ def test_an_attestation_parses_into_pages_and_lengths():
     import json
 
     from kvattn.integrations import sglang_transfer
+    from kvattn.transfer import DigestKey
 
     frame = json.dumps({"v": 1, "pages": [[0, 16, "ab"], [3, 5, "cd"]]}).encode()
-    assert sglang_transfer.parse([frame]) == ({0: [16, "ab"], 3: [5, "cd"]}, None)
+    assert sglang_transfer.parse([frame]) == ({0: [16, "ab"], 3: [5, "cd"]}, None, None)
     assert sglang_transfer.parse([frame, frame])[0] == {0: [16, "ab"], 3: [5, "cd"]}
+    # A keyed frame (version 2) gives its digests' key.
+    key = DigestKey.new()
+    keyed = json.dumps({"v": 2, "key": key.hex(), "pages": [[1, 4, "ef"]]}).encode()
+    assert sglang_transfer.parse([keyed]) == ({1: [4, "ef"]}, key, None)
 
 
 def test_a_missing_conflicting_or_malformed_attestation_proves_nothing():
@@ -51,6 +56,7 @@ def test_a_missing_conflicting_or_malformed_attestation_proves_nothing():
     good = json.dumps({"v": 1, "pages": [[0, 16, "ab"]]}).encode()
     assert sglang_transfer.parse([]) == (
         None,
+        None,
         "no attestation arrived from the prefill instance "
         "(one without kvattn, or a transfer it did not "
         "attest)",
@@ -58,13 +64,18 @@ def test_a_missing_conflicting_or_malformed_attestation_proves_nothing():
     other = json.dumps({"v": 1, "pages": [[0, 8, "ab"]]}).encode()
     assert sglang_transfer.parse([good, other]) == (
         None,
+        None,
         "2 different attestations arrived for one transfer",
     )
     for bad in (
         b"",
         b"[]",
         b"{",
-        json.dumps({"v": 2, "pages": []}).encode(),
+        json.dumps({"v": 3, "pages": []}).encode(),
+        json.dumps({"v": True, "pages": []}).encode(),
+        json.dumps({"v": 2, "pages": []}).encode(),  # keyed without its key
+        json.dumps({"v": 2, "key": "ab" * 31, "pages": []}).encode(),
+        json.dumps({"v": 2, "key": 7, "pages": []}).encode(),
         json.dumps({"v": 1}).encode(),
         json.dumps({"v": 1, "pages": [[-1, 1, "a"]]}).encode(),
         json.dumps({"v": 1, "pages": [[True, 1, "a"]]}).encode(),
@@ -72,7 +83,7 @@ def test_a_missing_conflicting_or_malformed_attestation_proves_nothing():
         json.dumps({"v": 1, "pages": [["0", 1, "a"]]}).encode(),
         json.dumps({"v": 1, "pages": [[]]}).encode(),
     ):
-        assert sglang_transfer.parse([bad]) == (None, "a malformed attestation arrived"), bad
+        assert sglang_transfer.parse([bad]) == (None, None, "a malformed attestation arrived"), bad
 
 
 def test_disaggregation_modes_the_attestation_does_not_cover_are_refused(monkeypatch):

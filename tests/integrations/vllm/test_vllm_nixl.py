@@ -180,15 +180,18 @@ def test_a_clean_transfer_answers_as_a_single_instance(nixl, case):
 
 def test_the_sender_attests_what_its_tags_hold(nixl):
     """The prefill instance's attestation: one per offered block, the short prompt's 60 tokens
-    as 32 + 28 written slots; the placeholder's single token; vLLM's own sends none."""
+    as 32 + 28 written slots; the placeholder's single token; vLLM's own sends none. Each
+    request's digests are keyed by a key of its own (vLLM's CPU cache, K and V interleaved per
+    head, read in place)."""
     params = nixl["prefill-kvattn"]["params"]
     assert [n for n, _ in params["short"]["kvattn_pages"]] == [32, 28]
     assert [n for n, _ in params["shared"]["kvattn_pages"]] == [32, 30]
-    # The hit is the short request's own block, attested under its writer's owner (same tokens
-    # through it, so the same digest).
+    # The hit is the short request's own block, attested under its writer's owner (its whole
+    # length), under the sharing request's own key.
     assert params["shared"]["remote_block_ids"][0][0] == params["short"]["remote_block_ids"][0][0]
-    assert params["shared"]["kvattn_pages"][0] == params["short"]["kvattn_pages"][0]
-    assert params["shared"]["kvattn_pages"][1] != params["short"]["kvattn_pages"][1]
+    keys = [params[name]["kvattn_digest_key"] for name in ("short", "shared", "placeholder")]
+    assert all(isinstance(k, str) and len(k) == 64 for k in keys) and len(set(keys)) == 3
+    assert params["shared"]["kvattn_pages"][0][1] != params["short"]["kvattn_pages"][0][1]
     assert [n for n, _ in params["placeholder"]["kvattn_pages"]] == [1]
     assert "kvattn_pages" not in nixl["prefill-stock"]["params"]["short"]
 
