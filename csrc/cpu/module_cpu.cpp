@@ -97,7 +97,10 @@ void attend(const py::dict& a, int dtype, int mode) {
   p.scale = args.get("scale").cast<float>();
   p.causal = args.get("causal").cast<bool>();
   p.soft_cap = args.get("soft_cap").cast<float>();
+  const int64_t max_isa = args.i64("max_isa");
   args.check_all_read();
+  if (max_isa < 0 || max_isa > 2) throw std::invalid_argument("kvattn cpu attend: max_isa must be 0, 1 or 2");
+  const auto cap = static_cast<kvattn::cpu::Isa>(max_isa);
   if (p.num_kv_heads < 1 || p.num_heads % p.num_kv_heads != 0)
     throw std::invalid_argument("kvattn cpu attend: num_heads must be a multiple of num_kv_heads");
   if (p.page_size < 1) throw std::invalid_argument("kvattn cpu attend: page_size must be >= 1");
@@ -108,9 +111,9 @@ void attend(const py::dict& a, int dtype, int mode) {
   py::gil_scoped_release release;
   const auto run = [&](auto type) {
     using T = typename decltype(type)::type;
-    if (mode == 0) kvattn::cpu::attend<T, Mode::kUnchecked>(p);
-    if (mode == 1) kvattn::cpu::attend<T, Mode::kChecked>(p);
-    if (mode == 2) kvattn::cpu::attend<T, Mode::kVerdict>(p);
+    if (mode == 0) kvattn::cpu::attend<T, Mode::kUnchecked>(p, cap);
+    if (mode == 1) kvattn::cpu::attend<T, Mode::kChecked>(p, cap);
+    if (mode == 2) kvattn::cpu::attend<T, Mode::kVerdict>(p, cap);
   };
   if (dtype == 0) run(kvattn::TypeTag<float>{});
   if (dtype == 1) run(kvattn::TypeTag<__half>{});
@@ -205,6 +208,14 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("nh_pages", &nh_pages, py::arg("args"),
         "The keyed transfer digest's NH of pages of host pools (kvattn.transfer) on up to `threads`\n"
         "threads.");
+  m.def(
+      "isa",
+      [](int max_isa) {
+        if (max_isa < 0 || max_isa > 2) throw std::invalid_argument("kvattn cpu isa: max_isa must be 0, 1 or 2");
+        static const char* const names[] = {"avx512", "avx2", "baseline"};
+        return std::string(names[static_cast<int>(kvattn::cpu::widest_isa(static_cast<kvattn::cpu::Isa>(max_isa)))]);
+      },
+      py::arg("max_isa"), "The instruction set attend runs in on this CPU under max_isa (0 any, 1 AVX2, 2 none).");
   m.def(
       "exp_nonpositive", [](float x) { return kvattn::cpu::exp_nonpositive(x); }, py::arg("x"),
         "The readers' exp of a score minus its row's maximum (x <= 0), for its accuracy test.");

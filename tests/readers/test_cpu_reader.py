@@ -128,6 +128,57 @@ def test_decode_of_groups_around_the_row_blocking(group, page_size, foreign):
     assert report.violations.tolist() == [0, 0, 0, 0, 0, int(foreign), 0]
 
 
+@pytest.mark.parametrize("isa", cpu_backend.ISA_NAMES[1:])
+def test_each_instruction_set_reads_as_the_reference(isa, monkeypatch):
+    """The kernels are compiled once per instruction set from one source; a call runs the widest
+    the CPU has (the suites above), and the narrower ones here, capped as KVATTN_CPU_MAX_ISA caps
+    them: a decode through softmax_few (group 3) and through the rows in the lanes (group 9), and
+    a windowed causal extend, each with a foreign page refused and never read."""
+    monkeypatch.setattr(cpu_backend, "MAX_ISA", cpu_backend.ISA_NAMES.index(isa))
+    if cpu_backend.isa() != isa:
+        pytest.skip(f"this CPU runs {cpu_backend.isa()} at most under the cap, not {isa}")
+    lens = [0, 33, 2900, 77]
+    for group in (3, 9):
+        pages = Batch.random(
+            batch=len(lens),
+            num_heads=2 * group,
+            num_kv_heads=2,
+            head_dim=64,
+            page_size=40,
+            seq_lens=lens,
+            dtype=F32,
+            seed=group,
+        )
+        plant_foreign_page(pages, 2, 10)
+        out, lse, report = pages.decode("cpu", return_lse=True)
+        ref = pages.reference(return_lse=True, compute_dtype=torch.float64)
+        assert_float32_read_as_reference(out, lse, report, *ref)
+        assert report.violations.tolist() == [0, 0, 1, 0]
+    ext = Extend.random(
+        Q_LENS,
+        PREFIX_LENS,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=DIM,
+        page_size=PAGE,
+        dtype=F32,
+        pool_factor=2,
+        seed=11,
+    )
+    plant_foreign_page(ext.pages, 0, 15)
+    out, lse, report = ext.run("cpu", causal=True, return_lse=True, window_left=29)
+    ref = ext.reference(causal=True, compute_dtype=torch.float64, window_left=29)
+    assert_float32_read_as_reference(out, lse, report, *ref)
+
+
+def test_cpu_max_isa_is_checked(monkeypatch):
+    monkeypatch.setenv("KVATTN_CPU_MAX_ISA", "avx2")
+    assert cpu_backend._max_isa() == 1
+    monkeypatch.setenv("KVATTN_CPU_MAX_ISA", "sse9")
+    with pytest.raises(ValueError, match="KVATTN_CPU_MAX_ISA: expected one of avx512, avx2"):
+        cpu_backend._max_isa()
+
+
 def test_exp_within_two_ulp():
     """The readers' exp (Cephes' expf, vectorizable) against float64 exp over the range softmax
     weights take, x in [-87, 0]: within 2 float32 ulp; 0 below the range and at -inf, 1 at 0."""

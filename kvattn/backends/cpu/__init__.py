@@ -4,6 +4,9 @@ also through a verdict (docs/ownership.md section 9). For CPU tensors where no G
 ``backend="auto"`` takes it there before the PyTorch ops of the ``torch`` backend (vLLM's and
 SGLang's CPU engines). A call spreads its work over ``torch.get_num_threads()`` threads (the
 engine's setting) when it is large enough to pay for them, else runs on the calling thread.
+The kernels are compiled for AVX-512, for AVX2 with FMA and for the baseline x86-64 (one source),
+and a call runs the widest set the CPU has (:func:`isa`); ``KVATTN_CPU_MAX_ISA=avx2`` or
+``baseline`` caps it.
 
 Decode and extend (causal or not): float32, float16 and bfloat16 queries and pools (float32
 arithmetic), any head dims and page size, a sliding window (left and right) and the logit
@@ -14,6 +17,8 @@ is empty).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -30,6 +35,26 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MODES = {"unchecked": 0, "checked": 1, "verdict": 2}
 
 _cpu, STATUS = extensions.load("kvattn.backends.cpu._cpu")
+
+ISA_NAMES = ("avx512", "avx2", "baseline")  # widest first
+
+
+def _max_isa() -> int:
+    value = os.environ.get("KVATTN_CPU_MAX_ISA", ISA_NAMES[0]).strip().lower()
+    if value not in ISA_NAMES:
+        raise ValueError(
+            f"KVATTN_CPU_MAX_ISA: expected one of {', '.join(ISA_NAMES)}, got {value!r}"
+        )
+    return ISA_NAMES.index(value)
+
+
+MAX_ISA = _max_isa()
+
+
+def isa() -> str | None:
+    """The instruction set the compiled kernels run in on this CPU (under KVATTN_CPU_MAX_ISA);
+    None where the module is not built."""
+    return _cpu.isa(MAX_ISA) if _cpu is not None else None
 
 
 def why_not(args: DecodeArgs) -> str | None:
@@ -123,6 +148,7 @@ def _attend(args, mode: str, cu_seqlens_q, causal: bool, verdict, out, lse, repo
         window_right=args.variant.window_right,
         soft_cap=args.variant.logits_soft_cap,
         threads=torch.get_num_threads(),
+        max_isa=MAX_ISA,
     )
     _cpu.attend(call, _DTYPES[q.dtype], _MODES[mode])
 
