@@ -286,7 +286,8 @@ CPU_FLAGS = [
     "-std=c++17",
     "-O3",
     # The 64-byte vectors of csrc/cpu/ are only passed between always-inlined functions: no ABI
-    # crosses a clone boundary, so GCC's note on their calling convention does not apply.
+    # crosses an instruction set's or a clone's boundary, so GCC's note on their calling
+    # convention does not apply.
     "-Wno-psabi",
     # The readers' threads: an OpenMP region, on torch's own libgomp once torch is loaded
     # (csrc/cpu/attention_cpu.h says why).
