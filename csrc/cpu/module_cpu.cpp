@@ -108,6 +108,31 @@ void attend(const py::dict& a, int dtype, int mode) {
   if (mode == 2 && p.cu_seqlens_q != nullptr)
     throw std::invalid_argument("kvattn cpu attend: a verdict is read by the decode only");
   if (dtype < 0 || dtype > 2) throw std::invalid_argument("kvattn cpu attend: dtype must be 0, 1 or 2");
+  // The Python launcher passes what each mode reads; a call that does not is refused here rather
+  // than read through a null pointer. The checked mode writes the report and reads the tags; the
+  // verdict's mode reads the verdict, and the tags for the new token's page, whose refusal joins
+  // the verdict's report.
+  const auto need = [](const void* ptr, const char* name, const char* why) {
+    if (ptr == nullptr)
+      throw std::invalid_argument(std::string("kvattn cpu attend: ") + name + " is null, which " + why + " reads");
+  };
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{p.q, "q"},
+                                  {p.k, "k"},
+                                  {p.v, "v"},
+                                  {p.block_table, "block_table"},
+                                  {p.seq_lens, "seq_lens"},
+                                  {p.out, "out"}})
+    need(ptr, name, "every call");
+  if (mode != 0)
+    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{p.tags, "tags"},
+                                    {p.expected, "expected"},
+                                    {p.violations, "violations"},
+                                    {p.reasons, "reasons"},
+                                    {p.checked, "checked"},
+                                    {p.beyond, "beyond"},
+                                    {p.page_reasons, "page_reasons"}})
+      need(ptr, name, mode == 1 ? "the checked mode" : "the verdict's mode");
+  if (mode == 2) need(p.verdict, "verdict", "the verdict's mode");
   py::gil_scoped_release release;
   const auto run = [&](auto type) {
     using T = typename decltype(type)::type;

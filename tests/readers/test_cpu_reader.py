@@ -190,6 +190,48 @@ def test_each_instruction_set_reads_as_the_reference(isa, monkeypatch):
     assert_float32_read_as_reference(out, lse, report, *ref)
 
 
+def test_the_binding_refuses_a_null_pointer_its_mode_reads(monkeypatch):
+    """The launcher's argument dict, passed on to the binding with one pointer null at a time
+    (while the launcher's tensors are alive): what the mode reads raises ValueError naming it,
+    instead of a read through address 0; lse may be null (not asked); the twin, the dict as the
+    launcher built it, runs."""
+    pages = Batch.random(
+        batch=2, num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, seq_lens=[5, 9], dtype=F32
+    )
+    ext = cpu_backend._cpu
+    null = {}
+
+    class Nulling:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def attend(self, call, dtype, mode):
+            return ext.attend({**call, **null}, dtype, mode)
+
+    monkeypatch.setattr(cpu_backend, "_cpu", Nulling())
+    reads = ("q", "k", "v", "block_table", "seq_lens", "out", "tags", "expected")
+    writes = ("violations", "reasons", "checked", "beyond", "page_reasons")
+    for name in reads + writes:
+        null.clear()
+        null[name] = 0
+        with pytest.raises(ValueError, match=f"{name} is null"):
+            pages.decode("cpu")
+    null.clear()
+    null["lse"] = 0
+    pages.decode("cpu")
+    null.clear()
+    out, report = pages.decode("cpu")
+    assert report.violations.tolist() == [0, 0]
+    verdict = kvattn.resolve_pages(
+        pages.block_table, pages.seq_lens, pages.page_tags, pages.expected, page_size=8
+    )
+    null["verdict"] = 0
+    with pytest.raises(ValueError, match="verdict is null"):
+        pages.decode("cpu", verdict=verdict)
+    null.clear()
+    assert pages.decode("cpu", verdict=verdict)[1].violations.tolist() == [0, 0]
+
+
 def test_cpu_max_isa_is_checked(monkeypatch):
     monkeypatch.setenv("KVATTN_CPU_MAX_ISA", "avx2")
     assert cpu_backend._max_isa() == 1
