@@ -97,9 +97,9 @@ inline void store(__half* p, float x) { *p = __float2half_rn(x); }
 inline void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
 // 16 floats (and 16 int32) as one value of GCC's vector extension: one AVX-512 register, two AVX2
-// ones or four SSE ones, whichever the clone compiles for; the blocked products hold their partial
-// sums in these, so they stay in registers. Loads and stores go through memcpy (no alignment
-// assumed).
+// ones or four SSE ones, whichever set the body is compiled for; the blocked products hold their
+// partial sums in these, so they stay in registers. Loads and stores go through memcpy (no
+// alignment assumed).
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IntLanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
 

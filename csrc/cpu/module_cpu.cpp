@@ -116,13 +116,16 @@ void attend(const py::dict& a, int dtype, int mode) {
     if (ptr == nullptr)
       throw std::invalid_argument(std::string("kvattn cpu attend: ") + name + " is null, which " + why + " reads");
   };
-  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{p.q, "q"},
-                                  {p.k, "k"},
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{p.k, "k"},
                                   {p.v, "v"},
                                   {p.block_table, "block_table"},
-                                  {p.seq_lens, "seq_lens"},
-                                  {p.out, "out"}})
+                                  {p.seq_lens, "seq_lens"}})
     need(ptr, name, "every call");
+  // An extend with no query rows has empty q and out tensors, whose address may be 0.
+  if (p.total_q > 0) {
+    need(p.q, "q", "a call with query rows");
+    need(p.out, "out", "a call with query rows");
+  }
   if (mode != 0)
     for (const auto& [ptr, name] : {std::pair<const void*, const char*>{p.tags, "tags"},
                                     {p.expected, "expected"},
