@@ -189,7 +189,9 @@ def page_digest(
     _check_int("page", page, 0, num_pages - 1)
     _check_int("valid_len", valid_len, 0, page_size)
     (context,) = _check_contexts([context], 1)
-    return _digests(k_caches, v_caches, [page], [valid_len], [context], _key(key))[0]
+    key = _key(key)
+    _check_keyable(k_caches, v_caches, key)
+    return _digests(k_caches, v_caches, [page], [valid_len], [context], key)[0]
 
 
 # Host bytes staged from device pools per batch of pages.
@@ -466,11 +468,11 @@ def _nh_cpu(pools: list[torch.Tensor], pages: list[int], lens: list[int], key: t
 
 def _keyed_digests(k_caches, v_caches, pages, lens, contexts, key: DigestKey) -> list[str]:
     """The keyed digest of each page: NH on the pools' device (the Triton kernel; NumPy on CPU
-    pools), then BLAKE3 over its 32 bytes, the context and the lengths, on the host."""
+    pools), then BLAKE3 over its 32 bytes, the context and the lengths, on the host. The callers
+    check the pools first (:func:`_check_keyable`)."""
     from .backends.triton.digest import key_words
 
     pools = [pool for pair in zip(k_caches, v_caches, strict=True) for pool in pair]
-    _keyable(pools)
     words = key.words(key_words(pools), pools[0].device)
     if pools[0].device.type == "cpu":
         values = _nh_cpu(pools, pages, lens, words)

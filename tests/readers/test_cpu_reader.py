@@ -58,16 +58,9 @@ def work(q_lens, seq_lens, heads, dim) -> float:
     return sum(q * (n + 1) * heads * 2 * dim for q, n in zip(q_lens, seq_lens))
 
 
-@pytest.mark.parametrize("foreign", [True, False], ids=["foreign", "twin"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_extend_over_threads(name, causal, foreign):
-    """A ragged batch over two threads equals the same call on one, and the reference; a foreign
-    page (NaN) that only the later rows of sequence 0 reach is refused and never contributes,
-    its twin has none."""
-    variant = VARIANTS[name]
-    seq_lens = [p + q for p, q in zip(PREFIX_LENS, Q_LENS)]
-    assert work(Q_LENS, seq_lens, HEADS, DIM) > cpu_backend._cpu.THREAD_WORK
+def ragged_extend(foreign: bool) -> Extend:
+    """The ragged float32 batch of Q_LENS over PREFIX_LENS; ``foreign``: a foreign page (NaN)
+    that only the later rows of sequence 0 reach (tokens 180-191: rows 119 on)."""
     ext = Extend.random(
         Q_LENS,
         PREFIX_LENS,
@@ -80,7 +73,21 @@ def test_extend_over_threads(name, causal, foreign):
         seed=11,
     )
     if foreign:
-        plant_foreign_page(ext.pages, 0, 15)  # tokens 180-191: rows 119 on of sequence 0
+        plant_foreign_page(ext.pages, 0, 15)
+    return ext
+
+
+@pytest.mark.parametrize("foreign", [True, False], ids=["foreign", "twin"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_extend_over_threads(name, causal, foreign):
+    """A ragged batch over two threads equals the same call on one, and the reference; a foreign
+    page (NaN) that only the later rows of sequence 0 reach is refused and never contributes,
+    its twin has none."""
+    variant = VARIANTS[name]
+    seq_lens = [p + q for p, q in zip(PREFIX_LENS, Q_LENS)]
+    assert work(Q_LENS, seq_lens, HEADS, DIM) > cpu_backend._cpu.THREAD_WORK
+    ext = ragged_extend(foreign)
 
     def run():
         return ext.run("cpu", causal=causal, return_lse=True, **variant)
@@ -173,21 +180,11 @@ def test_each_instruction_set_reads_as_the_reference(isa, monkeypatch):
         ref_out, ref_report = pages.reference(compute_dtype=torch.float64)
         assert_close_to_reference(out, ref_out, dtype)
         assert_reports_equal(report, ref_report)
-    ext = Extend.random(
-        Q_LENS,
-        PREFIX_LENS,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=DIM,
-        page_size=PAGE,
-        dtype=F32,
-        pool_factor=2,
-        seed=11,
-    )
-    plant_foreign_page(ext.pages, 0, 15)
+    ext = ragged_extend(foreign=True)
     out, lse, report = ext.run("cpu", causal=True, return_lse=True, window_left=29)
     ref = ext.reference(causal=True, compute_dtype=torch.float64, window_left=29)
     assert_float32_read_as_reference(out, lse, report, *ref)
+    assert report.violations.tolist() == [1, 0, 0, 0]
 
 
 def test_the_binding_refuses_a_null_pointer_its_mode_reads(monkeypatch):
