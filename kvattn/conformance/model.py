@@ -56,6 +56,7 @@ FAMILIES = {
     "gpt-oss": "sinks",
     "gemma2-hybrid": "sliding_window",
     "gpt-oss-hybrid": "sliding_window",
+    "deepseek-v2": None,
 }
 MISTRAL_WINDOW = 48  # tokens: the query and the 47 before it
 
@@ -175,6 +176,7 @@ def _family_model(family: str, vocab: dict, max_positions: int):
             intermediate_size=tiny["hidden_size"],
             num_local_experts=4,
             num_experts_per_tok=2,
+            moe_layer_freq=1,  # DeepSeek's own config field, which SGLang reads
             tie_word_embeddings=False,
             **({} if hybrid else dict(sliding_window=None)),
             **windows,
@@ -186,6 +188,42 @@ def _family_model(family: str, vocab: dict, max_positions: int):
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)
         return model
+    if family == "deepseek-v2":
+        # Multi-head latent attention with DeepSeek-V2's structure at the tiny shapes: a 32-dim
+        # latent (the cache's value part) and a 16-dim RoPE key per token, 4 heads of 16 + 16
+        # query/key dims and 16 value dims; every layer dense (no experts), no query LoRA.
+        config = transformers.DeepseekV2Config(
+            hidden_size=tiny["hidden_size"],
+            intermediate_size=tiny["intermediate_size"],
+            num_hidden_layers=tiny["num_hidden_layers"],
+            num_attention_heads=tiny["num_attention_heads"],
+            num_key_value_heads=tiny["num_attention_heads"],
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            first_k_dense_replace=tiny["num_hidden_layers"],
+            n_routed_experts=4,  # unused: every layer is dense
+            num_experts_per_tok=2,
+            moe_layer_freq=1,  # DeepSeek's own config field, which SGLang reads
+            max_position_embeddings=max_positions,
+            # YaRN at factor 1 (the base frequencies): SGLang's CPU rotary takes DeepSeek's
+            # YaRN only.
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=1.0,
+                original_max_position_embeddings=max_positions,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            tie_word_embeddings=False,
+            **common,
+        )
+        return transformers.DeepseekV2ForCausalLM(config)
     raise ValueError(f"family: expected one of {', '.join(FAMILIES)}, got {family!r}")
 
 

@@ -264,11 +264,48 @@ class Step:
                 causal=True,
                 **common,
             )
+        self._add(layer, report)
+        return out
+
+    def attend_mla(
+        self,
+        layer: str,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        tags: torch.Tensor,
+        *,
+        kv_lora_rank: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer's MLA attention (absorbed queries ``q`` ``[T, H, kv_lora_rank + rope]`` over
+        the ``latent`` pool ``[pages, P, 1, kv_lora_rank + rope]``) over the step's pages, as
+        :meth:`attend`: a causal :func:`kvattn.paged_mla_extend`, or a
+        :func:`kvattn.paged_mla_decode` when every row has one new token. Each call checks its
+        pages itself (the MLA readers take no verdict)."""
+        common = dict(
+            kv_lora_rank=kv_lora_rank,
+            scale=scale,
+            check=self.check,
+            backend=self.backend,
+            validate=False,
+            out=out,
+        )
+        table, lens, expected = self.block_table, self.seq_lens, self.expected
+        if self.decode_only:
+            out, report = api.paged_mla_decode(q, latent, table, lens, tags, expected, **common)
+        else:
+            out, report = api.paged_mla_extend(
+                q, latent, self.cu_seqlens_q, table, lens, tags, expected, causal=True, **common
+            )
+        self._add(layer, report)
+        return out
+
+    def _add(self, layer: str, report) -> None:
         if report is not None:
             self.refused += report.violations
             self.pages_checked += report.pages_checked
             self.reports.append((layer, report))
-        return out
 
     def _verdict(self, k_pages: torch.Tensor, window_left: int) -> PageVerdict | None:
         """The step's verdict for a window, resolved at its first attention call

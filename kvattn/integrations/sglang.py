@@ -80,7 +80,15 @@ fp8 KV caches (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): the pool's uint8 b
 kvattn's fp8 pools, written by :func:`kvattn.write_kv` with the layer's scales (a checkpoint's,
 else 1), the codes SGLang's own write stores.
 
-Not supported (refused at setup, saying why): MLA, hybrid (SWA, linear) and quantized KV pools
+MLA models (DeepSeek-style, SGLang's ``MLATokenToKVPool``): the latent row of each token is kept as
+two column views (the ``kv_lora_rank`` latent, then the RoPE key), which the pool's
+``set_kv_buffer`` and ``set_mla_kv_buffer`` write through :func:`kvattn.write_kv`; every forward
+of the model takes SGLang's absorbed MLA path (kvattn's entry in its DeepSeek dispatch), whose
+reads are :func:`kvattn.paged_mla_extend` / :func:`kvattn.paged_mla_decode` over the latent pool,
+checked as above. fp8 latent caches, DSA and decode-context-parallel pools, MLA under CUDA
+graphs, in disaggregation and with HiCache are refused.
+
+Not supported (refused at setup, saying why): hybrid (SWA, linear), sparse and quantized KV pools
 (scale buffers: FP4, MXFP8), HND layouts, speculative decoding, prefill CUDA graphs (breakable
 or full), breakable decode graphs, decode graphs with torch.compile, LoRA, two-batch overlap,
 PD multiplexing or SGLang's metadata glue graph, CPU graphs (torch.compile on ``--device cpu``),
@@ -98,6 +106,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import backends
 from ..transfer import DigestKey, attest_pages, verify_arrived
 from . import sglang_transfer
 from .ledger import IntegrationError, Lease, Ledger, cache_domain, refuse
@@ -240,15 +249,17 @@ def attach(runner) -> SGLangOwnership:
 
 
 def _refuse_unsupported(runner) -> None:
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     pool = runner.token_to_kv_pool
     args = runner.server_args
     reasons = []
-    if type(pool) is not MHATokenToKVPool:
+    if type(pool) is MLATokenToKVPool:
+        reasons += _mla_refusals(pool, args, str(runner.device))
+    elif type(pool) is not MHATokenToKVPool:
         reasons.append(
-            f"KV pool {type(pool).__name__} (MHATokenToKVPool only: MLA, hybrid, "
-            f"quantized and page-major pools are not followed)"
+            f"KV pool {type(pool).__name__} (MHATokenToKVPool and MLATokenToKVPool only: "
+            f"hybrid, sparse (DSA), quantized and page-major pools are not followed)"
         )
     elif pool.is_quantized_kv_cache:
         reasons.append(
@@ -277,6 +288,53 @@ def _refuse_unsupported(runner) -> None:
     if mode in ("prefill", "decode"):
         reasons += _disaggregation_refusals(mode, transfer, args)
     refuse("sglang", reasons)
+
+
+def _mla_refusals(pool, args, device: str) -> list[str]:
+    """What of SGLang's MLA pool kvattn's MLA readers do not follow yet."""
+    reasons = []
+    if pool.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(
+            f"MLA KV cache dtype {pool.dtype} (the model's float dtype: an fp8 latent cache's "
+            "scales are not followed)"
+        )
+    if pool.kv_cache_dim != pool.kv_lora_rank + pool.qk_rope_head_dim:
+        reasons.append(
+            f"an MLA row of {pool.kv_cache_dim} dims (kv_lora_rank + rope = "
+            f"{pool.kv_lora_rank + pool.qk_rope_head_dim} only)"
+        )
+    if pool.use_dsa or pool.dcp_replicated or getattr(args, "dcp_size", 1) > 1:
+        reasons.append("sparse (DSA) or decode-context-parallel MLA (rows split across ranks)")
+    backend = os.environ.get(BACKEND_ENV, "auto")
+    if backend not in ("auto", *backends.AUTO_ORDER["mla_extend"]):
+        reasons.append(
+            f"{BACKEND_ENV}={backend!r} with an MLA model (kvattn's MLA extend runs on "
+            f"{', '.join(backends.AUTO_ORDER['mla_extend'])})"
+        )
+    if device.startswith("cuda") and _graph_backends(args, device)[0] != "disabled":
+        reasons.append(
+            "MLA with decode CUDA graphs (start with --disable-cuda-graph: the MLA step's "
+            "replay has not run through SGLang's graph buffers)"
+        )
+    mode = str(getattr(args, "disaggregation_mode", "null")).split(".")[-1].lower()
+    if mode in ("prefill", "decode") or getattr(args, "enable_hierarchical_cache", False):
+        reasons.append(
+            "MLA in prefill/decode disaggregation or with HiCache (the latent pool's "
+            "attested transfers have not run)"
+        )
+    return reasons
+
+
+def _mla_forward_method(attn, forward_batch):
+    """DeepSeek-style models' attention path under kvattn: always the absorbed MLA path, which
+    reads the latent cache through the backend. SGLang's MHA paths read the cache past the
+    backend (a prefix's latent rows gathered and decompressed by the model) or attend over the
+    new tokens only; neither would pass through kvattn's check."""
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    return AttnForwardMethod.MLA
 
 
 def _graph_backends(args, device: str) -> tuple[str, str]:
@@ -434,9 +492,18 @@ class SGLangOwnership(Ledger):
             backend=os.environ.get(BACKEND_ENV, "auto"),
             prefix_caching=not getattr(runner.server_args, "disable_radix_cache", False),
         )
-        slots = self.kv_pool.k_buffer[0].shape[0]
-        self.num_pages = slots // self.page_size
-        self.allocate_tags(self.kv_pool.layer_num, self.num_pages, self.kv_pool.k_buffer[0].device)
+        # An MLA pool (one latent row per token: kv_lora_rank dims, then the RoPE key) is kept as
+        # two column views, so that its writes, digests and copies are those of a K/V pool.
+        self.kv_lora_rank = getattr(self.kv_pool, "kv_lora_rank", None)
+        first = (self.kv_pool.k_buffer if self.kv_lora_rank is None else self.kv_pool.kv_buffer)[0]
+        self.num_pages = first.shape[0] // self.page_size
+        self.allocate_tags(self.kv_pool.layer_num, self.num_pages, first.device)
+        if self.kv_lora_rank is not None:
+            from sglang.srt.models.deepseek_common.attention_backend_handler import (
+                AttentionBackendRegistry,
+            )
+
+            AttentionBackendRegistry.register(BACKEND_NAME, _mla_forward_method)
         self.page_owner: dict[int, int] = {}  # page -> the owner it was last reserved for
         # Host page -> (writer owner, its prefix digest, attestation) of the device page last
         # backed up there, or None: not attested (commit_restore).
@@ -499,6 +566,8 @@ class SGLangOwnership(Ledger):
 
             allocator.free = token_free_hook
         kv.set_kv_buffer = self.set_kv_buffer
+        if self.kv_lora_rank is not None:
+            kv.set_mla_kv_buffer = self.set_mla_kv_buffer
 
     def _freed(self, pages) -> None:
         if pages is None or pages.numel() == 0:
@@ -716,6 +785,9 @@ class SGLangOwnership(Ledger):
     def pools(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_id``'s K and V buffers as kvattn's NHD pools ``[pages, P, H, D]`` (an fp8
         cache's uint8 bytes as its fp8 format)."""
+        if self.kv_lora_rank is not None:
+            latent = self.latent(layer_id)
+            return latent[..., : self.kv_lora_rank], latent[..., self.kv_lora_rank :]
         local = layer_id - self.kv_pool.start_layer
         n = self.num_pages * self.page_size
         k, v = self.kv_pool.k_buffer[local], self.kv_pool.v_buffer[local]
@@ -725,6 +797,12 @@ class SGLangOwnership(Ledger):
             k[:n].view(self.num_pages, self.page_size, *k.shape[1:]),
             v[:n].view(self.num_pages, self.page_size, *v.shape[1:]),
         )
+
+    def latent(self, layer_id: int) -> torch.Tensor:
+        """Layer ``layer_id``'s MLA latent buffer as kvattn's MLA pool ``[pages, P, 1, dims]``."""
+        n = self.num_pages * self.page_size
+        latent = self.kv_pool.kv_buffer[layer_id - self.kv_pool.start_layer][:n]
+        return latent.view(self.num_pages, self.page_size, *latent.shape[1:])
 
     def layer_tags(self, layer_id: int) -> torch.Tensor:
         return self.tags[layer_id - self.kv_pool.start_layer]
@@ -741,12 +819,25 @@ class SGLangOwnership(Ledger):
         dcp_kv_mask=None,
     ) -> None:
         """In place of the pool's ``set_kv_buffer``: kvattn's append and stamp, under the owner of
-        each token's request in this forward."""
+        each token's request in this forward. An MLA pool's ``cache_k`` is the whole latent row
+        and its ``cache_v`` is ignored, as SGLang's MLA pool does."""
+        if dcp_kv_mask is not None:
+            raise IntegrationError("kvattn.integrations.sglang: masked KV writes are not supported")
+        if self.kv_lora_rank is not None:
+            latent = cache_k.reshape(cache_k.shape[0], 1, -1)
+            cache_k, cache_v = latent[..., : self.kv_lora_rank], latent[..., self.kv_lora_rank :]
+        self._write(layer, loc_info, cache_k, cache_v, k_scale, v_scale, layer_id_override)
+
+    def set_mla_kv_buffer(
+        self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None
+    ) -> None:
+        """In place of the MLA pool's ``set_mla_kv_buffer`` (the latent and its RoPE key apart)."""
+        self._write(layer, loc_info, cache_k_nope, cache_k_rope, None, None, layer_id_override)
+
+    def _write(self, layer, loc_info, cache_k, cache_v, k_scale, v_scale, layer_id_override):
         from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 
         step = self.step()
-        if dcp_kv_mask is not None:
-            raise IntegrationError("kvattn.integrations.sglang: masked KV writes are not supported")
         loc, _, _ = unwrap_write_loc(loc_info)
         if loc.shape[0] != step.token_row.shape[0]:
             raise IntegrationError(
@@ -791,7 +882,24 @@ class SGLangOwnership(Ledger):
         )
 
     def attend(self, q, layer, out) -> None:
-        """Layer ``layer``'s attention of this forward into ``out`` ([T, Hq, Dv])."""
+        """Layer ``layer``'s attention of this forward into ``out`` ([T, Hq, Dv]); over an MLA
+        pool, ``q`` is the absorbed query and its RoPE part ([T, Hq, kv_lora_rank + rope])."""
+        if self.kv_lora_rank is not None:
+            if layer.logit_cap or (layer.sliding_window_size or -1) > -1:
+                raise IntegrationError(
+                    f"kvattn.integrations.sglang: MLA layer {layer.layer_id} with a logit cap or "
+                    "a sliding window (kvattn's MLA readers take neither)"
+                )
+            self.step().attend_mla(
+                f"layer {layer.layer_id}",
+                q,
+                self.latent(layer.layer_id),
+                self.layer_tags(layer.layer_id),
+                kv_lora_rank=self.kv_lora_rank,
+                scale=float(layer.scaling),
+                out=out,
+            )
+            return
         k_pages, v_pages = self.pools(layer.layer_id)
         window = layer.sliding_window_size
         scales = self.fp8_scales(layer) if k_pages.dtype in FP8_DTYPES else {}

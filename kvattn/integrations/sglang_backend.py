@@ -12,6 +12,7 @@ is installed.
 
 from __future__ import annotations
 
+import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -76,20 +77,31 @@ class KVAttnSGLangBackend(AttentionBackend):
                 f"{layer.layer_id} of type {layer.attn_type}"
             )
 
-    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool):
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, q_rope=None, k_rope=None):
         self._refuse(layer)
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch), k, v)
+        loc = KVWriteLoc.for_batch(forward_batch)
+        if k_rope is not None:  # an MLA latent row handed over as its two parts
+            if save_kv_cache:
+                self.token_to_kv_pool.set_mla_kv_buffer(layer, loc, k, k_rope)
+        elif save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
+        if q_rope is not None:
+            q = q.reshape(-1, layer.tp_q_head_num, layer.v_head_dim)
+            q = torch.cat([q, q_rope.reshape(q.shape[0], q.shape[1], -1)], dim=-1)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         self.state.attend(q, layer, out)
         return out.view(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+    def forward_extend(
+        self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None, k_rope=None, **kw
+    ):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+    def forward_decode(
+        self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None, k_rope=None, **kw
+    ):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope)
 
     def support_triton(self):
         return False

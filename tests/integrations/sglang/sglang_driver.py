@@ -61,7 +61,11 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchPrefixParams,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -70,6 +74,7 @@ from sglang.srt.model_executor.forward_context import (
     ForwardContext,
     set_forward_context,
 )
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from kvattn.integrations import sglang as integration
@@ -77,6 +82,8 @@ from kvattn.integrations import sglang_backend
 
 DTYPE = torch.float32
 LAYERS = 2
+# A DeepSeek-style latent row, small: kv_lora_rank 32, then a 16-dim RoPE key.
+LATENT = (32, 16)
 
 
 class Engine:
@@ -93,21 +100,41 @@ class Engine:
         radix: bool = True,
         overlap: bool = False,
         kv_dtype: torch.dtype = DTYPE,
+        latent: tuple[int, int] | None = None,
     ):
+        """``latent``: ``(kv_lora_rank, rope)`` for SGLang's MLA pool and DeepSeek-style layers
+        (every query head reads one latent row per token, its first ``kv_lora_rank`` dims the
+        value) instead of the MHA pool."""
         self.P = page_size
         # Overlap scheduling: a decode forward runs before the previous step's result is
         # processed, so the token it feeds is not yet in the request's output_ids.
         self.overlap = overlap
-        self.pool = MHATokenToKVPool(
-            size=size,
-            page_size=page_size,
-            dtype=kv_dtype,
-            head_num=kv_heads,
-            head_dim=head_dim,
-            layer_num=LAYERS,
-            device="cpu",
-            enable_memory_saver=False,
-        )
+        self.v_dim = head_dim
+        if latent is not None:
+            # A single-rank engine: no decode context parallelism (the pool's write asks).
+            get_parallel().override_permanently(dcp_enabled=False)
+            kv_heads, head_dim, self.v_dim = 1, sum(latent), latent[0]
+            self.pool = MLATokenToKVPool(
+                size=size,
+                page_size=page_size,
+                dtype=kv_dtype,
+                kv_lora_rank=latent[0],
+                qk_rope_head_dim=latent[1],
+                layer_num=LAYERS,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+        else:
+            self.pool = MHATokenToKVPool(
+                size=size,
+                page_size=page_size,
+                dtype=kv_dtype,
+                head_num=kv_heads,
+                head_dim=head_dim,
+                layer_num=LAYERS,
+                device="cpu",
+                enable_memory_saver=False,
+            )
         self.req_pool = ReqToTokenPool(
             size=16, max_context_len=256, device="cpu", enable_memory_saver=False
         )
@@ -126,6 +153,7 @@ class Engine:
                 scaling=head_dim**-0.5,
                 num_kv_heads=kv_heads,
                 layer_id=i,
+                v_head_dim=self.v_dim,
             )
             for i in range(LAYERS)
         ]
@@ -319,15 +347,24 @@ class Engine:
             ]
             out.append(torch.stack(vals).to(DTYPE))
         q, k, v = out
-        return q, k.view(-1, self.kv_heads, self.head_dim), v.view(-1, self.kv_heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)[..., : self.v_dim]
+        if self.v_dim != self.head_dim:  # MLA: the value is the key's latent part
+            v = k[..., : self.v_dim]
+        return q, k, v
+
+    def _buffers(self, layer: int) -> list[torch.Tensor]:
+        if isinstance(self.pool, MLATokenToKVPool):
+            return [self.pool.kv_buffer[layer]]
+        return [self.pool.k_buffer[layer], self.pool.v_buffer[layer]]
 
     def poison(self, slots: list[int]) -> None:
         """NaN in every layer's K and V at ``slots``: bytes that must never be read (in an fp8
         pool's uint8 bytes, 0x7F: NaN in e4m3fn and e5m2 alike)."""
         nan = 0x7F if self.pool.store_dtype == torch.uint8 else float("nan")
         for layer in self.layers:
-            self.pool.k_buffer[layer.layer_id][slots] = nan
-            self.pool.v_buffer[layer.layer_id][slots] = nan
+            for buffer in self._buffers(layer.layer_id):
+                buffer[slots] = nan
 
     def _transfer(self, req, slots: torch.Tensor) -> None:
         """What a transport does: the prompt's K/V bytes (its first ``len(slots)`` tokens) written
@@ -339,8 +376,8 @@ class Engine:
         )
         for layer in self.layers:
             _, k, v = self._qkv(fb, layer.layer_id)
-            self.pool.k_buffer[layer.layer_id][slots] = k
-            self.pool.v_buffer[layer.layer_id][slots] = v
+            for buffer, x in zip(self._buffers(layer.layer_id), (k, v)):
+                buffer[slots] = x
 
     def _model(self, fb):
         self.backend.init_forward_metadata(fb)
@@ -380,7 +417,9 @@ def _diff(a: dict, b: dict) -> float:
     return max((torch.tensor(a[r]) - torch.tensor(b[r])).abs().max().item() for r in a)
 
 
-def equality(page_size: int, overlap: bool = False, kv_dtype: torch.dtype = DTYPE) -> dict:
+def equality(
+    page_size: int, overlap: bool = False, kv_dtype: torch.dtype = DTYPE, latent=None
+) -> dict:
     """Extend with a radix-cache prefix, chunked prefill, mixed and decode batches, GQA, then a
     second turn whose prompt is the first request's prompt and decoded tokens (a radix hit on
     pages filled by decodes), on both attentions: the largest output gap per forward, and what
@@ -389,7 +428,7 @@ def equality(page_size: int, overlap: bool = False, kv_dtype: torch.dtype = DTYP
     P = page_size
     runs = {}
     for kind in ("torch_native", "kvattn"):
-        e = Engine(kind, P, overlap=overlap, kv_dtype=kv_dtype)
+        e = Engine(kind, P, overlap=overlap, kv_dtype=kv_dtype, latent=latent)
         a = list(range(1, 2 * max(P, 8) + 6))
         e.admit("a", a)
         e.step({"a": len(a) - 5})  # a chunk of the prompt
@@ -436,7 +475,7 @@ def _commit_transfer_to_req(queue, decode_req) -> None:
     decode_req.kv_receiver = None
 
 
-def incident(page_size: int, received: int | None) -> dict:
+def incident(page_size: int, received: int | None, latent=None) -> dict:
     """The incident through SGLang's classes: tenant A's KV sits in pages that are freed and
     preallocated for request B on a decode instance; B's KV never arrives (the fake receiver:
     ``received`` None; or a receiver accounting ``received`` tokens), the receiver reports success,
@@ -444,7 +483,7 @@ def incident(page_size: int, received: int | None) -> dict:
     P = page_size
     out = {}
     for kind in ("torch_native", "kvattn"):
-        e = Engine(kind, P)
+        e = Engine(kind, P, latent=latent)
         secret = list(range(500, 500 + 3 * P + 2))
         e.admit("A", secret)
         e.step({"A": len(secret)})
@@ -497,7 +536,7 @@ def incident(page_size: int, received: int | None) -> dict:
     return out
 
 
-def stale_prefix(page_size: int, fault: bool, kv_dtype: torch.dtype = DTYPE) -> dict:
+def stale_prefix(page_size: int, fault: bool, kv_dtype: torch.dtype = DTYPE, latent=None) -> dict:
     """A radix-cache hit through SGLang's radix tree: W's prompt pages stay in the tree after W
     ends, R's prompt starts with the same tokens and matches them. With ``fault``, the match is
     not locked, the tree evicts the pages before R runs (at page size 16 X reuses and rewrites
@@ -505,7 +544,7 @@ def stale_prefix(page_size: int, fault: bool, kv_dtype: torch.dtype = DTYPE) -> 
     P = page_size
     out = {}
     for kind in ("torch_native", "kvattn"):
-        e = Engine(kind, P, kv_dtype=kv_dtype)
+        e = Engine(kind, P, kv_dtype=kv_dtype, latent=latent)
         shared = list(range(10, 10 + 2 * P))
         e.admit("W", shared + [1, 2, 3])
         e.step({"W": len(shared) + 3})
@@ -671,6 +710,27 @@ def pool_refusals() -> dict:
     return out
 
 
+def mla_refusals() -> dict:
+    """What kvattn's setup says of an engine on SGLang's MLA pool, per KV dtype and per setting
+    the MLA path does not cover: None where it runs, else the refusal's message."""
+    out = {}
+    for name, dtype, args in (
+        ("float32", torch.float32, {}),
+        ("bfloat16", torch.bfloat16, {}),
+        ("float8_e4m3fn", torch.float8_e4m3fn, {}),
+        ("decode", torch.float32, dict(disaggregation_mode="decode")),
+        ("hicache", torch.float32, dict(enable_hierarchical_cache=True)),
+    ):
+        runner = Engine("torch_native", 16, kv_dtype=dtype, latent=LATENT).runner
+        vars(runner.server_args).update(args)
+        try:
+            integration._refuse_unsupported(runner)
+            out[name] = None
+        except integration.IntegrationError as e:
+            out[name] = str(e)
+    return out
+
+
 def guards() -> dict:
     """kvattn's hooks on one engine of each kind: around ``enable_fused_set_kv_buffer`` under
     SGLang's forward context (off for a kvattn engine's pool whatever the platform would choose),
@@ -710,6 +770,13 @@ SCENARIOS = {
     "domains-clean-16": lambda: domains(16, False),
     "domains-fault-16": lambda: domains(16, True),
     "plugin": plugin,
+    "mla-equality-16": lambda: equality(16, latent=LATENT),
+    "mla-overlap-1": lambda: equality(1, overlap=True, latent=LATENT),
+    "mla-incident-16": lambda: incident(16, None, latent=LATENT),
+    "mla-transfer-16": lambda: incident(16, "all", latent=LATENT),
+    "mla-prefix-clean-16": lambda: stale_prefix(16, False, latent=LATENT),
+    "mla-prefix-stale-16": lambda: stale_prefix(16, True, latent=LATENT),
+    "mla-refusals": mla_refusals,
 }
 
 if __name__ == "__main__":

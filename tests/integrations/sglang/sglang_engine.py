@@ -17,6 +17,7 @@ import pathlib
 import subprocess
 import sys
 
+from kvattn.conformance import sglang as differential
 from kvattn_testing.engines import ROOT, Runs, why_not_ready, write_model
 
 VENV_PY = ROOT / "build" / "venv-sglang" / "bin" / "python"
@@ -86,3 +87,69 @@ def _conformance(runs: Runs) -> dict:
         stderr=done.stderr,
         report=json.loads((work / "out" / "conformance-sglang.json").read_text()),
     )
+
+
+def mla() -> dict:
+    """The differential workloads of :func:`kvattn.conformance.sglang.serve_workloads` (seed 0,
+    page size 16) on a random-weight DeepSeek-V2-style model (kvattn.conformance.model's
+    ``deepseek-v2``: multi-head latent attention, SGLang's MLA pool), once per test run: a server
+    on SGLang's ``torch_native`` attention and one on kvattn's."""
+    runs = Runs()
+    return runs.shared("sglang-mla", lambda: _mla(runs))
+
+
+def _mla(runs: Runs) -> dict:
+    _standins_allowed()
+    work = runs.dir / "sglang-mla"
+    work.mkdir(exist_ok=True)
+    return differential.serve_workloads(
+        write_model(runs.dir, sys.executable, family="deepseek-v2"),
+        work,
+        seeds=(0,),
+        page_sizes=(16,),
+        python=VENV_PY,
+        env=dict(PYTHONPATH=str(STANDINS)),
+    )
+
+
+def assert_clean(stock: dict, mine: dict, seeds) -> None:
+    """Every request of the clean workloads answers with the same greedy tokens on both servers;
+    faults' victims aside, kvattn refused no page and failed no request."""
+    for seed in seeds:
+        a, b = stock["runs"][f"clean-{seed}"], mine["runs"][f"clean-{seed}"]
+        assert set(a) == set(b) and len(a) == 10
+        for rid in a:
+            assert a[rid]["status"] == b[rid]["status"] == 200, (rid, b[rid]["message"])
+            assert b[rid]["ids"] == a[rid]["ids"], rid
+    victims = {
+        rid
+        for name, results in mine["runs"].items()
+        if not name.startswith("clean")
+        for rid in results
+        if ":" in rid
+    }
+    victims.add("salt-ignored:t2")  # the class-5 lane's, keyed by name (t2) in its results
+    assert set(mine["counts"]["failures"]) <= victims
+    assert mine["counts"]["pages_checked"] > 0 and mine["counts"].get("prefix_hit_pages", 0) > 0
+
+
+def assert_only_the_victim_fails(stock: dict, mine: dict, fault: str, seeds) -> None:
+    """The fault was applied on both servers; on SGLang's own attention the victim answers over
+    KV that is not its own, under kvattn it fails with the check's message and every other
+    request's tokens equal its clean run's."""
+    for seed in seeds:
+        victim = differential.victim(fault, seed)
+        for server in (stock, mine):
+            assert victim in {f["rid"] for f in server["faults"]}, "the fault was not applied"
+        clean_stock = stock["runs"][f"clean-{seed}"]
+        faulted_stock = stock["runs"][f"{fault}-{seed}"]
+        assert faulted_stock[victim]["status"] == 200
+        assert faulted_stock[victim]["ids"] != clean_stock[victim.split(":", 1)[1]]["ids"]
+        faulted = mine["runs"][f"{fault}-{seed}"]
+        assert faulted[victim]["status"] >= 400 and faulted[victim]["ids"] is None
+        assert differential.OWNERSHIP_ERROR in faulted[victim]["message"]
+        assert "reads: " in faulted[victim]["message"] or "writes: " in faulted[victim]["message"]
+        clean = mine["runs"][f"clean-{seed}"]
+        for rid, result in faulted.items():
+            if rid != victim:
+                assert result["status"] == 200 and result["ids"] == clean[rid]["ids"], rid

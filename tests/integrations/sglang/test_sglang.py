@@ -47,14 +47,19 @@ def runs() -> dict:
     return Runs().shared("sglang-scenarios", _drive)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["eager", "overlap"])
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_kvattn_equals_torch_native_on_sglang_pools(runs, page_size, overlap):
+@pytest.mark.parametrize(
+    "scenario",
+    ["equality-1", "equality-16", "overlap-1", "overlap-16", "mla-equality-16", "mla-overlap-1"],
+)
+def test_kvattn_equals_torch_native_on_sglang_pools(runs, scenario):
     """Chunked prefill, a radix-cache hit, a mixed batch (two extends and a decode), decodes
     across a page boundary, then a second turn whose prompt is the first request's tokens (a hit
     on pages its decodes filled), GQA (4 query heads on 2 KV heads), two layers. Under overlap
-    scheduling the forward runs before the previous token reaches the request's output_ids."""
-    r = runs[f"{'overlap' if overlap else 'equality'}-{page_size}"]
+    scheduling the forward runs before the previous token reaches the request's output_ids.
+    ``mla-``: SGLang's MLA pool, 4 query heads reading one latent row per token (32 + 16 dims),
+    written through the pool's ``set_kv_buffer`` and read by kvattn's MLA extend and decode."""
+    r = runs[scenario]
+    page_size = int(scenario.rsplit("-", 1)[1])
     assert len(r["gaps"]) == page_size + 7
     assert max(r["gaps"]) < TOL
     assert r["aborted"] == {"a": None, "b": None, "c": None, "t": None}
@@ -88,6 +93,14 @@ def test_plain_and_fp8_pools_run_and_other_dtypes_are_refused(runs):
     assert "KV cache dtype torch.int8 (the model's float dtype, float8_e4m3fn or" in r["int8"]
 
 
+def test_mla_pools_run_in_float_dtypes_and_uncovered_settings_are_refused(runs):
+    r = runs["mla-refusals"]
+    assert r["float32"] is None and r["bfloat16"] is None
+    assert "MLA KV cache dtype torch.float8_e4m3fn" in r["float8_e4m3fn"]
+    for setting in ("decode", "hicache"):
+        assert "MLA in prefill/decode disaggregation or with HiCache" in r[setting]
+
+
 def test_fp8_radix_hit_on_changed_pages_fails_closed(runs):
     """The twin over an fp8 pool: a match whose pages were evicted and rewritten by another
     request is refused (OWNER_MISMATCH), and the evicted bytes, NaN codes where the other request
@@ -110,9 +123,10 @@ def test_fused_rotary_kv_writes_are_off_and_beams_refused_under_kvattn(runs):
     assert "not supported with --attention-backend kvattn" in g["kvattn"]["beam"]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_incident_fake_receiver_success_is_refused(runs, page_size):
-    r = runs[f"incident-{page_size}"]
+@pytest.mark.parametrize("scenario", ["incident-16", "incident-1", "mla-incident-16"])
+def test_incident_fake_receiver_success_is_refused(runs, scenario):
+    r = runs[scenario]
+    page_size = int(scenario.rsplit("-", 1)[1])
     stock, mine = r["torch_native"], r["kvattn"]
     assert stock["receiver_success"] and mine["receiver_success"]
     assert stock["aborted"]["B"] is None  # SGLang's attention answers
@@ -132,10 +146,11 @@ def test_incident_fake_receiver_success_is_refused(runs, page_size):
         assert r["b_kvattn_norm"] == 0.0  # nothing of B's is readable: output 0
 
 
-def test_transfer_that_arrived_and_was_counted_reads_clean(runs):
+@pytest.mark.parametrize("scenario", ["transfer-16", "mla-transfer-16"])
+def test_transfer_that_arrived_and_was_counted_reads_clean(runs, scenario):
     """The incident's clean twin: the transport wrote B's KV into the preallocated pages and
     counted every token; B decodes as on SGLang's attention."""
-    r = runs["transfer-16"]
+    r = runs[scenario]
     assert r["kvattn"]["aborted"] == {"B": None, "C": None}
     assert r["kvattn"]["counts"]["received_tokens"] == 50
     assert r["kvattn"]["counts"]["refused_pages"] == 0
@@ -153,8 +168,9 @@ def test_placeholder_one_token_commits_one_slot(runs):
     assert r["b_kvattn_finite"]  # the NaN of A's bytes past the one committed slot is not read
 
 
-def test_radix_hit_on_unchanged_pages_reads_them(runs):
-    r = runs["prefix-clean-16"]
+@pytest.mark.parametrize("scenario", ["prefix-clean-16", "mla-prefix-clean-16"])
+def test_radix_hit_on_unchanged_pages_reads_them(runs, scenario):
+    r = runs[scenario]
     assert r["kvattn"]["hit"] == 32 and r["kvattn"]["hit_is_w"]
     assert r["kvattn"]["aborted"] == {"R": None, "D": None}
     assert r["kvattn"]["counts"]["prefix_hit_pages"] == 2
@@ -162,12 +178,20 @@ def test_radix_hit_on_unchanged_pages_reads_them(runs):
     assert r["r_gap"] < TOL and r["d_gap"] < TOL
 
 
-@pytest.mark.parametrize("page_size,reason", [(16, "OWNER_MISMATCH"), (1, "FREE")])
-def test_radix_hit_on_changed_pages_fails_closed(runs, page_size, reason):
+@pytest.mark.parametrize(
+    "scenario,reason",
+    [
+        ("prefix-stale-16", "OWNER_MISMATCH"),
+        ("prefix-stale-1", "FREE"),
+        ("mla-prefix-stale-16", "OWNER_MISMATCH"),
+    ],
+)
+def test_radix_hit_on_changed_pages_fails_closed(runs, scenario, reason):
     """R's match was not locked and the tree evicted its pages before R ran: at page size 16 they
     were reused and rewritten by another request (SGLang's attention reads its KV), at page size 1
     they are free."""
-    r = runs[f"prefix-stale-{page_size}"]
+    r = runs[scenario]
+    page_size = int(scenario.rsplit("-", 1)[1])
     assert r["kvattn"]["hit"] == 2 * page_size and r["kvattn"]["hit_is_w"]
     assert r["torch_native"]["aborted"]["R"] is None and r["r_gap"] > 0.1
     assert r["torch_native"]["x_reused"] == (page_size == 16)

@@ -51,47 +51,14 @@ def suite():
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_clean_workloads_give_sglang_s_tokens_and_refuse_nothing(suite, page_size):
-    stock, mine = suite[f"torch_native-p{page_size}"], suite[f"kvattn-p{page_size}"]
-    for seed in SEEDS:
-        a, b = stock["runs"][f"clean-{seed}"], mine["runs"][f"clean-{seed}"]
-        assert set(a) == set(b) and len(a) == 10
-        for rid in a:
-            assert a[rid]["status"] == b[rid]["status"] == 200, (rid, b[rid]["message"])
-            assert b[rid]["ids"] == a[rid]["ids"], rid
-    # Faults' victims aside, kvattn refused no page and failed no other request.
-    victims = {
-        rid
-        for name, results in mine["runs"].items()
-        if not name.startswith("clean")
-        for rid in results
-        if ":" in rid
-    }
-    victims.add("salt-ignored:t2")  # the class-5 lane's, keyed by name (t2) in its results
-    assert set(mine["counts"]["failures"]) <= victims
-    assert mine["counts"]["pages_checked"] > 0 and mine["counts"].get("prefix_hit_pages", 0) > 0
+    engine.assert_clean(suite[f"torch_native-p{page_size}"], suite[f"kvattn-p{page_size}"], SEEDS)
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_fault_fails_the_victim_and_only_the_victim(suite, page_size, fault):
     stock, mine = suite[f"torch_native-p{page_size}"], suite[f"kvattn-p{page_size}"]
-    for seed in SEEDS:
-        victim = conformance.victim(fault, seed)
-        for server in (stock, mine):
-            assert victim in {f["rid"] for f in server["faults"]}, "the fault was not applied"
-        clean_stock = stock["runs"][f"clean-{seed}"]
-        faulted_stock = stock["runs"][f"{fault}-{seed}"]
-        # On SGLang's own attention the victim answers, over KV that is not its own.
-        assert faulted_stock[victim]["status"] == 200
-        assert faulted_stock[victim]["ids"] != clean_stock[victim.split(":", 1)[1]]["ids"]
-        faulted = mine["runs"][f"{fault}-{seed}"]
-        assert faulted[victim]["status"] >= 400 and faulted[victim]["ids"] is None
-        assert "kvattn ownership check failed" in faulted[victim]["message"]
-        assert "reads: " in faulted[victim]["message"] or "writes: " in faulted[victim]["message"]
-        clean = mine["runs"][f"clean-{seed}"]
-        for rid, result in faulted.items():
-            if rid != victim:
-                assert result["status"] == 200 and result["ids"] == clean[rid]["ids"], rid
+    engine.assert_only_the_victim_fails(stock, mine, fault, SEEDS)
 
 
 def test_counts(suite):

@@ -13,6 +13,10 @@ detokenizer processes inherit it).
   ``sgl_kernel``'s ``transfer_kv_direct``, imported on CUDA, HIP and XPU only: on a machine
   without an accelerator the pool is plain memory and the copy an index_select/index_copy_ per
   layer, the same rows the kernel moves.
+- SGLang's ``torch_native`` backend would take DeepSeek-style models' MHA paths (the dispatch
+  falls back to Triton's), whose prefill reads the latent cache as MHA's K and V and fails; its
+  ``forward_extend``/``forward_decode`` read the latent cache correctly on the absorbed MLA path,
+  which it is given instead, so that the engine's own attention runs MLA models here.
 
 The fault injectors are not here: the conformance suite's server launcher
 (``kvattn.conformance.sglang_server``) installs them.
@@ -70,6 +74,16 @@ def _direct_copy(module) -> None:
         module.transfer_kv_direct = transfer_kv_direct
 
 
+def _absorbed_mla(module) -> None:
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    module.AttentionBackendRegistry.register(
+        "torch_native", lambda attn, forward_batch: AttnForwardMethod.MLA
+    )
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls each of ``callbacks[name]`` with the module right after module ``name`` has run."""
 
@@ -107,6 +121,7 @@ if importlib.util.find_spec("sglang") is not None:
                 "sglang.srt.disaggregation.mooncake.conn": [_host_indices],
                 "sglang.srt.mem_cache.pool_host.common": [_plain_host_memory],
                 "sglang.srt.mem_cache.pool_host.mha": [_direct_copy],
+                "sglang.srt.models.deepseek_common.attention_backend_handler": [_absorbed_mla],
             }
         ),
     )
