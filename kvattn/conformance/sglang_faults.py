@@ -309,7 +309,9 @@ def _wrap_commit(module) -> None:
         )
         if fault_of(req.rid) == "corrupt-arrival" and _once(req.rid):
             pool = self.scheduler.token_to_kv_pool_allocator.get_kvcache()
-            pool.k_buffer[0][row[:P].to(torch.int64)] += 1.0
+            # The first layer's K (an MLA pool's latent rows: one buffer per layer).
+            first = pool.kv_buffer[0] if hasattr(pool, "kv_buffer") else pool.k_buffer[0]
+            first[row[:P].to(torch.int64)] += 1.0
         return commit(self, decode_req, *args, **kwargs)
 
     module.DecodeTransferQueue._commit_transfer_to_req = hook

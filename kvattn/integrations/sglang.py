@@ -85,8 +85,9 @@ two column views (the ``kv_lora_rank`` latent, then the RoPE key), which the poo
 ``set_kv_buffer`` and ``set_mla_kv_buffer`` write through :func:`kvattn.write_kv`; every forward
 of the model takes SGLang's absorbed MLA path (kvattn's entry in its DeepSeek dispatch), whose
 reads are :func:`kvattn.paged_mla_extend` / :func:`kvattn.paged_mla_decode` over the latent pool,
-checked as above. fp8 latent caches, DSA and decode-context-parallel pools, MLA under CUDA
-graphs, in disaggregation and with HiCache are refused.
+checked as above; in prefill/decode disaggregation the latent rows are attested and verified
+as K and V are. fp8 latent caches, DSA and decode-context-parallel pools, MLA under CUDA graphs
+and with HiCache are refused.
 
 Not supported (refused at setup, saying why): hybrid (SWA, linear), sparse and quantized KV pools
 (scale buffers: FP4, MXFP8), HND layouts, speculative decoding, prefill CUDA graphs (breakable
@@ -316,12 +317,8 @@ def _mla_refusals(pool, args, device: str) -> list[str]:
             "MLA with decode CUDA graphs (start with --disable-cuda-graph: the MLA step's "
             "replay has not run through SGLang's graph buffers)"
         )
-    mode = str(getattr(args, "disaggregation_mode", "null")).split(".")[-1].lower()
-    if mode in ("prefill", "decode") or getattr(args, "enable_hierarchical_cache", False):
-        reasons.append(
-            "MLA in prefill/decode disaggregation or with HiCache (the latent pool's "
-            "attested transfers have not run)"
-        )
+    if getattr(args, "enable_hierarchical_cache", False):
+        reasons.append("MLA with HiCache (the latent pool's host copies have not run)")
     return reasons
 
 

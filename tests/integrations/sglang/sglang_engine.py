@@ -112,6 +112,25 @@ def _mla(runs: Runs) -> dict:
     )
 
 
+def mla_incident() -> dict:
+    """The incident's prefill/decode replay (:func:`kvattn.conformance.sglang.replay_incident`)
+    on the DeepSeek-V2-style model of :func:`mla`, once per test run."""
+    runs = Runs()
+    return runs.shared("sglang-mla-pd", lambda: _mla_incident(runs))
+
+
+def _mla_incident(runs: Runs) -> dict:
+    _standins_allowed()
+    work = runs.dir / "sglang-mla-pd"
+    work.mkdir(exist_ok=True)
+    return differential.replay_incident(
+        write_model(runs.dir, sys.executable, family="deepseek-v2"),
+        work,
+        python=VENV_PY,
+        env=dict(PYTHONPATH=str(STANDINS)),
+    )
+
+
 def assert_clean(stock: dict, mine: dict, seeds) -> None:
     """Every request of the clean workloads answers with the same greedy tokens on both servers;
     faults' victims aside, kvattn refused no page and failed no request."""

@@ -16,6 +16,9 @@ The attestation's own failure modes, each one request: a transport that moved on
 frame of another transfer; and the mixed pairs: a kvattn prefill with SGLang's own decode (the
 frame is dropped as an unknown status; the answer is right), SGLang's own prefill with a kvattn
 decode (no attestation: the request fails, saying so).
+
+The whole replay runs twice: on the conformance suite's Llama (SGLang's MHA pool) and on a
+DeepSeek-V2-style model (its MLA pool, whose latent rows are what Mooncake moves).
 """
 
 from __future__ import annotations
@@ -34,9 +37,16 @@ if engine.why_no_mooncake():
     pytest.skip(engine.why_no_mooncake(), allow_module_level=True)
 
 
+@pytest.fixture(scope="module", params=["llama", "deepseek-v2"])
+def model(request):
+    """The conformance suite's Llama (MHA pool), or the DeepSeek-V2-style model (MLA pool: one
+    latent row per token, which the prefill attests and the decode verifies as it does K and V)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def suite():
-    return engine.conformance()["raw"]["incident"]
+def suite(model):
+    return engine.conformance()["raw"]["incident"] if model == "llama" else engine.mla_incident()
 
 
 def _pages(log: list[dict], rid: str) -> set[int]:
@@ -114,8 +124,9 @@ def test_a_kvattn_decode_fails_what_a_stock_prefill_sends(suite):
     assert "no attestation arrived from the prefill instance" in result["message"]
 
 
-def test_counts(suite):
-    """The replay's counts, printed (``pytest -s``) and written to build/differential/sglang-pd.json."""
+def test_counts(suite, model):
+    """The replay's counts, printed (``pytest -s``) and written to build/differential/sglang-pd.json
+    (sglang-pd-deepseek-v2.json)."""
     stock, mine = suite["stock"], suite["kvattn"]
     counts = {
         "victim_pages_that_held_the_tenant_s_kv": len(
@@ -138,7 +149,8 @@ def test_counts(suite):
     }
     out = ROOT / "build" / "differential"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sglang-pd.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
-    print("\nSGLang P/D incident replay:", counts)
+    name = "sglang-pd.json" if model == "llama" else f"sglang-pd-{model}.json"
+    (out / name).write_text(json.dumps(counts, indent=1, sort_keys=True))
+    print(f"\nSGLang P/D incident replay ({model}):", counts)
     assert counts["victim_pages_that_held_the_tenant_s_kv"] > 0
     assert counts["attestation_faults_failed_under_kvattn"] == len(ATTESTATION_FAULTS)
