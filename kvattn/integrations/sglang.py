@@ -86,8 +86,8 @@ two column views (the ``kv_lora_rank`` latent, then the RoPE key), which the poo
 of the model takes SGLang's absorbed MLA path (kvattn's entry in its DeepSeek dispatch), whose
 reads are :func:`kvattn.paged_mla_extend` / :func:`kvattn.paged_mla_decode` over the latent pool,
 checked as above; in prefill/decode disaggregation the latent rows are attested and verified
-as K and V are. fp8 latent caches, DSA and decode-context-parallel pools, MLA under CUDA graphs
-and with HiCache are refused.
+as K and V are; under decode CUDA graphs the MLA decode reads the graph's buffers as the MHA
+decode does. fp8 latent caches, DSA and decode-context-parallel pools and HiCache are refused.
 
 Not supported (refused at setup, saying why): hybrid (SWA, linear), sparse and quantized KV pools
 (scale buffers: FP4, MXFP8), HND layouts, speculative decoding, prefill CUDA graphs (breakable
@@ -256,7 +256,7 @@ def _refuse_unsupported(runner) -> None:
     args = runner.server_args
     reasons = []
     if type(pool) is MLATokenToKVPool:
-        reasons += _mla_refusals(pool, args, str(runner.device))
+        reasons += _mla_refusals(pool, args)
     elif type(pool) is not MHATokenToKVPool:
         reasons.append(
             f"KV pool {type(pool).__name__} (MHATokenToKVPool and MLATokenToKVPool only: "
@@ -291,7 +291,7 @@ def _refuse_unsupported(runner) -> None:
     refuse("sglang", reasons)
 
 
-def _mla_refusals(pool, args, device: str) -> list[str]:
+def _mla_refusals(pool, args) -> list[str]:
     """What of SGLang's MLA pool kvattn's MLA readers do not follow yet."""
     reasons = []
     if pool.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -311,11 +311,6 @@ def _mla_refusals(pool, args, device: str) -> list[str]:
         reasons.append(
             f"{BACKEND_ENV}={backend!r} with an MLA model (kvattn's MLA extend runs on "
             f"{', '.join(backends.AUTO_ORDER['mla_extend'])})"
-        )
-    if device.startswith("cuda") and _graph_backends(args, device)[0] != "disabled":
-        reasons.append(
-            "MLA with decode CUDA graphs (start with --disable-cuda-graph: the MLA step's "
-            "replay has not run through SGLang's graph buffers)"
         )
     if getattr(args, "enable_hierarchical_cache", False):
         reasons.append("MLA with HiCache (the latent pool's host copies have not run)")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import sys
 
-from sglang_driver import DTYPE, Engine, _diff  # first: it stands in torchvision for SGLang
+from sglang_driver import DTYPE, LATENT, Engine, _diff  # first: it stands in torchvision for SGLang
 
 # isort: split
 import torch
@@ -185,8 +185,8 @@ class GraphRunner:
 class GraphEngine(Engine):
     """A kvattn engine whose decode forwards of up to ``max(SIZES)`` rows replay a graph."""
 
-    def __init__(self, page_size: int):
-        super().__init__("kvattn", page_size)
+    def __init__(self, page_size: int, latent=None):
+        super().__init__("kvattn", page_size, latent=latent)
         self.replays: list[dict] = []
         self.skip_refill = False
         self.graphs = GraphRunner(self)
@@ -197,11 +197,11 @@ class GraphEngine(Engine):
         return super()._model(fb)
 
 
-def _engines(page_size: int) -> dict:
+def _engines(page_size: int, latent=None) -> dict:
     return {
-        "torch_native": Engine("torch_native", page_size),
-        "eager": Engine("kvattn", page_size),
-        "graph": GraphEngine(page_size),
+        "torch_native": Engine("torch_native", page_size, latent=latent),
+        "eager": Engine("kvattn", page_size, latent=latent),
+        "graph": GraphEngine(page_size, latent=latent),
     }
 
 
@@ -230,11 +230,11 @@ def _script(e: Engine, page_size: int, fault: bool) -> list[dict]:
     return e.outputs
 
 
-def equality(page_size: int, fault: bool = False) -> dict:
+def equality(page_size: int, fault: bool = False, latent=None) -> dict:
     """The script on torch-native, kvattn eager and kvattn under graphs: per forward, the largest
     output gap of the graph engine to each; what each kvattn engine refused and aborted; the
-    replays' records."""
-    engines = _engines(page_size)
+    replays' records. ``latent``: on SGLang's MLA pool (``sglang_driver.Engine``)."""
+    engines = _engines(page_size, latent)
     outs = {k: _script(e, page_size, fault) for k, e in engines.items()}
     g = engines["graph"]
     last = {k: o[-1] for k, o in outs.items()}
@@ -253,14 +253,18 @@ def equality(page_size: int, fault: bool = False) -> dict:
     )
 
 
-def stale(page_size: int, skip: bool) -> dict:
+def stale(page_size: int, skip: bool, latent=None) -> dict:
     """x and b decode (a graph of 2 rows), then a and b decode on the same graph: with ``skip``,
     the second replay's refill is skipped (its buffers still hold x's and b's pages, under owner
     0). The twin refills. Against torch-native on the same steps."""
     P = page_size
     out = {}
     for kind in ("torch_native", "graph"):
-        e = Engine("torch_native", P) if kind == "torch_native" else GraphEngine(P)
+        e = (
+            Engine("torch_native", P, latent=latent)
+            if kind == "torch_native"
+            else GraphEngine(P, latent)
+        )
         e.admit("x", list(range(500, 500 + P + 4)))
         e.admit("a", list(range(1, P + 6)))
         e.admit("b", list(range(200, 200 + P + 3)))
@@ -329,6 +333,10 @@ SCENARIOS = {
     "stale-16": lambda: stale(16, True),
     "refilled-16": lambda: stale(16, False),
     "refusals": refusals,
+    "mla-clean-16": lambda: equality(16, latent=LATENT),
+    "mla-fault-16": lambda: equality(16, fault=True, latent=LATENT),
+    "mla-stale-16": lambda: stale(16, True, latent=LATENT),
+    "mla-refilled-16": lambda: stale(16, False, latent=LATENT),
 }
 
 if __name__ == "__main__":

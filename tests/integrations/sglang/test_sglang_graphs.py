@@ -57,13 +57,16 @@ def runs() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page_size,replays", [(16, 21), (1, 6)])
-def test_graph_replays_read_as_eager_and_torch_native(runs, page_size, replays):
+@pytest.mark.parametrize(
+    "scenario,replays", [("clean-16", 21), ("clean-1", 6), ("mla-clean-16", 21)]
+)
+def test_graph_replays_read_as_eager_and_torch_native(runs, scenario, replays):
     """Decodes of 3 (padded to a graph of 4), 2, 4 and 1 rows, requests joining and leaving,
     each a replay of the graph of its size refilled on the host: every output equals kvattn's
     eager forward of the same step (bit for bit here) and torch-native's within tolerance, no
-    page refused, no write dropped; every replay read the step and buffers its capture read."""
-    r = runs[f"clean-{page_size}"]
+    page refused, no write dropped; every replay read the step and buffers its capture read.
+    ``mla-``: on SGLang's MLA pool, read by kvattn's MLA decode inside the replay."""
+    r = runs[scenario]
     assert len(r["replays"]) == replays and r["forwards"] == replays + 2  # two eager extends
     assert max(r["gaps_torch_native"]) < TOL
     assert max(r["gaps_eager"]) == 0.0 and r["identical_to_eager"] == r["forwards"]
@@ -75,11 +78,12 @@ def test_graph_replays_read_as_eager_and_torch_native(runs, page_size, replays):
 
 
 @pytest.mark.slow
-def test_a_foreign_page_in_a_replayed_batch_fails_only_its_request(runs):
+@pytest.mark.parametrize("scenario", ["fault-16", "mla-fault-16"])
+def test_a_foreign_page_in_a_replayed_batch_fails_only_its_request(runs, scenario):
     """The twin: in the last replay (3 rows padded to 4) b's first page names a's. SGLang's
     attention reads a's KV for b; under the graph, as eagerly, b alone fails (OWNER_MISMATCH on
     logical page 0), a and c read as torch-native, the padded row reads nothing."""
-    r = runs["fault-16"]
+    r = runs[scenario]
     assert r["aborted"]["torch_native"]["b"] is None
     assert r["last_gaps"]["graph"]["b"] > 0.1
     for kind in ("eager", "graph"):
@@ -101,7 +105,7 @@ def test_padded_rows_read_nothing_and_are_never_reported(runs):
     output 0, in clean replays and in the faulted one alike."""
     padded = [
         p
-        for name in ("clean-16", "clean-1", "fault-16")
+        for name in ("clean-16", "clean-1", "fault-16", "mla-clean-16", "mla-fault-16")
         for p in runs[name]["replays"]
         if p["bs"] > p["raw"]
     ]
@@ -115,10 +119,11 @@ def test_padded_rows_read_nothing_and_are_never_reported(runs):
 
 
 @pytest.mark.slow
-def test_a_refilled_replay_reads_its_batch(runs):
+@pytest.mark.parametrize("scenario", ["refilled-16", "mla-refilled-16"])
+def test_a_refilled_replay_reads_its_batch(runs, scenario):
     """x and b replay a graph of 2 rows, then a and b replay it, refilled: a and b read as
     torch-native, a's new token lands in every layer."""
-    r = runs["refilled-16"]
+    r = runs[scenario]
     assert max(r["gap"].values()) < TOL
     assert r["graph"]["aborted"] == {"x": None, "a": None, "b": None}
     g = r["graph"]
@@ -127,12 +132,13 @@ def test_a_refilled_replay_reads_its_batch(runs):
 
 
 @pytest.mark.slow
-def test_a_replay_whose_refill_was_skipped_fails_closed(runs):
+@pytest.mark.parametrize("scenario", ["stale-16", "mla-stale-16"])
+def test_a_replay_whose_refill_was_skipped_fails_closed(runs, scenario):
     """The twin, refill skipped on purpose: the graph's buffers still hold x's and b's pages, under
     owner 0 since the last forward. Nothing is read (outputs exactly 0, never x's KV), every page
     is refused in the kernel, the writes do not land, and both requests of the batch fail,
     saying their replay was never prepared; x, not in it, does not."""
-    r = runs["stale-16"]
+    r = runs[scenario]
     g = r["graph"]
     assert r["norm"] == {"a": 0.0, "b": 0.0}
     assert min(r["gap"].values()) > 0.1  # torch-native had something to read
