@@ -57,6 +57,7 @@ FAMILIES = {
     "gemma2-hybrid": "sliding_window",
     "gpt-oss-hybrid": "sliding_window",
     "deepseek-v2": None,
+    "deepseek-v2-576": None,
 }
 MISTRAL_WINDOW = 48  # tokens: the query and the 47 before it
 
@@ -188,20 +189,22 @@ def _family_model(family: str, vocab: dict, max_positions: int):
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)
         return model
-    if family == "deepseek-v2":
+    if family in ("deepseek-v2", "deepseek-v2-576"):
         # Multi-head latent attention with DeepSeek-V2's structure at the tiny shapes: a 32-dim
-        # latent (the cache's value part) and a 16-dim RoPE key per token, 4 heads of 16 + 16
-        # query/key dims and 16 value dims; every layer dense (no experts), no query LoRA.
+        # latent (the cache's value part) and a 16-dim RoPE key per token (``-576``: DeepSeek's
+        # own 512 + 64, the only row vLLM's CPU MLA kernel takes), 4 heads of 16 + 16 query/key
+        # dims and 16 value dims; every layer dense (no experts), no query LoRA.
+        lora, rope = (512, 64) if family.endswith("-576") else (32, 16)
         config = transformers.DeepseekV2Config(
             hidden_size=tiny["hidden_size"],
             intermediate_size=tiny["intermediate_size"],
             num_hidden_layers=tiny["num_hidden_layers"],
             num_attention_heads=tiny["num_attention_heads"],
             num_key_value_heads=tiny["num_attention_heads"],
-            kv_lora_rank=32,
+            kv_lora_rank=lora,
             q_lora_rank=None,
             qk_nope_head_dim=16,
-            qk_rope_head_dim=16,
+            qk_rope_head_dim=rope,
             v_head_dim=16,
             first_k_dense_replace=tiny["num_hidden_layers"],
             n_routed_experts=4,  # unused: every layer is dense

@@ -50,6 +50,10 @@ whose attention is kvattn's, and are documented in ``docs/vllm.md``):
 - **KV cache groups** (hybrid models: window and full layers): a lease holds one block list per
   group, a step builds one batch per group, tags are one row per layer.
 
+MLA models on the CPU platform get :class:`~kvattn.integrations.vllm_mla_backend.KVAttnMLABackend`
+(in the slot of vLLM's CPU MLA backend, chosen for every MLA layer): every token through the
+absorbed path, read by kvattn's MLA extend and decode over vLLM's latent cache.
+
 The attention layers' switches (sliding window, logit soft-cap, sinks, ALiBi) go to kvattn's
 kernels, and an fp8 KV cache (``FP8_CACHE_DTYPES``) is written with vLLM's scales and rounding and
 read as kvattn's fp8 pools (kvattn.integrations.vllm_backend). Speculative decoding with the
@@ -102,6 +106,9 @@ GPU_BACKEND_PATH = "kvattn.integrations.vllm_backend.KVAttnGPUBackend"
 GPU_BACKEND_NAME = "KVATTN"
 LAYOUT_ENV = "KVATTN_VLLM_LAYOUT"
 LAYOUTS = ("cpu", "gpu")
+# MLA models on vLLM's CPU platform: kvattn's MLA backend in the slot of vLLM's CPU MLA backend,
+# chosen for every MLA layer (vLLM's AMX MLA backend included).
+MLA_BACKEND_PATH = "kvattn.integrations.vllm_mla_backend.KVAttnMLABackend"
 
 logger = logging.getLogger("kvattn")
 
@@ -185,6 +192,8 @@ def register() -> None:
         register_backend(
             AttentionBackendEnum.CPU_ATTN, GPU_BACKEND_PATH if layout == "gpu" else BACKEND_PATH
         )
+        register_backend(AttentionBackendEnum.CPU_MLA, MLA_BACKEND_PATH)
+        _install_cpu_mla_selection(type(current_platform))
     else:
         _install_cuda_selection(type(current_platform))
     _install_hooks()
@@ -232,6 +241,22 @@ def _install_cuda_selection(platform_cls) -> None:
 
     platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     platform_cls._kvattn_selection = True
+
+
+def _install_cpu_mla_selection(platform_cls) -> None:
+    """Every MLA layer on vLLM's CPU platform gets kvattn's MLA backend: the platform would give
+    an AMX-capable CPU vLLM's AMX MLA backend, which kvattn does not check."""
+    if getattr(platform_cls, "_kvattn_mla_selection", False):
+        return
+    select = platform_cls.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_mla and not attn_selector_config.use_sparse:
+            return MLA_BACKEND_PATH
+        return select(cls, selected_backend, attn_selector_config, num_heads)
+
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    platform_cls._kvattn_mla_selection = True
 
 
 def _install_hooks() -> None:
@@ -373,7 +398,8 @@ def attach(
     vllm_config, layer_names: list[str], block_size: int, check: bool, layout: str = "cpu"
 ) -> WorkerOwnership:
     """Called by kvattn's attention builder: the state of this engine, created on first use.
-    ``layout``: the cache layout of the builder's backend (``LAYOUTS``)."""
+    ``layout``: the cache layout of the builder's backend (``LAYOUTS``), or ``"mla"`` (the MLA
+    backend's latent cache)."""
     state = state_for(vllm_config)
     if state is None:
         _refuse_unsupported(vllm_config, layout)
@@ -383,7 +409,11 @@ def attach(
         logging.getLogger("vllm.kvattn").info(
             "kvattn: ownership-checked attention in place of vLLM's %s (block size %d, kvattn "
             "backend %r)",
-            "CPU attention" if layout == "cpu" else "attention, on vLLM's GPU cache layout",
+            {
+                "cpu": "CPU attention",
+                "gpu": "attention, on vLLM's GPU cache layout",
+                "mla": "CPU MLA attention",
+            }[layout],
             block_size,
             state.backend,
         )
@@ -398,6 +428,16 @@ def attach(
 
 def _refuse_unsupported(vllm_config, layout: str = "cpu") -> None:
     reasons = []
+    if layout == "mla":
+        parallel = vllm_config.parallel_config
+        if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+            # Context parallelism splits each request's latent rows across ranks and sends
+            # prefill tokens to vLLM's MHA path, which reads the cache past the backend.
+            reasons.append("MLA with decode or prefill context parallelism")
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            reasons.append("KV connectors with MLA (no attested MLA transfer has run under vLLM)")
+        if vllm_config.speculative_config is not None:
+            reasons.append("speculative decoding with MLA (not run)")
     if getattr(vllm_config, "use_v2_model_runner", False):
         # vLLM's default on CUDA where Triton imports: its runner is another class, whose steps
         # the hooks below (GPUModelRunner.execute_model, sample_tokens) never see.

@@ -612,6 +612,48 @@ def spec_scenario(model: str) -> dict:
     return out
 
 
+def mla_scenario(model: str) -> dict:
+    """A DeepSeek-V2-style model (multi-head latent attention: vLLM's MLA layer and latent cache):
+    greedy tokens of prompts of 5 to 130 tokens in one batch and a request arriving while they
+    decode, then three faults each next to a clean run of the same requests (vLLM's CPU platform
+    turns chunked prefill and prefix caching off for MLA models, so the stale-prefix fault has
+    nothing to act on)."""
+    engine = Engine(make_llm(model, block_size=16))
+    out: dict = {"block_size": engine.runner.cache_config.block_size}
+    backends = {
+        type(layer.impl).__name__
+        for layer in engine.runner.compilation_config.static_forward_context.values()
+        if hasattr(layer, "impl")
+    }
+    out["impls"] = sorted(backends)
+    first = [(f"p{i}", prompt(10 + i, n), 8, None) for i, n in enumerate((5, 17, 40, 75, 130))]
+    late = [("late", prompt(16, 33), 8, ("tokens", "p2", 3))]
+    out["equality"] = engine.run(first + late)
+    out["equality_ledger"] = _ledger(engine)
+    v, o = prompt(30, 70), prompt(31, 50)
+    out["foreign_entry"] = scenario(
+        engine,
+        [("victim", v, 10, None), ("other", o, 10, None), ("third", prompt(32, 20), 10, None)],
+        foreign_entry,
+    )
+    out["early_free"] = scenario(
+        engine,
+        [
+            ("victim", v, 12, None),
+            ("other", prompt(33, 30), 12, None),
+            ("newcomer", prompt(34, 45), 8, ("tokens", "victim", 2)),
+        ],
+        early_free,
+    )
+    out["lost_prefill"] = scenario(
+        engine,
+        [("victim", prompt(35, 100), 8, None), ("other", prompt(36, 40), 8, None)],
+        lost_prefill,
+    )
+    out["failures_total"] = len(engine.failures())
+    return out
+
+
 if __name__ == "__main__":
     name, model_dir, out_path = sys.argv[1:4]
     extra = sys.argv[4:]
@@ -623,6 +665,7 @@ if __name__ == "__main__":
         "same_step": same_step_scenario,
         "variants": variants_scenario,
         "spec": spec_scenario,
+        "mla": mla_scenario,
     }[name](model_dir, *extra)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

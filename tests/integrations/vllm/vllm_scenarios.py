@@ -31,6 +31,17 @@ class Runs(engines.Runs):
             ),
         )
 
+    def mla(self) -> dict:
+        """vllm_driver.py's ``mla`` scenario on a DeepSeek-V2-style model with DeepSeek's
+        512 + 64 latent row (vLLM's CPU MLA kernel takes no other), on both attentions."""
+        return self.shared(
+            "mla",
+            lambda: self.drive(
+                [("mla-stock", DRIVER, False, ("mla",)), ("mla-kvattn", DRIVER, True, ("mla",))],
+                family="deepseek-v2-576",
+            ),
+        )
+
     def disaggregated(self) -> dict:
         def compute():
             stores = {b: self.dir / f"store-{b}" for b in ("stock", "kvattn")}
