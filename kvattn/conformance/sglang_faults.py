@@ -335,7 +335,9 @@ def _wrap_load_back(module) -> None:
                 host = controller.mem_pool_host
                 host = getattr(getattr(host, "anchor_entry", None), "host_pool", host)
                 rows = ops[0].host_indices[: controller.page_size].to(torch.int64)
-                host.k_buffer[:, rows] += 1.0  # [layers, tokens, heads, head_dim]: layer_first
+                # [layers, tokens, heads, head_dim] (an MLA pool's: [layers, tokens, 1, dims]),
+                # layer_first
+                (host.kv_buffer if hasattr(host, "kv_buffer") else host.k_buffer)[:, rows] += 1.0
         return result
 
     module.UnifiedRadixCache.init_load_back = hook

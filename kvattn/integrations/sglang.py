@@ -87,7 +87,8 @@ of the model takes SGLang's absorbed MLA path (kvattn's entry in its DeepSeek di
 reads are :func:`kvattn.paged_mla_extend` / :func:`kvattn.paged_mla_decode` over the latent pool,
 checked as above; in prefill/decode disaggregation the latent rows are attested and verified
 as K and V are; under decode CUDA graphs the MLA decode reads the graph's buffers as the MHA
-decode does. fp8 latent caches, DSA and decode-context-parallel pools and HiCache are refused.
+decode does; HiCache's host copies of latent rows are attested and verified as K/V pages are.
+fp8 latent caches, DSA and decode-context-parallel pools are refused.
 
 Not supported (refused at setup, saying why): hybrid (SWA, linear), sparse and quantized KV pools
 (scale buffers: FP4, MXFP8), HND layouts, speculative decoding, prefill CUDA graphs (breakable
@@ -312,8 +313,6 @@ def _mla_refusals(pool, args) -> list[str]:
             f"{BACKEND_ENV}={backend!r} with an MLA model (kvattn's MLA extend runs on "
             f"{', '.join(backends.AUTO_ORDER['mla_extend'])})"
         )
-    if getattr(args, "enable_hierarchical_cache", False):
-        reasons.append("MLA with HiCache (the latent pool's host copies have not run)")
     return reasons
 
 

@@ -90,26 +90,31 @@ def _conformance(runs: Runs) -> dict:
 
 
 def mla() -> dict:
-    """The differential workloads of :func:`kvattn.conformance.sglang.serve_workloads` (seed 0,
-    page size 16) on a random-weight DeepSeek-V2-style model (kvattn.conformance.model's
-    ``deepseek-v2``: multi-head latent attention, SGLang's MLA pool), once per test run: a server
-    on SGLang's ``torch_native`` attention and one on kvattn's."""
+    """On a random-weight DeepSeek-V2-style model (kvattn.conformance.model's ``deepseek-v2``:
+    multi-head latent attention, SGLang's MLA pool), once per test run, servers on SGLang's
+    ``torch_native`` attention and on kvattn's: ``servers``, the differential workloads of
+    :func:`kvattn.conformance.sglang.serve_workloads` (seed 0, page size 16), and ``offload``,
+    HiCache's lane (:func:`kvattn.conformance.sglang.serve_offload`)."""
     runs = Runs()
     return runs.shared("sglang-mla", lambda: _mla(runs))
 
 
 def _mla(runs: Runs) -> dict:
     _standins_allowed()
-    work = runs.dir / "sglang-mla"
-    work.mkdir(exist_ok=True)
-    return differential.serve_workloads(
-        write_model(runs.dir, sys.executable, family="deepseek-v2"),
-        work,
-        seeds=(0,),
-        page_sizes=(16,),
-        python=VENV_PY,
-        env=dict(PYTHONPATH=str(STANDINS)),
+    model = write_model(runs.dir, sys.executable, family="deepseek-v2")
+    folders = {name: runs.dir / f"sglang-mla-{name}" for name in ("servers", "offload")}
+    for folder in folders.values():
+        folder.mkdir(exist_ok=True)
+    env = dict(PYTHONPATH=str(STANDINS))
+    servers, offload = differential.concurrently(
+        [
+            lambda: differential.serve_workloads(
+                model, folders["servers"], (0,), (16,), python=VENV_PY, env=env
+            ),
+            lambda: differential.serve_offload(model, folders["offload"], VENV_PY, env),
+        ]
     )
+    return dict(servers=servers, offload=offload)
 
 
 def mla_incident() -> dict:
@@ -172,3 +177,31 @@ def assert_only_the_victim_fails(stock: dict, mine: dict, fault: str, seeds) -> 
         for rid, result in faulted.items():
             if rid != victim:
                 assert result["status"] == 200 and result["ids"] == clean[rid]["ids"], rid
+
+
+def assert_offload(offload: dict) -> None:
+    """HiCache on both attentions. Clean: ``b``'s match, the four pages of ``a``'s prompt, comes
+    back from host memory after the fillers evicted it from the device, and both attentions give
+    the same tokens; kvattn committed the pages it loaded back by their attestations. With the
+    host copy of the first page changed before the load-back, SGLang's attention answers ``b``
+    with other tokens; kvattn commits the three pages that verify, leaves the changed one FREE
+    and fails ``b``, naming it, and only ``b``."""
+    stock, mine = offload["torch_native-hicache"], offload["kvattn-hicache"]
+    for server in (stock, mine):
+        clean = server["runs"]["clean"]
+        assert all(r["status"] == 200 for r in clean.values())
+        assert clean["b"]["cached"] == len(differential.OFFLOADED)
+    assert {n: r["ids"] for n, r in mine["runs"]["clean"].items()} == {
+        n: r["ids"] for n, r in stock["runs"]["clean"].items()
+    }
+    pages = len(differential.OFFLOADED) // 16
+    assert mine["counts"]["restored_pages"] == pages + pages - 1
+    assert mine["counts"]["restored_pages_refused"] == 1
+    assert stock["runs"]["host-corrupt"]["b"]["status"] == 200
+    assert stock["runs"]["host-corrupt"]["b"]["ids"] != stock["runs"]["clean"]["b"]["ids"]
+    faulted = mine["runs"]["host-corrupt"]
+    assert faulted["b"]["status"] >= 400
+    assert "FREE on logical page(s) 0 " in faulted["b"]["message"], faulted["b"]["message"]
+    for name, result in faulted.items():
+        if name != "b":
+            assert result["status"] == 200 and result["ids"] == mine["runs"]["clean"][name]["ids"]

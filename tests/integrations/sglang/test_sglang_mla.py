@@ -10,7 +10,8 @@ written through the pool's ``set_kv_buffer`` under each request's owner. SGLang'
 runs the same path (the stand-ins' ``sitecustomize`` gives it to ``torch_native``, whose MHA path
 fails on a latent cache here). Clean, every request's greedy tokens are the same on both
 servers (the same as transformers' ``generate`` for this model, checked when it was written);
-with each bookkeeping fault, the victim alone fails under kvattn.
+with each bookkeeping fault, the victim alone fails under kvattn. Then HiCache's offload lane:
+latent rows backed up to host memory and loaded back are verified before they are read.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SEEDS = (0,)
 
 @pytest.fixture(scope="module")
 def servers():
-    suite = engine.mla()["servers"]
+    suite = engine.mla()["servers"]["servers"]
     return suite["torch_native-p16"], suite["kvattn-p16"]
 
 
@@ -41,3 +42,9 @@ def test_clean_workloads_give_sglang_s_tokens_and_refuse_nothing(servers):
 @pytest.mark.parametrize("fault", tuple(conformance.FAULTS))
 def test_a_fault_fails_the_victim_and_only_the_victim(servers, fault):
     engine.assert_only_the_victim_fails(*servers, fault, SEEDS)
+
+
+def test_a_latent_prefix_loaded_back_from_host_memory_is_read_once_verified():
+    """HiCache's lane (test_sglang_engine.py's) on the MLA pool: the latent rows backed up to
+    host memory and loaded back are verified against their attestation before they are read."""
+    engine.assert_offload(engine.mla()["offload"])

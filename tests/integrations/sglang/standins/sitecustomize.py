@@ -121,6 +121,7 @@ if importlib.util.find_spec("sglang") is not None:
                 "sglang.srt.disaggregation.mooncake.conn": [_host_indices],
                 "sglang.srt.mem_cache.pool_host.common": [_plain_host_memory],
                 "sglang.srt.mem_cache.pool_host.mha": [_direct_copy],
+                "sglang.srt.mem_cache.pool_host.mla": [_direct_copy],
                 "sglang.srt.models.deepseek_common.attention_backend_handler": [_absorbed_mla],
             }
         ),
