@@ -90,7 +90,8 @@ as K and V are; under decode CUDA graphs the MLA decode reads the graph's buffer
 decode does; HiCache's host copies of latent rows are attested and verified as K/V pages are.
 fp8 latent caches, DSA and decode-context-parallel pools are refused.
 
-Not supported (refused at setup, saying why): hybrid (SWA, linear), sparse and quantized KV pools
+Not supported (refused at setup, saying why): a prefill or decode phase on another attention
+backend (its reads would be unchecked), hybrid (SWA, linear), sparse and quantized KV pools
 (scale buffers: FP4, MXFP8), HND layouts, speculative decoding, prefill CUDA graphs (breakable
 or full), breakable decode graphs, decode graphs with torch.compile, LoRA, two-batch overlap,
 PD multiplexing or SGLang's metadata glue graph, CPU graphs (torch.compile on ``--device cpu``),
@@ -276,6 +277,7 @@ def _refuse_unsupported(runner) -> None:
         reasons.append(f"KV cache layout {pool.kv_cache_layout!r} ('nhd' only)")
     elif pool.head_dim != pool.v_head_dim:
         reasons.append(f"V head dim {pool.v_head_dim} != K head dim {pool.head_dim}")
+    reasons += _phase_refusals(args)
     if getattr(args, "speculative_algorithm", None):
         reasons.append("speculative decoding")
     reasons += _graph_refusals(*_graph_backends(args, str(runner.device)), str(runner.device), args)
@@ -290,6 +292,20 @@ def _refuse_unsupported(runner) -> None:
     if mode in ("prefill", "decode"):
         reasons += _disaggregation_refusals(mode, transfer, args)
     refuse("sglang", reasons)
+
+
+def _phase_refusals(args) -> list[str]:
+    """A phase (prefill or decode) given another attention backend than kvattn's: SGLang would
+    run that phase's reads of the cache through it, unchecked."""
+    reasons = []
+    for phase in ("prefill", "decode"):
+        chosen = getattr(args, f"{phase}_attention_backend", None)
+        if chosen and chosen != BACKEND_NAME:
+            reasons.append(
+                f"--{phase}-attention-backend {chosen} (that phase would read the KV cache "
+                f"unchecked: leave it unset or name {BACKEND_NAME!r})"
+            )
+    return reasons
 
 
 def _mla_refusals(pool, args) -> list[str]:

@@ -106,6 +106,24 @@ def test_disaggregation_modes_the_attestation_does_not_cover_are_refused(monkeyp
     )
 
 
+def test_a_phase_on_another_attention_backend_is_refused():
+    """SGLang's split backends: a prefill or decode phase named to another backend would read the
+    cache unchecked; unset or kvattn's, both phases are kvattn's."""
+    from types import SimpleNamespace
+
+    from kvattn.integrations import sglang
+
+    for unset in (dict(), dict(prefill_attention_backend=None, decode_attention_backend="kvattn")):
+        assert sglang._phase_refusals(SimpleNamespace(**unset)) == []
+    refused = sglang._phase_refusals(
+        SimpleNamespace(prefill_attention_backend="fa3", decode_attention_backend="torch_native")
+    )
+    assert [r.split(" (")[0] for r in refused] == [
+        "--prefill-attention-backend fa3",
+        "--decode-attention-backend torch_native",
+    ]
+
+
 def test_hicache_is_taken_where_the_checked_restore_covers_it():
     """Host-memory HiCache runs under kvattn (its restores are verified); a storage backend,
     buffer-only host memory and HiSparse fill device pages past that check and are refused."""
