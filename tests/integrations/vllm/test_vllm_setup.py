@@ -10,10 +10,14 @@ def _vllm_config(
     encoder_decoder=False,
     prompt_embeds=False,
     transfer=None,
+    context_parallel=1,
 ):
     from types import SimpleNamespace
 
     return SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=context_parallel, prefill_context_parallel_size=1
+        ),
         kv_transfer_config=transfer,
         speculative_config=speculative,
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
@@ -210,3 +214,29 @@ def test_vllm_decode_resolves_once_except_where_the_compiled_cpu_decode_checks_e
     assert not state._compiled_cpu_decode(cuda)
     state.backend = "torch"
     assert not state._compiled_cpu_decode(cpu)
+
+
+def test_mla_models_run_where_every_read_reaches_the_backend():
+    """An MLA model's engine (layout ``mla``: kvattn's MLA backend) is set up plain; the twin: with
+    context parallelism (prefill tokens would go to vLLM's MHA path, which gathers the latent
+    cache past the backend), a KV connector or speculative decoding, it is refused, naming each."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from kvattn.integrations import vllm as integration
+
+    integration._refuse_unsupported(_vllm_config(), layout="mla")
+    config = _vllm_config(
+        speculative=SimpleNamespace(method="ngram"),
+        transfer=SimpleNamespace(kv_role="kv_both", kv_connector="CheckedNixlConnector"),
+        context_parallel=2,
+    )
+    with pytest.raises(integration.IntegrationError) as refused:
+        integration._refuse_unsupported(config, layout="mla")
+    for reason in (
+        "MLA with decode or prefill context parallelism",
+        "KV connectors with MLA",
+        "speculative decoding with MLA",
+    ):
+        assert reason in str(refused.value)
