@@ -279,7 +279,10 @@ def _refuse_unsupported(runner) -> None:
         reasons.append(f"V head dim {pool.v_head_dim} != K head dim {pool.head_dim}")
     reasons += _phase_refusals(args)
     if getattr(args, "speculative_algorithm", None):
-        reasons.append("speculative decoding")
+        reasons.append(
+            f"speculative decoding ({args.speculative_algorithm}: the verify pass's tree mask "
+            "and the accepted tokens' KV moves, past set_kv_buffer, are not followed)"
+        )
     reasons += _graph_refusals(*_graph_backends(args, str(runner.device)), str(runner.device), args)
     if getattr(args, "enable_dp_attention", False):
         reasons.append("DP attention (padded idle batches)")

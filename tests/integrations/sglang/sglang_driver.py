@@ -731,6 +731,38 @@ def mla_refusals() -> dict:
     return out
 
 
+def config_refusals() -> dict:
+    """What kvattn's setup says of an engine with each configuration it does not run: SGLang's
+    hybrid sliding-window pool, n-gram speculative decoding, DP attention."""
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    out = {}
+    for name in ("swa-pool", "speculative", "dp-attention"):
+        runner = Engine("torch_native", 16).runner
+        if name == "swa-pool":
+            runner.token_to_kv_pool = SWAKVPool(
+                size=256,
+                size_swa=128,
+                page_size=16,
+                dtype=DTYPE,
+                head_num=2,
+                head_dim=16,
+                swa_attention_layer_ids=[0],
+                full_attention_layer_ids=[1],
+                device="cpu",
+            )
+        elif name == "speculative":
+            runner.server_args.speculative_algorithm = "NGRAM"
+        else:
+            runner.server_args.enable_dp_attention = True
+        try:
+            integration._refuse_unsupported(runner)
+            out[name] = None
+        except integration.IntegrationError as e:
+            out[name] = str(e)
+    return out
+
+
 def guards() -> dict:
     """kvattn's hooks on one engine of each kind: around ``enable_fused_set_kv_buffer`` under
     SGLang's forward context (off for a kvattn engine's pool whatever the platform would choose),
@@ -777,6 +809,7 @@ SCENARIOS = {
     "mla-prefix-clean-16": lambda: stale_prefix(16, False, latent=LATENT),
     "mla-prefix-stale-16": lambda: stale_prefix(16, True, latent=LATENT),
     "mla-refusals": mla_refusals,
+    "config-refusals": config_refusals,
 }
 
 if __name__ == "__main__":

@@ -101,6 +101,13 @@ def test_mla_pools_run_in_float_dtypes_and_fp8_latent_caches_are_refused(runs):
     assert r["decode"] is None and r["hicache"] is None
 
 
+def test_configurations_kvattn_does_not_run_are_refused_naming_them(runs):
+    r = runs["config-refusals"]
+    assert "KV pool SWAKVPool (MHATokenToKVPool and MLATokenToKVPool only" in r["swa-pool"]
+    assert "speculative decoding (NGRAM: the verify pass's tree mask" in r["speculative"]
+    assert "DP attention" in r["dp-attention"]
+
+
 def test_fp8_radix_hit_on_changed_pages_fails_closed(runs):
     """The twin over an fp8 pool: a match whose pages were evicted and rewritten by another
     request is refused (OWNER_MISMATCH), and the evicted bytes, NaN codes where the other request
