@@ -523,12 +523,22 @@ def serve_workloads(
     page_sizes=PAGE_SIZES,
     python=sys.executable,
     env: dict | None = None,
+    extra: tuple = (),
 ) -> dict:
     """Per server (``torch_native-p16``, ``kvattn-p16``, ...): ``runs`` (``clean-SEED`` and
     ``FAULT-SEED``: each request's result; ``domains-clean`` and ``domains-salt-ignored``: the
-    class-5 lanes), what the injectors did and kvattn's counts."""
+    class-5 lanes), what the injectors did and kvattn's counts. ``extra``: more server
+    arguments (speculative decoding's, say)."""
     servers = [
-        Server(f"{kind}-p{p}", kind, folder, page_size=p, extra=POOL, python=python, env=env)
+        Server(
+            f"{kind}-p{p}",
+            kind,
+            folder,
+            page_size=p,
+            extra=POOL + tuple(extra),
+            python=python,
+            env=env,
+        )
         for p in page_sizes
         for kind in ("torch_native", "kvattn")
     ]

@@ -170,10 +170,16 @@ def _apply(runner, fb):
     undo, written = [], []
     rows = [int(r) for r in fb.req_pool_indices.tolist()]
     seq_lens = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
-    decode = fb.forward_mode.is_decode()
+    # Speculative decoding's verify forwards are its decodes: each request's draft tokens after
+    # its committed ones (seq_lens).
+    verify = fb.forward_mode.is_target_verify()
+    decode = fb.forward_mode.is_decode() or verify
     P = runner.token_to_kv_pool_allocator.page_size
     table = runner.req_to_token_pool.req_to_token
-    q_lens = [1] * len(rows) if decode else [int(n) for n in fb.extend_seq_lens_cpu]
+    if verify:
+        q_lens = [int(fb.spec_info.draft_token_num)] * len(rows)
+    else:
+        q_lens = [1] * len(rows) if decode else [int(n) for n in fb.extend_seq_lens_cpu]
     prefix = [0] * len(rows) if decode else [int(n) for n in fb.extend_prefix_lens_cpu]
     # The span a swap covers: one page, and at least SPAN tokens (so that at page size 1 the
     # fault changes what SGLang's own attention answers).

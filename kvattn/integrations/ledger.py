@@ -188,6 +188,9 @@ class Step:
     # receives the slot mapping with those at -1.
     padding: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    # A verify forward of speculative decoding: the draft trees' mask (kvattn.paged_extend's
+    # ``custom_mask``), ANDed with causality.
+    custom_mask: torch.Tensor | None = None
 
     def write(
         self,
@@ -262,6 +265,7 @@ class Step:
                 tags,
                 self.expected,
                 causal=True,
+                custom_mask=self.custom_mask,
                 **common,
             )
         self._add(layer, report)

@@ -90,9 +90,15 @@ as K and V are; under decode CUDA graphs the MLA decode reads the graph's buffer
 decode does; HiCache's host copies of latent rows are attested and verified as K/V pages are.
 fp8 latent caches, DSA and decode-context-parallel pools are refused.
 
+Speculative decoding with SGLang's n-gram proposer: a verify forward (``TARGET_VERIFY``) is an
+extend of each request's draft tokens, read under their tree mask (:func:`verify_mask`); the rows
+SGLang moves into place after acceptance (the pool's ``move_kv_cache``) move only within pages the
+same owner holds (:meth:`SGLangOwnership._moves`); the next forward takes the slots' token ids
+from the request's accepted ones.
+
 Not supported (refused at setup, saying why): a prefill or decode phase on another attention
 backend (its reads would be unchecked), hybrid (SWA, linear), sparse and quantized KV pools
-(scale buffers: FP4, MXFP8), HND layouts, speculative decoding, prefill CUDA graphs (breakable
+(scale buffers: FP4, MXFP8), HND layouts, speculative decoding but n-gram's, prefill CUDA graphs (breakable
 or full), breakable decode graphs, decode graphs with torch.compile, LoRA, two-batch overlap,
 PD multiplexing or SGLang's metadata glue graph, CPU graphs (torch.compile on ``--device cpu``),
 DP attention, encoder-decoder and cross attention; in prefill/decode disaggregation, transfer
@@ -110,6 +116,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import backends
+from ..tags import STATE_WRITTEN, held_by, tag_owner, tag_state, tag_valid_len
 from ..transfer import DigestKey, attest_pages, verify_arrived
 from . import sglang_transfer
 from .ledger import IntegrationError, Lease, Ledger, cache_domain, refuse
@@ -127,6 +134,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # commits none); Mooncake's carry the prefill's attestation (kvattn.integrations.sglang_transfer).
 TRANSFER_BACKENDS = ("fake", "mooncake")
 GLUE_ON = ("true", "1", "yes", "y")
+# Speculative decoding: SGLang's n-gram proposer, whose drafts are the request's own tokens'
+# continuations (no draft model), verified under their tree mask.
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
 
 
 def check_version(version: str | None = None) -> None:
@@ -172,6 +182,20 @@ def fused_write_hook(original, *args, **kwargs):
     if has_forward_context() and _kvattn_pool(get_token_to_kv_pool()):
         return False
     return original(*args, **kwargs)
+
+
+def last_loc_hook(original, req_to_token, *args, **kwargs):
+    """Around ``sglang.srt.mem_cache.allocation.get_last_loc``: SGLang takes its Triton kernel for
+    every attention backend but ``torch_native`` and ``ascend`` (by name); on a CPU, where Triton
+    has no driver, a kvattn engine's speculative allocation takes SGLang's torch twin instead, as
+    a ``torch_native`` engine's does."""
+    from sglang.srt.runtime_context import attention_backends
+
+    if req_to_token.device.type == "cpu" and BACKEND_NAME in attention_backends():
+        from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+        return get_last_loc_torch(req_to_token, *args, **kwargs)
+    return original(req_to_token, *args, **kwargs)
 
 
 def beam_hook(original, coordinator, req, *args, **kwargs):
@@ -278,11 +302,20 @@ def _refuse_unsupported(runner) -> None:
     elif pool.head_dim != pool.v_head_dim:
         reasons.append(f"V head dim {pool.v_head_dim} != K head dim {pool.head_dim}")
     reasons += _phase_refusals(args)
-    if getattr(args, "speculative_algorithm", None):
-        reasons.append(
-            f"speculative decoding ({args.speculative_algorithm}: the verify pass's tree mask "
-            "and the accepted tokens' KV moves, past set_kv_buffer, are not followed)"
-        )
+    algorithm = getattr(args, "speculative_algorithm", None)
+    if algorithm:
+        name = str(getattr(algorithm, "name", algorithm)).upper()
+        if name not in SPECULATIVE_ALGORITHMS:
+            reasons.append(
+                f"speculative decoding with {name} (supported: "
+                f"{', '.join(SPECULATIVE_ALGORITHMS)}, which runs no draft model: a draft "
+                "model's own attention and KV are not followed)"
+            )
+        elif type(pool) is not MHATokenToKVPool:
+            reasons.append(
+                f"speculative decoding with {type(pool).__name__} (the MLA extend takes no tree "
+                "mask)"
+            )
     reasons += _graph_refusals(*_graph_backends(args, str(runner.device)), str(runner.device), args)
     if getattr(args, "enable_dp_attention", False):
         reasons.append("DP attention (padded idle batches)")
@@ -295,6 +328,29 @@ def _refuse_unsupported(runner) -> None:
     if mode in ("prefill", "decode"):
         reasons += _disaggregation_refusals(mode, transfer, args)
     refuse("sglang", reasons)
+
+
+def verify_mask(mask: torch.Tensor, committed: list[int], drafts: int) -> torch.Tensor:
+    """kvattn's ``custom_mask`` (FlashInfer's layout: per request a row-major ``[drafts,
+    committed + drafts]`` block) of a verify forward, from SGLang's n-gram tree mask: on a CPU a
+    ``[drafts, drafts]`` block per request (True where the column is the row's ancestor or the
+    row itself), which reads the whole committed prefix; elsewhere already in that layout."""
+    full = sum(drafts * (n + drafts) for n in committed)
+    if mask.numel() == full:
+        return mask.to(torch.bool)
+    if mask.numel() != len(committed) * drafts * drafts:
+        raise IntegrationError(
+            f"kvattn.integrations.sglang: a tree mask of {mask.numel()} entries for "
+            f"{len(committed)} request(s) of {drafts} draft tokens"
+        )
+    tree = mask.to(torch.bool).view(len(committed), drafts, drafts)
+    blocks = [
+        torch.cat(
+            [torch.ones(drafts, n, dtype=torch.bool, device=mask.device), tree[b]], dim=1
+        ).reshape(-1)
+        for b, n in enumerate(committed)
+    ]
+    return torch.cat(blocks)
 
 
 def _phase_refusals(args) -> list[str]:
@@ -483,6 +539,9 @@ class _Lease(Lease):
 
     req: object = None  # SGLang's Req, for its token ids and its abort
     tokens: list[int] = field(default_factory=list)  # the token ids its forwards put in the cache
+    # Where the draft tokens of its last verify forward began (speculative decoding), or None:
+    # which of them were accepted, and in which slots, the next forward learns from the request.
+    drafts_from: int | None = None
 
 
 class SGLangOwnership(Ledger):
@@ -578,6 +637,44 @@ class SGLangOwnership(Ledger):
         kv.set_kv_buffer = self.set_kv_buffer
         if self.kv_lora_rank is not None:
             kv.set_mla_kv_buffer = self.set_mla_kv_buffer
+        if hasattr(kv, "move_kv_cache"):
+            move = kv.move_kv_cache
+
+            def move_hook(tgt_loc, src_loc):
+                return move(*self._moves(tgt_loc, src_loc))
+
+            kv.move_kv_cache = move_hook
+
+    def _moves(self, tgt: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Around the pool's ``move_kv_cache`` (speculative decoding moves the accepted drafts'
+        rows into place, past ``set_kv_buffer``): a row moves only from a written slot into a page
+        held by the same owner, in every layer. Any other pair stays unmoved and its target page
+        is released for its owner, so the request that reads it next fails, naming it."""
+        if tgt.numel() == 0:
+            return tgt, src
+        P = self.page_size
+        t, s = tgt.to(torch.int64), src.to(torch.int64)
+        source = self.tags[:, s // P]  # [layers, pairs]
+        target = self.tags[:, t // P]
+        owner = tag_owner(source)
+        ok = (
+            (tag_state(source) == STATE_WRITTEN)
+            & (s % P < tag_valid_len(source))
+            & held_by(target, owner)
+        ).all(0) | (t == s)
+        self.counts["moved_rows"] += int(((t != s) & ok).sum())
+        if bool(ok.all()):
+            return tgt, src
+        bad = sorted(set((t[~ok] // P).tolist()))
+        self.counts["refused_moves"] += int((~ok).sum())
+        self.release(bad, [self.page_owner.get(p, 0) for p in bad])
+        logger.warning(
+            "kvattn: %d KV row move(s) from a slot not written for the target page's owner were "
+            "refused; page(s) %s released",
+            int((~ok).sum()),
+            bad,
+        )
+        return tgt[ok], src[ok]
 
     def _freed(self, pages) -> None:
         if pages is None or pages.numel() == 0:
@@ -603,10 +700,15 @@ class SGLangOwnership(Ledger):
 
     def _tokens(self, lease: _Lease, computed: int, new: list[int]) -> list[int]:
         """The token ids in the cache after this forward: the lease's own record, completed from
-        the request for a prefix it did not compute (a radix hit, a resumed request), then this
-        forward's ``new`` ids at positions ``computed ..``. Under overlap scheduling the request's
-        ``output_ids`` lag the forward by a token; the forward's own input ids do not."""
+        the request for a prefix it did not compute (a radix hit, a resumed request, the drafts a
+        verify forward accepted), then this forward's ``new`` ids at positions ``computed ..``.
+        Under overlap scheduling the request's ``output_ids`` lag the forward by a token; the
+        forward's own input ids do not."""
         tokens = lease.tokens  # kept in place: a decode step appends one id
+        if lease.drafts_from is not None:
+            # A verify forward wrote its draft tree in tree order; the accepted path was moved
+            # into place after it (move_kv_cache): the request's ids say what the slots now hold.
+            del tokens[lease.drafts_from :]
         del tokens[computed:]
         if len(tokens) < computed:
             req = lease.req
@@ -645,11 +747,19 @@ class SGLangOwnership(Ledger):
             for n in (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
         ]
         decode = fb.forward_mode.is_decode()
-        q_lens = [1] * len(rows) if decode else [int(n) for n in fb.extend_seq_lens_cpu]
+        verify = fb.forward_mode.is_target_verify()
+        if verify:
+            # Speculative decoding's verify: each request's draft tree, written after the
+            # committed tokens (SGLang's seq_lens), read under the tree mask.
+            drafts = int(fb.spec_info.draft_token_num)
+            q_lens = [drafts] * len(rows)
+            committed, seq_lens = seq_lens, [n + drafts for n in seq_lens]
+        else:
+            q_lens = [1] * len(rows) if decode else [int(n) for n in fb.extend_seq_lens_cpu]
         keys, owners, names, table, expected = self._resolve(
-            rows, seq_lens, q_lens, fb.input_ids.tolist()
+            rows, seq_lens, q_lens, fb.input_ids.tolist(), verify
         )
-        self.start_step(
+        step = self.start_step(
             keys,
             owners,
             q_lens,
@@ -659,6 +769,8 @@ class SGLangOwnership(Ledger):
             names=names,
             decode_only=decode,
         )
+        if verify:
+            step.custom_mask = verify_mask(fb.spec_info.custom_mask, committed, drafts)
 
     # -- decode forwards replayed from CUDA graphs ------------------------------------------
 
@@ -707,7 +819,12 @@ class SGLangOwnership(Ledger):
         self.fill_graph_step(batch, keys, owners, table, expected, seq_lens, names=names)
 
     def _resolve(
-        self, rows: list[int], seq_lens: list[int], q_lens: list[int], ids: list[int]
+        self,
+        rows: list[int],
+        seq_lens: list[int],
+        q_lens: list[int],
+        ids: list[int],
+        verify: bool = False,
     ) -> tuple[list, list[int], list[str], torch.Tensor, torch.Tensor]:
         """One forward's rows brought up to date on the host (leases synced with their rows of
         ``req_to_token``, the pages they now write reserved): per row its lease key, owner and
@@ -730,7 +847,13 @@ class SGLangOwnership(Ledger):
                 continue
             owners[b], keys[b], names[b] = lease.owner, row, lease.req.rid
             computed = seq_lens[b] - q_lens[b]
+            # The pages the last verify forward wrote are recorded again from the ids the
+            # request accepted (what their content is now).
+            rewritten = min(
+                computed, lease.drafts_from if lease.drafts_from is not None else computed
+            )
             tokens = self._tokens(lease, computed, ids[starts[b] : starts[b + 1]])
+            lease.drafts_from = computed if verify else None
             self._sync(
                 lease,
                 tokens,
@@ -739,6 +862,7 @@ class SGLangOwnership(Ledger):
                 seq_lens[b],
                 reserve,
                 written,
+                rewritten,
             )
             expected[b, : len(lease.expected[0])] = torch.tensor(lease.expected[0][:width])
         self._reserve(reserve, written)
@@ -753,14 +877,16 @@ class SGLangOwnership(Ledger):
         seq_len: int,
         reserve: dict[int, list[int]],
         written: dict[int, tuple[int, bytes]],
+        rewritten: int | None = None,
     ) -> None:
         """Bring ``lease`` up to its row's ``pages`` (a forward over ``seq_len`` tokens whose first
         ``computed`` are already in the cache): a page at a position of its new tokens is its own
         (to ``reserve`` unless it holds it); a page of computed tokens it does not hold is a hit
-        (:meth:`Ledger.hit_owner`). The full pages it writes go to ``written``."""
+        (:meth:`Ledger.hit_owner`). The full pages it writes, and those from token ``rewritten``
+        on (default ``computed``), go to ``written``."""
         P = self.page_size
         held_pages, expected = lease.pages[0], lease.expected[0]
-        del lease.keys[len(tokens) // P :]
+        del lease.keys[min(len(tokens), len(tokens) if rewritten is None else rewritten) // P :]
         if self.prefix_caching and len(lease.keys) < len(tokens) // P:
             lease.keys = self.digests(tokens, lease.keys, lease.domain)
         del held_pages[len(pages) :], expected[len(pages) :]
@@ -786,7 +912,8 @@ class SGLangOwnership(Ledger):
                 held_pages.append(page)
                 expected.append(owner)
         if self.prefix_caching:  # full pages it writes now: what a later hit on them must hold
-            for i in range(computed // P, min(seq_len // P, len(pages), len(lease.keys))):
+            first = computed if rewritten is None else rewritten
+            for i in range(first // P, min(seq_len // P, len(pages), len(lease.keys))):
                 if expected[i] == lease.owner and pages[i] >= 0:
                     written[pages[i]] = (lease.owner, lease.keys[i])
 

@@ -140,6 +140,7 @@ def register() -> None:
     import sglang.srt.disaggregation.prefill  # noqa: F401
     import sglang.srt.managers.cache_controller  # noqa: F401
     import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
+    import sglang.srt.mem_cache.allocation  # noqa: F401
     import sglang.srt.models.utils  # noqa: F401
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -149,6 +150,7 @@ def register() -> None:
             integration.commit_transfer_hook,
         ),
         ("sglang.srt.models.utils.enable_fused_set_kv_buffer", integration.fused_write_hook),
+        ("sglang.srt.mem_cache.allocation.get_last_loc", integration.last_loc_hook),
         (
             "sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init",
             integration.beam_hook,

@@ -720,6 +720,7 @@ def mla_refusals() -> dict:
         ("float8_e4m3fn", torch.float8_e4m3fn, {}),
         ("decode", torch.float32, dict(disaggregation_mode="decode")),
         ("hicache", torch.float32, dict(enable_hierarchical_cache=True)),
+        ("ngram", torch.float32, dict(speculative_algorithm="NGRAM")),
     ):
         runner = Engine("torch_native", 16, kv_dtype=dtype, latent=LATENT).runner
         vars(runner.server_args).update(args)
@@ -731,13 +732,38 @@ def mla_refusals() -> dict:
     return out
 
 
+def moves(fault: bool) -> dict:
+    """The rows speculative decoding moves after a verify forward (the pool's ``move_kv_cache``,
+    past ``set_kv_buffer``): A and B prefill, then one of A's rows moves onto another of its own
+    slots; with ``fault``, a row of B's also moves into A's pages. Then both decode."""
+    e = Engine("kvattn", 16)
+    e.pool.use_native_move_kv_cache = True
+    e.admit("A", list(range(1, 21)))
+    e.admit("B", list(range(40, 60)))
+    e.step({"A": 20, "B": 20})
+    a, b = e.slots("A"), e.slots("B")
+    tgt, src = [a[18]], [a[19]]
+    if fault:
+        tgt.append(a[17])
+        src.append(b[5])
+    before = e.pool.k_buffer[0][a[17]].clone()
+    e.pool.move_kv_cache(torch.tensor(tgt), torch.tensor(src))
+    out = dict(
+        own_row_moved=bool(torch.equal(e.pool.k_buffer[0][a[18]], e.pool.k_buffer[0][a[19]])),
+        foreign_row_kept_out=bool(torch.equal(e.pool.k_buffer[0][a[17]], before)),
+    )
+    e.step({"A": 1, "B": 1})
+    out.update(aborted={r: e.aborted(r) for r in ("A", "B")}, counts=dict(e.state.counts))
+    return out
+
+
 def config_refusals() -> dict:
     """What kvattn's setup says of an engine with each configuration it does not run: SGLang's
-    hybrid sliding-window pool, n-gram speculative decoding, DP attention."""
+    hybrid sliding-window pool, EAGLE speculative decoding (n-gram's runs: None), DP attention."""
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     out = {}
-    for name in ("swa-pool", "speculative", "dp-attention"):
+    for name in ("swa-pool", "eagle", "ngram", "dp-attention"):
         runner = Engine("torch_native", 16).runner
         if name == "swa-pool":
             runner.token_to_kv_pool = SWAKVPool(
@@ -751,8 +777,8 @@ def config_refusals() -> dict:
                 full_attention_layer_ids=[1],
                 device="cpu",
             )
-        elif name == "speculative":
-            runner.server_args.speculative_algorithm = "NGRAM"
+        elif name in ("eagle", "ngram"):
+            runner.server_args.speculative_algorithm = name.upper()
         else:
             runner.server_args.enable_dp_attention = True
         try:
@@ -810,6 +836,8 @@ SCENARIOS = {
     "mla-prefix-stale-16": lambda: stale_prefix(16, True, latent=LATENT),
     "mla-refusals": mla_refusals,
     "config-refusals": config_refusals,
+    "moves-clean": lambda: moves(False),
+    "moves-fault": lambda: moves(True),
 }
 
 if __name__ == "__main__":

@@ -136,6 +136,40 @@ def _mla_incident(runs: Runs) -> dict:
     )
 
 
+# SGLang's n-gram speculative decoding: four draft tokens a verify forward from a trie of depth
+# 8; at page size 16 SGLang takes draft chains only (breadth 1), at page size 1 trees of up to 10
+# branches.
+NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4")
+NGRAM += ("--speculative-ngram-max-trie-depth", "8", "--speculative-ngram-min-bfs-breadth", "1")
+NGRAM_BREADTH = {16: 1, 1: 10}
+SPEC_SEEDS = (1,)
+
+
+def spec() -> dict:
+    """The differential workloads (``SPEC_SEEDS``) under n-gram speculative decoding at page sizes 16
+    and 1, on the narrow-weight Llama (whose greedy answers loop, so drafts are accepted), once
+    per test run: ``{page size: serve_workloads' servers}``."""
+    runs = Runs()
+    return runs.shared("sglang-spec", lambda: _spec(runs))
+
+
+def _spec(runs: Runs) -> dict:
+    _standins_allowed()
+    model = write_model(runs.dir, sys.executable, family="llama-narrow")
+    folder = runs.dir / "sglang-spec"
+    folder.mkdir(exist_ok=True)
+    env = dict(PYTHONPATH=str(STANDINS))
+
+    def serve(page: int):
+        extra = NGRAM + ("--speculative-ngram-max-bfs-breadth", str(NGRAM_BREADTH[page]))
+        return differential.serve_workloads(
+            model, folder, SPEC_SEEDS, (page,), python=VENV_PY, env=env, extra=extra
+        )
+
+    results = differential.concurrently([lambda p=p: serve(p) for p in NGRAM_BREADTH])
+    return {str(p): r["servers"] for p, r in zip(NGRAM_BREADTH, results)}
+
+
 def assert_clean(stock: dict, mine: dict, seeds) -> None:
     """Every request of the clean workloads answers with the same greedy tokens on both servers;
     faults' victims aside, kvattn refused no page and failed no request."""

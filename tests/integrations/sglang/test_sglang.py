@@ -93,18 +93,34 @@ def test_plain_and_fp8_pools_run_and_other_dtypes_are_refused(runs):
     assert "KV cache dtype torch.int8 (the model's float dtype, float8_e4m3fn or" in r["int8"]
 
 
-def test_mla_pools_run_in_float_dtypes_and_fp8_latent_caches_are_refused(runs):
+def test_mla_pools_run_in_float_dtypes_and_fp8_or_speculation_are_refused(runs):
     r = runs["mla-refusals"]
     assert r["float32"] is None and r["bfloat16"] is None
     assert "MLA KV cache dtype torch.float8_e4m3fn" in r["float8_e4m3fn"]
     # A P/D decode instance and HiCache: transfers and host copies are attested as K/V's.
     assert r["decode"] is None and r["hicache"] is None
+    assert "speculative decoding with MLATokenToKVPool (the MLA extend takes no tree" in r["ngram"]
+
+
+def test_speculative_row_moves_stay_inside_the_request_s_pages(runs):
+    """Speculative decoding moves accepted drafts' rows into place through the pool's
+    ``move_kv_cache``, past ``set_kv_buffer``: a move within A's own pages happens and A reads on;
+    the twin also moves a row of B's into A's page, which is refused: the row stays out, the page
+    is released, and A alone fails at its next forward, naming it."""
+    clean, fault = runs["moves-clean"], runs["moves-fault"]
+    for r in (clean, fault):
+        assert r["own_row_moved"] and r["foreign_row_kept_out"]
+        assert r["counts"]["moved_rows"] == 1 and r["aborted"]["B"] is None
+    assert clean["aborted"]["A"] is None and "refused_moves" not in clean["counts"]
+    assert fault["counts"]["refused_moves"] == 1
+    assert "reads: FREE on logical page(s) 1 (page " in fault["aborted"]["A"]
 
 
 def test_configurations_kvattn_does_not_run_are_refused_naming_them(runs):
     r = runs["config-refusals"]
     assert "KV pool SWAKVPool (MHATokenToKVPool and MLATokenToKVPool only" in r["swa-pool"]
-    assert "speculative decoding (NGRAM: the verify pass's tree mask" in r["speculative"]
+    assert r["ngram"] is None  # its verify forwards run (test_sglang_spec.py)
+    assert "speculative decoding with EAGLE (supported: NGRAM, which runs no draft" in r["eagle"]
     assert "DP attention" in r["dp-attention"]
 
 

@@ -18,6 +18,12 @@ detokenizer processes inherit it).
   ``forward_extend``/``forward_decode`` read the latent cache correctly on the absorbed MLA path,
   which it is given instead, so that the engine's own attention runs MLA models here.
 
+- SGLang's ``torch_native`` backend has no path for the verify forwards of speculative decoding
+  (``TARGET_VERIFY``: its extend path needs prefix lengths the verify batch does not carry); it is
+  given one: each request's draft tokens attend over its committed prefix and, within the draft
+  tree, their ancestors and themselves (the tree mask SGLang's n-gram worker builds: on a CPU a
+  ``[draft, draft]`` block per request, elsewhere the full ``[draft, prefix + draft]`` one).
+
 The fault injectors are not here: the conformance suite's server launcher
 (``kvattn.conformance.sglang_server``) installs them.
 """
@@ -84,6 +90,60 @@ def _absorbed_mla(module) -> None:
     )
 
 
+def _verify_path(module) -> None:
+    import torch
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+    from torch.nn.functional import scaled_dot_product_attention
+
+    cls = module.TorchNativeAttnBackend
+    extend = cls.forward_extend
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        fb = forward_batch
+        if not fb.forward_mode.is_target_verify():
+            return extend(self, q, k, v, layer, fb, save_kv_cache=save_kv_cache, **kwargs)
+        spec, batch = fb.spec_info, fb.req_pool_indices.shape[0]
+        n = spec.draft_token_num
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(fb.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+        keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        values = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        out = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out_ = out.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        mask, offset = spec.custom_mask, 0
+        full = mask.numel() != batch * n * n
+        for b in range(batch):
+            prefix = int(fb.seq_lens[b])
+            slots = self.req_to_token_pool.req_to_token[fb.req_pool_indices[b], : prefix + n]
+            if full:
+                m = mask[offset : offset + n * (prefix + n)].view(n, prefix + n).bool()
+                offset += n * (prefix + n)
+            else:
+                tree = mask[b * n * n : (b + 1) * n * n].view(n, n).bool()
+                m = torch.cat(
+                    [torch.ones(n, prefix, dtype=torch.bool, device=tree.device), tree], 1
+                )
+            rows = slots.long()
+            out_[b * n : (b + 1) * n] = (
+                scaled_dot_product_attention(
+                    q_[b * n : (b + 1) * n].movedim(0, 1).unsqueeze(0),
+                    keys[rows].movedim(0, 1).unsqueeze(0).to(q.dtype),
+                    values[rows].movedim(0, 1).unsqueeze(0).to(q.dtype),
+                    attn_mask=m,
+                    scale=layer.scaling,
+                    enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+                )
+                .squeeze(0)
+                .movedim(0, 1)
+            )
+        return out
+
+    cls.forward_extend = forward_extend
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls each of ``callbacks[name]`` with the module right after module ``name`` has run."""
 
@@ -123,6 +183,7 @@ if importlib.util.find_spec("sglang") is not None:
                 "sglang.srt.mem_cache.pool_host.mha": [_direct_copy],
                 "sglang.srt.mem_cache.pool_host.mla": [_direct_copy],
                 "sglang.srt.models.deepseek_common.attention_backend_handler": [_absorbed_mla],
+                "sglang.srt.layers.attention.torch_native_backend": [_verify_path],
             }
         ),
     )

@@ -1,8 +1,10 @@
 """Test-only stand-in for ``sgl_kernel`` on a CPU without AMX, where SGLang 0.5.23 falls back to
-torch everywhere but still imports ``sgl_kernel`` at module level and calls one op of it
-(``assign_req_to_token_pool_cpu``). That op is implemented here in torch; any other top-level
-name imports and raises NotImplementedError when called; submodules (``sgl_kernel.x``) do not
-exist, so SGLang's own ImportError fallbacks apply.
+torch everywhere but still imports ``sgl_kernel`` at module level and calls a few ops of it:
+``assign_req_to_token_pool_cpu``, and for n-gram speculative decoding the ops of
+``_spec_ops.py`` and ``sgl_kernel.speculative``. Those are implemented here in torch (each after
+the Triton kernel or contract SGLang names for it); any other top-level name imports and raises
+NotImplementedError when called; other submodules (``sgl_kernel.x``) do not exist, so SGLang's own
+ImportError fallbacks apply.
 
 The engine suite puts this folder on the servers' path only when no real ``sgl_kernel`` is
 installed, and this module refuses to load if one lies further down ``sys.path``."""
@@ -27,7 +29,7 @@ def __getattr__(name):
 
     def missing(*args, **kwargs):
         raise NotImplementedError(
-            f"sgl_kernel.{name} (the test-only stand-in has only assign_req_to_token_pool_cpu)"
+            f"sgl_kernel.{name} (the test-only stand-in has only the ops SGLang calls on a CPU)"
         )
 
     missing.__name__ = missing.__qualname__ = name
@@ -48,3 +50,21 @@ def assign_req_to_token_pool_cpu(
             req_to_token.dtype
         )
         offset += end - start
+
+
+from ._spec_ops import (  # noqa: E402
+    assign_extend_cache_locs_cpu,
+    copy_all_layer_kv_cache_cpu,
+    fill_accept_out_cache_loc_cpu,
+    fill_bonus_tokens_cpu,
+    verify_tree_greedy_cpu,
+)
+
+__all__ = [
+    "assign_req_to_token_pool_cpu",
+    "assign_extend_cache_locs_cpu",
+    "copy_all_layer_kv_cache_cpu",
+    "fill_accept_out_cache_loc_cpu",
+    "fill_bonus_tokens_cpu",
+    "verify_tree_greedy_cpu",
+]
