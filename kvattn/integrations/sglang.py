@@ -318,7 +318,10 @@ def _refuse_unsupported(runner) -> None:
             )
     reasons += _graph_refusals(*_graph_backends(args, str(runner.device)), str(runner.device), args)
     if getattr(args, "enable_dp_attention", False):
-        reasons.append("DP attention (padded idle batches)")
+        reasons.append(
+            "DP attention (each data-parallel rank runs idle and padded batches and gathers "
+            "the others' tokens; neither is followed, and it has not run here)"
+        )
     if getattr(runner.model_config, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models (the ledger follows decoder KV only)")
     if getattr(args, "enable_hierarchical_cache", False):
