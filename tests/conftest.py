@@ -55,6 +55,13 @@ def lane_of(path) -> str | None:
 # Engine suites whose module's tests read engine runs computed once (kvattn_testing.engines.Runs):
 # under `--dist loadgroup` one worker takes a whole module, so that the other never waits on it.
 _ENGINE_FOLDERS = (_TESTS / "integrations" / "vllm", _TESTS / "integrations" / "sglang")
+# The modules that start SGLang servers (several processes each, up to ten servers at once) share
+# one group: one worker runs them one after another, so that two of them never hold twenty
+# servers' memory together.
+_SHARED_GROUPS = dict.fromkeys(
+    ("test_sglang_engine", "test_sglang_pd", "test_sglang_mla", "test_sglang_spec"),
+    "sglang_servers",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -66,7 +73,8 @@ def pytest_collection_modifyitems(config, items):
         if lane is not None:
             item.add_marker(getattr(pytest.mark, lane))
         if item.path.parent in _ENGINE_FOLDERS:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+            stem = item.path.stem
+            item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(stem, stem)))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

@@ -316,6 +316,15 @@ def _refuse_unsupported(runner) -> None:
                 f"speculative decoding with {type(pool).__name__} (the MLA extend takes no tree "
                 "mask)"
             )
+        if name in SPECULATIVE_ALGORITHMS and _overlap_scheduling(args):
+            reasons.append(
+                "speculative decoding with overlap scheduling (the accepted ids would reach "
+                "the request a step after the forward that reads them; not run: "
+                "--disable-overlap-schedule, as SGLang sets on a CPU)"
+            )
+        mode = str(getattr(args, "disaggregation_mode", "null")).split(".")[-1].lower()
+        if mode in ("prefill", "decode"):
+            reasons.append(f"speculative decoding in a {mode} instance (not run)")
     reasons += _graph_refusals(*_graph_backends(args, str(runner.device)), str(runner.device), args)
     if getattr(args, "enable_dp_attention", False):
         reasons.append(
@@ -354,6 +363,17 @@ def verify_mask(mask: torch.Tensor, committed: list[int], drafts: int) -> torch.
         for b, n in enumerate(committed)
     ]
     return torch.cat(blocks)
+
+
+def _overlap_scheduling(args) -> bool:
+    """Whether the engine overlaps scheduling with the forwards: SGLang's resolved setting where
+    it was published (a server's processes), else what ``args`` ask for."""
+    try:
+        from sglang.srt.runtime_context import get_schedule
+
+        return not get_schedule().disable_overlap_schedule
+    except (ImportError, ValueError, RuntimeError, AttributeError):
+        return not getattr(args, "disable_overlap_schedule", False)
 
 
 def _phase_refusals(args) -> list[str]:

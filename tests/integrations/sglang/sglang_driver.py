@@ -720,7 +720,11 @@ def mla_refusals() -> dict:
         ("float8_e4m3fn", torch.float8_e4m3fn, {}),
         ("decode", torch.float32, dict(disaggregation_mode="decode")),
         ("hicache", torch.float32, dict(enable_hierarchical_cache=True)),
-        ("ngram", torch.float32, dict(speculative_algorithm="NGRAM")),
+        (
+            "ngram",
+            torch.float32,
+            dict(speculative_algorithm="NGRAM", disable_overlap_schedule=True),
+        ),
     ):
         runner = Engine("torch_native", 16, kv_dtype=dtype, latent=LATENT).runner
         vars(runner.server_args).update(args)
@@ -763,7 +767,7 @@ def config_refusals() -> dict:
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     out = {}
-    for name in ("swa-pool", "eagle", "ngram", "dp-attention"):
+    for name in ("swa-pool", "eagle", "ngram", "ngram-overlap", "ngram-decode", "dp-attention"):
         runner = Engine("torch_native", 16).runner
         if name == "swa-pool":
             runner.token_to_kv_pool = SWAKVPool(
@@ -777,8 +781,12 @@ def config_refusals() -> dict:
                 full_attention_layer_ids=[1],
                 device="cpu",
             )
-        elif name in ("eagle", "ngram"):
-            runner.server_args.speculative_algorithm = name.upper()
+        elif name.startswith(("eagle", "ngram")):
+            runner.server_args.speculative_algorithm = name.split("-")[0].upper()
+            # SGLang turns overlap scheduling off for speculative decoding on a CPU.
+            runner.server_args.disable_overlap_schedule = name != "ngram-overlap"
+            if name == "ngram-decode":
+                runner.server_args.disaggregation_mode = "decode"
         else:
             runner.server_args.enable_dp_attention = True
         try:

@@ -120,6 +120,8 @@ def test_configurations_kvattn_does_not_run_are_refused_naming_them(runs):
     r = runs["config-refusals"]
     assert "KV pool SWAKVPool (MHATokenToKVPool and MLATokenToKVPool only" in r["swa-pool"]
     assert r["ngram"] is None  # its verify forwards run (test_sglang_spec.py)
+    assert "speculative decoding with overlap scheduling" in r["ngram-overlap"]
+    assert "speculative decoding in a decode instance (not run)" in r["ngram-decode"]
     assert "speculative decoding with EAGLE (supported: NGRAM, which runs no draft" in r["eagle"]
     assert "DP attention" in r["dp-attention"]
 

@@ -13,6 +13,9 @@ detokenizer processes inherit it).
   ``sgl_kernel``'s ``transfer_kv_direct``, imported on CUDA, HIP and XPU only: on a machine
   without an accelerator the pool is plain memory and the copy an index_select/index_copy_ per
   layer, the same rows the kernel moves.
+- HiCache's host pool keeps 10 GB of host memory free for other processes
+  (``HICACHE_HOST_MEMORY_RESERVE_BYTES``) and refuses to start below that; the test servers' host
+  pools take a few MB on a machine that runs a dozen servers at once, so the reserve is 256 MB.
 - SGLang's ``torch_native`` backend would take DeepSeek-style models' MHA paths (the dispatch
   falls back to Triton's), whose prefill reads the latent cache as MHA's K and V and fails; its
   ``forward_extend``/``forward_decode`` read the latent cache correctly on the absorbed MLA path,
@@ -65,6 +68,10 @@ def _plain_host_memory(module) -> None:
         return torch.empty(dims, dtype=dtype, device=device)
 
     module.ALLOC_MEMORY_FUNCS["cpu"] = alloc
+
+
+def _small_reserve(module) -> None:
+    module.HICACHE_HOST_MEMORY_RESERVE_BYTES = 256 << 20
 
 
 def _direct_copy(module) -> None:
@@ -180,6 +187,7 @@ if importlib.util.find_spec("sglang") is not None:
             {
                 "sglang.srt.disaggregation.mooncake.conn": [_host_indices],
                 "sglang.srt.mem_cache.pool_host.common": [_plain_host_memory],
+                "sglang.srt.mem_cache.pool_host.base": [_small_reserve],
                 "sglang.srt.mem_cache.pool_host.mha": [_direct_copy],
                 "sglang.srt.mem_cache.pool_host.mla": [_direct_copy],
                 "sglang.srt.models.deepseek_common.attention_backend_handler": [_absorbed_mla],
