@@ -316,7 +316,7 @@ def _wrap_commit(module) -> None:
         if fault_of(req.rid) == "corrupt-arrival" and _once(req.rid):
             pool = self.scheduler.token_to_kv_pool_allocator.get_kvcache()
             # The first layer's K (an MLA pool's latent rows: one buffer per layer).
-            first = pool.kv_buffer[0] if hasattr(pool, "kv_buffer") else pool.k_buffer[0]
+            first = pool.k_buffer[0] if hasattr(pool, "k_buffer") else pool.kv_buffer[0]
             first[row[:P].to(torch.int64)] += 1.0
         return commit(self, decode_req, *args, **kwargs)
 
@@ -343,7 +343,7 @@ def _wrap_load_back(module) -> None:
                 rows = ops[0].host_indices[: controller.page_size].to(torch.int64)
                 # [layers, tokens, heads, head_dim] (an MLA pool's: [layers, tokens, 1, dims]),
                 # layer_first
-                (host.kv_buffer if hasattr(host, "kv_buffer") else host.k_buffer)[:, rows] += 1.0
+                (host.k_buffer if hasattr(host, "k_buffer") else host.kv_buffer)[:, rows] += 1.0
         return result
 
     module.UnifiedRadixCache.init_load_back = hook
