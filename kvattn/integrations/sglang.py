@@ -690,7 +690,11 @@ class SGLangOwnership(Ledger):
             return tgt, src
         bad = sorted(set((t[~ok] // P).tolist()))
         self.counts["refused_moves"] += int((~ok).sum())
-        self.release(bad, [self.page_owner.get(p, 0) for p in bad])
+        # Released for whoever holds each page now (a FREE page stays as it is).
+        held = [(p, int(tag_owner(self.tags[0, p]))) for p in bad]
+        held = [(p, owner) for p, owner in held if owner > 0]
+        if held:
+            self.release([p for p, _ in held], [owner for _, owner in held])
         logger.warning(
             "kvattn: %d KV row move(s) from a slot not written for the target page's owner were "
             "refused; page(s) %s released",
