@@ -110,6 +110,8 @@ class Engine:
         # processed, so the token it feeds is not yet in the request's output_ids.
         self.overlap = overlap
         self.v_dim = head_dim
+        # Layer 1 of a kvattn MLA engine gets its rows as latent and RoPE parts (split_rope).
+        self.split_rope = False
         if latent is not None:
             # A single-rank engine: no decode context parallelism (the pool's write asks).
             get_parallel().override_permanently(dcp_enabled=False)
@@ -384,7 +386,15 @@ class Engine:
         o = None
         for layer in self.layers:
             q, k, v = self._qkv(fb, layer.layer_id)
-            o = self.backend.forward(q, k, v, layer, fb)
+            parts = {}
+            if self.split_rope and layer.layer_id == 1:
+                # How the backends SGLang lists for its absorbed MLA path get the rows: the
+                # latent and RoPE parts apart (the layer's query and key, the same numbers).
+                lora = self.v_dim
+                q = q.view(q.shape[0], self.heads, -1)
+                parts = dict(q_rope=q[..., lora:].reshape(q.shape[0], -1), k_rope=k[..., lora:])
+                q, k = q[..., :lora].reshape(q.shape[0], -1), k[..., :lora]
+            o = self.backend.forward(q, k, v, layer, fb, **parts)
         starts = [0]
         n = [1] * fb.batch_size if fb.forward_mode.is_decode() else fb.extend_seq_lens_cpu
         for x in n:
@@ -418,7 +428,11 @@ def _diff(a: dict, b: dict) -> float:
 
 
 def equality(
-    page_size: int, overlap: bool = False, kv_dtype: torch.dtype = DTYPE, latent=None
+    page_size: int,
+    overlap: bool = False,
+    kv_dtype: torch.dtype = DTYPE,
+    latent=None,
+    split_rope: bool = False,
 ) -> dict:
     """Extend with a radix-cache prefix, chunked prefill, mixed and decode batches, GQA, then a
     second turn whose prompt is the first request's prompt and decoded tokens (a radix hit on
@@ -429,6 +443,7 @@ def equality(
     runs = {}
     for kind in ("torch_native", "kvattn"):
         e = Engine(kind, P, overlap=overlap, kv_dtype=kv_dtype, latent=latent)
+        e.split_rope = split_rope and kind == "kvattn"
         a = list(range(1, 2 * max(P, 8) + 6))
         e.admit("a", a)
         e.step({"a": len(a) - 5})  # a chunk of the prompt
@@ -837,6 +852,7 @@ SCENARIOS = {
     "domains-fault-16": lambda: domains(16, True),
     "plugin": plugin,
     "mla-equality-16": lambda: equality(16, latent=LATENT),
+    "mla-split-16": lambda: equality(16, latent=LATENT, split_rope=True),
     "mla-overlap-1": lambda: equality(1, overlap=True, latent=LATENT),
     "mla-incident-16": lambda: incident(16, None, latent=LATENT),
     "mla-transfer-16": lambda: incident(16, "all", latent=LATENT),

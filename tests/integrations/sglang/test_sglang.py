@@ -49,7 +49,15 @@ def runs() -> dict:
 
 @pytest.mark.parametrize(
     "scenario",
-    ["equality-1", "equality-16", "overlap-1", "overlap-16", "mla-equality-16", "mla-overlap-1"],
+    [
+        "equality-1",
+        "equality-16",
+        "overlap-1",
+        "overlap-16",
+        "mla-equality-16",
+        "mla-overlap-1",
+        "mla-split-16",
+    ],
 )
 def test_kvattn_equals_torch_native_on_sglang_pools(runs, scenario):
     """Chunked prefill, a radix-cache hit, a mixed batch (two extends and a decode), decodes
@@ -57,7 +65,9 @@ def test_kvattn_equals_torch_native_on_sglang_pools(runs, scenario):
     on pages its decodes filled), GQA (4 query heads on 2 KV heads), two layers. Under overlap
     scheduling the forward runs before the previous token reaches the request's output_ids.
     ``mla-``: SGLang's MLA pool, 4 query heads reading one latent row per token (32 + 16 dims),
-    written through the pool's ``set_kv_buffer`` and read by kvattn's MLA extend and decode."""
+    written through the pool's ``set_kv_buffer`` and read by kvattn's MLA extend and decode;
+    ``mla-split-``: one layer's rows handed to kvattn's backend as latent and RoPE parts
+    (``q_rope``/``k_rope``, written through ``set_mla_kv_buffer``)."""
     r = runs[scenario]
     page_size = int(scenario.rsplit("-", 1)[1])
     assert len(r["gaps"]) == page_size + 7
