@@ -685,11 +685,12 @@ class SGLangOwnership(Ledger):
             & (s % P < tag_valid_len(source))
             & held_by(target, owner)
         ).all(0) | (t == s)
-        self.counts["moved_rows"] += int(((t != s) & ok).sum())
-        if bool(ok.all()):
+        ok_host, moved = torch.stack([ok, t != s]).cpu()  # the one host read of the moves
+        self.counts["moved_rows"] += int((moved & ok_host).sum())
+        if bool(ok_host.all()):
             return tgt, src
-        bad = sorted(set((t[~ok] // P).tolist()))
-        self.counts["refused_moves"] += int((~ok).sum())
+        bad = sorted(set((t.cpu()[~ok_host] // P).tolist()))
+        self.counts["refused_moves"] += int((~ok_host).sum())
         # Released for whoever holds each page now (a FREE page stays as it is).
         held = [(p, int(tag_owner(self.tags[0, p]))) for p in bad]
         held = [(p, owner) for p, owner in held if owner > 0]
@@ -698,7 +699,7 @@ class SGLangOwnership(Ledger):
         logger.warning(
             "kvattn: %d KV row move(s) from a slot not written for the target page's owner were "
             "refused; page(s) %s released",
-            int((~ok).sum()),
+            int((~ok_host).sum()),
             bad,
         )
         return tgt[ok], src[ok]
@@ -913,7 +914,7 @@ class SGLangOwnership(Ledger):
         on (default ``computed``), go to ``written``."""
         P = self.page_size
         held_pages, expected = lease.pages[0], lease.expected[0]
-        del lease.keys[min(len(tokens), len(tokens) if rewritten is None else rewritten) // P :]
+        del lease.keys[(len(tokens) if rewritten is None else min(len(tokens), rewritten)) // P :]
         if self.prefix_caching and len(lease.keys) < len(tokens) // P:
             lease.keys = self.digests(tokens, lease.keys, lease.domain)
         del held_pages[len(pages) :], expected[len(pages) :]

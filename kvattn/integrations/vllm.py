@@ -394,6 +394,16 @@ def state_for(vllm_config) -> WorkerOwnership | None:
     return state
 
 
+def running_state(vllm_config) -> WorkerOwnership:
+    """The engine's state, for an attention call; raises if the KV cache was never set up."""
+    state = state_for(vllm_config)
+    if state is None:
+        raise IntegrationError(
+            "kvattn.integrations.vllm: attention ran before the KV cache was set up"
+        )
+    return state
+
+
 def attach(
     vllm_config, layer_names: list[str], block_size: int, check: bool, layout: str = "cpu"
 ) -> WorkerOwnership:

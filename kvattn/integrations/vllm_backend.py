@@ -192,12 +192,7 @@ class KVAttnImpl(AttentionImpl[KVAttnMetadata]):
         self.vllm_config = get_current_vllm_config()
 
     def _state(self) -> integration.WorkerOwnership:
-        state = integration.state_for(self.vllm_config)
-        if state is None:
-            raise integration.IntegrationError(
-                "kvattn.integrations.vllm: attention ran before the KV cache was set up"
-            )
-        return state
+        return integration.running_state(self.vllm_config)
 
     def _pools(self, kv_cache: torch.Tensor):
         """K and V pools as NHD views ``[num_blocks, block_size, kv_heads, head_dim]`` of vLLM's

@@ -126,12 +126,7 @@ class KVAttnMLAImpl(MLACommonImpl[KVAttnMLAMetadata]):
         self.vllm_config = get_current_vllm_config()
 
     def _state(self) -> integration.WorkerOwnership:
-        state = integration.state_for(self.vllm_config)
-        if state is None:
-            raise integration.IntegrationError(
-                "kvattn.integrations.vllm: attention ran before the KV cache was set up"
-            )
-        return state
+        return integration.running_state(self.vllm_config)
 
     def _latent(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The layer's cache as kvattn's MLA pool ``[num_blocks, block_size, 1, dims]`` (a view)."""

@@ -706,6 +706,15 @@ def plugin() -> dict:
     )
 
 
+def setup_refusal(runner) -> str | None:
+    """What kvattn's setup says of an engine: None where it runs, else the refusal's message."""
+    try:
+        integration._refuse_unsupported(runner)
+        return None
+    except integration.IntegrationError as e:
+        return str(e)
+
+
 def pool_refusals() -> dict:
     """What kvattn's setup says of an engine whose pool is SGLang's MHA pool of each KV dtype:
     None where it runs, else the refusal's message."""
@@ -717,11 +726,7 @@ def pool_refusals() -> dict:
         ("int8", torch.int8),
     ):
         runner = Engine("torch_native", 16, kv_dtype=dtype).runner
-        try:
-            integration._refuse_unsupported(runner)
-            out[name] = None
-        except integration.IntegrationError as e:
-            out[name] = str(e)
+        out[name] = setup_refusal(runner)
     return out
 
 
@@ -743,11 +748,7 @@ def mla_refusals() -> dict:
     ):
         runner = Engine("torch_native", 16, kv_dtype=dtype, latent=LATENT).runner
         vars(runner.server_args).update(args)
-        try:
-            integration._refuse_unsupported(runner)
-            out[name] = None
-        except integration.IntegrationError as e:
-            out[name] = str(e)
+        out[name] = setup_refusal(runner)
     return out
 
 
@@ -804,11 +805,7 @@ def config_refusals() -> dict:
                 runner.server_args.disaggregation_mode = "decode"
         else:
             runner.server_args.enable_dp_attention = True
-        try:
-            integration._refuse_unsupported(runner)
-            out[name] = None
-        except integration.IntegrationError as e:
-            out[name] = str(e)
+        out[name] = setup_refusal(runner)
     return out
 
 

@@ -128,6 +128,33 @@ def cuda_selection() -> dict:
     return out
 
 
+def block_faults(engine: Engine) -> dict:
+    """A foreign table entry, an early free and a lost prefill, each next to a clean run of the
+    same requests (the victim is ``victim``)."""
+    v, o = prompt(30, 70), prompt(31, 50)
+    return dict(
+        foreign_entry=scenario(
+            engine,
+            [("victim", v, 10, None), ("other", o, 10, None), ("third", prompt(32, 20), 10, None)],
+            foreign_entry,
+        ),
+        early_free=scenario(
+            engine,
+            [
+                ("victim", v, 12, None),
+                ("other", prompt(33, 30), 12, None),
+                ("newcomer", prompt(34, 45), 8, ("tokens", "victim", 2)),
+            ],
+            early_free,
+        ),
+        lost_prefill=scenario(
+            engine,
+            [("victim", prompt(35, 100), 8, None), ("other", prompt(36, 40), 8, None)],
+            lost_prefill,
+        ),
+    )
+
+
 def main_scenario(model: str, layout: str = "cpu") -> dict:
     """``layout``: kvattn's backend class by vLLM cache layout (``KVATTN_VLLM_LAYOUT``: ``gpu``
     runs the class vLLM's CUDA platform gets, here on the CPU); vLLM's own attention ignores it.
@@ -145,26 +172,7 @@ def main_scenario(model: str, layout: str = "cpu") -> dict:
     engine.llm.reset_prefix_cache()
     out["equality"] = engine.run(first + shared)
     out["equality_ledger"] = _ledger(engine)
-    v, o = prompt(30, 70), prompt(31, 50)
-    out["foreign_entry"] = scenario(
-        engine,
-        [("victim", v, 10, None), ("other", o, 10, None), ("third", prompt(32, 20), 10, None)],
-        foreign_entry,
-    )
-    out["early_free"] = scenario(
-        engine,
-        [
-            ("victim", v, 12, None),
-            ("other", prompt(33, 30), 12, None),
-            ("newcomer", prompt(34, 45), 8, ("tokens", "victim", 2)),
-        ],
-        early_free,
-    )
-    out["lost_prefill"] = scenario(
-        engine,
-        [("victim", prompt(35, 100), 8, None), ("other", prompt(36, 40), 8, None)],
-        lost_prefill,
-    )
+    out.update(block_faults(engine))
     a = prompt(37, 70)
     out["stale_prefix"] = scenario(
         engine,
@@ -630,26 +638,7 @@ def mla_scenario(model: str) -> dict:
     late = [("late", prompt(16, 33), 8, ("tokens", "p2", 3))]
     out["equality"] = engine.run(first + late)
     out["equality_ledger"] = _ledger(engine)
-    v, o = prompt(30, 70), prompt(31, 50)
-    out["foreign_entry"] = scenario(
-        engine,
-        [("victim", v, 10, None), ("other", o, 10, None), ("third", prompt(32, 20), 10, None)],
-        foreign_entry,
-    )
-    out["early_free"] = scenario(
-        engine,
-        [
-            ("victim", v, 12, None),
-            ("other", prompt(33, 30), 12, None),
-            ("newcomer", prompt(34, 45), 8, ("tokens", "victim", 2)),
-        ],
-        early_free,
-    )
-    out["lost_prefill"] = scenario(
-        engine,
-        [("victim", prompt(35, 100), 8, None), ("other", prompt(36, 40), 8, None)],
-        lost_prefill,
-    )
+    out.update(block_faults(engine))
     out["failures_total"] = len(engine.failures())
     return out
 
