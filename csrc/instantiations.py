@@ -65,7 +65,9 @@ class Row:
     """One kernel instantiation. ``None``: the kernel has no such template argument. ``pool``: the
     K/V element type when it differs from ``dtype`` (fp8); ``vec``: 16-byte cp.async copies (False:
     element by element, for rows that are not 16-byte aligned); ``variant``: the score switches
-    of kvattn.variants compiled in (window, soft-cap, ALiBi, sinks; the extend's custom mask)."""
+    of kvattn.variants compiled in (window, soft-cap, ALiBi, sinks; the extend's custom mask);
+    ``verdict``: the checked decode reading a step's verdict instead of the table and the tags
+    (kvattn.resolve_pages)."""
 
     kernel: str
     dtype: str | None = None
@@ -74,6 +76,7 @@ class Row:
     check: bool | None = None
     vec: bool | None = None
     variant: bool | None = None
+    verdict: bool | None = None
 
     @property
     def op(self) -> str:
@@ -87,13 +90,15 @@ class Row:
             args.append(FP8[self.pool] if self.pool else TYPES[self.dtype])
         if self.head_dim is not None:
             args.append(str(self.head_dim))
-        args += [cxx(b) for b in (self.check, self.vec, self.variant) if b is not None]
+        args += [
+            cxx(b) for b in (self.check, self.vec, self.variant, self.verdict) if b is not None
+        ]
         return args
 
     @property
     def name(self) -> str:
         """As c++filt prints the kernel, without ``void`` and the parameters:
-        ``kvattn::paged_decode_kernel<__half, __half, 64, true, true, false>``."""
+        ``kvattn::paged_decode_kernel<__half, __half, 64, true, true, false, false>``."""
         args = self.template_args()
         return f"kvattn::{self.kernel}" + (f"<{', '.join(args)}>" if args else "")
 
@@ -127,19 +132,22 @@ class Row:
 
 
 TABLE: tuple[Row, ...] = (
-    # decode: pools of the query's type by both copy widths, fp8 pools by 16-byte copies only
+    # decode: pools of the query's type by both copy widths, fp8 pools by 16-byte copies only;
+    # checked by 16-byte copies also through a verdict
     *(
-        Row("paged_decode_kernel", t, pool, d, check, vec, variant)
+        Row("paged_decode_kernel", t, pool, d, check, vec, variant, verdict)
         for t in ATTENTION_DTYPES
         for pool in (None, *FP8)
         for d in TILES
         for check in BOOL
         for vec in (BOOL if pool is None else (True,))
         for variant in BOOL
+        for verdict in (BOOL if check and vec else (False,))
     ),
-    # the MLA latent tile (kvattn.paged_mla_decode): no score switch, no fp8, 16-byte copies
+    # the MLA latent tile (kvattn.paged_mla_decode): no score switch, no fp8, 16-byte copies, no
+    # verdict (the MLA readers take none)
     *(
-        Row("paged_decode_kernel", t, None, LATENT, check, True, False)
+        Row("paged_decode_kernel", t, None, LATENT, check, True, False, False)
         for t in ATTENTION_DTYPES
         for check in BOOL
     ),

@@ -85,6 +85,16 @@ def fresh_pages(seq_lens, max_pages: int, page_size: int) -> tuple[torch.Tensor,
     return logical, torch.where(inside, pos - logical * page_size, 0)
 
 
+def fresh_entries(entries: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[B]`` int64: each sequence's new-token page's column of ``entries`` (page -1, 0 readable
+    where the new token lies outside the table), the verdict's ``fresh``."""
+    fresh, _ = fresh_pages(seq_lens, entries.shape[1], page_size)
+    column = entries.gather(1, fresh.clamp(min=0)[:, None])[:, 0]
+    return torch.where(
+        fresh >= 0, column, verdict_entries(torch.zeros_like(fresh), -torch.ones_like(fresh))
+    )
+
+
 def resolve_verdict(block_table, seq_lens, layer_tags, expected, page_size: int, first_key):
     """The oracle of :func:`kvattn.resolve_pages` (docs/ownership.md section 9): ``(entries,
     report)`` of a decode step over ``layer_tags`` ``[L, num_pages]``, every layer's tags before

@@ -32,6 +32,9 @@ class PageVerdict:
       owner, within the tokens before the new one (the extend's effective table has the same
       form); page -1 and 0 readable for a page the step does not read or whose id lies outside
       the pool.
+    - ``fresh`` ``[B]`` int64: the entry of each sequence's new-token page again (its column of
+      ``entries``; page -1 where the new token lies outside the table), so that a kernel can load
+      that page's tag without waiting for the length first.
     - ``report``: the step's :class:`~kvattn.OwnershipReport`, in device memory. Each call given
       the verdict returns it, after adding the new token's page if that call's tag refuses it.
 
@@ -42,6 +45,7 @@ class PageVerdict:
     """
 
     entries: torch.Tensor
+    fresh: torch.Tensor
     report: OwnershipReport
     page_tags: torch.Tensor
     generation: int
@@ -128,13 +132,17 @@ def resolve_pages(
     if backend == "triton":
         from .backends.triton.resolve import resolve
 
-        entries, report = resolve(block_table, seq_lens, layers, expected, page_size, window_left)
+        entries, fresh, report = resolve(
+            block_table, seq_lens, layers, expected, page_size, window_left
+        )
     else:
         entries, report = reference.resolve_verdict(
             block_table, seq_lens, layers, expected, page_size, first_key
         )
+        fresh = reference.fresh_entries(entries, seq_lens, page_size)
     return PageVerdict(
         entries=entries,
+        fresh=fresh,
         report=report,
         page_tags=page_tags,
         generation=tag_generation(page_tags),

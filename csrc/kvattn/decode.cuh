@@ -23,6 +23,14 @@
 // the first block of KV head 0 of each split after its loop, from the table entries and tags of
 // its pages (L2-resident by then): final counters with one split, per-split partial counts summed
 // by the merge kernel otherwise. No separate zeroing launch, no global atomics.
+//
+// Through a verdict (VERDICT, docs/ownership.md section 9) the resolve step loads one packed entry
+// per token (page << 32 | readable) instead of the table entry and then the tag. The new token's
+// page is this call's to judge: its entry (kept per sequence by the verdict) and tag load before
+// the loop, beside the length, and become two bounds of the loop (FreshPage); the block that holds
+// the new token adds its refusal to the step's report right after the pipeline's first copies,
+// whose loads it overlaps. The report is otherwise the resolve's: no report work after the loop,
+// no counts to merge.
 #pragma once
 
 #include "attention.cuh"
@@ -80,7 +88,59 @@ struct TokenEntry {  // after the block-table load
   int64_t logical;
   bool live;         // token inside the split
   bool in_range;
+  int32_t readable;  // through a verdict: the slots that may be read (none when out of range)
 };
+
+// The new token's page through a verdict, as the bounds the key loop reads it by: its first token
+// `start` (past every token when the new token lies outside the table) and `end`, the split's end
+// cut to the slots this call may read of that page, the older ones as the verdict says and the
+// new one only if this call's tag certifies it (kvattn.reference.verdict_slots). Tokens from
+// `start` on are the new token's page's (the sequence's last page), read up to `end`; the
+// others as their entries say, up to `end` too (it lies past them). What its report needs too.
+struct FreshPage {
+  int32_t start;  // (a table holds fewer than 2**31 tokens: kvattn/backends/cuda/launch.py)
+  int64_t end;
+  int64_t logical, tag, owner, slot;
+  bool in_range;
+};
+
+// The new token's page's entry and tag load beside the length, the expected owner after it.
+template <bool VERDICT>
+KVATTN_DEVICE FreshPage fresh_page(const DecodeParams& p, int64_t b, int32_t raw_len, const int64_t* exp_row,
+                                   int64_t seq_owner, int64_t split_end) {
+  FreshPage f{INT32_MAX, split_end, -1, 0, 0, 0, false};
+  if (!VERDICT) return f;
+  const int64_t packed = p.verdict_fresh[b];
+  const int64_t page = packed >> 32;
+  f.in_range = page >= 0 && page < p.num_pages;
+  f.tag = f.in_range ? p.page_tags[page] : 0;
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
+  if (raw_len < 1 || raw_len > capacity) return f;
+  f.logical = page_of(p.page, raw_len - int64_t{1});
+  f.start = static_cast<int32_t>(f.logical * p.page.size);
+  f.slot = raw_len - 1 - f.start;
+  f.owner = p.stride_ep == 0 ? seq_owner : exp_row[f.logical * p.stride_ep];
+  const int64_t readable = static_cast<int32_t>(packed & 0xffffffff);
+  // Older slots another layer refused stay refused; the new slot is this call's tag's to certify.
+  const int64_t cap = readable < f.slot ? readable : p.page.size;
+  const int64_t limit = f.in_range ? max64(min64(readable_slots(f.tag, f.owner), cap), 0) : 0;
+  f.end = min64(split_end, f.start + limit);
+  return f;
+}
+
+// Adds the new token's page to the step's report if this call's tag refuses it, unless the step
+// counts that page already (a page counts once per step): one thread of the block that reads the
+// new token.
+KVATTN_DEVICE void report_fresh(const DecodeParams& p, int64_t b, const FreshPage& f) {
+  if (f.logical < 0) return;
+  const int why = page_reason(f.tag, f.in_range, f.owner, f.slot + 1);
+  int8_t* reason = p.page_reasons + b * p.max_pages + f.logical;
+  if (why != 0 && *reason == 0) {
+    *reason = static_cast<int8_t>(why);
+    p.violations[b] += 1;
+    p.reasons[b] |= why;
+  }
+}
 
 struct TokenVerdict {  // after the tag load
   TokenEntry e;
@@ -88,28 +148,45 @@ struct TokenVerdict {  // after the tag load
 };
 
 // `first`: the first key of the window (VARIANT only); tokens before it are not read.
-template <bool VARIANT>
-KVATTN_DEVICE TokenEntry fetch_entry(const DecodeParams& p, const int32_t* bt_row, int64_t t0, int64_t first,
-                                     int64_t end) {
+// VERDICT: `row` is the sequence's verdict entries (int64_t), else its block-table row (int32_t).
+// Through a verdict the entry is all there is to resolve: the readable slots come with it (none of
+// a page outside the pool), those of the new token's page from `fresh_start` on up to `end`, and no
+// entry makes a slot past `end` readable (the split's end, cut by FreshPage; `guard` <= it loads:
+// the split's end while FreshPage's tag may still be on its way).
+template <bool VARIANT, bool VERDICT>
+KVATTN_DEVICE TokenEntry fetch_entry(const DecodeParams& p, const void* row, int64_t t0, int64_t first,
+                                     int64_t guard, int64_t end, int32_t fresh_start) {
   const int lane = lane_index();
-  TokenEntry e{0, 0, 0, false, false};
+  TokenEntry e{0, 0, 0, false, false, 0};
   const int64_t t = t0 + lane;
-  if (lane < kSubTile && t < end && (!VARIANT || t >= first)) {
+  if (lane < kSubTile && t < guard && (!VARIANT || t >= first)) {
     e.logical = page_of(p.page, t);
-    const int32_t page = bt_row[e.logical * p.stride_bt_p];
     e.live = true;
-    e.in_range = page >= 0 && page < p.num_pages;
-    e.page = e.in_range ? page : 0;
     e.slot = static_cast<int32_t>(t - e.logical * p.page.size);
+    if constexpr (VERDICT) {
+      const int64_t packed = static_cast<const int64_t*>(row)[e.logical];
+      const int64_t page = packed >> 32, from = e.logical * p.page.size;
+      const int64_t readable = from >= fresh_start ? p.page.size : static_cast<int32_t>(packed & 0xffffffff);
+      e.in_range = page >= 0 && page < p.num_pages;
+      e.page = e.in_range ? static_cast<int32_t>(page) : 0;
+      const int64_t limit = min64(readable, end - from);
+      e.readable = e.in_range ? static_cast<int32_t>(max64(limit, 0)) : 0;
+    } else {
+      const int32_t page = static_cast<const int32_t*>(row)[e.logical * p.stride_bt_p];
+      e.in_range = page >= 0 && page < p.num_pages;
+      e.page = e.in_range ? page : 0;
+    }
   }
   return e;
 }
 
-template <bool CHECK>
+template <bool CHECK, bool VERDICT>
 KVATTN_DEVICE TokenVerdict fetch_verdict(const DecodeParams& p, const int64_t* exp_row, int64_t seq_owner,
                                          const TokenEntry& e, int64_t end) {
   TokenVerdict v{e, 0};
-  if (e.live && e.in_range) {
+  if (VERDICT) {
+    v.readable = e.readable;  // 0 for a token that is not read
+  } else if (e.live && e.in_range) {
     // The length mask in slots of the page; the range guard holds in both variants.
     int64_t limit = end - e.logical * p.page.size;
     if (CHECK) {
@@ -178,9 +255,10 @@ KVATTN_DEVICE int64_t sub_tile_start(int64_t start, int warp, int i) {
 // What one warp's copy issue needs (fixed for the whole key loop).
 struct DecodeWarp {
   const DecodeParams& p;
-  const int32_t* bt_row;
+  const void* row;  // the block-table row, or through a verdict the sequence's entries
   const int64_t* exp_row;
-  int64_t seq_owner, start, first_key, end;
+  int32_t fresh_start;
+  int64_t seq_owner, start, first_key, end;  // end: through a verdict, cut by FreshPage
   int warp, mine;  // sub-tiles of this warp
   int64_t k_head_off, v_head_off;
   int v_col;  // first head dim this block accumulates (d_split > 1)
@@ -192,7 +270,7 @@ struct DecodeWarp {
 // Copies the warp's sub-tile n into its stage (when it exists), then advances the resolve
 // pipeline: `verdict` becomes sub-tile n + 1's (its tag loads issued now) and `entry` n + 2's.
 // Every call commits one group of copies, possibly empty, so waits count stages.
-template <class KV, int D, bool CHECK, bool VEC, bool VARIANT>
+template <class KV, int D, bool CHECK, bool VEC, bool VARIANT, bool VERDICT>
 KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry, TokenVerdict& verdict,
                                   int& stage) {
   using L = DecodeLayout<D, sizeof(KV)>;
@@ -203,8 +281,9 @@ KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry,
     copy_sub_tile<KV, D, VEC>(w.p, mask, w.offsets, w.v_col, w.stages + stage * L::kStageBytes);
     __syncwarp();  // the offsets are rewritten by the next issue
     stage = stage + 1 == L::kStages ? 0 : stage + 1;
-    verdict = fetch_verdict<CHECK>(w.p, w.exp_row, w.seq_owner, entry, w.end);
-    entry = fetch_entry<VARIANT>(w.p, w.bt_row, sub_tile_start(w.start, w.warp, n + 2), w.first_key, w.end);
+    verdict = fetch_verdict<CHECK, VERDICT>(w.p, w.exp_row, w.seq_owner, entry, w.end);
+    entry = fetch_entry<VARIANT, VERDICT>(w.p, w.row, sub_tile_start(w.start, w.warp, n + 2), w.first_key, w.end,
+                                          w.end, w.fresh_start);
   }
   cp_async_commit();
 }
@@ -228,8 +307,10 @@ KVATTN_DEVICE void load_query_rows(unsigned char* rows, const void* q, int64_t s
 // blocks per SM to two or one before registers do); without it one instantiation spilled 4 bytes.
 // KV: the pools' element type, T (16-bit pools) or Fp8E4M3 / Fp8E5M2 (T is then the query's type,
 // the output's and the tensor cores'; k_scale joins the score's scale and v_scale the output, once).
-template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT>
+template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT, bool VERDICT>
 __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeParams p) {
+  static_assert(CHECK || !VERDICT, "a verdict is read by the checked kernel only");
+  static_assert(DecodeLayout<D, sizeof(KV)>::kCounterBytes >= 4 * (kReportFields + 1), "counters and the length");
   constexpr bool kFp8 = !std::is_same<T, KV>::value;
   using L = DecodeLayout<D, sizeof(KV)>;
   constexpr int DV = L::kDV;
@@ -255,6 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int64_t tiles_lo = VARIANT ? max64(range.start, win.first_key / kSubTile * kSubTile) : range.start;
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
   const int64_t* exp_row = p.expected + b * p.stride_eb;
+  const void* row = VERDICT ? static_cast<const void*>(p.verdict + b * p.max_pages) : bt_row;
   const int ksteps = (p.head_dim + 15) / 16;  // QK^T over the whole head
   // Output dims of this block: none for the second half of a split head whose V is at most DV wide.
   const int dv = static_cast<int>(max64(min64(DV, p.head_dim_v - v_col), 0));
@@ -273,6 +355,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
                                          : static_cast<const void*>(static_cast<const T*>(p.q) + q_at);
   load_query_rows<T, D, kFp8>(q_rows, q_rows_at, p.stride_qh, heads, p.head_dim, p.q_dtype);
   if (tid < kReportFields) counters[tid] = 0;
+  // The length again for after the key loop, where holding it in a register cost a spill.
+  if (tid == kReportFields) counters[kReportFields] = raw_len;
   __syncthreads();
   QueryFragments<D> q;
   q.load(q_rows, ksteps);
@@ -290,12 +374,18 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
 
   // The resolve pipeline (fetch_entry -> fetch_verdict -> place_sub_tile), one step per iteration;
   // sub-tiles at or past the end resolve to an empty mask without loading anything.
-  TokenEntry entry = fetch_entry<VARIANT>(p, bt_row, sub_tile_start(tiles_lo, warp, 0), win.first_key, range.end);
-  TokenVerdict verdict = fetch_verdict<CHECK>(p, exp_row, seq_owner, entry, range.end);
-  entry = fetch_entry<VARIANT>(p, bt_row, sub_tile_start(tiles_lo, warp, 1), win.first_key, range.end);
+  // The block that reads the new token (the first of KV head 0 of its split) reports its page.
+  const bool reports =
+      VERDICT && kv_head == 0 && chunk == 0 && d_part == 0 && range.start < raw_len && raw_len <= range.end;
+  const FreshPage fresh = fresh_page<VERDICT>(p, b, raw_len, exp_row, seq_owner, range.end);
+  TokenEntry entry = fetch_entry<VARIANT, VERDICT>(p, row, sub_tile_start(tiles_lo, warp, 0), win.first_key,
+                                                   range.end, fresh.end, fresh.start);
+  TokenVerdict verdict = fetch_verdict<CHECK, VERDICT>(p, exp_row, seq_owner, entry, range.end);
+  entry = fetch_entry<VARIANT, VERDICT>(p, row, sub_tile_start(tiles_lo, warp, 1), win.first_key, range.end,
+                                        fresh.end, fresh.start);
   int issue_stage = 0;  // stage of the next sub-tile to copy (n % kStages, kept incrementally)
-  const DecodeWarp w{p, bt_row, exp_row, seq_owner, tiles_lo, win.first_key, range.end, warp, mine, k_head_off,
-                     v_head_off, v_col, offsets, masks, stages};
+  const DecodeWarp w{p,    row,        exp_row,    fresh.start, seq_owner, tiles_lo, win.first_key, fresh.end,
+                     warp, mine, k_head_off, v_head_off, v_col, offsets, masks, stages};
   // ALiBi slopes (base 2) of this lane's rows g and g + 8, and the query's anchor.
   const int64_t anchor = alibi_anchor(raw_len - int64_t{1}, capacity);
   float alibi2[2] = {0.0f, 0.0f};
@@ -307,9 +397,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     }
   }
 #pragma unroll
-  for (int s = 0; s < L::kStages - 1; ++s) issue_sub_tile<KV, D, CHECK, VEC, VARIANT>(w, s, entry, verdict, issue_stage);
+  for (int s = 0; s < L::kStages - 1; ++s)
+    issue_sub_tile<KV, D, CHECK, VEC, VARIANT, VERDICT>(w, s, entry, verdict, issue_stage);
+  // After the first copies are issued, so that its loads wait beside theirs.
+  if (reports && tid == 0) report_fresh(p, b, fresh);
   for (int i = 0, st = 0; i < mine; ++i, st = st + 1 == L::kStages ? 0 : st + 1) {
-    issue_sub_tile<KV, D, CHECK, VEC, VARIANT>(w, i + L::kStages - 1, entry, verdict, issue_stage);
+    issue_sub_tile<KV, D, CHECK, VEC, VARIANT, VERDICT>(w, i + L::kStages - 1, entry, verdict, issue_stage);
 #if KVATTN_SIM_BREAK != 1
     cp_async_wait<L::kStages - 1>();
 #endif
@@ -361,6 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   }
   __syncthreads();
   const bool active = range.start < range.end;
+  const int32_t len = counters[kReportFields];  // raw_len
   for (int i = tid; i < heads * dv; i += kThreads) {
     const int r = i / dv, d = i % dv;
     float m_top = -INFINITY;
@@ -382,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     // Blocks of a head split write their columns; the first writes the row's statistics.
     const bool reads = scales_ok && head_reads<VARIANT>(p.var, b, head0 + r);
     if (p.num_splits == 1) {
-      const float shift2 = reads ? alibi_shift2<VARIANT>(p.var, b, head0 + r, raw_len - int64_t{1}, capacity) : 0.0f;
+      const float shift2 = reads ? alibi_shift2<VARIANT>(p.var, b, head0 + r, len - int64_t{1}, capacity) : 0.0f;
       const float denominator = VARIANT ? with_sink(l, m_ref, p.var.sinks, head0 + r, shift2) : l;
       static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + v_col + d] =
           from_float<T>(l == 0.0f || !reads ? 0.0f : o / denominator);
@@ -399,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     }
   }
 
-  if (CHECK && kv_head == 0 && chunk == 0 && d_part == 0) {
+  if (CHECK && !VERDICT && kv_head == 0 && chunk == 0 && d_part == 0) {
     int8_t* reasons_row = p.page_reasons + b * p.max_pages;
     const int64_t page_size = p.page.size;
     const int64_t page_lo = range.start / page_size;  // splits are whole pages
@@ -428,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     if (tid == 0) {
       if (p.num_splits == 1) {
         // A seq_len past the table: nothing beyond it is read, and it counts once.
-        const int beyond = raw_len > capacity;
+        const int beyond = len > capacity;
         p.beyond_table[b] = beyond;
         p.violations[b] = counters[0] + beyond;
         p.reasons[b] = counters[1] | (beyond ? static_cast<int>(tags::Violation_OUT_OF_RANGE) : 0);
@@ -494,11 +588,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Decod
 }
 
 // The launchers of csrc/kvattn/launchers.h; dispatch.cuh picks the instantiation.
-template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT>
-cudaError_t DecodeKernel<T, KV, D, CHECK, VEC, VARIANT>::launch(const DecodeParams& p, cudaStream_t stream) {
+template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT, bool VERDICT>
+cudaError_t DecodeKernel<T, KV, D, CHECK, VEC, VARIANT, VERDICT>::launch(const DecodeParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_kv_heads * p.num_chunks * p.d_split),
                   static_cast<unsigned>(p.num_splits));
-  return launch_kernel(&paged_decode_kernel<T, KV, D, CHECK, VEC, VARIANT>, grid, dim3(kThreads),
+  return launch_kernel(&paged_decode_kernel<T, KV, D, CHECK, VEC, VARIANT, VERDICT>, grid, dim3(kThreads),
                        static_cast<size_t>(p.smem_bytes), stream, p);
 }
 

@@ -82,45 +82,51 @@ LaunchResult by_dtype(DType dtype, const char* launcher, bool tensor_core_only, 
 
 // ---- decode ----
 
-template <class T, class KV, bool CHECK, bool VEC, bool VARIANT>
+template <class T, class KV, bool CHECK, bool VEC, bool VARIANT, bool VERDICT>
 DecodeLaunch decode_of_tile(int tile) {
 #define KVATTN_DECODE_TILE(D, FIRST) \
   case D:                             \
-    return launcher_of<DecodeKernel<T, KV, D, CHECK, VEC, VARIANT>, DecodeLaunch>();
+    return launcher_of<DecodeKernel<T, KV, D, CHECK, VEC, VARIANT, VERDICT>, DecodeLaunch>();
   switch (tile) {
     KVATTN_HEAD_DIM_TILES(KVATTN_DECODE_TILE)
-    default: return launcher_of<DecodeKernel<T, KV, kLatentDim, CHECK, VEC, VARIANT>, DecodeLaunch>();
+    default: return launcher_of<DecodeKernel<T, KV, kLatentDim, CHECK, VEC, VARIANT, VERDICT>, DecodeLaunch>();
   }
 #undef KVATTN_DECODE_TILE
 }
 
 // The instantiation of the copy width and the score switches (fp8 pools: 16-byte copies only,
-// plan_decode refuses the others); null when this module does not have it.
-template <class T, class KV, bool CHECK>
+// plan_decode refuses the others; a verdict is read by 16-byte copies only, and not by the latent
+// tile); null when this module does not have it.
+template <class T, class KV, bool CHECK, bool VERDICT>
 DecodeLaunch pick_decode(const DecodeParams& p) {
   const int tile = padded_head_dim(p.head_dim);
   const bool variant = has_variant(p.var);
   if (kFp8Type<KV> || p.vec)
-    return variant ? decode_of_tile<T, KV, CHECK, true, true>(tile) : decode_of_tile<T, KV, CHECK, true, false>(tile);
-  if constexpr (!kFp8Type<KV>)
-    return variant ? decode_of_tile<T, KV, CHECK, false, true>(tile) : decode_of_tile<T, KV, CHECK, false, false>(tile);
+    return variant ? decode_of_tile<T, KV, CHECK, true, true, VERDICT>(tile)
+                   : decode_of_tile<T, KV, CHECK, true, false, VERDICT>(tile);
+  if constexpr (!kFp8Type<KV> && !VERDICT)
+    return variant ? decode_of_tile<T, KV, CHECK, false, true, false>(tile)
+                   : decode_of_tile<T, KV, CHECK, false, false, false>(tile);
   return nullptr;
 }
 
-template <class T, class KV, bool CHECK>
+template <class T, class KV, bool CHECK, bool VERDICT = false>
 LaunchResult launch_decode(DecodeParams& p, DType dtype, cudaStream_t stream) {
   const char* refused = plan_decode<T, KV>(p);
   if (refused != nullptr) return refuse("paged_decode (launcher)", refused);
   const bool variant = has_variant(p.var);
-  const DecodeLaunch kernel = pick_decode<T, KV, CHECK>(p);
+  const DecodeLaunch kernel = pick_decode<T, KV, CHECK, VERDICT>(p);
+  if (VERDICT && kernel == nullptr && (!p.vec || padded_head_dim(p.head_dim) == kLatentDim))
+    return refuse("paged_decode (launcher)", "a verdict is read with 16-byte copies only, and not by the latent tile");
   const DecodeLaunch merge = variant ? launcher_of<MergeKernel<T, true>, DecodeLaunch>()
                                      : launcher_of<MergeKernel<T, false>, DecodeLaunch>();
   if (kernel == nullptr || (p.num_splits > 1 && merge == nullptr))
     return refuse("paged_decode (launcher)", not_built(dtype, p.kv_type, padded_head_dim(p.head_dim), variant));
   if (CHECK && (p.violations == nullptr || p.reasons == nullptr || p.pages_checked == nullptr ||
                 p.beyond_table == nullptr || p.page_reasons == nullptr ||
-                (p.num_splits > 1 && p.part_report == nullptr)))
+                (!VERDICT && p.num_splits > 1 && p.part_report == nullptr)))
     return refuse("paged_decode (launcher)", "report buffers missing");
+  if (VERDICT && p.verdict_fresh == nullptr) return refuse("paged_decode (launcher)", "verdict_fresh missing");
   cudaError_t e = kernel(p, stream);
   if (e != cudaSuccess) {
     return {static_cast<int>(e), CHECK ? "paged_decode_kernel<check=true>" : "paged_decode_kernel<check=false>",
@@ -128,11 +134,22 @@ LaunchResult launch_decode(DecodeParams& p, DType dtype, cudaStream_t stream) {
   }
   if (p.num_splits > 1) {
     DecodeParams m = p;
-    if (!CHECK) m.violations = nullptr;
+    if (!CHECK || VERDICT) m.violations = nullptr;  // the report needs no sum of the splits
     e = merge(m, stream);
     if (e != cudaSuccess) return {static_cast<int>(e), "merge_splits_kernel", cudaGetErrorString(e)};
   }
   return {0, nullptr, nullptr};
+}
+
+// Unchecked, checked call by call, or checked through a step's verdict (p.verdict given).
+template <class T, class KV>
+LaunchResult launch_decode_checked(DecodeParams& p, DType dtype, bool check, cudaStream_t stream) {
+  if (!check) {
+    if (p.verdict != nullptr) return refuse("paged_decode (launcher)", "a verdict with check=false");
+    return launch_decode<T, KV, false>(p, dtype, stream);
+  }
+  return p.verdict != nullptr ? launch_decode<T, KV, true, true>(p, dtype, stream)
+                              : launch_decode<T, KV, true, false>(p, dtype, stream);
 }
 
 LaunchResult paged_decode(DecodeParams& p, DType dtype, bool check, void* stream) {
@@ -142,11 +159,11 @@ LaunchResult paged_decode(DecodeParams& p, DType dtype, bool check, void* stream
     if constexpr (kTensorCoreType<T>) {
       switch (p.kv_type) {
         case KVType::kSame:
-          return check ? launch_decode<T, T, true>(p, dtype, s) : launch_decode<T, T, false>(p, dtype, s);
+          return launch_decode_checked<T, T>(p, dtype, check, s);
         case KVType::kE4M3:
-          return check ? launch_decode<T, Fp8E4M3, true>(p, dtype, s) : launch_decode<T, Fp8E4M3, false>(p, dtype, s);
+          return launch_decode_checked<T, Fp8E4M3>(p, dtype, check, s);
         case KVType::kE5M2:
-          return check ? launch_decode<T, Fp8E5M2, true>(p, dtype, s) : launch_decode<T, Fp8E5M2, false>(p, dtype, s);
+          return launch_decode_checked<T, Fp8E5M2>(p, dtype, check, s);
         default:
           break;
       }

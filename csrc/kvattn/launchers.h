@@ -13,7 +13,8 @@
 
 namespace kvattn {
 
-template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT>
+// VERDICT: reads a decode step's verdict instead of the table and the tags (CHECK only).
+template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT, bool VERDICT>
 struct DecodeKernel {
   static cudaError_t launch(const DecodeParams& p, cudaStream_t stream);
 };

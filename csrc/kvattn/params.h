@@ -106,6 +106,10 @@ struct ScoreVariant {
   X(PTR, float*, part_acc)           /* [B, H, num_splits, head_dim_v] when num_splits > 1 */              \
   X(PTR, float*, part_ml)            /* [B, H, num_splits, 2] (running max in log2 units, sum) */  \
   X(PTR, int32_t*, part_report)      /* [B, num_splits, 3] when checked and num_splits > 1 */     \
+  /* A decode step's verdict (kvattn.resolve_pages, docs/ownership.md section 9), read instead of */ \
+  /* the table and the tags: [B, max_pages] entries (page << 32 | readable) and [B] the new */     \
+  /* token's page's entry; null: the call checks its pages itself */                             \
+  X(PTR, const int64_t*, verdict) X(PTR, const int64_t*, verdict_fresh)                          \
   X(I64, int64_t, stride_qb) X(I64, int64_t, stride_ob)                                           \
   X(I32, int, num_splits) X(I32, int, align) X(I32, int, min_chunk)
 

@@ -79,7 +79,7 @@ struct DecodeLayout {
   static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kMaskBytes = (kWarps * kStages * 4 + 15) / 16 * 16;
   static constexpr int kOffsetBytes = kWarps * kSubTile * 2 * 8;  // per warp: [16 tokens][K, V] int64
-  static constexpr int kCounterBytes = 16;
+  static constexpr int kCounterBytes = 16;  // the report's three counters, then the length
   static constexpr int kTotal = kQBytes + kWarps * kWarpBytes + kMaskBytes + kOffsetBytes + kCounterBytes;
   // The merge of the warps reuses each warp's stage memory: [kWarpRows][DV] outputs, m and l.
   static_assert(kWarpRows * kDV * 4 + 2 * kWarpRows * 4 <= kWarpBytes, "warp merge area");

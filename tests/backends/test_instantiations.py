@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_the_table_is_the_dispatchs_axes_written_out():
     """Every instantiation dispatch.cuh can pick, once: decode over pools of the query's type with
     both copy widths and over fp8 pools (e4m3, e5m2) with 16-byte copies only, and its MLA latent
-    tile; the split merge;
+    tile; the checked decode through a verdict with 16-byte copies; the split merge;
     extend; its page pre-pass; the writer of tokens into pools of their own type (fp8 ones too) and
     of float tokens into fp8 pools."""
     table = instantiations()
@@ -35,17 +35,19 @@ def test_the_table_is_the_dispatchs_axes_written_out():
     assert len(names) == len(set(names))
     hd, bools = table.TILES, ("true", "false")
     want = {
-        f"kvattn::paged_decode_kernel<{t}, {kv}, {d}, {c}, {v}, {s}>"
+        f"kvattn::paged_decode_kernel<{t}, {kv}, {d}, {c}, {v}, {s}, {r}>"
         for t in ("__half", "__nv_bfloat16")
         for kv in (t, "kvattn::Fp8E4M3", "kvattn::Fp8E5M2")
         for d in hd
         for c in bools
         for v in (bools if kv == t else ("true",))
         for s in bools
+        # through a verdict: checked, 16-byte copies
+        for r in (bools if (c, v) == ("true", "true") else ("false",))
     }
-    # the MLA latent tile: 16-bit pools, 16-byte copies, no score switch
+    # the MLA latent tile: 16-bit pools, 16-byte copies, no score switch, no verdict
     want |= {
-        f"kvattn::paged_decode_kernel<{t}, {t}, {table.LATENT}, {c}, true, false>"
+        f"kvattn::paged_decode_kernel<{t}, {t}, {table.LATENT}, {c}, true, false, false>"
         for t in ("__half", "__nv_bfloat16")
         for c in bools
     }
@@ -117,9 +119,8 @@ def test_selection_from_the_environment():
         "write_kv_verdict_kernel",
     }
     assert all(row.head_dim in (None, 128) and not row.variant and row.pool is None for row in rows)
-    assert (
-        len([r for r in rows if r.kernel == "paged_decode_kernel"]) == 2 * 2 * 2
-    )  # dtype, check, copy
+    # dtype, check, copy; and through a verdict, checked by 16-byte copies
+    assert len([r for r in rows if r.kernel == "paged_decode_kernel"]) == 2 * 2 * 2 + 2
     # No 16-bit attention type: no attention kernel and no pre-pass; the fp32 writer stays.
     assert {
         r.name for r in table.select(table.selection_from_env({"KVATTN_CUDA_DTYPES": "fp32"}))
@@ -150,7 +151,9 @@ def test_generated_headers_name_the_selection(tmp_path):
     sub = table.Selection(dtypes=("fp16", "e4m3"), head_dims=(64,), variants=False)
     units = table.write_generated(tmp_path, sub)
     built = (tmp_path / "kvattn_built.h").read_text()
-    assert "struct Built<DecodeKernel<__half, kvattn::Fp8E4M3, 64, true, true, false>>" in built
+    assert (
+        "struct Built<DecodeKernel<__half, kvattn::Fp8E4M3, 64, true, true, false, false>>" in built
+    )
     assert "ResolvePagesKernel" in built and "__nv_bfloat16" not in built and "128" not in built
     macros = (tmp_path / "kvattn_selection.h").read_text()
     assert (
@@ -171,7 +174,10 @@ def test_generated_headers_name_the_selection(tmp_path):
         "extend_resolve.cu",
         "write_kv.cu",
     ]
-    assert "DecodeKernel<__half, kvattn::Fp8E4M3, 64, true, true, false>;" in units[0].read_text()
+    assert (
+        "DecodeKernel<__half, kvattn::Fp8E4M3, 64, true, true, false, false>;"
+        in units[0].read_text()
+    )
     before = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
     table.write_generated(tmp_path, sub)  # unchanged: nothing rewritten, so nothing recompiles
     assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before

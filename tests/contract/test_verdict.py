@@ -18,8 +18,11 @@ from kvattn.tags import Violation
 from kvattn_testing.util import DEVICE, assert_reports_equal, backends_under_test, launcher
 
 LAYERS = 3
-# Every backend that reads a verdict: the compiled CPU decode where it is built.
-BACKENDS = ["reference", "torch", "triton"] + (["cpu"] if "cpu" in backends_under_test() else [])
+# Every backend that reads a verdict: the compiled CPU decode and the CUDA kernels' harness where
+# they are built.
+BACKENDS = ["reference", "torch", "triton"] + [
+    name for name in ("cpu", "cuda_sim") if name in backends_under_test()
+]
 # Per sequence: (tokens including the new one, fault). 9 and 8 put the new token at the first slot
 # of a page for page size 4 and 8 (and mid-page elsewhere).
 SEQUENCES = [
@@ -272,11 +275,35 @@ def test_forged_entries_outside_the_pool_read_nothing(backend):
     assert_same(got, want, backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forged_new_token_entry_reads_nothing_of_that_page(backend):
+    """The CUDA kernels load the new token's page's entry from ``fresh``: one outside the pool
+    reads nothing of that page there, and a backend that reads the column ignores it."""
+    s = Step(4, seed=5, sequences=[(9, None), (10, None)])
+    verdict = s.resolve()
+    s.write(0)
+    clean = s.decode(0, backend, verdict=verdict)
+    verdict.fresh[1] = ((s.num_pages + 5) << 32) | 4
+    got = s.decode(0, backend, verdict=verdict)
+    assert torch.isfinite(got[0]).all()
+    assert torch.equal(got[0][0], clean[0][0])
+    if backend != "cuda_sim":
+        assert_same(got, clean, backend)
+        return
+    fresh = (s.lens[1] - 1) // s.page
+    verdict.fresh[1] = int(verdict.entries[1, fresh])
+    verdict.entries[1, fresh] = -1 << 32
+    assert_same(got, s.decode(0, backend, verdict=verdict), backend)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("triton", "cuda_sim")])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_split_kv_reads_the_verdict_alike(num_splits):
+def test_split_kv_reads_the_verdict_alike(backend, num_splits):
+    """The kernels that split a sequence's keys: through a verdict as by their own check, split or
+    not (the new token's page lies in the last split; its report is added by that split alone)."""
     s = Step(4, seed=6)
     verdict = s.resolve()
-    module = launcher("triton")
+    module = launcher(backend)
     for layer in range(2):
         s.write(layer)
         outs = []
@@ -295,7 +322,7 @@ def test_split_kv_reads_the_verdict_alike(num_splits):
             lse = torch.empty(s.q.shape[1:3], dtype=torch.float32, device=DEVICE)
             report = module.decode(args, check=True, out=out, lse=lse, num_splits=num_splits)
             outs.append((out, lse, report))
-        assert_same(outs[0], outs[1], "triton")
+        assert_same(outs[0], outs[1], backend)
         assert_reports_equal(outs[0][2], outs[1][2])
 
 
@@ -359,6 +386,23 @@ def test_a_backend_that_reads_no_verdict_says_so():
     assert given["triton"] is None and given["reference"] is None
 
 
+@pytest.mark.skipif("cuda_sim" not in BACKENDS, reason="the CUDA kernels' harness is not built")
+def test_the_cuda_decode_reads_a_verdict_by_16_byte_copies_only():
+    """Rows of 12 fp16 elements are copied element by element, which no verdict instantiation
+    does: the CUDA decode refuses the verdict naming why, and ``auto`` reads it on another backend;
+    the twin with rows of 16 elements is accepted (as every test above runs it)."""
+    s = Step(4, seed=7, sequences=[(9, None)])
+    verdict = s.resolve()
+    for width, refused in ((12, True), (16, False)):
+        k, v = s.k[0][..., :width], s.v[0][..., :width]
+        args = kvattn.layout.validate_decode(
+            s.q[0][..., :width], k, v, s.table, s.seq_lens, s.tags[0], s.expected
+        )
+        args.verdict = verdict
+        why = kvattn.backends.explain(args, "decode")["cuda_sim"]
+        assert (why is not None and "16-byte" in why) if refused else why is None, why
+
+
 def test_resolve_rejects_malformed_arguments():
     s = Step(4, seed=7, sequences=[(9, None)])
     with pytest.raises(ValueError, match="page_size"):
@@ -404,6 +448,7 @@ def test_the_triton_resolve_is_the_oracles(seed, window_left):
         table, lens, tags, expected, page_size=page, window_left=window_left, backend="reference"
     )
     assert torch.equal(got.entries, want.entries)
+    assert torch.equal(got.fresh, want.fresh)
     assert_reports_equal(got.report, want.report)
 
 
@@ -423,7 +468,10 @@ def test_the_oracle_resolve_is_the_per_call_rule_before_the_new_token():
         got = torch.arange(page) < readable[..., None]
         assert torch.equal(got[others], allowed[others])
         assert torch.equal(verdict.report.page_reasons[others], report.page_reasons[others])
+        outside = torch.tensor(-1 << 32)
+        assert torch.equal(verdict.fresh[fresh < 0], outside.expand(int((fresh < 0).sum())))
         for b in torch.nonzero(fresh >= 0).flatten().tolist():
             f, s = int(fresh[b]), int(slot[b])
+            assert int(verdict.fresh[b]) == int(verdict.entries[b, f])
             assert torch.equal(got[b, f, :s], allowed[b, f, :s])
             assert not got[b, f, s:].any()

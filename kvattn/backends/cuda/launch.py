@@ -84,6 +84,11 @@ def unsupported(args: DecodeArgs | ExtendArgs) -> str | None:
         return f"no kernel for {', '.join(missing)}"
     if args.max_pages * args.page_size >= 2**31:
         return f"a table of {args.max_pages} pages of {args.page_size} tokens holds 2**31 tokens or more"
+    if getattr(args, "verdict", None) is not None and not _rows_of_16_bytes(args):
+        return (
+            "a verdict is read with 16-byte copies only: K/V rows 16-byte aligned (head dims and "
+            "strides multiples of 16 bytes; the triton backend reads it from any rows)"
+        )
     if (
         args.batch >= 2**31
         or args.num_kv_heads * -(-(args.num_heads // args.num_kv_heads) // 16) > 32767
@@ -152,14 +157,15 @@ def _latent_rows(args) -> bool:
 
 
 def _rows_of_16_bytes(args) -> bool:
-    """Whether the fp8 decode kernels can copy these pools: by 16-byte cp.async only (16 fp8
-    elements a copy)."""
+    """Whether the decode can copy these pools' rows by 16-byte cp.async (csrc/kvattn/plan.h
+    ``kv_rows_aligned``): the only copies of the fp8 kernels and of a decode through a verdict."""
     pools = (args.k_cache, args.v_cache)
+    per_copy = 16 // args.k_cache.element_size()  # elements of one 16-byte copy
     return (
-        args.head_dim % 16 == 0
-        and args.head_dim_v % 16 == 0
+        args.head_dim % per_copy == 0
+        and args.head_dim_v % per_copy == 0
         and all(t.data_ptr() % 16 == 0 for t in pools)
-        and all(s % 16 == 0 for t in pools for s in t.stride()[:3])
+        and all(s % per_copy == 0 for t in pools for s in t.stride()[:3])
     )
 
 
@@ -289,7 +295,15 @@ def decode(
     q = args.q
     device = q.device
     splits, min_chunk, align = plan_splits(args, num_splits)
-    report = OwnershipReport.allocate(args.batch, args.max_pages, device) if check else None
+    # Through a verdict the report is the step's (the call adds the new token's page to it).
+    verdict = args.verdict if check else None
+    report = None
+    if check:
+        report = (
+            verdict.report
+            if verdict is not None
+            else OwnershipReport.allocate(args.batch, args.max_pages, device)
+        )
     part_acc = part_ml = part_report = None
     if splits > 1:
         part_acc = torch.empty(
@@ -300,7 +314,7 @@ def decode(
         part_ml = torch.empty(
             args.batch * args.num_heads * splits * 2, dtype=torch.float32, device=device
         )
-        if check:
+        if check and verdict is None:
             part_report = torch.empty(args.batch * splits * 3, dtype=torch.int32, device=device)
     if lse is not None and not lse.is_contiguous():
         raise ValueError(f"lse: expected a contiguous tensor, got strides {lse.stride()}")
@@ -309,6 +323,8 @@ def decode(
         part_acc=_ptr(part_acc),
         part_ml=_ptr(part_ml),
         part_report=_ptr(part_report),
+        verdict=_ptr(verdict and verdict.entries),
+        verdict_fresh=_ptr(verdict and verdict.fresh),
         stride_qb=q.stride(0),
         stride_ob=out.stride(0),
         num_splits=splits,

@@ -17,6 +17,8 @@ from ..cuda import launch
 
 # The writer quantises into fp8 pools by either rounding (csrc/kvattn/fp8.h fp8_from_float).
 WRITE_SWITCHES = frozenset({"fp8 KV", "fp8 toward_zero"})
+# The decode reads a step's verdict (kvattn.resolve_pages) with 16-byte copies (launch.unsupported).
+VERDICT_OPS = ("decode",)
 NAME = "cuda_sim"
 
 _sim, STATUS = extensions.load("kvattn.backends.cuda_sim._sim")
@@ -102,6 +104,7 @@ def write_kv(args: WriteArgs) -> WriteResult:
 
 __all__ = [
     "NAME",
+    "VERDICT_OPS",
     "WRITE_SWITCHES",
     "decode",
     "extend",

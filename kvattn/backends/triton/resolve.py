@@ -4,9 +4,10 @@
 ``resolve_verdict_kernel`` (grid ``(B, ceil(max_pages / BLOCK_P))``) judges a block of one
 sequence's logical pages in every layer: per page one block-table entry and expected owner, then
 the tags of ``BLOCK_L`` layers at a time as one ``[BLOCK_L, BLOCK_P]`` gather, so a 61-layer model
-costs two dependent loads per block, not 61. It writes the packed entries, the page reasons and
-the block's partial counts; ``verdict_report_kernel`` (grid ``(B,)``) sums those into the report
-with the extend's :func:`~.paged_extend.store_report`. No host sync, fresh buffers only.
+costs two dependent loads per block, not 61. It writes the packed entries (and the new token's
+page's again, per sequence), the page reasons and the block's partial counts;
+``verdict_report_kernel`` (grid ``(B,)``) sums those into the report with the extend's
+:func:`~.paged_extend.store_report`. No host sync, fresh buffers only.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def resolve_verdict_kernel(
     tags_ptr,
     expected_ptr,
     entries_ptr,
+    fresh_ptr,
     page_reasons_ptr,
     part_report_ptr,
     num_layers,
@@ -84,6 +86,14 @@ def resolve_verdict_kernel(
     readable = tl.where(ok, tl.minimum(readable, old_slots), 0)
     entry = (tl.where(ok, page, -1).to(tl.int64) << 32) | readable.to(tl.int64)
     tl.store(entries_ptr + b * max_pages + logical, entry, mask=in_table)
+    # The new token's page's entry again, per sequence: what a decode loads beside the length.
+    # Outside the table (-1) logical page 0 stores page -1 instead.
+    fresh = tl.where((raw_len >= 1) & (raw_len <= capacity), (raw_len - 1) // PAGE, -1)
+    tl.store(
+        fresh_ptr + b + tl.zeros_like(logical),
+        tl.where(logical == fresh, entry, -(1 << 32)),
+        mask=in_table & (logical == tl.maximum(fresh, 0)),
+    )
     tl.store(page_reasons_ptr + b * max_pages + logical, reason.to(tl.int8), mask=in_table)
     part = part_report_ptr + (b * tl.num_programs(1) + block) * REPORT_FIELDS
     tl.store(part, tl.sum((reason != 0).to(tl.int32), axis=0))
@@ -125,13 +135,18 @@ def resolve(
     expected: torch.Tensor,
     page_size: int,
     window_left: int,
-) -> tuple[torch.Tensor, OwnershipReport]:
-    """``(entries, report)`` of :func:`kvattn.reference.resolve_verdict` (validated arguments:
+) -> tuple[torch.Tensor, torch.Tensor, OwnershipReport]:
+    """``(entries, fresh, report)``: :func:`kvattn.reference.resolve_verdict` and
+    :func:`~kvattn.reference.fresh_entries` (validated arguments:
     ``layer_tags`` ``[L, num_pages]`` with unit page stride, ``expected`` ``[B, max_pages]``)."""
     batch, max_pages = block_table.shape
     device = block_table.device
     blocks = triton.cdiv(max_pages, BLOCK_P)
     entries = torch.empty(batch, max_pages, dtype=torch.int64, device=device)
+    # Written by the kernel, unless the table has no column to hold the new token.
+    fresh = torch.empty(batch, dtype=torch.int64, device=device)
+    if not max_pages:
+        fresh.fill_(-(1 << 32))
     report = OwnershipReport.allocate(batch, max_pages, device)
     part = torch.empty(batch * blocks * REPORT_FIELDS, dtype=torch.int32, device=device)
     resolve_verdict_kernel[(batch, blocks)](
@@ -140,6 +155,7 @@ def resolve(
         tags_ptr=layer_tags,
         expected_ptr=expected,
         entries_ptr=entries,
+        fresh_ptr=fresh,
         page_reasons_ptr=report.page_reasons,
         part_report_ptr=part,
         num_layers=layer_tags.shape[0],
@@ -166,4 +182,4 @@ def resolve(
         capacity=max_pages * page_size,
         BLOCK_K=16,
     )
-    return entries, report
+    return entries, fresh, report
