@@ -530,9 +530,10 @@ _CUDA_FP8 = {"e4m3": "fp8 e4m3", "e5m2": "fp8 e5m2"}
 def cuda_config(row) -> str:
     """How the table names a row of csrc/instantiations.py: op, dtype, head-dim tile, copy width
     (16B, or elementwise for pools whose rows are not 16-byte aligned: odd head dims, offset views;
-    fp8 pools copy by 16 bytes only and name their format instead), and the score switches of
+    fp8 pools copy by 16 bytes only and name their format instead), the score switches of
     kvattn.variants when compiled in (the merge kernel has only the window, the sinks and ALiBi's
-    shift past the table, the decode neither the custom mask nor the window's right edge)."""
+    shift past the table, the decode neither the custom mask nor the window's right edge), and
+    ``verdict`` for the checked decode that reads a step's verdict."""
     fp8 = _CUDA_FP8.get(row.pool, "")
     copies = "" if fp8 or row.vec is None else ("16B" if row.vec else "elementwise")
     switches = ""
@@ -551,6 +552,7 @@ def cuda_config(row) -> str:
             copies,
             fp8,
             switches,
+            "verdict" if row.verdict else "",
         )
         if x
     )
@@ -626,6 +628,13 @@ def cuda_records(obj: pathlib.Path) -> list[dict]:
                         **extra,
                     )
                 )
+    # A verdict serves only the checked kernel: unchecked, its row is the plain one (as Triton's).
+    plain = {(r["kernel"], r["config"]): r for r in records if not r["check"]}
+    records += [
+        dict(plain[(r["kernel"], r["config"].removesuffix(" verdict"))], config=r["config"])
+        for r in list(records)
+        if r["config"].endswith(" verdict")
+    ]
     records.sort(key=lambda r: (r["op"], r["kernel"], r["config"], r["check"]))
     return records
 
@@ -651,13 +660,16 @@ MEMORY_US, L2_US, LAUNCH_US = 1.0, 0.3, 1.0
 # tag, in the iteration that issues its copy; the CUDA kernel resolves them a sub-tile ahead), and
 # before its first K/V copy (the length, the table entry, the tag).
 # Through a verdict ("verdict") the Triton kernel loads one packed entry per tile, as unchecked
-# loads its table entry.
+# loads its table entry; so does the CUDA kernel per token, which loads the new token's page's
+# entry (kept per sequence) and then its tag beside the length and the first entry, so its start
+# waits as long as unchecked.
 LOOP_CHAIN = {
     ("triton", False): 1,
     ("triton", True): 2,
     ("triton", "verdict"): 1,
     ("cuda", False): 0,
     ("cuda", True): 0,
+    ("cuda", "verdict"): 0,
 }
 START_CHAIN = {False: 3, True: 4, "verdict": 3}
 
@@ -745,29 +757,31 @@ def decode_model(
     """Modelled microseconds of one decode call (the kernel, then the merge when split): programs
     in launch order (the split is the slowest grid dimension), checked with the report's programs
     or work as ``REPORT_PROGRAMS`` says: one pass over a split's table entries and tags per 128
-    pages, two dependent loads each, from memory in a program of its own, from L2 after a loop."""
+    pages, two dependent loads each, from memory in a program of its own, from L2 after a loop.
+    Through a verdict only the new token's page is reported: by split 0's report program
+    (Triton), or (CUDA) by one thread of the block that reads the new token, before its loop,
+    from loads issued beside its first copies'; no work after the loop, no counts to merge."""
     chain = LOOP_CHAIN[(backend, check)] * L2_US
     cap = min(in_flight / MEMORY_US, tile_bytes / chain if chain else float("inf"))
     verdict = check == "verdict"
     column = check and REPORT_PROGRAMS[backend] == "column"
+    after_loop = check and not column and not verdict
     programs = []
     for split, (s, e) in enumerate(bounds):
         pages = -(-max(e - s, 0) // 16)
         passes = -(-pages // 128)
-        if verdict:
+        if verdict and column:
             # Split 0's report program judges the new token's page: entry, tag, its reason.
             programs += [(MEMORY_US, 0, 3 * MEMORY_US if split == 0 else 0.0)] * batch
-        elif column:
+        elif column and not verdict:
             programs += [(MEMORY_US, 0, 2 * MEMORY_US * passes)] * batch
         for i in range(attention_per_split):
             start = START_CHAIN[check] * MEMORY_US if e > s else 0.0
-            after = 2 * L2_US * passes if check and not column and i < batch else 0.0
-            if verdict:
-                after = 0.0
+            after = 2 * L2_US * passes if after_loop and i < batch else 0.0
             programs.append((start, max(e - s, 0) * head_dim * 2 * 2, after))
     total = LAUNCH_US + model_time(programs, slots, cap)
     if splits > 1:  # the merge: read the partials (and, checked, sum the report counts)
-        total += LAUNCH_US + 2 * MEMORY_US + (L2_US if check and not column else 0.0)
+        total += LAUNCH_US + 2 * MEMORY_US + (L2_US if after_loop else 0.0)
     return total
 
 
@@ -895,7 +909,7 @@ def grids_markdown(rows: list[dict]) -> str:
         "one tile per exposed per-iteration load chain), sharing "
         f"{COPY_BYTES_PER_US / 1e6:g} TB/s of copy bandwidth; then the merge. Unchecked: the "
         "modelled share of the copy bandwidth; checked: the modelled time over unchecked. "
-        "Through a verdict (Triton, docs/ownership.md section 9): the same, the per-layer call "
+        "Through a verdict (docs/ownership.md section 9): the same, the per-layer call "
         "alone, then with the step's one resolve (`resolve_model`) shared by its "
         f"{RESOLVE_LAYERS} layers.",
         "",

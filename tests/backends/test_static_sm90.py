@@ -169,24 +169,35 @@ def test_checked_decode_loop_within_ten_percent_at_page_16(static, capsys):
         )
 
 
-def test_the_decode_through_a_verdict_loops_as_unchecked(static):
-    """docs/ownership.md section 9: through a verdict the main loop loads one entry per tile, as
-    the unchecked one loads its table entry: within VERDICT_RATIO_MAX of its instructions, with as
-    many resident programs; the resolve's kernels spill nothing (test_no_kernel_spills)."""
-    pair = pairs(static[0]["records"], "triton")[
-        ("paged_decode_kernel", "decode bf16 d128 p16 gqa4 verdict")
-    ]
+@pytest.mark.parametrize(
+    "backend, config",
+    [("triton", "decode bf16 d128 p16 gqa4"), ("cuda", "decode bf16 d128 16B")],
+)
+def test_the_decode_through_a_verdict_loops_as_unchecked(static, backend, config):
+    """docs/ownership.md section 9: through a verdict the main loop loads one entry per tile (per
+    token on CUDA), as the unchecked one loads its table entry: within VERDICT_RATIO_MAX of its
+    instructions, with as many resident programs; the resolve's kernels spill nothing
+    (test_no_kernel_spills)."""
+    records = static[0]["records"]
+    if backend not in backends_of(records):
+        pytest.skip("no CUDA module (nvcc absent): kvattn/backends/cuda/_C*.so")
+    pair = pairs(records, backend)[("paged_decode_kernel", f"{config} verdict")]
     assert pair[True]["loop_sass"] / pair[False]["loop_sass"] <= VERDICT_RATIO_MAX, pair
+    assert pair[True]["loop_ldg"] == pair[False]["loop_ldg"], pair
     assert pair[True]["resident_per_sm"] == pair[False]["resident_per_sm"], pair
-    kernels = {r["kernel"] for r in static[0]["records"] if r["config"].endswith(" verdict")}
-    assert {"resolve_verdict_kernel", "verdict_report_kernel"} <= kernels
+    if backend == "triton":
+        kernels = {r["kernel"] for r in records if r["config"].endswith(" verdict")}
+        assert {"resolve_verdict_kernel", "verdict_report_kernel"} <= kernels
 
 
-def test_the_verdict_is_modelled_within_three_percent_at_every_goal_shape(static):
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_the_verdict_is_modelled_within_three_percent_at_every_goal_shape(static, backend):
     """The decode grids' model with the step's one resolve shared by its layers: at most
     VERDICT_MODEL_MAX over unchecked at every goal shape (the per-call check is modelled at +17%
     at batch 1, 4-8K)."""
-    rows = [r for r in static[0]["decode_grids"] if r["backend"] == "triton"]
+    if backend not in backends_of(static[0]["records"]):
+        pytest.skip("no CUDA module (nvcc absent): kvattn/backends/cuda/_C*.so")
+    rows = [r for r in static[0]["decode_grids"] if r["backend"] == backend]
     assert {(r["batch"], r["context"]) for r in rows} == GOAL_SHAPES
     for r in rows:
         assert r["modelled_verdict_cost_with_resolve"] <= VERDICT_MODEL_MAX, r
@@ -229,6 +240,8 @@ def test_cuda_kernels_are_the_tables_rows(static):
     records = [r for r in static[0]["records"] if r["backend"] == "cuda"]
     if not records:
         pytest.skip("no CUDA module (nvcc absent)")
+    # (a verdict row's unchecked twin is the plain unchecked kernel's record, repeated)
+    records = [r for r in records if r["check"] or not r["config"].endswith(" verdict")]
     table, record = instantiations(), cuda_build_record()
     selection = table.Selection(
         **{
