@@ -22,7 +22,8 @@
 #       the default configuration first, then its neighbours and the split counts that fill the
 #       slots);
 #    4. the build, waited for; its duration is in build.log;
-#    5. when it built: tuning of the CUDA decode's split count, then the CUDA rows of the headline;
+#    5. when it built: tuning of the CUDA decode's split count, then the CUDA rows of the headline
+#       (decode checked, unchecked and through a verdict);
 #    6. FlexAttention on two headline shapes, its compile timed apart and the step bounded (60 s);
 #    7. the decode, MLA decode and extend sweeps (gpu-suite presets, less the headline points), in
 #       what is left less the smoke's time and 30 s: the first thing a slow run drops;
@@ -165,6 +166,7 @@ if [ "$PRESET" = cpu-tiny ]; then HEAD=(--preset cpu-tiny --max-points 2); else 
 TRITON=(--providers kvattn-triton-checked kvattn-triton-unchecked)
 TRITON_DECODE=("${TRITON[@]}" kvattn-triton-verdict)
 CUDA=(--providers kvattn-cuda-checked kvattn-cuda-unchecked)
+CUDA_DECODE=("${CUDA[@]}" kvattn-cuda-verdict)
 
 # 2. The headline, Triton only, while the CUDA module builds.
 t=$(cap 170); run headline-triton-decode "$t" - "$PY" -m benchmarks.decode "${HEAD[@]}" "${BENCH[@]}" \
@@ -224,7 +226,7 @@ if [ "${RC[cuda-build]}" = 0 ] || [ "${RC[cuda-build]}" = skipped ]; then
     skip tune-cuda "$t s left"
   fi
   t=$(cap 75); run headline-cuda-decode "$t" - "$PY" -m benchmarks.decode "${HEAD[@]}" "${BENCH[@]}" \
-    "${CUDA[@]}" --repeats 5 --time-budget-s $(( t - 10 ))
+    "${CUDA_DECODE[@]}" --repeats 5 --time-budget-s $(( t - 10 ))
   t=$(cap 45); run headline-cuda-extend "$t" - "$PY" -m benchmarks.extend "${HEAD[@]}" "${BENCH[@]}" \
     "${CUDA[@]}" --repeats 5 --time-budget-s $(( t - 10 ))
 else

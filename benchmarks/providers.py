@@ -395,6 +395,7 @@ def all_providers(op: str = "decode") -> list[Provider]:
         *([_verdict("triton")] if decode else []),
         _kvattn("cuda", True, op),
         _kvattn("cuda", False, op),
+        *([_verdict("cuda")] if decode else []),
         Provider(
             "torch-sdpa-gather",
             "torch-sdpa-gather",

@@ -191,6 +191,8 @@ def _streams_every_row_with_its_run(out, runs):
     headline = [r for r in rows if r.get("preset") == "cpu-tiny" and r["op"] == "decode"]
     verdict = [r for r in headline if r["provider"] == "kvattn-triton-verdict"]
     assert verdict and all(r["status"] == "ok" and "ratio_vs_unchecked" in r for r in verdict)
+    # (and the CUDA decode's, which says why it skips without a GPU)
+    assert any(r["provider"] == "kvattn-cuda-verdict" for r in rows if r["op"] == "decode")
     assert all("tflops" in r for r in rows if r["op"] == "extend" and r.get("status") == "ok")
     digest = [r for r in rows if r["op"] == "digest"]
     assert len(digest) == 1 and {"copy", "attest_keyed", "verify_keyed"} <= set(digest[0])
