@@ -89,6 +89,24 @@ _COUNTED = {
 }
 
 
+_HMMA = re.compile(r"HMMA\.(16)(8)(8|16)\b")
+_HGMMA = re.compile(r"HGMMA\.(\d+)x(\d+)x(\d+)\b")
+
+
+def mma_flops(op: str, args: str = "") -> int:
+    """FLOPs (multiply and add) one warp's tensor-core instruction stands for: an ``HMMA.16816``
+    its warp's 16x8x16 product, an ``HGMMA.64xNx16`` (wgmma) a quarter of its warpgroup's, whose
+    four warps each issue it; 0 for any other instruction. (``parse_sass`` splits ``HGMMA.64`` from
+    the rest of its shape, which starts its operands.)"""
+    m = _HMMA.match(op)
+    if m:
+        return 2 * int(m.group(1)) * int(m.group(2)) * int(m.group(3))
+    m = _HGMMA.match(op + args.lstrip())
+    if m:
+        return 2 * int(m.group(1)) * int(m.group(2)) * int(m.group(3)) // 4
+    return 0
+
+
 def _counts(insns) -> dict[str, int]:
     return {
         name: sum(1 for _, op, args in insns if test(op, args)) for name, test in _COUNTED.items()
@@ -143,9 +161,13 @@ def sass_figures(insns) -> dict:
         if best is None or key > best[0]:
             best = (key, body, c)
     if best is None:
-        figures.update(loop_sass=0, **{f"loop_{k}": 0 for k in _COUNTED})
+        figures.update(loop_sass=0, loop_mma_flops=0, **{f"loop_{k}": 0 for k in _COUNTED})
     else:
-        figures.update(loop_sass=len(best[1]), **{f"loop_{k}": v for k, v in best[2].items()})
+        figures.update(
+            loop_sass=len(best[1]),
+            loop_mma_flops=sum(mma_flops(op, args) for _, op, args in best[1]),
+            **{f"loop_{k}": v for k, v in best[2].items()},
+        )
     return figures
 
 
@@ -1098,6 +1120,60 @@ def digest_markdown(record: dict, model: dict) -> str:
 
 # ---- Output -----------------------------------------------------------------------------------
 
+# ---- Extend: the tensor cores' share of the main loop ------------------------------------------
+
+# An H200 SM's dense bf16 tensor-core rate, 4096 FLOPs a cycle (989 TFLOPS at 1.83 GHz on 132 SMs),
+# over its four warp schedulers, each issuing at most one instruction a cycle.
+TC_FLOPS_PER_SCHEDULER_CYCLE = 4096 // 4
+
+
+def extend_estimates(records: list[dict]) -> list[dict]:
+    """Per extend record, the share of the bf16 tensor-core rate its main loop can reach when
+    issuing its instructions is all that limits it (a ceiling, NOT speed): the cycles the tensor
+    cores need for the loop's products over the cycles the SM's schedulers need to issue it, both
+    per warp and iteration (``loop_mma_flops / (1024 * loop_sass)``; the warps per SM cancel).
+    Latencies, barriers, memory and the causal diagonal are left out."""
+    rows = []
+    for r in records:
+        if r["kernel"] != "paged_extend_kernel" or not r.get("loop_sass"):
+            continue
+        share = r["loop_mma_flops"] / (TC_FLOPS_PER_SCHEDULER_CYCLE * r["loop_sass"])
+        rows.append(
+            dict(
+                backend=r["backend"],
+                config=r["config"],
+                check=r["check"],
+                loop_sass=r["loop_sass"],
+                loop_mma_flops=r["loop_mma_flops"],
+                tensor_core_share=round(share, 3),
+            )
+        )
+    return rows
+
+
+def estimates_markdown(rows: list[dict]) -> str:
+    lines = [
+        "## extend: the tensor cores' share of the main loop (issue-bound estimate)",
+        "",
+        "Per warp and main-loop iteration (a key tile before the diagonal): the FLOPs of its "
+        "tensor-core instructions (an `HMMA.16816` its warp's 16x8x16 product, an `HGMMA` a "
+        "quarter of its warpgroup's), and the share of an H200's dense bf16 rate (4096 FLOPs a "
+        "cycle per SM, over four schedulers issuing one instruction a cycle each) the loop reaches "
+        "when issuing its instructions is all that limits it: FLOPs / (1024 x instructions). A "
+        "ceiling from the SASS (tools/static_sm90.py `extend_estimates`), NOT speed: latencies, "
+        "barriers, memory and the causal diagonal are left out.",
+        "",
+        "| backend | config | variant | loop SASS | tensor-core FLOPs | estimate: share of the bf16 rate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['backend']} | {r['config']} | {'checked' if r['check'] else 'unchecked'} | "
+            f"{r['loop_sass']} | {r['loop_mma_flops']} | {100 * r['tensor_core_share']:.0f}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 COLUMNS = [
     ("registers", "regs"),
     ("local", "local B"),
@@ -1159,6 +1235,7 @@ def main(argv=None) -> int:
     )
     decode_grid_rows = decode_grids(records)
     launch_rows = [] if args.no_triton else launches_per_call(configs)
+    estimate_rows = extend_estimates(records)
     digest = [] if args.no_triton or args.only else digest_records()
     records += digest
     digest_row = digest_model(digest[0]) if digest else None
@@ -1170,6 +1247,7 @@ def main(argv=None) -> int:
                     records=records,
                     decode_grids=decode_grid_rows,
                     extend_launches=launch_rows,
+                    extend_estimates=estimate_rows,
                     digest_model=digest_row,
                 ),
                 indent=1,
@@ -1180,6 +1258,8 @@ def main(argv=None) -> int:
         table += "\n" + grids_markdown(decode_grid_rows)
     if launch_rows:
         table += "\n" + launches_markdown(launch_rows)
+    if estimate_rows:
+        table += "\n" + estimates_markdown(estimate_rows)
     if digest_row:
         table += "\n" + digest_markdown(digest[0], digest_row)
     if args.markdown:
