@@ -4,11 +4,13 @@ writer's dropped writes (usually the cause) before the refused reads, read back 
 ``Ledger.finish``. Needs no engine install: the ledger is plain kvattn code. The adapters' own
 set-up checks: vllm/test_vllm_setup.py, sglang/test_sglang_setup.py."""
 
+import pytest
 import torch
 
 import kvattn
 from kvattn import Violation, WriteDrop
 from kvattn.integrations.ledger import Ledger, cache_domain, prefix_digests
+from kvattn_testing.util import backends_under_test
 
 NOT_HELD = int(WriteDrop.NOT_HELD)
 
@@ -155,18 +157,20 @@ def test_a_page_of_another_image_or_placed_elsewhere_digests_apart():
     assert ledger.hit_owner(3, other[1]) == 0 and ledger.hit_owner(3, with_image[1]) == 9
 
 
-def _decode_forward(resolve_once: bool, monkeypatch, fault: bool):
+def _decode_forward(
+    resolve_once: bool, monkeypatch, fault: bool, backend: str = "auto", dtype=torch.float32
+):
     """One decode forward of two requests over 4 layers through ``Step.write``/``Step.attend``;
     with ``fault``, request 1's first page is handed to a stranger before the step. Returns the
     outputs per layer, what ``finish`` failed and how many resolves ran."""
     import kvattn.integrations.ledger as ledger_module
 
     layers, page, heads, dim = 4, 4, 2, 8
-    ledger = Ledger(page)
+    ledger = Ledger(page, backend=backend)
     ledger.resolve_once = resolve_once
     ledger.allocate_tags(layers, 16, "cpu")
     g = torch.Generator().manual_seed(0)
-    pools = torch.full((layers, 2, 16, page, heads, dim), float("nan"))
+    pools = torch.full((layers, 2, 16, page, heads, dim), float("nan"), dtype=dtype)
     owners, pages, lens = [], [[1, 2], [5, 6]], [7, 6]
     for b, held in enumerate(pages):
         lease = ledger.open_lease(f"req_{b}")
@@ -174,7 +178,7 @@ def _decode_forward(resolve_once: bool, monkeypatch, fault: bool):
         ledger.reserve(held, lease.owner)
         for layer in range(layers):  # the prompt's KV, written in an earlier forward
             slots = torch.tensor([held[i // page] * page + i % page for i in range(lens[b] - 1)])
-            kv = torch.randn(2, len(slots), heads, dim, generator=g)
+            kv = torch.randn(2, len(slots), heads, dim, generator=g).to(dtype)
             kvattn.write_kv(
                 kv[0],
                 kv[1],
@@ -205,7 +209,7 @@ def _decode_forward(resolve_once: bool, monkeypatch, fault: bool):
     )
     outs = []
     for layer in range(layers):
-        new = torch.randn(3, 2, heads, dim, generator=g)
+        new = torch.randn(3, 2, heads, dim, generator=g).to(dtype)
         step.write(
             f"layer {layer}",
             new[0],
@@ -215,27 +219,38 @@ def _decode_forward(resolve_once: bool, monkeypatch, fault: bool):
             slots,
             ledger.tags[layer],
         )
-        q = torch.randn(2, heads, dim, generator=g)
+        q = torch.randn(2, heads, dim, generator=g).to(dtype)
         outs.append(
             step.attend(f"layer {layer}", q, pools[layer, 0], pools[layer, 1], ledger.tags[layer])
         )
     return outs, ledger.finish(), len(calls)
 
 
-def test_a_decode_forward_resolves_once_and_reads_as_each_layer_s_check(monkeypatch):
-    once, failed_once, resolves = _decode_forward(True, monkeypatch, fault=False)
-    each, failed_each, none = _decode_forward(False, monkeypatch, fault=False)
+# The backends a ledger's step reads through, by their readers: auto's on CPU tensors, and the CUDA
+# kernels' logic (fp16 rows of 16 bytes) where the harness is built.
+READERS = [("auto", torch.float32)] + (
+    [("cuda_sim", torch.float16)] if "cuda_sim" in backends_under_test() else []
+)
+
+
+@pytest.mark.parametrize("backend, dtype", READERS)
+def test_a_decode_forward_resolves_once_and_reads_as_each_layer_s_check(
+    monkeypatch, backend, dtype
+):
+    once, failed_once, resolves = _decode_forward(True, monkeypatch, False, backend, dtype)
+    each, failed_each, none = _decode_forward(False, monkeypatch, False, backend, dtype)
     assert (resolves, none) == (1, 0)
     assert failed_once == failed_each == {}
     for a, b in zip(once, each):
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
-def test_a_decode_forward_through_the_verdict_fails_the_victim_alone(monkeypatch):
+@pytest.mark.parametrize("backend, dtype", READERS)
+def test_a_decode_forward_through_the_verdict_fails_the_victim_alone(monkeypatch, backend, dtype):
     """The twin: request 1's first page belongs to a stranger; through the verdict as per call,
     request 1 alone fails, request 0's output is unchanged."""
-    once, failed_once, resolves = _decode_forward(True, monkeypatch, fault=True)
-    each, failed_each, _ = _decode_forward(False, monkeypatch, fault=True)
+    once, failed_once, resolves = _decode_forward(True, monkeypatch, True, backend, dtype)
+    each, failed_each, _ = _decode_forward(False, monkeypatch, True, backend, dtype)
     assert resolves == 1
     assert list(failed_once) == list(failed_each) == ["req_1"]
     assert "RESERVED on logical page(s) 0" in failed_once["req_1"][2]
