@@ -143,10 +143,7 @@ def resolve(
     device = block_table.device
     blocks = triton.cdiv(max_pages, BLOCK_P)
     entries = torch.empty(batch, max_pages, dtype=torch.int64, device=device)
-    # Written by the kernel, unless the table has no column to hold the new token.
-    fresh = torch.empty(batch, dtype=torch.int64, device=device)
-    if not max_pages:
-        fresh.fill_(-(1 << 32))
+    fresh = torch.empty(batch, dtype=torch.int64, device=device)  # (a table has a column at least)
     report = OwnershipReport.allocate(batch, max_pages, device)
     part = torch.empty(batch * blocks * REPORT_FIELDS, dtype=torch.int32, device=device)
     resolve_verdict_kernel[(batch, blocks)](
