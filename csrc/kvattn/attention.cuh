@@ -163,13 +163,13 @@ struct WarpAttention {
       const float m_new = fmaxf(m[r], quad_max(tile_max));
       // While every key so far is masked, m stays -inf: subtract 0 instead of inf - inf.
       const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
-      const float alpha = exp2f(m[r] - m_ref);
+      const float alpha = fast_exp2(m[r] - m_ref);
       float sum = 0.0f;
 #pragma unroll
       for (int n = 0; n < NK / 8; ++n) {
 #pragma unroll
         for (int c = 2 * r; c < 2 * r + 2; ++c) {
-          s[n][c] = exp2f(s[n][c] - m_ref);
+          s[n][c] = fast_exp2(s[n][c] - m_ref);
           sum += s[n][c];
         }
       }

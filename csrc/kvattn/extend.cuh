@@ -17,12 +17,15 @@
 // consecutive slots from tile_start[b] on, with device ops; a block finds its sequence by binary
 // search in tile_start; the ceil(total_q / tokens_per_tile) + B slots depend on shapes only and the
 // spare ones write nothing. Key tiles are double-buffered by cp.async (zero-fill for keys that may
-// not be read); each key's page entry is loaded one tile ahead of its copy. Causal tiles wholly
-// after the block's last query position are never visited, and only tiles that cross the diagonal
-// apply the causal mask per element. With a custom mask (kvattn.variants; VARIANT instantiations),
-// each key entry also carries which of the block's query tokens read the key, one bit per token
-// read from the mask's bytes when the entry is loaded and kept in shared memory beside it: a key
-// no token of the block reads is not copied, and the score loop masks each row by its bit.
+// not be read); each key's page entry is loaded one tile ahead of its copy and stored as the byte
+// offsets of its K and V rows (KeyRows), so that a copy adds one offset to its base. Causal tiles
+// wholly after the block's last query position are never visited, and only tiles that cross the
+// diagonal apply the causal mask; each lane folds the tile's masks into one word of bits per row,
+// so that each score tests a constant bit. With a custom mask (kvattn.variants; VARIANT
+// instantiations), each key entry also carries which of the block's query tokens read the key, one
+// bit per token read from the mask's bytes when the entry is loaded and kept in shared memory
+// beside it: a key no token of the block reads is not copied, and the score loop masks each row by
+// its bit.
 // fp8 pools (and fp8 queries over them) run the element-wise instantiations: the codes are read
 // and converted exactly into the 16-bit tiles as they are copied (kv_copy.cuh copy_chunk_fp8),
 // k_scale and q_scale join the score scale and v_scale the output, so the tensor-core step is the
@@ -86,6 +89,18 @@ KVATTN_DEVICE int2 load_key_entry(const ExtendParams& p, const int32_t* bt_row, 
   return entry;
 }
 
+// Where a key's rows lie in the pools, in bytes from their bases (the KV head's, and the V columns
+// of the block, included); the pools' first rows for a key that is not read (the tile's mask says
+// which, and no byte of them is copied).
+struct KeyRows {
+  int64_t k, v;
+};
+
+// Bits 0 .. last of a tile's key mask: none when last < 0, all 64 from 63 on.
+KVATTN_DEVICE uint64_t keys_through(int64_t last) {
+  return last < 0 ? 0 : last >= 63 ? ~uint64_t{0} : (uint64_t{2} << last) - 1;
+}
+
 // A minimum of one block per SM leaves ptxas the whole register file, as for decode.
 template <class T, int D, bool CHECK, bool VEC, bool VARIANT>
 __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendParams p) {
@@ -144,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
 
   unsigned char* q_rows = smem;
   unsigned char* tiles = smem + L::kQBytes;
-  int2* keys = reinterpret_cast<int2*>(tiles + L::kStages * L::kTileBytes);
+  KeyRows* keys = reinterpret_cast<KeyRows*>(tiles + L::kStages * L::kTileBytes);
   uint32_t* masks = reinterpret_cast<uint32_t*>(keys + L::kKeySlots * NK);
   // After L::kTotal, with a custom mask only (plan_extend adds it to the launch's shared memory).
   uint64_t* key_rows = reinterpret_cast<uint64_t*>(smem + L::kTotal);
@@ -169,30 +184,49 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
   uint64_t entry_rows;
   int2 entry = load_key_entry<CHECK, VARIANT>(p, bt_row, eff_row, j0 * NK, first_key, kv_hi, NK, mask_rows, entry_rows);
 
-  // Stores the key entries of tile j (loaded one tile earlier) and their mask: keys 32w .. 32w + 31
-  // by warp w.
+  const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh + v_col;
+  // Stores where the keys of tile j lie (their entries loaded one tile earlier) and their mask:
+  // keys 32w .. 32w + 31 by warp w.
   auto store_keys = [&](int64_t j) {
     const int ks = static_cast<int>(j % L::kKeySlots);
-    if (tid < NK) keys[ks * NK + tid] = entry;
+    if (tid < NK) {
+      const int64_t page = entry.x, slot = entry.y;
+      const int64_t bytes = VEC || p.kv_type == KVType::kSame ? sizeof(T) : 1;  // of a pool element
+      keys[ks * NK + tid] = page >= 0 ? KeyRows{(page * p.stride_kp + slot * p.stride_ks + k_head_off) * bytes,
+                                                (page * p.stride_vp + slot * p.stride_vs + v_head_off) * bytes}
+                                      : KeyRows{0, 0};
+    }
     if (custom && tid < NK) key_rows[ks * NK + tid] = entry_rows;
     const unsigned bits = __ballot_sync(0xffffffffu, tid < NK && entry.x >= 0);
     if (lane == 0 && warp < NK / 32) masks[ks * 2 + warp] = bits;
   };
-  const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh + v_col;
+  // Which keys of tile j may be read (bit i: key i), once store_keys(j) is visible.
+  auto tile_mask = [&](int64_t j) {
+    const int ks = static_cast<int>(j % L::kKeySlots);
+    return static_cast<uint64_t>(masks[ks * 2]) | (NK > 32 ? static_cast<uint64_t>(masks[ks * 2 + 1]) << 32 : 0);
+  };
   // The block's 128 threads move 128 consecutive 16-byte chunks of the tile's rows at a time; a key
-  // that is not read points at page 0 (inside the pool) and copies 0 bytes (decode.cuh copy_chunk).
+  // that is not read copies 0 bytes (kv_copy.cuh copy_chunk).
   // KV: the pools' element type, T, or (element-wise kernels) uint8_t for fp8 codes of either
   // format, converted on the copy by loops that are not unrolled (the 16-bit copies stay as they
   // were, and the kernel's code grows by one short loop).
   auto copy_rows = [&](int64_t j, auto pool_type) {
     using KV = typename decltype(pool_type)::type;
     constexpr bool kSame = std::is_same<KV, T>::value;
-    const KV* k_pool = static_cast<const KV*>(p.k);
-    const KV* v_pool = static_cast<const KV*>(p.v);
-    const int2* tile_keys = keys + (j % L::kKeySlots) * NK;
+    const unsigned char* k_pool = static_cast<const unsigned char*>(p.k);
+    const unsigned char* v_pool = static_cast<const unsigned char*>(p.v);
+    const KeyRows* tile_keys = keys + (j % L::kKeySlots) * NK;
+    const uint64_t reads = tile_mask(j);
+    // Whether this thread's row of copy k may be read: bit row(k) - row(0) of its shifted mask, a
+    // constant bit where rows step by a constant.
+    const auto row_read = [&](auto map, int k) {
+      using M = decltype(map);
+      return ((reads >> M::row(0, tid)) >> (M::row(k, tid) - M::row(0, tid))) & 1u;
+    };
     unsigned char* k_tile = tiles + (j % L::kStages) * L::kTileBytes;
     unsigned char* v_tile = k_tile + NK * L::kRowK;
-    const auto copy = [&](unsigned char* dst, const KV* src, int valid, bool read) {
+    const auto copy = [&](unsigned char* dst, const unsigned char* at, int valid, bool read) {
+      const KV* src = reinterpret_cast<const KV*>(at);
       if constexpr (kSame) copy_chunk<T, VEC>(dst, src, valid, read);
       else copy_chunk_fp8<T>(dst, src, valid, read, p.fp8_wide != 0, p.kv_type == KVType::kE5M2);
     };
@@ -203,19 +237,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
     for (int k = 0; k < kCopiesK; ++k) {
       using M = ChunkMap<L::kChunksK, kThreads>;
       const int row = M::row(k, tid), c = M::col(k, tid);
-      const int2 key = tile_keys[row];
-      const int64_t page = key.x >= 0 ? key.x : 0;
-      copy(k_tile + row * L::kRowK + c * 16, k_pool + page * p.stride_kp + key.y * p.stride_ks + k_head_off + c * 8,
-           p.head_dim - c * 8, key.x >= 0);
+      copy(k_tile + row * L::kRowK + c * 16, k_pool + c * 8 * sizeof(KV) + tile_keys[row].k, p.head_dim - c * 8,
+           row_read(M{}, k));
     }
 #pragma unroll kUnrollV
     for (int k = 0; k < kCopiesV; ++k) {
       using M = ChunkMap<L::kChunksV, kThreads>;
       const int row = M::row(k, tid), c = M::col(k, tid);
-      const int2 key = tile_keys[row];
-      const int64_t page = key.x >= 0 ? key.x : 0;
-      copy(v_tile + row * L::kRowV + c * 16, v_pool + page * p.stride_vp + key.y * p.stride_vs + v_head_off + c * 8,
-           p.head_dim_v - v_col - c * 8, key.x >= 0);
+      copy(v_tile + row * L::kRowV + c * 16, v_pool + c * 8 * sizeof(KV) + tile_keys[row].v,
+           p.head_dim_v - v_col - c * 8, row_read(M{}, k));
     }
   };
   auto copy_tile = [&](int64_t j) {
@@ -267,22 +297,31 @@ __global__ void __launch_bounds__(kThreads, 1) paged_extend_kernel(const ExtendP
 
     const unsigned char* k_rows = tiles + (j % L::kStages) * L::kTileBytes;
     const int ks = static_cast<int>(j % L::kKeySlots);
-    const uint64_t mask = static_cast<uint64_t>(masks[ks * 2]) | (NK > 32 ? static_cast<uint64_t>(masks[ks * 2 + 1]) << 32 : 0);
+    const uint64_t mask = tile_mask(j);
     const int64_t t0 = j * NK;
     float s[NK / 8][4];
     qk_scores<T, D, NK>(s, q, k_rows, ksteps);
     const bool causal_tile = p.causal && t0 + NK > diagonal;
+    // The keys each of this lane's rows may read, bit n * 8 + c % 2 for score s[n][c] (whose key is
+    // n * 8 + 2t + c % 2): the tile's mask shifted by 2t, cut by the row's causal and window edges.
+    const int64_t lane_t0 = t0 + 2 * t;
+    uint64_t row_keys[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      uint64_t bits = mask >> (2 * t);
+      if (causal_tile) bits &= keys_through(q_pos[r] - lane_t0);
+      if (windowed) bits &= ~keys_through(q_pos[r] - p.var.window_left - 1 - lane_t0);
+      if (right_edged) bits &= keys_through(q_pos[r] + p.var.window_right - lane_t0);
+      row_keys[r] = bits;
+    }
 #pragma unroll
     for (int n = 0; n < NK / 8; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int key = n * 8 + 2 * t + c % 2;
-        bool visible = (mask >> key) & 1u;
-        if (causal_tile) visible = visible && t0 + key <= q_pos[c / 2];
+        const bool visible = (row_keys[c / 2] >> (n * 8 + c % 2)) & 1u;
         float x = s[n][c] * score_scale;
         if (VARIANT) {
-          if (windowed) visible = visible && t0 + key >= q_pos[c / 2] - p.var.window_left;
-          if (right_edged) visible = visible && t0 + key <= q_pos[c / 2] + p.var.window_right;
           const float distance = static_cast<float>(t0 + key - anchor[c / 2]);
           x = variant_score(x, p.var, alibi2[c / 2], p.causal ? distance : -fabsf(distance));
         }

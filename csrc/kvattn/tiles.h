@@ -97,7 +97,7 @@ struct ExtendLayout {
   static constexpr int kKeySlots = 3;  // key entries: tile j read, tile j + 1 copied, tile j + 2 stored
   static constexpr int kQBytes = kExtendRows * kRowK;
   static constexpr int kTileBytes = kKeys * (kRowK + kRowV);  // K and V of one tile
-  static constexpr int kKeyBytes = kKeySlots * kKeys * 8;  // per key: page (-1: not read) and slot
+  static constexpr int kKeyBytes = kKeySlots * kKeys * 16;  // per key: its K and V row offsets (KeyRows)
   static constexpr int kMaskBytes = kKeySlots * 8;
   static constexpr int kTotal = kQBytes + kStages * kTileBytes + kKeyBytes + kMaskBytes;
   // With a custom mask, after kTotal: per key entry, which of the block's query tokens read it.
