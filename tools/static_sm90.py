@@ -758,10 +758,12 @@ def model_time(programs: list[tuple[float, int, float]], slots: int, cap: float)
     return clock
 
 
-# How a decode backend writes the report: "column", programs of its own beside the attention
-# programs (the first of each sequence and split in launch order; the Triton kernel), or "after",
-# the first attention program of each sequence and split after its loop (the CUDA kernel).
-REPORT_PROGRAMS = {"triton": "column", "cuda": "after"}
+# Checked per call, both decode backends write the report from programs of their own beside the
+# attention programs, one per sequence and split, first in launch order (a column of the grid).
+# Through a verdict only the new token's page is reported: by split 0's report program ("column",
+# the Triton kernel), or by one thread of the attention block that reads the new token, before
+# its loop, from loads issued beside its first copies' ("fresh", the CUDA kernel).
+VERDICT_REPORT = {"triton": "column", "cuda": "fresh"}
 
 
 def decode_model(
@@ -777,33 +779,28 @@ def decode_model(
     head_dim: int,
 ) -> float:
     """Modelled microseconds of one decode call (the kernel, then the merge when split): programs
-    in launch order (the split is the slowest grid dimension), checked with the report's programs
-    or work as ``REPORT_PROGRAMS`` says: one pass over a split's table entries and tags per 128
-    pages, two dependent loads each, from memory in a program of its own, from L2 after a loop.
-    Through a verdict only the new token's page is reported: by split 0's report program
-    (Triton), or (CUDA) by one thread of the block that reads the new token, before its loop,
-    from loads issued beside its first copies'; no work after the loop, no counts to merge."""
+    in launch order (the split is the slowest grid dimension), checked per call with the report's
+    programs (one pass over a split's table entries and tags per 128 pages, two dependent loads
+    from memory each), through a verdict as ``VERDICT_REPORT`` says; no program has report work
+    after its loop."""
     chain = LOOP_CHAIN[(backend, check)] * L2_US
     cap = min(in_flight / MEMORY_US, tile_bytes / chain if chain else float("inf"))
     verdict = check == "verdict"
-    column = check and REPORT_PROGRAMS[backend] == "column"
-    after_loop = check and not column and not verdict
     programs = []
     for split, (s, e) in enumerate(bounds):
         pages = -(-max(e - s, 0) // 16)
         passes = -(-pages // 128)
-        if verdict and column:
+        if verdict and VERDICT_REPORT[backend] == "column":
             # Split 0's report program judges the new token's page: entry, tag, its reason.
             programs += [(MEMORY_US, 0, 3 * MEMORY_US if split == 0 else 0.0)] * batch
-        elif column and not verdict:
+        elif check and not verdict:
             programs += [(MEMORY_US, 0, 2 * MEMORY_US * passes)] * batch
-        for i in range(attention_per_split):
+        for _ in range(attention_per_split):
             start = START_CHAIN[check] * MEMORY_US if e > s else 0.0
-            after = 2 * L2_US * passes if after_loop and i < batch else 0.0
-            programs.append((start, max(e - s, 0) * head_dim * 2 * 2, after))
+            programs.append((start, max(e - s, 0) * head_dim * 2 * 2, 0.0))
     total = LAUNCH_US + model_time(programs, slots, cap)
     if splits > 1:  # the merge: read the partials (and, checked, sum the report counts)
-        total += LAUNCH_US + 2 * MEMORY_US + (L2_US if after_loop else 0.0)
+        total += LAUNCH_US + 2 * MEMORY_US
     return total
 
 
@@ -864,6 +861,8 @@ def decode_grids(records: list[dict]) -> list[dict]:
                         planned = cfg.programs_per_sm
                     else:
                         splits, min_chunk, align = cuda_launch.plan_splits(args)
+                        # As the planner counts them: the report's short blocks left out
+                        # (decode_model has them).
                         per_split = attention = cuda_launch.decode_blocks_per_split(args)
                         tile_bytes = cuda_launch.SUB_TILE * args.head_dim * 2 * 2
                         in_flight = CUDA_DECODE_WARPS * (found[True]["kv_buffers"] - 1) * tile_bytes

@@ -4,11 +4,12 @@
 // copies kv_copy.cuh (the three shared with extend.cuh), the tile shapes tiles.h, the host-side
 // plan plan.h.
 //
-// Grid (B, num_kv_heads * num_chunks * d_split, num_splits), 4 warps. A block serves the query heads
-// of one chunk of a KV head's GQA group (up to 16 heads: the rows of one mma tile) over one split, an
-// equal page-aligned share of the sequence's actual length (kvattn.backends.grids.split_chunk), so
-// each KV page is read once for the whole group (heads over 256 wide: d_split = 2 blocks, each with
-// all of QK^T and half of the output dims). Each warp streams its own sub-tiles of 16 tokens
+// Grid (B, num_kv_heads * num_chunks * d_split, plus one report column checked per call,
+// num_splits), 4 warps. A block serves the query heads of one chunk of a KV head's GQA group (up
+// to 16 heads: the rows of one mma tile) over one split, an equal page-aligned share of the
+// sequence's actual length (kvattn.backends.grids.split_chunk), so each KV page is read once for
+// the whole group (heads over 256 wide: d_split = 2 blocks, each with all of QK^T and half of the
+// output dims). Each warp streams its own sub-tiles of 16 tokens
 // (sub-tile j goes to warp j % 4) through a private pipeline of kStages shared-memory stages:
 //   - resolve: lane r < 16 looks up token r's block-table entry and, when CHECK, its tag and expected
 //     owner (for pages of 16 or more tokens the 16 lanes load the same words), in two steps a
@@ -19,9 +20,11 @@
 //     element, zero-filled for tokens that are not read (a refused slot is never loaded and
 //     contributes 0 * 0, never NaN) and past head_dim;
 //   - compute: S = Q K^T and O += P V on tensor cores, online softmax in registers.
-// The warps' partial states are merged through shared memory at the end. The report is written by
-// the first block of KV head 0 of each split after its loop, from the table entries and tags of
-// its pages (L2-resident by then): final counters with one split, per-split partial counts summed
+// The warps' partial states are merged through shared memory at the end. Checked per call, the
+// report has blocks of its own, column 0 of the grid's second axis (launched first): one per
+// sequence and split reads the split's table entries, tags and expected owners (never page
+// memory) and writes their reasons and counts while the attention blocks stream K/V, so no block
+// has report work after its loop: final counters with one split, per-split partial counts summed
 // by the merge kernel otherwise. No separate zeroing launch, no global atomics.
 //
 // Through a verdict (VERDICT, docs/ownership.md section 9) the resolve step loads one packed entry
@@ -76,6 +79,27 @@ KVATTN_HOST_DEVICE WindowSpan window_span(int32_t raw_len, int64_t seq_len, cons
   const int64_t first = q_pos - v.window_left > 0 ? q_pos - v.window_left : 0;
   const int64_t span_lo = first / align * align;
   return {first, span_lo < seq_len ? span_lo : seq_len};
+}
+
+// What a block of split `split` of sequence b reads: the length as given (raw_len), clamped to the
+// table (seq_len), the window's span and the split's range of tokens (from the window's span on).
+struct DecodeSpan {
+  int32_t raw_len;
+  int64_t seq_len;
+  WindowSpan win;
+  SplitRange range;
+};
+
+template <bool VARIANT>
+KVATTN_DEVICE DecodeSpan decode_span(const DecodeParams& p, int64_t b, int split) {
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
+  const int32_t raw_len = p.seq_lens[b * p.stride_sl];
+  const int64_t seq_len = min64(max64(raw_len, 0), capacity);
+  const WindowSpan win = window_span<VARIANT>(raw_len, seq_len, p.var, p.align);
+  SplitRange range = split_range(seq_len - win.span_lo, split, p.num_splits, p.align, p.min_chunk);
+  range.start += win.span_lo;
+  range.end += win.span_lo;
+  return {raw_len, seq_len, win, range};
 }
 
 // Resolving a sub-tile's 16 tokens takes two dependent loads (block-table entry, then tag) and is
@@ -303,6 +327,61 @@ KVATTN_DEVICE void load_query_rows(unsigned char* rows, const void* q, int64_t s
   }
 }
 
+// The per-call check's report of sequence blockIdx.x's split blockIdx.z, by a block of its own: each
+// of the split's pages' reason, and the counts (docs/ownership.md section 3).
+template <bool VARIANT>
+KVATTN_DEVICE void report_split(const DecodeParams& p, int32_t* counters) {
+  const int tid = threadIdx.x;
+  const int64_t b = blockIdx.x;
+  const int split = blockIdx.z;
+  const DecodeSpan span = decode_span<VARIANT>(p, b, split);
+  const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
+  const bool active = span.range.start < span.range.end;
+  if (tid < kReportFields) counters[tid] = 0;
+  __syncthreads();
+  int8_t* reasons_row = p.page_reasons + b * p.max_pages;
+  const int64_t page_size = p.page.size;
+  const int64_t page_lo = span.range.start / page_size;  // splits are whole pages
+  int64_t page_hi = (span.range.end + page_size - 1) / page_size;
+#if KVATTN_SIM_BREAK == 2
+  page_hi -= 1;
+#endif
+  if (active) {
+    check_pages(p.block_table + b * p.stride_bt_b, p.stride_bt_p, p.expected + b * p.stride_eb, p.stride_ep,
+                p.page_tags, p.num_pages, page_size, span.seq_len, span.win.first_key, page_lo, page_hi, reasons_row,
+                counters, kThreads);
+  }
+  // This split's stripe of the table entries past the sequence: nothing is read there; zeroed so
+  // that every entry of page_reasons is written by the call.
+  const int64_t unread = (span.seq_len + page_size - 1) / page_size;
+  const int64_t stripe = (p.max_pages - unread + p.num_splits - 1) / p.num_splits;
+  const int64_t lo = unread + split * stripe;
+  for (int64_t i = lo + tid; i < min64(lo + stripe, p.max_pages); i += kThreads) reasons_row[i] = 0;
+  if (VARIANT) {
+    // And its stripe of the entries before the splits' span (wholly before the window).
+    const int64_t before = span.win.span_lo / page_size;
+    const int64_t stripe_b = (before + p.num_splits - 1) / p.num_splits;
+    for (int64_t i = split * stripe_b + tid; i < min64((split + 1) * stripe_b, before); i += kThreads)
+      reasons_row[i] = 0;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    if (p.num_splits == 1) {
+      // A seq_len past the table: nothing beyond it is read, and it counts once.
+      const int beyond = span.raw_len > capacity;
+      p.beyond_table[b] = beyond;
+      p.violations[b] = counters[0] + beyond;
+      p.reasons[b] = counters[1] | (beyond ? static_cast<int>(tags::Violation_OUT_OF_RANGE) : 0);
+      p.pages_checked[b] = counters[2];
+    } else if (active) {
+      int32_t* part = p.part_report + (b * p.num_splits + split) * kReportFields;
+      part[0] = counters[0];
+      part[1] = counters[1];
+      part[2] = counters[2];
+    }
+  }
+}
+
 // A minimum of one block per SM leaves ptxas the whole register file (shared memory limits the
 // blocks per SM to two or one before registers do); without it one instantiation spilled 4 bytes.
 // KV: the pools' element type, T (16-bit pools) or Fp8E4M3 / Fp8E5M2 (T is then the query's type,
@@ -314,24 +393,27 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   constexpr bool kFp8 = !std::is_same<T, KV>::value;
   using L = DecodeLayout<D, sizeof(KV)>;
   constexpr int DV = L::kDV;
+  constexpr bool kReportColumn = CHECK && !VERDICT;
   KVATTN_DYNAMIC_SMEM(smem);
+  int32_t* counters = reinterpret_cast<int32_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes + L::kMaskBytes +
+                                                 L::kOffsetBytes);
+  if (kReportColumn && blockIdx.y == 0) return report_split<VARIANT>(p, counters);
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
   const int64_t b = blockIdx.x;
-  const int d_part = static_cast<int>(blockIdx.y) % HeadSplit<D>::kSplit;
-  const int kv_head = static_cast<int>(blockIdx.y) / HeadSplit<D>::kSplit / p.num_chunks;
-  const int chunk = static_cast<int>(blockIdx.y) / HeadSplit<D>::kSplit % p.num_chunks;
+  const int column = static_cast<int>(blockIdx.y) - (kReportColumn ? 1 : 0);
+  const int d_part = column % HeadSplit<D>::kSplit;
+  const int kv_head = column / HeadSplit<D>::kSplit / p.num_chunks;
+  const int chunk = column / HeadSplit<D>::kSplit % p.num_chunks;
   const int v_col = d_part * DV;
   const int split = blockIdx.z;
   const int head0 = kv_head * p.group + chunk * kWarpRows;
   const int heads = static_cast<int>(min64(kWarpRows, p.group - chunk * kWarpRows));
   const int64_t capacity = static_cast<int64_t>(p.max_pages) * p.page.size;
-  const int32_t raw_len = p.seq_lens[b * p.stride_sl];
-  const int64_t seq_len = min64(max64(raw_len, 0), capacity);
-  const WindowSpan win = window_span<VARIANT>(raw_len, seq_len, p.var, p.align);
-  SplitRange range = split_range(seq_len - win.span_lo, split, p.num_splits, p.align, p.min_chunk);
-  range.start += win.span_lo;
-  range.end += win.span_lo;
+  const DecodeSpan span = decode_span<VARIANT>(p, b, split);
+  const int32_t raw_len = span.raw_len;
+  const WindowSpan win = span.win;
+  const SplitRange range = span.range;
   // The warps' sub-tiles start at the window's 16-token block: earlier ones would read nothing.
   const int64_t tiles_lo = VARIANT ? max64(range.start, win.first_key / kSubTile * kSubTile) : range.start;
   const int32_t* bt_row = p.block_table + b * p.stride_bt_b;
@@ -347,14 +429,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes) + warp * L::kStages;
   int64_t* offsets = reinterpret_cast<int64_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes + L::kMaskBytes) +
                      warp * 2 * kSubTile;
-  int32_t* counters = reinterpret_cast<int32_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes + L::kMaskBytes +
-                                                 L::kOffsetBytes);
 
   const int64_t q_at = b * p.stride_qb + head0 * p.stride_qh;  // elements of T, or codes of fp8 queries
   const void* q_rows_at = p.q_dtype != 0 ? static_cast<const void*>(static_cast<const uint8_t*>(p.q) + q_at)
                                          : static_cast<const void*>(static_cast<const T*>(p.q) + q_at);
   load_query_rows<T, D, kFp8>(q_rows, q_rows_at, p.stride_qh, heads, p.head_dim, p.q_dtype);
-  if (tid < kReportFields) counters[tid] = 0;
   // The length again for after the key loop, where holding it in a register cost a spill.
   if (tid == kReportFields) counters[kReportFields] = raw_len;
   __syncthreads();
@@ -493,48 +572,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     }
   }
 
-  if (CHECK && !VERDICT && kv_head == 0 && chunk == 0 && d_part == 0) {
-    int8_t* reasons_row = p.page_reasons + b * p.max_pages;
-    const int64_t page_size = p.page.size;
-    const int64_t page_lo = range.start / page_size;  // splits are whole pages
-    int64_t page_hi = (range.end + page_size - 1) / page_size;
-#if KVATTN_SIM_BREAK == 2
-    page_hi -= 1;
-#endif
-    if (active) {
-      check_pages(bt_row, p.stride_bt_p, exp_row, p.stride_ep, p.page_tags, p.num_pages, page_size, seq_len,
-                  win.first_key, page_lo, page_hi, reasons_row, counters, kThreads);
-    }
-    // This split's stripe of the table entries past the sequence: nothing is read there; zeroed
-    // so that every entry of page_reasons is written by the call.
-    const int64_t unread = (seq_len + page_size - 1) / page_size;
-    const int64_t stripe = (p.max_pages - unread + p.num_splits - 1) / p.num_splits;
-    const int64_t lo = unread + split * stripe;
-    for (int64_t i = lo + tid; i < min64(lo + stripe, p.max_pages); i += kThreads) reasons_row[i] = 0;
-    if (VARIANT) {
-      // And its stripe of the entries before the splits' span (wholly before the window).
-      const int64_t before = win.span_lo / page_size;
-      const int64_t stripe_b = (before + p.num_splits - 1) / p.num_splits;
-      for (int64_t i = split * stripe_b + tid; i < min64((split + 1) * stripe_b, before); i += kThreads)
-        reasons_row[i] = 0;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      if (p.num_splits == 1) {
-        // A seq_len past the table: nothing beyond it is read, and it counts once.
-        const int beyond = len > capacity;
-        p.beyond_table[b] = beyond;
-        p.violations[b] = counters[0] + beyond;
-        p.reasons[b] = counters[1] | (beyond ? static_cast<int>(tags::Violation_OUT_OF_RANGE) : 0);
-        p.pages_checked[b] = counters[2];
-      } else if (active) {
-        int32_t* part = p.part_report + (b * p.num_splits + split) * kReportFields;
-        part[0] = counters[0];
-        part[1] = counters[1];
-        part[2] = counters[2];
-      }
-    }
-  }
 }
 
 // Combines the splits of one (sequence, head) that lie inside the sequence. A split with nothing
@@ -590,8 +627,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Decod
 // The launchers of csrc/kvattn/launchers.h; dispatch.cuh picks the instantiation.
 template <class T, class KV, int D, bool CHECK, bool VEC, bool VARIANT, bool VERDICT>
 cudaError_t DecodeKernel<T, KV, D, CHECK, VEC, VARIANT, VERDICT>::launch(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_kv_heads * p.num_chunks * p.d_split),
-                  static_cast<unsigned>(p.num_splits));
+  // Checked per call, one column more: the report's blocks.
+  const int columns = p.num_kv_heads * p.num_chunks * p.d_split + (CHECK && !VERDICT ? 1 : 0);
+  const dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(columns), static_cast<unsigned>(p.num_splits));
   return launch_kernel(&paged_decode_kernel<T, KV, D, CHECK, VEC, VARIANT, VERDICT>, grid, dim3(kThreads),
                        static_cast<size_t>(p.smem_bytes), stream, p);
 }

@@ -183,8 +183,10 @@ def decode_blocks_per_sm(head_dim: int, fp8: bool = False, scores: bool = False)
 
 
 def decode_blocks_per_split(args: DecodeArgs) -> int:
-    """Blocks of one split (csrc/kvattn/decode.cuh plan_decode): per sequence and KV head, one per
-    chunk of 16 query heads of its GQA group, times two for heads over 256 wide."""
+    """Attention blocks of one split (csrc/kvattn/decode.cuh plan_decode): per sequence and KV head,
+    one per chunk of 16 query heads of its GQA group, times two for heads over 256 wide. The
+    per-call check's report block of each sequence and split is not counted: it loads table
+    entries and tags, no K/V, and is launched first, so its slot frees before the last wave."""
     group = args.num_heads // args.num_kv_heads
     d_split = 2 if padded_head_dim(args.head_dim) > 256 else 1
     return args.batch * args.num_kv_heads * -(-group // 16) * d_split
