@@ -9,8 +9,11 @@
 // to 16 heads: the rows of one mma tile) over one split, an equal page-aligned share of the
 // sequence's actual length (kvattn.backends.grids.split_chunk), so each KV page is read once for
 // the whole group (heads over 256 wide: d_split = 2 blocks, each with all of QK^T and half of the
-// output dims). Each warp streams its own sub-tiles of 16 tokens
-// (sub-tile j goes to warp j % 4) through a private pipeline of kStages shared-memory stages:
+// output dims). Each warp streams its own sub-tiles of 16 tokens (sub-tile j goes to warp j % 4)
+// through a private pipeline of kStages shared-memory stages; the MLA latent tile's warps pair up
+// instead, so that one block reads each 576-wide row once: warps w and w + 2 share pipeline w % 2
+// (sub-tile j goes to pipeline j % 2), copy half of each row each, and accumulate value dims
+// [0, 256) and [256, 512) of it, with a block barrier per sub-tile (tiles.h DecodeLayout):
 //   - resolve: lane r < 16 looks up token r's block-table entry and, when CHECK, its tag and expected
 //     owner (for pages of 16 or more tokens the 16 lanes load the same words), in two steps a
 //     sub-tile ahead of the copy, so the latency hides behind the compute of the current one; a
@@ -237,24 +240,27 @@ KVATTN_DEVICE uint32_t place_sub_tile(const DecodeParams& p, const TokenVerdict&
 
 // Copies one sub-tile's K rows (all D) and V rows (this block's DV columns from v_col) into a
 // stage, zero-filled for tokens outside `mask`: the warp's 32 lanes move 32 consecutive 16-byte
-// chunks of the rows at a time (lane l: chunk l % chunks-per-row of row l / chunks-per-row). KV:
-// the pool element type (fp8 pools: 16 elements a chunk, VEC only).
+// chunks of the rows at a time (lane l: chunk l % chunks-per-row of row l / chunks-per-row); the
+// latent tile's pair of warps shares the stage, and warp `part` of it moves the chunks of lanes
+// 32 part .. 32 part + 31 of 64. KV: the pool element type (fp8 pools: 16 elements a chunk, VEC
+// only).
 template <class KV, int D, bool VEC>
-KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int64_t* offsets, int v_col,
+KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int64_t* offsets, int v_col, int part,
                                  unsigned char* stage) {
   using L = DecodeLayout<D, sizeof(KV)>;
   constexpr int kElems = 16 / sizeof(KV);  // elements of a chunk
-  const int lane = lane_index();
+  constexpr int kLanes = 32 * kWarps / L::kPipelines;  // the lanes that fill a stage
+  const int lane = lane_index() + 32 * part;
   const KV* k_pool = static_cast<const KV*>(p.k);
   const KV* v_pool = static_cast<const KV*>(p.v);
-  constexpr int kCopiesK = kSubTile * L::kChunksK / 32, kCopiesV = kSubTile * L::kChunksV / 32;
+  constexpr int kCopiesK = kSubTile * L::kChunksK / kLanes, kCopiesV = kSubTile * L::kChunksV / kLanes;
   // Element-wise copies of a 512-wide head keep eight loads per copy live: unrolled by 2 only.
   // (Read by #pragma unroll alone, which the harness build's g++ ignores: hence maybe_unused.)
   [[maybe_unused]] constexpr int kUnrollK = VEC || D <= 256 ? copy_unroll(kCopiesK) : 2;
   [[maybe_unused]] constexpr int kUnrollV = VEC || D <= 256 ? copy_unroll(kCopiesV) : 2;
 #pragma unroll kUnrollK
   for (int k = 0; k < kCopiesK; ++k) {
-    using M = ChunkMap<L::kChunksK, 32>;
+    using M = ChunkMap<L::kChunksK, kLanes>;
     const int row = M::row(k, lane), c = M::col(k, lane);
     copy_chunk<KV, VEC>(stage + row * L::kRowK + c * 16, k_pool + offsets[2 * row] + c * kElems,
                         p.head_dim - c * kElems, (mask >> row) & 1u);
@@ -263,7 +269,7 @@ KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int
     unsigned char* v_stage = stage + kSubTile * L::kRowK;
 #pragma unroll kUnrollV
     for (int k = 0; k < kCopiesV; ++k) {
-      using M = ChunkMap<L::kChunksV, 32>;
+      using M = ChunkMap<L::kChunksV, kLanes>;
       const int row = M::row(k, lane), c = M::col(k, lane);
       copy_chunk<KV, VEC>(v_stage + row * L::kRowV + c * 16, v_pool + offsets[2 * row + 1] + v_col + c * kElems,
                           p.head_dim_v - v_col - c * kElems, (mask >> row) & 1u);
@@ -271,9 +277,9 @@ KVATTN_DEVICE void copy_sub_tile(const DecodeParams& p, uint32_t mask, const int
   }
 }
 
-// First token of a warp's i-th sub-tile: sub-tile j = warp + 4 i of the split.
-KVATTN_DEVICE int64_t sub_tile_start(int64_t start, int warp, int i) {
-  return start + static_cast<int64_t>(warp + i * kWarps) * kSubTile;
+// First token of a pipeline's i-th sub-tile: sub-tile j = pipe + pipes i of the split.
+KVATTN_DEVICE int64_t sub_tile_start(int64_t start, int pipe, int pipes, int i) {
+  return start + static_cast<int64_t>(pipe + i * pipes) * kSubTile;
 }
 
 // What one warp's copy issue needs (fixed for the whole key loop).
@@ -283,9 +289,10 @@ struct DecodeWarp {
   const int64_t* exp_row;
   int32_t fresh_start;
   int64_t seq_owner, start, first_key, end;  // end: through a verdict, cut by FreshPage
-  int warp, mine;  // sub-tiles of this warp
+  int pipe, pipes, mine;  // this warp's pipeline of stages, their number, its sub-tiles
   int64_t k_head_off, v_head_off;
-  int v_col;  // first head dim this block accumulates (d_split > 1)
+  int v_col;  // first head dim this warp accumulates (d_split > 1, or the latent tile's second half)
+  int part;   // which half of each row this warp copies (the latent tile's pairs; else 0)
   int64_t* offsets;  // [16][2] shared memory of this warp
   uint32_t* masks;   // [kStages]
   unsigned char* stages;
@@ -302,12 +309,12 @@ KVATTN_DEVICE void issue_sub_tile(const DecodeWarp& w, int n, TokenEntry& entry,
     const uint32_t mask = place_sub_tile(w.p, verdict, w.k_head_off, w.v_head_off, w.offsets);
     if (lane_index() == 0) w.masks[stage] = mask;
     __syncwarp();
-    copy_sub_tile<KV, D, VEC>(w.p, mask, w.offsets, w.v_col, w.stages + stage * L::kStageBytes);
+    copy_sub_tile<KV, D, VEC>(w.p, mask, w.offsets, w.v_col, w.part, w.stages + stage * L::kStageBytes);
     __syncwarp();  // the offsets are rewritten by the next issue
     stage = stage + 1 == L::kStages ? 0 : stage + 1;
     verdict = fetch_verdict<CHECK, VERDICT>(w.p, w.exp_row, w.seq_owner, entry, w.end);
-    entry = fetch_entry<VARIANT, VERDICT>(w.p, w.row, sub_tile_start(w.start, w.warp, n + 2), w.first_key, w.end,
-                                          w.end, w.fresh_start);
+    entry = fetch_entry<VARIANT, VERDICT>(w.p, w.row, sub_tile_start(w.start, w.pipe, w.pipes, n + 2), w.first_key,
+                                          w.end, w.end, w.fresh_start);
   }
   cp_async_commit();
 }
@@ -395,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   constexpr int DV = L::kDV;
   constexpr bool kReportColumn = CHECK && !VERDICT;
   KVATTN_DYNAMIC_SMEM(smem);
-  int32_t* counters = reinterpret_cast<int32_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes + L::kMaskBytes +
+  int32_t* counters = reinterpret_cast<int32_t*>(smem + L::kQBytes + L::kStagesBytes + L::kMaskBytes +
                                                  L::kOffsetBytes);
   if (kReportColumn && blockIdx.y == 0) return report_split<VARIANT>(p, counters);
   const int tid = threadIdx.x;
@@ -405,7 +412,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int d_part = column % HeadSplit<D>::kSplit;
   const int kv_head = column / HeadSplit<D>::kSplit / p.num_chunks;
   const int chunk = column / HeadSplit<D>::kSplit % p.num_chunks;
-  const int v_col = d_part * DV;
+  // The latent tile's warps w and w + 2 share pipeline w % 2 and take value dims half * DV on.
+  constexpr int kPipes = L::kPipelines, kHalves = kWarps / kPipes;
+  const int pipe = kHalves == 1 ? warp : warp % kPipes, half = kHalves == 1 ? 0 : warp / kPipes;
+  const int block_col = d_part * DV;   // the block's first output dim
+  const int v_col = block_col + half * DV;  // and this warp's
   const int split = blockIdx.z;
   const int head0 = kv_head * p.group + chunk * kWarpRows;
   const int heads = static_cast<int>(min64(kWarpRows, p.group - chunk * kWarpRows));
@@ -420,14 +431,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const int64_t* exp_row = p.expected + b * p.stride_eb;
   const void* row = VERDICT ? static_cast<const void*>(p.verdict + b * p.max_pages) : bt_row;
   const int ksteps = (p.head_dim + 15) / 16;  // QK^T over the whole head
-  // Output dims of this block: none for the second half of a split head whose V is at most DV wide.
+  // Output dims of this warp: none for the second half of a split head whose V is at most DV wide.
   const int dv = static_cast<int>(max64(min64(DV, p.head_dim_v - v_col), 0));
   const int dsteps = kFp8 ? (dv + 31) / 32 : (dv + 15) / 16;  // fp8: groups of 32 dims (accumulate_fp8)
 
   unsigned char* q_rows = smem;
-  unsigned char* stages = smem + L::kQBytes + warp * L::kWarpBytes;
-  uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes) + warp * L::kStages;
-  int64_t* offsets = reinterpret_cast<int64_t*>(smem + L::kQBytes + kWarps * L::kWarpBytes + L::kMaskBytes) +
+  unsigned char* stages = smem + L::kQBytes + pipe * L::kPipeBytes;
+  uint32_t* masks = reinterpret_cast<uint32_t*>(smem + L::kQBytes + L::kStagesBytes) + warp * L::kStages;
+  int64_t* offsets = reinterpret_cast<int64_t*>(smem + L::kQBytes + L::kStagesBytes + L::kMaskBytes) +
                      warp * 2 * kSubTile;
 
   const int64_t q_at = b * p.stride_qb + head0 * p.stride_qh;  // elements of T, or codes of fp8 queries
@@ -442,9 +453,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   WarpAttention<T, DV> att;
   att.init();
 
-  // This warp's sub-tiles: j = warp, warp + 4, ... of the split's ceil((end - tiles_lo) / 16).
+  // This warp's sub-tiles: j = pipe, pipe + pipes, ... of the split's ceil((end - tiles_lo) / 16).
   const int n_sub = static_cast<int>(range.end > tiles_lo ? (range.end - tiles_lo + kSubTile - 1) / kSubTile : 0);
-  const int mine = n_sub > warp ? (n_sub - warp + kWarps - 1) / kWarps : 0;
+  const int mine = n_sub > pipe ? (n_sub - pipe + kPipes - 1) / kPipes : 0;
   const int64_t seq_owner = exp_row[0];
   const int64_t k_head_off = kv_head * p.stride_kh, v_head_off = kv_head * p.stride_vh;
   // This sequence's fp8 scales, re-read from the parameters where used: a pointer held across
@@ -457,14 +468,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   const bool reports =
       VERDICT && kv_head == 0 && chunk == 0 && d_part == 0 && range.start < raw_len && raw_len <= range.end;
   const FreshPage fresh = fresh_page<VERDICT>(p, b, raw_len, exp_row, seq_owner, range.end);
-  TokenEntry entry = fetch_entry<VARIANT, VERDICT>(p, row, sub_tile_start(tiles_lo, warp, 0), win.first_key,
+  TokenEntry entry = fetch_entry<VARIANT, VERDICT>(p, row, sub_tile_start(tiles_lo, pipe, kPipes, 0), win.first_key,
                                                    range.end, fresh.end, fresh.start);
   TokenVerdict verdict = fetch_verdict<CHECK, VERDICT>(p, exp_row, seq_owner, entry, range.end);
-  entry = fetch_entry<VARIANT, VERDICT>(p, row, sub_tile_start(tiles_lo, warp, 1), win.first_key, range.end,
+  entry = fetch_entry<VARIANT, VERDICT>(p, row, sub_tile_start(tiles_lo, pipe, kPipes, 1), win.first_key, range.end,
                                         fresh.end, fresh.start);
   int issue_stage = 0;  // stage of the next sub-tile to copy (n % kStages, kept incrementally)
-  const DecodeWarp w{p,    row,        exp_row,    fresh.start, seq_owner, tiles_lo, win.first_key, fresh.end,
-                     warp, mine, k_head_off, v_head_off, v_col, offsets, masks, stages};
+  const DecodeWarp w{p,    row,    exp_row, fresh.start, seq_owner,  tiles_lo,   win.first_key, fresh.end, pipe,
+                     kPipes, mine, k_head_off, v_head_off, v_col, half, offsets, masks, stages};
   // ALiBi slopes (base 2) of this lane's rows g and g + 8, and the query's anchor.
   const int64_t anchor = alibi_anchor(raw_len - int64_t{1}, capacity);
   float alibi2[2] = {0.0f, 0.0f};
@@ -480,19 +491,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     issue_sub_tile<KV, D, CHECK, VEC, VARIANT, VERDICT>(w, s, entry, verdict, issue_stage);
   // After the first copies are issued, so that its loads wait beside theirs.
   if (reports && tid == 0) report_fresh(p, b, fresh);
-  for (int i = 0, st = 0; i < mine; ++i, st = st + 1 == L::kStages ? 0 : st + 1) {
-    issue_sub_tile<KV, D, CHECK, VEC, VARIANT, VERDICT>(w, i + L::kStages - 1, entry, verdict, issue_stage);
-#if KVATTN_SIM_BREAK != 1
-    cp_async_wait<L::kStages - 1>();
-#endif
-    __syncwarp();
+  // This warp's sub-tile i, staged in stage st, into its state.
+  const auto attend = [&](int i, int st) {
     const unsigned char* k_rows = stages + st * L::kStageBytes;
     const uint32_t mask = masks[st];
     float s[kSubTile / 8][4];
     if constexpr (kFp8) qk_scores_fp8<T, KV, D, kSubTile>(s, q, k_rows, ksteps);
     else qk_scores<T, D, kSubTile>(s, q, k_rows, ksteps);
     // Position of token 0 of this sub-tile minus the row's ALiBi anchor.
-    const float distance0 = VARIANT ? static_cast<float>(sub_tile_start(tiles_lo, warp, i) - anchor) : 0.0f;
+    const float distance0 = VARIANT ? static_cast<float>(sub_tile_start(tiles_lo, pipe, kPipes, i) - anchor) : 0.0f;
 #pragma unroll
     for (int n = 0; n < kSubTile / 8; ++n)
 #pragma unroll
@@ -506,14 +513,38 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     if constexpr (kFp8) att.template accumulate_fp8<KV, kSubTile>(s, k_rows + kSubTile * L::kRowK, dsteps);
     else if constexpr (L::kLatent) att.template accumulate<kSubTile, L::kRowK>(s, k_rows + v_col * 2, dsteps);
     else att.template accumulate<kSubTile>(s, k_rows + kSubTile * L::kRowK, dsteps);
-    __syncwarp();  // the stage is overwritten by the copy issued next
+  };
+  if constexpr (L::kLatent) {
+    // Both warps of a pair read each stage: a block barrier once the pair's copies of sub-tile i
+    // have landed, after which the stage sub-tile i - 1 used is refilled. Every warp runs the
+    // longest pipeline's trips, so that each reaches every barrier.
+    const int trips = (n_sub + kPipes - 1) / kPipes;
+    for (int i = 0, st = 0; i < trips; ++i, st = st + 1 == L::kStages ? 0 : st + 1) {
+#if KVATTN_SIM_BREAK != 1
+      cp_async_wait<L::kStages - 2>();
+#endif
+      __syncthreads();
+      issue_sub_tile<KV, D, CHECK, VEC, VARIANT, VERDICT>(w, i + L::kStages - 1, entry, verdict, issue_stage);
+      if (i < mine) attend(i, st);
+    }
+  } else {
+    for (int i = 0, st = 0; i < mine; ++i, st = st + 1 == L::kStages ? 0 : st + 1) {
+      issue_sub_tile<KV, D, CHECK, VEC, VARIANT, VERDICT>(w, i + L::kStages - 1, entry, verdict, issue_stage);
+#if KVATTN_SIM_BREAK != 1
+      cp_async_wait<L::kStages - 1>();
+#endif
+      __syncwarp();
+      attend(i, st);
+      __syncwarp();  // the stage is overwritten by the copy issued next
+    }
   }
   cp_async_wait<0>();
   att.finish();
 
-  // Merge the four warps' states through their own stage memory: [16][DV] outputs, then m and l.
-  __syncwarp();
-  float* w_out = reinterpret_cast<float*>(stages);
+  // Merge the warps' states through the stage memory, once every warp is done with it: per warp
+  // [16][DV] outputs, then m and l.
+  __syncthreads();
+  float* w_out = reinterpret_cast<float*>(smem + L::kQBytes + warp * L::kMergeBytes);
   float* w_ml = w_out + kWarpRows * DV;
   const int g = lane / 4, t = lane % 4;
   const float out_scale = kFp8 ? p.v_scale[b * p.scale_stride + kv_head] : 1.0f;
@@ -534,20 +565,22 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
   __syncthreads();
   const bool active = range.start < range.end;
   const int32_t len = counters[kReportFields];  // raw_len
-  for (int i = tid; i < heads * dv; i += kThreads) {
-    const int r = i / dv, d = i % dv;
+  // The block's output dims: the latent tile's both halves (its V is 512 wide), each merged over
+  // the pipelines of the warps that hold it (warp = pipe + pipes * half).
+  const int block_dv = kHalves == 1 ? dv : kHalves * DV;
+  for (int i = tid; i < heads * block_dv; i += kThreads) {
+    const int r = i / block_dv, d = i % block_dv;
+    const int h = kHalves == 1 ? 0 : d / DV, dd = d - h * DV;  // the half, the dim within it
+    const float* state = reinterpret_cast<const float*>(smem + L::kQBytes + h * kPipes * L::kMergeBytes);
     float m_top = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) {
-      const float* ml = reinterpret_cast<const float*>(smem + L::kQBytes + w * L::kWarpBytes) + kWarpRows * DV;
-      m_top = fmaxf(m_top, ml[r]);
-    }
+    for (int k = 0; k < kPipes; ++k) m_top = fmaxf(m_top, (state + k * L::kMergeBytes / 4)[kWarpRows * DV + r]);
     const float m_ref = m_top == -INFINITY ? 0.0f : m_top;
     float o = 0.0f, l = 0.0f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float* wo = reinterpret_cast<const float*>(smem + L::kQBytes + w * L::kWarpBytes);
+    for (int k = 0; k < kPipes; ++k) {
+      const float* wo = state + k * L::kMergeBytes / 4;
       const float* ml = wo + kWarpRows * DV;
       const float weight = exp2f(ml[r] - m_ref);
-      o += wo[r * DV + d] * weight;
+      o += wo[r * DV + dd] * weight;
       l += ml[kWarpRows + r] * weight;
     }
     // Only an empty row (l == 0), or a head that reads nothing (head_reads), gets the 0 / -inf
@@ -557,21 +590,20 @@ __global__ void __launch_bounds__(kThreads, 1) paged_decode_kernel(const DecodeP
     if (p.num_splits == 1) {
       const float shift2 = reads ? alibi_shift2<VARIANT>(p.var, b, head0 + r, len - int64_t{1}, capacity) : 0.0f;
       const float denominator = VARIANT ? with_sink(l, m_ref, p.var.sinks, head0 + r, shift2) : l;
-      static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + v_col + d] =
+      static_cast<T*>(p.out)[b * p.stride_ob + (head0 + r) * p.stride_oh + block_col + d] =
           from_float<T>(l == 0.0f || !reads ? 0.0f : o / denominator);
       if (d == 0 && d_part == 0 && p.lse != nullptr)
         p.lse[b * p.num_heads + head0 + r] = l == 0.0f || !reads ? -INFINITY : (m_ref + log2f(l) + shift2) * kLn2;
     } else if (active) {
       // A head that reads nothing stores the state of a split with nothing read.
       const int64_t row = (b * p.num_heads + head0 + r) * p.num_splits + split;
-      p.part_acc[row * p.head_dim_v + v_col + d] = reads ? o : 0.0f;
+      p.part_acc[row * p.head_dim_v + block_col + d] = reads ? o : 0.0f;
       if (d == 0 && d_part == 0) {
         p.part_ml[row * 2] = reads ? m_top : -INFINITY;
         p.part_ml[row * 2 + 1] = reads ? l : 0.0f;
       }
     }
   }
-
 }
 
 // Combines the splits of one (sequence, head) that lie inside the sequence. A split with nothing

@@ -53,7 +53,7 @@ const char* plan_decode(DecodeParams& p) {
   p.group = p.num_heads / p.num_kv_heads;
   p.num_chunks = (p.group + kWarpRows - 1) / kWarpRows;
   const int d = padded_head_dim(p.head_dim);
-  p.d_split = d > 256 ? 2 : 1;
+  p.d_split = d > 256 && !latent ? 2 : 1;  // tiles.h HeadSplit
   // And one column more for the per-call check's report (decode.cuh).
   if (static_cast<int64_t>(p.num_kv_heads) * p.num_chunks * p.d_split + 1 > 65535) return "too many KV heads";
   const int64_t strides[6] = {p.stride_kp, p.stride_ks, p.stride_kh, p.stride_vp, p.stride_vs, p.stride_vh};

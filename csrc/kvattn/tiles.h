@@ -52,37 +52,43 @@ KVATTN_TILE_FN int copy_unroll(int copies) {
 }
 
 // Heads wider than 256: two blocks share a tile, each computes all of QK^T (over D) and
-// accumulates half of the output dims (DV = D / 2; the latent tile: half of its 512 value dims),
-// so the accumulators fit in registers.
+// accumulates half of the output dims (DV = D / 2), so the accumulators fit in registers. The
+// latent tile keeps one block and splits its 512 value dims between the warps of a pair instead
+// (DecodeLayout), so that each latent row is read once.
 template <int D>
 struct HeadSplit {
-  static constexpr int kSplit = D > 256 ? 2 : 1;
-  static constexpr int kDV = D == kLatentDim ? kLatentRank / 2 : D / kSplit;
+  static constexpr int kSplit = D > 256 && D != kLatentDim ? 2 : 1;
+  static constexpr int kDV = D == kLatentDim ? kLatentRank / 2 : D / kSplit;  // dims a warp accumulates
 };
 
 // KB: bytes of a pool element, 2 (the query's 16-bit type) or 1 (fp8 pools: K/V rows of D bytes
 // and 16 of padding in shared memory, converted to 16 bits when the fragments are built; the query
 // rows stay 16-bit).
-// The latent tile stages K rows only: its values are read from them.
+// The latent tile stages K rows only: its values are read from them. Its warps pair up: warps w and
+// w + 2 share pipeline w % 2 of stages (each copies half of every staged row, both compute QK^T
+// over it) and accumulate value dims [0, 256) and [256, 512) of the same sub-tiles.
 template <int D, int KB = 2>
 struct DecodeLayout {
   static_assert(KB == 1 || KB == 2, "pool elements of 1 or 2 bytes");
   static constexpr bool kLatent = D == kLatentDim;
   static constexpr int kDV = HeadSplit<D>::kDV;
-  static constexpr int kStages = D <= 128 ? 3 : 2;
+  static constexpr int kPipelines = kLatent ? kWarps / 2 : kWarps;  // of stages, one per warp or pair
+  static constexpr int kStages = kLatent || D <= 128 ? 3 : 2;
   static constexpr int kRowK = D * KB + 16;
   static constexpr int kRowV = kLatent ? kRowK : kDV * KB + 16;
   static constexpr int kChunksK = D * KB / 16;                // 16-byte chunks per K row
   static constexpr int kChunksV = kLatent ? 0 : kDV * KB / 16;  // per V row (this block's part)
   static constexpr int kStageBytes = kSubTile * (kLatent ? kRowK : kRowK + kRowV);  // K and V of one sub-tile
   static constexpr int kQBytes = kWarpRows * tile_row_bytes<D>();
-  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr int kPipeBytes = kStages * kStageBytes;
+  static constexpr int kStagesBytes = kPipelines * kPipeBytes;
   static constexpr int kMaskBytes = (kWarps * kStages * 4 + 15) / 16 * 16;
   static constexpr int kOffsetBytes = kWarps * kSubTile * 2 * 8;  // per warp: [16 tokens][K, V] int64
   static constexpr int kCounterBytes = 16;  // the report's three counters, then the length
-  static constexpr int kTotal = kQBytes + kWarps * kWarpBytes + kMaskBytes + kOffsetBytes + kCounterBytes;
-  // The merge of the warps reuses each warp's stage memory: [kWarpRows][DV] outputs, m and l.
-  static_assert(kWarpRows * kDV * 4 + 2 * kWarpRows * 4 <= kWarpBytes, "warp merge area");
+  static constexpr int kTotal = kQBytes + kStagesBytes + kMaskBytes + kOffsetBytes + kCounterBytes;
+  // The merge of the warps reuses the stage memory: per warp [kWarpRows][DV] outputs, m and l.
+  static constexpr int kMergeBytes = kWarpRows * kDV * 4 + 2 * kWarpRows * 4;
+  static_assert(kWarps * kMergeBytes <= kStagesBytes, "warp merge area");
 };
 
 template <int D>

@@ -315,8 +315,10 @@ LATENT_CASES = [
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
 def test_cuda_latent_tile_matches_reference_and_formula(dtype, page, heads, splits, check):
     """The decode kernel's latent tile reads each 576-dim row once, as the key and (its first 512
-    dims) as the value: against the reference and the formula, NaN in every slot it must not read
-    (``check=False`` reads no refused page here: every page is the sequence's own)."""
+    dims) as the value, in one block per 16 heads (no second block for the other value dims: the
+    warps of a pair share each staged sub-tile): against the reference and the formula, NaN in
+    every slot it must not read (``check=False`` reads no refused page here: every page is the
+    sequence's own)."""
     if not LATENT_TILE:
         pytest.skip("the CUDA harness is not built here")
     batch = MLABatch.random(
@@ -334,7 +336,7 @@ def test_cuda_latent_tile_matches_reference_and_formula(dtype, page, heads, spli
     out = torch.empty(*batch.q.shape[:2], 512, dtype=dtype)
     lse = torch.empty(batch.q.shape[:2], dtype=torch.float32)
     report = backends.load("cuda_sim")[0].mla_decode(args, check=check, out=out, lse=lse, plan=plan)
-    assert plan["num_splits"] == splits and plan["d_split"] == 2 and plan["vec"] == 1
+    assert plan["num_splits"] == splits and plan["d_split"] == 1 and plan["vec"] == 1
     want_out, want_lse = mla_formula(batch, check=check)
     assert torch.isfinite(out).all(), "a refused or masked slot was read"
     torch.testing.assert_close(out.double(), want_out, **tolerance(dtype))

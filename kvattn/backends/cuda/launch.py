@@ -24,8 +24,8 @@ FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 WRITE_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 # The MLA latent decode tile (csrc/kvattn/tiles.h kLatentDim): FlashMLA's 512 latent + 64 RoPE dims,
-# the latent row read once as the key and, its first 512 dims, as the value (168 KB of shared
-# memory: one block per SM).
+# the latent row read once as the key and, its first 512 dims, as the value, by one block per 16
+# heads (132 KB of shared memory: one block per SM).
 LATENT_DIM, LATENT_RANK = 576, 512
 # The switches of kvattn.variants the kernels compile in: the score switches in both (the custom
 # mask exists for the extend only); fp8 pools are read by both (the decode by fp8 instantiations,
@@ -184,11 +184,13 @@ def decode_blocks_per_sm(head_dim: int, fp8: bool = False, scores: bool = False)
 
 def decode_blocks_per_split(args: DecodeArgs) -> int:
     """Attention blocks of one split (csrc/kvattn/decode.cuh plan_decode): per sequence and KV head,
-    one per chunk of 16 query heads of its GQA group, times two for heads over 256 wide. The
+    one per chunk of 16 query heads of its GQA group, times two for heads over 256 wide but the
+    latent row (whose warps share each staged sub-tile and split the value dims instead). The
     per-call check's report block of each sequence and split is not counted: it loads table
     entries and tags, no K/V, and is launched first, so its slot frees before the last wave."""
     group = args.num_heads // args.num_kv_heads
-    d_split = 2 if padded_head_dim(args.head_dim) > 256 else 1
+    d = padded_head_dim(args.head_dim)
+    d_split = 2 if d > 256 and d != LATENT_DIM else 1
     return args.batch * args.num_kv_heads * -(-group // 16) * d_split
 
 
