@@ -27,12 +27,14 @@ is never touched. They stand for the bookkeeping errors of the public record
 - ``boundary-hit``: for the extend forward right after a radix hit of exactly ``SPAN`` tokens
   (one page at page size 16), the request's ``req_to_token`` entries of the tokens after the hit
   name free pages, holding whatever KV their last holder left, while its writes still go to its
-  own (corruption exactly at ``prefix_len == page_size``). Only in the forward that completes the
-  prompt: a chunk before it would be inserted into the radix cache while the entries are swapped
-  (SGLang inserts a chunked request's pages while the next forward runs). Free pages, not another
-  request's live ones: a table that names a live page at a new token's position is a write into
-  that page too, which the ledger follows (the page is reserved for the writer, and its other
-  readers fail from then on), so the fault would reach requests beyond its victim.
+  own (corruption exactly at ``prefix_len == page_size``). Not pages the same request wrote in
+  an earlier run of its workload: they hold the very bytes it writes now. Only in the forward
+  that completes the prompt: a chunk before it would be inserted into the radix cache while the
+  entries are swapped (SGLang inserts a chunked request's pages while the next forward runs).
+  Free pages, not another request's live ones: a table that names a live page at a new
+  token's position is a write into that page too, which the ledger follows (the page is
+  reserved for the writer, and its other readers fail from then on), so the fault would reach
+  requests beyond its victim.
 - ``host-corrupt`` (a server with HiCache): when the request's radix match is loaded back from
   host memory, the host copy of the first page to come back has changed (K bytes + 1) before
   the copy to the device (a restore that read the host copy before its bytes were right, or a
@@ -72,12 +74,18 @@ _prompts: dict[int, int] = {}  # req_to_token row -> its request's prompt length
 _first_pages: dict[str, torch.Tensor] = {}  # rid -> the slots of its first span, once written
 SPAN = 16  # tokens
 _rooms: dict[int, str] = {}  # bootstrap room -> rid (prefill instance)
+_writers: dict[int, str] = {}  # page -> the request that last wrote it, its fault prefix dropped
 
 
 def fault_of(rid) -> str | None:
     name = str(rid).split(":", 1)[0] if rid is not None and ":" in str(rid) else None
     known = PREFILL_FAULTS + DECODE_FAULTS + FORWARD_FAULTS + KEY_FAULTS + OFFLOAD_FAULTS
     return name if name in known else None
+
+
+def _unfaulted(rid) -> str:
+    """The request id without its fault's prefix: the same request in its workload's every run."""
+    return str(rid).split(":", 1)[1] if fault_of(rid) else str(rid)
 
 
 def _once(rid: str, **detail) -> bool:
@@ -155,12 +163,17 @@ def _donor(rid: str, mine: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _free_slots(allocator, n: int, P: int) -> torch.Tensor | None:
-    """``n`` slots of the allocator's free pages (page size ``P``), in no request's table."""
+def _free_slots(allocator, n: int, P: int, writer: str) -> torch.Tensor | None:
+    """``n`` slots of the allocator's free pages (page size ``P``), in no request's table, none
+    last written by ``writer``: a page the same request wrote in an earlier run of its workload
+    holds the bytes it is about to write, and reading it would change nothing."""
     free = allocator.free_pages
-    if free is None or len(free) * P < n:
+    if free is None:
         return None
-    pages = free[: -(-n // P)].to(torch.int64)
+    pages = [p for p in free.tolist() if _writers.get(p) != writer][: -(-n // P)]
+    if len(pages) * P < n:
+        return None
+    pages = torch.tensor(pages, dtype=torch.int64)
     return (pages[:, None] * P + torch.arange(P)).flatten()[:n]
 
 
@@ -189,6 +202,9 @@ def _apply(runner, fb):
         rid = _rows.get(row)
         fault = fault_of(rid)
         first, start = start, start + q_lens[b]
+        if rid is not None:
+            for page in (fb.out_cache_loc[first:start] // P).tolist():
+                _writers[page] = _unfaulted(rid)
         if seq_lens[b] >= span and rid is not None:
             written.append((rid, table[row, :span].clone()))
         swap = (fault == "foreign-entry" and decode and seq_lens[b] > span) or (
@@ -203,7 +219,7 @@ def _apply(runner, fb):
         if boundary:
             n = min(seq_lens[b], 2 * span) - span  # the hit's next tokens this forward reads
             saved = table[row, span : span + n].clone()
-            spare = _free_slots(runner.token_to_kv_pool_allocator, n, P)
+            spare = _free_slots(runner.token_to_kv_pool_allocator, n, P, _unfaulted(rid))
             if spare is not None and _once(rid, page_size=P, tokens=n):
                 table[row, span : span + n] = spare.to(table.dtype)
                 undo.append(
