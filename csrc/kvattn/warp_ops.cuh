@@ -112,14 +112,14 @@ KVATTN_DEVICE void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4
 // compare and two multiplies, to keep results under 2^-126 subnormal. The softmax's weights are
 // relative to their row's running maximum, whose own weight is 1: one flushed to 0 weighed under
 // 2^-126 of it in the average of V rows the output is (FlashAttention's kernels flush them too).
-// -inf gives 0, NaN stays NaN. The harness keeps exp2f, within the tests' tolerances of this.
+// -inf gives 0, NaN stays NaN. The harness flushes as the unit does.
 KVATTN_DEVICE float fast_exp2(float x) {
 #if defined(__CUDACC__)
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 #else
-  return exp2f(x);
+  return ::kvsim::ex2_approx_ftz(x);
 #endif
 }
 

@@ -21,9 +21,9 @@
 // Supported: blockIdx/threadIdx/blockDim/gridDim, dynamic shared memory, __syncthreads,
 // __syncwarp, full-warp __shfl_sync/__shfl_xor_sync/__shfl_down_sync/__ballot_sync, int atomics,
 // __half and __nv_bfloat16 with round-to-nearest-even conversions, cp.async (16 bytes, zero-fill),
-// ldmatrix (x1/x2/x4, .trans), mma.sync m16n8k16 (f16/bf16 inputs, f32 accumulators), and the few
-// runtime calls the launchers make. Block sizes must be multiples of 32. This is a test tool for
-// logic, not a performance model.
+// ldmatrix (x1/x2/x4, .trans), mma.sync m16n8k16 (f16/bf16 inputs, f32 accumulators),
+// ex2.approx.ftz's flush, and the few runtime calls the launchers make. Block sizes must be
+// multiples of 32. This is a test tool for logic, not a performance model.
 #pragma once
 
 #include <sys/mman.h>
@@ -142,6 +142,16 @@ inline float bf16_bits_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// ---- special functions ----
+
+// ex2.approx.ftz.f32: 2^x with results under 2^-126 flushed to 0, so that a kernel's tests run the
+// flush the device does. The unit's approximation error is not modelled: exp2f is within every
+// test's tolerance of it.
+inline float ex2_approx_ftz(float x) {
+  const float y = std::exp2(x);
+  return y < std::ldexp(1.0f, -126) ? 0.0f : y;
 }
 
 }  // namespace kvsim

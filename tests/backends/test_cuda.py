@@ -401,6 +401,31 @@ def test_nan_in_an_accepted_slot_is_not_hidden(backend, num_splits):
     assert_reports_equal(report, ref_report)
 
 
+@pytest.mark.parametrize("k", [10.875, 11.0])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_weight_under_2_to_the_126_of_the_row_max_is_flushed(backend, k):
+    """The softmax weights come from ex2.approx.ftz (warp_ops.cuh fast_exp2), which flushes
+    results under 2^-126 to 0; the harness flushes as the device does. Key 1's logit sits
+    125.5 (K = -10.875) or 126.96 (K = -11) below key 0's in base 2, and its V row is the
+    largest bfloat16 (~2^128), so it moves the reference's output by 2^2.5 or 2^1.04: the first
+    is read as the reference reads it, the second contributes nothing."""
+    batch = make(backend, dtype=BF16, num_heads=1, num_kv_heads=1, seq_lens=(2,))
+    page = int(batch.block_table[0, 0])
+    batch.q.fill_(1.0)
+    batch.k_cache[page, 0].zero_()
+    batch.k_cache[page, 1].fill_(-k)  # logit -k * 64 / 8 (natural), 11.54 k below key 0's in base 2
+    batch.v_cache[page, 1].fill_(torch.finfo(BF16).max)
+    out, _, _ = run(backend, batch, num_splits=1)
+    ref_out, _ = batch.reference(compute_dtype=torch.float64)
+    key_0 = batch.v_cache[page, 0].double()  # [1, 64]: the output with key 1 flushed
+    if k == 10.875:
+        torch.testing.assert_close(out.double(), ref_out, **tolerance(BF16))
+        assert (ref_out - key_0).min() > 5.0
+    else:
+        torch.testing.assert_close(out.double(), key_0[None], **tolerance(BF16))
+        assert (ref_out - key_0).min() > 1.5
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_public_api_runs_the_backend(backend):
     batch = make(backend, dtype=F16, seq_lens=(5, 30))
