@@ -23,7 +23,10 @@ is never touched. They stand for the bookkeeping errors of the public record
   ``SPAN`` tokens) is another request's (a prefix match whose pages were meanwhile handed out and
   rewritten).
 - ``lost-write``: the request's first extend forward stores its K/V into SGLang's padding slot
-  instead of its pages (a write that never reached the pages its table names).
+  instead of its pages (a write that never reached the pages its table names). The slots it
+  misses are first given the bytes of a free page another request wrote last, what a reused
+  page holds in service: left as they were, they could hold the request's own bytes from an
+  earlier run of its workload, and reading them would change nothing.
 - ``boundary-hit``: for the extend forward right after a radix hit of exactly ``SPAN`` tokens
   (one page at page size 16), the request's ``req_to_token`` entries of the tokens after the hit
   name free pages, holding whatever KV their last holder left, while its writes still go to its
@@ -177,6 +180,17 @@ def _free_slots(allocator, n: int, P: int, writer: str) -> torch.Tensor | None:
     return (pages[:, None] * P + torch.arange(P)).flatten()[:n]
 
 
+def _copy_slots(pool, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Every layer's K/V of slots ``src`` into slots ``dst``, past the pool's own methods (which
+    kvattn follows as writes): bytes a page's last holder left behind."""
+    if getattr(pool, "use_hnd", False):
+        raise NotImplementedError("the fault injector reads pools of token-major layout only")
+    for name in ("k_buffer", "v_buffer", "kv_buffer"):
+        for buffer in getattr(pool, name, None) or ():
+            to = dict(device=buffer.device, dtype=torch.int64)
+            buffer[dst.to(**to)] = buffer[src.to(**to)]
+
+
 def _apply(runner, fb):
     """The faults due in this forward; returns the function that undoes them and records the
     first pages its requests will have written."""
@@ -232,8 +246,10 @@ def _apply(runner, fb):
                 table[row, :span] = donor
                 undo.append(lambda row=row, saved=saved: table[row, :span].copy_(saved))
         elif fault == "lost-write" and not decode and q_lens[b] > 0:
-            if _once(rid, tokens=q_lens[b]):
-                loc = fb.out_cache_loc
+            loc = fb.out_cache_loc
+            stale = _free_slots(runner.token_to_kv_pool_allocator, q_lens[b], P, _unfaulted(rid))
+            if stale is not None and _once(rid, tokens=q_lens[b]):
+                _copy_slots(runner.token_to_kv_pool, loc[first:start], stale)
                 saved = loc[first:start].clone()
                 loc[first:start] = 0  # SGLang's padding slot: no request's page
                 undo.append(
